@@ -1,0 +1,495 @@
+"""Dump format v1: the JSON metadata stored in each safetensors header, both directions.
+
+The writer calls `encode_rank`, the loader calls `decode_rank`; neither knows about files.
+Every check of untrusted input raises DumpFormatError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+from ..errors import DumpFormatError
+from ..model import (
+    FLOAT_DTYPES,
+    TENSOR_KINDS,
+    Box,
+    ClipCall,
+    ClipRecord,
+    DataRecord,
+    FlatRange,
+    MeshInfo,
+    ParamInfo,
+    Piece,
+    RankDump,
+    Region,
+    TensorStats,
+    Topology,
+)
+from ..version import FORMAT_MAJOR, FORMAT_NAME, FORMAT_VERSION
+
+METADATA_KEY = "gradaudit"
+"""The key of the safetensors `__metadata__` entry that holds our JSON document."""
+
+MAX_ELEMENTS = 2**53
+"""No shape may claim more elements than this; nothing is ever allocated from a claimed shape."""
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode_float(value: float | None) -> float | str | None:
+    """JSON has no nan/inf: those become the strings "nan", "inf", "-inf"."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _encode_region(region: Region) -> dict:
+    if isinstance(region, Box):
+        return {"box": {"offsets": list(region.offsets), "shape": list(region.shape)}}
+    return {"range": [region.start, region.stop]}
+
+
+def _encode_stats(stats: TensorStats) -> dict:
+    return {
+        "numel": stats.numel,
+        "norm_type": encode_float(stats.norm_type),
+        "sum_pow": encode_float(stats.sum_pow),
+        "sum_sq": encode_float(stats.sum_sq),
+        "max_abs": encode_float(stats.max_abs),
+        "num_nan": stats.num_nan,
+        "num_posinf": stats.num_posinf,
+        "num_neginf": stats.num_neginf,
+        "fingerprint": [encode_float(v) for v in stats.fingerprint],
+    }
+
+
+def _encode_piece(piece: Piece) -> dict:
+    out: dict[str, Any] = {
+        "param": piece.param,
+        "regions": [_encode_region(r) for r in piece.regions],
+        "local_shape": list(piece.local_shape),
+        "dtype": piece.dtype,
+    }
+    if piece.local_name is not None:
+        out["local_name"] = piece.local_name
+    if piece.replica_group is not None:
+        out["replica_group"] = piece.replica_group
+    if piece.tensors:
+        out["tensors"] = dict(sorted(piece.tensors.items()))
+    if piece.stats:
+        out["stats"] = {k: _encode_stats(v) for k, v in sorted(piece.stats.items())}
+    return out
+
+
+def _encode_clip(clip: ClipRecord) -> dict:
+    return {
+        "max_norm": encode_float(clip.max_norm),
+        "norm_type": encode_float(clip.norm_type),
+        "reported_norm": encode_float(clip.reported_norm),
+        "clip_coef": encode_float(clip.clip_coef),
+        "calls": [
+            {
+                "reported_norm": encode_float(c.reported_norm),
+                "reported_local_norm": encode_float(c.reported_local_norm),
+                "max_norm": encode_float(c.max_norm),
+                "norm_type": encode_float(c.norm_type),
+                "unscaled": c.unscaled,
+                "loss_scale": encode_float(c.loss_scale),
+            }
+            for c in clip.calls
+        ],
+        "loss_scale": encode_float(clip.loss_scale),
+        "unscaled_before_clip": clip.unscaled_before_clip,
+        "found_inf": clip.found_inf,
+        "step_skipped": clip.step_skipped,
+    }
+
+
+def encode_rank(dump: RankDump) -> dict:
+    """The JSON document for one rank's file (the `path` and `num_bytes` fields are not stored)."""
+    topo = dump.topology
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": dump.step,
+        "rank": dump.rank,
+        "world_size": dump.world_size,
+        "mode": dump.mode,
+        "run_id": dump.run_id,
+        "host": dump.host,
+        "torch_version": dump.torch_version,
+        "gradaudit_version": dump.gradaudit_version,
+        "created_at": dump.created_at,
+        "params": [
+            {"name": p.name, "global_shape": list(p.global_shape), "dtype": p.dtype} for p in dump.params
+        ],
+        "pieces": [_encode_piece(p) for p in dump.pieces],
+        "aliases": dict(sorted(dump.aliases.items())),
+        "topology": {
+            "groups": {name: [list(g) for g in groups] for name, groups in sorted(topo.groups.items())},
+            "mesh": None
+            if topo.mesh is None
+            else {
+                "shape": list(topo.mesh.shape),
+                "axis_names": list(topo.mesh.axis_names),
+                "ranks": list(topo.mesh.ranks),
+            },
+            "norm_group": topo.norm_group,
+        },
+        "clip": None if dump.clip is None else _encode_clip(dump.clip),
+        "data": {
+            "tokens": dump.data.tokens,
+            "loss": encode_float(dump.data.loss),
+            "loss_reduction": dump.data.loss_reduction,
+        },
+    }
+
+
+# ---------------------------------------------------------------- decoding
+
+
+class _Reader:
+    """Typed access to untrusted JSON; every failure names the file and the field path."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, where: str, problem: str) -> DumpFormatError:
+        return DumpFormatError(self.path, f"metadata field {where}: {problem}", "the file is not a valid gradaudit dump")
+
+    def obj(self, value: Any, where: str) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(where, f"expected an object, got {_kind(value)}")
+        return value
+
+    def get(self, obj: Mapping[str, Any], key: str, where: str, conv: Callable, *, default: Any = ..., optional=False):
+        if key not in obj or (optional and obj[key] is None):
+            if default is not ...:
+                return default
+            if optional:
+                return None
+            raise self.fail(f"{where}.{key}" if where else key, "missing")
+        return conv(obj[key], f"{where}.{key}" if where else key)
+
+    def int_(self, value: Any, where: str, *, minimum: int = 0) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(where, f"expected an integer, got {_kind(value)}")
+        if value < minimum:
+            raise self.fail(where, f"must be >= {minimum}, got {value}")
+        return value
+
+    def str_(self, value: Any, where: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(where, f"expected a string, got {_kind(value)}")
+        return value
+
+    def bool_(self, value: Any, where: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(where, f"expected true or false, got {_kind(value)}")
+        return value
+
+    def float_(self, value: Any, where: str) -> float:
+        """A number, or one of the strings "nan", "inf", "-inf"."""
+        if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(where, f"expected a number, got {_kind(value)}")
+        return float(value)
+
+    def pos_float(self, value: Any, where: str) -> float:
+        number = self.float_(value, where)
+        if not (number > 0):
+            raise self.fail(where, f"must be a positive number, got {value!r}")
+        return number
+
+    def nonneg_float(self, value: Any, where: str) -> float:
+        number = self.float_(value, where)
+        if not (number >= 0):
+            raise self.fail(where, f"must be a non-negative number, got {value!r}")
+        return number
+
+    def shape(self, value: Any, where: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > 64:
+            raise self.fail(where, "expected a list of at most 64 integers")
+        dims = tuple(self.int_(v, f"{where}[{i}]") for i, v in enumerate(value))
+        if math.prod(dims) > MAX_ELEMENTS:
+            raise self.fail(where, f"claims {math.prod(dims)} elements, more than any real tensor")
+        return dims
+
+    def list_(self, value: Any, where: str, limit: int = 10_000_000) -> list:
+        if not isinstance(value, list):
+            raise self.fail(where, f"expected a list, got {_kind(value)}")
+        if len(value) > limit:
+            raise self.fail(where, f"has {len(value)} entries, more than {limit}")
+        return value
+
+    def dtype(self, value: Any, where: str) -> str:
+        name = self.str_(value, where)
+        if name not in FLOAT_DTYPES:
+            raise self.fail(where, f"{name!r} is not a floating dtype gradaudit reads ({', '.join(FLOAT_DTYPES)})")
+        return name
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+
+
+def _decode_region(r: _Reader, raw: Any, where: str) -> Region:
+    obj = r.obj(raw, where)
+    if "box" in obj:
+        box = r.obj(obj["box"], f"{where}.box")
+        offsets = r.get(box, "offsets", f"{where}.box", r.shape)
+        shape = r.get(box, "shape", f"{where}.box", r.shape)
+        if len(offsets) != len(shape):
+            raise r.fail(f"{where}.box", f"offsets {list(offsets)} and shape {list(shape)} differ in length")
+        return Box(offsets=offsets, shape=shape)
+    if "range" in obj:
+        bounds = r.list_(obj["range"], f"{where}.range", limit=2)
+        if len(bounds) != 2:
+            raise r.fail(f"{where}.range", "expected [start, stop]")
+        start, stop = (r.int_(v, f"{where}.range[{i}]") for i, v in enumerate(bounds))
+        if stop < start:
+            raise r.fail(f"{where}.range", f"stop {stop} is before start {start}")
+        return FlatRange(start=start, stop=stop)
+    raise r.fail(where, 'expected a "box" or a "range"')
+
+
+def _decode_stats(r: _Reader, raw: Any, where: str) -> TensorStats:
+    obj = r.obj(raw, where)
+    count = lambda key: r.get(obj, key, where, r.int_, default=0)  # noqa: E731
+    stats = TensorStats(
+        numel=r.get(obj, "numel", where, r.int_),
+        norm_type=r.get(obj, "norm_type", where, r.pos_float),
+        sum_pow=r.get(obj, "sum_pow", where, r.nonneg_float),
+        sum_sq=r.get(obj, "sum_sq", where, r.nonneg_float),
+        max_abs=r.get(obj, "max_abs", where, r.nonneg_float),
+        num_nan=count("num_nan"),
+        num_posinf=count("num_posinf"),
+        num_neginf=count("num_neginf"),
+        fingerprint=tuple(
+            r.float_(v, f"{where}.fingerprint[{i}]")
+            for i, v in enumerate(r.get(obj, "fingerprint", where, lambda v, w: r.list_(v, w, 64), default=[]))
+        ),
+    )
+    if stats.num_nonfinite > stats.numel:
+        raise r.fail(where, f"counts {stats.num_nonfinite} nonfinite values in {stats.numel} elements")
+    return stats
+
+
+def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[str, ParamInfo]) -> Piece:
+    obj = r.obj(raw, where)
+    name = r.get(obj, "param", where, r.str_)
+    if name not in params:
+        raise r.fail(f"{where}.param", f"names {name!r}, which is not in the params list")
+    info = params[name]
+    regions = tuple(
+        _decode_region(r, reg, f"{where}.regions[{i}]")
+        for i, reg in enumerate(r.get(obj, "regions", where, r.list_))
+    )
+    for i, region in enumerate(regions):
+        if not region.fits_in(info.global_shape):
+            raise r.fail(
+                f"{where}.regions[{i}]",
+                f"{_region_text(region)} lies outside parameter {name!r} of shape {list(info.global_shape)}",
+            )
+    local_shape = r.get(obj, "local_shape", where, r.shape)
+    covered = sum(reg.numel for reg in regions)
+    if covered != math.prod(local_shape):
+        raise r.fail(
+            f"{where}.regions",
+            f"cover {covered} elements but local_shape {list(local_shape)} has {math.prod(local_shape)}",
+        )
+    tensors_raw = r.get(obj, "tensors", where, r.obj, default={})
+    tensors = {}
+    for kind, key in tensors_raw.items():
+        if kind not in TENSOR_KINDS:
+            raise r.fail(f"{where}.tensors", f"unknown tensor kind {kind!r} (known: {', '.join(TENSOR_KINDS)})")
+        tensors[kind] = r.str_(key, f"{where}.tensors.{kind}")
+    stats_raw = r.get(obj, "stats", where, r.obj, default={})
+    stats = {}
+    for kind, value in stats_raw.items():
+        if kind not in TENSOR_KINDS:
+            raise r.fail(f"{where}.stats", f"unknown tensor kind {kind!r} (known: {', '.join(TENSOR_KINDS)})")
+        stats[kind] = _decode_stats(r, value, f"{where}.stats.{kind}")
+        if stats[kind].numel != covered:
+            raise r.fail(f"{where}.stats.{kind}.numel", f"is {stats[kind].numel} but the piece holds {covered}")
+    return Piece(
+        index=index,
+        param=name,
+        regions=regions,
+        local_shape=local_shape,
+        dtype=r.get(obj, "dtype", where, r.dtype),
+        local_name=r.get(obj, "local_name", where, r.str_, optional=True),
+        replica_group=r.get(obj, "replica_group", where, r.str_, optional=True),
+        tensors=tensors,
+        stats=stats,
+    )
+
+
+def _region_text(region: Region) -> str:
+    if isinstance(region, Box):
+        return f"box offsets {list(region.offsets)} shape {list(region.shape)}"
+    return f"flat range [{region.start}, {region.stop})"
+
+
+def _decode_groups(r: _Reader, raw: Any, where: str, world_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    groups = {}
+    for name, lists in r.obj(raw, where).items():
+        rank_lists = []
+        for i, ranks in enumerate(r.list_(lists, f"{where}.{name}", limit=1_000_000)):
+            members = tuple(
+                r.int_(v, f"{where}.{name}[{i}][{j}]")
+                for j, v in enumerate(r.list_(ranks, f"{where}.{name}[{i}]", limit=1_000_000))
+            )
+            if any(m >= world_size for m in members):
+                raise r.fail(f"{where}.{name}[{i}]", f"names a rank outside world size {world_size}")
+            rank_lists.append(members)
+        groups[name] = tuple(rank_lists)
+    return groups
+
+
+def _decode_topology(r: _Reader, raw: Any, world_size: int) -> Topology:
+    obj = r.obj(raw, "topology")
+    mesh = None
+    mesh_raw = obj.get("mesh")
+    if mesh_raw is not None:
+        m = r.obj(mesh_raw, "topology.mesh")
+        shape = r.get(m, "shape", "topology.mesh", r.shape)
+        names = tuple(
+            r.str_(v, f"topology.mesh.axis_names[{i}]")
+            for i, v in enumerate(r.get(m, "axis_names", "topology.mesh", r.list_))
+        )
+        ranks = tuple(
+            r.int_(v, f"topology.mesh.ranks[{i}]")
+            for i, v in enumerate(r.get(m, "ranks", "topology.mesh", r.list_))
+        )
+        if len(shape) != len(names) or math.prod(shape) != len(ranks):
+            raise r.fail("topology.mesh", f"shape {list(shape)}, {len(names)} axis names and {len(ranks)} ranks disagree")
+        mesh = MeshInfo(shape=shape, axis_names=names, ranks=ranks)
+    return Topology(
+        groups=_decode_groups(r, obj.get("groups", {}), "topology.groups", world_size),
+        mesh=mesh,
+        norm_group=r.get(obj, "norm_group", "topology", r.str_, optional=True),
+    )
+
+
+def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
+    if raw is None:
+        return None
+    obj = r.obj(raw, "clip")
+    opt_float = lambda o, key, where: r.get(o, key, where, r.float_, optional=True)  # noqa: E731
+    opt_bool = lambda o, key, where: r.get(o, key, where, r.bool_, optional=True)  # noqa: E731
+    calls = []
+    for i, call_raw in enumerate(r.get(obj, "calls", "clip", r.list_, default=[])):
+        where = f"clip.calls[{i}]"
+        call = r.obj(call_raw, where)
+        calls.append(
+            ClipCall(
+                reported_norm=opt_float(call, "reported_norm", where),
+                reported_local_norm=opt_float(call, "reported_local_norm", where),
+                max_norm=opt_float(call, "max_norm", where),
+                norm_type=opt_float(call, "norm_type", where),
+                unscaled=opt_bool(call, "unscaled", where),
+                loss_scale=opt_float(call, "loss_scale", where),
+            )
+        )
+    max_norm = r.get(obj, "max_norm", "clip", r.pos_float)
+    if not math.isfinite(max_norm):
+        raise r.fail("clip.max_norm", "must be finite")
+    return ClipRecord(
+        max_norm=max_norm,
+        norm_type=r.get(obj, "norm_type", "clip", r.pos_float, default=2.0),
+        reported_norm=opt_float(obj, "reported_norm", "clip"),
+        clip_coef=opt_float(obj, "clip_coef", "clip"),
+        calls=tuple(calls),
+        loss_scale=opt_float(obj, "loss_scale", "clip"),
+        unscaled_before_clip=opt_bool(obj, "unscaled_before_clip", "clip"),
+        found_inf=opt_bool(obj, "found_inf", "clip"),
+        step_skipped=opt_bool(obj, "step_skipped", "clip"),
+    )
+
+
+def check_format_version(doc: Mapping[str, Any], path: str) -> None:
+    """Refuse documents that are not ours, or from a newer major version; accept newer minors."""
+    if doc.get("format") != FORMAT_NAME:
+        raise DumpFormatError(path, "is not a gradaudit dump (no gradaudit format marker)", "was it written by gradaudit.dump?")
+    version = doc.get("format_version")
+    if not isinstance(version, str) or not version.partition(".")[0].isdigit():
+        raise DumpFormatError(path, f"has an unreadable format_version {version!r}")
+    major = int(version.partition(".")[0])
+    if major > FORMAT_MAJOR:
+        raise DumpFormatError(
+            path,
+            f"uses dump format {version}, newer than the {FORMAT_VERSION} this gradaudit reads",
+            "upgrade gradaudit: pip install -U gradaudit",
+        )
+    if major < 1:
+        raise DumpFormatError(path, f"uses unknown dump format {version}")
+
+
+def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
+    """Validate and convert one file's JSON document; unknown keys are ignored."""
+    r = _Reader(path)
+    doc = r.obj(doc, "(root)")
+    check_format_version(doc, path)
+    world_size = r.get(doc, "world_size", "", lambda v, w: r.int_(v, w, minimum=1))
+    rank = r.get(doc, "rank", "", r.int_)
+    if rank >= world_size:
+        raise r.fail("rank", f"rank {rank} is outside world size {world_size}")
+    params: dict[str, ParamInfo] = {}
+    for i, raw in enumerate(r.get(doc, "params", "", r.list_)):
+        where = f"params[{i}]"
+        obj = r.obj(raw, where)
+        info = ParamInfo(
+            name=r.get(obj, "name", where, r.str_),
+            global_shape=r.get(obj, "global_shape", where, r.shape),
+            dtype=r.get(obj, "dtype", where, r.dtype),
+        )
+        if info.name in params:
+            raise r.fail(where, f"parameter {info.name!r} is listed twice")
+        params[info.name] = info
+    pieces = tuple(
+        _decode_piece(r, raw, f"pieces[{i}]", i, params) for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
+    )
+    aliases = {
+        r.str_(k, "aliases"): r.str_(v, f"aliases.{k}") for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()
+    }
+    data = r.get(doc, "data", "", r.obj, default={})
+    mode = r.get(doc, "mode", "", r.str_, default="full")
+    if mode not in ("full", "stats"):
+        raise r.fail("mode", f"must be 'full' or 'stats', got {mode!r}")
+    reduction = r.get(data, "loss_reduction", "data", r.str_, optional=True)
+    if reduction not in (None, "mean", "sum"):
+        raise r.fail("data.loss_reduction", f"must be 'mean' or 'sum', got {reduction!r}")
+    return RankDump(
+        path=path,
+        rank=rank,
+        world_size=world_size,
+        step=r.get(doc, "step", "", r.int_),
+        mode=mode,
+        run_id=r.get(doc, "run_id", "", r.str_, optional=True),
+        host=r.get(doc, "host", "", r.str_, default=""),
+        torch_version=r.get(doc, "torch_version", "", r.str_, default=""),
+        gradaudit_version=r.get(doc, "gradaudit_version", "", r.str_, default=""),
+        created_at=r.get(doc, "created_at", "", r.str_, default=""),
+        params=tuple(params.values()),
+        pieces=pieces,
+        aliases=aliases,
+        topology=_decode_topology(r, doc.get("topology", {}), world_size),
+        clip=_decode_clip(r, doc.get("clip")),
+        data=DataRecord(
+            tokens=r.get(data, "tokens", "data", r.int_, optional=True),
+            loss=r.get(data, "loss", "data", r.float_, optional=True),
+            loss_reduction=reduction,
+        ),
+        num_bytes=num_bytes,
+    )

@@ -1,0 +1,114 @@
+"""Writing one rank's dump file from plain tensors and a RankDump description."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import GradauditError
+from ..model import RankDump
+from .schema import METADATA_KEY, encode_rank
+
+if TYPE_CHECKING:
+    import torch
+
+STEP_DIR_PREFIX = "step_"
+RANK_FILE_SUFFIX = ".safetensors"
+
+
+def step_dir(out_dir: str | os.PathLike, step: int) -> Path:
+    return Path(out_dir) / f"{STEP_DIR_PREFIX}{step}"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}{RANK_FILE_SUFFIX}"
+
+
+def tensor_key(param: str, kind: str, piece_index: int) -> str:
+    """The safetensors key of one tensor: it names the parameter and what the tensor is."""
+    return f"{param}::{kind}::{piece_index}"
+
+
+class DumpExistsError(GradauditError):
+    """A dump for this rank and step is already there; gradaudit never overwrites one silently."""
+
+
+def write_rank_file(
+    directory: str | os.PathLike,
+    dump: RankDump,
+    tensors: Mapping[tuple[int, str], "torch.Tensor"],
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write `dump` and its tensors (keyed by (piece index, kind)) to `directory/rank_NNNNN.safetensors`.
+
+    The file appears under its final name only when complete (written to a temporary name, then
+    linked), and an existing file is never replaced unless `overwrite` is set.
+    Returns the path written.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    pieces = []
+    payload: dict[str, "torch.Tensor"] = {}
+    by_index = {p.index: p for p in dump.pieces}
+    for (index, kind), tensor in tensors.items():
+        if index not in by_index:
+            raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
+    for piece in dump.pieces:
+        keys = dict(piece.tensors)
+        for kind in ("grad", "grad_clipped", "param_before", "param_after"):
+            tensor = tensors.get((piece.index, kind))
+            if tensor is None:
+                continue
+            if tuple(tensor.shape) != piece.local_shape:
+                raise ValueError(
+                    f"{piece.param!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
+                    f"local shape {piece.local_shape}"
+                )
+            if str(tensor.dtype).removeprefix("torch.") != piece.dtype:
+                raise ValueError(f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}")
+            key = tensor_key(piece.param, kind, piece.index)
+            payload[key] = tensor.detach().to("cpu").contiguous()
+            keys[kind] = key
+        pieces.append(dataclasses.replace(piece, tensors=keys))
+    dump = dataclasses.replace(dump, pieces=tuple(pieces))
+    metadata = {METADATA_KEY: json.dumps(encode_rank(dump), sort_keys=True, allow_nan=False)}
+
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / rank_file_name(dump.rank)
+    if final.exists() and not overwrite:
+        raise DumpExistsError(
+            f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
+            "choose another output folder or delete it first"
+        )
+    temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        save_file(payload, str(temporary), metadata=metadata)
+        if overwrite:
+            os.replace(temporary, final)
+        else:
+            _publish_without_overwrite(temporary, final, dump)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
+    return final
+
+
+def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:
+    """Give the finished file its final name, failing if that name is taken meanwhile."""
+    try:
+        os.link(temporary, final)
+    except FileExistsError:
+        raise DumpExistsError(
+            f"{final}: a dump of rank {dump.rank} for step {dump.step} appeared while writing; "
+            "choose another output folder"
+        ) from None
+    except OSError:
+        # Filesystems without hard links: a rename after the existence check above.
+        if final.exists():
+            raise DumpExistsError(f"{final}: a dump of rank {dump.rank} already exists") from None
+        os.rename(temporary, final)

@@ -1,0 +1,32 @@
+"""The one family of user-facing errors; the CLI turns them into exit code 2."""
+
+from __future__ import annotations
+
+
+class GradauditError(Exception):
+    """A problem with what the user gave us (a dump, a path, an argument), with a next step."""
+
+
+class DumpFormatError(GradauditError):
+    """A dump file that cannot be trusted: it names the file and what is wrong with it."""
+
+    def __init__(self, path: object, problem: str, hint: str = "") -> None:
+        self.path = str(path)
+        self.problem = problem
+        self.hint = hint
+        text = f"{self.path}: {problem}"
+        if hint:
+            text += f" ({hint})"
+        super().__init__(text)
+
+
+class StepFolderError(GradauditError):
+    """A step folder (or a folder of steps) that cannot be audited as a whole."""
+
+
+class CaptureError(GradauditError):
+    """A mistake in how the training code called the capture API."""
+
+
+class UsageError(GradauditError):
+    """A command-line or API argument that makes no sense."""

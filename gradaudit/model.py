@@ -1,0 +1,310 @@
+"""The in-memory description of a dumped step: frozen values, no I/O, no torch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+TENSOR_KINDS = ("grad", "grad_clipped", "param_before", "param_after")
+"""What a dumped tensor is: the gradient before clipping, after clipping, the parameter
+before and after the optimizer step."""
+
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _check_dims(name: str, values: tuple[int, ...]) -> None:
+    if any((not isinstance(v, int)) or isinstance(v, bool) or v < 0 for v in values):
+        raise ValueError(f"{name} must be non-negative integers, got {values!r}")
+
+
+def numel_of(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Box:
+    """An N-D block of a parameter: `param[o0:o0+s0, o1:o1+s1, ...]` (DTensor Shard, tensor parallel)."""
+
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_dims("box offsets", self.offsets)
+        _check_dims("box shape", self.shape)
+        if len(self.offsets) != len(self.shape):
+            raise ValueError(
+                f"box offsets {self.offsets} and shape {self.shape} differ in rank; give one offset per dim"
+            )
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.shape)
+
+    def fits_in(self, global_shape: tuple[int, ...]) -> bool:
+        return len(global_shape) == len(self.shape) and all(
+            o + s <= g for o, s, g in zip(self.offsets, self.shape, global_shape)
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlatRange:
+    """Elements `[start, stop)` of the row-major flattened parameter (FSDP1 FlatParameter shards, ZeRO)."""
+
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        _check_dims("flat range", (self.start, self.stop))
+        if self.stop < self.start:
+            raise ValueError(f"flat range stop {self.stop} is before start {self.start}")
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def fits_in(self, global_shape: tuple[int, ...]) -> bool:
+        return self.stop <= numel_of(global_shape)
+
+
+Region = Union[Box, FlatRange]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorStats:
+    """Summary of one dumped tensor, in float64, enough for norms and agreement checks without values.
+
+    `sum_pow` is sum(|x|^norm_type) over finite elements for the run's norm type; `sum_sq` is the same
+    for p=2. `fingerprint` is a fixed random-like projection of the values: replicas agree on it.
+    """
+
+    numel: int
+    norm_type: float
+    sum_pow: float
+    sum_sq: float
+    max_abs: float
+    num_nan: int = 0
+    num_posinf: int = 0
+    num_neginf: int = 0
+    fingerprint: tuple[float, ...] = ()
+
+    @property
+    def num_nonfinite(self) -> int:
+        return self.num_nan + self.num_posinf + self.num_neginf
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamInfo:
+    """A logical parameter as the whole model sees it."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dims(f"global shape of {self.name!r}", self.global_shape)
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.global_shape)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """One local piece of a logical parameter on one rank.
+
+    The piece's values, flattened row-major, are the concatenation of its regions' elements in order.
+    `tensors` maps a tensor kind (see TENSOR_KINDS) to its key in the safetensors file; `stats` holds
+    precomputed summaries (stats-only dumps, or kinds dumped without values).
+    """
+
+    index: int
+    param: str
+    regions: tuple[Region, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    local_name: str | None = None
+    replica_group: str | None = None
+    tensors: Mapping[str, str] = field(default_factory=dict)
+    stats: Mapping[str, TensorStats] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_dims(f"local shape of {self.param!r}", self.local_shape)
+        covered = sum(r.numel for r in self.regions)
+        if covered != numel_of(self.local_shape):
+            raise ValueError(
+                f"piece of {self.param!r}: regions cover {covered} elements but the local shape "
+                f"{self.local_shape} has {numel_of(self.local_shape)}; make the regions match the tensor"
+            )
+        for kind in list(self.tensors) + list(self.stats):
+            if kind not in TENSOR_KINDS:
+                raise ValueError(f"unknown tensor kind {kind!r}; use one of {TENSOR_KINDS}")
+
+    @property
+    def numel(self) -> int:
+        return numel_of(self.local_shape)
+
+    @property
+    def layout_key(self) -> tuple:
+        """Pieces with equal layout keys hold the same elements: replicas of each other."""
+        return (self.param, self.regions)
+
+    def has(self, kind: str) -> bool:
+        return kind in self.tensors or kind in self.stats
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshInfo:
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    ranks: tuple[int, ...]
+    """All ranks of the mesh, row-major over `shape`."""
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != len(self.axis_names):
+            raise ValueError(f"mesh shape {self.shape} and axis names {self.axis_names} differ in length")
+        if numel_of(self.shape) != len(self.ranks):
+            raise ValueError(f"mesh shape {self.shape} needs {numel_of(self.shape)} ranks, got {len(self.ranks)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Named process groups (each a list of rank lists), the device mesh, and the norm's reduction group."""
+
+    groups: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    mesh: MeshInfo | None = None
+    norm_group: str | None = None
+
+    def group_of(self, name: str, rank: int) -> tuple[int, ...] | None:
+        for ranks in self.groups.get(name, ()):
+            if rank in ranks:
+                return ranks
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipCall:
+    """One call of a clipping function before an optimizer step."""
+
+    reported_norm: float | None = None
+    reported_local_norm: float | None = None
+    max_norm: float | None = None
+    norm_type: float | None = None
+    unscaled: bool | None = None
+    """True when GradScaler.unscale_ had run before this call; None when no scaler was given."""
+    loss_scale: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipRecord:
+    """What the training code did and believed about clipping on this rank."""
+
+    max_norm: float
+    norm_type: float = 2.0
+    reported_norm: float | None = None
+    clip_coef: float | None = None
+    calls: tuple[ClipCall, ...] = ()
+    loss_scale: float | None = None
+    unscaled_before_clip: bool | None = None
+    found_inf: bool | None = None
+    step_skipped: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ValueError(f"max_norm must be a positive finite number, got {self.max_norm!r}")
+        if not (self.norm_type > 0):
+            raise ValueError(f"norm_type must be positive (or inf), got {self.norm_type!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataRecord:
+    """What this rank's batch was: tokens and loss, and how the loss was reduced."""
+
+    tokens: int | None = None
+    loss: float | None = None
+    loss_reduction: str | None = None
+    """"mean" when the rank averaged its own loss over its tokens, "sum" otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankDump:
+    """One rank's file: who wrote it, what it holds and what the training code believed."""
+
+    path: str
+    rank: int
+    world_size: int
+    step: int
+    mode: str = "full"
+    run_id: str | None = None
+    host: str = ""
+    torch_version: str = ""
+    gradaudit_version: str = ""
+    created_at: str = ""
+    params: tuple[ParamInfo, ...] = ()
+    pieces: tuple[Piece, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    topology: Topology = field(default_factory=Topology)
+    clip: ClipRecord | None = None
+    data: DataRecord = field(default_factory=DataRecord)
+    num_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size):
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.mode not in ("full", "stats"):
+            raise ValueError(f"mode must be 'full' or 'stats', got {self.mode!r}")
+
+    def param(self, name: str) -> ParamInfo | None:
+        for info in self.params:
+            if info.name == name:
+                return info
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inconsistency:
+    """Ranks that disagree on something every rank must agree on (evidence for GA101)."""
+
+    what: str
+    values: Mapping[int, str]
+    """rank -> the value that rank holds, as text."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDump:
+    """All ranks of one step as the loader found them."""
+
+    directory: str
+    step: int
+    world_size: int
+    ranks: Mapping[int, RankDump]
+    missing_ranks: tuple[int, ...] = ()
+    inconsistencies: tuple[Inconsistency, ...] = ()
+    warnings: tuple[str, ...] = ()
+    """Things the loader skipped (stray files), to be shown to the user."""
+
+    @property
+    def ranks_present(self) -> tuple[int, ...]:
+        return tuple(sorted(self.ranks))
+
+    @property
+    def params(self) -> Mapping[str, ParamInfo]:
+        """Every logical parameter named by any rank, first by rank order."""
+        found: dict[str, ParamInfo] = {}
+        for rank in self.ranks_present:
+            for info in self.ranks[rank].params:
+                found.setdefault(info.name, info)
+        return dict(sorted(found.items()))
+
+    @property
+    def clip(self) -> ClipRecord | None:
+        for rank in self.ranks_present:
+            if self.ranks[rank].clip is not None:
+                return self.ranks[rank].clip
+        return None
+
+    @property
+    def topology(self) -> Topology:
+        for rank in self.ranks_present:
+            return self.ranks[rank].topology
+        return Topology()

@@ -1,0 +1,1 @@
+"""Renderers: each turns a report value into a string; the CLI decides where it goes."""

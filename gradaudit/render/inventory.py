@@ -1,0 +1,47 @@
+"""Terminal rendering of `gradaudit show`."""
+
+from __future__ import annotations
+
+import io
+
+from ..inventory import Inventory
+from .text import rich_safe
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system="standard" if color else None, force_terminal=color, highlight=False)
+    missing = ", ".join(map(str, inv.missing_ranks)) or "none"
+    console.print(f"[bold]Step {inv.step}[/bold]  {rich_safe(inv.directory)}")
+    console.print(
+        f"world size {inv.world_size}; ranks present {len(inv.ranks_present)}; missing {missing}; "
+        f"mode {'/'.join(inv.modes)}; {_human_bytes(inv.total_bytes)} on disk"
+    )
+    if inv.mesh:
+        console.print(f"mesh: {rich_safe(inv.mesh)}")
+    for name, ranks in inv.groups:
+        console.print(f"group {rich_safe(name)}: {ranks}")
+    if inv.norm_group:
+        console.print(f"norm reduced over: {rich_safe(inv.norm_group)}")
+    table = Table(show_lines=False)
+    for column in ("parameter", "global shape", "dtype", "layout", "held by"):
+        table.add_column(column)
+    for p in inv.params:
+        holders = "; ".join(f"r{r} {rich_safe(h)}" for r, h in p.holders) or "nobody"
+        table.add_row(rich_safe(p.name), "x".join(map(str, p.global_shape)) or "scalar", p.dtype, rich_safe(p.layout), holders)
+    console.print(table)
+    for warning in inv.warnings:
+        console.print(f"warning: {rich_safe(warning)}")
+    return out.getvalue()
