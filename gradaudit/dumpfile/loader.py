@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections import Counter
@@ -107,13 +108,19 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
     compare("run_id", lambda d: d.run_id)
     compare("max_norm", lambda d: None if d.clip is None else d.clip.max_norm)
     compare("norm_type", lambda d: None if d.clip is None else d.clip.norm_type)
-    compare("topology.groups", lambda d: repr(sorted((k, v) for k, v in d.topology.groups.items())) if d.topology.groups else None)
     compare("topology.mesh", lambda d: None if d.topology.mesh is None else repr(d.topology.mesh))
+    compare("topology.norm_group", lambda d: d.topology.norm_group)
+    merged_groups, conflicts = merge_groups(ranks)
+    inconsistencies.extend(conflicts)
     names = sorted({p.name for d in ranks.values() for p in d.params})
     for name in names:
         compare(f"shape of {name}", lambda d, n=name: None if d.param(n) is None else tuple(d.param(n).global_shape))
         compare(f"dtype of {name}", lambda d, n=name: None if d.param(n) is None else d.param(n).dtype)
     missing = tuple(r for r in range(world_size) if r not in ranks)
+    ranks = {
+        rank: dataclasses.replace(d, topology=dataclasses.replace(d.topology, groups=merged_groups))
+        for rank, d in ranks.items()
+    }
     return StepDump(
         directory=directory,
         step=step,
@@ -123,6 +130,31 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
         inconsistencies=tuple(inconsistencies),
         warnings=warnings,
     )
+
+
+def merge_groups(ranks: dict[int, RankDump]) -> tuple[dict, list[Inconsistency]]:
+    """Union of every rank's view of each named group (a rank may know only its own rank list).
+
+    Two rank lists of one group that share a rank but differ are a contradiction (GA101 evidence).
+    """
+    merged: dict[str, set[tuple[int, ...]]] = {}
+    for dump in ranks.values():
+        for name, lists in dump.topology.groups.items():
+            merged.setdefault(name, set()).update(tuple(sorted(set(g))) for g in lists)
+    conflicts = []
+    for name, lists in sorted(merged.items()):
+        owner: dict[int, tuple[int, ...]] = {}
+        for members in sorted(lists):
+            for member in members:
+                if member in owner and owner[member] != members:
+                    conflicts.append(
+                        Inconsistency(
+                            what=f"topology group {name}",
+                            values={member: f"{list(owner[member])} and {list(members)}"},
+                        )
+                    )
+                owner.setdefault(member, members)
+    return {name: tuple(sorted(lists)) for name, lists in sorted(merged.items())}, conflicts
 
 
 def find_step_dirs(directory: str | os.PathLike) -> list[Path]:

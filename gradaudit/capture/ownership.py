@@ -1,0 +1,35 @@
+"""What a capture backend reports for each local piece of a parameter (the interface between the
+per-stack ownership inference and the hook that writes the dump)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ..model import Region
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalPiece:
+    """One local piece of one logical parameter on this rank, as inferred from the training stack.
+
+    `grad()` and `value()` return, at the moment they are called, this rank's gradient / parameter
+    values for exactly the elements of `regions` (a plain tensor of `local_shape`, on any device), or
+    None when there is none (no gradient yet).
+    """
+
+    param: str
+    """Logical fully qualified name, free of wrapper prefixes (_fsdp_wrapped_module., _orig_mod., ...)."""
+    global_shape: tuple[int, ...]
+    dtype: str
+    regions: tuple[Region, ...]
+    local_shape: tuple[int, ...]
+    grad: Callable[[], Optional["torch.Tensor"]]
+    value: Callable[[], Optional["torch.Tensor"]]
+    replica_group: str | None = None
+    """Name of the process group over which this piece is replicated, when it is."""
+    local_name: str | None = None
+    """This rank's own name for the parameter, when it differs from `param` (aliases)."""
