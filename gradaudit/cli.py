@@ -66,6 +66,116 @@ def show(
         _emit(render_inventory(inventory, width=_terminal_width(), color=sys.stdout.isatty()), None)
 
 
+class FailOn(str, enum.Enum):
+    error = "error"
+    warning = "warning"
+    never = "never"
+
+
+@app.command()
+def check(
+    directory: Path = typer.Argument(..., help="A step_<N> folder of rank files, or a folder of step_<N> folders."),
+    reference: Optional[Path] = typer.Option(
+        None, "--reference", help="An unsharded reference step (world size 1) of the same model and data."
+    ),
+    format: OutputFormat = typer.Option(OutputFormat.terminal, "--format", "-f", help="terminal, markdown or json."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
+    fail_on: FailOn = typer.Option(FailOn.error, "--fail-on", help="Exit 1 on findings at or above: error, warning, never."),
+    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance of the reference comparison."),
+    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance of the reference comparison."),
+) -> None:
+    """Recompute the true global gradient norm of a step and audit how it was clipped.
+
+    Exit codes: 0 nothing at or above --fail-on, 1 findings, 2 unusable input or usage, 3 internal error.
+    """
+    from .audit import audit_folder
+    from .checks.base import AuditOptions
+    from .errors import UsageError
+    from .report import MultiStepReport
+
+    if output is not None:
+        _refuse_output_path(output, [directory] + ([reference] if reference is not None else []))
+    try:
+        options = AuditOptions(reference=None if reference is None else str(reference), rtol=rtol, atol=atol)
+    except ValueError as exc:
+        raise UsageError(f"{exc}; pass --rtol/--atol as non-negative numbers") from None
+    result = audit_folder(directory, options)
+    reports = result.steps if isinstance(result, MultiStepReport) else (result,)
+    _emit_report(result, format, output)
+    if _fails(reports, fail_on):
+        raise SystemExit(EXIT_FINDINGS)
+
+
+def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
+    """The report may go anywhere the user names, except over a folder or into a dump being read."""
+    from .errors import UsageError
+
+    if output.is_dir():
+        raise UsageError(f"{output}: --output names a folder; give a file name such as report.md")
+    target = output.resolve()
+    for folder in dump_dirs:
+        root = folder.resolve()
+        if target == root or root in target.parents:
+            raise UsageError(f"{output}: --output lies inside the dump folder {folder}; write the report elsewhere")
+
+
+def _emit_report(result, format: OutputFormat, output: Optional[Path]) -> None:
+    from .errors import UsageError
+    from .report import MultiStepReport
+
+    multi = isinstance(result, MultiStepReport)
+    if format is OutputFormat.json:
+        from .render import json as renderer
+
+        text = renderer.render_multi(result) if multi else renderer.render_report(result)
+    elif format is OutputFormat.markdown:
+        from .render import markdown as renderer
+
+        text = renderer.render_multi(result) if multi else renderer.render_report(result)
+    else:
+        from .render import terminal as renderer
+
+        color = output is None and sys.stdout.isatty()
+        width = 100 if output is not None else _terminal_width()
+        text = renderer.render_multi(result, width=width, color=color) if multi else renderer.render_report(
+            result, width=width, color=color
+        )
+    try:
+        _emit(text, output)
+    except OSError as exc:
+        raise UsageError(f"{output}: cannot write the report ({exc.strerror or exc}); choose another --output") from None
+    if output is not None:
+        sys.stderr.write(f"report written to {output}\n")
+
+
+def _fails(reports, fail_on: FailOn) -> bool:
+    from .report import Severity
+
+    if fail_on is FailOn.never:
+        return False
+    failing = {Severity.ERROR} if fail_on is FailOn.error else {Severity.ERROR, Severity.WARNING}
+    return any(f.severity in failing for report in reports for f in report.findings)
+
+
+@app.command()
+def explain(
+    code: Optional[str] = typer.Argument(None, help="A finding code such as GA201."),
+    all_codes: bool = typer.Option(False, "--all", help="List every code with its severity and title."),
+) -> None:
+    """Explain a finding code: what it checks, why it matters, an example, how to fix it."""
+    from .checks.registry import BY_CODE, explain as explain_code, explain_all
+    from .errors import UsageError
+
+    if all_codes:
+        _emit(explain_all(), None)
+        return
+    if code is None:
+        raise UsageError("give a code such as GA201, or --all to list every code")
+    if code.upper() not in BY_CODE:
+        raise UsageError(f"unknown code {code!r}; run `gradaudit explain --all` for the list")
+    _emit(explain_code(code), None)
+
+
 def _terminal_width() -> int:
     import shutil
 
@@ -115,3 +225,33 @@ def _fail(message: str, code: int, debug: bool) -> None:
 
     sys.stderr.write(printable(message) + "\n")
     sys.exit(code)
+
+
+@app.command()
+def demo(
+    scenario: Optional[str] = typer.Argument(None, help="A scenario name; see --list.", show_default=False),
+    out_dir: Optional[Path] = typer.Argument(None, help="Folder to write the dumps under.", show_default=False),
+    list_scenarios: bool = typer.Option(False, "--list", help="List the scenarios and exit."),
+) -> None:
+    """Run one real training step with a known clipping mistake on local CPU ranks (gloo) and dump it.
+
+    Writes OUT_DIR/SCENARIO/step_1/ (one file per rank)
+    and OUT_DIR/SCENARIO/reference/step_1/ (the same step, unsharded, in one process),
+    then prints the `gradaudit check` command to run next. Existing dumps are never overwritten.
+    """
+    from .demo import get_scenario, run_demo, scenario_table
+    from .errors import UsageError
+
+    if list_scenarios:
+        _emit(scenario_table(), None)
+        return
+    if scenario is None or out_dir is None:
+        raise UsageError("give a scenario and an output folder: gradaudit demo SCENARIO OUT_DIR (see gradaudit demo --list)")
+    chosen = get_scenario(scenario)
+    result = run_demo(scenario, out_dir, progress=lambda line: sys.stderr.write(line + "\n"))
+    _emit(
+        f"wrote {result.step_dir} ({chosen.world_size} ranks: {chosen.stack}; mistake: {chosen.mistake})\n"
+        f"wrote {result.reference_step_dir} (the same step, unsharded, in one process)\n"
+        f"next: {result.check_command}",
+        None,
+    )

@@ -1,18 +1,26 @@
-"""Reading a safetensors header ourselves: bounded, validated, and without touching tensor data."""
+"""Reading a safetensors header ourselves: bounded, validated, and without touching tensor data.
+
+Everything here treats the file as hostile: sizes are checked against the real file size before
+anything is read or allocated, and every defect becomes a DumpFormatError naming the file.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
 
 from ..errors import DumpFormatError
 
-MAX_HEADER_BYTES = 256 * 1024 * 1024
-"""A header larger than this is refused before it is read (safetensors itself caps at 100 MB)."""
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""A header larger than this is refused before it is read (the same cap as safetensors itself)."""
+
+MAX_DIMS = 64
 
 SAFETENSORS_DTYPES = {
     "F64": ("float64", 8),
@@ -21,7 +29,17 @@ SAFETENSORS_DTYPES = {
     "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U64": ("uint64", 8),
+    "U32": ("uint32", 4),
+    "U16": ("uint16", 2),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
 }
+"""Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
 DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
 
 
@@ -35,10 +53,32 @@ class TensorEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RawHeader:
+    """A parsed header whose tensor entries are not validated yet (so that a file that is not ours
+    can be recognised as such before its tensors are judged)."""
+
+    path: str
+    metadata: Mapping[str, str]
+    entries: Mapping[str, Any]
+    data_start: int
+    file_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Header:
     metadata: Mapping[str, str]
     tensors: Mapping[str, TensorEntry]
     file_size: int
+
+
+def clipped(text: str, limit: int = 120) -> str:
+    """Untrusted text cut to `limit` characters, so that one error stays one short line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """repr() of an untrusted value, clipped."""
+    return clipped(repr(value), limit)
 
 
 def _reject_constant(name: str) -> Any:
@@ -52,32 +92,79 @@ def parse_json(text: str) -> Any:
         out = {}
         for key, value in pairs:
             if key in out:
-                raise ValueError(f"duplicate key {key!r}")
+                raise ValueError(f"duplicate key {shown(key)}")
             out[key] = value
         return out
 
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=no_duplicates)
 
 
-def read_header(path: str) -> Header:
-    """Parse and validate the header of a safetensors file; raise DumpFormatError on any defect."""
+def os_problem(exc: OSError) -> str:
+    """What an OSError means for a dump file, in words."""
+    if exc.errno == errno.ELOOP:
+        return "is a symbolic link loop"
+    if exc.errno == errno.ENOENT:
+        return "does not exist (a broken symbolic link, or removed while reading)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "cannot be read: permission denied (check the file's permissions)"
+    if exc.errno == errno.EISDIR:
+        return "is a folder, not a rank file"
+    return f"cannot be read: {exc.strerror or exc}"
+
+
+def open_regular_file(path: str) -> BinaryIO:
+    """Open a file for reading, refusing folders, pipes and devices (opening a pipe would block)."""
     try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < 8:
-                raise DumpFormatError(path, f"is {size} bytes long, too short to be a safetensors file")
-            (length,) = struct.unpack("<Q", handle.read(8))
-            if length > size - 8:
-                raise DumpFormatError(
-                    path, f"header claims {length} bytes but the file has only {size - 8} after it", "the file is truncated"
-                )
-            if length > MAX_HEADER_BYTES:
-                raise DumpFormatError(path, f"header claims {length} bytes, more than the {MAX_HEADER_BYTES} allowed")
-            raw = handle.read(length)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise DumpFormatError(path, f"cannot be read: {exc.strerror or exc}") from None
+        raise DumpFormatError(path, os_problem(exc)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DumpFormatError(path, "is not a regular file (a folder, pipe or device)")
+        return os.fdopen(fd, "rb", buffering=0)  # unbuffered: every read sees the file as it is now
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_exactly(handle: BinaryIO, count: int) -> bytes:
+    """Up to `count` bytes from the current position; fewer only at the end of the file."""
+    chunks, remaining = [], count
+    while remaining > 0:
+        chunk = handle.read(remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_raw_header(path: str) -> RawHeader:
+    """Parse the header of a safetensors file without validating its tensor entries."""
+    with open_regular_file(path) as handle:
+        return read_raw_header_from(handle, path)
+
+
+def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
+    try:
+        size = os.fstat(handle.fileno()).st_size
+        if size < 8:
+            raise DumpFormatError(path, f"is {size} bytes long, too short to be a safetensors file")
+        handle.seek(0)
+        (length,) = struct.unpack("<Q", read_exactly(handle, 8))
+        if length > size - 8:
+            raise DumpFormatError(
+                path, f"header claims {length} bytes but the file has only {size - 8} after it", "the file is truncated"
+            )
+        if length > MAX_HEADER_BYTES:
+            raise DumpFormatError(path, f"header claims {length} bytes, more than the {MAX_HEADER_BYTES} allowed")
+        raw = read_exactly(handle, length)
+    except OSError as exc:
+        raise DumpFormatError(path, os_problem(exc)) from None
+    except struct.error:
+        raise DumpFormatError(path, "header is cut short", "the file is truncated") from None
     if len(raw) != length:
-        raise DumpFormatError(path, "header is cut short", "the file is truncated")
+        raise DumpFormatError(path, "header is cut short", "the file is truncated or changed while reading")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -85,45 +172,66 @@ def read_header(path: str) -> Header:
     try:
         doc = parse_json(text.rstrip(" "))
     except (ValueError, RecursionError) as exc:
-        raise DumpFormatError(path, f"header is not valid JSON ({exc})", "the file is corrupt or not a safetensors file") from None
+        raise DumpFormatError(
+            path, f"header is not valid JSON ({_first_line(exc)})", "the file is corrupt or not a safetensors file"
+        ) from None
     if not isinstance(doc, dict):
         raise DumpFormatError(path, "header is not a JSON object", "the file is not a safetensors file")
-    return _validate(path, doc, data_start=8 + length, file_size=size)
-
-
-def _validate(path: str, doc: dict, *, data_start: int, file_size: int) -> Header:
     metadata = doc.get("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise DumpFormatError(path, "header __metadata__ is not a map of strings")
+    entries = {k: v for k, v in doc.items() if k != "__metadata__"}
+    return RawHeader(path=path, metadata=metadata, entries=entries, data_start=8 + length, file_size=size)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return clipped(text.splitlines()[0] if text else type(exc).__name__)
+
+
+def validate_tensors(raw: RawHeader) -> Header:
+    """Check every tensor entry: known dtype, sane shape, data inside the file and of the right size."""
+    path = raw.path
     tensors: dict[str, TensorEntry] = {}
-    data_size = file_size - data_start
-    for key, entry in doc.items():
-        if key == "__metadata__":
-            continue
+    data_size = raw.file_size - raw.data_start
+    for key, entry in raw.entries.items():
         if not isinstance(entry, dict):
-            raise DumpFormatError(path, f"tensor {key!r} has a malformed header entry")
+            raise DumpFormatError(path, f"tensor {shown(key)} has a malformed header entry")
         code = entry.get("dtype")
         shape = entry.get("shape")
         offsets = entry.get("data_offsets")
-        if code not in SAFETENSORS_DTYPES:
-            raise DumpFormatError(path, f"tensor {key!r} has dtype {code!r}, not a floating dtype gradaudit reads")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise DumpFormatError(path, f"tensor {key!r} has a malformed shape {shape!r}")
+        if not isinstance(code, str) or code not in SAFETENSORS_DTYPES:
+            raise DumpFormatError(path, f"tensor {shown(key)} has dtype {shown(code)}, which gradaudit cannot read")
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= MAX_DIMS
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise DumpFormatError(path, f"tensor {shown(key)} has a malformed shape {shown(shape)}")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]
         ):
-            raise DumpFormatError(path, f"tensor {key!r} has malformed data_offsets {offsets!r}")
+            raise DumpFormatError(path, f"tensor {shown(key)} has malformed data_offsets {shown(offsets)}")
         name, itemsize = SAFETENSORS_DTYPES[code]
         if math.prod(shape) * itemsize != offsets[1] - offsets[0]:
             raise DumpFormatError(
-                path, f"tensor {key!r} has shape {shape} but {offsets[1] - offsets[0]} bytes of data"
+                path, f"tensor {shown(key)} has shape {shown(shape)} but {offsets[1] - offsets[0]} bytes of data"
             )
         if offsets[1] > data_size:
             raise DumpFormatError(
-                path, f"tensor {key!r} ends at byte {offsets[1]} of a {data_size}-byte data section", "the file is truncated"
+                path,
+                f"tensor {shown(key)} ends at byte {offsets[1]} of a {data_size}-byte data section",
+                "the file is truncated",
             )
-        tensors[key] = TensorEntry(dtype=name, shape=tuple(shape), begin=data_start + offsets[0], end=data_start + offsets[1])
-    return Header(metadata=metadata, tensors=tensors, file_size=file_size)
+        tensors[key] = TensorEntry(
+            dtype=name, shape=tuple(shape), begin=raw.data_start + offsets[0], end=raw.data_start + offsets[1]
+        )
+    return Header(metadata=raw.metadata, tensors=tensors, file_size=raw.file_size)
+
+
+def read_header(path: str) -> Header:
+    """Parse and validate the header of a safetensors file; raise DumpFormatError on any defect."""
+    return validate_tensors(read_raw_header(path))

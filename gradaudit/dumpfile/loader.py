@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import math
 import os
 import re
+import stat
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 
 from ..errors import DumpFormatError, StepFolderError
 from ..model import Inconsistency, RankDump, StepDump
-from .header import Header, parse_json, read_header
+from .header import (
+    Header,
+    TensorEntry,
+    open_regular_file,
+    os_problem,
+    parse_json,
+    read_raw_header_from,
+    shown,
+    validate_tensors,
+)
 from .schema import METADATA_KEY, decode_rank
 from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
 
@@ -19,24 +31,33 @@ if TYPE_CHECKING:
     import torch
 
 _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
+_RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
 
 
 def load_rank_file(path: str | os.PathLike) -> RankDump:
     """Read and validate one rank file's header; no tensor data is read."""
     path = str(path)
-    header = read_header(path)
-    raw = header.metadata.get(METADATA_KEY)
-    if raw is None:
+    with open_regular_file(path) as handle:
+        dump, _ = _load_rank_from(handle, path)
+    return dump
+
+
+def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
+    raw = read_raw_header_from(handle, path)
+    text = raw.metadata.get(METADATA_KEY)
+    if text is None:
         raise DumpFormatError(
             path, "is a safetensors file without gradaudit metadata", "is it a model checkpoint? point gradaudit at a step_<N> dump folder"
         )
+    header = validate_tensors(raw)
     try:
-        doc = parse_json(raw)
+        doc = parse_json(text)
     except (ValueError, RecursionError) as exc:
-        raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({exc})") from None
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({first_line[:120]})") from None
     dump = decode_rank(doc, path, num_bytes=header.file_size)
     _check_tensors_against_header(dump, header)
-    return dump
+    return dump, header
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
@@ -44,14 +65,16 @@ def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
         for kind, key in piece.tensors.items():
             entry = header.tensors.get(key)
             if entry is None:
-                raise DumpFormatError(dump.path, f"piece {piece.index} ({piece.param!r}) names tensor {key!r}, which the file lacks")
+                raise DumpFormatError(
+                    dump.path, f"piece {piece.index} ({shown(piece.param)}) names tensor {shown(key)}, which the file lacks"
+                )
             if entry.shape != piece.local_shape:
                 raise DumpFormatError(
                     dump.path,
-                    f"tensor {key!r} has shape {list(entry.shape)} but its piece says {list(piece.local_shape)}",
+                    f"tensor {shown(key)} has shape {list(entry.shape)} but its piece says {list(piece.local_shape)}",
                 )
             if entry.dtype != piece.dtype:
-                raise DumpFormatError(dump.path, f"tensor {key!r} is {entry.dtype} but its piece says {piece.dtype}")
+                raise DumpFormatError(dump.path, f"tensor {shown(key)} is {entry.dtype} but its piece says {piece.dtype}")
 
 
 def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
@@ -67,26 +90,77 @@ def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
     return files, warnings
 
 
+def _folder_problem(directory: Path) -> str | None:
+    """Why `directory` cannot be opened as a folder, in words; None when it can."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "no such folder; point gradaudit at a step_<N> dump folder"
+        if exc.errno == errno.ELOOP:
+            return "is a symbolic link loop; point gradaudit at the real step_<N> folder"
+        return f"{os_problem(exc)}"
+    if stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISREG(mode):
+        return "is a file, not a folder; point gradaudit at the step_<N> folder that holds the rank files"
+    return "is not a folder; point gradaudit at the step_<N> folder that holds the rank files"
+
+
 def load_step(directory: str | os.PathLike) -> StepDump:
-    """Load the headers of every rank file in a step folder into one StepDump."""
+    """Load the headers of every rank file in a step folder into one StepDump.
+
+    Files from different steps, runs or world sizes in one folder are refused (DumpFormatError):
+    the writer never mixes them, so such a folder was assembled by hand, and any finding computed
+    across them would describe no real step.
+    """
     directory = Path(directory)
-    if not directory.exists():
-        raise StepFolderError(f"{directory}: no such folder; point gradaudit at a step_<N> dump folder")
-    if not directory.is_dir():
-        raise StepFolderError(f"{directory}: is not a folder; point gradaudit at the step_<N> folder that holds the rank files")
+    problem = _folder_problem(directory)
+    if problem is not None:
+        raise StepFolderError(f"{directory}: {problem}")
     try:
         files, warnings = rank_files(directory)
     except OSError as exc:
-        raise StepFolderError(f"{directory}: cannot be listed: {exc.strerror or exc}") from None
+        raise StepFolderError(f"{directory}: cannot be listed: {os_problem(exc)}") from None
     if not files:
         raise StepFolderError(f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?")
     ranks: dict[int, RankDump] = {}
     for path in files:
         dump = load_rank_file(path)
         if dump.rank in ranks:
-            raise DumpFormatError(path, f"claims rank {dump.rank}, as does {ranks[dump.rank].path}", "remove the stray copy")
+            raise DumpFormatError(
+                path, f"claims rank {dump.rank}, as does {Path(ranks[dump.rank].path).name}", "remove the stray copy"
+            )
+        named = _RANK_FILE.match(path.name)
+        if named and int(named.group(1)) != dump.rank:
+            warnings.append(f"{path}: named for rank {int(named.group(1))} but holds rank {dump.rank}")
         ranks[dump.rank] = dump
+    refuse_mixed_runs(ranks)
     return assemble_step(str(directory), ranks, warnings=tuple(warnings))
+
+
+_RUN_IDENTITY: tuple[tuple[str, Callable[[RankDump], object]], ...] = (
+    ("step", lambda d: d.step),
+    ("run_id", lambda d: d.run_id),
+    ("world_size", lambda d: d.world_size),
+)
+
+
+def refuse_mixed_runs(ranks: dict[int, RankDump]) -> None:
+    """Raise DumpFormatError naming the odd file when the ranks come from different steps or runs."""
+    for what, value_of in _RUN_IDENTITY:
+        values = Counter(value_of(d) for _, d in sorted(ranks.items()) if value_of(d) is not None)
+        if len(values) < 2:
+            continue
+        common = values.most_common(1)[0][0]
+        dumps = [d for _, d in sorted(ranks.items())]
+        reference = next(d for d in dumps if value_of(d) == common)
+        odd = next(d for d in dumps if value_of(d) not in (None, common))
+        raise DumpFormatError(
+            odd.path,
+            f"has {what} {shown(value_of(odd), 40)} but {Path(reference.path).name} has {what} {shown(common, 40)}",
+            "a step folder must hold one step of one run; move the stray file out",
+        )
 
 
 def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple[str, ...] = ()) -> StepDump:
@@ -158,69 +232,116 @@ def merge_groups(ranks: dict[int, RankDump]) -> tuple[dict, list[Inconsistency]]
 
 
 def find_step_dirs(directory: str | os.PathLike) -> list[Path]:
-    """The step folders to check: the folder itself if it holds rank files, else its step_<N> children by N."""
+    """The step folders to check: the folder itself if it holds rank files, else its step_<N> children by N.
+
+    A step_<N> entry that is not a usable folder (a broken link, a link loop) is still returned, so
+    that loading it explains the problem instead of the step being skipped silently.
+    """
     directory = Path(directory)
-    if not directory.is_dir():
+    if _folder_problem(directory) is not None:
         return [directory]
     try:
         entries = list(directory.iterdir())
     except OSError as exc:
-        raise StepFolderError(f"{directory}: cannot be listed: {exc.strerror or exc}") from None
+        raise StepFolderError(f"{directory}: cannot be listed: {os_problem(exc)}") from None
     if any(e.name.endswith(RANK_FILE_SUFFIX) for e in entries):
         return [directory]
-    steps = sorted(
-        (int(m.group(1)), e) for e in entries if (m := _STEP_DIR.match(e.name)) and e.is_dir()
-    )
+    steps = sorted((int(m.group(1)), e) for e in entries if (m := _STEP_DIR.match(e.name)))
     return [e for _, e in steps] or [directory]
 
 
 class TensorReader:
-    """Reads dumped tensors lazily, one at a time or by chunks of rows, from the rank files of a step."""
+    """Reads dumped tensors lazily, one at a time or by chunks of rows, from the rank files of a step.
 
-    def __init__(self) -> None:
-        self._handles: dict[str, object] = {}
+    Reads are plain bounded file reads, not a memory map: a file truncated or rewritten after it was
+    loaded gives a DumpFormatError naming it (a memory map would kill the process with SIGBUS).
+    Each file's header is validated again when it is first opened; given the `step` it was loaded
+    as, the reader also refuses a file whose pieces changed since.
+    """
 
-    def _open(self, path: str):
-        handle = self._handles.get(path)
-        if handle is None:
-            from safetensors import safe_open
+    def __init__(self, step: StepDump | None = None) -> None:
+        self._expected = {d.path: d for d in step.ranks.values()} if step is not None else {}
+        self._files: dict[str, tuple[BinaryIO, Header]] = {}
 
+    def _open(self, path: str) -> tuple[BinaryIO, Header]:
+        opened = self._files.get(path)
+        if opened is None:
+            handle = open_regular_file(path)
             try:
-                handle = safe_open(path, framework="pt")
-            except Exception as exc:  # safetensors raises its own error types for broken files
-                raise DumpFormatError(path, f"cannot be opened for reading tensors ({exc})") from None
-            self._handles[path] = handle
-        return handle
+                dump, header = _load_rank_from(handle, path)
+                expected = self._expected.get(path)
+                if expected is not None and (dump.pieces != expected.pieces or dump.num_bytes != expected.num_bytes):
+                    raise DumpFormatError(
+                        path, "changed on disk after it was loaded", "let the dump finish before checking it, then re-run"
+                    )
+            except BaseException:
+                handle.close()
+                raise
+            opened = self._files[path] = (handle, header)
+        return opened
+
+    def _entry(self, path: str, key: str) -> tuple[BinaryIO, TensorEntry]:
+        handle, header = self._open(path)
+        entry = header.tensors.get(key)
+        if entry is None:
+            raise DumpFormatError(path, f"has no tensor {shown(key)}")
+        return handle, entry
+
+    def _read(self, path: str, key: str, handle: BinaryIO, entry: TensorEntry, first: int, count: int) -> "torch.Tensor":
+        """Elements [first, first + count) of the flattened tensor, as a 1-D tensor."""
+        import torch
+
+        dtype = getattr(torch, entry.dtype)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        offset, num_bytes = entry.begin + first * itemsize, count * itemsize
+        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        done = 0
+        try:
+            handle.seek(offset)
+            while done < num_bytes:
+                got = handle.readinto(view[done:])
+                if not got:
+                    raise DumpFormatError(
+                        path,
+                        f"tensor {shown(key)} is cut short at byte {offset + done}",
+                        "the file was truncated or rewritten after it was checked",
+                    )
+                done += got
+        except OSError as exc:
+            raise DumpFormatError(path, os_problem(exc)) from None
+        return buffer.view(dtype)
 
     def read(self, path: str, key: str) -> "torch.Tensor":
-        try:
-            return self._open(path).get_tensor(key)
-        except DumpFormatError:
-            raise
-        except Exception as exc:
-            raise DumpFormatError(path, f"tensor {key!r} cannot be read ({exc})") from None
+        handle, entry = self._entry(path, key)
+        return self._read(path, key, handle, entry, 0, math.prod(entry.shape)).reshape(entry.shape)
 
     def chunks(self, path: str, key: str, max_elements: int = 1 << 22) -> Iterator["torch.Tensor"]:
-        """The tensor flattened row-major, in consecutive 1-D chunks of at most about `max_elements`."""
-        try:
-            view = self._open(path).get_slice(key)
-            shape = view.get_shape()
-            if len(shape) == 0:
-                yield view[...].reshape(-1)
-                return
-            row = 1
-            for d in shape[1:]:
-                row *= d
-            rows_per_chunk = max(1, max_elements // max(row, 1))
-            for start in range(0, shape[0], rows_per_chunk):
-                yield view[start : start + rows_per_chunk].reshape(-1)
-        except DumpFormatError:
-            raise
-        except Exception as exc:
-            raise DumpFormatError(path, f"tensor {key!r} cannot be read ({exc})") from None
+        """The tensor flattened row-major, in consecutive 1-D chunks of whole rows of at most about
+        `max_elements` (an empty tensor gives one empty chunk)."""
+        handle, entry = self._entry(path, key)
+        numel = math.prod(entry.shape)
+        if numel == 0 or len(entry.shape) == 0:
+            yield self._read(path, key, handle, entry, 0, numel)
+            return
+        row = numel // entry.shape[0]
+        rows_per_chunk = max(1, max_elements // row)
+        for start in range(0, entry.shape[0], rows_per_chunk):
+            stop = min(start + rows_per_chunk, entry.shape[0])
+            yield self._read(path, key, handle, entry, start * row, (stop - start) * row)
+
+    def read_range(self, path: str, key: str, start: int, stop: int) -> "torch.Tensor":
+        """Elements [start, stop) of the tensor flattened row-major, reading only those bytes."""
+        handle, entry = self._entry(path, key)
+        numel = math.prod(entry.shape)
+        if not 0 <= start <= stop <= numel:
+            raise ValueError(f"range [{start}, {stop}) is outside tensor {key!r} of {numel} elements")
+        return self._read(path, key, handle, entry, start, stop - start)
 
     def close(self) -> None:
-        self._handles.clear()
+        for handle, _ in self._files.values():
+            handle.close()
+        self._files.clear()
 
     def __enter__(self) -> "TensorReader":
         return self

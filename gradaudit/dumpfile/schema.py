@@ -7,6 +7,7 @@ Every check of untrusted input raises DumpFormatError naming the file and the fi
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Mapping
 
 from ..errors import DumpFormatError
@@ -27,12 +28,21 @@ from ..model import (
     Topology,
 )
 from ..version import FORMAT_MAJOR, FORMAT_NAME, FORMAT_VERSION
+from .header import clipped, shown
 
 METADATA_KEY = "gradaudit"
 """The key of the safetensors `__metadata__` entry that holds our JSON document."""
 
 MAX_ELEMENTS = 2**53
 """No shape may claim more elements than this; nothing is ever allocated from a claimed shape."""
+
+MAX_WORLD_SIZE = 1 << 20
+"""Larger than any job that exists; the loader lists missing ranks, so this bounds that list."""
+
+MAX_INT = 2**63 - 1
+"""Counters (step, tokens, element counts) must fit in a signed 64-bit integer."""
+
+_VERSION = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9}){0,2}")
 
 
 # ---------------------------------------------------------------- encoding
@@ -162,7 +172,9 @@ class _Reader:
         self.path = path
 
     def fail(self, where: str, problem: str) -> DumpFormatError:
-        return DumpFormatError(self.path, f"metadata field {where}: {problem}", "the file is not a valid gradaudit dump")
+        return DumpFormatError(
+            self.path, f"metadata field {clipped(where, 160)}: {problem}", "the file is not a valid gradaudit dump"
+        )
 
     def obj(self, value: Any, where: str) -> Mapping[str, Any]:
         if not isinstance(value, dict):
@@ -178,11 +190,13 @@ class _Reader:
             raise self.fail(f"{where}.{key}" if where else key, "missing")
         return conv(obj[key], f"{where}.{key}" if where else key)
 
-    def int_(self, value: Any, where: str, *, minimum: int = 0) -> int:
+    def int_(self, value: Any, where: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.fail(where, f"expected an integer, got {_kind(value)}")
         if value < minimum:
-            raise self.fail(where, f"must be >= {minimum}, got {value}")
+            raise self.fail(where, f"must be >= {minimum}, got {clipped(str(value), 40)}")
+        if value > maximum:
+            raise self.fail(where, f"must be <= {maximum}, got {clipped(str(value), 40)}")
         return value
 
     def str_(self, value: Any, where: str) -> str:
@@ -201,18 +215,21 @@ class _Reader:
             return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(where, f"expected a number, got {_kind(value)}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise self.fail(where, "is a number too large for a float64") from None
 
     def pos_float(self, value: Any, where: str) -> float:
         number = self.float_(value, where)
         if not (number > 0):
-            raise self.fail(where, f"must be a positive number, got {value!r}")
+            raise self.fail(where, f"must be a positive number, got {shown(value, 40)}")
         return number
 
     def nonneg_float(self, value: Any, where: str) -> float:
         number = self.float_(value, where)
         if not (number >= 0):
-            raise self.fail(where, f"must be a non-negative number, got {value!r}")
+            raise self.fail(where, f"must be a non-negative number, got {shown(value, 40)}")
         return number
 
     def shape(self, value: Any, where: str) -> tuple[int, ...]:
@@ -233,7 +250,7 @@ class _Reader:
     def dtype(self, value: Any, where: str) -> str:
         name = self.str_(value, where)
         if name not in FLOAT_DTYPES:
-            raise self.fail(where, f"{name!r} is not a floating dtype gradaudit reads ({', '.join(FLOAT_DTYPES)})")
+            raise self.fail(where, f"{shown(name, 40)} is not a floating dtype gradaudit reads ({', '.join(FLOAT_DTYPES)})")
         return name
 
 
@@ -289,7 +306,7 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
     obj = r.obj(raw, where)
     name = r.get(obj, "param", where, r.str_)
     if name not in params:
-        raise r.fail(f"{where}.param", f"names {name!r}, which is not in the params list")
+        raise r.fail(f"{where}.param", f"names {shown(name)}, which is not in the params list")
     info = params[name]
     regions = tuple(
         _decode_region(r, reg, f"{where}.regions[{i}]")
@@ -299,7 +316,7 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
         if not region.fits_in(info.global_shape):
             raise r.fail(
                 f"{where}.regions[{i}]",
-                f"{_region_text(region)} lies outside parameter {name!r} of shape {list(info.global_shape)}",
+                f"{_region_text(region)} lies outside parameter {shown(name)} of shape {list(info.global_shape)}",
             )
     local_shape = r.get(obj, "local_shape", where, r.shape)
     covered = sum(reg.numel for reg in regions)
@@ -312,13 +329,13 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
     tensors = {}
     for kind, key in tensors_raw.items():
         if kind not in TENSOR_KINDS:
-            raise r.fail(f"{where}.tensors", f"unknown tensor kind {kind!r} (known: {', '.join(TENSOR_KINDS)})")
+            raise r.fail(f"{where}.tensors", f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})")
         tensors[kind] = r.str_(key, f"{where}.tensors.{kind}")
     stats_raw = r.get(obj, "stats", where, r.obj, default={})
     stats = {}
     for kind, value in stats_raw.items():
         if kind not in TENSOR_KINDS:
-            raise r.fail(f"{where}.stats", f"unknown tensor kind {kind!r} (known: {', '.join(TENSOR_KINDS)})")
+            raise r.fail(f"{where}.stats", f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})")
         stats[kind] = _decode_stats(r, value, f"{where}.stats.{kind}")
         if stats[kind].numel != covered:
             raise r.fail(f"{where}.stats.{kind}.numel", f"is {stats[kind].numel} but the piece holds {covered}")
@@ -369,7 +386,7 @@ def _decode_topology(r: _Reader, raw: Any, world_size: int) -> Topology:
             for i, v in enumerate(r.get(m, "axis_names", "topology.mesh", r.list_))
         )
         ranks = tuple(
-            r.int_(v, f"topology.mesh.ranks[{i}]")
+            r.int_(v, f"topology.mesh.ranks[{i}]", maximum=world_size - 1)
             for i, v in enumerate(r.get(m, "ranks", "topology.mesh", r.list_))
         )
         if len(shape) != len(names) or math.prod(shape) != len(ranks):
@@ -423,9 +440,10 @@ def check_format_version(doc: Mapping[str, Any], path: str) -> None:
     if doc.get("format") != FORMAT_NAME:
         raise DumpFormatError(path, "is not a gradaudit dump (no gradaudit format marker)", "was it written by gradaudit.dump?")
     version = doc.get("format_version")
-    if not isinstance(version, str) or not version.partition(".")[0].isdigit():
-        raise DumpFormatError(path, f"has an unreadable format_version {version!r}")
-    major = int(version.partition(".")[0])
+    match = _VERSION.fullmatch(version) if isinstance(version, str) else None
+    if match is None:
+        raise DumpFormatError(path, f"has an unreadable format_version {shown(version, 40)}", "expected MAJOR.MINOR")
+    major = int(match.group(1))
     if major > FORMAT_MAJOR:
         raise DumpFormatError(
             path,
@@ -441,7 +459,7 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
     r = _Reader(path)
     doc = r.obj(doc, "(root)")
     check_format_version(doc, path)
-    world_size = r.get(doc, "world_size", "", lambda v, w: r.int_(v, w, minimum=1))
+    world_size = r.get(doc, "world_size", "", lambda v, w: r.int_(v, w, minimum=1, maximum=MAX_WORLD_SIZE))
     rank = r.get(doc, "rank", "", r.int_)
     if rank >= world_size:
         raise r.fail("rank", f"rank {rank} is outside world size {world_size}")
@@ -455,7 +473,7 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
             dtype=r.get(obj, "dtype", where, r.dtype),
         )
         if info.name in params:
-            raise r.fail(where, f"parameter {info.name!r} is listed twice")
+            raise r.fail(where, f"parameter {shown(info.name)} is listed twice")
         params[info.name] = info
     pieces = tuple(
         _decode_piece(r, raw, f"pieces[{i}]", i, params) for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
@@ -466,10 +484,10 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
     data = r.get(doc, "data", "", r.obj, default={})
     mode = r.get(doc, "mode", "", r.str_, default="full")
     if mode not in ("full", "stats"):
-        raise r.fail("mode", f"must be 'full' or 'stats', got {mode!r}")
+        raise r.fail("mode", f"must be 'full' or 'stats', got {shown(mode, 40)}")
     reduction = r.get(data, "loss_reduction", "data", r.str_, optional=True)
     if reduction not in (None, "mean", "sum"):
-        raise r.fail("data.loss_reduction", f"must be 'mean' or 'sum', got {reduction!r}")
+        raise r.fail("data.loss_reduction", f"must be 'mean' or 'sum', got {shown(reduction, 40)}")
     return RankDump(
         path=path,
         rank=rank,

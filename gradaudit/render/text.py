@@ -3,17 +3,79 @@
 from __future__ import annotations
 
 import re
+import unicodedata
+from typing import Callable, Sequence
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_INVISIBLE_CATEGORIES = ("Cf", "Zl", "Zp", "Cs")
+"""Bidi overrides, zero-width characters and Unicode line/paragraph separators (they can reorder, hide
+or break a line without being seen), and lone surrogates from JSON "\\ud800" escapes (they cannot be
+encoded, so printing them would raise)."""
+
+_MARKDOWN_SPECIAL = re.compile(r"[\\`*_\[\]<>#|~&$]")
+"""Emphasis, code, links and images (a link needs its "["), HTML, entities, headings, cells, strike-through, math."""
+_MARKDOWN_BLOCK_START = re.compile(r"^(\s*)([-+=](?=[\s=-]|$)|\d{1,9}[.)](?=\s|$))")
+"""A list item ("- x", "1. x"), a thematic break ("---") or a setext underline ("==="); "0.1.0" is none."""
+
+
+def _escape_invisible(text: str) -> str:
+    if text.isascii():
+        return text
+    return "".join(
+        f"\\u{ord(ch):04x}" if unicodedata.category(ch) in _INVISIBLE_CATEGORIES else ch for ch in text
+    )
 
 
 def printable(text: str) -> str:
-    """Replace control characters (ANSI escapes, newlines, tabs) by visible escapes."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text.replace("\n", "\\n").replace("\t", "\\t"))
+    """Replace control characters (ANSI escapes, newlines, tabs) and invisible Unicode by visible escapes."""
+    text = text.replace("\n", "\\n").replace("\t", "\\t")
+    return _escape_invisible(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
 
 
 def rich_safe(text: str) -> str:
-    """Printable, with rich markup escaped so `[red]` in a name is shown, not interpreted."""
+    """Printable, with rich markup escaped so `[red]` in a name is shown, not interpreted.
+
+    For markup strings. rich doubles a trailing backslash so that a tag after it stays a tag; with no tag
+    after it both backslashes show. Rendering untrusted text as `rich.text.Text(printable(name))` avoids
+    markup altogether (the report renderer does that).
+    """
     from rich.markup import escape
 
     return escape(printable(text))
+
+
+def markdown_escape(text: str) -> str:
+    """Printable, with Markdown syntax backslash-escaped: safe inside a table cell, a list item or a heading.
+
+    Every character that could start emphasis, code, a link, HTML, an entity, math, a table cell or
+    strike-through is escaped, and so is a leading marker that would start a block (list, rule, underline).
+    """
+    escaped = _MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(), printable(text))
+    return _MARKDOWN_BLOCK_START.sub(lambda m: m.group(1) + _escape_block_marker(m.group(2)), escaped)
+
+
+def _escape_block_marker(marker: str) -> str:
+    # "12." becomes "12\." (the dot or parenthesis is what makes an ordered list); "-", "+", "=" get a backslash.
+    if marker[0].isdigit():
+        return marker[:-1] + "\\" + marker[-1]
+    return "\\" + marker
+
+
+def markdown_code_block(text: str, *, info: str = "") -> str:
+    """A fenced code block holding `text` verbatim (control characters made visible).
+
+    The fence is longer than any run of backticks in the text, so the text cannot close it.
+    """
+    body = printable(text)
+    longest = max((len(run) for run in re.findall(r"`+", body)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{info}\n{body}\n{fence}\n"
+
+
+def join_limited(names: Sequence[str], *, limit: int, escape: Callable[[str], str], sep: str = ", ") -> str:
+    """The first `limit` names, escaped and joined, then "(+N more)"; "-" when there are none."""
+    if not names:
+        return "-"
+    shown = sep.join(escape(name) for name in names[:limit])
+    hidden = len(names) - limit
+    return f"{shown} (+{hidden} more)" if hidden > 0 else shown

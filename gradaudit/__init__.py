@@ -1,0 +1,22 @@
+"""gradaudit: audit gradient clipping under sharded training.
+
+`import gradaudit` stays light: torch and the capture code load on first use of `audit_step` or `dump`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["audit_step", "dump", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("audit_step", "dump"):
+        from .capture import session
+
+        return getattr(session, name)
+    if name == "__version__":
+        from .version import __version__
+
+        return __version__
+    raise AttributeError(f"module 'gradaudit' has no attribute {name!r}")

@@ -1,0 +1,236 @@
+"""Auditing a step folder (or a folder of steps): load, measure, run the checks, build the Report.
+
+`build_report` is pure; `audit_step_dir` and `audit_folder` are the shell around it that reads files.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from pathlib import Path
+from typing import Callable
+
+from .checks.base import AuditOptions
+from .checks.reference import reference_comparisons
+from .checks.registry import run_checks
+from .diagnosis import StepDiagnosis, diagnose_step
+from .errors import StepFolderError
+from .measure import StepMeasurements, measure_step
+from .model import StepDump
+from .report import Finding, MultiStepReport, NonfiniteCounts, NotChecked, RankRow, Report, Severity, StepSummary
+from .version import __version__
+
+Progress = Callable[[int, int], None]
+
+CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
+"""The checks that must all have run before the verdict may call clipping right."""
+
+
+def norm_name(norm_type: float) -> str:
+    if math.isinf(norm_type):
+        return "inf-norm"
+    return f"L{norm_type:g} norm"
+
+
+def _fmt(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.6g}"
+
+
+def verdict(diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked: tuple[NotChecked, ...]) -> str:
+    """One sentence: the true norm, the expected coefficient and the principal finding."""
+    if diagnosis.true_norm is not None:
+        head = f"True global {norm_name(diagnosis.norm_type)} {_fmt(diagnosis.true_norm)}"
+        if diagnosis.max_norm is not None:
+            head += f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
+    else:
+        head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
+    serious = [f for f in findings if f.severity is not Severity.INFO]
+    if serious:
+        principal = serious[0]
+        where = f" on ranks {_ranks(principal.ranks)}" if principal.ranks else ""
+        more = f" (and {len(serious) - 1} more findings)" if len(serious) > 1 else ""
+        return f"{head}. {principal.code}: {principal.title}{where}{more}."
+    undecided = sorted({n.code for n in not_checked} & set(CLIPPING_CODES))
+    if undecided:
+        return f"{head}. No problem found, but {', '.join(undecided)} could not be checked (see below)."
+    return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
+
+
+def _ranks(ranks) -> str:
+    from .checks.base import ranks_text
+
+    return ranks_text(ranks)
+
+
+def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
+    counts = {rank: [0, 0, 0] for rank in step.ranks_present}
+    for piece in m.pieces:
+        stats = piece.stats.get("grad")
+        if stats is not None:
+            entry = counts[piece.rank]
+            entry[0] += stats.num_nan
+            entry[1] += stats.num_posinf
+            entry[2] += stats.num_neginf
+    rows = []
+    for rank in step.ranks_present:
+        d = diagnosis.ranks[rank]
+        detail = d.detail + (" (logging bug: see GA205)" if d.logging_bug else "")
+        rows.append(
+            RankRow(
+                rank=rank,
+                local_norm=math.nan if d.local_norm is None else d.local_norm,
+                reported_norm=d.reported_norm,
+                applied_clip_coef=d.applied_coef,
+                applied_coef_source=d.coef_source,
+                diagnosis=d.hypothesis,
+                diagnosis_detail=detail,
+                share_of_squared_norm=d.share_of_squared_norm,
+                nonfinite=NonfiniteCounts(nan=counts[rank][0], posinf=counts[rank][1], neginf=counts[rank][2]),
+            )
+        )
+    return tuple(rows)
+
+
+def _environment(step: StepDump) -> dict[str, str]:
+    dumps = [step.ranks[r] for r in step.ranks_present]
+
+    def joined(values) -> str:
+        return ", ".join(sorted({v for v in values if v})) or "unknown"
+
+    hosts = sorted({d.host for d in dumps if d.host})
+    return {
+        "gradaudit (auditor)": __version__,
+        "gradaudit (dump)": joined(d.gradaudit_version for d in dumps),
+        "torch (dump)": joined(d.torch_version for d in dumps),
+        "hosts": (", ".join(hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")) or "unknown",
+        "mode": joined(d.mode for d in dumps),
+        "world_size": str(step.world_size),
+        "run_id": joined(d.run_id for d in dumps if d.run_id),
+    }
+
+
+def _topology(step: StepDump) -> dict[str, str]:
+    topo = step.topology
+    found = {name: " ".join(str(list(g)) for g in lists) for name, lists in sorted(topo.groups.items())}
+    if topo.mesh is not None:
+        found["mesh"] = " x ".join(f"{n}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape))
+    if topo.norm_group is not None:
+        found["norm_group"] = topo.norm_group
+    return found
+
+
+def command_for(directory: str, options: AuditOptions) -> str:
+    parts = ["gradaudit", "check", directory]
+    if options.reference is not None:
+        parts += ["--reference", options.reference]
+    if options.rtol is not None:
+        parts += ["--rtol", f"{options.rtol:g}"]
+    if options.atol is not None:
+        parts += ["--atol", f"{options.atol:g}"]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def build_report(
+    step: StepDump, m: StepMeasurements, options: AuditOptions, *, command: str = "", warnings: tuple[str, ...] = ()
+) -> Report:
+    """The Report of one measured step (pure)."""
+    findings, not_checked = run_checks(step, m, options)
+    diagnosis = diagnose_step(step, m)
+    clip = step.clip
+    return Report(
+        step=step.step,
+        world_size=step.world_size,
+        ranks_present=step.ranks_present,
+        missing_ranks=step.missing_ranks,
+        norm_type=m.norm_type,
+        max_norm=None if clip is None else clip.max_norm,
+        global_norm=diagnosis.true_norm,
+        expected_clip_coef=diagnosis.expected_coef,
+        ranks=_rank_rows(step, m, diagnosis),
+        findings=findings,
+        not_checked=not_checked,
+        verdict=verdict(diagnosis, findings, not_checked),
+        environment=_environment(step),
+        topology=_topology(step),
+        reference=reference_comparisons(m, options),
+        command=command,
+        warnings=tuple(step.warnings) + tuple(warnings),
+    )
+
+
+def audit_step(
+    step: StepDump,
+    options: AuditOptions,
+    *,
+    reference: StepDump | None = None,
+    progress: Progress | None = None,
+    warnings: tuple[str, ...] = (),
+) -> Report:
+    from .dumpfile import TensorReader
+
+    with TensorReader(step) as reader:
+        m = measure_step(step, reader, reference=reference, progress=progress)
+    return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
+
+
+def audit_step_dir(path: str | Path, options: AuditOptions, *, progress: Progress | None = None) -> Report:
+    """Audit one step_<N> folder (with options.reference, against that reference step)."""
+    from .dumpfile import load_step
+
+    step = load_step(path)
+    reference, warnings = _reference_for(step, options)
+    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings)
+
+
+def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | None, tuple[str, ...]]:
+    """The reference step matching `step`: the reference folder itself, or its step_<N> child with the same N."""
+    from .dumpfile import find_step_dirs, load_step
+
+    if options.reference is None:
+        return None, ()
+    candidates = find_step_dirs(options.reference)
+    if len(candidates) == 1 and Path(candidates[0]) == Path(options.reference):
+        reference = load_step(options.reference)
+    else:
+        matching = [c for c in candidates if c.name == f"step_{step.step}"]
+        if not matching:
+            raise StepFolderError(
+                f"{options.reference}: holds no step_{step.step} folder to compare step {step.step} with; "
+                "point --reference at the reference step folder"
+            )
+        reference = load_step(matching[0])
+    warnings = []
+    if reference.step != step.step:
+        warnings.append(f"the reference is step {reference.step}, the checked dump step {step.step}")
+    if reference.world_size != 1:
+        warnings.append(f"the reference has world size {reference.world_size}; an unsharded reference has 1")
+    return reference, tuple(warnings)
+
+
+def summarize(report: Report, directory: str) -> StepSummary:
+    reported = next((row.reported_norm for row in report.ranks if row.reported_norm is not None), None)
+    return StepSummary(
+        step=report.step,
+        directory=directory,
+        global_norm=report.global_norm,
+        reported_norm=reported,
+        expected_clip_coef=report.expected_clip_coef,
+        num_errors=sum(f.severity is Severity.ERROR for f in report.findings),
+        num_warnings=sum(f.severity is Severity.WARNING for f in report.findings),
+        codes=tuple(sorted({f.code for f in report.findings})),
+    )
+
+
+def audit_folder(path: str | Path, options: AuditOptions, *, progress: Progress | None = None) -> Report | MultiStepReport:
+    """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
+    from .dumpfile import find_step_dirs
+
+    step_dirs = find_step_dirs(path)
+    if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
+        return audit_step_dir(path, options, progress=progress)
+    reports = [(str(directory), audit_step_dir(directory, options, progress=progress)) for directory in step_dirs]
+    return MultiStepReport(
+        directory=str(path),
+        steps=tuple(r for _, r in reports),
+        summary=tuple(summarize(r, d) for d, r in reports),
+    )

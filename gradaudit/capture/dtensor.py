@@ -1,0 +1,168 @@
+"""Ownership of DTensor parameters (FSDP2, HSDP, tensor parallel, FSDP2 over TP) from mesh and placements."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ..model import Box
+from .errors import UnsupportedParameter
+from .ownership import LocalPiece
+from .topology import TopologyBuilder
+
+if TYPE_CHECKING:
+    import torch
+
+
+def is_dtensor(tensor: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.4 kept it under _tensor; such versions are not supported
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def dtensor_pieces(
+    name: str, local_name: str | None, param: "torch.Tensor", topology: TopologyBuilder
+) -> list[LocalPiece]:
+    """This rank's pieces of DTensor `param`: one Box per contiguous run of its local shard.
+
+    A local shard is contiguous in every dimension for Shard and for the _StridedShard FSDP2 puts
+    over tensor parallel; a non-contiguous one is still described exactly, as several pieces.
+    """
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if any(p.is_partial() for p in placements):
+        raise UnsupportedParameter(
+            f"parameter {name!r} is a DTensor with a Partial placement {placements}; its local values are "
+            "not a slice of the parameter. Pass its pieces with ownership= to audit it"
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return []
+    global_shape = tuple(int(s) for s in param.shape)
+    runs = _local_runs(global_shape, mesh, placements, coordinate)
+    if any(not r for r in runs):
+        return []  # an empty local shard: this rank holds no element of the parameter
+    replica_group = topology.replica_group_of(mesh, [i for i, p in enumerate(placements) if p.is_replicate()])
+    local_shape = tuple(sum(stop - start for start, stop in dim_runs) for dim_runs in runs)
+    dtype = str(param.dtype).removeprefix("torch.")
+    pieces = []
+    for combo in itertools.product(*(_with_local_starts(dim_runs) for dim_runs in runs)):
+        offsets = tuple(start for (start, _stop), _local in combo)
+        shape = tuple(stop - start for (start, stop), _local in combo)
+        local_starts = tuple(local for _run, local in combo)
+        select = _selector(local_starts, shape, local_shape)
+        pieces.append(
+            LocalPiece(
+                param=name,
+                global_shape=global_shape,
+                dtype=dtype,
+                regions=(Box(offsets=offsets, shape=shape),),
+                local_shape=shape,
+                grad=_grad_of(name, param, placements, select),
+                value=lambda p=param, s=select: s(p.to_local().detach()),
+                replica_group=replica_group,
+                local_name=local_name,
+            )
+        )
+    return pieces
+
+
+def _grad_of(name: str, param, placements, select) -> Callable[[], Optional["torch.Tensor"]]:
+    def grad():
+        g = param.grad
+        if g is None:
+            return None
+        if is_dtensor(g):
+            if tuple(g.placements) != placements:
+                raise UnsupportedParameter(
+                    f"the gradient of {name!r} has placements {tuple(g.placements)}, its parameter {placements}; "
+                    "gradaudit reads gradients laid out like their parameters (call it after the gradient "
+                    "reduction, or pass the pieces with ownership=)"
+                )
+            g = g.to_local()
+        return select(g.detach())
+
+    return grad
+
+
+def _selector(local_starts, shape, local_shape) -> Callable[["torch.Tensor"], "torch.Tensor"]:
+    whole = all(s == 0 for s in local_starts) and tuple(shape) == tuple(local_shape)
+
+    def select(local: "torch.Tensor") -> "torch.Tensor":
+        if tuple(local.shape) != tuple(local_shape):
+            raise UnsupportedParameter(
+                f"local tensor of shape {tuple(local.shape)} where the placements give {tuple(local_shape)} "
+                "(a padded shard?); gradaudit needs the unpadded local shard"
+            )
+        if whole:
+            return local
+        for dim, (start, length) in enumerate(zip(local_starts, shape)):
+            local = local.narrow(dim, start, length)
+        return local
+
+    return select
+
+
+def _with_local_starts(dim_runs: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
+    out, local = [], 0
+    for start, stop in dim_runs:
+        out.append(((start, stop), local))
+        local += stop - start
+    return out
+
+
+def _local_runs(global_shape, mesh, placements, coordinate) -> list[list[tuple[int, int]]]:
+    """For each tensor dim, the global index runs [start, stop) this rank's local shard holds, in order."""
+    indices = _local_indices(global_shape, mesh, placements, coordinate)
+    runs = []
+    for dim, size in enumerate(global_shape):
+        index = indices.get(dim)
+        runs.append([(0, size)] if index is None else _runs_of(index))
+    return runs
+
+
+def _local_indices(global_shape, mesh, placements, coordinate) -> dict[int, list[int]]:
+    """Global indices held along each sharded dim, computed the way DTensor itself does."""
+    from torch.distributed.tensor import Shard
+
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        return _contiguous_indices(global_shape, mesh, placements)
+    shard_types = (Shard, _StridedShard)
+    local_shape = list(global_shape)
+    offsets: dict = {}
+    for mesh_dim, placement in enumerate(placements):
+        if not isinstance(placement, shard_types):
+            continue
+        dim = placement.dim % len(global_shape)
+        size, index = _get_shard_size_and_offsets(
+            local_shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, offsets.get(dim), global_shape[dim], False
+        )
+        local_shape[dim] = size
+        offsets[dim] = index
+    return {dim: ([] if local_shape[dim] == 0 else [int(i) for i in index.tolist()]) for dim, index in offsets.items()}
+
+
+def _contiguous_indices(global_shape, mesh, placements) -> dict[int, list[int]]:
+    """Fallback through the public helper (first offset only), valid for contiguous local shards."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    dims = {p.dim % len(global_shape) for p in placements if isinstance(p, Shard)}
+    if any(type(p).__name__ == "_StridedShard" for p in placements):
+        raise UnsupportedParameter(f"strided sharding {placements} needs torch >= 2.6 for gradaudit to map it")
+    return {d: list(range(offsets[d], offsets[d] + local_shape[d])) for d in dims}
+
+
+def _runs_of(index: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i in index:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs

@@ -1,0 +1,340 @@
+"""Ownership and topology of FSDP1 (`FullyShardedDataParallel`) models: each FlatParameter's local
+shard mapped back to flat ranges of the original parameters it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..errors import CaptureError
+from ..model import FlatRange
+from .ownership import LocalPiece
+
+if TYPE_CHECKING:
+    import torch
+
+SHARD_GROUP = "dp_shard"
+REPLICATE_GROUP = "dp_replicate"
+NO_SHARD_GROUP = "dp"
+
+_SHARDED_STRATEGIES = frozenset({"FULL_SHARD", "SHARD_GRAD_OP"})
+_HYBRID_STRATEGIES = frozenset({"HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
+_KNOWN_STRATEGIES = _SHARDED_STRATEGIES | _HYBRID_STRATEGIES | {"NO_SHARD"}
+
+WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+"""Submodule names that wrappers (FSDP1, activation checkpointing, torch.compile) insert into names."""
+
+_LAYOUT_HINT = (
+    "this torch version stores FSDP1 shards differently than gradaudit expects; "
+    "pass ownership= to gradaudit.audit_step explicitly, or report the torch version"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamShard:
+    """This rank's part of one original parameter inside a FlatParameter's local shard."""
+
+    index: int
+    """Position of the parameter among the FlatParameter's original (non-padding) parameters."""
+    fqn: str
+    """Name relative to the module FSDP wraps, as FSDP records it (may hold wrapper names)."""
+    global_shape: tuple[int, ...]
+    offset_in_shard: int
+    numel_in_shard: int
+    start: int
+    """First element of the row-major flattened parameter held here; `stop` is one past the last."""
+    stop: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Unit:
+    """One FSDP1 module that owns a FlatParameter, with its clean name prefix and groups."""
+
+    prefix: str
+    flat_param: Any
+    strategy: str
+    use_orig_params: bool
+    orig_dtype: Any
+    shard_ranks: tuple[int, ...]
+    replicate_ranks: tuple[int, ...] | None
+
+
+def join_clean(prefix: str, name: str) -> str:
+    """`prefix.name` with wrapper components (`_fsdp_wrapped_module`, ...) dropped."""
+    parts = [p for p in f"{prefix}.{name}".split(".") if p and p not in WRAPPER_ATTRIBUTES]
+    return ".".join(parts)
+
+
+def param_shards(flat_param: Any) -> list[ParamShard]:
+    """The original parameters present in this rank's shard of `flat_param` (padding excluded).
+
+    Reads FSDP1's per-parameter metadata (`_fqns`, `_shapes`, `_numels`, `_contiguities`,
+    `_shard_param_infos`, `_sharded_size`) and checks it for consistency, raising CaptureError when
+    it cannot be read as expected.
+    """
+    try:
+        fqns = tuple(flat_param._fqns)
+        shapes = tuple(tuple(int(d) for d in s) for s in flat_param._shapes)
+        numels = tuple(int(n) for n in flat_param._numels)
+        contiguities = tuple(getattr(flat_param, "_contiguities", (True,) * len(fqns)))
+        infos = tuple(flat_param._shard_param_infos)
+        sharded_numel = _numel(flat_param._sharded_size)
+    except (AttributeError, TypeError) as exc:
+        raise CaptureError(f"cannot read an FSDP1 FlatParameter's shard metadata ({exc}): {_LAYOUT_HINT}") from None
+    if not len(fqns) == len(shapes) == len(numels) == len(infos) == len(contiguities):
+        raise CaptureError(
+            f"FSDP1 FlatParameter metadata of {list(fqns)} has per-parameter lists of different lengths: {_LAYOUT_HINT}"
+        )
+    shards = []
+    for index, (fqn, shape, numel, contiguous, info) in enumerate(zip(fqns, shapes, numels, contiguities, infos)):
+        try:
+            in_shard, offset, numel_in_shard, start, end_inclusive = tuple(info)
+        except (TypeError, ValueError):
+            raise CaptureError(f"FSDP1 shard info of {fqn} is {info!r}, not the 5 fields expected: {_LAYOUT_HINT}") from None
+        if not in_shard:
+            continue
+        stop = end_inclusive + 1
+        consistent = (
+            0 <= start <= stop <= numel
+            and numel_in_shard == stop - start
+            and 0 <= offset
+            and offset + numel_in_shard <= sharded_numel
+            and _numel(shape) == numel
+        )
+        if not consistent:
+            raise CaptureError(
+                f"FSDP1 shard info of {fqn} ({info!r}, numel {numel}, shard numel {sharded_numel}) "
+                f"is not a range of the parameter: {_LAYOUT_HINT}"
+            )
+        if not contiguous and numel_in_shard > 0:
+            raise CaptureError(
+                f"parameter {fqn} is not contiguous, so FSDP1 flattened it in storage order and its "
+                "shard is not a row-major range; make it contiguous before wrapping, or pass ownership="
+            )
+        if numel_in_shard == 0:
+            continue
+        shards.append(
+            ParamShard(
+                index=index,
+                fqn=fqn,
+                global_shape=shape,
+                offset_in_shard=offset,
+                numel_in_shard=numel_in_shard,
+                start=start,
+                stop=stop,
+            )
+        )
+    return shards
+
+
+def fsdp1_pieces(model: "torch.nn.Module") -> list[LocalPiece] | None:
+    """One LocalPiece per original parameter present in this rank's FSDP1 shards; None without FSDP1."""
+    units = _fsdp1_units(model)
+    if units is None:
+        return None
+    pieces = []
+    for unit in units:
+        replica_group = _replica_group(unit.strategy)
+        dtype = str(unit.orig_dtype).removeprefix("torch.")
+        for shard in param_shards(unit.flat_param):
+            pieces.append(
+                LocalPiece(
+                    param=join_clean(unit.prefix, shard.fqn),
+                    global_shape=shard.global_shape,
+                    dtype=dtype,
+                    regions=(FlatRange(start=shard.start, stop=shard.stop),),
+                    local_shape=(shard.numel_in_shard,),
+                    grad=_grad_reader(unit, shard),
+                    value=_value_reader(unit, shard),
+                    replica_group=replica_group,
+                )
+            )
+    return pieces
+
+
+def fsdp1_groups(model: "torch.nn.Module") -> dict[str, tuple[tuple[int, ...], ...]]:
+    """This rank's view of the FSDP1 process groups: {"dp_shard", "dp_replicate"} or {"dp"} (NO_SHARD)."""
+    units = _fsdp1_units(model) or []
+    groups: dict[str, tuple[int, ...]] = {}
+    for unit in units:
+        if unit.strategy == "NO_SHARD":
+            _add_group(groups, NO_SHARD_GROUP, unit.shard_ranks)
+            continue
+        _add_group(groups, SHARD_GROUP, unit.shard_ranks)
+        if unit.replicate_ranks is not None:
+            _add_group(groups, REPLICATE_GROUP, unit.replicate_ranks)
+    return {name: (ranks,) for name, ranks in sorted(groups.items())}
+
+
+def _add_group(groups: dict[str, tuple[int, ...]], name: str, ranks: tuple[int, ...]) -> None:
+    if groups.setdefault(name, ranks) != ranks:
+        raise CaptureError(
+            f"FSDP1 modules of this model use different process groups as {name} "
+            f"({list(groups[name])} and {list(ranks)}); pass groups= and ownership= to gradaudit.audit_step"
+        )
+
+
+def _replica_group(strategy: str) -> str | None:
+    if strategy == "NO_SHARD":
+        return NO_SHARD_GROUP
+    if strategy in _HYBRID_STRATEGIES:
+        return REPLICATE_GROUP
+    return None
+
+
+def _fsdp1_units(model: "torch.nn.Module") -> list[_Unit] | None:
+    fsdp_class = _fsdp1_class()
+    if fsdp_class is None:
+        return None
+    found = [(prefix, m) for prefix, m in _named_modules_clean(model) if isinstance(m, fsdp_class)]
+    if not found:
+        return None
+    units = []
+    for prefix, module in found:
+        handle = _handle_of(module, prefix)
+        if handle is not None:
+            units.append(_unit_of(prefix, module, handle))
+    return units
+
+
+def _fsdp1_class() -> type | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed support
+        return None
+    return FullyShardedDataParallel
+
+
+def _named_modules_clean(model: "torch.nn.Module") -> list[tuple[str, "torch.nn.Module"]]:
+    """(clean name, module) for each module once, wrapper components (and DDP's `module.`) dropped."""
+    import torch
+
+    replicating_wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    result = []
+    seen: set[int] = set()
+    stack = [("", model)]
+    while stack:
+        prefix, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        result.append((prefix, module))
+        children = list(module.named_children())
+        for name, child in reversed(children):
+            dropped = name in WRAPPER_ATTRIBUTES or (name == "module" and isinstance(module, replicating_wrappers))
+            stack.append((prefix if dropped else join_clean(prefix, name), child))
+    return result
+
+
+def _handle_of(module: Any, prefix: str) -> Any:
+    if "_handle" in vars(module):
+        return vars(module)["_handle"]
+    handles = vars(module).get("_handles")  # torch < 2.1 kept a list of at most one handle
+    if isinstance(handles, list) and len(handles) <= 1:
+        return handles[0] if handles else None
+    raise CaptureError(f"cannot find the FlatParameter handle of the FSDP1 module {prefix or '<root>'}: {_LAYOUT_HINT}")
+
+
+def _unit_of(prefix: str, module: Any, handle: Any) -> _Unit:
+    import torch.distributed as dist
+
+    where = prefix or "<root>"
+    strategy = getattr(vars(module).get("sharding_strategy"), "name", None)
+    if strategy not in _KNOWN_STRATEGIES:
+        raise CaptureError(f"FSDP1 module {where} has an unknown sharding strategy {strategy!r}: {_LAYOUT_HINT}")
+    flat_param = getattr(handle, "flat_param", None)
+    shard_pg = vars(module).get("process_group")
+    if flat_param is None or shard_pg is None:
+        raise CaptureError(f"cannot read the FlatParameter or process group of the FSDP1 module {where}: {_LAYOUT_HINT}")
+    replicate_ranks = None
+    if strategy in _HYBRID_STRATEGIES:
+        inter_node_pg = vars(module).get("_inter_node_pg")
+        if inter_node_pg is None:
+            raise CaptureError(f"cannot find the inter-node group of the HYBRID_SHARD module {where}: {_LAYOUT_HINT}")
+        replicate_ranks = tuple(dist.get_process_group_ranks(inter_node_pg))
+    return _Unit(
+        prefix=prefix,
+        flat_param=flat_param,
+        strategy=strategy,
+        use_orig_params=bool(getattr(handle, "_use_orig_params", False)),
+        orig_dtype=getattr(handle, "_orig_param_dtype", None) or flat_param.dtype,
+        shard_ranks=tuple(dist.get_process_group_ranks(shard_pg)),
+        replicate_ranks=replicate_ranks,
+    )
+
+
+def _grad_reader(unit: _Unit, shard: ParamShard) -> Callable[[], Optional["torch.Tensor"]]:
+    """The gradient the optimizer will read: the original parameter's `.grad` (a view into the sharded
+    flat gradient, 1-D for sharded strategies, of the original shape under NO_SHARD) when
+    use_orig_params=True, else the matching slice of the FlatParameter's sharded `.grad`."""
+
+    def read() -> Optional["torch.Tensor"]:
+        flat_grad = unit.flat_param.grad
+        _check_grad_is_sharded(unit, flat_grad)
+        if unit.use_orig_params:
+            grad = _orig_param(unit, shard).grad
+            if grad is None:
+                return None
+            if grad.numel() != shard.numel_in_shard:
+                raise CaptureError(
+                    f"the gradient of {join_clean(unit.prefix, shard.fqn)} has {grad.numel()} elements, not "
+                    f"the {shard.numel_in_shard} of this rank's FSDP1 shard; capture after backward, outside no_sync()"
+                )
+            return grad.detach().reshape(-1)
+        if flat_grad is None:
+            return None
+        return flat_grad.detach()[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+
+    return read
+
+
+def _value_reader(unit: _Unit, shard: ParamShard) -> Callable[[], Optional["torch.Tensor"]]:
+    def read() -> Optional["torch.Tensor"]:
+        if unit.use_orig_params:
+            param = _orig_param(unit, shard)
+            if param.numel() == shard.numel_in_shard:
+                return param.detach().reshape(-1)
+        flat = _sharded_flat_param(unit)
+        if flat is None:
+            return None
+        return flat.detach()[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+
+    return read
+
+
+def _orig_param(unit: _Unit, shard: ParamShard) -> "torch.Tensor":
+    params = getattr(unit.flat_param, "_params", None)
+    if params is None or len(params) <= shard.index:
+        raise CaptureError(
+            f"cannot find the original parameter {join_clean(unit.prefix, shard.fqn)} of an FSDP1 "
+            f"use_orig_params=True FlatParameter: {_LAYOUT_HINT}"
+        )
+    return params[shard.index]
+
+
+def _sharded_flat_param(unit: _Unit) -> Optional["torch.Tensor"]:
+    """The FlatParameter's local shard: itself when resharded, else its saved `_local_shard`."""
+    sharded_numel = _numel(unit.flat_param._sharded_size)
+    for candidate in (unit.flat_param, getattr(unit.flat_param, "_local_shard", None)):
+        if candidate is not None and candidate.numel() == sharded_numel:
+            return candidate
+    return None
+
+
+def _check_grad_is_sharded(unit: _Unit, flat_grad: Optional["torch.Tensor"]) -> None:
+    if flat_grad is None:
+        return
+    sharded_numel = _numel(unit.flat_param._sharded_size)
+    if flat_grad.numel() != sharded_numel:
+        raise CaptureError(
+            f"the FSDP1 gradient of {unit.prefix or '<root>'} has {flat_grad.numel()} elements instead of the "
+            f"{sharded_numel} of this rank's shard: it is not reduced yet (inside no_sync(), or captured during "
+            "backward); capture after the backward of the step that synchronizes gradients"
+        )
+
+
+def _numel(shape: Any) -> int:
+    total = 1
+    for dim in shape:
+        total *= int(dim)
+    return total

@@ -1,0 +1,191 @@
+"""Which stack holds each parameter, and the pieces and topology this rank writes (the dispatcher)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from ..errors import CaptureError
+from ..model import Topology
+from .dtensor import dtensor_pieces, is_dtensor
+from .errors import UnsupportedParameter
+from .names import is_ddp, named_logical_parameters
+from .ownership import LocalPiece
+from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces
+from .topology import WORLD, TopologyBuilder
+
+if TYPE_CHECKING:
+    import torch
+
+TENSOR_PARALLEL_GROUP_NAMES = ("tp", "tensor_model_parallel", "tensor_parallel")
+"""groups= keys that name the tensor-parallel group of Megatron-style (attribute-marked) parameters."""
+DATA_PARALLEL_GROUP_NAME = "dp"
+"""groups= key naming the group over which plain parameters are replicated (when no DDP wrapper says)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ownership:
+    pieces: tuple[LocalPiece, ...]
+    topology: Topology
+    aliases: Mapping[str, str]
+    """This rank's parameter name -> logical name, for the names that differ."""
+
+
+def infer_ownership(
+    model: "torch.nn.Module",
+    *,
+    rank: int,
+    world_size: int,
+    groups: Mapping[str, tuple[tuple[int, ...], ...]],
+    aliases: Mapping[str, str],
+    explicit: Sequence[LocalPiece] = (),
+    on_unsupported: Callable[[str, Exception], None],
+) -> Ownership:
+    """Every local piece of `model` on this rank, with the topology they refer to.
+
+    A parameter that cannot be described is reported to `on_unsupported` and left out.
+    """
+    topology = TopologyBuilder(rank=rank, world_size=world_size)
+    for name, lists in groups.items():
+        topology.add_group(name, lists)
+    params = list(named_logical_parameters(model))
+    _check_aliases(aliases, params)
+    alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **dict(aliases)}
+
+    fsdp1 = _fsdp1_pieces(model, topology)
+    if fsdp1 is not None:
+        pieces = [_aliased(p, alias_of) for p in fsdp1]
+        return Ownership(pieces=tuple(pieces) + tuple(explicit), topology=topology.build(), aliases=_local_aliases(pieces))
+
+    explicit_names = {p.local_name or p.param for p in explicit}
+    pieces: list[LocalPiece] = []
+    plain: list[tuple[str, str, "torch.Tensor"]] = []
+    for logical, fqn, param in params:
+        if logical in explicit_names or fqn in explicit_names:
+            continue
+        if is_dtensor(param):
+            _extend(pieces, on_unsupported, logical, lambda: dtensor_pieces(*_names(logical, alias_of), param, topology))
+        else:
+            plain.append((logical, fqn, param))
+
+    dp_group = _data_parallel_group(model, topology, groups)
+    tensor_parallel = _tensor_parallel_rank(topology, groups)
+    replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel) if plain else None
+    for logical, _fqn, param in plain:
+        sharded = is_megatron_sharded(param)
+        if getattr(param, "shared", False) and logical not in alias_of:
+            on_unsupported(
+                logical,
+                UnsupportedParameter(
+                    f"parameter {logical!r} is marked shared (tied across pipeline stages) but has no alias; "
+                    f"pass aliases={{{logical!r}: <logical name>}} or it is counted as a parameter of its own"
+                ),
+            )
+        _extend(
+            pieces,
+            on_unsupported,
+            logical,
+            lambda: plain_pieces(
+                *_names(logical, alias_of),
+                param,
+                replica_group=dp_group if sharded else replicated_group,
+                tensor_parallel=tensor_parallel,
+            ),
+        )
+    pieces.extend(explicit)
+    return Ownership(pieces=tuple(pieces), topology=topology.build(), aliases=_local_aliases(pieces))
+
+
+def _extend(pieces: list, on_unsupported, name: str, make: Callable[[], list[LocalPiece]]) -> None:
+    try:
+        pieces.extend(make())
+    except CaptureError:
+        raise
+    except Exception as exc:  # an unexpected parameter type must cost that parameter, not the step
+        on_unsupported(name, exc)
+
+
+def _names(logical: str, alias_of: Mapping[str, str]) -> tuple[str, str | None]:
+    """(logical name after aliases, this rank's name when it differs)."""
+    target = alias_of.get(logical)
+    return (target, logical) if target and target != logical else (logical, None)
+
+
+def _aliased(piece: LocalPiece, alias_of: Mapping[str, str]) -> LocalPiece:
+    target = alias_of.get(piece.param)
+    if not target or target == piece.param:
+        return piece
+    return dataclasses.replace(piece, param=target, local_name=piece.param)
+
+
+def _local_aliases(pieces: Sequence[LocalPiece]) -> dict[str, str]:
+    return {p.local_name: p.param for p in pieces if p.local_name and p.local_name != p.param}
+
+
+def _check_aliases(aliases: Mapping[str, str], params) -> None:
+    known = {logical for logical, _, _ in params} | {fqn for _, fqn, _ in params}
+    for key, value in aliases.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not value:
+            raise CaptureError(f"aliases must map parameter names to logical names (str -> str), got {key!r}: {value!r}")
+        if key not in known:
+            some = ", ".join(sorted(known)[:5]) or "(this rank has no parameters)"
+            raise CaptureError(
+                f"aliases key {key!r} is not a parameter of the model on this rank; keys are this rank's own "
+                f"parameter names (e.g. {some}) and values the logical name they stand for"
+            )
+
+
+def _fsdp1_pieces(model, topology: TopologyBuilder) -> list[LocalPiece] | None:
+    try:
+        from . import fsdp1
+    except ImportError:
+        return None
+    pieces = fsdp1.fsdp1_pieces(model)
+    if pieces is None:
+        return None
+    for name, lists in fsdp1.fsdp1_groups(model).items():
+        topology.add_group(name, lists)
+    return list(pieces)
+
+
+def _data_parallel_group(model, topology: TopologyBuilder, groups) -> str | None:
+    """The group DDP replicates over (named after a matching user group), else the user's 'dp' group."""
+    for module in model.modules():
+        if is_ddp(module):
+            pg = getattr(module, "process_group", None)
+            import torch.distributed as dist
+
+            ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(topology.world_size))
+            return topology.name_of(ranks, default="ddp")
+    return DATA_PARALLEL_GROUP_NAME if DATA_PARALLEL_GROUP_NAME in groups else None
+
+
+def _tensor_parallel_rank(topology: TopologyBuilder, groups) -> TensorParallelRank | None:
+    for name in TENSOR_PARALLEL_GROUP_NAMES:
+        if name in groups:
+            ranks = topology.my_ranks(name)
+            if ranks is None:
+                raise CaptureError(
+                    f"groups[{name!r}] does not contain this rank ({topology.rank}); pass the tensor-parallel "
+                    "group this rank belongs to"
+                )
+            return TensorParallelRank(group=name, size=len(ranks), index=ranks.index(topology.rank))
+    return None
+
+
+def _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel) -> str | None:
+    """The group a plain (unsharded) parameter is replicated over on this rank."""
+    if tensor_parallel is not None:
+        if dp_group is None:
+            return tensor_parallel.group
+        name = f"{dp_group}+{tensor_parallel.group}"
+        return name
+    mesh_group = topology.largest_mesh_group()
+    if mesh_group is not None:
+        return mesh_group
+    if dp_group is not None:
+        return dp_group
+    if world_size > 1 and not groups:
+        return WORLD
+    return None

@@ -1,0 +1,46 @@
+"""Logical parameter names: the model's own FQNs with wrapper modules' path components removed."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
+"""Child names that FSDP1, torch.compile and activation checkpointing insert into parameter paths."""
+
+_DDP_CLASS_NAMES = frozenset({"DistributedDataParallel"})
+
+
+def is_ddp(module: object) -> bool:
+    return any(cls.__name__ in _DDP_CLASS_NAMES for cls in type(module).__mro__)
+
+
+def logical_name(model: "torch.nn.Module", fqn: str) -> str:
+    """`fqn` (as model.named_parameters() gives it) without wrapper path components.
+
+    `module.` is dropped only where the module holding it is a DistributedDataParallel wrapper, so a
+    user's own submodule called `module` keeps its name.
+    """
+    parts = fqn.split(".")
+    kept = []
+    module = model
+    for part in parts[:-1]:
+        wrapper = part in WRAPPER_ATTRIBUTES or (part == "module" and is_ddp(module))
+        if not wrapper:
+            kept.append(part)
+        module = getattr(module, part, None) if module is not None else None
+    kept.append(parts[-1])
+    return ".".join(kept)
+
+
+def named_logical_parameters(model: "torch.nn.Module") -> Iterator[tuple[str, str, "torch.nn.Parameter"]]:
+    """(logical name, this rank's FQN, parameter) for each distinct parameter of `model`."""
+    for fqn, param in model.named_parameters():
+        yield logical_name(model, fqn), fqn, param
+
+
+def matches_any(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)

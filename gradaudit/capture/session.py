@@ -1,0 +1,437 @@
+"""`audit_step`: the context that records one training step on this rank and writes its dump file."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from ..dumpfile.writer import DumpExistsError
+from ..errors import CaptureError
+from ..model import ClipCall, ClipRecord, DataRecord
+from .infer import Ownership, infer_ownership
+from .ownership import LocalPiece
+from .snapshots import Snapshots
+from .topology import normalize_groups
+from .warn import warn_once
+from .write import build_rank_dump, write_dump
+
+if TYPE_CHECKING:
+    import torch
+
+MODES = ("full", "stats")
+
+
+class AuditStep:
+    """Records one optimizer step on this rank; see `gradaudit.audit_step` for the arguments.
+
+    Everything that can fail while capturing or writing warns once and lets training go on (unless
+    `strict`); mistakes in the call itself raise CaptureError at once.
+    """
+
+    def __init__(
+        self,
+        model: "torch.nn.Module",
+        out_dir: str | os.PathLike,
+        *,
+        step: int,
+        max_norm: float | None = None,
+        norm_type: float | str = 2.0,
+        optimizer: "torch.optim.Optimizer | None" = None,
+        scaler: Any = None,
+        groups: Mapping[str, Any] | None = None,
+        aliases: Mapping[str, str] | None = None,
+        ownership: Sequence[LocalPiece] | None = None,
+        mode: str = "full",
+        full_params: Sequence[str] = (),
+        strict: bool = False,
+        run_id: str | None = None,
+    ) -> None:
+        self.model = model
+        self.out_dir = out_dir
+        self.step = _check_step(step)
+        self.max_norm = _check_max_norm(max_norm)
+        self.norm_type = _check_norm_type(norm_type)
+        if mode not in MODES:
+            raise CaptureError(f"unknown mode {mode!r}; pass mode='full' (gradient values) or mode='stats' (float64 summaries)")
+        if isinstance(full_params, str):
+            full_params = (full_params,)
+        if ownership is not None and not all(isinstance(p, LocalPiece) for p in ownership):
+            raise CaptureError("ownership= takes a list of gradaudit.capture.LocalPiece, one per local piece")
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.mode = mode
+        self.full_params = tuple(full_params)
+        self.strict = strict
+        self.run_id = run_id
+        self.rank, self.world_size = _rank_and_world_size()
+        self._groups = normalize_groups(groups, world_size=self.world_size)
+        self._aliases = dict(aliases or {})
+        self._explicit = tuple(ownership or ())
+        self._ownership: Ownership | None = None
+        self._snapshots: Snapshots | None = None
+        self._calls: list[dict] = []
+        self._logged: dict[str, Any] = {}
+        self._hooks: list = []
+        self._active = False
+        self._stepped = False
+        self._scaler_states = None
+        self._loss_scale: float | None = None
+        self.path = None
+        """Where the rank file was written (None until the context exits, or when writing failed)."""
+
+    # -- the context -------------------------------------------------------------------------
+
+    def __enter__(self) -> "AuditStep":
+        try:
+            self._guard("capture", self._start)
+            if self._recording:
+                self._guard("capture", self._read_scaler_at_start)
+        except BaseException:
+            self._remove_hooks()  # strict mode raised: leave nothing registered behind
+            raise
+        self._active = True
+        return self
+
+    def _start(self) -> None:
+        ownership = infer_ownership(
+            self.model,
+            rank=self.rank,
+            world_size=self.world_size,
+            groups=self._groups,
+            aliases=self._aliases,
+            explicit=self._explicit,
+            on_unsupported=self._unsupported,
+        )
+        snapshots = Snapshots(
+            ownership.pieces,
+            mode=self.mode,
+            norm_type=self.norm_type,
+            full_params=self.full_params,
+            on_error=self._unsupported,
+        )
+        if self.optimizer is not None:
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
+            self._hooks.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
+        self._ownership, self._snapshots = ownership, snapshots
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    @property
+    def _recording(self) -> bool:
+        """False when the capture could not start: the step then runs exactly as without gradaudit."""
+        return self._snapshots is not None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._active = False
+        self._remove_hooks()
+        if exc_type is not None or not self._recording:
+            return  # the step itself failed: its exception matters, not a half-recorded dump
+        self._guard("write", self._finish)
+
+    # -- what training code calls -------------------------------------------------------------
+
+    def clip(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Call `fn(*args, **kwargs)` and return what it returns, recording gradients around it."""
+        if not self._active:
+            raise CaptureError("audit.clip() was called outside its `with gradaudit.audit_step(...)` block; call it inside")
+        if not self._recording:
+            return fn(*args, **kwargs)
+        first = not self._calls
+        call: dict[str, Any] = {}
+        self._guard("capture", lambda: self._before_clip(call, first))
+        result = fn(*args, **kwargs)
+        self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
+        return result
+
+    def record(
+        self,
+        *,
+        reported_norm: Any = None,
+        clip_coef: Any = None,
+        loss: Any = None,
+        tokens: Any = None,
+        loss_reduction: str | None = None,
+    ) -> None:
+        """Add what the training code logged (values given as numbers or one-element tensors)."""
+        if loss_reduction is not None and loss_reduction not in ("mean", "sum"):
+            raise CaptureError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        given = dict(reported_norm=reported_norm, clip_coef=clip_coef, loss=loss, tokens=tokens, loss_reduction=loss_reduction)
+        self._logged.update({k: v for k, v in given.items() if v is not None})
+
+    # -- recording ----------------------------------------------------------------------------
+
+    def _before_clip(self, call: dict, first: bool) -> None:
+        if first:
+            self._snapshots.take("grad")
+        call["unscaled"] = self._unscaled()
+        call["loss_scale"] = self._current_scale()
+        self._hold_scaler_states()
+
+    def _after_clip(self, call: dict, fn, args, kwargs, result) -> None:
+        call["reported"], call["reported_local"] = _norm_results(result)
+        call["max_norm"], call["norm_type"] = _clip_arguments(fn, args, kwargs)
+        self._calls.append(call)
+        self._snapshots.take("grad_clipped")
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        def record():
+            self._stepped = True
+            self._hold_scaler_states()
+            if not self._calls:
+                self._snapshots.take("grad_clipped")
+            self._snapshots.take("param_before")
+
+        self._guard("capture", record)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._guard("capture", lambda: self._snapshots.take("param_after"))
+
+    def _finish(self) -> None:
+        snapshots = self._snapshots
+        if not snapshots.has("grad") and not snapshots.has("grad_clipped"):
+            snapshots.take("grad")
+        dump, tensors = build_rank_dump(
+            snapshots,
+            rank=self.rank,
+            world_size=self.world_size,
+            step=self.step,
+            mode=self.mode,
+            topology=self._ownership.topology,
+            aliases=self._ownership.aliases,
+            clip=self._clip_record(),
+            data=DataRecord(
+                tokens=_opt_int(self._logged.get("tokens")),
+                loss=_opt_float(self._logged.get("loss")),
+                loss_reduction=self._logged.get("loss_reduction"),
+            ),
+            run_id=self.run_id,
+        )
+        try:
+            self.path = write_dump(self.out_dir, dump, tensors)
+        except DumpExistsError as exc:
+            if self.strict:
+                raise
+            warn_once(f"exists:{self.out_dir}", f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}")
+
+    def _clip_record(self) -> ClipRecord:
+        calls = tuple(
+            ClipCall(
+                reported_norm=_opt_float(c["reported"]),
+                reported_local_norm=_opt_float(c["reported_local"]),
+                max_norm=_opt_float(c["max_norm"]),
+                norm_type=_opt_float(c["norm_type"]),
+                unscaled=c["unscaled"],
+                loss_scale=c["loss_scale"],
+            )
+            for c in self._calls
+        )
+        reported = self._logged.get("reported_norm")
+        if reported is None and calls:
+            reported = calls[-1].reported_norm
+        unscaled = [c.unscaled for c in calls if c.unscaled is not None]
+        found_inf = self._found_inf()
+        step_skipped = found_inf if found_inf is not None else (False if self._stepped else None)
+        return ClipRecord(
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            reported_norm=_opt_float(reported),
+            clip_coef=_opt_float(self._logged.get("clip_coef")),
+            calls=calls,
+            loss_scale=self._loss_scale,
+            unscaled_before_clip=(all(unscaled) if unscaled else None),
+            found_inf=found_inf,
+            step_skipped=step_skipped,
+        )
+
+    # -- GradScaler (private state read defensively: its layout differs across torch versions) --
+
+    def _read_scaler_at_start(self) -> None:
+        self._loss_scale = self._current_scale()
+        self._hold_scaler_states()
+
+    def _current_scale(self) -> float | None:
+        if self.scaler is None or not _scaler_enabled(self.scaler):
+            return None
+        return float(self.scaler.get_scale())
+
+    def _hold_scaler_states(self) -> None:
+        # GradScaler.update() replaces this dict; holding it keeps found_inf readable after update().
+        if self.scaler is not None:
+            states = getattr(self.scaler, "_per_optimizer_states", None)
+            if states is not None:
+                self._scaler_states = states
+
+    def _unscaled(self) -> bool | None:
+        if self.scaler is None or self.optimizer is None or not _scaler_enabled(self.scaler):
+            return None
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        state = states.get(id(self.optimizer)) if states is not None else None
+        stage = state.get("stage") if state else None
+        return getattr(stage, "name", None) in ("UNSCALED", "STEPPED")
+
+    def _found_inf(self) -> bool | None:
+        if self.scaler is None or self.optimizer is None or not _scaler_enabled(self.scaler) or self._scaler_states is None:
+            return None
+        state = self._scaler_states.get(id(self.optimizer))
+        per_device = state.get("found_inf_per_device") if state else None
+        if not per_device:
+            return None
+        return any(float(v.sum()) > 0 for v in per_device.values())
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def _unsupported(self, param: str, exc: Exception) -> None:
+        if self.strict:
+            raise CaptureError(f"gradaudit cannot capture {param!r}: {exc}") from exc
+        warn_once(
+            f"param:{type(exc).__name__}",
+            f"gradaudit: rank {self.rank} leaves out parameter {param!r} (and any other with the same problem): {exc}",
+        )
+
+    def _guard(self, what: str, action: Callable[[], None]) -> None:
+        """Run a capture or write action; a failure warns once (or raises when strict), never breaks training."""
+        try:
+            action()
+        except CaptureError:
+            raise
+        except Exception as exc:
+            if self.strict:
+                raise
+            detail = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, OSError) and what == "write":
+                detail = f"cannot write under {os.fspath(self.out_dir)!r} ({exc.strerror or exc})"
+            warn_once(
+                f"{what}:{type(exc).__name__}",
+                f"gradaudit: rank {self.rank} could not {what} step {self.step}; training goes on without it. {detail}",
+            )
+
+
+def audit_step(model, out_dir, **kwargs) -> AuditStep:
+    """Record one training step on this rank; the dump is written to out_dir/step_<step>/ on exit.
+
+    with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, optimizer=opt) as audit:
+        loss.backward()
+        norm = audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0)
+        opt.step()
+    """
+    return AuditStep(model, out_dir, **kwargs)
+
+
+def dump(
+    model,
+    out_dir,
+    *,
+    step: int,
+    reported_norm: Any = None,
+    clip_coef: Any = None,
+    loss: Any = None,
+    tokens: Any = None,
+    loss_reduction: str | None = None,
+    **kwargs: Any,
+):
+    """Write this rank's current gradients and the given metadata now (for step hooks and callbacks).
+
+    Takes the arguments of `audit_step` and of `AuditStep.record`; returns the path written, or None.
+    """
+    if "optimizer" in kwargs:
+        raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
+    session = AuditStep(model, out_dir, step=step, **kwargs)
+    with session:
+        session.record(reported_norm=reported_norm, clip_coef=clip_coef, loss=loss, tokens=tokens, loss_reduction=loss_reduction)
+    return session.path
+
+
+# -- argument checks and small conversions ----------------------------------------------------------
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    if env_world.isdigit() and int(env_world) > 1:
+        raise CaptureError(
+            f"WORLD_SIZE is {env_world} but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() before gradaudit.audit_step (or unset WORLD_SIZE for one process)"
+        )
+    return 0, 1
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CaptureError(f"step must be a non-negative int (the optimizer step number), got {step!r}")
+    return step
+
+
+def _check_max_norm(max_norm: Any) -> float:
+    if max_norm is None:
+        raise CaptureError("audit_step needs max_norm=, the clipping threshold your training uses (e.g. max_norm=1.0)")
+    value = _opt_float(max_norm)
+    if value is None or not (value > 0 and math.isfinite(value)):
+        raise CaptureError(f"max_norm must be a positive finite number (the clipping threshold), got {max_norm!r}")
+    return value
+
+
+def _check_norm_type(norm_type: Any) -> float:
+    try:
+        value = float(norm_type)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise CaptureError(f"norm_type must be positive or 'inf' (as in clip_grad_norm_), got {norm_type!r}")
+    return value
+
+
+def _scaler_enabled(scaler) -> bool:
+    enabled = getattr(scaler, "is_enabled", None)
+    return bool(enabled()) if callable(enabled) else True
+
+
+def _norm_results(result: Any) -> tuple[Any, Any]:
+    """(the norm `fn` returned, and for a DTensor its local value that .to_local().item() would log)."""
+    from .dtensor import is_dtensor
+
+    if is_dtensor(result):
+        # Every rank is inside the same clip call and holds this DTensor, so its collective is safe.
+        return result.full_tensor(), result.to_local()
+    return result, None
+
+
+def _clip_arguments(fn: Callable, args, kwargs) -> tuple[Any, Any]:
+    """max_norm and norm_type as passed to a clipping function that names them so, else None."""
+    try:
+        signature = inspect.signature(fn)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None, None
+    values = []
+    for name in ("max_norm", "norm_type"):
+        if name in bound.arguments:
+            values.append(bound.arguments[name])
+        elif name in signature.parameters and signature.parameters[name].default is not inspect.Parameter.empty:
+            values.append(signature.parameters[name].default)
+        else:
+            values.append(None)
+    return values[0], values[1]
+
+
+def _opt_float(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        if hasattr(value, "numel") and value.numel() != 1:
+            return None
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _opt_int(value: Any) -> int | None:
+    number = _opt_float(value)
+    return None if number is None else int(number)

@@ -1,0 +1,77 @@
+"""Copies (or float64 statistics) of the local pieces' tensors at the moments the hook records them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from ..model import TensorStats
+from .names import matches_any
+from .ownership import LocalPiece
+
+if TYPE_CHECKING:
+    import torch
+
+GRAD_KINDS = ("grad", "grad_clipped")
+
+
+class Snapshots:
+    """Per (piece index, tensor kind): a detached copy kept on the tensor's device, and/or its TensorStats.
+
+    Full mode keeps values. Stats mode keeps TensorStats of every piece, computed where the tensor
+    lives, and also the values of pieces whose logical or local name matches one of `full_params`
+    (glob patterns). A piece whose tensor cannot be read is
+    reported to `on_error` and dropped from the dump (the checker then sees a gap, never a wrong value).
+    """
+
+    def __init__(
+        self,
+        pieces: Sequence[LocalPiece],
+        *,
+        mode: str,
+        norm_type: float,
+        full_params: Sequence[str],
+        on_error: Callable[[str, Exception], None],
+    ) -> None:
+        self.pieces = tuple(pieces)
+        self.norm_type = norm_type
+        self.on_error = on_error
+        self.values: dict[tuple[int, str], "torch.Tensor"] = {}
+        self.stats: dict[tuple[int, str], TensorStats] = {}
+        self.failed: set[int] = set()
+        self.kinds_taken: set[str] = set()
+        self._keep_stats = mode == "stats"
+        self._keep_values = tuple(
+            mode == "full" or matches_any(p.param, full_params) or (p.local_name is not None and matches_any(p.local_name, full_params))
+            for p in self.pieces
+        )
+
+    def take(self, kind: str) -> None:
+        """Record `kind` ("grad", "grad_clipped", "param_before", "param_after") of every piece now."""
+        import torch
+
+        from ..tensorstats import stats_of_tensor
+
+        self.kinds_taken.add(kind)
+        with torch.no_grad():
+            for index, piece in enumerate(self.pieces):
+                if index in self.failed:
+                    continue
+                try:
+                    tensor = piece.grad() if kind in GRAD_KINDS else piece.value()
+                    self.values.pop((index, kind), None)
+                    self.stats.pop((index, kind), None)
+                    if tensor is None:
+                        continue
+                    if self._keep_values[index]:
+                        self.values[(index, kind)] = tensor.detach().clone()
+                    if self._keep_stats:
+                        self.stats[(index, kind)] = stats_of_tensor(tensor, self.norm_type)
+                except Exception as exc:  # one unreadable piece must not stop the step
+                    self.failed.add(index)
+                    self.on_error(piece.param, exc)
+
+    def has(self, kind: str) -> bool:
+        return kind in self.kinds_taken
+
+    def kinds_of(self, index: int) -> set[str]:
+        return {k for (i, k) in list(self.values) + list(self.stats) if i == index}

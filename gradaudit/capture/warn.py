@@ -1,0 +1,25 @@
+"""Capture failures are warned about once per process and kind, so a failing disk does not flood logs."""
+
+from __future__ import annotations
+
+import warnings
+
+
+class CaptureWarning(UserWarning):
+    """gradaudit could not capture or write something; training goes on without it."""
+
+
+_already_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn with `message` unless a warning with this `key` was already given in this process."""
+    if key in _already_warned:
+        return
+    _already_warned.add(key)
+    warnings.warn(message, CaptureWarning, stacklevel=3)
+
+
+def forget_warnings() -> None:
+    """Let every warning be given again (tests; a long job that wants a reminder)."""
+    _already_warned.clear()

@@ -1,0 +1,96 @@
+"""Turn what one rank captured into a RankDump and its tensors, and write the rank file."""
+
+from __future__ import annotations
+
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from ..dumpfile.writer import step_dir, write_rank_file
+from ..model import ClipRecord, DataRecord, ParamInfo, Piece, RankDump, Topology
+from ..version import __version__
+from .snapshots import Snapshots
+
+if TYPE_CHECKING:
+    import torch
+
+
+def build_rank_dump(
+    snapshots: Snapshots,
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    mode: str,
+    topology: Topology,
+    aliases: Mapping[str, str],
+    clip: ClipRecord | None,
+    data: DataRecord,
+    run_id: str | None,
+) -> tuple[RankDump, dict[tuple[int, str], "torch.Tensor"]]:
+    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
+    infos: dict[str, ParamInfo] = {}
+    pieces, tensors = [], {}
+    for source_index, local in enumerate(snapshots.pieces):
+        infos.setdefault(local.param, ParamInfo(name=local.param, global_shape=local.global_shape, dtype=local.dtype))
+        if source_index in snapshots.failed:
+            continue
+        kinds = snapshots.kinds_of(source_index)
+        if not kinds:
+            continue
+        index = len(pieces)
+        stats = {k: s for (i, k), s in snapshots.stats.items() if i == source_index}
+        for (i, kind), value in snapshots.values.items():
+            if i == source_index:
+                tensors[(index, kind)] = _as_dtype(value, local.dtype)
+        pieces.append(
+            Piece(
+                index=index,
+                param=local.param,
+                regions=local.regions,
+                local_shape=local.local_shape,
+                dtype=local.dtype,
+                local_name=local.local_name,
+                replica_group=local.replica_group,
+                stats=stats,
+            )
+        )
+    dump = RankDump(
+        path="",
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        mode=mode,
+        run_id=run_id,
+        host=socket.gethostname(),
+        torch_version=_torch_version(),
+        gradaudit_version=__version__,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        params=tuple(sorted(infos.values(), key=lambda i: i.name)),
+        pieces=tuple(pieces),
+        aliases=dict(aliases),
+        topology=topology,
+        clip=clip,
+        data=data,
+    )
+    return dump, tensors
+
+
+def write_dump(out_dir, dump: RankDump, tensors) -> Path:
+    """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
+    return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
+
+
+def _as_dtype(tensor: "torch.Tensor", dtype: str) -> "torch.Tensor":
+    if str(tensor.dtype).removeprefix("torch.") == dtype:
+        return tensor
+    import torch
+
+    return tensor.to(getattr(torch, dtype))
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

@@ -1,0 +1,1 @@
+"""The checks: one module per family of finding codes, registered in `registry.CHECKS`."""

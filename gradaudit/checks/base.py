@@ -1,0 +1,109 @@
+"""What every check shares: its options, its result type, and the spec it is registered with."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Union
+
+from ..measure import StepMeasurements
+from ..model import StepDump
+from ..report import Finding, NotChecked, Severity
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditOptions:
+    """Choices the user made that change what the audit reads and what the checks decide."""
+
+    reference: str | None = None
+    """A folder holding one unsharded reference step (or step_<N> folders), compared by GA602/GA603."""
+    rtol: float | None = None
+    """Relative tolerance for the reference comparison (GA602/GA603); None: chosen by dtype."""
+    atol: float | None = None
+    """Absolute tolerance for the reference comparison; None: chosen by dtype."""
+
+    def __post_init__(self) -> None:
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hit:
+    """One problem a check found; the registry adds its code, severity and title to make a Finding."""
+
+    message: str
+    ranks: tuple[int, ...] = ()
+    params: tuple[str, ...] = ()
+    evidence: Mapping[str, Union[int, float, str, None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skip:
+    """The check could not decide, and why."""
+
+    reason: str
+
+
+CheckResult = Union[tuple[Hit, ...], Skip]
+CheckFn = Callable[[StepDump, StepMeasurements, AuditOptions], CheckResult]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Explanation:
+    """The fixed sections `gradaudit explain CODE` prints."""
+
+    what: str
+    why: str
+    example: str
+    fix: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckSpec:
+    code: str
+    severity: Severity
+    title: str
+    explanation: Explanation
+    run: CheckFn
+
+    def apply(self, step: StepDump, measurements: StepMeasurements, options: AuditOptions) -> list[Finding] | NotChecked:
+        result = self.run(step, measurements, options)
+        if isinstance(result, Skip):
+            return NotChecked(code=self.code, title=self.title, reason=result.reason)
+        return [
+            Finding(
+                code=self.code,
+                severity=self.severity,
+                title=self.title,
+                message=hit.message,
+                ranks=tuple(sorted(set(hit.ranks))),
+                params=tuple(sorted(set(hit.params))),
+                evidence=dict(sorted(hit.evidence.items())),
+            )
+            for hit in result
+        ]
+
+
+def ranks_text(ranks) -> str:
+    """Ranks as compact text: "0-3, 6"."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return "none"
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
+
+
+def num(value: float | None) -> str:
+    """A number for a message: 6 significant digits, nan/inf spelled out, "unknown" for None."""
+    if value is None:
+        return "unknown"
+    return f"{value:.6g}"

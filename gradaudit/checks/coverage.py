@@ -1,0 +1,108 @@
+"""GA100-GA103: is the step complete and consistent, and does every element have exactly one owner?"""
+
+from __future__ import annotations
+
+from ..measure import StepMeasurements
+from ..model import StepDump
+from .base import AuditOptions, CheckResult, Hit, Skip, ranks_text
+from .sweep import coverage, region_boxes
+
+
+def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    if not step.missing_ranks:
+        return ()
+    return (
+        Hit(
+            message=(
+                f"{len(step.missing_ranks)} of {step.world_size} ranks have no file in {step.directory} "
+                f"(ranks {ranks_text(step.missing_ranks)}); the other ranks are audited and the checks that "
+                "need the missing ranks say they could not decide"
+            ),
+            ranks=step.missing_ranks,
+            evidence={"world_size": step.world_size, "num_missing": len(step.missing_ranks)},
+        ),
+    )
+
+
+def metadata_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    hits = []
+    for item in step.inconsistencies:
+        by_value: dict[str, list[int]] = {}
+        for rank, value in sorted(item.values.items()):
+            by_value.setdefault(value, []).append(rank)
+        described = "; ".join(f"ranks {ranks_text(r)}: {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1]))
+        hits.append(
+            Hit(
+                message=f"ranks disagree on {item.what}: {described}",
+                ranks=tuple(item.values),
+                evidence={"what": item.what, "num_values": len(by_value)},
+            )
+        )
+    return tuple(hits)
+
+
+def layouts_by_param(step: StepDump) -> dict[str, dict[tuple, list[int]]]:
+    """Parameter -> its distinct layouts (replicas merged) -> the ranks holding them, in one pass."""
+    found: dict[str, dict[tuple, list[int]]] = {name: {} for name in step.params}
+    for rank in step.ranks_present:
+        for piece in step.ranks[rank].pieces:
+            found.setdefault(piece.param, {}).setdefault(piece.regions, []).append(rank)
+    return found
+
+
+def _param_coverage(step: StepDump, name: str, holders: dict[tuple, list[int]]):
+    shape = step.params[name].global_shape
+    layouts = list(holders)
+    boxes = [
+        (offsets, sizes, tag)
+        for tag, regions in enumerate(layouts)
+        for region in regions
+        for offsets, sizes in region_boxes(region, shape)
+    ]
+    result = coverage(boxes, shape)
+    ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[tag]]})
+    return result, ranks
+
+
+def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    hits = []
+    layouts = layouts_by_param(step)
+    for name, info in step.params.items():
+        result, ranks = _param_coverage(step, name, layouts[name])
+        if result.num_overlap_elements:
+            hits.append(
+                Hit(
+                    message=(
+                        f"{result.num_overlap_elements} of {info.numel} elements of {name} are held by more than "
+                        f"one piece that is not an identical replica (ranks {ranks_text(ranks)}); those "
+                        "elements would be counted twice in any norm"
+                    ),
+                    ranks=tuple(ranks),
+                    params=(name,),
+                    evidence={"num_overlap_elements": result.num_overlap_elements, "numel": info.numel},
+                )
+            )
+    return tuple(hits)
+
+
+def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    if step.missing_ranks:
+        return Skip(reason=f"ranks {ranks_text(step.missing_ranks)} are missing; the elements they held cannot be located")
+    hits = []
+    layouts = layouts_by_param(step)
+    for name, info in step.params.items():
+        result, _ = _param_coverage(step, name, layouts[name])
+        if result.num_gap_elements:
+            holders = sorted({r for rs in layouts[name].values() for r in rs})
+            hits.append(
+                Hit(
+                    message=(
+                        f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
+                        f"(held pieces are on ranks {ranks_text(holders)}); their gradient is absent from every norm"
+                    ),
+                    ranks=tuple(holders),
+                    params=(name,),
+                    evidence={"num_gap_elements": result.num_gap_elements, "numel": info.numel},
+                )
+            )
+    return tuple(hits)

@@ -1,0 +1,183 @@
+"""What `gradaudit explain CODE` prints: for every code, what it checks, why it matters, an example, the fix."""
+
+from __future__ import annotations
+
+from .base import Explanation
+
+EXPLANATIONS: dict[str, Explanation] = {
+    "GA100": Explanation(
+        what="Every rank of the world size has a file in the step folder.",
+        why="The true global norm needs every rank's gradient pieces. With ranks missing, gradaudit audits the rest, "
+        "but every check that needs the missing pieces says it could not decide instead of guessing.",
+        example="A 4-rank run whose step_1200 folder holds rank_00000 to rank_00002: rank 3 crashed before it "
+        "wrote its dump, or its file was not copied from its host.",
+        fix="Copy the missing rank files into the step folder (each host writes its own ranks), or re-run the "
+        "step with the capture hook enabled on every rank.",
+    ),
+    "GA101": Explanation(
+        what="All ranks agree on the step, world size, run id, max_norm, norm type, every parameter's global "
+        "shape and dtype, and the process-group topology.",
+        why="Files from different steps or runs cannot be combined into one gradient; a rank that clips with "
+        "another max_norm or norm type applies another rule than the others.",
+        example="rank_00001.safetensors was written at step 1199 while the others are step 1200, or one rank "
+        "has max_norm 0.5 from a stale config.",
+        fix="Make sure the step folder holds files from one step of one run; if the config differs per rank, "
+        "fix how the training script reads it.",
+    ),
+    "GA102": Explanation(
+        what="No element of a parameter is held by two pieces that are not identical replicas.",
+        why="Two different pieces claiming the same elements would count those elements twice in any norm; it "
+        "means the ownership map (offsets, shard sizes, padding) is wrong.",
+        example="An uneven FSDP1 shard whose flat range includes the previous rank's last elements, or a "
+        "tensor-parallel column split with an off-by-one offset.",
+        fix="Check how the shard offsets were derived (padding of the last shard, uneven splits). With the "
+        "built-in capture, report a bug with `gradaudit show` output.",
+    ),
+    "GA103": Explanation(
+        what="Every element of every parameter is held by some rank.",
+        why="Elements no rank holds are absent from the recomputed norm, so the audit would underestimate it; "
+        "usually an ownership map that forgets padding-free tails or expert shards.",
+        example="An MoE layer whose expert 7 lives on a rank that did not dump it, or a flat range that stops "
+        "one row short.",
+        fix="Dump every rank and every parameter that has a gradient; check the offsets of the last shard.",
+    ),
+    "GA201": Explanation(
+        what="Each rank's reported norm (or the norm its coefficient implies) against the norm of its own pieces only.",
+        why="A norm that is never reduced across ranks is smaller than the global one: every shard can be under "
+        "max_norm while the whole gradient is far above it, so no rank clips and the update is too large.",
+        example="Four FSDP2 ranks each clip their to_local() gradients: each sees 0.8 < max_norm 1 and applies "
+        "coefficient 1, while the true global norm is sqrt(4 x 0.8^2) = 1.6 and the coefficient should be 0.625.",
+        fix="Clip the sharded gradients with torch.nn.utils.clip_grad_norm_ on the DTensor parameters (FSDP2), "
+        "FSDP.clip_grad_norm_ (FSDP1), or all-reduce the sum of |g|^p over the right group before taking the root.",
+    ),
+    "GA202": Explanation(
+        what="The reported norm against the norm of all ranks' pieces with every replica counted once per copy.",
+        why="Replicated gradients (DDP/HSDP replicas, tensor-parallel LayerNorm and bias, tied embeddings on two "
+        "pipeline stages) hold the same elements; summing every copy inflates the norm, so clipping is too strong.",
+        example="HSDP with 2 replicas of a 2-way shard: a hand-rolled norm all-reduced over all 4 ranks is "
+        "sqrt(2) times the true norm.",
+        fix="Reduce the squared norm over the shard group only (each replica holds the same values), or divide "
+        "replicated contributions by their replica count before the all-reduce.",
+    ),
+    "GA203": Explanation(
+        what="The reported norm against the norm of the pieces held by one named process group of this rank.",
+        why="Reducing over the wrong group (one pipeline stage, the shard axis without the others, experts left "
+        "out) gives each group its own coefficient: ranks apply different scales to one logical update.",
+        example="Two pipeline stages each clip by their own stage norm: stage 0 sees 0.9, stage 1 sees 1.2, "
+        "and neither is the true norm 1.5.",
+        fix="All-reduce the sum of |g|^p over every group that splits the parameters (pp and the shard axes), "
+        "once per replica; torch's clip_grad_norm_ on DTensors handles the mesh, pipeline stages need an extra "
+        "all-reduce.",
+    ),
+    "GA204": Explanation(
+        what="Whether the reported norm matches any candidate at all (true, local, double-counted, per group, "
+        "loss-scaled).",
+        why="A norm that matches no known accounting may come from a bug gradaudit does not model, a norm "
+        "taken at another moment (before accumulation finished), or a mismatched dump.",
+        example="Rank 0 reports 3.7 while the true norm is 1.6, its local norm 0.8 and every group norm below 1.6.",
+        fix="Compare the numbers in the finding; check when the norm was computed relative to accumulation, "
+        "unscaling and the dump, and whether the dump captured the gradients that were clipped.",
+    ),
+    "GA205": Explanation(
+        what="Ranks whose reported norm is wrong while the coefficient they applied is the one the true norm asks for.",
+        why="Clipping itself was right, but dashboards and alerts built on the logged norm are wrong, which "
+        "hides real spikes or invents false ones.",
+        example="A training loop logs the local norm of rank 0 while clip_grad_norm_ on DTensors clipped with "
+        "the global one.",
+        fix="Log the value returned by the clipping call (made a full tensor) rather than a locally computed norm.",
+    ),
+    "GA301": Explanation(
+        what="All ranks applied the same clip coefficient to the gradient (within the dtype's tolerance).",
+        why="One logical update must be scaled by one number; different coefficients per rank change the "
+        "direction of the update, not just its length.",
+        example="Two pipeline stages clipping by their own stage norms apply 0.8 and 0.5.",
+        fix="Compute one global norm (see GA201-GA203) and apply its coefficient on every rank.",
+    ),
+    "GA302": Explanation(
+        what="Each rank's applied coefficient (measured from pre/post-clip gradients, else reported) against "
+        "min(1, max_norm / (true_norm + 1e-6)).",
+        why="This is the rule torch.nn.utils.clip_grad_norm_ promises; any other coefficient means the update "
+        "was larger or smaller than intended.",
+        example="Every rank applied 1 (no clipping) while the true norm 1.6 with max_norm 1 asks for 0.625.",
+        fix="Fix the norm (see the GA2xx finding next to it); if the norm is right, check that the coefficient "
+        "is applied to every gradient, including those outside the clipped parameter list.",
+    ),
+    "GA303": Explanation(
+        what="The global norm of the post-clip gradients is at most max_norm.",
+        why="After correct clipping the norm cannot exceed max_norm; if it does, some gradients were not scaled "
+        "or were scaled by a coefficient computed from too small a norm.",
+        example="After clipping with local norms the recombined gradient still has norm 1.6 > max_norm 1.",
+        fix="See the GA2xx/GA30x findings; make sure every parameter with a gradient is in the clipped list.",
+    ),
+    "GA401": Explanation(
+        what="Counts of nan, +inf and -inf in every rank's pre-clip gradient pieces, per parameter, and the lowest rank where they appear.",
+        why="One nonfinite element makes the global norm nonfinite; clip_grad_norm_ then scales every gradient "
+        "by nan (unless error_if_nonfinite is set) and the weights are destroyed unless the step is skipped.",
+        example="Rank 2's shard of layers.3.mlp.w1 holds 1 inf and 1 nan after an overflow in bf16.",
+        fix="Use GradScaler (fp16) or find the overflowing op; pass error_if_nonfinite=True to catch it early; "
+        "make sure every rank skips the step together (see GA402).",
+    ),
+    "GA402": Explanation(
+        what="All ranks agree on whether nonfinite gradients were found and whether the optimizer step was skipped.",
+        why="If only the ranks that saw the inf skip the step, the replicas and shards of one model drift apart.",
+        example="A GradScaler whose found_inf is not all-reduced: rank 1 skips the step, ranks 0, 2 and 3 step.",
+        fix="Use the sharded grad scaler of your stack (it all-reduces found_inf), or all-reduce found_inf with MAX.",
+    ),
+    "GA501": Explanation(
+        what="How many times clipping ran before one optimizer step, per rank.",
+        why="Clipping each microbatch's partial gradient during accumulation clips a different vector than the "
+        "accumulated gradient, so the update differs from the intended rule.",
+        example="With 4 accumulation steps clip_grad_norm_ is called in the microbatch loop: 4 calls, each on a partial sum.",
+        fix="Clip once, after the last backward of the accumulation window and before optimizer.step().",
+    ),
+    "GA502": Explanation(
+        what="Whether clipping ran on gradients still multiplied by the GradScaler loss scale.",
+        why="The scaled gradient's norm is the true norm times the scale, so clipping it at max_norm clips the "
+        "true gradient at max_norm / scale: far too hard, and it changes as the scale changes.",
+        example="scaler.scale(loss).backward(); clip_grad_norm_(params, 1.0); scaler.step(opt) with scale 65536: "
+        "the reported norm is 65536 times the true one.",
+        fix="Call scaler.unscale_(optimizer) before clip_grad_norm_.",
+    ),
+    "GA601": Explanation(
+        what="Copies of one piece on several ranks (replicas: equal parameter and regions) hold the same values, "
+        "within the dtype's tolerance (or the same fingerprint in stats-only dumps).",
+        why="Replicas that differ mean a missing or wrong all-reduce: the model copies drift apart and the norm "
+        "depends on which copy is counted.",
+        example="DDP where one rank's gradients were never all-reduced (no_sync left on): rank 1 differs from rank 0 "
+        "by max |difference| 0.3.",
+        fix="Check that every replicated gradient goes through the all-reduce (DDP hooks, HSDP replicate axis, "
+        "tensor-parallel LayerNorm grads).",
+    ),
+    "GA602": Explanation(
+        what="The sharded step's gradients, reassembled from their pieces, against one unsharded reference step "
+        "of the same model and data (--reference): per parameter max absolute and relative error, and the "
+        "global norm and expected coefficient.",
+        why="It is the ground truth: if the pre-clip gradients already differ, the bug is upstream of clipping "
+        "(loss weighting, a missing reduction, wrong data).",
+        example="A rank's shard holds an inf the reference does not have; or every gradient is twice the "
+        "reference because the loss was summed over replicas.",
+        fix="Look at the worst parameters first; tune --rtol/--atol only if the differences are numerical noise.",
+    ),
+    "GA603": Explanation(
+        what="The clipped gradients and the next weights against the unsharded reference, when both dumps hold them.",
+        why="Matching pre-clip gradients but different clipped gradients pin the bug on clipping; different next "
+        "weights show what the bug did to the model.",
+        example="Local-norm clipping: the gradients match the reference, the clipped gradients are 1.6 times larger.",
+        fix="Fix the clipping finding reported next to it; then the clipped gradients should match.",
+    ),
+    "GA701": Explanation(
+        what="The norm of the optimizer's update (parameters after minus before) next to the gradient norm.",
+        why="Clipping bounds the gradient, not an adaptive optimizer's update: Adam's update is about lr per "
+        "element regardless of the gradient's size. This is information, not an error.",
+        example="Update norm 0.05 with clipped gradient norm 1.0: the ratio depends on the optimizer, not the clip.",
+        fix="Nothing to fix; if update size matters, monitor it (or clip updates) separately.",
+    ),
+    "GA702": Explanation(
+        what="Ranks that averaged their own loss (loss_reduction 'mean') over different token counts.",
+        why="Averaging per-rank means weights each token by 1/(its rank's tokens): tokens in short batches count "
+        "more, so the gradient is not the gradient of the global mean loss.",
+        example="Rank 0 has 1000 tokens, rank 1 has 200: a rank-1 token weighs 5 times a rank-0 token.",
+        fix="Sum the per-token losses on each rank and divide by the global token count (all-reduced), or "
+        "weight each rank's mean by its token share.",
+    ),
+}

@@ -1,0 +1,74 @@
+"""GA401-GA402: nonfinite gradient values, and ranks that disagree on skipping the step."""
+
+from __future__ import annotations
+
+from ..measure import StepMeasurements
+from ..model import StepDump
+from .base import AuditOptions, CheckResult, Hit, Skip, ranks_text
+
+MAX_ENTRIES_IN_MESSAGE = 8
+
+
+def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    counts: dict[tuple[int, str], list[int]] = {}
+    for piece in m.pieces:
+        stats = piece.stats.get("grad")
+        if stats is None or not stats.num_nonfinite:
+            continue
+        entry = counts.setdefault((piece.rank, piece.param), [0, 0, 0])
+        entry[0] += stats.num_nan
+        entry[1] += stats.num_posinf
+        entry[2] += stats.num_neginf
+    if not counts:
+        return ()
+    ranks = sorted({r for r, _ in counts})
+    params = sorted({p for _, p in counts})
+    first = ranks[0]
+    first_params = sorted(p for r, p in counts if r == first)
+    entries = [
+        f"rank {r} {p}: {c[0]} nan, {c[1]} +inf, {c[2]} -inf" for (r, p), c in sorted(counts.items())[:MAX_ENTRIES_IN_MESSAGE]
+    ]
+    if len(counts) > MAX_ENTRIES_IN_MESSAGE:
+        entries.append(f"and {len(counts) - MAX_ENTRIES_IN_MESSAGE} more rank/parameter pairs")
+    totals = [sum(c[i] for c in counts.values()) for i in range(3)]
+    return (
+        Hit(
+            message=(
+                f"nonfinite gradient values on ranks {ranks_text(ranks)} in {len(params)} parameters; they first "
+                f"appear on rank {first} ({', '.join(first_params[:3])}{', ...' if len(first_params) > 3 else ''}). "
+                + "; ".join(entries)
+            ),
+            ranks=tuple(ranks),
+            params=tuple(params),
+            evidence={"num_nan": totals[0], "num_posinf": totals[1], "num_neginf": totals[2], "first_rank": first},
+        ),
+    )
+
+
+def skip_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    hits = []
+    recorded = False
+    for field_name, meaning in (("found_inf", "found nonfinite gradients"), ("step_skipped", "skipped the optimizer step")):
+        values = {
+            rank: getattr(step.ranks[rank].clip, field_name)
+            for rank in step.ranks_present
+            if step.ranks[rank].clip is not None and getattr(step.ranks[rank].clip, field_name) is not None
+        }
+        recorded |= bool(values)
+        yes = sorted(r for r, v in values.items() if v)
+        no = sorted(r for r, v in values.items() if not v)
+        if yes and no:
+            minority = yes if len(yes) <= len(no) else no
+            hits.append(
+                Hit(
+                    message=(
+                        f"ranks disagree on whether they {meaning}: ranks {ranks_text(yes)} say yes, ranks "
+                        f"{ranks_text(no)} say no; one logical update was applied by some ranks and not others"
+                    ),
+                    ranks=tuple(minority),
+                    evidence={"field": field_name, "num_yes": len(yes), "num_no": len(no)},
+                )
+            )
+    if not recorded:
+        return Skip(reason="no rank recorded found_inf or step_skipped (no GradScaler or optimizer record)")
+    return tuple(hits)

@@ -1,0 +1,91 @@
+"""GA501, GA502, GA702: how clipping was scheduled, whether it saw scaled gradients, how losses were averaged."""
+
+from __future__ import annotations
+
+from ..measure import StepMeasurements
+from ..model import StepDump
+from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_text
+from .norm import base_hypothesis
+
+
+def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    calls = {r: step.ranks[r].clip.calls for r in step.ranks_present if step.ranks[r].clip is not None}
+    if not any(calls.values()):
+        return Skip(reason="no rank recorded its individual clip calls")
+    repeated = {r: c for r, c in calls.items() if len(c) > 1}
+    if not repeated:
+        return ()
+    first_rank = min(repeated)
+    norms = ", ".join(num(c.reported_norm) for c in repeated[first_rank][:8])
+    counts = sorted({len(c) for c in repeated.values()})
+    return (
+        Hit(
+            message=(
+                f"ranks {ranks_text(repeated)} clipped {'/'.join(map(str, counts))} times before one optimizer step "
+                f"(rank {first_rank} reported norms {norms}); clipping each microbatch's partial gradient is not "
+                "clipping the accumulated gradient"
+            ),
+            ranks=tuple(repeated),
+            evidence={"num_calls": max(counts), "first_rank": first_rank},
+        ),
+    )
+
+
+def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    from ..diagnosis import diagnose_step, loss_scale_of
+
+    scale = loss_scale_of(step)
+    if scale is None:
+        return Skip(reason="no loss scale was recorded (no GradScaler in this run, or not captured)")
+    flagged: dict[int, str] = {}
+    for rank in step.ranks_present:
+        clip = step.ranks[rank].clip
+        if clip is None:
+            continue
+        if clip.unscaled_before_clip is False or any(c.unscaled is False for c in clip.calls):
+            flagged[rank] = "its record says GradScaler.unscale_ had not run"
+    if step.clip is not None:
+        for rank, d in diagnose_step(step, m).ranks.items():
+            if base_hypothesis(d.hypothesis)[1] and not d.logging_bug:
+                flagged.setdefault(rank, f"its norm matches the loss-scaled one ({d.detail})")
+    if not flagged:
+        return ()
+    max_norm = step.clip.max_norm if step.clip is not None else None
+    first = min(flagged)
+    threshold = "" if max_norm is None else (
+        f"; clipping gradients scaled by {num(scale)} at max_norm {num(max_norm)} clips the true gradients at "
+        f"{num(max_norm / scale)}"
+    )
+    return (
+        Hit(
+            message=f"ranks {ranks_text(flagged)} clipped gradients still multiplied by the loss scale {num(scale)}: rank {first}: {flagged[first]}{threshold}",
+            ranks=tuple(flagged),
+            evidence={
+                "loss_scale": scale,
+                "max_norm": max_norm,
+                "effective_max_norm": None if max_norm is None else max_norm / scale,
+            },
+        ),
+    )
+
+
+def uneven_token_means(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    records = {r: step.ranks[r].data for r in step.ranks_present if step.ranks[r].data.tokens is not None}
+    if len(records) < 2:
+        return Skip(reason="fewer than two ranks recorded their token counts")
+    means = {r: d.tokens for r, d in records.items() if d.loss_reduction == "mean"}
+    if len(set(means.values())) <= 1:
+        return ()
+    low, high = min(means.values()), max(means.values())
+    listed = ", ".join(f"rank {r}: {t}" for r, t in sorted(means.items())[:8])
+    return (
+        Hit(
+            message=(
+                f"ranks {ranks_text(means)} each averaged their own loss over different token counts ({listed}); "
+                f"averaging those means weights a token of the smallest batch {num(high / low if low else float('inf'))} "
+                "times more than one of the largest"
+            ),
+            ranks=tuple(r for r, t in means.items() if t != high) if low != high else tuple(means),
+            evidence={"min_tokens": low, "max_tokens": high},
+        ),
+    )

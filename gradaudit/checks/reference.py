@@ -1,0 +1,162 @@
+"""GA602-GA603: the sharded step against one unsharded reference step (`--reference`).
+
+A parameter agrees with the reference when max |ours - reference| <= atol + rtol * max |reference|
+(a normwise comparison: elements near zero do not blow up a relative error) and the two have
+nonfinite values in the same places.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..diagnosis import disjoint_cover, norm_of_pieces
+from ..measure import ReferenceError, StepMeasurements
+from ..model import StepDump
+from ..norms import expected_clip_coef, relative_difference
+from ..report import ParamComparison
+from .base import AuditOptions, CheckResult, Hit, Skip, num
+
+REFERENCE_TOLERANCE_BY_DTYPE = {
+    "float64": (1e-9, 1e-12),
+    "float32": (1e-4, 1e-8),
+    "float16": (5e-3, 1e-5),
+    "bfloat16": (2e-2, 1e-5),
+    "float8_e4m3fn": (1e-1, 1e-3),
+    "float8_e5m2": (2e-1, 1e-3),
+}
+"""(rtol, atol) by the dumped dtype: a sharded run sums in another order than the unsharded one."""
+
+MAX_PARAMS_IN_MESSAGE = 5
+
+
+def tolerances(dtype: str, options: AuditOptions) -> tuple[float, float]:
+    rtol, atol = REFERENCE_TOLERANCE_BY_DTYPE.get(dtype, REFERENCE_TOLERANCE_BY_DTYPE["float32"])
+    return (rtol if options.rtol is None else options.rtol, atol if options.atol is None else options.atol)
+
+
+def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
+    rtol, atol = tolerances(error.dtype, options)
+    rel = error.max_abs_error / error.max_abs_reference if error.max_abs_reference > 0 else (
+        0.0 if error.max_abs_error == 0 else math.inf
+    )
+    if error.num_nonfinite_mismatch:
+        rel = math.inf
+    within = error.num_nonfinite_mismatch == 0 and error.max_abs_error <= atol + rtol * error.max_abs_reference
+    return ParamComparison(
+        param=error.param,
+        kind=error.kind,
+        max_abs_error=math.inf if error.num_nonfinite_mismatch else error.max_abs_error,
+        max_rel_error=rel,
+        atol=atol,
+        rtol=rtol,
+        within_tolerance=within,
+    )
+
+
+def _badness(error: ReferenceError, options: AuditOptions) -> float:
+    """The error as a multiple of what the tolerance allows."""
+    if error.num_nonfinite_mismatch:
+        return math.inf
+    rtol, atol = tolerances(error.dtype, options)
+    return error.max_abs_error / max(atol + rtol * error.max_abs_reference, 1e-300)
+
+
+def reference_comparisons(m: StepMeasurements, options: AuditOptions) -> tuple[ParamComparison, ...]:
+    """Every compared parameter and kind, worst first (outside tolerance first, then by error/tolerance)."""
+    errors = [e for pm in m.params.values() for e in pm.reference_errors]
+    errors.sort(key=lambda e: (-_badness(e, options), e.param, e.kind))
+    found = [compare(e, options) for e in errors]
+    return tuple(sorted(found, key=lambda c: c.within_tolerance))
+
+
+def reference_norm(m: StepMeasurements, kind: str = "grad") -> float | None:
+    pieces = [p for pm in m.params.values() for p in pm.reference_pieces]
+    if not pieces:
+        return None
+    return norm_of_pieces(disjoint_cover(pieces), m.norm_type, kind)
+
+
+def _describe(c: ParamComparison) -> str:
+    if math.isinf(c.max_abs_error):
+        return f"{c.param} ({c.kind}): nonfinite values where the reference has none, or the other way round"
+    return (
+        f"{c.param} ({c.kind}): max |error| {num(c.max_abs_error)}, relative {num(c.max_rel_error)} "
+        f"(allowed {num(c.atol)} + {num(c.rtol)} x max |reference|)"
+    )
+
+
+def _hits_for(kinds: tuple[str, ...], m: StepMeasurements, options: AuditOptions, lead: str) -> list[Hit]:
+    bad = [c for c in reference_comparisons(m, options) if c.kind in kinds and not c.within_tolerance]
+    if not bad:
+        return []
+    lines = [_describe(c) for c in bad[:MAX_PARAMS_IN_MESSAGE]]
+    if len(bad) > MAX_PARAMS_IN_MESSAGE:
+        lines.append(f"and {len(bad) - MAX_PARAMS_IN_MESSAGE} more")
+    worst = bad[0]
+    return [
+        Hit(
+            message=f"{lead} in {len(bad)} parameter/tensor pairs, worst first: " + "; ".join(lines),
+            params=tuple(c.param for c in bad),
+            evidence={
+                "worst_param": worst.param,
+                "worst_kind": worst.kind,
+                "max_abs_error": worst.max_abs_error,
+                "max_rel_error": worst.max_rel_error,
+            },
+        )
+    ]
+
+
+def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    if not m.reference_given:
+        return Skip(reason="no unsharded reference was given (--reference REF)")
+    compared = [e for pm in m.params.values() for e in pm.reference_errors if e.kind == "grad"]
+    notes = [n for pm in m.params.values() for n in pm.notes]
+    if not compared and not notes and not m.reference_only_params:
+        return Skip(reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)")
+    hits = _hits_for(("grad",), m, options, "gradients differ from the unsharded reference")
+    if notes or m.reference_only_params:
+        missing = notes + [f"{name}: only in the reference" for name in m.reference_only_params]
+        hits.append(
+            Hit(
+                message="the dump and the reference do not hold the same parameters: " + "; ".join(missing[:8]),
+                params=tuple(sorted({n.split(":", 1)[0] for n in notes} | set(m.reference_only_params))),
+                evidence={"num_mismatched_params": len(missing)},
+            )
+        )
+    ours, theirs = _global_norms(step, m)
+    if ours is not None and theirs is not None and compared:
+        rtol = max(tolerances(e.dtype, options)[0] for e in compared)
+        if relative_difference(ours, theirs) > rtol:
+            max_norm = step.clip.max_norm if step.clip is not None else None
+            coefs = ""
+            if max_norm is not None:
+                coefs = (
+                    f"; expected coefficients {num(expected_clip_coef(ours, max_norm))} here and "
+                    f"{num(expected_clip_coef(theirs, max_norm))} in the reference"
+                )
+            hits.append(
+                Hit(
+                    message=f"the global gradient norm is {num(ours)} here but {num(theirs)} in the reference{coefs}",
+                    evidence={"global_norm": ours, "reference_global_norm": theirs, "rtol": rtol},
+                )
+            )
+    return tuple(hits)
+
+
+def _global_norms(step: StepDump, m: StepMeasurements) -> tuple[float | None, float | None]:
+    if step.missing_ranks:
+        return None, None
+    ours = norm_of_pieces(disjoint_cover(list(m.pieces)), m.norm_type)
+    return ours, reference_norm(m)
+
+
+def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    if not m.reference_given:
+        return Skip(reason="no unsharded reference was given (--reference REF)")
+    kinds = {e.kind for pm in m.params.values() for e in pm.reference_errors}
+    if not kinds & {"grad_clipped", "param_after"}:
+        return Skip(reason="the dump and the reference do not both hold post-clip gradients or next weights with values")
+    hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
+    hits += _hits_for(("param_after",), m, options, "the next weights differ from the unsharded reference")
+    return tuple(hits)

@@ -1,0 +1,76 @@
+"""The one table of checks: code, severity, title, explanation and the function that runs it."""
+
+from __future__ import annotations
+
+import textwrap
+
+from ..measure import StepMeasurements
+from ..model import StepDump
+from ..report import Finding, NotChecked, Severity
+from . import coefficients, coverage, nonfinite, norm, procedure, reference, replicas, updates
+from .base import AuditOptions, CheckSpec
+from .explanations import EXPLANATIONS
+
+ERROR, WARNING, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
+
+_TABLE = (
+    ("GA100", ERROR, "ranks missing from the step folder", coverage.missing_ranks),
+    ("GA101", ERROR, "ranks disagree on run metadata", coverage.metadata_disagreement),
+    ("GA102", ERROR, "ownership overlap", coverage.ownership_overlap),
+    ("GA103", ERROR, "ownership gap", coverage.ownership_gap),
+    ("GA201", ERROR, "clipping used a local norm", norm.local_norm),
+    ("GA202", ERROR, "norm counts replicated gradients more than once", norm.double_counted),
+    ("GA203", ERROR, "norm reduced over the wrong process group", norm.wrong_group),
+    ("GA204", ERROR, "norm matches no known mistake", norm.unexplained),
+    ("GA205", WARNING, "reported norm is wrong but clipping used the right one", norm.logging_bug),
+    ("GA301", ERROR, "ranks applied different clip coefficients", coefficients.coefficients_differ),
+    ("GA302", ERROR, "applied coefficient differs from the expected one", coefficients.coefficient_vs_expected),
+    ("GA303", ERROR, "post-clip global norm exceeds max_norm", coefficients.post_clip_norm),
+    ("GA401", ERROR, "nonfinite gradient values", nonfinite.nonfinite_gradients),
+    ("GA402", ERROR, "ranks disagree on nonfinite or skipped step", nonfinite.skip_disagreement),
+    ("GA501", ERROR, "clipping ran more than once before one optimizer step", procedure.clipped_more_than_once),
+    ("GA502", ERROR, "clipping ran on scaled gradients (before GradScaler.unscale_)", procedure.clipped_scaled_gradients),
+    ("GA601", ERROR, "pieces that should be replicas differ", replicas.replicas_differ),
+    ("GA602", ERROR, "gradients differ from the unsharded reference", reference.gradients_differ),
+    ("GA603", ERROR, "clipped gradients or next weights differ from the unsharded reference", reference.clipped_or_next_weights_differ),
+    ("GA701", INFO, "update norm vs gradient norm", updates.update_vs_gradient),
+    ("GA702", WARNING, "ranks averaged their own loss over different token counts", procedure.uneven_token_means),
+)
+
+CHECKS: tuple[CheckSpec, ...] = tuple(
+    CheckSpec(code=code, severity=severity, title=title, explanation=EXPLANATIONS[code], run=run)
+    for code, severity, title, run in _TABLE
+)
+"""Every check, in code order. Codes are never reused: retire a code by removing its row, never renumber."""
+
+BY_CODE = {spec.code: spec for spec in CHECKS}
+
+
+def run_checks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
+    """Run every check; findings sorted by (severity, code, ranks, params), not-checked by code."""
+    findings: list[Finding] = []
+    not_checked: list[NotChecked] = []
+    for spec in CHECKS:
+        result = spec.apply(step, m, options)
+        if isinstance(result, NotChecked):
+            not_checked.append(result)
+        else:
+            findings.extend(result)
+    return tuple(sorted(findings, key=lambda f: f.sort_key)), tuple(not_checked)
+
+
+def explain(code: str, width: int = 88) -> str:
+    """The text `gradaudit explain CODE` prints."""
+    spec = BY_CODE[code.upper()]
+    e = spec.explanation
+    sections = (("What it checks", e.what), ("Why it matters", e.why), ("Example", e.example), ("How to fix it", e.fix))
+    body = "\n\n".join(
+        f"{heading}\n" + textwrap.fill(text, width=width, initial_indent="  ", subsequent_indent="  ")
+        for heading, text in sections
+    )
+    return f"{spec.code} ({spec.severity.value}): {spec.title}\n\n{body}\n"
+
+
+def explain_all() -> str:
+    """One line per code: code, severity, title."""
+    return "".join(f"{spec.code}  {spec.severity.value:<7}  {spec.title}\n" for spec in CHECKS)

@@ -1,0 +1,73 @@
+"""GA601: pieces that should be replicas of each other differ."""
+
+from __future__ import annotations
+
+import math
+
+from ..measure import ReplicaSet, StepMeasurements
+from ..model import StepDump
+from ..norms import norm_rtol
+from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_text
+
+MAX_PARAMS_IN_MESSAGE = 5
+TINY = 1e-30
+
+
+def replica_tolerance(rs: ReplicaSet) -> float:
+    """How far copies may drift: the dtype's norm tolerance times the copy's scale (values or fingerprint)."""
+    rtol = norm_rtol([rs.dtype])
+    if rs.by_values:
+        return rtol * rs.base_max_abs + TINY
+    return rtol * math.sqrt(rs.numel * rs.base_sum_sq) + TINY
+
+
+def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
+    """(rank, how far it is from the base copy) for every copy beyond tolerance."""
+    tol = replica_tolerance(rs)
+    found = []
+    for copy in rs.copies:
+        if rs.by_values:
+            if copy.num_nonfinite_mismatch or (copy.max_abs_diff or 0.0) > tol:
+                found.append((copy.rank, math.inf if copy.num_nonfinite_mismatch else copy.max_abs_diff))
+        elif copy.fingerprint_delta is not None and copy.fingerprint_delta > tol:
+            found.append((copy.rank, copy.fingerprint_delta))
+    return found
+
+
+def replicas_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    sets = [rs for pm in m.params.values() for rs in pm.replica_sets]
+    if not sets:
+        return Skip(reason="no parameter piece is held on more than one present rank")
+    bad = []
+    for rs in sets:
+        copies = differing_copies(rs)
+        if copies:
+            bad.append((rs, copies))
+    if not bad:
+        return ()
+    bad.sort(key=lambda item: (-max(d for _, d in item[1]) / (replica_tolerance(item[0])), item[0].param))
+    lines = []
+    for rs, copies in bad[:MAX_PARAMS_IN_MESSAGE]:
+        what = "max |difference|" if rs.by_values else "fingerprint difference"
+        worst_rank, worst = max(copies, key=lambda c: c[1])
+        lines.append(
+            f"{rs.param}: ranks {ranks_text(r for r, _ in copies)} differ from rank {rs.base_rank}, "
+            f"worst rank {worst_rank} by {what} {num(worst)} (tolerance {num(replica_tolerance(rs))})"
+        )
+    if len(bad) > MAX_PARAMS_IN_MESSAGE:
+        lines.append(f"and {len(bad) - MAX_PARAMS_IN_MESSAGE} more replicated pieces")
+    ranks = sorted({r for _, copies in bad for r, _ in copies})
+    worst_rs, worst_copies = bad[0]
+    return (
+        Hit(
+            message=f"{len(bad)} replicated pieces disagree between ranks (a missing or wrong all-reduce): " + "; ".join(lines),
+            ranks=tuple(ranks),
+            params=tuple(sorted({rs.param for rs, _ in bad})),
+            evidence={
+                "num_differing_pieces": len(bad),
+                "worst_param": worst_rs.param,
+                "worst_difference": max(d for _, d in worst_copies),
+                "compared_by": "values" if worst_rs.by_values else "fingerprint",
+            },
+        ),
+    )

@@ -1,0 +1,35 @@
+"""GA701: how large the optimizer's update was, next to the clipped gradient."""
+
+from __future__ import annotations
+
+import math
+
+from ..diagnosis import disjoint_cover, norm_of_pieces
+from ..measure import StepMeasurements
+from ..model import StepDump
+from .base import AuditOptions, CheckResult, Hit, Skip, num
+
+
+def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    cover = disjoint_cover(list(m.pieces))
+    with_update = [p for p in cover if p.update_sum_sq is not None]
+    if not with_update:
+        return Skip(reason="parameters before and after the optimizer step were not dumped with values")
+    if len(with_update) < len(cover):
+        return Skip(reason=f"only {len(with_update)} of {len(cover)} pieces hold parameters before and after the step")
+    update_norm = math.sqrt(math.fsum(p.update_sum_sq for p in cover))
+    clipped = all("grad_clipped" in p.stats for p in cover)
+    grad_norm = norm_of_pieces(cover, 2.0, "grad_clipped" if clipped else "grad")
+    which = "clipped gradient" if clipped else "gradient (before clipping)"
+    ratio = update_norm / grad_norm if grad_norm else math.inf
+    return (
+        Hit(
+            message=(
+                f"the optimizer moved the parameters by L2 norm {num(update_norm)}; the {which} had L2 norm "
+                f"{num(grad_norm)} (ratio {num(ratio)}). Gradient clipping bounds the gradient, not an adaptive "
+                "optimizer's update: monitor the update norm separately if it matters"
+            ),
+            params=(),
+            evidence={"update_norm": update_norm, "gradient_norm": grad_norm, "ratio": ratio, "gradient_kind": "grad_clipped" if clipped else "grad"},
+        ),
+    )

@@ -1,0 +1,145 @@
+"""Runs a scenario's functions in fresh local CPU processes: its ranks joined by gloo, or one process alone.
+
+Functions are named as "module:function" and resolved inside the child, so the calling process (the
+CLI, a test) never imports torch or changes its global state (seeds, process groups).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Wall-clock limit for all ranks together; a demo step takes seconds, so this only catches hangs."""
+
+COLLECTIVE_TIMEOUT_S = 60.0
+
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor"]
+"""Imported once by the fork server, so that each rank starts in a fraction of a second, not seconds."""
+
+
+class DemoRunFailed(RuntimeError):
+    """A process of a demo scenario raised, died or hung: a bug in the scenario or an unusable machine."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """What a scenario's per-rank function receives inside its process, after the group is up."""
+
+    rank: int
+    world_size: int
+    out_dir: Path
+    """Where the sharded dump goes (audit_step writes out_dir/step_<N>/)."""
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(target: str, *, world_size: int, out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Spawn `world_size` processes, join them in a gloo group on 127.0.0.1, and call `target(ctx)` in each.
+
+    Raises DemoRunFailed with the failing rank's traceback, or when the ranks outlive `timeout_s`.
+    """
+    _run(_rank_main, (world_size, free_port(), target, str(out_dir)), world_size, timeout_s)
+
+
+def run_single(target: str, *, out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Call `target(out_dir)` in one fresh process with no process group (the unsharded reference)."""
+    _run(_single_main, (target, str(out_dir)), 1, timeout_s)
+
+
+def _start_method() -> str:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        return "forkserver"
+    return "spawn"
+
+
+def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """Start `entry(index, *args)` in `nprocs` processes; stop them all as soon as one fails."""
+    context = multiprocessing.get_context(_start_method())
+    errors = context.SimpleQueue()
+    processes = [
+        context.Process(target=_guarded, args=(entry, index, args, errors), daemon=True) for index in range(nprocs)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [p.exitcode for p in processes]
+            failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                index, detail = errors.get() if not errors.empty() else (failed[0], f"exit code {codes[failed[0]]}")
+                raise DemoRunFailed(f"demo process {index} of {nprocs} failed: {detail}")
+            if all(code == 0 for code in codes):
+                return
+            if time.monotonic() > deadline:
+                raise DemoRunFailed(f"{nprocs} demo process(es) did not finish within {timeout_s:.0f} s")
+            processes[codes.index(None)].join(0.05)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(5)
+
+
+def _guarded(entry, index: int, args: tuple, errors) -> None:
+    try:
+        entry(index, *args)
+    except BaseException:
+        errors.put((index, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _resolve(target: str):
+    module_name, _, function_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def _prepare_child() -> None:
+    import warnings
+
+    import torch
+
+    # A few cores shared by all ranks: intra-op threads would only fight each other.
+    torch.set_num_threads(1)
+    # FSDP2 warns about every module that returns a view; the scenarios never modify outputs in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def _single_main(index: int, target: str, out_dir: str) -> None:
+    _prepare_child()
+    _resolve(target)(Path(out_dir))
+
+
+def _rank_main(rank: int, world_size: int, port: int, target: str, out_dir: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    _prepare_child()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        _resolve(target)(RankContext(rank=rank, world_size=world_size, out_dir=Path(out_dir)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""One module per demo scenario; each defines `train_rank(ctx)` and `train_reference(out_dir)`."""

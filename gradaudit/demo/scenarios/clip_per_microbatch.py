@@ -1,0 +1,42 @@
+"""DDP with two microbatches of gradient accumulation, clipping after every microbatch instead of once
+before the optimizer step: the first microbatch's share is clipped on its own, which changes the
+objective, and the accumulated gradient is clipped again."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import gradaudit
+
+from ..launch import RankContext
+from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd
+
+MAX_NORM = 0.5
+NUM_MICROBATCHES = 2
+
+
+def train_rank(ctx: RankContext) -> None:
+    model = DistributedDataParallel(seeded(TinyMLP))
+    local_batch = rows_of(regression_batch(), ctx.rank, ctx.world_size)
+    microbatches = [rows_of(local_batch, i, NUM_MICROBATCHES) for i in range(NUM_MICROBATCHES)]
+    optimizer = sgd(model)
+    with gradaudit.audit_step(
+        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
+    ) as audit:
+        for index, (inputs, targets) in enumerate(microbatches):
+            last = index == NUM_MICROBATCHES - 1
+            with nullcontext() if last else model.no_sync():
+                (mse(model, inputs, targets) / NUM_MICROBATCHES).backward()
+            # The mistake: this belongs after the loop, once.
+            audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+        optimizer.step()
+
+
+def train_reference(out_dir: Path) -> None:
+    global_batch = regression_batch()
+    microbatches = [rows_of(global_batch, i, NUM_MICROBATCHES) for i in range(NUM_MICROBATCHES)]
+    reference_step(seeded(TinyMLP), out_dir, max_norm=MAX_NORM, microbatches=microbatches)

@@ -1,0 +1,61 @@
+"""Tensor parallel (fc1 column-wise, fc2 row-wise) with a hand-rolled norm that sums every rank's local
+gradients over the tensor-parallel group: right for the sharded weights, but the LayerNorm and fc2's
+bias are replicated, so they are counted once per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import gradaudit
+
+from ..launch import RankContext
+from ..toy import (
+    STEP,
+    TinyTPBlock,
+    clip_by_norm_,
+    local_grads,
+    mse,
+    reference_step,
+    regression_batch,
+    seeded,
+    sgd,
+    sum_of_squares,
+)
+
+MAX_NORM = 0.5
+
+
+def clip_with_tp_group_norm(parameters, max_norm: float, group) -> torch.Tensor:
+    """The mistake: every local gradient summed over the group, including the replicated ones."""
+    grads = local_grads(parameters)
+    total_sq = sum_of_squares(grads)
+    dist.all_reduce(total_sq, group=group)
+    total_norm = total_sq.sqrt()
+    clip_by_norm_(grads, total_norm, max_norm)
+    return total_norm
+
+
+def _batch():
+    return regression_batch(d_in=8, d_out=8)
+
+
+def train_rank(ctx: RankContext) -> None:
+    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tp",))
+    model = parallelize_module(seeded(TinyTPBlock), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    inputs, targets = _batch()  # tensor-parallel ranks all see the whole batch
+    optimizer = sgd(model)
+    with gradaudit.audit_step(
+        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
+    ) as audit:
+        mse(model, inputs, targets).backward()
+        audit.clip(clip_with_tp_group_norm, list(model.parameters()), MAX_NORM, mesh.get_group("tp"))
+        optimizer.step()
+
+
+def train_reference(out_dir: Path) -> None:
+    reference_step(seeded(TinyTPBlock), out_dir, max_norm=MAX_NORM, microbatches=[_batch()])

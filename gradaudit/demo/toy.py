@@ -1,0 +1,185 @@
+"""The tiny models, fixed data and single-process reference step that the demo scenarios share.
+
+Imported only inside a demo run (it imports torch at the top).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .registry import STEP
+
+MODEL_SEED = 1234
+DATA_SEED = 5678
+LEARNING_RATE = 0.1
+GLOBAL_BATCH = 8
+
+
+class TinyMLP(nn.Module):
+    """Two linear layers: the model of the FSDP2 and DDP scenarios."""
+
+    def __init__(self, d_in: int = 8, d_hidden: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class TinyTPBlock(nn.Module):
+    """An MLP block for tensor parallelism (fc1 column-wise, fc2 row-wise) and a LayerNorm after it,
+    which tensor parallelism leaves as a plain tensor replicated on every rank."""
+
+    def __init__(self, d_model: int = 8, d_hidden: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_model)
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc2(torch.tanh(self.fc1(x))))
+
+
+VOCAB = 16
+D_MODEL = 8
+SEQ_LEN = 4
+
+
+class TinyLM(nn.Module):
+    """Embedding, two blocks and an output head tied to the embedding: the pipeline scenario's model.
+
+    A pipeline stage is this model with the other stage's modules deleted, so that every parameter keeps
+    its full-model name; the last stage holds its own copy of the tied weight as `head.weight`.
+    """
+
+    def __init__(self, *, tie_head: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        self.block0 = nn.Linear(D_MODEL, D_MODEL)
+        self.block1 = nn.Linear(D_MODEL, D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+        if tie_head:
+            self.head.weight = self.embed.weight
+        else:
+            self.head.weight = nn.Parameter(self.embed.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Runs the stages this copy holds: the whole model, or one pipeline stage of it."""
+        if hasattr(self, "embed"):
+            x = torch.tanh(self.block0(self.embed(x)))
+        if hasattr(self, "head"):
+            x = self.head(torch.tanh(self.block1(x)))
+        return x
+
+    def keep_stage(self, stage: int) -> "TinyLM":
+        """Delete the modules of the other stage (stage 0: embed, block0; stage 1: block1, head)."""
+        for name in (("block1", "head") if stage == 0 else ("embed", "block0")):
+            delattr(self, name)
+        return self
+
+
+def seeded(factory: Callable[[], nn.Module]) -> nn.Module:
+    """The same initial weights on every rank and in the reference."""
+    torch.manual_seed(MODEL_SEED)
+    return factory()
+
+
+def regression_batch(*, d_in: int = 8, d_out: int = 4, target_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of the regression scenarios: inputs and targets, always the same values."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    inputs = torch.randn(GLOBAL_BATCH, d_in, generator=generator)
+    targets = target_scale * torch.randn(GLOBAL_BATCH, d_out, generator=generator)
+    return inputs, targets
+
+
+def token_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of the language-model scenario: input tokens and next tokens."""
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rows_of(batch: Sequence[torch.Tensor], index: int, count: int) -> tuple[torch.Tensor, ...]:
+    """Member `index` of `count` (a data-parallel rank, a microbatch) takes its contiguous share of `batch`."""
+    size = batch[0].shape[0] // count
+    return tuple(t[index * size : (index + 1) * size] for t in batch)
+
+
+def cross_entropy(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def mse(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(inputs), targets)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """Plain SGD: the next weights are a simple function of the clipped gradients."""
+    return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+
+
+def reference_step(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    max_norm: float,
+    microbatches: Sequence[tuple[torch.Tensor, ...]],
+    loss_fn: Callable[..., torch.Tensor] = mse,
+    scaler: Optional["torch.amp.GradScaler"] = None,
+) -> None:
+    """One correct single-process step: accumulate every microbatch of the global batch, unscale when a
+    scaler is used, clip once by the true norm, then step. Writes out_dir/step_<STEP>/."""
+    import gradaudit
+
+    optimizer = sgd(model)
+    with gradaudit.audit_step(
+        model, out_dir, step=STEP, max_norm=max_norm, norm_type=2.0, optimizer=optimizer, scaler=scaler, strict=True
+    ) as audit:
+        for batch in microbatches:
+            loss = loss_fn(model, *batch) / len(microbatches)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), max_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+
+def clip_by_norm_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Scale `grads` in place by min(1, max_norm / (total_norm + 1e-6)), as clip_grad_norm_ does."""
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef)
+
+
+def sum_of_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+
+
+def shard_each_layer(model: nn.Module, mesh) -> nn.Module:
+    """FSDP2 as usually applied: one fully_shard unit per child module that has parameters, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def local_grads(parameters) -> list[torch.Tensor]:
+    """Each parameter's gradient as this rank holds it: the local shard of a DTensor, else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]

@@ -1,0 +1,165 @@
+"""How the renderers show numbers (floats, nonfinite values, coefficients, counts, rank lists) and the
+orderings and groupings of report rows that all of them share."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Iterable, Sequence, Union
+
+from ..report import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
+
+SIGNIFICANT_DIGITS = 6
+MISSING = "-"
+"""What a table shows for a value that is not known (JSON uses null)."""
+
+JsonScalar = Union[int, float, str, bool, None]
+
+
+def fmt_float(value: float | None) -> str:
+    """6 significant digits; `nan`, `inf`, `-inf` spelled out; None as "-"."""
+    if value is None:
+        return MISSING
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "0"  # also for -0.0
+    return f"{value:.{SIGNIFICANT_DIGITS}g}"
+
+
+def fmt_coef(value: float | None) -> str:
+    """A clip coefficient: like fmt_float, but never rounded to "1" when it is not exactly 1.
+
+    A coefficient of 0.9999996 did clip; showing "1" would hide that.
+    """
+    text = fmt_float(value)
+    if text == "1" and value != 1:
+        return f"{float(value):.10g}"
+    return text
+
+
+def fmt_norm_type(norm_type: float | None) -> str:
+    """2.0 -> "2", inf -> "inf", 3.5 -> "3.5"."""
+    return fmt_float(norm_type)
+
+
+def norm_name(norm_type: float | None) -> str:
+    """"L2 norm", "L1 norm", "Linf norm"; "norm" when unknown."""
+    if norm_type is None:
+        return "norm"
+    return f"L{fmt_norm_type(norm_type)} norm"
+
+
+def fmt_percent(fraction: float | None) -> str:
+    if fraction is None:
+        return MISSING
+    if not math.isfinite(fraction):
+        return fmt_float(fraction)
+    return f"{fraction * 100:.1f}%"
+
+
+def fmt_ranks(ranks: Iterable[int]) -> str:
+    """Sorted ranks with consecutive runs collapsed: (0, 1, 2, 3, 7, 9, 10) -> "0-3, 7, 9-10"."""
+    ordered = sorted(set(ranks))
+    if not ordered:
+        return MISSING
+    runs: list[str] = []
+    start = previous = ordered[0]
+    for rank in ordered[1:] + [None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        runs.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ", ".join(runs)
+
+
+def fmt_ratio(numerator: float | None, denominator: float | None) -> str:
+    """numerator / denominator, "-" when either is unknown or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return MISSING
+    return fmt_float(numerator / denominator)
+
+
+def fmt_nonfinite(counts: NonfiniteCounts) -> str:
+    """"0", or the nonzero counts: "2 nan, 1 -inf"."""
+    if counts.total == 0:
+        return "0"
+    labelled = ((counts.nan, "nan"), (counts.posinf, "+inf"), (counts.neginf, "-inf"))
+    return ", ".join(f"{n} {label}" for n, label in labelled if n)
+
+
+def fmt_finding_counts(findings: Sequence[Finding]) -> str:
+    """"2 errors, 1 info", or "no findings"."""
+    parts = []
+    for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
+        n = sum(f.severity is severity for f in findings)
+        if n:
+            word = severity.value if n == 1 or severity is Severity.INFO else severity.value + "s"
+            parts.append(f"{n} {word}")
+    return ", ".join(parts) if parts else "no findings"
+
+
+def fmt_value(value: object) -> str:
+    """An evidence value for a human: numbers formatted, strings as they are (the caller escapes them)."""
+    if value is None:
+        return MISSING
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        return fmt_float(float(value))
+    return str(value)
+
+
+def fmt_ranks_labelled(ranks: Sequence[int]) -> str:
+    """"rank 3" or "ranks 0-3, 7"."""
+    return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {fmt_ranks(ranks)}"
+
+
+def json_number(value: object) -> JsonScalar:
+    """A value for JSON: nonfinite floats become "nan"/"inf"/"-inf" so the output stays valid JSON.
+
+    numpy and other registered numeric types are converted to plain int/float.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        if math.isfinite(number):
+            return number
+        return fmt_float(number)
+    raise TypeError(f"cannot put {type(value).__name__} into a report; use a number, a string or None")
+
+
+def reference_worst_first(comparisons: Sequence[ParamComparison]) -> list[ParamComparison]:
+    """Failures first, then by relative then absolute error, largest (and nan) first; ties by name."""
+
+    def badness(value: float) -> float:
+        return math.inf if math.isnan(value) else value
+
+    return sorted(
+        comparisons,
+        key=lambda c: (c.within_tolerance, -badness(c.max_rel_error), -badness(c.max_abs_error), c.param, c.kind),
+    )
+
+
+def diagnosis_groups(rows: Sequence[RankRow]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(diagnosis, detail, ranks) for each distinct explanation, in order of first appearance.
+
+    Ranks usually share one explanation; saying it once keeps the per-rank table to one line a rank.
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for row in rows:
+        if row.diagnosis_detail:
+            groups.setdefault((row.diagnosis or MISSING, row.diagnosis_detail), []).append(row.rank)
+    return [(diagnosis, detail, tuple(ranks)) for (diagnosis, detail), ranks in groups.items()]

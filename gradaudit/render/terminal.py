@@ -1,0 +1,396 @@
+"""Terminal rendering of an audit report (rich): verdict first, then ranks, the norm chart and the findings.
+
+Every line is assembled from rich `Text` pieces, never from markup strings, so an untrusted name is not
+parsed at all: `[red]` stays text, even next to a style or at the end of a cell (where a markup-escaped
+trailing backslash would be ambiguous). Untrusted text also goes through `printable`, which makes
+control characters (ANSI escapes, newlines) visible.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import Counter
+from typing import TYPE_CHECKING, Sequence, Union
+
+from ..report import Finding, MultiStepReport, RankRow, Report, Severity
+from .numbers import (
+    diagnosis_groups,
+    fmt_coef,
+    fmt_finding_counts,
+    fmt_float,
+    fmt_nonfinite,
+    fmt_percent,
+    fmt_ranks,
+    fmt_ranks_labelled,
+    fmt_ratio,
+    fmt_value,
+    norm_name,
+    reference_worst_first,
+)
+from .text import join_limited, printable
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+MAX_PARAMS_SHOWN = 8
+MAX_RANK_ROWS = 32
+MAX_DETAIL_LINES = 8
+MAX_REFERENCE_ROWS = 10
+MAX_CHART_RANKS = 16
+THRESHOLD_MARK = "│"
+
+_SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+_SYMBOL = {Severity.ERROR: "✗", Severity.WARNING: "!", Severity.INFO: "✓", None: "✓"}
+
+Piece = Union[str, tuple[str, str]]
+"""A piece of a line: plain text, or (text, style). Never markup."""
+
+
+def render_report(report: Report, *, width: int = 100, color: bool = False) -> str:
+    out = io.StringIO()
+    console = _console(out, width, color)
+    _print_report(console, report, bar_width=_bar_width(width))
+    return _strip_line_ends(out.getvalue())
+
+
+def render_multi(multi: MultiStepReport, *, width: int = 100, color: bool = False) -> str:
+    out = io.StringIO()
+    console = _console(out, width, color)
+    console.print(_line(("gradaudit", "bold"), f" · {len(multi.steps)} steps in {printable(multi.directory)}"))
+    console.print()
+    console.print(_summary_table(multi))
+    for report in multi.steps:
+        if _has_news(report):
+            console.print()
+            console.rule(_line(f"step {report.step}"), align="left", characters="─")
+            _print_step_brief(console, report)
+    quiet_steps = [r.step for r in multi.steps if not _has_news(r)]
+    if quiet_steps:
+        console.print()
+        console.print(_line(f"No findings, warnings or missing ranks in steps {fmt_ranks(quiet_steps)}."))
+    return _strip_line_ends(out.getvalue())
+
+
+def _console(out: io.StringIO, width: int, color: bool) -> "Console":
+    from rich.console import Console
+
+    # Every setting explicit, so that the environment (FORCE_COLOR, COLUMNS, a tty) cannot change the output.
+    return Console(
+        file=out,
+        width=width,
+        color_system="standard" if color else None,
+        force_terminal=color,
+        force_jupyter=False,
+        highlight=False,
+        emoji=False,
+        legacy_windows=False,
+        soft_wrap=False,
+    )
+
+
+def _strip_line_ends(text: str) -> str:
+    # rich pads table lines to the full width; trailing blanks only make goldens and pastes noisy.
+    return "\n".join(line.rstrip() for line in text.split("\n"))
+
+
+def _line(*pieces: Piece) -> "Text":
+    from rich.text import Text
+
+    return Text.assemble(*pieces)
+
+
+def _lines(*lines: Sequence[Piece]) -> "Text":
+    from rich.text import Text
+
+    return Text("\n").join(_line(*pieces) for pieces in lines)
+
+
+def _bar_width(width: int) -> int:
+    return max(10, min(50, width - 45))
+
+
+def _print_report(console: "Console", report: Report, *, bar_width: int) -> None:
+    _print_verdict(console, report)
+    _print_missing(console, report)
+    console.print()
+    _print_ranks(console, report)
+    _print_chart(console, report, bar_width=bar_width)
+    _print_findings(console, report.findings)
+    _print_not_checked(console, report)
+    _print_reference(console, report)
+    _print_warnings(console, report.warnings)
+
+
+def _print_verdict(console: "Console", report: Report) -> None:
+    severity = report.worst_severity
+    style = _SEVERITY_STYLE[severity] if severity else "bold green"
+    verdict = printable(report.verdict) if report.verdict else "no verdict"
+    console.print(_line((f"{_SYMBOL[severity]} {verdict}", style)))
+    console.print(_line(
+        f"true global {norm_name(report.norm_type)} {fmt_float(report.global_norm)} · "
+        f"expected clip coefficient {fmt_coef(report.expected_clip_coef)} · max_norm {fmt_float(report.max_norm)}"
+    ))
+    console.print(_line(
+        f"step {report.step} · {len(report.ranks_present)}/{report.world_size} ranks present · "
+        f"{fmt_finding_counts(report.findings)}"
+    ))
+
+
+def _print_missing(console: "Console", report: Report) -> None:
+    if report.missing_ranks:
+        console.print(_line(
+            (f"missing ranks: {fmt_ranks(report.missing_ranks)}", "bold red"),
+            " (the others were audited; checks that need them say so below)",
+        ))
+
+
+def _table(columns: Sequence[tuple[str, str]]) -> "Table":
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for header, justify in columns:
+        table.add_column(header, justify=justify)
+    return table
+
+
+def _print_ranks(console: "Console", report: Report) -> None:
+    shown, hidden = _ranks_to_show(report.ranks, MAX_RANK_ROWS)
+    table = _table([("rank", "right"), ("local norm", "right"), ("reported norm", "right"),
+                    ("applied coef", "right"), ("diagnosis", "left"), ("nonfinite", "left")])
+    for row in shown:
+        table.add_row(
+            str(row.rank),
+            fmt_float(row.local_norm),
+            fmt_float(row.reported_norm),
+            _applied_coef_cell(row),
+            _line(printable(row.diagnosis) if row.diagnosis else "-"),
+            _line((fmt_nonfinite(row.nonfinite), "bold red" if row.nonfinite.total else "")),
+        )
+    console.print(table)
+    if hidden:
+        console.print(_line((f"  {len(hidden)} more ranks not shown ({_summarize_ranks(hidden)}); "
+                             "the Markdown and JSON reports list every rank", "dim")))
+    _print_diagnosis_details(console, shown)
+
+
+def _ranks_to_show(rows: tuple[RankRow, ...], limit: int) -> tuple[list[RankRow], list[RankRow]]:
+    """All ranks, or in a big world the telling ones: nonfinite first, then unusual diagnoses, then extremes."""
+    if len(rows) <= limit:
+        return list(rows), []
+    common = Counter(row.diagnosis for row in rows).most_common(1)[0][0]
+    finite = _finite_local_norms(rows)
+    extremes = {max(finite, key=finite.get), min(finite, key=finite.get)} if finite else set()
+
+    def priority(row: RankRow) -> tuple:
+        return (row.nonfinite.total == 0, row.diagnosis == common, row.rank not in extremes, row.rank)
+
+    chosen = {row.rank for row in sorted(rows, key=priority)[:limit]}
+    return [r for r in rows if r.rank in chosen], [r for r in rows if r.rank not in chosen]
+
+
+def _finite_local_norms(rows: Sequence[RankRow]) -> dict[int, float]:
+    return {r.rank: r.local_norm for r in rows if r.local_norm is not None and math.isfinite(r.local_norm)}
+
+
+def _summarize_ranks(rows: list[RankRow]) -> str:
+    diagnoses = Counter(printable(row.diagnosis) if row.diagnosis else "-" for row in rows).most_common()
+    parts = [", ".join(f"{name} ×{n}" for name, n in diagnoses[:3]) + (", …" if len(diagnoses) > 3 else "")]
+    norms = _finite_local_norms(rows).values()
+    if norms:
+        parts.append(f"local norm {fmt_float(min(norms))} to {fmt_float(max(norms))}")
+    return "; ".join(parts)
+
+
+def _print_diagnosis_details(console: "Console", rows: list[RankRow]) -> None:
+    groups = diagnosis_groups(rows)
+    for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]:
+        console.print(_line(f"  {fmt_ranks_labelled(ranks)}, {printable(diagnosis)}: ", (printable(detail), "dim")))
+    if len(groups) > MAX_DETAIL_LINES:
+        console.print(_line((f"  {len(groups) - MAX_DETAIL_LINES} more explanations not shown", "dim")))
+
+
+def _applied_coef_cell(row: RankRow) -> "Text":
+    coef = fmt_coef(row.applied_clip_coef)
+    return _line(f"{coef} ({printable(row.applied_coef_source)})" if row.applied_coef_source else coef)
+
+
+def _print_chart(console: "Console", report: Report, *, bar_width: int) -> None:
+    """Each rank's part of the squared global norm as a bar, max_norm² marked: "each below, the sum above"."""
+    console.print()
+    reason = _chart_unavailable(report)
+    if reason:
+        console.print(_line((f"no norm chart: {reason}", "dim")))
+        return
+    total = report.global_norm**2
+    threshold = report.max_norm**2
+    console.print(_line(
+        ("Share of the squared global norm", "bold"),
+        f" (total {fmt_float(total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
+    ))
+    rows = [(f"rank {row.rank}", row.share_of_squared_norm * total, row.share_of_squared_norm) for row in report.ranks]
+    shown, num_hidden = _largest_in_rank_order(rows, MAX_CHART_RANKS)
+    shown.append(("all ranks", total, 1.0))
+    scale = max([threshold] + [value for _, value, _ in shown if math.isfinite(value)])
+    label_width = max(len(label) for label, _, _ in shown)
+    for label, value, share in shown:
+        side = "above" if value > threshold else "below" if value <= threshold else ""
+        console.print(_line(
+            f"  {label:>{label_width}} ",
+            *_bar(value, threshold, scale, bar_width),
+            f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
+            (side, "red" if side == "above" else ""),
+        ))
+    if num_hidden:
+        console.print(_line((f"  {num_hidden} smaller ranks not drawn", "dim")))
+
+
+def _chart_unavailable(report: Report) -> str:
+    # RankRow.share_of_squared_norm is a share of Σg², so the chart is only meaningful for the L2 norm.
+    if report.norm_type != 2:
+        return f"drawn for the L2 norm only; this step clips the {norm_name(report.norm_type)}"
+    if any(v is None or not math.isfinite(v) for v in (report.global_norm, report.max_norm)):
+        return "max_norm or the global norm is unknown or not finite"
+    if report.max_norm <= 0:
+        return "max_norm must be positive"
+    if not report.ranks:
+        return "no rank could be read"
+    return ""
+
+
+def _largest_in_rank_order(rows: list, limit: int) -> tuple[list, int]:
+    """The `limit` rows with the largest values, kept in rank order, and how many were left out."""
+    if len(rows) <= limit:
+        return list(rows), 0
+    largest = sorted(range(len(rows)), key=lambda i: -rows[i][1])[:limit]
+    return [rows[i] for i in sorted(largest)], len(rows) - limit
+
+
+def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
+    """The bar, split at the threshold mark: the part beyond it is what clipping should have removed."""
+    filled = round(value / scale * width) if scale > 0 and math.isfinite(value) else 0
+    mark = round(threshold / scale * width) if scale > 0 else 0
+    below = "█" * min(filled, mark) + " " * max(0, mark - filled)
+    above = "█" * max(0, filled - mark) + " " * (width - max(filled, mark))
+    return [(below, "green"), THRESHOLD_MARK, (above, "red")]
+
+
+def _print_findings(console: "Console", findings: tuple[Finding, ...]) -> None:
+    from rich.table import Table
+
+    console.print()
+    if not findings:
+        console.print(_line(("Findings", "bold"), ": none"))
+        return
+    console.print(_line(("Findings", "bold"), f": {fmt_finding_counts(findings)}"))
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    for finding in findings:
+        grid.add_row(
+            _line("  ", (finding.severity.value, _SEVERITY_STYLE[finding.severity])),
+            _line((printable(finding.code), "bold")),
+            _finding_body(finding),
+        )
+    console.print(grid)
+
+
+def _finding_body(finding: Finding) -> "Text":
+    lines: list[Sequence[Piece]] = [[(printable(finding.title), "bold")], [printable(finding.message)]]
+    where = []
+    if finding.ranks:
+        where.append(fmt_ranks_labelled(finding.ranks))
+    if finding.params:
+        where.append("params " + join_limited(finding.params, limit=MAX_PARAMS_SHOWN, escape=printable))
+    if where:
+        lines.append([(" · ".join(where), "dim")])
+    if finding.evidence:
+        pairs = ", ".join(f"{printable(str(k))}={printable(fmt_value(v))}" for k, v in finding.evidence.items())
+        lines.append([(f"evidence: {pairs}", "dim")])
+    return _lines(*lines)
+
+
+def _print_not_checked(console: "Console", report: Report) -> None:
+    if not report.not_checked:
+        return
+    from rich.table import Table
+
+    console.print()
+    console.print(_line(("Not checked", "bold")))
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    for item in report.not_checked:
+        grid.add_row(
+            _line(f"  {printable(item.code)}"),
+            _line(f"{printable(item.title)}: ", (printable(item.reason), "dim")),
+        )
+    console.print(grid)
+
+
+def _print_reference(console: "Console", report: Report) -> None:
+    if not report.reference:
+        return
+    ordered = reference_worst_first(report.reference)
+    num_failing = sum(not c.within_tolerance for c in ordered)
+    console.print()
+    console.print(_line(
+        ("Reference comparison", "bold"), f": {num_failing} of {len(ordered)} outside tolerance (worst first)"
+    ))
+    table = _table([("parameter", "left"), ("tensor", "left"), ("max abs error", "right"),
+                    ("max rel error", "right"), ("atol", "right"), ("rtol", "right"), ("ok", "left")])
+    for c in ordered[:MAX_REFERENCE_ROWS]:
+        table.add_row(
+            _line(printable(c.param)), _line(printable(c.kind)), fmt_float(c.max_abs_error),
+            fmt_float(c.max_rel_error), fmt_float(c.atol), fmt_float(c.rtol),
+            _line("yes") if c.within_tolerance else _line(("NO", "bold red")),
+        )
+    console.print(table)
+    rest = ordered[MAX_REFERENCE_ROWS:]
+    if rest:
+        rest_failing = sum(not c.within_tolerance for c in rest)
+        console.print(_line((f"  {len(rest)} more not shown ({rest_failing} outside tolerance)", "dim")))
+
+
+def _print_warnings(console: "Console", warnings: tuple[str, ...]) -> None:
+    if not warnings:
+        return
+    console.print()
+    for warning in warnings:
+        console.print(_line(("warning:", "yellow"), f" {printable(warning)}"))
+
+
+def _has_news(report: Report) -> bool:
+    return bool(report.findings or report.warnings or report.missing_ranks)
+
+
+def _summary_table(multi: MultiStepReport) -> "Table":
+    columns = ("step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings")
+    table = _table([(c, "right") for c in columns] + [("codes", "left")])
+    for s in multi.summary:
+        table.add_row(
+            str(s.step), fmt_float(s.reported_norm), fmt_float(s.global_norm),
+            fmt_ratio(s.reported_norm, s.global_norm), fmt_coef(s.expected_clip_coef),
+            _line((str(s.num_errors), "bold red" if s.num_errors else "")), str(s.num_warnings),
+            _line(printable(", ".join(s.codes)) or "-"),
+        )
+    return table
+
+
+def _print_step_brief(console: "Console", report: Report) -> None:
+    _print_verdict(console, report)
+    _print_missing(console, report)
+    for finding in report.findings:
+        ranks = f" ({fmt_ranks_labelled(finding.ranks)})" if finding.ranks else ""
+        console.print(_line(
+            "  ", (f"{finding.severity.value:<7}", _SEVERITY_STYLE[finding.severity]),
+            f" {printable(finding.code)} {printable(finding.title)}", (ranks, "dim"),
+        ))
+    for warning in report.warnings:
+        console.print(_line("  ", ("warning:", "yellow"), f" {printable(warning)}"))
+    if report.command:
+        console.print(_line((f"  full report: {printable(report.command)}", "dim")))

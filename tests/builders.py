@@ -1,0 +1,104 @@
+"""Builders for hand-made step dumps: each test states only what matters to it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from gradaudit.audit import audit_step_dir
+from gradaudit.checks.base import AuditOptions
+from gradaudit.dumpfile.build import PieceSpec, box, flat, whole, write_rank
+from gradaudit.model import ClipRecord, DataRecord, Topology
+from gradaudit.report import Report
+
+__all__ = ["box", "flat", "whole", "write_step", "tensor_with_norm", "sharded_rows", "check", "codes", "clip"]
+
+FIXED = {"host": "host-a", "created_at": "2026-01-01T00:00:00+00:00", "run_id": "test-run"}
+
+
+def tensor_with_norm(norm: float, shape: Sequence[int], seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """A random tensor of `shape` whose L2 norm is `norm` (up to the dtype's rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    return (t * (norm / t.norm())).to(dtype)
+
+
+def clip(max_norm: float = 1.0, **kw) -> ClipRecord:
+    return ClipRecord(max_norm=max_norm, **kw)
+
+
+def write_step(
+    directory: str | Path,
+    *,
+    world_size: int,
+    params: Mapping[str, Sequence[int]],
+    pieces: Mapping[int, Sequence[PieceSpec]],
+    clips: Mapping[int, ClipRecord | None] | ClipRecord | None = None,
+    data: Mapping[int, DataRecord] | None = None,
+    topology: Topology | None = None,
+    step: int = 1,
+    norm_type: float | None = None,
+) -> Path:
+    """Write one file per rank in `pieces` (ranks left out are missing); `clips` per rank or shared."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank, specs in sorted(pieces.items()):
+        rank_clip = clips.get(rank) if isinstance(clips, Mapping) else clips
+        write_rank(
+            directory,
+            rank=rank,
+            world_size=world_size,
+            step=step,
+            params=params,
+            pieces=list(specs),
+            clip=rank_clip,
+            topology=topology,
+            data=(data or {}).get(rank),
+            norm_type=norm_type,
+            **FIXED,
+        )
+    return directory
+
+
+def sharded_rows(
+    directory: str | Path,
+    grads: Sequence[torch.Tensor],
+    *,
+    clips: Mapping[int, ClipRecord] | ClipRecord | None,
+    clipped: Sequence[torch.Tensor] | None = None,
+    param: str = "w",
+    **kw,
+) -> Path:
+    """Parameter `param` split by rows, rank r holding grads[r] (all of equal shape)."""
+    rows = grads[0].shape[0]
+    shape = (rows * len(grads),) + tuple(grads[0].shape[1:])
+    pieces = {
+        rank: [box(param, (rank * rows,) + (0,) * (g.dim() - 1), grad=g, **({} if clipped is None else {"grad_clipped": clipped[rank]}))]
+        for rank, g in enumerate(grads)
+    }
+    return write_step(directory, world_size=len(grads), params={param: shape}, pieces=pieces, clips=clips, **kw)
+
+
+def check(directory: str | Path, **options) -> Report:
+    return audit_step_dir(directory, AuditOptions(**options))
+
+
+def codes(report: Report) -> set[str]:
+    return {f.code for f in report.findings}
+
+
+def not_checked(report: Report) -> set[str]:
+    return {n.code for n in report.not_checked}
+
+
+def finding(report: Report, code: str):
+    found = [f for f in report.findings if f.code == code]
+    assert len(found) == 1, f"expected one {code}, got {[(f.code, f.message) for f in report.findings]}"
+    return found[0]
+
+
+def assert_close(a: float, b: float, rel: float = 1e-9) -> None:
+    assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-12), (a, b)

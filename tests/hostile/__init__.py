@@ -1,0 +1,1 @@
+"""Hostile input: a corpus of broken dumps, fuzzing, and safety tests."""

@@ -1,0 +1,52 @@
+"""Running the real CLI in-process and judging its answer to hostile input."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from gradaudit.cli import main
+
+COMMANDS = ("show", "check")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def stderr_lines(self) -> list[str]:
+        return self.stderr.splitlines()
+
+
+def run_cli(capsys: pytest.CaptureFixture, *args: str) -> Outcome:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    captured = capsys.readouterr()
+    code = exited.value.code
+    return Outcome(code=0 if code is None else code, stdout=captured.out, stderr=captured.err)
+
+
+def assert_clean_refusal(outcome: Outcome, *, names: str, problem: str) -> str:
+    """Exit 2, nothing on stdout, and exactly one stderr line naming `names` and matching `problem`."""
+    assert "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.code == 2, (outcome.code, outcome.stderr)
+    assert outcome.stdout == ""
+    assert len(outcome.stderr_lines) == 1, outcome.stderr
+    line = outcome.stderr_lines[0]
+    assert line.startswith("error: ") and names in line, line
+    assert re.search(problem, line), f"{problem!r} not in {line!r}"
+    return line
+
+
+def assert_report_or_clean_refusal(outcome: Outcome) -> None:
+    """The only acceptable answers to any input: a report (exit 0/1) or a one-line refusal (exit 2)."""
+    assert "Traceback" not in outcome.stderr, outcome.stderr
+    assert outcome.code in (0, 1, 2), (outcome.code, outcome.stderr)
+    if outcome.code == 2:
+        assert len(outcome.stderr_lines) == 1 and outcome.stderr.startswith("error: "), outcome.stderr

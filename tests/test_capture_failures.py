@@ -1,0 +1,168 @@
+"""Capture never breaks training: failures warn once and leave no file that looks valid; strict raises."""
+
+from __future__ import annotations
+
+import errno
+import warnings
+
+import pytest
+import torch
+
+import gradaudit
+from gradaudit.capture.warn import CaptureWarning, forget_warnings
+from gradaudit.dumpfile import DumpExistsError, load_step
+from gradaudit.errors import CaptureError
+
+MAX_NORM = 0.05
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    forget_warnings()
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+
+
+def train_steps(model, out_dir, steps, **kwargs) -> list[float]:
+    """Several training steps, each audited; returns the loss of each (training must go on)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in steps:
+        with gradaudit.audit_step(model, out_dir, step=step, max_norm=MAX_NORM, optimizer=opt, **kwargs) as audit:
+            opt.zero_grad()
+            loss = model(torch.randn(5, 4)).pow(2).mean()
+            loss.backward()
+            audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+            opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def disk_full(monkeypatch):
+    import safetensors.torch
+
+    def save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")  # what a full disk leaves behind
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+
+
+def capture_warnings(action):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = action()
+    return result, [w for w in caught if issubclass(w.category, CaptureWarning)]
+
+
+def test_a_full_disk_warns_once_and_training_goes_on_without_any_file(tmp_path, monkeypatch):
+    disk_full(monkeypatch)
+    losses, caught = capture_warnings(lambda: train_steps(make_model(), tmp_path, [1, 2, 3]))
+    assert len(losses) == 3
+    assert len(caught) == 1
+    assert "No space left on device" in str(caught[0].message) and "training goes on" in str(caught[0].message)
+    for step in (1, 2, 3):
+        assert list((tmp_path / f"step_{step}").iterdir()) == []  # neither the final name nor a temporary
+
+
+def test_a_full_disk_raises_when_strict(tmp_path, monkeypatch):
+    disk_full(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        train_steps(make_model(), tmp_path, [1], strict=True)
+    assert list((tmp_path / "step_1").iterdir()) == []
+
+
+def test_an_unwritable_output_folder_warns_once_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the dump folder should be")
+    losses, caught = capture_warnings(lambda: train_steps(make_model(), blocker, [1, 2]))
+    assert len(losses) == 2 and len(caught) == 1
+    assert "cannot write under" in str(caught[0].message)
+
+
+def test_permission_denied_warns_and_strict_raises(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", denied)
+    _, caught = capture_warnings(lambda: train_steps(make_model(), tmp_path, [1]))
+    assert len(caught) == 1 and "Permission denied" in str(caught[0].message)
+    with pytest.raises(PermissionError):
+        train_steps(make_model(), tmp_path, [2], strict=True)
+
+
+def test_an_earlier_dump_of_the_same_step_is_never_destroyed(tmp_path):
+    train_steps(make_model(), tmp_path, [5])
+    path = tmp_path / "step_5" / "rank_00000.safetensors"
+    original = path.read_bytes()
+    _, caught = capture_warnings(lambda: train_steps(make_model(), tmp_path, [5]))
+    assert len(caught) == 1 and "already exists" in str(caught[0].message)
+    assert path.read_bytes() == original
+    with pytest.raises(DumpExistsError):
+        train_steps(make_model(), tmp_path, [5], strict=True)
+    assert path.read_bytes() == original
+
+
+def test_a_parameter_that_cannot_be_mapped_is_left_out_with_one_warning(tmp_path):
+    model = make_model()
+    model[0].weight.tensor_model_parallel = True  # Megatron attribute, but no tensor-parallel group given
+    model[0].bias.tensor_model_parallel = True
+    _, caught = capture_warnings(lambda: train_steps(model, tmp_path, [1]))
+    assert len(caught) == 1 and "0.weight" in str(caught[0].message)
+    names = {p.param for p in load_step(tmp_path / "step_1").ranks[0].pieces}
+    assert names == {"1.weight", "1.bias"}
+    with pytest.raises(CaptureError, match="tensor_model_parallel"):
+        train_steps(model, tmp_path, [2], strict=True)
+
+
+def test_a_piece_whose_gradient_cannot_be_read_is_dropped_and_warned(tmp_path):
+    from gradaudit.capture.ownership import LocalPiece
+    from gradaudit.model import Box
+
+    model = make_model()
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    explicit = LocalPiece(
+        param="0.weight", global_shape=(3, 4), dtype="float32", regions=(Box(offsets=(0, 0), shape=(3, 4)),),
+        local_shape=(3, 4), grad=broken, value=lambda: model[0].weight.detach(),
+    )
+    _, caught = capture_warnings(lambda: train_steps(model, tmp_path, [1], ownership=[explicit]))
+    assert len(caught) == 1 and "device lost" in str(caught[0].message)
+    dump = load_step(tmp_path / "step_1").ranks[0]
+    assert "0.weight" not in {p.param for p in dump.pieces}
+    assert dump.param("0.weight") is not None  # still named, so the checker reports the gap
+
+
+def test_an_unexpected_failure_while_inferring_ownership_warns_and_the_step_runs_untouched(tmp_path, monkeypatch):
+    from gradaudit.capture import session
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("unexpected layout")
+
+    monkeypatch.setattr(session, "infer_ownership", broken)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        with gradaudit.audit_step(model, tmp_path, step=1, max_norm=MAX_NORM, optimizer=opt) as audit:
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            norm = audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+            opt.step()
+        return norm
+
+    norm, caught = capture_warnings(step)
+    assert float(norm) > 0 and len(caught) == 1 and "unexpected layout" in str(caught[0].message)
+    assert not (tmp_path / "step_1").exists()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+    with pytest.raises(RuntimeError, match="unexpected layout"):
+        with gradaudit.audit_step(model, tmp_path, step=2, max_norm=MAX_NORM, strict=True):
+            pass

@@ -1,0 +1,101 @@
+"""GA100-GA103: complete, consistent steps whose elements each have exactly one owner."""
+
+import torch
+
+from builders import box, check, clip, codes, finding, flat, not_checked, write_step, whole
+from gradaudit.checks.sweep import coverage, flat_range_boxes
+
+
+def _two_row_shards(tmp_path, *, ranks=(0, 1), clips=None, offsets=((0, 0), (2, 0)), rows=(2, 2)):
+    pieces = {
+        r: [box("w", offsets[r], grad=torch.ones(rows[r], 3, dtype=torch.float64))] for r in ranks
+    }
+    return write_step(tmp_path, world_size=2, params={"w": (4, 3)}, pieces=pieces, clips=clips or clip(1.0))
+
+
+def test_a_missing_rank_is_named_and_the_rest_is_still_audited(tmp_path):
+    _two_row_shards(tmp_path, ranks=(0,))
+    report = check(tmp_path)
+    found = finding(report, "GA100")
+    assert found.ranks == (1,)
+    assert report.ranks_present == (0,) and len(report.ranks) == 1
+    assert {"GA103", "GA201", "GA302"} <= not_checked(report)
+    assert report.global_norm is None
+
+
+def test_a_complete_step_raises_no_missing_rank_finding(tmp_path):
+    _two_row_shards(tmp_path)
+    assert "GA100" not in codes(check(tmp_path))
+
+
+def test_a_missing_rank_holding_only_replicas_leaves_the_true_norm_known(tmp_path):
+    g = torch.full((2,), 3.0, dtype=torch.float64)
+    write_step(tmp_path, world_size=3, params={"w": (2,)}, pieces={r: [whole("w", grad=g.clone())] for r in (0, 1)},
+               clips=clip(1.0, reported_norm=float(g.norm())))
+    report = check(tmp_path)
+    assert "GA100" in codes(report)
+    assert abs(report.global_norm - float(g.norm())) < 1e-12
+
+
+def test_ranks_with_different_max_norms_are_reported_as_disagreeing(tmp_path):
+    _two_row_shards(tmp_path, clips={0: clip(1.0), 1: clip(0.5)})
+    found = finding(check(tmp_path), "GA101")
+    assert "max_norm" in found.message and found.ranks == (0, 1)
+
+
+def test_ranks_that_agree_raise_no_metadata_finding(tmp_path):
+    _two_row_shards(tmp_path)
+    assert "GA101" not in codes(check(tmp_path))
+
+
+def test_overlapping_shards_that_are_not_replicas_are_an_ownership_overlap(tmp_path):
+    _two_row_shards(tmp_path, offsets=((0, 0), (1, 0)), rows=(2, 3))
+    report = check(tmp_path)
+    found = finding(report, "GA102")
+    assert found.evidence["num_overlap_elements"] == 3 and found.ranks == (0, 1) and found.params == ("w",)
+
+
+def test_identical_replicas_are_not_an_overlap(tmp_path):
+    g = torch.ones(4, 3, dtype=torch.float64)
+    write_step(tmp_path, world_size=2, params={"w": (4, 3)}, pieces={r: [whole("w", grad=g.clone())] for r in (0, 1)},
+               clips=clip(1.0))
+    assert {"GA102", "GA103"} & codes(check(tmp_path)) == set()
+
+
+def test_rows_no_rank_holds_are_an_ownership_gap(tmp_path):
+    _two_row_shards(tmp_path, offsets=((0, 0), (3, 0)), rows=(2, 1))
+    found = finding(check(tmp_path), "GA103")
+    assert found.evidence["num_gap_elements"] == 3 and found.params == ("w",)
+
+
+def test_flat_and_box_pieces_that_tile_a_parameter_leave_no_gap_or_overlap(tmp_path):
+    pieces = {
+        0: [flat("w", 0, grad=torch.ones(5, dtype=torch.float64))],
+        1: [flat("w", 5, grad=torch.ones(1, dtype=torch.float64)), box("w", (2, 0), grad=torch.ones(2, 3, dtype=torch.float64))],
+    }
+    write_step(tmp_path, world_size=2, params={"w": (4, 3)}, pieces=pieces, clips=clip(1.0))
+    assert {"GA102", "GA103"} & codes(check(tmp_path)) == set()
+
+
+def test_flat_ranges_become_few_boxes_that_hold_exactly_their_elements():
+    shape = (3, 4, 5)
+    for start, stop in ((0, 60), (7, 53), (13, 14), (20, 40), (1, 59)):
+        boxes = flat_range_boxes(start, stop, shape)
+        assert len(boxes) <= 2 * len(shape) - 1
+        held = torch.zeros(shape, dtype=torch.int64)
+        for offsets, sizes in boxes:
+            held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+        expected = torch.zeros(60, dtype=torch.int64)
+        expected[start:stop] = 1
+        assert torch.equal(held.reshape(-1), expected)
+
+
+def test_the_coverage_sweep_of_many_column_shards_is_not_quadratic():
+    import time
+
+    k = 4000
+    boxes = [((0, i), (1000, 1), i) for i in range(k)]
+    started = time.perf_counter()
+    result = coverage(boxes, (1000, k))
+    assert result.num_gap_elements == 0 and result.num_overlap_elements == 0
+    assert time.perf_counter() - started < 2.0

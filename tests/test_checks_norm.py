@@ -1,0 +1,171 @@
+"""GA201-GA205 and the seed fixture: which norm did clipping use?"""
+
+import math
+
+import torch
+
+from builders import (
+    assert_close,
+    box,
+    check,
+    clip,
+    codes,
+    finding,
+    sharded_rows,
+    tensor_with_norm,
+    whole,
+    write_step,
+)
+from gradaudit.model import ClipRecord, Topology
+
+NORM_CODES = {"GA201", "GA202", "GA203", "GA204", "GA205"}
+
+
+def four_shards_of_norm_08(dtype=torch.float64):
+    return [tensor_with_norm(0.8, (2, 3), seed=r, dtype=dtype) for r in range(4)]
+
+
+def test_seed_fixture_four_shards_below_threshold_are_diagnosed_as_local_clipping(tmp_path):
+    sharded_rows(tmp_path, four_shards_of_norm_08(), clips=clip(1.0, reported_norm=0.8, clip_coef=1.0))
+    report = check(tmp_path)
+    assert abs(report.global_norm - 1.6) < 1e-6
+    assert abs(report.expected_clip_coef - 0.625) < 1e-6
+    assert {"GA201", "GA302"} <= codes(report)
+    assert codes(report) & NORM_CODES == {"GA201"}
+    assert finding(report, "GA201").ranks == (0, 1, 2, 3)
+    assert [row.diagnosis for row in report.ranks] == ["local_only"] * 4
+    assert "GA201" in report.verdict and "1.6" in report.verdict
+
+
+def test_ranks_that_report_the_true_norm_and_apply_its_coefficient_raise_no_norm_finding(tmp_path):
+    grads = four_shards_of_norm_08()
+    true = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    coef = 1.0 / (true + 1e-6)
+    sharded_rows(
+        tmp_path, grads, clips=clip(1.0, reported_norm=true, clip_coef=coef), clipped=[g * coef for g in grads]
+    )
+    report = check(tmp_path)
+    assert codes(report) & (NORM_CODES | {"GA301", "GA302", "GA303"}) == set()
+    assert [row.diagnosis for row in report.ranks] == ["correct"] * 4
+    assert "Clipping used the true global norm" in report.verdict
+
+
+def _replicated(tmp_path, reported):
+    g = tensor_with_norm(1.5, (3, 2), seed=7, dtype=torch.float64)
+    write_step(
+        tmp_path,
+        world_size=2,
+        params={"w": (3, 2)},
+        pieces={r: [whole("w", grad=g.clone(), replica_group="dp")] for r in range(2)},
+        clips=clip(1.0, reported_norm=reported),
+        topology=Topology(groups={"dp": ((0, 1),)}),
+    )
+    return check(tmp_path)
+
+
+def test_a_norm_summed_over_every_replica_is_diagnosed_as_double_counting(tmp_path):
+    report = _replicated(tmp_path, reported=1.5 * math.sqrt(2))
+    assert codes(report) & NORM_CODES == {"GA202"}
+    assert_close(report.global_norm, 1.5)
+    assert "GA302" in codes(report)
+
+
+def test_replicas_counted_once_raise_no_double_counting(tmp_path):
+    report = _replicated(tmp_path, reported=1.5)
+    assert codes(report) & NORM_CODES == set()
+
+
+def _two_stages(tmp_path, reported_by_rank):
+    """Two pipeline stages (a on ranks 0-1, b on ranks 2-3), each stage sharded over dp_shard."""
+    grads = {r: tensor_with_norm(0.5 + 0.25 * r, (2, 2), seed=r, dtype=torch.float64) for r in range(4)}
+    pieces = {r: [box("a" if r < 2 else "b", ((r % 2) * 2, 0), grad=g)] for r, g in grads.items()}
+    topology = Topology(groups={"dp_shard": ((0, 1), (2, 3)), "pp": ((0, 2), (1, 3))})
+    write_step(
+        tmp_path,
+        world_size=4,
+        params={"a": (4, 2), "b": (4, 2)},
+        pieces=pieces,
+        clips={r: clip(1.0, reported_norm=reported_by_rank(r, grads)) for r in range(4)},
+        topology=topology,
+    )
+    return check(tmp_path), grads
+
+
+def _norm(*tensors):
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+
+def test_stages_clipping_by_their_own_stage_norm_are_diagnosed_as_the_wrong_group(tmp_path):
+    report, _ = _two_stages(tmp_path, lambda r, g: _norm(g[2 * (r // 2)], g[2 * (r // 2) + 1]))
+    found = finding(report, "GA203")
+    assert found.evidence["group"] == "dp_shard" and found.ranks == (0, 1, 2, 3)
+    assert codes(report) & NORM_CODES == {"GA203"}
+    assert report.ranks[0].diagnosis == "wrong_group:dp_shard"
+
+
+def test_stages_that_reduce_over_every_stage_raise_no_group_finding(tmp_path):
+    report, _ = _two_stages(tmp_path, lambda r, g: _norm(*g.values()))
+    assert codes(report) & NORM_CODES == set()
+
+
+def test_a_norm_that_matches_no_hypothesis_is_reported_with_its_numbers(tmp_path):
+    sharded_rows(tmp_path, four_shards_of_norm_08(), clips=clip(1.0, reported_norm=3.7))
+    report = check(tmp_path)
+    found = finding(report, "GA204")
+    assert "3.7" in found.message and "local_only 0.8" in found.message
+    assert codes(report) & NORM_CODES == {"GA204"}
+
+
+def test_a_wrong_logged_norm_with_right_coefficients_is_a_logging_bug_not_a_clipping_bug(tmp_path):
+    grads = four_shards_of_norm_08()
+    coef = 1.0 / (1.6 + 1e-6)
+    sharded_rows(tmp_path, grads, clips=clip(1.0, reported_norm=0.8), clipped=[g * coef for g in grads])
+    report = check(tmp_path)
+    assert codes(report) & NORM_CODES == {"GA205"}
+    assert "GA302" not in codes(report)
+    assert {row.applied_coef_source for row in report.ranks} == {"gradients"}
+    assert abs(report.ranks[0].applied_clip_coef - 0.625) < 1e-6
+
+
+def test_reported_norm_right_but_coefficient_from_the_local_norm_is_diagnosed_from_the_coefficient(tmp_path):
+    grads = [tensor_with_norm(1.5, (2, 3), seed=r, dtype=torch.float64) for r in range(2)]
+    true = _norm(*grads)
+    local_coef = 1.0 / (1.5 + 1e-6)
+    sharded_rows(tmp_path, grads, clips=clip(1.0, reported_norm=true), clipped=[g * local_coef for g in grads])
+    report = check(tmp_path)
+    assert codes(report) & NORM_CODES == {"GA201"}
+    assert "GA302" in codes(report)
+
+
+def test_world_size_one_says_local_and_global_cannot_be_told_apart(tmp_path):
+    g = tensor_with_norm(2.0, (4,), dtype=torch.float64)
+    write_step(tmp_path, world_size=1, params={"w": (4,)}, pieces={0: [whole("w", grad=g)]}, clips=clip(1.0, reported_norm=2.0))
+    report = check(tmp_path)
+    assert report.ranks[0].diagnosis == "correct"
+    assert "indistinguishable" in report.ranks[0].diagnosis_detail and "local_only" in report.ranks[0].diagnosis_detail
+    assert codes(report) & NORM_CODES == set()
+
+
+def test_a_norm_of_still_scaled_gradients_is_diagnosed_with_the_loss_scale(tmp_path):
+    grads = four_shards_of_norm_08()
+    record = ClipRecord(max_norm=1.0, reported_norm=1.6 * 1024, loss_scale=1024.0)
+    sharded_rows(tmp_path, grads, clips=record)
+    report = check(tmp_path)
+    assert report.ranks[0].diagnosis == "loss_scaled:correct"
+    assert "GA502" in codes(report)
+    assert codes(report) & NORM_CODES == set()
+
+
+def test_a_local_norm_of_scaled_gradients_gives_both_the_local_and_the_scale_findings(tmp_path):
+    record = ClipRecord(max_norm=1.0, reported_norm=0.8 * 512, loss_scale=512.0, unscaled_before_clip=False)
+    sharded_rows(tmp_path, four_shards_of_norm_08(), clips=record)
+    report = check(tmp_path)
+    assert {"GA201", "GA502"} <= codes(report)
+    assert report.ranks[0].diagnosis == "loss_scaled:local_only"
+
+
+def test_norm_checks_say_not_checked_without_a_clip_record(tmp_path):
+    sharded_rows(tmp_path, four_shards_of_norm_08(), clips=None)
+    report = check(tmp_path)
+    assert NORM_CODES <= {n.code for n in report.not_checked}
+    assert codes(report) == set()

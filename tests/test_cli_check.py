@@ -1,0 +1,95 @@
+"""`gradaudit check` and `gradaudit explain` from the command line: output, files and exit codes."""
+
+import json
+
+import pytest
+import torch
+
+from builders import clip, sharded_rows, tensor_with_norm
+from gradaudit.cli import main
+from gradaudit.model import DataRecord
+
+
+def run(*argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+def _clean(directory, data=None):
+    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
+    true = float(torch.cat(grads).norm())
+    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0), data=data)
+
+
+def _local(directory, step=1):
+    grads = [tensor_with_norm(0.8, (2, 3), seed=r, dtype=torch.float64) for r in range(4)]
+    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=0.8, clip_coef=1.0), step=step)
+
+
+def test_a_clean_step_exits_0_and_a_buggy_one_exits_1(tmp_path, capsys):
+    code, out, _ = run("check", str(_clean(tmp_path / "clean")), capsys=capsys)
+    assert code == 0 and "Clipping used the true global norm" in " ".join(out.split())
+    code, out, _ = run("check", str(_local(tmp_path / "local")), capsys=capsys)
+    assert code == 1 and "GA201" in out
+
+
+def test_fail_on_sets_the_severity_that_fails(tmp_path, capsys):
+    warned = _clean(tmp_path / "warn", data={0: DataRecord(tokens=10, loss_reduction="mean"),
+                                             1: DataRecord(tokens=20, loss_reduction="mean")})
+    assert run("check", str(warned), capsys=capsys)[0] == 0
+    assert run("check", str(warned), "--fail-on", "warning", capsys=capsys)[0] == 1
+    assert run("check", str(_local(tmp_path / "local")), "--fail-on", "never", capsys=capsys)[0] == 0
+
+
+def test_json_output_is_valid_and_the_same_bytes_twice(tmp_path, capsys):
+    step = _local(tmp_path / "local")
+    first = run("check", str(step), "--format", "json", capsys=capsys)[1]
+    second = run("check", str(step), "--format", "json", capsys=capsys)[1]
+    assert first == second
+    doc = json.loads(first)
+    assert {f["code"] for f in doc["findings"]} >= {"GA201", "GA302"}
+    assert abs(doc["global_norm"] - 1.6) < 1e-9
+
+
+def test_output_writes_the_report_file_and_refuses_folders_and_dump_folders(tmp_path, capsys):
+    step = _local(tmp_path / "local")
+    before = sorted(p.name for p in step.iterdir())
+    target = tmp_path / "report.md"
+    code, out, err = run("check", str(step), "--format", "markdown", "--output", str(target), capsys=capsys)
+    assert code == 1 and out == "" and "GA201" in target.read_text()
+    code, _, err = run("check", str(step), "--output", str(tmp_path), capsys=capsys)
+    assert code == 2 and "folder" in err
+    code, _, err = run("check", str(step), "--output", str(step / "report.md"), capsys=capsys)
+    assert code == 2 and "inside the dump folder" in err
+    assert sorted(p.name for p in step.iterdir()) == before
+
+
+def test_unusable_input_and_bad_options_exit_2(tmp_path, capsys):
+    code, _, err = run("check", str(tmp_path / "nothing"), capsys=capsys)
+    assert code == 2 and "nothing" in err
+    code, _, err = run("check", str(_clean(tmp_path / "clean")), "--rtol", "-1", capsys=capsys)
+    assert code == 2 and "rtol" in err
+    assert run("check", str(tmp_path), "--format", "yaml", capsys=capsys)[0] == 2
+
+
+def test_a_folder_of_steps_is_checked_step_by_step(tmp_path, capsys):
+    _clean(tmp_path / "run" / "step_1")
+    _local(tmp_path / "run" / "step_2", step=2)
+    code, out, _ = run("check", str(tmp_path / "run"), "--format", "json", capsys=capsys)
+    doc = json.loads(out)
+    assert code == 1
+    assert [s["step"] for s in doc["summary"]] == [1, 2]
+    assert "GA201" in doc["summary"][1]["codes"] and "GA201" not in doc["summary"][0]["codes"]
+    assert abs(doc["summary"][1]["global_norm"] - 1.6) < 1e-9 and doc["summary"][1]["reported_norm"] == 0.8
+
+
+def test_explain_prints_the_sections_and_all_lists_every_code(capsys):
+    code, out, _ = run("explain", "GA201", capsys=capsys)
+    assert code == 0
+    for heading in ("What it checks", "Why it matters", "Example", "How to fix it"):
+        assert heading in out
+    code, out, _ = run("explain", "--all", capsys=capsys)
+    assert code == 0 and len([line for line in out.splitlines() if line.startswith("GA")]) == 21
+    assert run("explain", "GA999", capsys=capsys)[0] == 2

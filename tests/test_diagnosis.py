@@ -1,0 +1,106 @@
+"""Measurement by parameter (chunks, subsets, merge) and the diagnosis of which norm was used."""
+
+import math
+
+import pytest
+import torch
+
+from builders import box, check, clip, codes, flat, sharded_rows, tensor_with_norm, whole, write_step
+from gradaudit.diagnosis import diagnose_step
+from gradaudit.dumpfile import TensorReader, load_step
+from gradaudit.measure import measure_step
+from gradaudit.model import ClipRecord, Topology
+
+
+def _mixed_step(directory):
+    torch.manual_seed(3)
+    a = torch.randn(6, 4, dtype=torch.float32)
+    b = torch.randn(10, dtype=torch.float32)
+    pieces = {
+        0: [box("a", (0, 0), grad=a[:3].clone(), grad_clipped=a[:3] * 0.5), flat("b", 0, grad=b[:4].clone()),
+            whole("bias", grad=torch.ones(3), replica_group="dp")],
+        1: [box("a", (3, 0), grad=a[3:].clone(), grad_clipped=a[3:] * 0.5), flat("b", 4, grad=b[4:].clone()),
+            whole("bias", grad=torch.ones(3), replica_group="dp")],
+    }
+    write_step(directory, world_size=2, params={"a": (6, 4), "b": (10,), "bias": (3,)}, pieces=pieces, clips=clip(1.0))
+    return load_step(directory), a, b
+
+
+def test_measuring_in_tiny_chunks_gives_the_same_numbers_as_one_chunk(tmp_path):
+    step, _, _ = _mixed_step(tmp_path)
+    with TensorReader() as reader:
+        big = measure_step(step, reader)
+        tiny = measure_step(step, reader, chunk_elements=3)
+    for name in big.params:
+        for p, q in zip(big.params[name].pieces, tiny.params[name].pieces):
+            assert math.isclose(p.stats["grad"].sum_sq, q.stats["grad"].sum_sq, rel_tol=1e-12)
+            assert (p.dot_pre_post is None) == (q.dot_pre_post is None)
+            if p.dot_pre_post is not None:
+                assert math.isclose(p.dot_pre_post, q.dot_pre_post, rel_tol=1e-12)
+
+
+def test_measurements_of_disjoint_parameter_subsets_merge_into_the_one_pass_result(tmp_path):
+    step, _, _ = _mixed_step(tmp_path)
+    with TensorReader() as reader:
+        whole_pass = measure_step(step, reader)
+        first = measure_step(step, reader, params=["a"])
+        rest = measure_step(step, reader, params=["bias", "b"])
+    assert rest.merge(first) == whole_pass == first.merge(rest)
+    with pytest.raises(ValueError, match="disjointly"):
+        first.merge(first)
+
+
+def test_progress_is_reported_once_per_parameter(tmp_path):
+    step, _, _ = _mixed_step(tmp_path)
+    calls = []
+    with TensorReader() as reader:
+        measure_step(step, reader, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_replicas_count_once_in_the_true_norm_and_every_copy_in_the_double_counted_one(tmp_path):
+    step, a, b = _mixed_step(tmp_path)
+    with TensorReader() as reader:
+        m = measure_step(step, reader)
+    diagnosis = diagnose_step(step, m)
+    expected = math.sqrt(float(a.double().square().sum() + b.double().square().sum()) + 3.0)
+    assert math.isclose(diagnosis.true_norm, expected, rel_tol=1e-12)
+    double = {c.hypothesis: c.value for c in diagnosis.ranks[0].candidates}["replicas_double_counted"]
+    assert math.isclose(double, math.sqrt(expected**2 + 3.0), rel_tol=1e-12)
+    assert math.isclose(diagnosis.ranks[0].share_of_squared_norm + diagnosis.ranks[1].share_of_squared_norm, 1.0)
+    assert diagnosis.ranks[0].applied_coef == pytest.approx(0.5) and diagnosis.ranks[0].coef_source == "gradients"
+
+
+def test_the_inf_norm_is_the_largest_magnitude_and_is_diagnosed_like_any_other(tmp_path):
+    grads = [torch.tensor([[0.5, -3.0]]), torch.tensor([[2.0, 1.0]])]
+    sharded_rows(tmp_path, grads, clips=ClipRecord(max_norm=1.0, norm_type=math.inf, reported_norm=2.0))
+    report = check(tmp_path)
+    assert report.global_norm == 3.0 and report.norm_type == math.inf
+    assert report.ranks[1].diagnosis == "local_only" and "GA201" in codes(report)
+
+
+def test_a_group_spanning_the_whole_world_is_not_a_wrong_group(tmp_path):
+    grads = [tensor_with_norm(0.6, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
+    true = float(torch.cat(grads).norm())
+    sharded_rows(tmp_path, grads, clips=clip(1.0, reported_norm=true), topology=Topology(groups={"dp_shard": ((0, 1),)}))
+    report = check(tmp_path)
+    assert [row.diagnosis for row in report.ranks] == ["correct", "correct"]
+    assert "GA203" not in codes(report)
+
+
+def test_stats_only_dumps_are_diagnosed_from_their_stored_statistics(tmp_path):
+    grads = [tensor_with_norm(0.8, (2, 3), seed=r, dtype=torch.float64) for r in range(4)]
+    rows = {r: [box("w", (2 * r, 0), grad=g, stats_only=True)] for r, g in enumerate(grads)}
+    write_step(tmp_path, world_size=4, params={"w": (8, 3)}, pieces=rows, clips=clip(1.0, reported_norm=0.8, clip_coef=1.0))
+    report = check(tmp_path)
+    assert abs(report.global_norm - 1.6) < 1e-9
+    assert {"GA201", "GA302"} <= codes(report)
+
+
+def test_stats_taken_for_another_norm_type_leave_the_true_norm_unknown_with_the_reason(tmp_path):
+    write_step(tmp_path, world_size=1, params={"w": (3,)},
+               pieces={0: [whole("w", grad=torch.ones(3), stats_only=True)]},
+               clips=ClipRecord(max_norm=1.0, norm_type=3.0), norm_type=1.0)
+    report = check(tmp_path)
+    assert report.global_norm is None
+    assert any("another norm type" in n.reason for n in report.not_checked if n.code == "GA201")

@@ -1,0 +1,111 @@
+"""Property tests of the norm math: any disjoint cover of a tensor, with replicas, gives its norm."""
+
+import math
+import random
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradaudit.checks.sweep import coverage, region_boxes
+from gradaudit.diagnosis import disjoint_cover, norm_of_pieces
+from gradaudit.measure import PieceMeasurement
+from gradaudit.model import Box, FlatRange
+from gradaudit.norms import expected_clip_coef
+from gradaudit.tensorstats import stats_of_tensor
+
+NORM_TYPES = (1.0, 2.0, 3.5, math.inf)
+
+
+@st.composite
+def cut_tensors(draw):
+    """(tensor, [(region, values)]) where the regions are a disjoint cover, by flat ranges or a box grid."""
+    shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([1e-3, 1.0, 1e6]))
+    tensor = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+    numel = tensor.numel()
+    if draw(st.booleans()):
+        cuts = sorted(set(draw(st.lists(st.integers(0, numel), max_size=6))) | {0, numel})
+        pieces = [(FlatRange(start=a, stop=b), tensor.reshape(-1)[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+    else:
+        per_dim = [sorted(set(draw(st.lists(st.integers(0, n), max_size=3))) | {0, n}) for n in shape]
+        spans = [[(a, b) for a, b in zip(c, c[1:]) if b > a] for c in per_dim]
+        pieces = []
+        for combo in _product(spans):
+            offsets = tuple(a for a, _ in combo)
+            sizes = tuple(b - a for a, b in combo)
+            index = tuple(slice(a, b) for a, b in combo)
+            pieces.append((Box(offsets=offsets, shape=sizes), tensor[index].reshape(-1)))
+    return tensor, pieces
+
+
+def _product(lists):
+    if not lists:
+        yield ()
+        return
+    for head in lists[0]:
+        for rest in _product(lists[1:]):
+            yield (head,) + rest
+
+
+def _measurements(pieces, norm_type, rng, num_ranks=4, replica_chance=0.5):
+    """PieceMeasurements with every piece on a random rank, some copied onto other ranks."""
+    found = []
+    next_index = {r: 0 for r in range(num_ranks)}
+    for region, values in pieces:
+        ranks = {rng.randrange(num_ranks)}
+        while rng.random() < replica_chance and len(ranks) < num_ranks:
+            ranks.add(rng.randrange(num_ranks))
+        for rank in sorted(ranks):
+            found.append(
+                PieceMeasurement(
+                    rank=rank, index=next_index[rank], param="w", regions=(region,), dtype="float64",
+                    numel=values.numel(), stats={"grad": stats_of_tensor(values, norm_type)},
+                )
+            )
+            next_index[rank] += 1
+    return found
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cut=cut_tensors(), norm_type=st.sampled_from(NORM_TYPES), seed=st.integers(0, 1000))
+def test_a_disjoint_cover_with_replicas_gives_the_norm_of_the_reassembled_tensor(cut, norm_type, seed):
+    tensor, pieces = cut
+    measured = _measurements(pieces, norm_type, random.Random(seed))
+    got = norm_of_pieces(disjoint_cover(measured), norm_type)
+    expected = float(torch.linalg.vector_norm(tensor, ord=norm_type))
+    assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-300)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cut=cut_tensors(), norm_type=st.sampled_from(NORM_TYPES), seed=st.integers(0, 1000))
+def test_permuting_pieces_changes_nothing(cut, norm_type, seed):
+    _, pieces = cut
+    rng = random.Random(seed)
+    measured = _measurements(pieces, norm_type, rng)
+    shuffled = list(measured)
+    rng.shuffle(shuffled)
+    assert norm_of_pieces(disjoint_cover(shuffled), norm_type) == norm_of_pieces(disjoint_cover(measured), norm_type)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cut=cut_tensors(), seed=st.integers(0, 1000))
+def test_a_disjoint_cover_has_no_gap_and_no_overlap_and_dropping_a_piece_leaves_its_gap(cut, seed):
+    tensor, pieces = cut
+    shape = tuple(tensor.shape)
+    boxes = [(o, s, i) for i, (region, _) in enumerate(pieces) for o, s in region_boxes(region, shape)]
+    whole = coverage(boxes, shape)
+    assert (whole.num_gap_elements, whole.num_overlap_elements) == (0, 0)
+    dropped = random.Random(seed).randrange(len(pieces))
+    rest = coverage([b for b in boxes if b[2] != dropped], shape)
+    assert rest.num_gap_elements == pieces[dropped][0].numel and rest.num_overlap_elements == 0
+
+
+@given(
+    norm=st.floats(min_value=0, allow_infinity=True, allow_nan=False),
+    max_norm=st.floats(min_value=1e-30, max_value=1e30, allow_nan=False),
+)
+def test_the_clip_coefficient_is_never_above_one(norm, max_norm):
+    coef = expected_clip_coef(norm, max_norm)
+    assert 0 <= coef <= 1

@@ -1,0 +1,518 @@
+"""Renderers of audit reports: golden files, hostile names, nonfinite numbers, determinism."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gradaudit.render import json as json_render
+from gradaudit.render import markdown as markdown_render
+from gradaudit.render import terminal as terminal_render
+from gradaudit.report import (
+    Finding,
+    MultiStepReport,
+    NonfiniteCounts,
+    NotChecked,
+    ParamComparison,
+    RankRow,
+    Report,
+    Severity,
+    StepSummary,
+)
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+
+def seed_report(*, step: int = 1200) -> Report:
+    """The seed scenario: four shards of norm 0.8 each, nobody clips, the true norm is 1.6."""
+    ranks = tuple(
+        RankRow(
+            rank=r,
+            local_norm=0.8,
+            reported_norm=0.8,
+            applied_clip_coef=1.0,
+            applied_coef_source="gradients",
+            diagnosis="local_only",
+            diagnosis_detail="reported 0.8 = this rank's own pieces (rel. diff 0)",
+            share_of_squared_norm=0.25,
+        )
+        for r in range(4)
+    )
+    return Report(
+        step=step,
+        world_size=4,
+        ranks_present=(0, 1, 2, 3),
+        missing_ranks=(),
+        norm_type=2.0,
+        max_norm=1.0,
+        global_norm=1.6,
+        expected_clip_coef=0.625,
+        ranks=ranks,
+        findings=(
+            Finding(
+                code="GA201",
+                severity=Severity.ERROR,
+                title="clipping used a local norm",
+                message="every rank reported its own norm 0.8 while the true global norm is 1.6",
+                ranks=(0, 1, 2, 3),
+                params=("layers.0.weight", "layers.1.weight"),
+                evidence={"reported_norm": 0.8, "true_norm": 1.6, "relative_difference": 0.5},
+            ),
+            Finding(
+                code="GA302",
+                severity=Severity.ERROR,
+                title="applied coefficient differs from the expected one",
+                message="ranks applied 1 but min(1, 1 / (1.6 + 1e-6)) = 0.625",
+                ranks=(0, 1, 2, 3),
+                evidence={"applied_clip_coef": 1.0, "expected_clip_coef": 0.625},
+            ),
+            Finding(
+                code="GA701",
+                severity=Severity.INFO,
+                title="update norm vs gradient norm",
+                message="the Adam update norm is 0.0123 while the clipped gradient norm is 1.6",
+                evidence={"update_norm": 0.0123, "grad_norm": 1.6},
+            ),
+        ),
+        not_checked=(
+            NotChecked(code="GA502", title="clipping on scaled gradients", reason="no loss scale was recorded"),
+        ),
+        verdict="clipping used each rank's local norm 0.8 instead of the global norm 1.6; "
+        "the coefficient should have been 0.625, every rank applied 1",
+        environment={"torch": "2.13.0", "gradaudit": "0.1.0", "hosts": "node-a, node-b", "mode": "fsdp2"},
+        topology={"dp_shard": "[0, 1, 2, 3]", "mesh": "(4,) dp_shard", "norm_group": "dp_shard"},
+        reference=(
+            ParamComparison(
+                param="layers.0.weight", kind="grad", max_abs_error=1e-7, max_rel_error=2e-6,
+                atol=1e-5, rtol=1e-4, within_tolerance=True,
+            ),
+            ParamComparison(
+                param="layers.1.weight", kind="grad_clipped", max_abs_error=0.3, max_rel_error=0.6,
+                atol=1e-5, rtol=1e-4, within_tolerance=False,
+            ),
+        ),
+        command="gradaudit check ./run/step_1200 --reference ./ref/step_1200",
+        warnings=("rank 2 recorded no tokens; GA702 used the other ranks",),
+    )
+
+
+def clean_report(*, step: int) -> Report:
+    """Clipping done right: true norm 0.5 below max_norm, nothing to say."""
+    ranks = tuple(
+        RankRow(
+            rank=r, local_norm=0.25, reported_norm=0.5, applied_clip_coef=1.0, applied_coef_source="reported",
+            diagnosis="correct", share_of_squared_norm=0.25,
+        )
+        for r in range(4)
+    )
+    return Report(
+        step=step, world_size=4, ranks_present=(0, 1, 2, 3), missing_ranks=(), norm_type=2.0, max_norm=1.0,
+        global_norm=0.5, expected_clip_coef=1.0, ranks=ranks, findings=(),
+        verdict="clipping used the true global norm 0.5; no clipping was needed",
+        command=f"gradaudit check ./run/step_{step}",
+    )
+
+
+def missing_rank_report(*, step: int) -> Report:
+    """Rank 3 never wrote its file: GA100, the other three audited."""
+    base = seed_report(step=step)
+    return replace(
+        base,
+        ranks_present=(0, 1, 2),
+        missing_ranks=(3,),
+        global_norm=None,
+        expected_clip_coef=None,
+        ranks=base.ranks[:3],
+        findings=(
+            Finding(
+                code="GA100", severity=Severity.ERROR, title="ranks missing",
+                message="rank 3 has no file in the step folder", ranks=(3,),
+            ),
+        ),
+        not_checked=(
+            NotChecked(code="GA201", title="local norm", reason="needs every rank's pieces; rank 3 is missing"),
+        ),
+        reference=(),
+        verdict="rank 3 is missing; the global norm could not be computed",
+        command=f"gradaudit check ./run/step_{step}",
+        warnings=(),
+    )
+
+
+def multi_report() -> MultiStepReport:
+    steps = (clean_report(step=1100), seed_report(step=1200), missing_rank_report(step=1300))
+    summary = tuple(
+        StepSummary(
+            step=r.step,
+            directory=f"./run/step_{r.step}",
+            global_norm=r.global_norm,
+            reported_norm=r.ranks[0].reported_norm,
+            expected_clip_coef=r.expected_clip_coef,
+            num_errors=sum(f.severity is Severity.ERROR for f in r.findings),
+            num_warnings=sum(f.severity is Severity.WARNING for f in r.findings),
+            codes=tuple(f.code for f in r.findings),
+        )
+        for r in steps
+    )
+    return MultiStepReport(directory="./run", steps=steps, summary=summary)
+
+
+def nonfinite_report() -> Report:
+    """Rank 1 holds an inf and a nan: the global norm is nan, and so is everything derived from it."""
+    base = seed_report(step=1400)
+    ranks = tuple(
+        replace(row, local_norm=math.inf, reported_norm=math.nan, applied_clip_coef=None, applied_coef_source=None,
+                diagnosis=None, diagnosis_detail="", share_of_squared_norm=math.nan,
+                nonfinite=NonfiniteCounts(nan=3, posinf=1))
+        if row.rank == 1 else replace(row, reported_norm=math.nan, diagnosis=None, diagnosis_detail="")
+        for row in base.ranks
+    )
+    return replace(
+        base,
+        norm_type=math.inf,
+        global_norm=math.nan,
+        expected_clip_coef=math.nan,
+        ranks=ranks,
+        findings=(
+            Finding(
+                code="GA401", severity=Severity.ERROR, title="nonfinite gradient values",
+                message="rank 1 holds 3 nan and 1 +inf in layers.1.weight", ranks=(1,), params=("layers.1.weight",),
+                evidence={"nan": 3, "posinf": 1, "neginf": 0, "max_abs": math.inf, "global_norm": math.nan,
+                          "min": -math.inf, "first_rank": 1},
+            ),
+        ),
+        reference=(),
+        verdict="rank 1 has nonfinite gradients (3 nan, 1 +inf); the global norm is nan",
+        command="gradaudit check ./run/step_1400",
+    )
+
+
+# ---------------------------------------------------------------- golden files
+
+RENDERERS = {
+    "terminal.txt": (terminal_render.render_report, terminal_render.render_multi),
+    "md": (markdown_render.render_report, markdown_render.render_multi),
+    "json": (json_render.render_report, json_render.render_multi),
+}
+SINGLE_SCENARIOS = {"seed": seed_report, "nonfinite": nonfinite_report, "hostile": lambda: hostile_report()}
+
+
+def _check_golden(request, name: str, text: str) -> None:
+    path = GOLDEN_DIR / name
+    if request.config.getoption("--update-goldens"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8", newline="\n")
+        return
+    assert path.exists(), f"{path} is missing; run `pytest tests/test_render_reports.py --update-goldens`"
+    expected = path.read_text(encoding="utf-8")
+    if text != expected:
+        import difflib
+
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "now"))
+        pytest.fail(f"{name} differs from the golden file (rerun with --update-goldens if intended):\n{diff}")
+
+
+@pytest.mark.parametrize("suffix", sorted(RENDERERS))
+@pytest.mark.parametrize("scenario", sorted(SINGLE_SCENARIOS))
+def test_single_step_rendering_matches_its_golden_file(request, scenario, suffix):
+    render_report, _ = RENDERERS[suffix]
+    _check_golden(request, f"{scenario}.{suffix}", render_report(SINGLE_SCENARIOS[scenario]()))
+
+
+@pytest.mark.parametrize("suffix", sorted(RENDERERS))
+def test_multi_step_rendering_matches_its_golden_file(request, suffix):
+    _, render_multi = RENDERERS[suffix]
+    _check_golden(request, f"multi.{suffix}", render_multi(multi_report()))
+
+
+# ---------------------------------------------------------------- what the seed report must say
+
+def test_terminal_report_starts_with_the_verdict_and_the_true_norm_and_coefficient():
+    lines = terminal_render.render_report(seed_report()).splitlines()
+    assert lines[0].startswith("✗ clipping used each rank's local norm 0.8")
+    assert "true global L2 norm 1.6 · expected clip coefficient 0.625" in "\n".join(lines[:4])
+
+
+def test_terminal_chart_puts_every_shard_below_the_threshold_mark_and_the_sum_above_it():
+    text = terminal_render.render_report(seed_report())
+    rank_rows = [line for line in text.splitlines() if line.strip().startswith("rank ") and "█" in line]
+    total_row = next(line for line in text.splitlines() if line.strip().startswith("all ranks"))
+    assert len(rank_rows) == 4
+    for row in rank_rows:
+        before, after = row.split(terminal_render.THRESHOLD_MARK)
+        assert "█" in before and "█" not in after and row.endswith("below")
+    before, after = total_row.split(terminal_render.THRESHOLD_MARK)
+    assert "█" in after and total_row.endswith("above")
+
+
+def test_terminal_chart_of_a_clean_step_keeps_every_bar_and_the_total_below_the_threshold():
+    text = terminal_render.render_report(clean_report(step=1))
+    bars = [line for line in text.splitlines() if terminal_render.THRESHOLD_MARK in line and "█" in line]
+    assert len(bars) == 5 and all(line.endswith("below") for line in bars)
+    assert all("█" not in line.split(terminal_render.THRESHOLD_MARK)[1] for line in bars)
+
+
+def test_terminal_chart_draws_only_the_largest_ranks_of_a_big_world():
+    base = seed_report()
+    shares = [0.5] + [0.5 / 19] * 19
+    ranks = tuple(replace(base.ranks[0], rank=r, share_of_squared_norm=share) for r, share in enumerate(shares))
+    report = replace(base, world_size=20, ranks_present=tuple(range(20)), ranks=ranks)
+    text = terminal_render.render_report(report)
+    drawn = [line.split()[1] for line in text.splitlines() if line.strip().startswith("rank ") and "█" in line]
+    assert len(drawn) == terminal_render.MAX_CHART_RANKS and drawn[0] == "0"
+    assert drawn == sorted(drawn, key=int)
+    assert f"{20 - terminal_render.MAX_CHART_RANKS} smaller ranks not drawn" in text
+
+
+def test_terminal_rank_table_of_a_big_world_keeps_the_telling_ranks_and_summarizes_the_rest():
+    base = seed_report()
+    row = base.ranks[0]
+    ranks = [replace(row, rank=r, local_norm=0.1 + r / 10000) for r in range(1024)]
+    ranks[700] = replace(ranks[700], nonfinite=NonfiniteCounts(nan=5))
+    ranks[900] = replace(ranks[900], diagnosis="replicas_double_counted", diagnosis_detail="counted twice")
+    report = replace(base, world_size=1024, ranks_present=tuple(range(1024)), ranks=tuple(ranks))
+    lines = terminal_render.render_report(report).splitlines()
+    table_ranks = [int(line.split()[0]) for line in lines if re.match(r"\s*\d+\s+\d", line)]
+    assert len(table_ranks) == terminal_render.MAX_RANK_ROWS and table_ranks == sorted(table_ranks)
+    assert {700, 900, 1023} <= set(table_ranks)
+    summary = next(line for line in lines if "more ranks not shown" in line)
+    assert summary.strip().startswith("992 more ranks not shown (local_only ×992; local norm")
+    assert any(line.startswith("  rank 900, replicas_double_counted: counted twice") for line in lines)
+
+
+def test_reference_comparison_lists_the_worst_parameter_first():
+    report = seed_report()
+    for text in (terminal_render.render_report(report), markdown_render.render_report(report)):
+        assert text.index("grad_clipped" if "grad_clipped" in text else "grad\\_clipped") < text.index("1e-07")
+
+
+def test_markdown_report_is_a_complete_bug_ticket_body():
+    markdown = markdown_render.render_report(seed_report())
+    order = ["# gradaudit report: step 1200", "**✗ Verdict:** clipping used each rank's local norm", "## Environment",
+             "| torch | 2.13.0 |", "| topology dp\\_shard | \\[0, 1, 2, 3\\] |", "## Ranks",
+             "| 0 | 0.8 | 0.8 | 1 | gradients | local\\_only | 25.0% | 0 |", "## Findings",
+             "### ✗ error GA201: clipping used a local norm", "evidence: reported\\_norm = 0.8, true\\_norm = 1.6",
+             "## Not checked", "## Reference comparison", "## Warnings", "## Reproduce",
+             "```sh\ngradaudit check ./run/step_1200 --reference ./ref/step_1200\n```"]
+    positions = [markdown.index(part) for part in order]
+    assert positions == sorted(positions)
+
+
+def test_missing_ranks_are_called_out_in_every_human_format():
+    report = missing_rank_report(step=1300)
+    assert "missing ranks: 3" in terminal_render.render_report(report)
+    assert "**Missing ranks:** 3" in markdown_render.render_report(report)
+    assert json.loads(json_render.render_report(report))["missing_ranks"] == [3]
+
+
+def test_json_report_has_the_stable_keys_and_severity_strings():
+    data = json.loads(json_render.render_report(seed_report()))
+    assert {"report_version", "step", "world_size", "ranks_present", "missing_ranks", "norm_type", "max_norm",
+            "global_norm", "expected_clip_coef", "verdict", "ranks", "findings", "not_checked", "reference",
+            "environment", "topology", "command", "warnings"} <= set(data)
+    assert set(data["ranks"][0]) == {"rank", "local_norm", "reported_norm", "applied_clip_coef",
+                                     "applied_coef_source", "diagnosis", "diagnosis_detail",
+                                     "share_of_squared_norm", "nonfinite"}
+    assert data["ranks"][0]["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}
+    assert [f["severity"] for f in data["findings"]] == ["error", "error", "info"]
+    assert set(data["findings"][0]) == {"code", "severity", "title", "message", "ranks", "params", "evidence"}
+    assert data["global_norm"] == 1.6 and data["expected_clip_coef"] == 0.625
+
+
+def test_multi_step_json_holds_the_summary_and_every_complete_step():
+    data = json.loads(json_render.render_multi(multi_report()))
+    assert [s["step"] for s in data["summary"]] == [1100, 1200, 1300]
+    assert data["steps"][1] == json_render.report_to_dict(seed_report())
+    assert data["directory"] == "./run" and data["report_version"] == 1
+
+
+# ---------------------------------------------------------------- nonfinite numbers
+
+def test_nonfinite_numbers_render_as_valid_json_strings():
+    report = nonfinite_report()
+    text = json_render.render_report(report)
+    data = json.loads(text)
+    json.dumps(json_render.report_to_dict(report), allow_nan=False)
+    assert data["global_norm"] == "nan" and data["norm_type"] == "inf" and data["expected_clip_coef"] == "nan"
+    assert data["ranks"][1]["local_norm"] == "inf" and data["ranks"][1]["share_of_squared_norm"] == "nan"
+    evidence = data["findings"][0]["evidence"]
+    assert evidence["max_abs"] == "inf" and evidence["min"] == "-inf" and evidence["global_norm"] == "nan"
+    assert evidence["nan"] == 3
+    assert not re.search(r"\b(NaN|Infinity)\b", text)
+
+
+def test_nonfinite_numbers_are_spelled_out_in_terminal_and_markdown():
+    report = nonfinite_report()
+    terminal = terminal_render.render_report(report)
+    assert "true global Linf norm nan" in terminal and "3 nan, 1 +inf" in terminal
+    assert "no norm chart" in terminal
+    markdown = markdown_render.render_report(report)
+    assert "| 1 | inf | nan | - | - | - | nan | 3 nan, 1 +inf |" in markdown
+    assert "max\\_abs = inf, global\\_norm = nan, min = -inf" in markdown
+
+
+# ---------------------------------------------------------------- hostile names
+
+HOSTILE_NAMES = (
+    "layers.[red]0[/red].weight",
+    "a|b|c",
+    "code`tick``s",
+    "line\nbreak",
+    "\x1b[31mansi\x1b[0m",
+    "权重.é.λ",
+    "<script>alert(1)</script>",
+    "*bold* _it_ [link](http://x) :thumbs_up: ~~s~~ $x$ &amp;",
+    "- 1. # heading",
+    "back\\slash\\",
+    "\u202eevil",
+    "lone\ud800surrogate",
+)
+
+
+def hostile_report() -> Report:
+    base = seed_report(step=7)
+    joined = " / ".join(HOSTILE_NAMES)
+    return replace(
+        base,
+        ranks=tuple(
+            replace(row, applied_coef_source=HOSTILE_NAMES[0], diagnosis=f"wrong_group:{HOSTILE_NAMES[1]}",
+                    diagnosis_detail=joined)
+            for row in base.ranks
+        ),
+        findings=(
+            Finding(
+                code="GA204", severity=Severity.ERROR, title=f"title {HOSTILE_NAMES[2]}", message=f"message {joined}",
+                ranks=(0,), params=HOSTILE_NAMES, evidence={"group": HOSTILE_NAMES[1], HOSTILE_NAMES[0]: 1.5},
+            ),
+        ),
+        not_checked=(NotChecked(code="GA502", title=HOSTILE_NAMES[3], reason=HOSTILE_NAMES[4]),),
+        reference=tuple(
+            ParamComparison(param=name, kind="grad", max_abs_error=0.1, max_rel_error=0.2, atol=1e-5, rtol=1e-4,
+                            within_tolerance=False)
+            for name in HOSTILE_NAMES
+        ),
+        verdict=f"verdict {joined}",
+        environment={"hosts": joined, HOSTILE_NAMES[1]: HOSTILE_NAMES[2]},
+        topology={HOSTILE_NAMES[0]: HOSTILE_NAMES[3]},
+        command="gradaudit check './step_7/```\n[red]|x'",
+        warnings=HOSTILE_NAMES,
+    )
+
+
+def test_terminal_output_shows_hostile_names_literally_and_never_emits_escapes():
+    text = terminal_render.render_report(hostile_report(), width=200)
+    assert "\x1b" not in text and "\u202e" not in text
+    text.encode("utf-8")
+    assert "[red]0[/red]" in text
+    assert "\\x1b[31mansi\\x1b[0m" in text and "line\\nbreak" in text and "\\u202eevil" in text
+    assert ":thumbs_up:" in text and "权重.é.λ" in text
+    assert "warning: back\\slash\\\n" in text and "slash\\\\" not in text
+
+
+def test_terminal_output_ignores_force_color_in_the_environment(monkeypatch):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    assert "\x1b" not in terminal_render.render_report(seed_report())
+    assert "\x1b" not in terminal_render.render_multi(multi_report())
+
+
+def test_colour_changes_only_the_styling_not_the_text():
+    coloured = terminal_render.render_report(hostile_report(), color=True)
+    assert "\x1b[" in coloured
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", coloured)
+    plain_lines = [line.rstrip() for line in plain.splitlines()]
+    assert plain_lines == terminal_render.render_report(hostile_report()).splitlines()
+
+
+def _unescaped_pipes(line: str) -> int:
+    count, escaped = 0, False
+    for ch in line:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "|":
+            count += 1
+    return count
+
+
+def _outside_code_blocks(markdown: str) -> list[str]:
+    lines, fence = [], None
+    for line in markdown.splitlines():
+        if fence is None and line.startswith("```"):
+            fence = line[: len(line) - len(line.lstrip("`"))]
+        elif fence is not None and line == fence:
+            fence = None
+        elif fence is None:
+            lines.append(line)
+    assert fence is None, "a code block was left open"
+    return lines
+
+
+def test_markdown_tables_keep_their_cell_count_with_hostile_names():
+    markdown = markdown_render.render_report(hostile_report())
+    tables: list[list[str]] = [[]]
+    for line in _outside_code_blocks(markdown):
+        if line.startswith("|"):
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    tables = [t for t in tables if t]
+    assert len(tables) >= 4
+    for table in tables:
+        assert len({_unescaped_pipes(line) for line in table}) == 1, table
+    reference = next(t for t in tables if "max abs error" in t[0])
+    assert len(reference) == 2 + len(HOSTILE_NAMES)
+
+
+def test_markdown_escapes_markup_html_and_code_outside_the_reproduce_block():
+    markdown = markdown_render.render_report(hostile_report())
+    prose = "\n".join(_outside_code_blocks(markdown))
+    assert "\x1b" not in markdown and "\u202e" not in markdown
+    markdown.encode("utf-8")
+    for char in "`<[":
+        assert not re.search(r"(?<!\\)(?:\\\\)*" + re.escape(char), re.sub("</?sub>", "", prose)), char
+    for token in ("*bold*", "_it_", "~~s~~", "$x$", "&amp;", "|b|", "# heading", "\\slash\\"):
+        assert not re.search(r"(?<!\\)" + re.escape(token), prose), token
+    assert "<script>" not in prose and "\\<script\\>" in prose
+    assert "line\\\\nbreak" in prose
+    assert "权重.é.λ" in prose
+    assert not any(line.startswith(("- 1", "# heading", "#")) and "heading" in line for line in prose.splitlines())
+    block = markdown.split("## Reproduce\n\n", 1)[1]
+    assert block.startswith("````sh\ngradaudit check './step_7/```\\n[red]|x'\n````\n")
+
+
+def test_multi_step_renderers_escape_a_hostile_folder_name():
+    directory = "./runs/[red]x\x1b[31m|`y`\nz"
+    multi = replace(multi_report(), directory=directory)
+    terminal = terminal_render.render_multi(multi)
+    assert "\x1b" not in terminal and "[red]x\\x1b[31m|`y`\\nz" in terminal
+    markdown = markdown_render.render_multi(multi)
+    assert markdown.splitlines()[0] == "# gradaudit report: 3 steps in ./runs/\\[red\\]x\\\\x1b\\[31m\\|\\`y\\`\\\\nz"
+    assert json.loads(json_render.render_multi(multi))["directory"] == directory
+
+
+def test_json_round_trips_hostile_names_intact():
+    report = hostile_report()
+    data = json.loads(json_render.render_report(report))
+    assert data["findings"][0]["params"] == list(HOSTILE_NAMES)
+    assert data["warnings"] == list(HOSTILE_NAMES)
+    assert [c["param"] for c in data["reference"]] == list(HOSTILE_NAMES)
+    assert data["findings"][0]["evidence"][HOSTILE_NAMES[0]] == 1.5
+    assert data["command"] == report.command and data["environment"] == dict(report.environment)
+    assert data["ranks"][0]["diagnosis"] == f"wrong_group:{HOSTILE_NAMES[1]}"
+
+
+# ---------------------------------------------------------------- determinism
+
+@pytest.mark.parametrize("suffix", sorted(RENDERERS))
+def test_rendering_the_same_report_twice_gives_identical_strings(suffix):
+    render_report, render_multi = RENDERERS[suffix]
+    for make in (seed_report, nonfinite_report, hostile_report):
+        assert render_report(make()) == render_report(make())
+    assert render_multi(multi_report()) == render_multi(multi_report())
