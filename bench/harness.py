@@ -15,6 +15,8 @@ from pathlib import Path
 
 SUBJECTS_SCRIPT = Path(__file__).with_name("subjects.py")
 MIB = 1 << 20
+IN_PROCESS = False
+"""Set by run.py --in-process: run subjects in the benchmark's own process (the smoke test)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,13 +57,15 @@ class Summary:
         return self.runs[-1].value if self.ok else None
 
 
-def run_subject(name: str, args: dict, *, timeout_s: float = 900.0, env: dict | None = None) -> Run:
+def run_subject(name: str, args: dict, *, timeout_s: float = 900.0) -> Run:
     """Run `bench/subjects.py NAME ARGS` and wait for it with wait4, which gives this child's own rusage
     (RUSAGE_CHILDREN would give the maximum over every child so far)."""
+    if IN_PROCESS:
+        return _run_in_process(name, args)
     command = [sys.executable, str(SUBJECTS_SCRIPT), name, json.dumps(args)]
     with tempfile.TemporaryFile() as err:
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=err, cwd=SUBJECTS_SCRIPT.parent, env=env, start_new_session=True
+            command, stdout=subprocess.PIPE, stderr=err, cwd=SUBJECTS_SCRIPT.parent, start_new_session=True
         )
         timer = threading.Timer(timeout_s, _kill_group, args=(process.pid,))
         timer.start()
@@ -81,6 +85,21 @@ def run_subject(name: str, args: dict, *, timeout_s: float = 900.0, env: dict | 
     return Run(seconds=result["seconds"], peak_rss_bytes=peak, value=result["value"])
 
 
+def _run_in_process(name: str, args: dict) -> Run:
+    """The subject in this process (the smoke test's fast path): its time is right, its peak RSS is
+    this whole process's so far."""
+    import resource
+
+    import subjects
+
+    try:
+        seconds, value = subjects.measure(name, args)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported as the subject's failure
+        return Run(seconds=None, peak_rss_bytes=0, error=f"{type(exc).__name__}: {exc}"[:300])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return Run(seconds=seconds, peak_rss_bytes=peak, value=value)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -92,11 +111,13 @@ def interleaved(subjects: dict[str, dict], repeats: int, **kw) -> dict[str, Summ
     """Run every subject once per round, `repeats` rounds, so that load from other processes on the
     machine spreads over all subjects alike; a subject that fails once is not run again.
     `subjects` maps a display name to the subject's arguments; "_subject" names the subject when it
-    differs from the display name."""
+    differs from the display name, "_repeats" caps its rounds."""
     runs: dict[str, list[Run]] = {name: [] for name in subjects}
-    for _ in range(repeats):
+    for round_ in range(repeats):
         for name, args in subjects.items():
             if runs[name] and runs[name][-1].error is not None:
+                continue
+            if round_ >= args.get("_repeats", repeats):
                 continue
             runs[name].append(run_subject(args.get("_subject", name), _plain(args), **kw))
     return {name: Summary(name=name, runs=tuple(r)) for name, r in runs.items()}

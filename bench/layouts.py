@@ -137,7 +137,7 @@ def write_dense_dump(
 
     torch_dtype = getattr(torch, dtype)
     shapes = transformer_shapes(num_elements)
-    pool = _value_pool(seed, torch_dtype)
+    pool = _value_pool(seed, torch_dtype, num_elements)
     per_rank = []
     sum_sq = 0.0
     for ranges in fsdp1_ranges(shapes, num_ranks):
@@ -172,13 +172,13 @@ def write_dense_dump(
 POOL_ELEMENTS = (1 << 24) + 7
 
 
-def _value_pool(seed: int, torch_dtype):
+def _value_pool(seed: int, torch_dtype, num_elements: int):
     """N(0, 1) * GRAD_SCALE values that gradients are cut from: drawing every element with randn
     would take longer than the benchmark itself."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(POOL_ELEMENTS, generator=generator).mul_(GRAD_SCALE).to(torch_dtype)
+    return torch.randn(min(POOL_ELEMENTS, num_elements + 7), generator=generator).mul_(GRAD_SCALE).to(torch_dtype)
 
 
 def _values_from_pool(pool, numel: int, *, offset: int, torch_dtype):

@@ -60,7 +60,7 @@ FULL = Sizes(
     capture_params=100_000_000, coverage_pieces=(10_000, 100_000), repeats=3, stats_repeats=1,
 )
 TINY = Sizes(
-    dense_gib=4 / 1024, bf16_gib=4 / 1024, dense_ranks=8, stats_ranks=(4, 8, 16, 32), stats_pieces=20,
+    dense_gib=2 / 1024, bf16_gib=2 / 1024, dense_ranks=8, stats_ranks=(2, 4, 8), stats_pieces=20,
     capture_params=200_000, coverage_pieces=(100, 1_000), repeats=1, stats_repeats=1,
 )
 SECTIONS = ("dense", "bf16", "stats", "capture", "coverage")
@@ -152,7 +152,9 @@ def dense_section(out: Printer, workdir: Path, sizes: Sizes, dtype: str, gib: fl
     )
     harness.warm_page_cache(directory)
     args = {"directory": str(directory)}
-    results = harness.interleaved({"floor": dict(args), "check": dict(args), "naive": dict(args)}, sizes.repeats)
+    results = harness.interleaved(
+        {"floor": dict(args), "check": dict(args), "naive": dict(args, _repeats=1)}, sizes.repeats
+    )
     largest = layout.largest_file_bytes
     for summary in results.values():
         extra = "" if not summary.ok else f" ({summary.peak_rss_bytes / largest:.2f}x largest file)"
@@ -287,6 +289,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Sizes]:
     parser.add_argument("--stats-pieces", type=int, help="parameters (pieces per rank) of the stats dumps")
     parser.add_argument("--capture-params", type=float, help="parameters of the capture model")
     parser.add_argument("--repeats", type=int, help="rounds of interleaved runs (median taken)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run subjects in this process (fast, for the smoke test; peak RSS figures are then meaningless)")
     parser.add_argument("--workdir", type=Path, help="keep dumps here and reuse them on the next run")
     args = parser.parse_args(argv)
     sizes = TINY if args.tiny else FULL if args.full else DEFAULT
@@ -309,6 +313,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Sizes]:
 
 def main(argv: list[str] | None = None) -> int:
     args, sizes = parse(sys.argv[1:] if argv is None else argv)
+    harness.IN_PROCESS = args.in_process
+    try:
+        return _run_sections(args, sizes)
+    finally:
+        harness.IN_PROCESS = False
+
+
+def _run_sections(args: argparse.Namespace, sizes: Sizes) -> int:
     sections = args.sections.split(",")
     out = Printer()
     started = time.perf_counter()

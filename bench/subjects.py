@@ -154,27 +154,31 @@ def _coverage_step(layout: str, num_pieces: int, num_ranks: int):
 SUBJECTS = {"floor": floor, "naive": naive, "check": check, "check_codes": check_codes, "load_headers": load_headers, "coverage": coverage}
 
 
-def main(argv: list[str]) -> None:
-    name, args = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
+def measure(name: str, args: dict) -> tuple[float, object]:
+    """Run subject `name` with `args`: (seconds of its work alone, what it returned)."""
     if name in CAPTURE_SUBJECTS:
         from capture_subjects import run_capture_subject
 
-        seconds, value = run_capture_subject(name, args)
-    else:
-        # Imported before the clock starts, for every subject alike.
-        import safetensors.torch  # noqa: F401
-        import torch  # noqa: F401
+        return run_capture_subject(name, args)
+    # Imported before the clock starts, for every subject alike.
+    import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
 
-        import gradaudit.dumpfile  # noqa: F401
+    import gradaudit.dumpfile  # noqa: F401
 
-        if name.startswith("check"):
-            import gradaudit.audit  # noqa: F401
-        function = SUBJECTS[name]
-        start = time.perf_counter()
-        value = function(**args)
-        seconds = time.perf_counter() - start
-        if name == "coverage":
-            seconds = value  # timed inside: building the step in memory is not part of the check
+    if name.startswith("check"):
+        import gradaudit.audit  # noqa: F401
+    start = time.perf_counter()
+    value = SUBJECTS[name](**args)
+    seconds = time.perf_counter() - start
+    if name == "coverage":
+        seconds = value  # timed inside: building the step in memory is not part of the check
+    return seconds, value
+
+
+def main(argv: list[str]) -> None:
+    name, args = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
+    seconds, value = measure(name, args)
     sys.stdout.write(json.dumps({"seconds": seconds, "value": value}) + "\n")
 
 

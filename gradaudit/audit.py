@@ -25,6 +25,32 @@ Progress = Callable[[int, int], None]
 CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
 """The checks that must all have run before the verdict may call clipping right."""
 
+CAUSES_FIRST = (
+    "GA100",
+    "GA101",
+    "GA401",
+    "GA102",
+    "GA103",
+    "GA601",
+    "GA501",
+    "GA502",
+    "GA201",
+    "GA202",
+    "GA203",
+    "GA204",
+    "GA402",
+    "GA301",
+    "GA302",
+    "GA303",
+    "GA602",
+    "GA603",
+    "GA205",
+    "GA702",
+    "GA701",
+)
+"""Which finding the verdict names when there are several: a cause (a drifted replica, clipping on
+scaled gradients) before its consequences (different or wrong coefficients, reference mismatches)."""
+
 
 def norm_name(norm_type: float) -> str:
     if math.isinf(norm_type):
@@ -41,13 +67,16 @@ def verdict(diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked
     if diagnosis.true_norm is not None:
         head = f"True global {norm_name(diagnosis.norm_type)} {_fmt(diagnosis.true_norm)}"
         if diagnosis.max_norm is not None:
-            head += f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
+            head += (
+                f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
+            )
     else:
         head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
     serious = [f for f in findings if f.severity is not Severity.INFO]
     if serious:
-        principal = serious[0]
-        where = f" on ranks {_ranks(principal.ranks)}" if principal.ranks else ""
+        rank_of = {code: i for i, code in enumerate(CAUSES_FIRST)}
+        principal = min(serious, key=lambda f: (rank_of.get(f.code, len(rank_of)), f.sort_key))
+        where = f" on {_ranks(principal.ranks)}" if principal.ranks else ""
         more = f" (and {len(serious) - 1} more findings)" if len(serious) > 1 else ""
         return f"{head}. {principal.code}: {principal.title}{where}{more}."
     undecided = sorted({n.code for n in not_checked} & set(CLIPPING_CODES))
@@ -57,9 +86,9 @@ def verdict(diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked
 
 
 def _ranks(ranks) -> str:
-    from .checks.base import ranks_text
+    from .checks.base import ranks_named
 
-    return ranks_text(ranks)
+    return ranks_named(ranks)
 
 
 def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
@@ -221,7 +250,9 @@ def summarize(report: Report, directory: str) -> StepSummary:
     )
 
 
-def audit_folder(path: str | Path, options: AuditOptions, *, progress: Progress | None = None) -> Report | MultiStepReport:
+def audit_folder(
+    path: str | Path, options: AuditOptions, *, progress: Progress | None = None
+) -> Report | MultiStepReport:
     """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
     from .dumpfile import find_step_dirs
 

@@ -80,7 +80,9 @@ def check(
     ),
     format: OutputFormat = typer.Option(OutputFormat.terminal, "--format", "-f", help="terminal, markdown or json."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
-    fail_on: FailOn = typer.Option(FailOn.error, "--fail-on", help="Exit 1 on findings at or above: error, warning, never."),
+    fail_on: FailOn = typer.Option(
+        FailOn.error, "--fail-on", help="Exit 1 on findings at or above: error, warning, never."
+    ),
     rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance of the reference comparison."),
     atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance of the reference comparison."),
 ) -> None:
@@ -143,7 +145,8 @@ def _emit_report(result, format: OutputFormat, output: Optional[Path]) -> None:
     try:
         _emit(text, output)
     except OSError as exc:
-        raise UsageError(f"{output}: cannot write the report ({exc.strerror or exc}); choose another --output") from None
+        problem = exc.strerror or exc
+        raise UsageError(f"{output}: cannot write the report ({problem}); choose another --output") from None
     if output is not None:
         sys.stderr.write(f"report written to {output}\n")
 
@@ -239,7 +242,7 @@ def demo(
     and OUT_DIR/SCENARIO/reference/step_1/ (the same step, unsharded, in one process),
     then prints the `gradaudit check` command to run next. Existing dumps are never overwritten.
     """
-    from .demo import get_scenario, run_demo, scenario_table
+    from .demo import DemoRunFailed, get_scenario, run_demo, scenario_table
     from .errors import UsageError
 
     if list_scenarios:
@@ -248,7 +251,11 @@ def demo(
     if scenario is None or out_dir is None:
         raise UsageError("give a scenario and an output folder: gradaudit demo SCENARIO OUT_DIR (see gradaudit demo --list)")
     chosen = get_scenario(scenario)
-    result = run_demo(scenario, out_dir, progress=lambda line: sys.stderr.write(line + "\n"))
+    try:
+        result = run_demo(scenario, out_dir, progress=lambda line: sys.stderr.write(line + "\n"))
+    except DemoRunFailed as exc:
+        sys.stderr.write(exc.detail)
+        raise
     _emit(
         f"wrote {result.step_dir} ({chosen.world_size} ranks: {chosen.stack}; mistake: {chosen.mistake})\n"
         f"wrote {result.reference_step_dir} (the same step, unsharded, in one process)\n"

@@ -118,6 +118,11 @@ class RankDiagnosis:
     logging_bug: bool = False
     share_of_squared_norm: float = 0.0
     rtol: float = 1e-4
+    true_norm: float | None = None
+    """The true global norm as this rank's data gives it: its own copies of replicated pieces, which
+    differ from the lowest rank's only when replicas drifted apart (GA601)."""
+    expected_coef: float | None = None
+    num_clip_calls: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,15 +164,21 @@ def reported_norm_of(step: StepDump, rank: int) -> float | None:
     return None
 
 
-def applied_coef_of(step: StepDump, rank: int, pieces: list[PieceMeasurement], max_norm: float | None) -> tuple[float | None, str | None]:
+def applied_coef_of(
+    step: StepDump, rank: int, pieces: list[PieceMeasurement], max_norm: float | None
+) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
     pre_post = [(p.dot_pre_post, p.dot_pre_pre) for p in pieces if p.dot_pre_post is not None]
     if pre_post:
         denominator = math.fsum(b for _, b in pre_post)
         if denominator > 0:
             return math.fsum(a for a, _ in pre_post) / denominator, "gradients"
-    stat_pairs = [(p.stats["grad"], p.stats["grad_clipped"]) for p in pieces if "grad" in p.stats and "grad_clipped" in p.stats]
+    stat_pairs = [
+        (p.stats["grad"], p.stats["grad_clipped"]) for p in pieces if "grad" in p.stats and "grad_clipped" in p.stats
+    ]
     if stat_pairs and len(stat_pairs) == len([p for p in pieces if "grad" in p.stats]):
+        if sum(b.num_nonfinite for _, b in stat_pairs) > sum(a.num_nonfinite for a, _ in stat_pairs):
+            return math.nan, "gradients"  # a nan coefficient (from a nonfinite norm) turned finite values into nan
         pre = math.fsum(a.sum_sq for a, _ in stat_pairs)
         post = math.fsum(b.sum_sq for _, b in stat_pairs)
         if pre > 0:
@@ -181,44 +192,94 @@ def applied_coef_of(step: StepDump, rank: int, pieces: list[PieceMeasurement], m
     return None, None
 
 
+class _RankSetNorms:
+    """Norms of the pieces of any set of ranks, with replicas counted once or per copy, from one index.
+
+    Layouts are numbered once so that sets of ranks are combined with integer lookups, and every
+    rank set is computed once per step (groups are shared by their members).
+    """
+
+    def __init__(self, by_rank: Mapping[int, list[PieceMeasurement]], norm_type: float) -> None:
+        self.norm_type = norm_type
+        layout_ids: dict[tuple, int] = {}
+        self.entries: dict[int, list[tuple[int, float | None, bool, bool]]] = {}
+        for rank, pieces in by_rank.items():
+            rows = []
+            for piece in sorted(pieces, key=lambda p: p.index):
+                stats = piece.stats.get("grad")
+                if stats is None:
+                    continue
+                layout = layout_ids.setdefault(piece.layout_key, len(layout_ids))
+                rows.append(
+                    (layout, stats_term(stats, norm_type), stats.num_nan > 0, stats.num_posinf + stats.num_neginf > 0)
+                )
+            self.entries[rank] = rows
+        self._cache: dict[tuple, tuple[float | None, bool]] = {}
+
+    def norm(self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None) -> tuple[float | None, bool]:
+        """(norm, whether any layout appears more than once among these ranks); with `first`, that
+        rank's copies of replicated pieces are the ones counted."""
+        order = tuple(sorted(ranks))
+        if first is not None:
+            order = (first,) + tuple(r for r in order if r != first)
+        key = (order, dedupe)
+        if key not in self._cache:
+            seen: set[int] = set()
+            terms, has_nan, has_inf, repeated, unknown = [], False, False, False, False
+            for rank in key[0]:
+                for layout, term, nan, inf in self.entries.get(rank, ()):
+                    if layout in seen:
+                        repeated = True
+                        if dedupe:
+                            continue
+                    seen.add(layout)
+                    unknown |= term is None
+                    terms.append(term)
+                    has_nan |= nan
+                    has_inf |= inf
+            if unknown:
+                value = None
+            elif has_nan:
+                value = math.nan
+            elif has_inf:
+                value = math.inf
+            else:
+                value = norm_of_terms(terms, self.norm_type)
+            self._cache[key] = (value, repeated)
+        return self._cache[key]
+
+
 def _candidates(
     step: StepDump,
     rank: int,
-    by_rank: Mapping[int, list[PieceMeasurement]],
-    norm_type: float,
+    norms: _RankSetNorms,
     true_norm: float | None,
     loss_scale: float | None,
-    cache: dict,
+    rank_true: float | None = None,
 ) -> tuple[Candidate, ...]:
-    complete = not step.missing_ranks
-
-    def value(ranks: tuple[int, ...], dedupe: bool) -> float | None:
-        key = (ranks, dedupe)
-        if key not in cache:
-            pieces = [p for r in ranks for p in by_rank.get(r, ())]
-            cache[key] = norm_of_pieces(disjoint_cover(pieces) if dedupe else pieces, norm_type)
-        return cache[key]
-
     all_ranks = tuple(step.ranks_present)
     found: list[Candidate] = []
     signatures: set = set()
 
-    def add(hypothesis: str, ranks: tuple[int, ...], dedupe: bool, description: str, norm: float | None = None) -> None:
+    def add(hypothesis: str, ranks: tuple[int, ...], dedupe: bool, description: str, value: float | None) -> None:
         signature = (frozenset(ranks), dedupe)
-        if signature in signatures:
-            return
-        norm = value(ranks, dedupe) if norm is None else norm
-        if norm is None:
+        if signature in signatures or value is None:
             return
         signatures.add(signature)
-        found.append(Candidate(hypothesis=hypothesis, value=norm, description=description))
+        found.append(Candidate(hypothesis=hypothesis, value=value, description=description))
 
     if true_norm is not None:
         add(CORRECT, all_ranks, True, "every logical element counted once", true_norm)
-    add(LOCAL_ONLY, (rank,), False, f"rank {rank}'s own pieces only")
-    all_pieces = [p for r in all_ranks for p in by_rank.get(r, ())]
-    if complete and has_replicas(all_pieces):
-        add(DOUBLE_COUNTED, all_ranks, False, "all ranks' pieces, every replica counted")
+        if rank_true is not None and relative_difference(rank_true, true_norm) > 0:
+            found[-1] = Candidate(
+                hypothesis=CORRECT,
+                value=rank_true,
+                description=f"every logical element counted once, with rank {rank}'s replicas",
+            )
+    add(LOCAL_ONLY, (rank,), False, f"rank {rank}'s own pieces only", norms.norm((rank,), False)[0])
+    double, repeated = norms.norm(all_ranks, False)
+    if not step.missing_ranks and repeated:
+        add(DOUBLE_COUNTED, all_ranks, False, "all ranks' pieces, every replica counted", double)
     groups = sorted(
         ((name, step.topology.group_of(name, rank)) for name in step.topology.groups),
         key=lambda g: (len(g[1] or ()), g[0]),
@@ -229,10 +290,17 @@ def _candidates(
         members = tuple(sorted(members))
         if set(members) == set(range(step.world_size)) or members == (rank,):
             continue
-        add(f"{WRONG_GROUP}:{name}", members, True, f"ranks {list(members)} of group {name}, replicas once")
-        group_pieces = [p for r in members for p in by_rank.get(r, ())]
-        if has_replicas(group_pieces):
-            add(f"{WRONG_GROUP}:{name}", members, False, f"ranks {list(members)} of group {name}, every replica counted")
+        once, repeated = norms.norm(members, True)
+        add(f"{WRONG_GROUP}:{name}", members, True, f"ranks {list(members)} of group {name}, replicas once", once)
+        if repeated:
+            every = norms.norm(members, False)[0]
+            add(
+                f"{WRONG_GROUP}:{name}",
+                members,
+                False,
+                f"ranks {list(members)} of group {name}, every replica counted",
+                every,
+            )
     if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
         found.extend(
             Candidate(
@@ -262,12 +330,15 @@ def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> fl
     return max_norm / coef - CLIP_EPS
 
 
-def _decide(reported: Match | None, implied: Match | None) -> tuple[str | None, bool, str]:
+def _decide(reported: Match | None, implied: Match | None, coef_is_one: bool = False) -> tuple[str | None, bool, str]:
     """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
     if reported is None and implied is None:
         return None, False, "no reported norm and no applied coefficient below 1 to match"
     if implied is None:
-        return reported.hypothesis, False, _describe(reported)
+        detail = _describe(reported)
+        if coef_is_one and reported.hypothesis != CORRECT:
+            detail += "; the applied coefficient 1 cannot tell whether clipping or only the log used this norm"
+        return reported.hypothesis, False, detail
     if reported is None:
         return implied.hypothesis, False, _describe(implied)
     if reported.hypothesis == implied.hypothesis:
@@ -288,6 +359,10 @@ def _describe(match: Match) -> str:
 
 def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     """The true global norm, the expected coefficient, and every present rank's diagnosis."""
+    return m.derived("diagnosis", step, lambda: _diagnose(step, m))
+
+
+def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     norm_type = m.norm_type
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
@@ -307,22 +382,44 @@ def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
     rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
     loss_scale = loss_scale_of(step)
-    total_sq = math.fsum(p.stats["grad"].sum_sq for p in cover if "grad" in p.stats)
-    cache: dict = {}
+    own_sq: dict[int, list[float]] = {}
+    for piece in cover:
+        if "grad" in piece.stats:
+            own_sq.setdefault(piece.rank, []).append(piece.stats["grad"].sum_sq)
+    total_sq = math.fsum(v for values in own_sq.values() for v in values)
+    norms = _RankSetNorms(by_rank, norm_type)
+    drifted = _ranks_with_drifted_replicas(m)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
-        candidates = _candidates(step, rank, by_rank, norm_type, true_norm, loss_scale, cache)
+        rank_true = true_norm
+        if true_norm is not None and rank in drifted:
+            rank_true = norms.norm(tuple(step.ranks_present), True, first=rank)[0]
+        candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true)
         reported = reported_norm_of(step, rank)
         coef, source = applied_coef_of(step, rank, own, max_norm)
         implied = _implied_norm(coef, max_norm, rtol) if source != "reported_norm" else None
-        reported_match = None if reported is None else match_norm(reported, "reported norm", candidates, rtol)
-        implied_match = None if implied is None else match_norm(implied, "norm implied by the applied coefficient", candidates, rtol)
-        hypothesis, logging_bug, detail = _decide(reported_match, implied_match)
-        own_sq = math.fsum(p.stats["grad"].sum_sq for p in cover if p.rank == rank and "grad" in p.stats)
+        num_calls = len(step.ranks[rank].clip.calls) if step.ranks[rank].clip is not None else 0
+        if num_calls > 1:
+            reported_match = implied_match = None
+            hypothesis, logging_bug = None, False
+            detail = (
+                f"clipping ran {num_calls} times before this optimizer step (GA501): its norms are of "
+                "partial gradients and are not matched"
+            )
+        else:
+            reported_match = None if reported is None else match_norm(reported, "reported norm", candidates, rtol)
+            implied_match = (
+                None
+                if implied is None
+                else match_norm(implied, "norm implied by the applied coefficient", candidates, rtol)
+            )
+            coef_is_one = coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
+            hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
+        rank_sq = math.fsum(own_sq.get(rank, ()))
         ranks[rank] = RankDiagnosis(
             rank=rank,
-            local_norm=norm_of_pieces(own, norm_type),
+            local_norm=norms.norm((rank,), False)[0],
             reported_norm=reported,
             applied_coef=coef,
             coef_source=source,
@@ -333,8 +430,11 @@ def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
             hypothesis=hypothesis,
             detail=detail,
             logging_bug=logging_bug,
-            share_of_squared_norm=own_sq / total_sq if total_sq > 0 else 0.0,
+            share_of_squared_norm=rank_sq / total_sq if total_sq > 0 else 0.0,
             rtol=rtol,
+            true_norm=rank_true,
+            expected_coef=None if rank_true is None or max_norm is None else expected_clip_coef(rank_true, max_norm),
+            num_clip_calls=num_calls,
         )
     return StepDiagnosis(
         norm_type=norm_type,
@@ -347,6 +447,21 @@ def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
         ranks=ranks,
         post_clip_norm=post_clip,
     )
+
+
+def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:
+    """Ranks holding a copy of a replicated piece that is not exactly the lowest rank's copy."""
+    found: set[int] = set()
+    for pm in m.params.values():
+        for rs in pm.replica_sets:
+            for copy in rs.copies:
+                if (
+                    (copy.max_abs_diff or 0.0) > 0
+                    or (copy.num_nonfinite_mismatch or 0) > 0
+                    or (copy.fingerprint_delta or 0.0) > 0
+                ):
+                    found.add(copy.rank)
+    return found
 
 
 def _covers_every_param(step: StepDump, cover: list[PieceMeasurement]) -> bool:

@@ -9,10 +9,11 @@ disjoint subsets `merge` into the same result as one pass (so parameters can be 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
-from .model import Box, FlatRange, Piece, Region, StepDump, TensorStats, numel_of
+from .model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
+from .reference import ReferenceSource, compare_regions, compare_values, covers
 from .tensorstats import CHUNK_ELEMENTS, StatsAccumulator
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class PieceMeasurement:
     """sum(grad * grad) over the same elements as `dot_pre_post`."""
     update_sum_sq: float | None = None
     """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
+    value_scale: float = 1.0
+    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
+    before GradScaler.unscale_); every gradient number here is already divided by it."""
 
     @property
     def layout_key(self) -> tuple:
@@ -121,6 +125,16 @@ class StepMeasurements:
     reference_step: int | None = None
     reference_only_params: tuple[str, ...] = ()
     """Parameters the reference holds and the checked dump does not."""
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """Values derived purely from these measurements and a step, computed once for all checks."""
+
+    def derived(self, key: str, step: object, compute: Callable[[], object]) -> object:
+        """`compute()`, remembered for this `step` object: the checks share one diagnosis."""
+        entry = self._memo.get(key)
+        if entry is None or entry[0] is not step:
+            entry = (step, compute())
+            self._memo[key] = entry
+        return entry[1]
 
     def merge(self, other: "StepMeasurements") -> "StepMeasurements":
         """Combine measurements of disjoint parameter subsets of the same step."""
@@ -130,7 +144,9 @@ class StepMeasurements:
             raise ValueError("cannot merge measurements with and without a reference")
         overlap = set(self.params) & set(other.params)
         if overlap:
-            raise ValueError(f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly")
+            raise ValueError(
+                f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+            )
         return StepMeasurements(
             norm_type=self.norm_type,
             params=dict(sorted({**self.params, **other.params}.items())),
@@ -143,6 +159,37 @@ class StepMeasurements:
     def pieces(self) -> Iterator[PieceMeasurement]:
         for pm in self.params.values():
             yield from pm.pieces
+
+
+SCALED_KINDS = ("grad", "grad_clipped")
+"""Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
+
+
+def dumped_gradient_scale(dump: RankDump) -> float:
+    """How many times the true gradient the dumped gradients are: the loss scale when the rank's first
+    clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
+    clip = dump.clip
+    if clip is None:
+        return 1.0
+    first = clip.calls[0] if clip.calls else None
+    unscaled = first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
+    scale = first.loss_scale if first is not None and first.loss_scale is not None else clip.loss_scale
+    if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
+        return scale
+    return 1.0
+
+
+def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
+    if scale == 1.0:
+        return stats
+    p = stats.norm_type
+    return replace(
+        stats,
+        sum_pow=stats.sum_pow / scale if math.isinf(p) else stats.sum_pow / scale**p,
+        sum_sq=stats.sum_sq / scale**2,
+        max_abs=stats.max_abs / scale,
+        fingerprint=tuple(v / scale for v in stats.fingerprint),
+    )
 
 
 # ---------------------------------------------------------------- reading helpers
@@ -158,10 +205,13 @@ def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield start, min(numel, start + chunk)
 
 
-def _piece_flat(reader, path: str, piece: Piece, kind: str, start: int, stop: int) -> "torch.Tensor":
+def _piece_flat(
+    reader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
+) -> "torch.Tensor":
     import torch
 
-    return _read_flat(reader, path, piece.tensors[kind], start, stop).to(torch.float64)
+    values = _read_flat(reader, path, piece.tensors[kind], start, stop).to(torch.float64)
+    return values / scale if scale != 1.0 and kind in SCALED_KINDS else values
 
 
 def _read_piece(reader, path: str, piece: Piece, norm_type: float, chunk: int):
@@ -205,31 +255,17 @@ def _finite_pair(a: "torch.Tensor", b: "torch.Tensor") -> tuple["torch.Tensor", 
     return a, b
 
 
-def _nonfinite_mismatch(a: "torch.Tensor", b: "torch.Tensor") -> int:
-    import torch
-
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    pattern = fa != fb
-    both_inf = torch.isinf(a) & torch.isinf(b) & (a != b)
-    nan_vs_inf = (torch.isnan(a) & torch.isinf(b)) | (torch.isinf(a) & torch.isnan(b))
-    return int((pattern | both_inf | nan_vs_inf).sum())
-
-
-def _finite_max_abs_diff(a: "torch.Tensor", b: "torch.Tensor") -> float:
-    import torch
-
-    both = torch.isfinite(a) & torch.isfinite(b)
-    if not bool(both.any()):
-        return 0.0
-    return float((a[both] - b[both]).abs().max())
-
-
 # ---------------------------------------------------------------- one parameter
 
 
-def _measure_piece(reader, rank: int, path: str, piece: Piece, norm_type: float, chunk: int) -> PieceMeasurement:
+def _measure_piece(
+    reader, rank: int, path: str, piece: Piece, norm_type: float, chunk: int, scale: float = 1.0
+) -> PieceMeasurement:
     stats, dot_pre_post, dot_pre_pre, update_sum_sq = _read_piece(reader, path, piece, norm_type, chunk)
-    stats = dict(sorted({**stats, **{k: v for k, v in piece.stats.items() if k not in stats}}.items()))
+    stats = {**stats, **{k: v for k, v in piece.stats.items() if k not in stats}}
+    stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in sorted(stats.items())}
+    if dot_pre_post is not None and scale != 1.0:
+        dot_pre_post, dot_pre_pre = dot_pre_post / scale**2, dot_pre_pre / scale**2
     return PieceMeasurement(
         rank=rank,
         index=piece.index,
@@ -242,10 +278,13 @@ def _measure_piece(reader, rank: int, path: str, piece: Piece, norm_type: float,
         dot_pre_post=dot_pre_post,
         dot_pre_pre=dot_pre_pre,
         update_sum_sq=update_sum_sq,
+        value_scale=scale,
     )
 
 
-def _compare_replicas(reader, copies: list[tuple[int, str, Piece]], measured: Mapping[tuple[int, int], PieceMeasurement], chunk: int) -> ReplicaSet:
+def _compare_replicas(
+    reader, copies: list[tuple[int, str, Piece]], measured: Mapping[tuple[int, int], PieceMeasurement], chunk: int
+) -> ReplicaSet:
     """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
     base_rank, base_path, base = copies[0]
@@ -258,11 +297,16 @@ def _compare_replicas(reader, copies: list[tuple[int, str, Piece]], measured: Ma
         diffs = [0.0] * len(others)
         mismatches = [0] * len(others)
         for start, stop in _flat_windows(base.numel, per_copy):
-            ref = _piece_flat(reader, base_path, base, "grad", start, stop)
-            for i, (_, path, piece) in enumerate(others):
-                values = _piece_flat(reader, path, piece, "grad", start, stop)
-                diffs[i] = max(diffs[i], _finite_max_abs_diff(values, ref))
-                mismatches[i] += _nonfinite_mismatch(values, ref)
+            ref = _piece_flat(
+                reader, base_path, base, "grad", start, stop, measured[(base_rank, base.index)].value_scale
+            )
+            for i, (rank, path, piece) in enumerate(others):
+                values = _piece_flat(
+                    reader, path, piece, "grad", start, stop, measured[(rank, piece.index)].value_scale
+                )
+                diff, _, mismatch = compare_values(values, ref)
+                diffs[i] = max(diffs[i], diff)
+                mismatches[i] += mismatch
         results = [
             ReplicaCopy(rank=r, index=p.index, max_abs_diff=d, num_nonfinite_mismatch=n)
             for (r, _, p), d, n in zip(others, diffs, mismatches)
@@ -274,7 +318,10 @@ def _compare_replicas(reader, copies: list[tuple[int, str, Piece]], measured: Ma
             if stats is not None and base_stats is not None and len(stats.fingerprint) == len(base_stats.fingerprint):
                 delta = max(
                     [abs(a - b) for a, b in zip(stats.fingerprint, base_stats.fingerprint)]
-                    + [abs(math.sqrt(stats.sum_sq) - math.sqrt(base_stats.sum_sq)), abs(stats.max_abs - base_stats.max_abs)]
+                    + [
+                        abs(math.sqrt(stats.sum_sq) - math.sqrt(base_stats.sum_sq)),
+                        abs(stats.max_abs - base_stats.max_abs),
+                    ]
                 )
                 if stats.num_nonfinite != base_stats.num_nonfinite:
                     delta = math.inf
@@ -293,115 +340,12 @@ def _compare_replicas(reader, copies: list[tuple[int, str, Piece]], measured: Ma
     )
 
 
-class _ReferenceSource:
-    """Values of one parameter in the reference dump, by region, reading only what is asked for.
-
-    A reference piece holding the whole parameter is sliced in the file; any other cover of the
-    parameter (a sharded reference) is assembled densely in memory first (references are small models).
-    """
-
-    def __init__(self, reader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: str) -> None:
-        self.reader = reader
-        self.global_shape = global_shape
-        self.kind = kind
-        self.whole: tuple[str, Piece] | None = None
-        self.dense = None
-        numel = numel_of(global_shape)
-        for path, piece in pieces:
-            if kind in piece.tensors and _is_whole(piece.regions, global_shape):
-                self.whole = (path, piece)
-                return
-        self.dense = _assemble_dense(reader, global_shape, [(p, pc) for p, pc in pieces if kind in pc.tensors], kind, numel)
-
-    def flat(self, start: int, stop: int) -> "torch.Tensor":
-        import torch
-
-        if self.whole is not None:
-            path, piece = self.whole
-            return _read_flat(self.reader, path, piece.tensors[self.kind], start, stop).to(torch.float64)
-        return self.dense.reshape(-1)[start:stop]
-
-    def box(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> "torch.Tensor":
-        """The box's elements, row-major: the whole rows that hold it are read, then cut."""
-        index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
-        if self.whole is not None:
-            if len(shape) == 0:
-                return self.flat(0, 1)
-            inner = numel_of(self.global_shape[1:])
-            rows = self.flat(offsets[0] * inner, (offsets[0] + shape[0]) * inner)
-            return rows.reshape((shape[0],) + tuple(self.global_shape[1:]))[(slice(None),) + index[1:]].reshape(-1)
-        return self.dense[index].reshape(-1)
-
-
-def _is_whole(regions: tuple[Region, ...], global_shape: tuple[int, ...]) -> bool:
-    if len(regions) != 1:
-        return False
-    region = regions[0]
-    if isinstance(region, FlatRange):
-        return region.start == 0 and region.stop == numel_of(global_shape)
-    return all(o == 0 for o in region.offsets) and tuple(region.shape) == tuple(global_shape)
-
-
-def _assemble_dense(reader, global_shape, pieces, kind: str, numel: int) -> "torch.Tensor":
-    import torch
-
-    dense = torch.full((numel,), math.nan, dtype=torch.float64)
-    for path, piece in pieces:
-        values = reader.read(path, piece.tensors[kind]).to(torch.float64).reshape(-1)
-        offset = 0
-        for region in piece.regions:
-            index = _flat_index_of(region, global_shape)
-            dense[index] = values[offset : offset + region.numel]
-            offset += region.numel
-    return dense.reshape(global_shape)
-
-
-def _flat_index_of(region: Region, global_shape: tuple[int, ...]) -> "torch.Tensor":
-    import torch
-
-    if isinstance(region, FlatRange):
-        return torch.arange(region.start, region.stop)
-    return torch.arange(numel_of(global_shape)).reshape(global_shape)[
-        tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))
-    ].reshape(-1)
-
-
-def _region_windows(region: Region, chunk: int) -> Iterator[tuple[Region, int]]:
-    """Sub-regions of at most about `chunk` elements, each with its element offset inside the region."""
-    if isinstance(region, FlatRange):
-        for start, stop in _flat_windows(region.numel, chunk):
-            yield FlatRange(start=region.start + start, stop=region.start + stop), start
-        return
-    if len(region.shape) == 0 or region.numel == 0:
-        yield region, 0
-        return
-    inner = numel_of(region.shape[1:])
-    rows_per_chunk = max(1, chunk // max(inner, 1))
-    for row in range(0, region.shape[0], rows_per_chunk):
-        rows = min(rows_per_chunk, region.shape[0] - row)
-        sub = Box(offsets=(region.offsets[0] + row,) + region.offsets[1:], shape=(rows,) + region.shape[1:])
-        yield sub, row * inner
-
-
 def _compare_with_reference(
-    reader, param: str, rank_path: str, piece: Piece, source: _ReferenceSource, kind: str, chunk: int
+    reader, param: str, rank_path: str, piece: Piece, source: ReferenceSource, kind: str, chunk: int, scale: float
 ) -> ReferenceError:
-    import torch
-
-    max_err, max_ref, mismatches, compared = 0.0, 0.0, 0, 0
-    region_offset = 0
-    for region in piece.regions:
-        for sub, offset in _region_windows(region, chunk):
-            start = region_offset + offset
-            ours = _piece_flat(reader, rank_path, piece, kind, start, start + sub.numel)
-            ref = source.flat(sub.start, sub.stop) if isinstance(sub, FlatRange) else source.box(sub.offsets, sub.shape)
-            max_err = max(max_err, _finite_max_abs_diff(ours, ref))
-            finite_ref = ref[torch.isfinite(ref)]
-            if finite_ref.numel():
-                max_ref = max(max_ref, float(finite_ref.abs().max()))
-            mismatches += _nonfinite_mismatch(ours, ref)
-            compared += sub.numel
-        region_offset += region.numel
+    max_err, max_ref, mismatches, compared = compare_regions(
+        lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
+    )
     return ReferenceError(
         param=param,
         kind=kind,
@@ -442,15 +386,21 @@ def measure_param(
     chunk_elements: int = CHUNK_ELEMENTS,
     held: list[tuple[int, str, Piece]] | None = None,
     reference_held: list[tuple[int, str, Piece]] | None = None,
+    infos: tuple[ParamInfo | None, ParamInfo | None] | None = None,
+    scales: Mapping[int, float] | None = None,
 ) -> ParamMeasurement:
     """Measure one logical parameter: every piece on every present rank, its replicas, its reference.
 
-    `held` / `reference_held` are this parameter's (rank, path, piece) entries when the caller
-    indexed them already (see `pieces_by_param`)."""
+    `held` / `reference_held` are this parameter's (rank, path, piece) entries, and `infos` its
+    ParamInfo here and in the reference, when the caller looked them up already for every parameter
+    (see `pieces_by_param`); `scales` maps ranks to `dumped_gradient_scale` of their files."""
     if held is None:
         held = pieces_by_param(step).get(name, [])
     measured = {
-        (rank, piece.index): _measure_piece(reader, rank, path, piece, norm_type, chunk_elements) for rank, path, piece in held
+        (rank, piece.index): _measure_piece(
+            reader, rank, path, piece, norm_type, chunk_elements, _scale_of(step, rank, scales)
+        )
+        for rank, path, piece in held
     }
     by_layout: dict[tuple, list] = {}
     for rank, path, piece in held:
@@ -464,8 +414,18 @@ def measure_param(
     if reference is not None:
         if reference_held is None:
             reference_held = pieces_by_param(reference).get(name, [])
+        if infos is None:
+            infos = (step.params.get(name), reference.params.get(name))
         reference_pieces, reference_errors, notes = _measure_reference(
-            step, name, reader, reference, reference_held, by_layout, norm_type=norm_type, chunk=chunk_elements
+            name,
+            reader,
+            infos,
+            reference_held,
+            by_layout,
+            norm_type=norm_type,
+            chunk=chunk_elements,
+            scale_of=lambda rank: _scale_of(step, rank, scales),
+            reference=reference,
         )
     return ParamMeasurement(
         param=name,
@@ -488,17 +448,25 @@ def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
     return found
 
 
-def _measure_reference(step, name, reader, reference: StepDump, ref_held, by_layout, *, norm_type: float, chunk: int):
-    info = step.params.get(name)
-    ref_info = reference.params.get(name)
+def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> float:
+    return scales[rank] if scales is not None and rank in scales else dumped_gradient_scale(step.ranks[rank])
+
+
+def _measure_reference(
+    name, reader, infos, ref_held, by_layout, *, norm_type: float, chunk: int, scale_of, reference: StepDump
+):
+    info, ref_info = infos
     if ref_info is None:
         return (), (), (f"{name}: not in the reference dump",)
     if info is not None and tuple(ref_info.global_shape) != tuple(info.global_shape):
-        return (), (), (
-            f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
+        return (
+            (),
+            (),
+            (f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",),
         )
     reference_pieces = tuple(
-        _measure_piece(reader, rank, path, piece, norm_type, chunk) for rank, path, piece in ref_held
+        _measure_piece(reader, rank, path, piece, norm_type, chunk, dumped_gradient_scale(reference.ranks[rank]))
+        for rank, path, piece in ref_held
     )
     errors, notes = [], []
     for kind in COMPARED_KINDS:
@@ -507,21 +475,18 @@ def _measure_reference(step, name, reader, reference: StepDump, ref_held, by_lay
         ours = [(rank, path, piece) for rank, path, piece in ours if kind in piece.tensors]
         if not ours or not ref_with_values:
             continue
-        if not _covers(ref_with_values, ref_info.global_shape):
+        if not covers(ref_with_values, ref_info.global_shape):
             notes.append(f"{name}: the reference's {kind} pieces do not cover the parameter; not compared")
             continue
-        source = _ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind)
+        ref_rank = next(rank for rank, _, piece in ref_held if kind in piece.tensors)
+        ref_scale = dumped_gradient_scale(reference.ranks[ref_rank]) if kind in SCALED_KINDS else 1.0
+        source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
         per_piece = [
-            _compare_with_reference(reader, name, path, piece, source, kind, chunk)
-            for _, path, piece in sorted(ours, key=lambda c: (c[0], c[2].index))
+            _compare_with_reference(reader, name, path, piece, source, kind, chunk, scale_of(rank))
+            for rank, path, piece in sorted(ours, key=lambda c: (c[0], c[2].index))
         ]
         errors.append(_merge_errors(per_piece))
     return reference_pieces, tuple(errors), tuple(notes)
-
-
-def _covers(pieces: list[tuple[str, Piece]], global_shape: tuple[int, ...]) -> bool:
-    layouts = {piece.regions for _, piece in pieces}
-    return sum(sum(r.numel for r in regions) for regions in layouts) >= numel_of(global_shape)
 
 
 def measure_step(
@@ -540,12 +505,15 @@ def measure_step(
     """
     if norm_type is None:
         norm_type = step.clip.norm_type if step.clip is not None else 2.0
-    names = sorted(step.params) if params is None else sorted(set(params))
-    unknown = [n for n in names if n not in step.params]
+    known = step.params
+    names = sorted(known) if params is None else sorted(set(params))
+    unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"parameters {unknown[:3]} are not in step {step.step}; pass names from step.params")
     held = pieces_by_param(step)
     reference_held = None if reference is None else pieces_by_param(reference)
+    reference_infos = {} if reference is None else reference.params
+    scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
     results = {}
     for done, name in enumerate(names, start=1):
         results[name] = measure_param(
@@ -557,12 +525,14 @@ def measure_step(
             chunk_elements=chunk_elements,
             held=held.get(name, []),
             reference_held=None if reference_held is None else reference_held.get(name, []),
+            infos=(known[name], reference_infos.get(name)),
+            scales=scales,
         )
         if progress is not None:
             progress(done, len(names))
     reference_only = ()
     if reference is not None:
-        reference_only = tuple(sorted(set(reference.params) - set(step.params)))
+        reference_only = tuple(sorted(set(reference_infos) - set(known)))
     return StepMeasurements(
         norm_type=norm_type,
         params=results,

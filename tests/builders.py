@@ -76,7 +76,14 @@ def sharded_rows(
     rows = grads[0].shape[0]
     shape = (rows * len(grads),) + tuple(grads[0].shape[1:])
     pieces = {
-        rank: [box(param, (rank * rows,) + (0,) * (g.dim() - 1), grad=g, **({} if clipped is None else {"grad_clipped": clipped[rank]}))]
+        rank: [
+            box(
+                param,
+                (rank * rows,) + (0,) * (g.dim() - 1),
+                grad=g,
+                **({} if clipped is None else {"grad_clipped": clipped[rank]}),
+            )
+        ]
         for rank, g in enumerate(grads)
     }
     return write_step(directory, world_size=len(grads), params={param: shape}, pieces=pieces, clips=clips, **kw)

@@ -166,3 +166,40 @@ def test_an_unexpected_failure_while_inferring_ownership_warns_and_the_step_runs
     with pytest.raises(RuntimeError, match="unexpected layout"):
         with gradaudit.audit_step(model, tmp_path, step=2, max_norm=MAX_NORM, strict=True):
             pass
+
+
+def test_running_out_of_memory_while_copying_gives_every_copy_back_and_writes_nothing(tmp_path):
+    from gradaudit.capture.ownership import LocalPiece
+    from gradaudit.model import Box
+
+    model = make_model()
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    explicit = LocalPiece(
+        param="1.bias", global_shape=(3,), dtype="float32", regions=(Box(offsets=(0,), shape=(3,)),),
+        local_shape=(3,), grad=out_of_memory, value=lambda: model[1].bias.detach(),
+    )
+    losses, caught = capture_warnings(lambda: train_steps(model, tmp_path, [1, 2], ownership=[explicit]))
+    assert len(losses) == 2 and len(caught) == 1
+    assert "out of memory" in str(caught[0].message)
+    assert not (tmp_path / "step_1").exists()  # a missing rank, never a file that looks complete
+
+
+def test_frozen_parameters_are_not_part_of_the_dump(tmp_path):
+    model = make_model()
+    model[1].weight.requires_grad_(False)
+    model[1].bias.requires_grad_(False)
+    train_steps(model, tmp_path, [1])
+    dump = load_step(tmp_path / "step_1").ranks[0]
+    assert {p.name for p in dump.params} == {"0.weight", "0.bias"}
+    assert {p.param for p in dump.pieces} == {"0.weight", "0.bias"}
+
+
+def test_a_weight_marked_shared_without_an_alias_is_kept_and_warned_about(tmp_path):
+    model = make_model()
+    model[1].weight.shared = True  # Megatron marks weights tied across pipeline stages so
+    _, caught = capture_warnings(lambda: train_steps(model, tmp_path, [1]))
+    assert len(caught) == 1 and "aliases={'1.weight'" in str(caught[0].message)
+    assert "1.weight" in {p.param for p in load_step(tmp_path / "step_1").ranks[0].pieces}

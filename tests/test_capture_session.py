@@ -179,6 +179,17 @@ def test_stats_mode_writes_float64_summaries_and_no_values_except_chosen_params(
     assert all(p.stats == {} and set(p.tensors) == {"grad"} for p in load_step(tmp_path / "step_11").ranks[0].pieces)
 
 
+def test_activation_checkpoint_wrappers_do_not_show_in_dumped_names(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = make_model()
+    wrapped = torch.nn.Sequential(checkpoint_wrapper(model[0]), model[1])
+    assert "0._checkpoint_wrapped_module.weight" in dict(wrapped.named_parameters())
+    backward(wrapped)
+    gradaudit.dump(wrapped, tmp_path, step=14, max_norm=MAX_NORM)
+    assert {p.param for p in load_step(tmp_path / "step_14").ranks[0].pieces} == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
 def test_wrapper_prefixes_are_removed_from_parameter_names():
     class Holder(torch.nn.Module):
         def __init__(self, inner, attr):
@@ -199,3 +210,46 @@ def test_importing_gradaudit_does_not_import_torch():
     code = "import sys, gradaudit; gradaudit.__version__; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_dump_from_an_optimizer_step_pre_hook_records_the_gradients_the_step_uses(tmp_path):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = {}
+
+    def hook(optimizer, args, kwargs):
+        seen["path"] = gradaudit.dump(model, tmp_path, step=12, max_norm=MAX_NORM)
+        seen["grad"] = model[0].weight.grad.clone()
+
+    handle = opt.register_step_pre_hook(hook)
+    backward(model)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+    handle.remove()
+    step = load_step(tmp_path / "step_12")
+    assert torch.equal(read(step, 0, "0.weight", "grad"), seen["grad"])
+
+
+def test_explicit_ownership_replaces_inference_for_hand_rolled_sharding(tmp_path):
+    from gradaudit.capture import LocalPiece
+    from gradaudit.model import FlatRange
+
+    model = make_model()
+    backward(model)
+    weight = model[0].weight  # pretend this rank owns elements [4, 12) of the flattened weight (ZeRO-style)
+    piece = LocalPiece(
+        param="0.weight",
+        global_shape=(3, 4),
+        dtype="float32",
+        regions=(FlatRange(start=4, stop=12),),
+        local_shape=(8,),
+        grad=lambda: weight.grad.reshape(-1)[4:12],
+        value=lambda: weight.detach().reshape(-1)[4:12],
+        replica_group=None,
+    )
+    gradaudit.dump(model, tmp_path, step=13, max_norm=MAX_NORM, ownership=[piece])
+    step = load_step(tmp_path / "step_13")
+    (written,) = [p for p in step.ranks[0].pieces if p.param == "0.weight"]
+    assert written.regions == (FlatRange(start=4, stop=12),)
+    assert torch.equal(read(step, 0, "0.weight", "grad"), weight.grad.reshape(-1)[4:12])
+    assert {p.param for p in step.ranks[0].pieces} == {"0.weight", "0.bias", "1.weight", "1.bias"}

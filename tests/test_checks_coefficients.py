@@ -1,7 +1,6 @@
 """GA301-GA303: one coefficient for all ranks, the one the true norm asks for, and a bounded result."""
 
 import torch
-
 from builders import check, clip, codes, finding, not_checked, sharded_rows, tensor_with_norm
 
 

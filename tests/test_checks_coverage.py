@@ -1,15 +1,13 @@
 """GA100-GA103: complete, consistent steps whose elements each have exactly one owner."""
 
 import torch
+from builders import box, check, clip, codes, finding, flat, not_checked, whole, write_step
 
-from builders import box, check, clip, codes, finding, flat, not_checked, write_step, whole
 from gradaudit.checks.sweep import coverage, flat_range_boxes
 
 
 def _two_row_shards(tmp_path, *, ranks=(0, 1), clips=None, offsets=((0, 0), (2, 0)), rows=(2, 2)):
-    pieces = {
-        r: [box("w", offsets[r], grad=torch.ones(rows[r], 3, dtype=torch.float64))] for r in ranks
-    }
+    pieces = {r: [box("w", offsets[r], grad=torch.ones(rows[r], 3, dtype=torch.float64))] for r in ranks}
     return write_step(tmp_path, world_size=2, params={"w": (4, 3)}, pieces=pieces, clips=clips or clip(1.0))
 
 
@@ -30,8 +28,13 @@ def test_a_complete_step_raises_no_missing_rank_finding(tmp_path):
 
 def test_a_missing_rank_holding_only_replicas_leaves_the_true_norm_known(tmp_path):
     g = torch.full((2,), 3.0, dtype=torch.float64)
-    write_step(tmp_path, world_size=3, params={"w": (2,)}, pieces={r: [whole("w", grad=g.clone())] for r in (0, 1)},
-               clips=clip(1.0, reported_norm=float(g.norm())))
+    write_step(
+        tmp_path,
+        world_size=3,
+        params={"w": (2,)},
+        pieces={r: [whole("w", grad=g.clone())] for r in (0, 1)},
+        clips=clip(1.0, reported_norm=float(g.norm())),
+    )
     report = check(tmp_path)
     assert "GA100" in codes(report)
     assert abs(report.global_norm - float(g.norm())) < 1e-12
@@ -57,8 +60,13 @@ def test_overlapping_shards_that_are_not_replicas_are_an_ownership_overlap(tmp_p
 
 def test_identical_replicas_are_not_an_overlap(tmp_path):
     g = torch.ones(4, 3, dtype=torch.float64)
-    write_step(tmp_path, world_size=2, params={"w": (4, 3)}, pieces={r: [whole("w", grad=g.clone())] for r in (0, 1)},
-               clips=clip(1.0))
+    write_step(
+        tmp_path,
+        world_size=2,
+        params={"w": (4, 3)},
+        pieces={r: [whole("w", grad=g.clone())] for r in (0, 1)},
+        clips=clip(1.0),
+    )
     assert {"GA102", "GA103"} & codes(check(tmp_path)) == set()
 
 
@@ -71,7 +79,10 @@ def test_rows_no_rank_holds_are_an_ownership_gap(tmp_path):
 def test_flat_and_box_pieces_that_tile_a_parameter_leave_no_gap_or_overlap(tmp_path):
     pieces = {
         0: [flat("w", 0, grad=torch.ones(5, dtype=torch.float64))],
-        1: [flat("w", 5, grad=torch.ones(1, dtype=torch.float64)), box("w", (2, 0), grad=torch.ones(2, 3, dtype=torch.float64))],
+        1: [
+            flat("w", 5, grad=torch.ones(1, dtype=torch.float64)),
+            box("w", (2, 0), grad=torch.ones(2, 3, dtype=torch.float64)),
+        ],
     }
     write_step(tmp_path, world_size=2, params={"w": (4, 3)}, pieces=pieces, clips=clip(1.0))
     assert {"GA102", "GA103"} & codes(check(tmp_path)) == set()
@@ -99,3 +110,24 @@ def test_the_coverage_sweep_of_many_column_shards_is_not_quadratic():
     result = coverage(boxes, (1000, k))
     assert result.num_gap_elements == 0 and result.num_overlap_elements == 0
     assert time.perf_counter() - started < 2.0
+
+
+def test_with_a_rank_missing_a_clean_result_is_not_a_pass(tmp_path):
+    _two_row_shards(tmp_path, ranks=(0,))
+    report = check(tmp_path)
+    missing = {n.code: n.reason for n in report.not_checked}
+    assert {"GA102", "GA301", "GA401", "GA601"} <= set(missing)
+    assert "some are missing (rank 1)" in missing["GA401"]
+    assert "GA101" not in missing
+
+
+def test_the_coverage_sweep_of_many_overlapping_strips_and_rows_is_not_quadratic():
+    import time
+
+    k = 3000
+    columns = [((0, i), (2 * k, 1), ("col", i)) for i in range(k)]
+    rows = [((2 * i, 0), (1, k), ("row", i)) for i in range(k)]
+    started = time.perf_counter()
+    result = coverage(columns + rows, (2 * k, k))
+    assert result.num_overlap_elements == k * k and result.num_gap_elements == 0
+    assert time.perf_counter() - started < 5.0

@@ -3,7 +3,6 @@
 import math
 
 import torch
-
 from builders import check, clip, codes, finding, not_checked, sharded_rows, tensor_with_norm
 
 
@@ -56,3 +55,14 @@ def test_ranks_that_all_skip_together_raise_no_disagreement(tmp_path):
 def test_skip_agreement_is_not_checked_when_nobody_recorded_it(tmp_path):
     sharded_rows(tmp_path, _grads(), clips=clip(1.0))
     assert "GA402" in not_checked(check(tmp_path))
+
+
+def test_a_nan_coefficient_applied_to_the_gradients_is_measured_as_nan_not_zero(tmp_path):
+    grads = _grads()
+    grads[1][0, 0] = math.nan
+    clipped = [torch.full_like(g, math.nan) for g in grads]
+    sharded_rows(tmp_path, grads, clips=clip(1.0), clipped=clipped)
+    report = check(tmp_path)
+    assert all(math.isnan(row.applied_clip_coef) for row in report.ranks)
+    assert {row.applied_coef_source for row in report.ranks} == {"gradients"}
+    assert "GA301" not in codes(report) and "GA301" in not_checked(report)

@@ -3,7 +3,6 @@
 import math
 
 import torch
-
 from builders import (
     assert_close,
     box,
@@ -16,6 +15,7 @@ from builders import (
     whole,
     write_step,
 )
+
 from gradaudit.model import ClipRecord, Topology
 
 NORM_CODES = {"GA201", "GA202", "GA203", "GA204", "GA205"}
@@ -139,7 +139,9 @@ def test_reported_norm_right_but_coefficient_from_the_local_norm_is_diagnosed_fr
 
 def test_world_size_one_says_local_and_global_cannot_be_told_apart(tmp_path):
     g = tensor_with_norm(2.0, (4,), dtype=torch.float64)
-    write_step(tmp_path, world_size=1, params={"w": (4,)}, pieces={0: [whole("w", grad=g)]}, clips=clip(1.0, reported_norm=2.0))
+    write_step(
+        tmp_path, world_size=1, params={"w": (4,)}, pieces={0: [whole("w", grad=g)]}, clips=clip(1.0, reported_norm=2.0)
+    )
     report = check(tmp_path)
     assert report.ranks[0].diagnosis == "correct"
     assert "indistinguishable" in report.ranks[0].diagnosis_detail and "local_only" in report.ranks[0].diagnosis_detail
@@ -156,10 +158,11 @@ def test_a_norm_of_still_scaled_gradients_is_diagnosed_with_the_loss_scale(tmp_p
     assert codes(report) & NORM_CODES == set()
 
 
-def test_a_local_norm_of_scaled_gradients_gives_both_the_local_and_the_scale_findings(tmp_path):
+def test_gradients_dumped_before_unscale_are_unscaled_and_a_scaled_local_norm_gives_both_findings(tmp_path):
     record = ClipRecord(max_norm=1.0, reported_norm=0.8 * 512, loss_scale=512.0, unscaled_before_clip=False)
-    sharded_rows(tmp_path, four_shards_of_norm_08(), clips=record)
+    sharded_rows(tmp_path, [g * 512 for g in four_shards_of_norm_08()], clips=record)
     report = check(tmp_path)
+    assert abs(report.global_norm - 1.6) < 1e-9
     assert {"GA201", "GA502"} <= codes(report)
     assert report.ranks[0].diagnosis == "loss_scaled:local_only"
 

@@ -1,8 +1,8 @@
 """GA501, GA502, GA702, GA701: when and on what clipping ran, how losses were averaged, update size."""
 
 import torch
-
 from builders import check, clip, codes, finding, not_checked, sharded_rows, tensor_with_norm, whole, write_step
+
 from gradaudit.model import ClipCall, ClipRecord, DataRecord
 
 
@@ -62,8 +62,13 @@ def test_update_norm_is_reported_next_to_the_gradient_norm(tmp_path):
     g = torch.tensor([3.0, 4.0], dtype=torch.float64)
     before = torch.tensor([1.0, 1.0], dtype=torch.float64)
     after = torch.tensor([1.0, 0.9], dtype=torch.float64)
-    write_step(tmp_path, world_size=1, params={"w": (2,)},
-               pieces={0: [whole("w", grad=g, param_before=before, param_after=after)]}, clips=clip(1.0))
+    write_step(
+        tmp_path,
+        world_size=1,
+        params={"w": (2,)},
+        pieces={0: [whole("w", grad=g, param_before=before, param_after=after)]},
+        clips=clip(1.0),
+    )
     found = finding(check(tmp_path), "GA701")
     assert found.severity.value == "info"
     assert abs(found.evidence["update_norm"] - 0.1) < 1e-12 and abs(found.evidence["gradient_norm"] - 5.0) < 1e-12

@@ -1,7 +1,6 @@
 """GA601: copies of one piece on several ranks must agree."""
 
 import torch
-
 from builders import check, clip, codes, finding, not_checked, whole, write_step
 
 
@@ -10,7 +9,9 @@ def _replicas(tmp_path, copies, *, stats_only=False, dtype=torch.float32):
         tmp_path,
         world_size=len(copies),
         params={"w": tuple(copies[0].shape)},
-        pieces={r: [whole("w", grad=g.to(dtype), replica_group="dp", stats_only=stats_only)] for r, g in enumerate(copies)},
+        pieces={
+            r: [whole("w", grad=g.to(dtype), replica_group="dp", stats_only=stats_only)] for r, g in enumerate(copies)
+        },
         clips=clip(1.0),
     )
     return check(tmp_path)

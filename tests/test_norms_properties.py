@@ -60,8 +60,13 @@ def _measurements(pieces, norm_type, rng, num_ranks=4, replica_chance=0.5):
         for rank in sorted(ranks):
             found.append(
                 PieceMeasurement(
-                    rank=rank, index=next_index[rank], param="w", regions=(region,), dtype="float64",
-                    numel=values.numel(), stats={"grad": stats_of_tensor(values, norm_type)},
+                    rank=rank,
+                    index=next_index[rank],
+                    param="w",
+                    regions=(region,),
+                    dtype="float64",
+                    numel=values.numel(),
+                    stats={"grad": stats_of_tensor(values, norm_type)},
                 )
             )
             next_index[rank] += 1
@@ -109,3 +114,31 @@ def test_a_disjoint_cover_has_no_gap_and_no_overlap_and_dropping_a_piece_leaves_
 def test_the_clip_coefficient_is_never_above_one(norm, max_norm):
     coef = expected_clip_coef(norm, max_norm)
     assert 0 <= coef <= 1
+
+
+@st.composite
+def random_boxes(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    boxes = []
+    for tag in range(draw(st.integers(0, 6))):
+        offsets = tuple(draw(st.integers(0, n - 1)) for n in shape)
+        sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(shape, offsets))
+        boxes.append((offsets, sizes, tag))
+    return shape, boxes
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=random_boxes())
+def test_the_coverage_sweep_counts_gaps_and_overlaps_like_a_dense_count_of_every_element(case):
+    shape, boxes = case
+    counts = torch.zeros(shape, dtype=torch.int64)
+    for offsets, sizes, _ in boxes:
+        counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+    result = coverage(boxes, shape)
+    assert result.num_gap_elements == int((counts == 0).sum())
+    assert result.num_overlap_elements == int((counts - 1).clamp(min=0).sum())
+    shared = set()
+    for offsets, sizes, tag in boxes:
+        if bool((counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] > 1).any()):
+            shared.add(tag)
+    assert result.overlapping_tags == shared

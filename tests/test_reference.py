@@ -3,8 +3,8 @@
 import math
 
 import torch
-
 from builders import box, check, clip, codes, flat, not_checked, tensor_with_norm, whole, write_step
+
 from gradaudit.model import ClipRecord
 
 LR = 0.1
@@ -18,10 +18,24 @@ def _write_reference(directory, grad, *, max_norm=1.0, before=None, step=1, name
     coef = min(1.0, max_norm / (float(grad.double().norm()) + 1e-6))
     before = torch.ones_like(grad) if before is None else before
     clipped = grad * coef
-    write_step(directory, world_size=1, step=step, params={name: tuple(grad.shape)},
-               pieces={0: [whole(name, grad=grad.clone(), grad_clipped=clipped, param_before=before.clone(),
-                                 param_after=before - LR * clipped)]},
-               clips=ClipRecord(max_norm=max_norm, reported_norm=float(grad.double().norm()), clip_coef=coef))
+    write_step(
+        directory,
+        world_size=1,
+        step=step,
+        params={name: tuple(grad.shape)},
+        pieces={
+            0: [
+                whole(
+                    name,
+                    grad=grad.clone(),
+                    grad_clipped=clipped,
+                    param_before=before.clone(),
+                    param_after=before - LR * clipped,
+                )
+            ]
+        },
+        clips=ClipRecord(max_norm=max_norm, reported_norm=float(grad.double().norm()), clip_coef=coef),
+    )
     return directory
 
 
@@ -29,12 +43,25 @@ def _write_sharded(directory, grad, coefs, *, world=4):
     rows = grad.shape[0] // world
     pieces = {}
     for r in range(world):
-        g = grad[r * rows:(r + 1) * rows].clone()
+        g = grad[r * rows : (r + 1) * rows].clone()
         before = torch.ones_like(g)
-        pieces[r] = [box("w", (r * rows, 0), grad=g, grad_clipped=g * coefs[r], param_before=before,
-                         param_after=before - LR * g * coefs[r])]
-    write_step(directory, world_size=world, params={"w": tuple(grad.shape)}, pieces=pieces,
-               clips={r: clip(1.0, clip_coef=coefs[r]) for r in range(world)})
+        pieces[r] = [
+            box(
+                "w",
+                (r * rows, 0),
+                grad=g,
+                grad_clipped=g * coefs[r],
+                param_before=before,
+                param_after=before - LR * g * coefs[r],
+            )
+        ]
+    write_step(
+        directory,
+        world_size=world,
+        params={"w": tuple(grad.shape)},
+        pieces=pieces,
+        clips={r: clip(1.0, clip_coef=coefs[r]) for r in range(world)},
+    )
     return directory
 
 
@@ -73,6 +100,9 @@ def test_a_nonfinite_shard_differs_from_the_finite_reference(tmp_path):
     found = [f for f in report.findings if f.code == "GA602"]
     assert any(f.params == ("w",) and "nonfinite" in f.message for f in found)
     assert any("global gradient norm is inf here but 1.6 in the reference" in f.message for f in found)
+    differ = {(c.param, c.kind) for c in report.reference if not c.within_tolerance}
+    assert {("w", "grad"), ("w", "grad_clipped"), ("w", "param_after")} <= differ
+    assert "GA603" in codes(report)
 
 
 def test_tolerances_follow_the_dtype_and_can_be_overridden(tmp_path):
@@ -90,15 +120,23 @@ def test_tolerances_follow_the_dtype_and_can_be_overridden(tmp_path):
 def test_flat_shards_are_compared_with_a_reference_that_is_itself_sharded(tmp_path):
     grad = torch.arange(12, dtype=torch.float64).reshape(3, 4) / 10
     ref = tmp_path / "ref"
-    write_step(ref, world_size=1, params={"w": (3, 4)},
-               pieces={0: [box("w", (0, 0), grad=grad[:1].clone()), box("w", (1, 0), grad=grad[1:].clone())]},
-               clips=clip(1.0))
+    write_step(
+        ref,
+        world_size=1,
+        params={"w": (3, 4)},
+        pieces={0: [box("w", (0, 0), grad=grad[:1].clone()), box("w", (1, 0), grad=grad[1:].clone())]},
+        clips=clip(1.0),
+    )
     run = tmp_path / "run"
     wrong = grad.reshape(-1).clone()
     wrong[7] += 0.5
-    write_step(run, world_size=2, params={"w": (3, 4)},
-               pieces={0: [flat("w", 0, grad=wrong[:5].clone())], 1: [flat("w", 5, grad=wrong[5:].clone())]},
-               clips=clip(1.0))
+    write_step(
+        run,
+        world_size=2,
+        params={"w": (3, 4)},
+        pieces={0: [flat("w", 0, grad=wrong[:5].clone())], 1: [flat("w", 5, grad=wrong[5:].clone())]},
+        clips=clip(1.0),
+    )
     report = check(run, reference=str(ref))
     comparison = report.reference[0]
     assert comparison.param == "w" and abs(comparison.max_abs_error - 0.5) < 1e-12
@@ -125,3 +163,21 @@ def test_a_reference_folder_of_steps_is_matched_by_step_number(tmp_path):
     _write_reference(tmp_path / "refs" / "step_2", grad * 2, step=2)
     report = check(_write_sharded(tmp_path / "run", grad, [1.0] * 4), reference=str(tmp_path / "refs"))
     assert "GA602" not in codes(report) and report.reference
+
+
+def test_a_reference_of_another_step_is_compared_with_a_warning(tmp_path):
+    grad = _full_grad()
+    ref = _write_reference(tmp_path / "ref", grad, step=9)
+    report = check(_write_sharded(tmp_path / "run", grad, [1.0] * 4), reference=str(ref))
+    assert any("the reference is step 9" in w for w in report.warnings)
+    assert report.reference
+
+
+def test_a_reference_folder_without_the_step_is_a_usage_error(tmp_path):
+    import pytest
+
+    from gradaudit.errors import GradauditError
+
+    _write_reference(tmp_path / "refs" / "step_5", _full_grad(), step=5)
+    with pytest.raises(GradauditError, match="no step_1 folder"):
+        check(_write_sharded(tmp_path / "run", _full_grad(), [1.0] * 4), reference=str(tmp_path / "refs"))

@@ -3,12 +3,15 @@ shard mapped back to flat ranges of the original parameters it holds."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ..errors import CaptureError
 from ..model import FlatRange
+from .names import logical_name
 from .ownership import LocalPiece
+from .warn import warn_once
 
 if TYPE_CHECKING:
     import torch
@@ -20,9 +23,6 @@ NO_SHARD_GROUP = "dp"
 _SHARDED_STRATEGIES = frozenset({"FULL_SHARD", "SHARD_GRAD_OP"})
 _HYBRID_STRATEGIES = frozenset({"HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
 _KNOWN_STRATEGIES = _SHARDED_STRATEGIES | _HYBRID_STRATEGIES | {"NO_SHARD"}
-
-WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-"""Submodule names that wrappers (FSDP1, activation checkpointing, torch.compile) insert into names."""
 
 _LAYOUT_HINT = (
     "this torch version stores FSDP1 shards differently than gradaudit expects; "
@@ -48,21 +48,16 @@ class ParamShard:
 
 @dataclass(frozen=True, kw_only=True)
 class _Unit:
-    """One FSDP1 module that owns a FlatParameter, with its clean name prefix and groups."""
+    """One FSDP1 module that owns a FlatParameter, with the module path of the module it wraps."""
 
     prefix: str
+    """Path (as model.named_modules() gives it) of the module the FlatParameter's `_fqns` start from."""
     flat_param: Any
     strategy: str
     use_orig_params: bool
     orig_dtype: Any
     shard_ranks: tuple[int, ...]
     replicate_ranks: tuple[int, ...] | None
-
-
-def join_clean(prefix: str, name: str) -> str:
-    """`prefix.name` with wrapper components (`_fsdp_wrapped_module`, ...) dropped."""
-    parts = [p for p in f"{prefix}.{name}".split(".") if p and p not in WRAPPER_ATTRIBUTES]
-    return ".".join(parts)
 
 
 def param_shards(flat_param: Any) -> list[ParamShard]:
@@ -90,9 +85,13 @@ def param_shards(flat_param: Any) -> list[ParamShard]:
         try:
             in_shard, offset, numel_in_shard, start, end_inclusive = tuple(info)
         except (TypeError, ValueError):
-            raise CaptureError(f"FSDP1 shard info of {fqn} is {info!r}, not the 5 fields expected: {_LAYOUT_HINT}") from None
-        if not in_shard:
+            raise CaptureError(
+                f"FSDP1 shard info of {fqn} is {info!r}, not the 5 fields expected: {_LAYOUT_HINT}"
+            ) from None
+        if not in_shard or numel == 0:
             continue
+        if not all(isinstance(v, int) for v in (offset, numel_in_shard, start, end_inclusive)):
+            raise CaptureError(f"FSDP1 shard info of {fqn} is {info!r}, not integer offsets: {_LAYOUT_HINT}")
         stop = end_inclusive + 1
         consistent = (
             0 <= start <= stop <= numel
@@ -106,13 +105,11 @@ def param_shards(flat_param: Any) -> list[ParamShard]:
                 f"FSDP1 shard info of {fqn} ({info!r}, numel {numel}, shard numel {sharded_numel}) "
                 f"is not a range of the parameter: {_LAYOUT_HINT}"
             )
-        if not contiguous and numel_in_shard > 0:
+        if not contiguous:
             raise CaptureError(
                 f"parameter {fqn} is not contiguous, so FSDP1 flattened it in storage order and its "
                 "shard is not a row-major range; make it contiguous before wrapping, or pass ownership="
             )
-        if numel_in_shard == 0:
-            continue
         shards.append(
             ParamShard(
                 index=index,
@@ -137,18 +134,26 @@ def fsdp1_pieces(model: "torch.nn.Module") -> list[LocalPiece] | None:
         replica_group = _replica_group(unit.strategy)
         dtype = str(unit.orig_dtype).removeprefix("torch.")
         for shard in param_shards(unit.flat_param):
+            name = logical_name(model, _join(unit.prefix, shard.fqn))
             pieces.append(
                 LocalPiece(
-                    param=join_clean(unit.prefix, shard.fqn),
+                    param=name,
                     global_shape=shard.global_shape,
                     dtype=dtype,
                     regions=(FlatRange(start=shard.start, stop=shard.stop),),
                     local_shape=(shard.numel_in_shard,),
-                    grad=_grad_reader(unit, shard),
-                    value=_value_reader(unit, shard),
+                    grad=_grad_reader(unit, shard, name),
+                    value=_value_reader(unit, shard, name),
                     replica_group=replica_group,
                 )
             )
+    unmanaged = _unmanaged_parameter_names(model, units)
+    if unmanaged:
+        warn_once(
+            "fsdp1-unmanaged:" + ",".join(unmanaged),
+            f"parameters {', '.join(unmanaged)} are not managed by FSDP1 (ignored_modules / ignored_states), "
+            "so gradaudit cannot tell who holds them and leaves them out of the dump; pass them with ownership=",
+        )
     return pieces
 
 
@@ -186,44 +191,39 @@ def _fsdp1_units(model: "torch.nn.Module") -> list[_Unit] | None:
     fsdp_class = _fsdp1_class()
     if fsdp_class is None:
         return None
-    found = [(prefix, m) for prefix, m in _named_modules_clean(model) if isinstance(m, fsdp_class)]
+    found = [(path, m) for path, m in model.named_modules() if isinstance(m, fsdp_class)]
     if not found:
         return None
     units = []
-    for prefix, module in found:
-        handle = _handle_of(module, prefix)
+    for path, module in found:
+        handle = _handle_of(module, path)
         if handle is not None:
-            units.append(_unit_of(prefix, module, handle))
+            units.append(_unit_of(path, module, handle))
     return units
 
 
+def _unmanaged_parameter_names(model: "torch.nn.Module", units: list[_Unit]) -> list[str]:
+    managed: set[int] = set()
+    for unit in units:
+        managed.add(id(unit.flat_param))
+        for attribute in ("_params", "_shared_params"):  # the original parameters, use_orig_params=True
+            managed.update(id(p) for p in getattr(unit.flat_param, attribute, None) or ())
+    return [
+        logical_name(model, fqn)
+        for fqn, param in model.named_parameters()
+        if id(param) not in managed and not getattr(param, "_is_flat_param", False)
+    ]
+
+
 def _fsdp1_class() -> type | None:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed support
-        return None
-    return FullyShardedDataParallel
+    """FSDP1's class, or None when it was never imported (then no model can hold an FSDP1 module,
+    and the costly import is skipped)."""
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    return getattr(module, "FullyShardedDataParallel", None)
 
 
-def _named_modules_clean(model: "torch.nn.Module") -> list[tuple[str, "torch.nn.Module"]]:
-    """(clean name, module) for each module once, wrapper components (and DDP's `module.`) dropped."""
-    import torch
-
-    replicating_wrappers = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
-    result = []
-    seen: set[int] = set()
-    stack = [("", model)]
-    while stack:
-        prefix, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        result.append((prefix, module))
-        children = list(module.named_children())
-        for name, child in reversed(children):
-            dropped = name in WRAPPER_ATTRIBUTES or (name == "module" and isinstance(module, replicating_wrappers))
-            stack.append((prefix if dropped else join_clean(prefix, name), child))
-    return result
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _handle_of(module: Any, prefix: str) -> Any:
@@ -235,17 +235,19 @@ def _handle_of(module: Any, prefix: str) -> Any:
     raise CaptureError(f"cannot find the FlatParameter handle of the FSDP1 module {prefix or '<root>'}: {_LAYOUT_HINT}")
 
 
-def _unit_of(prefix: str, module: Any, handle: Any) -> _Unit:
+def _unit_of(path: str, module: Any, handle: Any) -> _Unit:
     import torch.distributed as dist
 
-    where = prefix or "<root>"
+    where = path or "<root>"
     strategy = getattr(vars(module).get("sharding_strategy"), "name", None)
     if strategy not in _KNOWN_STRATEGIES:
         raise CaptureError(f"FSDP1 module {where} has an unknown sharding strategy {strategy!r}: {_LAYOUT_HINT}")
     flat_param = getattr(handle, "flat_param", None)
     shard_pg = vars(module).get("process_group")
     if flat_param is None or shard_pg is None:
-        raise CaptureError(f"cannot read the FlatParameter or process group of the FSDP1 module {where}: {_LAYOUT_HINT}")
+        raise CaptureError(
+            f"cannot read the FlatParameter or process group of the FSDP1 module {where}: {_LAYOUT_HINT}"
+        )
     replicate_ranks = None
     if strategy in _HYBRID_STRATEGIES:
         inter_node_pg = vars(module).get("_inter_node_pg")
@@ -253,7 +255,7 @@ def _unit_of(prefix: str, module: Any, handle: Any) -> _Unit:
             raise CaptureError(f"cannot find the inter-node group of the HYBRID_SHARD module {where}: {_LAYOUT_HINT}")
         replicate_ranks = tuple(dist.get_process_group_ranks(inter_node_pg))
     return _Unit(
-        prefix=prefix,
+        prefix=_join(path, "_fsdp_wrapped_module"),
         flat_param=flat_param,
         strategy=strategy,
         use_orig_params=bool(getattr(handle, "_use_orig_params", False)),
@@ -263,21 +265,21 @@ def _unit_of(prefix: str, module: Any, handle: Any) -> _Unit:
     )
 
 
-def _grad_reader(unit: _Unit, shard: ParamShard) -> Callable[[], Optional["torch.Tensor"]]:
+def _grad_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], Optional["torch.Tensor"]]:
     """The gradient the optimizer will read: the original parameter's `.grad` (a view into the sharded
     flat gradient, 1-D for sharded strategies, of the original shape under NO_SHARD) when
     use_orig_params=True, else the matching slice of the FlatParameter's sharded `.grad`."""
 
     def read() -> Optional["torch.Tensor"]:
         flat_grad = unit.flat_param.grad
-        _check_grad_is_sharded(unit, flat_grad)
+        _check_grad_is_sharded(unit, flat_grad, name)
         if unit.use_orig_params:
-            grad = _orig_param(unit, shard).grad
+            grad = _orig_param(unit, shard, name).grad
             if grad is None:
                 return None
             if grad.numel() != shard.numel_in_shard:
                 raise CaptureError(
-                    f"the gradient of {join_clean(unit.prefix, shard.fqn)} has {grad.numel()} elements, not "
+                    f"the gradient of {name} has {grad.numel()} elements, not "
                     f"the {shard.numel_in_shard} of this rank's FSDP1 shard; capture after backward, outside no_sync()"
                 )
             return grad.detach().reshape(-1)
@@ -288,10 +290,10 @@ def _grad_reader(unit: _Unit, shard: ParamShard) -> Callable[[], Optional["torch
     return read
 
 
-def _value_reader(unit: _Unit, shard: ParamShard) -> Callable[[], Optional["torch.Tensor"]]:
+def _value_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], Optional["torch.Tensor"]]:
     def read() -> Optional["torch.Tensor"]:
         if unit.use_orig_params:
-            param = _orig_param(unit, shard)
+            param = _orig_param(unit, shard, name)
             if param.numel() == shard.numel_in_shard:
                 return param.detach().reshape(-1)
         flat = _sharded_flat_param(unit)
@@ -302,11 +304,11 @@ def _value_reader(unit: _Unit, shard: ParamShard) -> Callable[[], Optional["torc
     return read
 
 
-def _orig_param(unit: _Unit, shard: ParamShard) -> "torch.Tensor":
+def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> "torch.Tensor":
     params = getattr(unit.flat_param, "_params", None)
     if params is None or len(params) <= shard.index:
         raise CaptureError(
-            f"cannot find the original parameter {join_clean(unit.prefix, shard.fqn)} of an FSDP1 "
+            f"cannot find the original parameter {name} of an FSDP1 "
             f"use_orig_params=True FlatParameter: {_LAYOUT_HINT}"
         )
     return params[shard.index]
@@ -321,13 +323,13 @@ def _sharded_flat_param(unit: _Unit) -> Optional["torch.Tensor"]:
     return None
 
 
-def _check_grad_is_sharded(unit: _Unit, flat_grad: Optional["torch.Tensor"]) -> None:
+def _check_grad_is_sharded(unit: _Unit, flat_grad: Optional["torch.Tensor"], name: str) -> None:
     if flat_grad is None:
         return
     sharded_numel = _numel(unit.flat_param._sharded_size)
     if flat_grad.numel() != sharded_numel:
         raise CaptureError(
-            f"the FSDP1 gradient of {unit.prefix or '<root>'} has {flat_grad.numel()} elements instead of the "
+            f"the FSDP1 flat gradient holding {name} has {flat_grad.numel()} elements instead of the "
             f"{sharded_numel} of this rank's shard: it is not reduced yet (inside no_sync(), or captured during "
             "backward); capture after the backward of the step that synchronizes gradients"
         )

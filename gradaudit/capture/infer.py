@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from ..errors import CaptureError
 from ..model import Topology
 from .dtensor import dtensor_pieces, is_dtensor
-from .errors import UnsupportedParameter
 from .names import is_ddp, named_logical_parameters
 from .ownership import LocalPiece
 from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces
 from .topology import WORLD, TopologyBuilder
+from .warn import warn_once
 
 if TYPE_CHECKING:
     import torch
@@ -62,39 +62,39 @@ def infer_ownership(
     pieces: list[LocalPiece] = []
     plain: list[tuple[str, str, "torch.Tensor"]] = []
     for logical, fqn, param in params:
-        if logical in explicit_names or fqn in explicit_names:
+        if logical in explicit_names or fqn in explicit_names or not param.requires_grad:
             continue
         if is_dtensor(param):
             _extend(pieces, on_unsupported, logical, lambda: dtensor_pieces(*_names(logical, alias_of), param, topology))
         else:
             plain.append((logical, fqn, param))
 
-    dp_group = _data_parallel_group(model, topology, groups)
-    tensor_parallel = _tensor_parallel_rank(topology, groups)
-    replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel) if plain else None
-    for logical, _fqn, param in plain:
-        sharded = is_megatron_sharded(param)
-        if getattr(param, "shared", False) and logical not in alias_of:
-            on_unsupported(
-                logical,
-                UnsupportedParameter(
-                    f"parameter {logical!r} is marked shared (tied across pipeline stages) but has no alias; "
-                    f"pass aliases={{{logical!r}: <logical name>}} or it is counted as a parameter of its own"
-                ),
-            )
-        _extend(
-            pieces,
-            on_unsupported,
-            logical,
-            lambda: plain_pieces(
-                *_names(logical, alias_of),
-                param,
-                replica_group=dp_group if sharded else replicated_group,
-                tensor_parallel=tensor_parallel,
-            ),
-        )
+    if plain:
+        pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
     pieces.extend(explicit)
     return Ownership(pieces=tuple(pieces), topology=topology.build(), aliases=_local_aliases(pieces))
+
+
+def _plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported) -> list[LocalPiece]:
+    """Pieces of the plain-tensor parameters: replicas over the data-parallel (or mesh, or world)
+    group, or Megatron tensor-parallel partitions replicated over the data-parallel group."""
+    dp_group = _data_parallel_group(model, topology, groups)
+    tensor_parallel = _tensor_parallel_rank(topology, groups)
+    replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
+    pieces: list[LocalPiece] = []
+    for logical, _fqn, param in plain:
+        if getattr(param, "shared", False) and logical not in alias_of:
+            warn_once(
+                f"shared:{logical}",
+                f"gradaudit: parameter {logical!r} is marked shared (tied across pipeline stages) but has no "
+                f"alias; pass aliases={{{logical!r}: <logical name>}} or it is counted as a parameter of its own",
+            )
+        group = dp_group if is_megatron_sharded(param) else replicated_group
+        make = lambda: plain_pieces(  # noqa: E731
+            *_names(logical, alias_of), param, replica_group=group, tensor_parallel=tensor_parallel
+        )
+        _extend(pieces, on_unsupported, logical, make)
+    return pieces
 
 
 def _extend(pieces: list, on_unsupported, name: str, make: Callable[[], list[LocalPiece]]) -> None:

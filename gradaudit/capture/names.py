@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
 """Child names that FSDP1, torch.compile and activation checkpointing insert into parameter paths."""
 
-_DDP_CLASS_NAMES = frozenset({"DistributedDataParallel"})
+_DDP_CLASS_NAMES = frozenset({"DistributedDataParallel", "DataParallel"})
 
 
 def is_ddp(module: object) -> bool:

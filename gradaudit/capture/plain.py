@@ -44,7 +44,8 @@ def plain_pieces(
     if is_megatron_sharded(param):
         if tensor_parallel is None:
             raise UnsupportedParameter(
-                f"parameter {name!r} is marked tensor_model_parallel but no tensor-parallel group was given"
+                f"parameter {name!r} is marked tensor_model_parallel but no tensor-parallel group was given; "
+                "pass groups={'tp': <its tensor-parallel ProcessGroup>}"
             )
         dim = int(getattr(param, "partition_dim", 0)) % max(len(local_shape), 1)
         stride = int(getattr(param, "partition_stride", 1))

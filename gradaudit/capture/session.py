@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
-import inspect
-import math
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
 from ..model import ClipCall, ClipRecord, DataRecord
+from .arguments import (
+    MODES,
+    check_max_norm,
+    check_norm_type,
+    check_step,
+    clip_arguments,
+    norm_results,
+    opt_float,
+    opt_int,
+    rank_and_world_size,
+)
 from .infer import Ownership, infer_ownership
 from .ownership import LocalPiece
+from .scaler import ScalerWatch
 from .snapshots import Snapshots
-from .topology import normalize_groups
+from .topology import axis_names, normalize_groups, with_norm_group
 from .warn import warn_once
 from .write import build_rank_dump, write_dump
 
 if TYPE_CHECKING:
     import torch
-
-MODES = ("full", "stats")
 
 
 class AuditStep:
@@ -50,9 +58,9 @@ class AuditStep:
     ) -> None:
         self.model = model
         self.out_dir = out_dir
-        self.step = _check_step(step)
-        self.max_norm = _check_max_norm(max_norm)
-        self.norm_type = _check_norm_type(norm_type)
+        self.step = check_step(step)
+        self.max_norm = check_max_norm(max_norm)
+        self.norm_type = check_norm_type(norm_type)
         if mode not in MODES:
             raise CaptureError(f"unknown mode {mode!r}; pass mode='full' (gradient values) or mode='stats' (float64 summaries)")
         if isinstance(full_params, str):
@@ -65,7 +73,7 @@ class AuditStep:
         self.full_params = tuple(full_params)
         self.strict = strict
         self.run_id = run_id
-        self.rank, self.world_size = _rank_and_world_size()
+        self.rank, self.world_size = rank_and_world_size()
         self._groups = normalize_groups(groups, world_size=self.world_size)
         self._aliases = dict(aliases or {})
         self._explicit = tuple(ownership or ())
@@ -76,8 +84,10 @@ class AuditStep:
         self._hooks: list = []
         self._active = False
         self._stepped = False
-        self._scaler_states = None
+        self._scaler = ScalerWatch(scaler, optimizer)
         self._loss_scale: float | None = None
+        self._norm_mesh: tuple[tuple[int, ...], str] | None = None
+        """(ranks, name) of the mesh a DTensor norm returned by the clipping function was reduced over."""
         self.path = None
         """Where the rank file was written (None until the context exits, or when writing failed)."""
 
@@ -139,13 +149,16 @@ class AuditStep:
         """Call `fn(*args, **kwargs)` and return what it returns, recording gradients around it."""
         if not self._active:
             raise CaptureError("audit.clip() was called outside its `with gradaudit.audit_step(...)` block; call it inside")
-        if not self._recording:
-            return fn(*args, **kwargs)
         first = not self._calls
-        call: dict[str, Any] = {}
-        self._guard("capture", lambda: self._before_clip(call, first))
+        call: dict[str, Any] = {"reported": None, "reported_local": None}
+        if self._recording:
+            self._guard("capture", lambda: self._before_clip(call, first))
         result = fn(*args, **kwargs)
-        self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
+        # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
+        # whose capture failed must still take part in it or the others would hang.
+        self._guard("capture", lambda: call.update(zip(("reported", "reported_local"), norm_results(result))))
+        if self._recording:
+            self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
         return result
 
     def record(
@@ -168,20 +181,22 @@ class AuditStep:
     def _before_clip(self, call: dict, first: bool) -> None:
         if first:
             self._snapshots.take("grad")
-        call["unscaled"] = self._unscaled()
-        call["loss_scale"] = self._current_scale()
-        self._hold_scaler_states()
+        call["unscaled"] = self._scaler.unscaled()
+        call["loss_scale"] = self._scaler.scale()
+        self._scaler.hold()
 
     def _after_clip(self, call: dict, fn, args, kwargs, result) -> None:
-        call["reported"], call["reported_local"] = _norm_results(result)
-        call["max_norm"], call["norm_type"] = _clip_arguments(fn, args, kwargs)
+        if call["reported_local"] is not None:
+            mesh = result.device_mesh
+            self._norm_mesh = (tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()), "+".join(axis_names(mesh)))
+        call["max_norm"], call["norm_type"] = clip_arguments(fn, args, kwargs)
         self._calls.append(call)
         self._snapshots.take("grad_clipped")
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         def record():
             self._stepped = True
-            self._hold_scaler_states()
+            self._scaler.hold()
             if not self._calls:
                 self._snapshots.take("grad_clipped")
             self._snapshots.take("param_before")
@@ -195,18 +210,24 @@ class AuditStep:
         snapshots = self._snapshots
         if not snapshots.has("grad") and not snapshots.has("grad_clipped"):
             snapshots.take("grad")
+        if snapshots.abandoned is not None:
+            # Better a missing rank (GA100) than a file that looks complete and is not.
+            if self.strict:
+                raise CaptureError(f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}")
+            warn_once("abandoned", f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}")
+            return
         dump, tensors = build_rank_dump(
             snapshots,
             rank=self.rank,
             world_size=self.world_size,
             step=self.step,
             mode=self.mode,
-            topology=self._ownership.topology,
+            topology=self._topology(),
             aliases=self._ownership.aliases,
             clip=self._clip_record(),
             data=DataRecord(
-                tokens=_opt_int(self._logged.get("tokens")),
-                loss=_opt_float(self._logged.get("loss")),
+                tokens=opt_int(self._logged.get("tokens")),
+                loss=opt_float(self._logged.get("loss")),
                 loss_reduction=self._logged.get("loss_reduction"),
             ),
             run_id=self.run_id,
@@ -218,13 +239,24 @@ class AuditStep:
                 raise
             warn_once(f"exists:{self.out_dir}", f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}")
 
+    def _read_scaler_at_start(self) -> None:
+        self._loss_scale = self._scaler.scale()
+        self._scaler.hold()
+
+    def _topology(self):
+        topology = self._ownership.topology
+        if self._norm_mesh is not None:
+            ranks, name = self._norm_mesh
+            topology = with_norm_group(topology, ranks, rank=self.rank, default=name)
+        return topology
+
     def _clip_record(self) -> ClipRecord:
         calls = tuple(
             ClipCall(
-                reported_norm=_opt_float(c["reported"]),
-                reported_local_norm=_opt_float(c["reported_local"]),
-                max_norm=_opt_float(c["max_norm"]),
-                norm_type=_opt_float(c["norm_type"]),
+                reported_norm=opt_float(c["reported"]),
+                reported_local_norm=opt_float(c["reported_local"]),
+                max_norm=opt_float(c["max_norm"]),
+                norm_type=opt_float(c["norm_type"]),
                 unscaled=c["unscaled"],
                 loss_scale=c["loss_scale"],
             )
@@ -234,54 +266,19 @@ class AuditStep:
         if reported is None and calls:
             reported = calls[-1].reported_norm
         unscaled = [c.unscaled for c in calls if c.unscaled is not None]
-        found_inf = self._found_inf()
+        found_inf = self._scaler.found_inf()
         step_skipped = found_inf if found_inf is not None else (False if self._stepped else None)
         return ClipRecord(
             max_norm=self.max_norm,
             norm_type=self.norm_type,
-            reported_norm=_opt_float(reported),
-            clip_coef=_opt_float(self._logged.get("clip_coef")),
+            reported_norm=opt_float(reported),
+            clip_coef=opt_float(self._logged.get("clip_coef")),
             calls=calls,
             loss_scale=self._loss_scale,
             unscaled_before_clip=(all(unscaled) if unscaled else None),
             found_inf=found_inf,
             step_skipped=step_skipped,
         )
-
-    # -- GradScaler (private state read defensively: its layout differs across torch versions) --
-
-    def _read_scaler_at_start(self) -> None:
-        self._loss_scale = self._current_scale()
-        self._hold_scaler_states()
-
-    def _current_scale(self) -> float | None:
-        if self.scaler is None or not _scaler_enabled(self.scaler):
-            return None
-        return float(self.scaler.get_scale())
-
-    def _hold_scaler_states(self) -> None:
-        # GradScaler.update() replaces this dict; holding it keeps found_inf readable after update().
-        if self.scaler is not None:
-            states = getattr(self.scaler, "_per_optimizer_states", None)
-            if states is not None:
-                self._scaler_states = states
-
-    def _unscaled(self) -> bool | None:
-        if self.scaler is None or self.optimizer is None or not _scaler_enabled(self.scaler):
-            return None
-        states = getattr(self.scaler, "_per_optimizer_states", None)
-        state = states.get(id(self.optimizer)) if states is not None else None
-        stage = state.get("stage") if state else None
-        return getattr(stage, "name", None) in ("UNSCALED", "STEPPED")
-
-    def _found_inf(self) -> bool | None:
-        if self.scaler is None or self.optimizer is None or not _scaler_enabled(self.scaler) or self._scaler_states is None:
-            return None
-        state = self._scaler_states.get(id(self.optimizer))
-        per_device = state.get("found_inf_per_device") if state else None
-        if not per_device:
-            return None
-        return any(float(v.sum()) > 0 for v in per_device.values())
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -314,10 +311,25 @@ class AuditStep:
 def audit_step(model, out_dir, **kwargs) -> AuditStep:
     """Record one training step on this rank; the dump is written to out_dir/step_<step>/ on exit.
 
-    with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, optimizer=opt) as audit:
-        loss.backward()
-        norm = audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0)
-        opt.step()
+        with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, optimizer=opt) as audit:
+            loss.backward()
+            norm = audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0)
+            opt.step()
+
+    Keyword arguments:
+      step, max_norm (required), norm_type (2.0): the optimizer step and the clipping the run means to do.
+      optimizer: records parameters before/after its step (and the gradients it steps with when
+        clipping was not done through `audit.clip`).
+      scaler: a GradScaler: loss scale, whether unscale_ ran before each clip call, found_inf.
+      groups: {name: ProcessGroup | rank list | list of rank lists}. 'tp' (or 'tensor_model_parallel')
+        is the tensor-parallel group of Megatron-style parameters; 'dp' the group plain parameters are
+        replicated over when no DDP wrapper says so; any other group is written to the topology.
+      aliases: {this rank's parameter name: logical name}, e.g. {"lm_head.weight": "embed.weight"}.
+      ownership: LocalPiece list for parameters the hook cannot infer (they replace its inference).
+      mode: "full" (gradient values) or "stats" (float64 summaries computed where the tensors live);
+        full_params: glob patterns of parameters whose values are kept in stats mode too.
+      strict: raise instead of warning when capturing or writing fails.
+      run_id: an identifier all ranks of the run share.
     """
     return AuditStep(model, out_dir, **kwargs)
 
@@ -344,94 +356,3 @@ def dump(
     with session:
         session.record(reported_norm=reported_norm, clip_coef=clip_coef, loss=loss, tokens=tokens, loss_reduction=loss_reduction)
     return session.path
-
-
-# -- argument checks and small conversions ----------------------------------------------------------
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    env_world = os.environ.get("WORLD_SIZE", "1")
-    if env_world.isdigit() and int(env_world) > 1:
-        raise CaptureError(
-            f"WORLD_SIZE is {env_world} but torch.distributed is not initialized; call "
-            "torch.distributed.init_process_group() before gradaudit.audit_step (or unset WORLD_SIZE for one process)"
-        )
-    return 0, 1
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CaptureError(f"step must be a non-negative int (the optimizer step number), got {step!r}")
-    return step
-
-
-def _check_max_norm(max_norm: Any) -> float:
-    if max_norm is None:
-        raise CaptureError("audit_step needs max_norm=, the clipping threshold your training uses (e.g. max_norm=1.0)")
-    value = _opt_float(max_norm)
-    if value is None or not (value > 0 and math.isfinite(value)):
-        raise CaptureError(f"max_norm must be a positive finite number (the clipping threshold), got {max_norm!r}")
-    return value
-
-
-def _check_norm_type(norm_type: Any) -> float:
-    try:
-        value = float(norm_type)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value > 0:
-        raise CaptureError(f"norm_type must be positive or 'inf' (as in clip_grad_norm_), got {norm_type!r}")
-    return value
-
-
-def _scaler_enabled(scaler) -> bool:
-    enabled = getattr(scaler, "is_enabled", None)
-    return bool(enabled()) if callable(enabled) else True
-
-
-def _norm_results(result: Any) -> tuple[Any, Any]:
-    """(the norm `fn` returned, and for a DTensor its local value that .to_local().item() would log)."""
-    from .dtensor import is_dtensor
-
-    if is_dtensor(result):
-        # Every rank is inside the same clip call and holds this DTensor, so its collective is safe.
-        return result.full_tensor(), result.to_local()
-    return result, None
-
-
-def _clip_arguments(fn: Callable, args, kwargs) -> tuple[Any, Any]:
-    """max_norm and norm_type as passed to a clipping function that names them so, else None."""
-    try:
-        signature = inspect.signature(fn)
-        bound = signature.bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return None, None
-    values = []
-    for name in ("max_norm", "norm_type"):
-        if name in bound.arguments:
-            values.append(bound.arguments[name])
-        elif name in signature.parameters and signature.parameters[name].default is not inspect.Parameter.empty:
-            values.append(signature.parameters[name].default)
-        else:
-            values.append(None)
-    return values[0], values[1]
-
-
-def _opt_float(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        if hasattr(value, "numel") and value.numel() != 1:
-            return None
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-
-
-def _opt_int(value: Any) -> int | None:
-    number = _opt_float(value)
-    return None if number is None else int(number)

@@ -17,9 +17,11 @@ GRAD_KINDS = ("grad", "grad_clipped")
 class Snapshots:
     """Per (piece index, tensor kind): a detached copy kept on the tensor's device, and/or its TensorStats.
 
-    Full mode keeps values. Stats mode keeps TensorStats of every piece, computed where the tensor
-    lives, and also the values of pieces whose logical or local name matches one of `full_params`
-    (glob patterns). A piece whose tensor cannot be read is
+    Full mode keeps values. Stats mode keeps TensorStats of every piece's gradients, computed where
+    the tensor lives, and the values (gradients and parameters) of pieces whose logical or local name
+    matches one of `full_params` (glob patterns). Parameters are not summarized in stats mode: the
+    update norm needs their difference, which two summaries cannot give, and summing them would
+    double the cost of a stats dump. A piece whose tensor cannot be read is
     reported to `on_error` and dropped from the dump (the checker then sees a gap, never a wrong value).
     """
 
@@ -39,6 +41,8 @@ class Snapshots:
         self.stats: dict[tuple[int, str], TensorStats] = {}
         self.failed: set[int] = set()
         self.kinds_taken: set[str] = set()
+        self.abandoned: str | None = None
+        """Why nothing of this step will be written (the copies ran out of memory), else None."""
         self._keep_stats = mode == "stats"
         self._keep_values = tuple(
             mode == "full" or matches_any(p.param, full_params) or (p.local_name is not None and matches_any(p.local_name, full_params))
@@ -56,6 +60,8 @@ class Snapshots:
             for index, piece in enumerate(self.pieces):
                 if index in self.failed:
                     continue
+                if kind not in GRAD_KINDS and not self._keep_values[index]:
+                    continue
                 try:
                     tensor = piece.grad() if kind in GRAD_KINDS else piece.value()
                     self.values.pop((index, kind), None)
@@ -64,14 +70,28 @@ class Snapshots:
                         continue
                     if self._keep_values[index]:
                         self.values[(index, kind)] = tensor.detach().clone()
-                    if self._keep_stats:
+                    if self._keep_stats and kind in GRAD_KINDS:
                         self.stats[(index, kind)] = stats_of_tensor(tensor, self.norm_type)
                 except Exception as exc:  # one unreadable piece must not stop the step
+                    if _is_out_of_memory(exc):
+                        self.abandon(f"copying the tensors ran out of memory ({exc})")
+                        return
                     self.failed.add(index)
                     self.on_error(piece.param, exc)
+
+    def abandon(self, reason: str) -> None:
+        """Give every copy back at once (the training step needs the memory more than the dump)."""
+        self.abandoned = reason
+        self.values.clear()
+        self.stats.clear()
+        self.failed.update(range(len(self.pieces)))
 
     def has(self, kind: str) -> bool:
         return kind in self.kinds_taken
 
     def kinds_of(self, index: int) -> set[str]:
         return {k for (i, k) in list(self.values) + list(self.stats) if i == index}
+
+
+def _is_out_of_memory(exc: Exception) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()

@@ -11,6 +11,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 WORLD = "world"
+PIPELINE_AXIS_NAMES = frozenset({"pp", "pipeline", "pipeline_parallel", "pipeline_model_parallel"})
+"""Mesh axes along which ranks hold different stages: a parameter is never replicated over them
+(a weight tied across stages is declared with aliases= instead)."""
 
 
 def root_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
@@ -101,7 +104,8 @@ class TopologyBuilder:
 
         The replicated axes are those of `mesh` with a Replicate placement plus the axes of its root
         mesh that `mesh` does not span (a parameter on the dp slice of a (dp, tp) mesh is the same on
-        every tp rank). The name joins the axis names with '+', e.g. 'dp_replicate' or 'dp+tp'.
+        every tp rank), except pipeline axes. The name joins the axis names with '+', e.g.
+        'dp_replicate' or 'dp+tp'.
         """
         root = root_mesh(mesh)
         sub_names = axis_names(mesh)
@@ -110,7 +114,7 @@ class TopologyBuilder:
             root, root_names = mesh, sub_names  # a flattened slice: only its own axes are known
         info, _ = self.add_mesh(root)
         axes = {root_names.index(sub_names[i]) for i in replicated_axes}
-        axes |= {a for a, n in enumerate(root_names) if n not in sub_names}
+        axes |= {a for a, n in enumerate(root_names) if n not in sub_names and n not in PIPELINE_AXIS_NAMES}
         if not axes:
             return None
         name = "+".join(root_names[a] for a in sorted(axes))
@@ -173,3 +177,20 @@ def _rank_lists(value: object) -> tuple[tuple[int, ...], ...] | None:
     if isinstance(value, dist.ProcessGroup):
         return (tuple(dist.get_process_group_ranks(value)),)
     return None
+
+
+def with_norm_group(topology: Topology, ranks: Sequence[int], *, rank: int, default: str) -> Topology:
+    """`topology` with its norm_group set to the group whose list for `rank` is `ranks`.
+
+    An existing group with that list is named (a mesh axis before 'world'); otherwise the group is
+    added under `default`.
+    """
+    import dataclasses
+
+    ranks = tuple(sorted(set(ranks)))
+    for name in sorted(topology.groups, key=lambda n: (n == WORLD, n)):
+        if topology.group_of(name, rank) == ranks:
+            return dataclasses.replace(topology, norm_group=name)
+    groups = dict(topology.groups)
+    groups[default] = tuple(sorted(set(groups.get(default, ())) | {ranks}))
+    return dataclasses.replace(topology, groups=groups, norm_group=default)

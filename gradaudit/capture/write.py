@@ -33,11 +33,14 @@ def build_rank_dump(
     infos: dict[str, ParamInfo] = {}
     pieces, tensors = [], {}
     for source_index, local in enumerate(snapshots.pieces):
-        infos.setdefault(local.param, ParamInfo(name=local.param, global_shape=local.global_shape, dtype=local.dtype))
-        if source_index in snapshots.failed:
-            continue
+        failed = source_index in snapshots.failed
         kinds = snapshots.kinds_of(source_index)
-        if not kinds:
+        if failed or kinds:
+            # A piece that failed keeps its parameter listed, so the checker reports the gap; one
+            # without any gradient (frozen, or unused this step) leaves no trace.
+            info = ParamInfo(name=local.param, global_shape=local.global_shape, dtype=local.dtype)
+            infos.setdefault(local.param, info)
+        if failed or not kinds:
             continue
         index = len(pieces)
         stats = {k: s for (i, k), s in snapshots.stats.items() if i == source_index}

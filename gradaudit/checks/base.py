@@ -67,9 +67,17 @@ class CheckSpec:
     title: str
     explanation: Explanation
     run: CheckFn
+    needs_all_ranks: bool = True
+    """A clean result is only a pass when every rank was there; with ranks missing it is "not checked"."""
 
-    def apply(self, step: StepDump, measurements: StepMeasurements, options: AuditOptions) -> list[Finding] | NotChecked:
+    def apply(
+        self, step: StepDump, measurements: StepMeasurements, options: AuditOptions
+    ) -> list[Finding] | NotChecked:
         result = self.run(step, measurements, options)
+        if result == () and self.needs_all_ranks and step.missing_ranks:
+            result = Skip(
+                reason=f"nothing found on the ranks present, but some are missing ({ranks_named(step.missing_ranks)})"
+            )
         if isinstance(result, Skip):
             return NotChecked(code=self.code, title=self.title, reason=result.reason)
         return [
@@ -100,6 +108,19 @@ def ranks_text(ranks) -> str:
         if r is not None:
             start = prev = r
     return ", ".join(parts)
+
+
+def ranks_named(ranks) -> str:
+    """ "rank 3" or "ranks 0-3, 6"."""
+    ranks = sorted(set(ranks))
+    if not ranks:
+        return "no rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
+
+
+def count(n: int, noun: str) -> str:
+    """ "1 parameter", "3 parameters"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def num(value: float | None) -> str:

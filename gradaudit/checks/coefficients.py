@@ -8,7 +8,7 @@ from ..diagnosis import diagnose_step
 from ..measure import StepMeasurements
 from ..model import StepDump
 from ..norms import relative_difference
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_text
+from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 SOURCE_TEXT = {
     "gradients": "measured from the pre- and post-clip gradients",
@@ -35,13 +35,15 @@ def coefficients_differ(step: StepDump, m: StepMeasurements, options: AuditOptio
         return Skip(reason="fewer than two ranks have a known applied coefficient")
     if any(math.isnan(c) for _, c in known):
         known = [(r, c) for r, c in known if not math.isnan(c)]
+        if len(known) < 2:
+            return Skip(reason="the applied coefficients are nan (a nonfinite norm, see GA401)")
     groups = _clusters(known, diagnosis.rtol)
     if len(groups) <= 1:
         return ()
     majority = max(groups, key=len)
     outliers = [rv for g in groups if g is not majority for rv in g] if len(majority) > len(known) / 2 else known
     described = "; ".join(
-        f"ranks {ranks_text(r for r, _ in g)}: {num(g[0][1])}" for g in sorted(groups, key=lambda g: g[0][0])
+        f"{ranks_named(r for r, _ in g)}: {num(g[0][1])}" for g in sorted(groups, key=lambda g: g[0][0])
     )
     values = [c for _, c in known]
     return (
@@ -64,14 +66,19 @@ def coefficient_vs_expected(step: StepDump, m: StepMeasurements, options: AuditO
     known = [d for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if not known:
         return Skip(reason="no rank dumped post-clip gradients, a clip coefficient or a reported norm")
-    wrong = [d for d in known if relative_difference(d.applied_coef, diagnosis.expected_coef) > diagnosis.rtol]
+    single = [d for d in known if d.num_clip_calls <= 1]
+    if not single:
+        return Skip(
+            reason="every rank clipped several times before the step (see GA501): no one coefficient to compare"
+        )
+    wrong = [d for d in single if relative_difference(d.applied_coef, d.expected_coef) > diagnosis.rtol]
     if not wrong:
         return ()
     alike: dict[tuple[str, str | None], list[int]] = {}
     for d in wrong:
         alike.setdefault((num(d.applied_coef), d.coef_source), []).append(d.rank)
     details = "; ".join(
-        f"ranks {ranks_text(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)})"
+        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)})"
         for (coef, source), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
     )
     if len(alike) > 6:
@@ -112,6 +119,10 @@ def post_clip_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -
                 f"{num(diagnosis.max_norm)} (ratio {num(diagnosis.post_clip_norm / diagnosis.max_norm)})"
             ),
             ranks=tuple(step.ranks_present),
-            evidence={"post_clip_norm": diagnosis.post_clip_norm, "max_norm": diagnosis.max_norm, "rtol": diagnosis.rtol},
+            evidence={
+                "post_clip_norm": diagnosis.post_clip_norm,
+                "max_norm": diagnosis.max_norm,
+                "rtol": diagnosis.rtol,
+            },
         ),
     )

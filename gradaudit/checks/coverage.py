@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..measure import StepMeasurements
 from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, ranks_text
+from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
 from .sweep import coverage, region_boxes
 
 
@@ -15,7 +15,7 @@ def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
         Hit(
             message=(
                 f"{len(step.missing_ranks)} of {step.world_size} ranks have no file in {step.directory} "
-                f"(ranks {ranks_text(step.missing_ranks)}); the other ranks are audited and the checks that "
+                f"({ranks_named(step.missing_ranks)}); the other ranks are audited and the checks that "
                 "need the missing ranks say they could not decide"
             ),
             ranks=step.missing_ranks,
@@ -30,7 +30,7 @@ def metadata_disagreement(step: StepDump, m: StepMeasurements, options: AuditOpt
         by_value: dict[str, list[int]] = {}
         for rank, value in sorted(item.values.items()):
             by_value.setdefault(value, []).append(rank)
-        described = "; ".join(f"ranks {ranks_text(r)}: {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1]))
+        described = "; ".join(f"{ranks_named(r)}: {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1]))
         hits.append(
             Hit(
                 message=f"ranks disagree on {item.what}: {described}",
@@ -50,8 +50,7 @@ def layouts_by_param(step: StepDump) -> dict[str, dict[tuple, list[int]]]:
     return found
 
 
-def _param_coverage(step: StepDump, name: str, holders: dict[tuple, list[int]]):
-    shape = step.params[name].global_shape
+def _param_coverage(shape: tuple[int, ...], holders: dict[tuple, list[int]]):
     layouts = list(holders)
     boxes = [
         (offsets, sizes, tag)
@@ -64,17 +63,26 @@ def _param_coverage(step: StepDump, name: str, holders: dict[tuple, list[int]]):
     return result, ranks
 
 
+def _all_coverage(step: StepDump) -> dict:
+    """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
+    the measurements (the ownership map is metadata), so it also runs on headers alone."""
+    layouts = layouts_by_param(step)
+    found = {}
+    for name, info in step.params.items():
+        result, ranks = _param_coverage(info.global_shape, layouts[name])
+        found[name] = (info, result, ranks, sorted({r for rs in layouts[name].values() for r in rs}))
+    return found
+
+
 def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     hits = []
-    layouts = layouts_by_param(step)
-    for name, info in step.params.items():
-        result, ranks = _param_coverage(step, name, layouts[name])
+    for name, (info, result, ranks, _) in _all_coverage(step).items():
         if result.num_overlap_elements:
             hits.append(
                 Hit(
                     message=(
                         f"{result.num_overlap_elements} of {info.numel} elements of {name} are held by more than "
-                        f"one piece that is not an identical replica (ranks {ranks_text(ranks)}); those "
+                        f"one piece that is not an identical replica ({ranks_named(ranks)}); those "
                         "elements would be counted twice in any norm"
                     ),
                     ranks=tuple(ranks),
@@ -87,18 +95,18 @@ def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions
 
 def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     if step.missing_ranks:
-        return Skip(reason=f"ranks {ranks_text(step.missing_ranks)} are missing; the elements they held cannot be located")
+        return Skip(
+            reason=f"some ranks are missing ({ranks_named(step.missing_ranks)}); "
+            "the elements they held cannot be located"
+        )
     hits = []
-    layouts = layouts_by_param(step)
-    for name, info in step.params.items():
-        result, _ = _param_coverage(step, name, layouts[name])
+    for name, (info, result, _, holders) in _all_coverage(step).items():
         if result.num_gap_elements:
-            holders = sorted({r for rs in layouts[name].values() for r in rs})
             hits.append(
                 Hit(
                     message=(
                         f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
-                        f"(held pieces are on ranks {ranks_text(holders)}); their gradient is absent from every norm"
+                        f"(held pieces are on {ranks_named(holders)}); their gradient is absent from every norm"
                     ),
                     ranks=tuple(holders),
                     params=(name,),

@@ -110,7 +110,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         fix="See the GA2xx/GA30x findings; make sure every parameter with a gradient is in the clipped list.",
     ),
     "GA401": Explanation(
-        what="Counts of nan, +inf and -inf in every rank's pre-clip gradient pieces, per parameter, and the lowest rank where they appear.",
+        what="Counts of nan, +inf and -inf in every rank's pre-clip gradient pieces, per parameter, and the "
+        "lowest rank where they appear.",
         why="One nonfinite element makes the global norm nonfinite; clip_grad_norm_ then scales every gradient "
         "by nan (unless error_if_nonfinite is set) and the weights are destroyed unless the step is skipped.",
         example="Rank 2's shard of layers.3.mlp.w1 holds 1 inf and 1 nan after an overflow in bf16.",
@@ -127,7 +128,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         what="How many times clipping ran before one optimizer step, per rank.",
         why="Clipping each microbatch's partial gradient during accumulation clips a different vector than the "
         "accumulated gradient, so the update differs from the intended rule.",
-        example="With 4 accumulation steps clip_grad_norm_ is called in the microbatch loop: 4 calls, each on a partial sum.",
+        example="With 4 accumulation steps clip_grad_norm_ is called in the microbatch loop: 4 calls, each on a "
+        "partial sum.",
         fix="Clip once, after the last backward of the accumulation window and before optimizer.step().",
     ),
     "GA502": Explanation(

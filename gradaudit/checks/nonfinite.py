@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..measure import StepMeasurements
 from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, ranks_text
+from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 
 MAX_ENTRIES_IN_MESSAGE = 8
 
@@ -26,7 +26,8 @@ def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptio
     first = ranks[0]
     first_params = sorted(p for r, p in counts if r == first)
     entries = [
-        f"rank {r} {p}: {c[0]} nan, {c[1]} +inf, {c[2]} -inf" for (r, p), c in sorted(counts.items())[:MAX_ENTRIES_IN_MESSAGE]
+        f"rank {r} {p}: {c[0]} nan, {c[1]} +inf, {c[2]} -inf"
+        for (r, p), c in sorted(counts.items())[:MAX_ENTRIES_IN_MESSAGE]
     ]
     if len(counts) > MAX_ENTRIES_IN_MESSAGE:
         entries.append(f"and {len(counts) - MAX_ENTRIES_IN_MESSAGE} more rank/parameter pairs")
@@ -34,7 +35,7 @@ def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptio
     return (
         Hit(
             message=(
-                f"nonfinite gradient values on ranks {ranks_text(ranks)} in {len(params)} parameters; they first "
+                f"nonfinite gradient values on {ranks_named(ranks)} in {count(len(params), 'parameter')}; they first "
                 f"appear on rank {first} ({', '.join(first_params[:3])}{', ...' if len(first_params) > 3 else ''}). "
                 + "; ".join(entries)
             ),
@@ -48,7 +49,10 @@ def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptio
 def skip_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     hits = []
     recorded = False
-    for field_name, meaning in (("found_inf", "found nonfinite gradients"), ("step_skipped", "skipped the optimizer step")):
+    for field_name, meaning in (
+        ("found_inf", "found nonfinite gradients"),
+        ("step_skipped", "skipped the optimizer step"),
+    ):
         values = {
             rank: getattr(step.ranks[rank].clip, field_name)
             for rank in step.ranks_present
@@ -62,8 +66,8 @@ def skip_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions
             hits.append(
                 Hit(
                     message=(
-                        f"ranks disagree on whether they {meaning}: ranks {ranks_text(yes)} say yes, ranks "
-                        f"{ranks_text(no)} say no; one logical update was applied by some ranks and not others"
+                        f"ranks disagree on whether they {meaning}: yes on {ranks_named(yes)}, no on "
+                        f"{ranks_named(no)}; one logical update was applied by some ranks and not others"
                     ),
                     ranks=tuple(minority),
                     evidence={"field": field_name, "num_yes": len(yes), "num_no": len(no)},

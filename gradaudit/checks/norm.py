@@ -15,7 +15,7 @@ from ..diagnosis import (
 )
 from ..measure import StepMeasurements
 from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_text
+from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
 
@@ -34,6 +34,12 @@ def diagnosis_or_skip(step: StepDump, m: StepMeasurements) -> StepDiagnosis | Sk
     if diagnosis.true_norm is None:
         return Skip(reason=f"the true global norm is unknown: {diagnosis.true_norm_note}")
     if all(d.hypothesis is None for d in diagnosis.ranks.values()):
+        repeated = [d.rank for d in diagnosis.ranks.values() if d.num_clip_calls > 1]
+        if repeated:
+            return Skip(
+                reason=f"{ranks_named(repeated)} clipped several times before one step (see GA501); "
+                "their norms are of partial gradients"
+            )
         return Skip(reason="no rank reported a norm or applied a coefficient below 1 that could be matched")
     return diagnosis
 
@@ -57,7 +63,7 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     first = ranks[0]
     scaled = any(base_hypothesis(d.hypothesis)[1] for d in ranks)
     message = (
-        f"{lead} on ranks {ranks_text(d.rank for d in ranks)}: true global norm {num(diagnosis.true_norm)}, "
+        f"{lead} on {ranks_named(d.rank for d in ranks)}: true global norm {num(diagnosis.true_norm)}, "
         f"expected coefficient {num(diagnosis.expected_coef)}. {_evidence_lines(diagnosis, ranks)}"
     )
     if scaled:
@@ -71,7 +77,8 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
             "reported_norm": first.reported_norm,
             "local_norm": first.local_norm,
             "applied_clip_coef": first.applied_coef,
-            "matched_norm": None if first.reported_match is None or first.reported_match.candidate is None
+            "matched_norm": None
+            if first.reported_match is None or first.reported_match.candidate is None
             else first.reported_match.candidate.value,
             "rtol": diagnosis.rtol,
         },
@@ -83,7 +90,9 @@ def local_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -> Ch
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == LOCAL_ONLY)
-    return (_hit(diagnosis, ranks, "clipping used each rank's local norm, never reduced across ranks"),) if ranks else ()
+    return (
+        (_hit(diagnosis, ranks, "clipping used each rank's local norm, never reduced across ranks"),) if ranks else ()
+    )
 
 
 def double_counted(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -91,7 +100,11 @@ def double_counted(step: StepDump, m: StepMeasurements, options: AuditOptions) -
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == DOUBLE_COUNTED)
-    return (_hit(diagnosis, ranks, "clipping used a norm that counts every replica of replicated gradients"),) if ranks else ()
+    return (
+        (_hit(diagnosis, ranks, "clipping used a norm that counts every replica of replicated gradients"),)
+        if ranks
+        else ()
+    )
 
 
 def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -118,7 +131,13 @@ def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
         return ()
     hit = _hit(diagnosis, ranks, "clipping used a norm that matches no known accounting mistake")
     candidates = ", ".join(f"{c.hypothesis} {num(c.value)}" for c in ranks[0].candidates)
-    return (Hit(message=f"{hit.message}. Candidates tried for rank {ranks[0].rank}: {candidates}", ranks=hit.ranks, evidence=hit.evidence),)
+    return (
+        Hit(
+            message=f"{hit.message}. Candidates tried for rank {ranks[0].rank}: {candidates}",
+            ranks=hit.ranks,
+            evidence=hit.evidence,
+        ),
+    )
 
 
 def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -130,7 +149,7 @@ def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
         return ()
     first = ranks[0]
     message = (
-        f"ranks {ranks_text(d.rank for d in ranks)} report a wrong norm but applied the right coefficient: "
+        f"wrong reported norm but right applied coefficient on {ranks_named(d.rank for d in ranks)}: "
         f"rank {first.rank} reported {num(first.reported_norm)} ({first.reported_match.hypothesis}) while the true "
         f"global norm is {num(diagnosis.true_norm)} and its applied coefficient {num(first.applied_coef)} implies "
         f"{num(first.implied_norm)}; clipping is right, the logged number is not"

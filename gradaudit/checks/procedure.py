@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..measure import StepMeasurements
 from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_text
+from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 from .norm import base_hypothesis
 
 
@@ -21,7 +21,7 @@ def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOp
     return (
         Hit(
             message=(
-                f"ranks {ranks_text(repeated)} clipped {'/'.join(map(str, counts))} times before one optimizer step "
+                f"{ranks_named(repeated)} clipped {'/'.join(map(str, counts))} times before one optimizer step "
                 f"(rank {first_rank} reported norms {norms}); clipping each microbatch's partial gradient is not "
                 "clipping the accumulated gradient"
             ),
@@ -52,13 +52,20 @@ def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: Audit
         return ()
     max_norm = step.clip.max_norm if step.clip is not None else None
     first = min(flagged)
-    threshold = "" if max_norm is None else (
-        f"; clipping gradients scaled by {num(scale)} at max_norm {num(max_norm)} clips the true gradients at "
-        f"{num(max_norm / scale)}"
+    threshold = (
+        ""
+        if max_norm is None
+        else (
+            f"; clipping gradients scaled by {num(scale)} at max_norm {num(max_norm)} clips the true gradients at "
+            f"{num(max_norm / scale)}"
+        )
     )
     return (
         Hit(
-            message=f"ranks {ranks_text(flagged)} clipped gradients still multiplied by the loss scale {num(scale)}: rank {first}: {flagged[first]}{threshold}",
+            message=(
+                f"{ranks_named(flagged)} clipped gradients still multiplied by the loss scale {num(scale)}: "
+                f"rank {first}: {flagged[first]}{threshold}"
+            ),
             ranks=tuple(flagged),
             evidence={
                 "loss_scale": scale,
@@ -81,9 +88,9 @@ def uneven_token_means(step: StepDump, m: StepMeasurements, options: AuditOption
     return (
         Hit(
             message=(
-                f"ranks {ranks_text(means)} each averaged their own loss over different token counts ({listed}); "
-                f"averaging those means weights a token of the smallest batch {num(high / low if low else float('inf'))} "
-                "times more than one of the largest"
+                f"{ranks_named(means)} each averaged their own loss over different token counts ({listed}); "
+                "averaging those means weights a token of the smallest batch "
+                f"{num(high / low if low else float('inf'))} times more than one of the largest"
             ),
             ranks=tuple(r for r, t in means.items() if t != high) if low != high else tuple(means),
             evidence={"min_tokens": low, "max_tokens": high},

@@ -14,7 +14,7 @@ from ..measure import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
 from ..report import ParamComparison
-from .base import AuditOptions, CheckResult, Hit, Skip, num
+from .base import AuditOptions, CheckResult, Hit, Skip, count, num
 
 REFERENCE_TOLERANCE_BY_DTYPE = {
     "float64": (1e-9, 1e-12),
@@ -36,8 +36,10 @@ def tolerances(dtype: str, options: AuditOptions) -> tuple[float, float]:
 
 def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
     rtol, atol = tolerances(error.dtype, options)
-    rel = error.max_abs_error / error.max_abs_reference if error.max_abs_reference > 0 else (
-        0.0 if error.max_abs_error == 0 else math.inf
+    rel = (
+        error.max_abs_error / error.max_abs_reference
+        if error.max_abs_reference > 0
+        else (0.0 if error.max_abs_error == 0 else math.inf)
     )
     if error.num_nonfinite_mismatch:
         rel = math.inf
@@ -95,7 +97,7 @@ def _hits_for(kinds: tuple[str, ...], m: StepMeasurements, options: AuditOptions
     worst = bad[0]
     return [
         Hit(
-            message=f"{lead} in {len(bad)} parameter/tensor pairs, worst first: " + "; ".join(lines),
+            message=f"{lead} in {count(len(bad), 'parameter/tensor pair')}, worst first: " + "; ".join(lines),
             params=tuple(c.param for c in bad),
             evidence={
                 "worst_param": worst.param,
@@ -113,14 +115,16 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
     compared = [e for pm in m.params.values() for e in pm.reference_errors if e.kind == "grad"]
     notes = [n for pm in m.params.values() for n in pm.notes]
     if not compared and not notes and not m.reference_only_params:
-        return Skip(reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)")
+        return Skip(
+            reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)"
+        )
     hits = _hits_for(("grad",), m, options, "gradients differ from the unsharded reference")
     if notes or m.reference_only_params:
         missing = notes + [f"{name}: only in the reference" for name in m.reference_only_params]
         hits.append(
             Hit(
-                message="the dump and the reference do not hold the same parameters: " + "; ".join(missing[:8]),
-                params=tuple(sorted({n.split(":", 1)[0] for n in notes} | set(m.reference_only_params))),
+                message="parameters that could not be compared with the reference: " + "; ".join(missing[:8]),
+                params=tuple(sorted({pm.param for pm in m.params.values() if pm.notes} | set(m.reference_only_params))),
                 evidence={"num_mismatched_params": len(missing)},
             )
         )
@@ -156,7 +160,9 @@ def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options:
         return Skip(reason="no unsharded reference was given (--reference REF)")
     kinds = {e.kind for pm in m.params.values() for e in pm.reference_errors}
     if not kinds & {"grad_clipped", "param_after"}:
-        return Skip(reason="the dump and the reference do not both hold post-clip gradients or next weights with values")
+        return Skip(
+            reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
+        )
     hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
     hits += _hits_for(("param_after",), m, options, "the next weights differ from the unsharded reference")
     return tuple(hits)

@@ -29,16 +29,36 @@ _TABLE = (
     ("GA401", ERROR, "nonfinite gradient values", nonfinite.nonfinite_gradients),
     ("GA402", ERROR, "ranks disagree on nonfinite or skipped step", nonfinite.skip_disagreement),
     ("GA501", ERROR, "clipping ran more than once before one optimizer step", procedure.clipped_more_than_once),
-    ("GA502", ERROR, "clipping ran on scaled gradients (before GradScaler.unscale_)", procedure.clipped_scaled_gradients),
+    (
+        "GA502",
+        ERROR,
+        "clipping ran on scaled gradients (before GradScaler.unscale_)",
+        procedure.clipped_scaled_gradients,
+    ),
     ("GA601", ERROR, "pieces that should be replicas differ", replicas.replicas_differ),
     ("GA602", ERROR, "gradients differ from the unsharded reference", reference.gradients_differ),
-    ("GA603", ERROR, "clipped gradients or next weights differ from the unsharded reference", reference.clipped_or_next_weights_differ),
+    (
+        "GA603",
+        ERROR,
+        "clipped gradients or next weights differ from the unsharded reference",
+        reference.clipped_or_next_weights_differ,
+    ),
     ("GA701", INFO, "update norm vs gradient norm", updates.update_vs_gradient),
     ("GA702", WARNING, "ranks averaged their own loss over different token counts", procedure.uneven_token_means),
 )
 
+DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA701")
+"""Checks whose clean result stands with ranks missing (the others then say they could not decide)."""
+
 CHECKS: tuple[CheckSpec, ...] = tuple(
-    CheckSpec(code=code, severity=severity, title=title, explanation=EXPLANATIONS[code], run=run)
+    CheckSpec(
+        code=code,
+        severity=severity,
+        title=title,
+        explanation=EXPLANATIONS[code],
+        run=run,
+        needs_all_ranks=code not in DECIDED_WITHOUT_MISSING_RANKS,
+    )
     for code, severity, title, run in _TABLE
 )
 """Every check, in code order. Codes are never reused: retire a code by removing its row, never renumber."""
@@ -46,7 +66,9 @@ CHECKS: tuple[CheckSpec, ...] = tuple(
 BY_CODE = {spec.code: spec for spec in CHECKS}
 
 
-def run_checks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
+def run_checks(
+    step: StepDump, m: StepMeasurements, options: AuditOptions
+) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
     """Run every check; findings sorted by (severity, code, ranks, params), not-checked by code."""
     findings: list[Finding] = []
     not_checked: list[NotChecked] = []

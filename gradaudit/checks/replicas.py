@@ -7,7 +7,7 @@ import math
 from ..measure import ReplicaSet, StepMeasurements
 from ..model import StepDump
 from ..norms import norm_rtol
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_text
+from .base import AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
@@ -51,7 +51,7 @@ def replicas_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) 
         what = "max |difference|" if rs.by_values else "fingerprint difference"
         worst_rank, worst = max(copies, key=lambda c: c[1])
         lines.append(
-            f"{rs.param}: ranks {ranks_text(r for r, _ in copies)} differ from rank {rs.base_rank}, "
+            f"{rs.param}: {ranks_named(r for r, _ in copies)} differ from rank {rs.base_rank}, "
             f"worst rank {worst_rank} by {what} {num(worst)} (tolerance {num(replica_tolerance(rs))})"
         )
     if len(bad) > MAX_PARAMS_IN_MESSAGE:
@@ -60,7 +60,8 @@ def replicas_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) 
     worst_rs, worst_copies = bad[0]
     return (
         Hit(
-            message=f"{len(bad)} replicated pieces disagree between ranks (a missing or wrong all-reduce): " + "; ".join(lines),
+            message=f"{count(len(bad), 'replicated piece')} disagree between ranks (a missing or wrong all-reduce): "
+            + "; ".join(lines),
             ranks=tuple(ranks),
             params=tuple(sorted({rs.param for rs, _ in bad})),
             evidence={

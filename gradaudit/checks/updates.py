@@ -20,6 +20,10 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
     update_norm = math.sqrt(math.fsum(p.update_sum_sq for p in cover))
     clipped = all("grad_clipped" in p.stats for p in cover)
     grad_norm = norm_of_pieces(cover, 2.0, "grad_clipped" if clipped else "grad")
+    if grad_norm is None or not math.isfinite(grad_norm) or not math.isfinite(update_norm):
+        return Skip(
+            reason=f"the gradient or update norm is not finite ({num(grad_norm)}, {num(update_norm)}; see GA401)"
+        )
     which = "clipped gradient" if clipped else "gradient (before clipping)"
     ratio = update_norm / grad_norm if grad_norm else math.inf
     return (
@@ -30,6 +34,11 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
                 "optimizer's update: monitor the update norm separately if it matters"
             ),
             params=(),
-            evidence={"update_norm": update_norm, "gradient_norm": grad_norm, "ratio": ratio, "gradient_kind": "grad_clipped" if clipped else "grad"},
+            evidence={
+                "update_norm": update_norm,
+                "gradient_norm": grad_norm,
+                "ratio": ratio,
+                "gradient_kind": "grad_clipped" if clipped else "grad",
+            },
         ),
     )

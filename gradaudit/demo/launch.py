@@ -25,7 +25,15 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distr
 
 
 class DemoRunFailed(RuntimeError):
-    """A process of a demo scenario raised, died or hung: a bug in the scenario or an unusable machine."""
+    """A process of a demo scenario raised, died or hung: a bug in the scenario or an unusable machine.
+
+    The message is one line; `detail` holds the failing process's whole traceback, when there is one.
+    """
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        last_line = detail.strip().splitlines()[-1] if detail.strip() else ""
+        super().__init__(f"{message}: {last_line}" if last_line else message)
+        self.detail = detail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +88,10 @@ def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
             codes = [p.exitcode for p in processes]
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                index, detail = errors.get() if not errors.empty() else (failed[0], f"exit code {codes[failed[0]]}")
-                raise DemoRunFailed(f"demo process {index} of {nprocs} failed: {detail}")
+                if errors.empty():
+                    raise DemoRunFailed(f"demo process {failed[0]} of {nprocs} died with exit code {codes[failed[0]]}")
+                index, detail = errors.get()
+                raise DemoRunFailed(f"demo process {index} of {nprocs} failed", detail)
             if all(code == 0 for code in codes):
                 return
             if time.monotonic() > deadline:
@@ -132,14 +142,10 @@ def _rank_main(rank: int, world_size: int, port: int, target: str, out_dir: str)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     )
-    try:
-        _resolve(target)(RankContext(rank=rank, world_size=world_size, out_dir=Path(out_dir)))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _resolve(target)(RankContext(rank=rank, world_size=world_size, out_dir=Path(out_dir)))
+    dist.barrier()
+    # Only on success: a failing rank must report its error before its sockets close, or its peers'
+    # "connection reset" errors would arrive first and hide the cause.
+    dist.destroy_process_group()

@@ -63,7 +63,7 @@ def run_demo(
                 f"{folder}: already exists; gradaudit demo never overwrites a dump: "
                 "choose another OUT_DIR or delete that folder first"
             )
-    module = f"{__package__}.scenarios.{scenario.module}"
+    module = f"{__package__}.scenarios.{scenario.name}"
     progress(f"running {name} on {scenario.world_size} gloo ranks (CPU)...")
     run_ranks(f"{module}:train_rank", world_size=scenario.world_size, out_dir=sharded_root, timeout_s=timeout_s)
     progress("running its unsharded reference in one process...")

@@ -171,7 +171,7 @@ def shard_each_layer(model: nn.Module, mesh) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for child in model.children():
-        if any(True for _ in child.parameters()):
+        if next(child.parameters(), None) is not None:
             fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

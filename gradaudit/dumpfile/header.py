@@ -41,6 +41,7 @@ SAFETENSORS_DTYPES = {
 }
 """Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
 DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
+ITEMSIZES = {name: size for name, size in SAFETENSORS_DTYPES.values()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +119,8 @@ def open_regular_file(path: str) -> BinaryIO:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise DumpFormatError(path, os_problem(exc)) from None
+    except ValueError:  # an embedded NUL byte
+        raise DumpFormatError(path, "is not a valid path") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise DumpFormatError(path, "is not a regular file (a folder, pipe or device)")

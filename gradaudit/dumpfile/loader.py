@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 from ..errors import DumpFormatError, StepFolderError
 from ..model import Inconsistency, RankDump, StepDump
 from .header import (
+    ITEMSIZES,
     Header,
     TensorEntry,
+    clipped,
     open_regular_file,
     os_problem,
     parse_json,
@@ -54,7 +56,7 @@ def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
         doc = parse_json(text)
     except (ValueError, RecursionError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({first_line[:120]})") from None
+        raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({clipped(first_line)})") from None
     dump = decode_rank(doc, path, num_bytes=header.file_size)
     _check_tensors_against_header(dump, header)
     return dump, header
@@ -94,6 +96,8 @@ def _folder_problem(directory: Path) -> str | None:
     """Why `directory` cannot be opened as a folder, in words; None when it can."""
     try:
         mode = os.stat(directory).st_mode
+    except ValueError:  # an embedded NUL byte
+        return "is not a valid path"
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return "no such folder; point gradaudit at a step_<N> dump folder"
@@ -121,7 +125,7 @@ def load_step(directory: str | os.PathLike) -> StepDump:
     try:
         files, warnings = rank_files(directory)
     except OSError as exc:
-        raise StepFolderError(f"{directory}: cannot be listed: {os_problem(exc)}") from None
+        raise StepFolderError(f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions") from None
     if not files:
         raise StepFolderError(f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?")
     ranks: dict[int, RankDump] = {}
@@ -186,10 +190,7 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
     compare("topology.norm_group", lambda d: d.topology.norm_group)
     merged_groups, conflicts = merge_groups(ranks)
     inconsistencies.extend(conflicts)
-    names = sorted({p.name for d in ranks.values() for p in d.params})
-    for name in names:
-        compare(f"shape of {name}", lambda d, n=name: None if d.param(n) is None else tuple(d.param(n).global_shape))
-        compare(f"dtype of {name}", lambda d, n=name: None if d.param(n) is None else d.param(n).dtype)
+    inconsistencies.extend(_param_disagreements(ranks))
     missing = tuple(r for r in range(world_size) if r not in ranks)
     ranks = {
         rank: dataclasses.replace(d, topology=dataclasses.replace(d.topology, groups=merged_groups))
@@ -204,6 +205,23 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
         inconsistencies=tuple(inconsistencies),
         warnings=warnings,
     )
+
+
+def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
+    """Parameters whose global shape or dtype differs between ranks, in one pass over all params."""
+    seen: dict[str, dict[int, tuple]] = {}
+    for rank, dump in sorted(ranks.items()):
+        for info in dump.params:
+            seen.setdefault(info.name, {})[rank] = (tuple(info.global_shape), info.dtype)
+    found = []
+    for name in sorted(seen):
+        by_rank = seen[name]
+        for what, index in (("shape", 0), ("dtype", 1)):
+            if len({v[index] for v in by_rank.values()}) > 1:
+                found.append(
+                    Inconsistency(what=f"{what} of {name}", values={r: str(v[index]) for r, v in by_rank.items()})
+                )
+    return found
 
 
 def merge_groups(ranks: dict[int, RankDump]) -> tuple[dict, list[Inconsistency]]:
@@ -243,7 +261,7 @@ def find_step_dirs(directory: str | os.PathLike) -> list[Path]:
     try:
         entries = list(directory.iterdir())
     except OSError as exc:
-        raise StepFolderError(f"{directory}: cannot be listed: {os_problem(exc)}") from None
+        raise StepFolderError(f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions") from None
     if any(e.name.endswith(RANK_FILE_SUFFIX) for e in entries):
         return [directory]
     steps = sorted((int(m.group(1)), e) for e in entries if (m := _STEP_DIR.match(e.name)))
@@ -292,7 +310,7 @@ class TensorReader:
         import torch
 
         dtype = getattr(torch, entry.dtype)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = ITEMSIZES[entry.dtype]
         offset, num_bytes = entry.begin + first * itemsize, count * itemsize
         buffer = torch.empty(num_bytes, dtype=torch.uint8)
         view = memoryview(buffer.numpy())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 from dataclasses import dataclass
+from typing import Iterator
 
 import pytest
 
@@ -23,9 +26,25 @@ class Outcome:
         return self.stderr.splitlines()
 
 
+@contextlib.contextmanager
+def no_hang(seconds: int = 60) -> Iterator[None]:
+    """Turn a hang (say, blocking on a named pipe) into a test failure instead of a stuck suite."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"gradaudit gave no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_cli(capsys: pytest.CaptureFixture, *args: str) -> Outcome:
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
+    with no_hang(), pytest.raises(SystemExit) as exited:
         main(list(args))
     captured = capsys.readouterr()
     code = exited.value.code

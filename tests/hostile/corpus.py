@@ -21,9 +21,11 @@ STEP = 7
 MAX_NORM = 1.0
 
 
-def write_valid_step(step_dir: Path, *, names: tuple[str, str] = ("w", "b"), run_id: str = "run-a") -> Path:
+def write_valid_step(
+    step_dir: Path, *, names: tuple[str, str] = ("w", "b"), run_id: str = "run-a", stats_only: bool = False
+) -> Path:
     """A clean two-rank step: `w` (4x3) sharded by rows, `b` (3,) replicated over dp; the clip record
-    matches the true norm, so `gradaudit check` finds nothing."""
+    matches the true norm, so `gradaudit check` finds nothing. `stats_only` stores statistics, not values."""
     w_name, b_name = names
     generator = torch.Generator().manual_seed(0)
     w = torch.randn(4, 3, generator=generator)
@@ -40,8 +42,8 @@ def write_valid_step(step_dir: Path, *, names: tuple[str, str] = ("w", "b"), run
             step=STEP,
             params={w_name: (4, 3), b_name: (3,)},
             pieces=[
-                box(w_name, (2 * rank, 0), grad=rows, grad_clipped=rows * coef),
-                whole(b_name, grad=b, grad_clipped=b * coef, replica_group="dp"),
+                box(w_name, (2 * rank, 0), grad=rows, grad_clipped=rows * coef, stats_only=stats_only),
+                whole(b_name, grad=b, grad_clipped=b * coef, replica_group="dp", stats_only=stats_only),
             ],
             clip=ClipRecord(max_norm=MAX_NORM, reported_norm=norm, clip_coef=coef),
             topology=topology,

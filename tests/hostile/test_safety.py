@@ -65,6 +65,7 @@ HOSTILE_NAMES = (
 
 
 def _write_hostile_step(root: Path) -> Path:
+    """Every parameter has a nan gradient, so that `check` names each one in a finding (GA401)."""
     from gradaudit.dumpfile.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
@@ -72,10 +73,20 @@ def _write_hostile_step(root: Path) -> Path:
     write_rank(
         step_dir, rank=0, world_size=1, step=1,
         params={name: (2,) for name in HOSTILE_NAMES},
-        pieces=[whole(name, grad=torch.ones(2)) for name in HOSTILE_NAMES],
-        clip=ClipRecord(max_norm=1.0), host="h", created_at="t",
+        pieces=[whole(name, grad=torch.tensor([1.0, float("nan")])) for name in HOSTILE_NAMES],
+        clip=ClipRecord(max_norm=1.0, reported_norm=5.0), host="h", created_at="t",
     )
     return step_dir
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings(item)]
+    return []
 
 
 def test_show_prints_hostile_parameter_names_escaped_in_the_terminal(tmp_path, capsys):
@@ -180,7 +191,7 @@ def test_a_step_folder_that_cannot_be_listed_is_refused_naming_it(tmp_path, caps
 
     monkeypatch.setattr(Path, "iterdir", denied)
     outcome = run_cli(capsys, "show", str(step_dir))
-    assert_clean_refusal(outcome, names="step_7", problem="cannot be listed: cannot be read: permission denied")
+    assert_clean_refusal(outcome, names="step_7", problem=r"cannot be listed \(Permission denied\); check the folder's permissions$")
 
 
 # ------------------------------------------------------------------ faults between loading and reading
@@ -261,3 +272,58 @@ def test_a_rank_file_named_for_another_rank_is_loaded_with_a_warning(tmp_path):
     step = load_step(step_dir)
     assert step.ranks_present == (0, 1)
     assert any("rank_00003.safetensors: named for rank 3 but holds rank 1" in w for w in step.warnings)
+
+
+def _change_after_loading(monkeypatch, change) -> None:
+    """Run `change` right after the loader has validated every file, before any tensor is read."""
+    from gradaudit.dumpfile import loader
+
+    real_assemble = loader.assemble_step
+
+    def assemble_then_change(*args, **kwargs):
+        step = real_assemble(*args, **kwargs)
+        change()
+        return step
+
+    monkeypatch.setattr(loader, "assemble_step", assemble_then_change)
+
+
+def test_check_refuses_a_file_truncated_between_loading_and_reading_naming_it(tmp_path, capsys, monkeypatch):
+    step_dir = write_valid_step(tmp_path / "step_7")
+    victim = rank_path(step_dir, 1)
+    _change_after_loading(monkeypatch, lambda: os.truncate(victim, victim.stat().st_size - 70))
+    outcome = run_cli(capsys, "check", str(step_dir))
+    assert_clean_refusal(outcome, names=victim.name, problem=r"ends at byte \d+ of a 2-byte data section \(the file is truncated\)$")
+
+
+def test_check_refuses_a_file_replaced_between_loading_and_reading_naming_it(tmp_path, capsys, monkeypatch):
+    step_dir = write_valid_step(tmp_path / "step_7")
+    other = write_valid_step(tmp_path / "other", names=("v", "c"))
+    victim = rank_path(step_dir, 1)
+    _change_after_loading(monkeypatch, lambda: shutil.copyfile(rank_path(other, 1), victim))
+    outcome = run_cli(capsys, "check", str(step_dir))
+    assert_clean_refusal(outcome, names=victim.name, problem=r"changed on disk after it was loaded \(let the dump finish")
+
+
+@pytest.mark.parametrize("format", ["terminal", "markdown", "json"])
+def test_check_names_hostile_parameters_without_raw_control_bytes_or_live_markup(tmp_path, capsys, format):
+    step_dir = _write_hostile_step(tmp_path)
+    outcome = run_cli(capsys, "check", str(step_dir), "--format", format)
+    assert outcome.code == 1 and "GA401" in outcome.stdout, outcome.stderr
+    out = outcome.stdout
+    assert "\x1b" not in out and "\r" not in out and "line\nbreak" not in out
+    if format == "json":
+        strings = " ".join(_strings(json.loads(out)))
+        assert all(name in strings for name in HOSTILE_NAMES)
+    else:
+        flat = " ".join(out.split())
+        assert all(word in flat for word in ("alarm", "umn", "code", "break", "ünïcødé.权重", "esc"))
+    if format == "terminal":
+        assert "[red]alarm[/red]" in flat and "esc\\x1b[31mred" in flat
+
+
+def test_check_of_a_run_folder_names_a_broken_step_instead_of_skipping_it(tmp_path, capsys):
+    write_valid_step(tmp_path / "step_7")
+    (tmp_path / "step_9").symlink_to("step_9")
+    outcome = run_cli(capsys, "check", str(tmp_path))
+    assert_clean_refusal(outcome, names="step_9", problem="is a symbolic link loop")

@@ -96,9 +96,9 @@ def run_ranks(
                 # a moment to report their own error, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 5.0)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+        killed = {rank for rank, proc in enumerate(procs) if proc.is_alive()}
+        for rank in killed:
+            procs[rank].kill()
         for proc in procs:
             proc.join(timeout=10)
     problems = []
@@ -108,10 +108,13 @@ def run_ranks(
             problems.append(f"--- rank {rank} raised:\n{value}")
         elif status is None:
             code = procs[rank].exitcode
-            why = f"exited with code {code}" if code not in (None, 0) and code > 0 else "hung (killed at timeout)"
-            if code is not None and code < 0:
+            if rank in killed:
+                why = "hung and was killed (blocked in a collective with a failed rank, or past the timeout)"
+            elif code is not None and code < 0:
                 why = f"was killed by signal {-code}"
-            problems.append(f"--- rank {rank} {why} without a result (timeout {timeout_s:.0f} s)")
+            else:
+                why = f"exited with code {code}"
+            problems.append(f"--- rank {rank} {why}; no result (timeout {timeout_s:.0f} s)")
     if problems:
         raise RankFailure(f"{fn.__module__}.{fn.__qualname__} on {world_size} ranks failed:\n" + "\n".join(problems))
     return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

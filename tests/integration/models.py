@@ -102,3 +102,18 @@ def reference_grads_tied() -> dict[str, torch.Tensor]:
 def norm_of(grads: dict[str, torch.Tensor], norm_type: float = 2.0) -> float:
     flat = torch.cat([g.reshape(-1).double() for g in grads.values()])
     return float(torch.linalg.vector_norm(flat, norm_type))
+
+
+def write_reference_dump(out_dir, max_norm: float = MAX_NORM):
+    """The single-process run of TinyNet, dumped through gradaudit itself (world size 1), clipped
+    correctly: the `--reference` the sharded runs are compared with."""
+    import gradaudit
+
+    model = tiny_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=max_norm, optimizer=opt, strict=True) as audit:
+        loss_of(model(x), y).backward()
+        audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), max_norm)
+        opt.step()
+    return audit.path.parent

@@ -58,14 +58,14 @@ def load(path) -> StepDump:
     return load_step(path)
 
 
-def audit_report(step_path):
+def audit_report(step_path, reference=None):
     """gradaudit's own report of the step folder, or None while the checker is not there yet."""
     try:
         from gradaudit.audit import audit_step_dir
         from gradaudit.checks.base import AuditOptions
     except ImportError:
         return None
-    return audit_step_dir(step_path, AuditOptions())
+    return audit_step_dir(step_path, AuditOptions(reference=None if reference is None else str(reference)))
 
 
 def error_codes(report) -> set[str]:

@@ -89,12 +89,17 @@ def fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     results = {}
-    for name, clip in (("fsdp2_ok", torch.nn.utils.clip_grad_norm_), ("fsdp2_local", local_norm_clip)):
+    runs = (
+        ("fsdp2_ok", torch.nn.utils.clip_grad_norm_, {}),
+        ("fsdp2_local", local_norm_clip, {}),
+        ("fsdp2_stats", torch.nn.utils.clip_grad_norm_, {"mode": "stats", "full_params": ["fc1.*"]}),
+    )
+    for name, clip, audit_kwargs in runs:
         model = tiny_net()
         for module in (model.fc1, model.fc2, model.norm, model.head):
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        results[name] = _step(model, os.path.join(out_root, name), x, y, clip)
+        results[name] = _step(model, os.path.join(out_root, name), x, y, clip, **audit_kwargs)
     return results
 
 
@@ -142,9 +147,71 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     return {"fsdp2_tp_ok": _step(model, os.path.join(out_root, "fsdp2_tp_ok"), x, y, per_mesh_clip)}
 
 
+def _stage_clip(stage, max_norm: float, *, pp_group) -> torch.Tensor:
+    """Correct under pipeline + FSDP2: each stage's DTensor norm, squared, summed over the stages,
+    the tied weight counted on the first stage only. With pp_group=None: the stage-only mistake."""
+    from torch.nn.utils import get_total_norm
+
+    grads = [p.grad for p in stage.parameters()]
+    counted = [p.grad for n, p in stage.named_parameters() if pp_group is None or n != "lm_head.weight"]
+    norm = get_total_norm(counted).full_tensor()
+    if pp_group is not None:
+        total = norm.double() ** 2
+        dist.all_reduce(total, group=pp_group)
+        norm = total.sqrt().float()
+    apply_coef([local_of(g) for g in grads], norm, max_norm)
+    return norm
+
+
+def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
+    """Two pipeline stages, each sharded with FSDP2 over 2 ranks, the embedding tied across stages."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from models import tied_net, token_batch
+    from scenarios_plain import FirstStage, LastStage
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp_shard"))
+    pp_index, dp_index = mesh.get_coordinate()
+    pp_group = mesh.get_group("pp")
+    peer = mesh.mesh[1 - pp_index, dp_index].item()
+    tokens, targets = token_batch()
+    tokens, targets = rows(tokens, dp_index, 2), rows(targets, dp_index, 2)
+    results = {}
+    for name, group in (("pp_fsdp2_ok", pp_group), ("pp_fsdp2_stage_only", None)):
+        full = tied_net()
+        stage = FirstStage(full) if pp_index == 0 else LastStage(full)
+        fully_shard(stage, mesh=mesh["dp_shard"])
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        aliases = {"lm_head.weight": "embed.weight"} if pp_index == 1 else None
+        out_dir = os.path.join(out_root, name)
+        with gradaudit.audit_step(
+            stage, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True, aliases=aliases, groups={"pp": pp_group}
+        ) as audit:
+            if pp_index == 0:
+                hidden = stage(tokens)
+                dist.send(hidden.detach(), dst=peer)
+                grad = torch.empty_like(hidden)
+                dist.recv(grad, src=peer)
+                hidden.backward(grad)
+                tied = stage.embed.weight.grad
+            else:
+                hidden = torch.empty(tokens.shape[0], 8)
+                dist.recv(hidden, src=peer)
+                hidden.requires_grad_(True)
+                torch.nn.functional.cross_entropy(stage(hidden), targets).backward()
+                dist.send(hidden.grad, dst=peer)
+                tied = stage.lm_head.weight.grad
+            dist.all_reduce(tied.to_local(), group=pp_group)  # both stages' shards of the tied weight
+            norm = audit.clip(_stage_clip, stage, MAX_NORM, pp_group=group)
+            opt.step()
+        results[name] = {"returned_norm": float(norm), "path": str(audit.path)}
+    return results
+
+
 def all_dtensor_stacks(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every DTensor scenario: process start-up dominates the cost of these tests."""
     results = {}
-    for scenario in (fsdp2, hsdp, tensor_parallel, fsdp2_over_tp):
+    for scenario in (fsdp2, hsdp, tensor_parallel, fsdp2_over_tp, pipeline_fsdp2):
         results.update(scenario(rank, world_size, out_root))
     return results

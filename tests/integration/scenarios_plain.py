@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import gradaudit
 from models import MAX_NORM, batch, loss_of, rows, tied_net, tiny_net, token_batch
-from scenarios_dtensor import apply_coef, world_allreduced_clip
+from scenarios_dtensor import apply_coef
 
 
 def _record_step(model, out_dir, run, **audit_kwargs) -> dict:
@@ -203,6 +203,3 @@ def all_plain_stacks(rank: int, world_size: int, out_root: str) -> dict:
     for scenario in (ddp, pipeline, megatron):
         results.update(scenario(rank, world_size, out_root))
     return results
-
-
-__all__ = ["all_plain_stacks", "world_allreduced_clip"]

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from launcher import run_ranks
-from models import reference_grads_tiny
+from models import reference_grads_tied, reference_grads_tiny, write_reference_dump
 from reassemble import audit_report, error_codes, load, norm_of, reassemble
 import scenarios_dtensor
 
@@ -25,8 +25,18 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return reference_grads_tiny()
+def references():
+    return {"tiny": reference_grads_tiny(), "tied": reference_grads_tied()}
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["tiny"]
+
+
+@pytest.fixture(scope="module")
+def reference_dump(tmp_path_factory):
+    return write_reference_dump(tmp_path_factory.mktemp("single_process"))
 
 
 def _step(runs, scenario):
@@ -45,19 +55,22 @@ def _assert_reassembles_to_reference(step_path, reference):
     return step, grads
 
 
-@pytest.mark.parametrize("scenario", ["fsdp2_ok", "hsdp_ok", "tp_ok", "fsdp2_tp_ok"])
-def test_correct_clipping_dump_reassembles_and_recomputes_the_returned_norm(runs, reference, scenario):
+@pytest.mark.parametrize("scenario", ["fsdp2_ok", "hsdp_ok", "tp_ok", "fsdp2_tp_ok", "pp_fsdp2_ok"])
+def test_correct_clipping_dump_reassembles_and_recomputes_the_returned_norm(runs, references, reference_dump, scenario):
+    pipeline = scenario.startswith("pp_")  # TiedNet in two stages; the others run TinyNet
     step_path, per_rank = _step(runs, scenario)
-    step, grads = _assert_reassembles_to_reference(step_path, reference)
+    step, grads = _assert_reassembles_to_reference(step_path, references["tied" if pipeline else "tiny"])
     true_norm = norm_of(grads)
     for result in per_rank:
         assert math.isclose(true_norm, result["returned_norm"], rel_tol=1e-5)
     clipped = reassemble(step, "grad_clipped")
     assert math.isclose(norm_of(clipped), 0.1, rel_tol=1e-4)  # every correct run clips to max_norm
-    report = audit_report(step_path)
+    report = audit_report(step_path, reference=None if pipeline else reference_dump)
     if report is not None:
         assert math.isclose(report.global_norm, true_norm, rel_tol=1e-9)
         assert error_codes(report) == set()
+        if not pipeline:  # GA602/GA603 compared every parameter with the single-process dump
+            assert {c.param for c in report.reference} == set(references["tiny"])
 
 
 def test_fsdp2_shards_are_uneven_and_one_rank_holds_no_head_rows(runs):
@@ -67,6 +80,7 @@ def test_fsdp2_shards_are_uneven_and_one_rank_holds_no_head_rows(runs):
     }
     assert head_rows == {0: 1, 1: 1, 2: 1, 3: 0}
     assert step.topology.mesh.axis_names == ("dp_shard",)
+    assert step.topology.norm_group == "dp_shard"  # clip_grad_norm_ returned a DTensor on that mesh
 
 
 def test_hsdp_pieces_are_replicas_over_the_replicate_axis(runs):
@@ -75,6 +89,10 @@ def test_hsdp_pieces_are_replicas_over_the_replicate_axis(runs):
     assert groups == {"dp_replicate"}
     assert step.topology.groups["dp_replicate"] == ((0, 2), (1, 3))
     assert step.topology.groups["dp_shard"] == ((0, 1), (2, 3))
+    calls = [d.clip.calls[0] for d in step.ranks.values()]
+    # a DTensor norm is recorded as its full value, and as the local value a careless .item() logs
+    assert len({c.reported_norm for c in calls}) == 1
+    assert all(c.reported_local_norm is not None and c.reported_local_norm <= c.reported_norm * (1 + 1e-6) for c in calls)
 
 
 def test_tensor_parallel_layernorm_beside_dtensors_is_a_replica_over_tp(runs):
@@ -94,13 +112,42 @@ def test_fsdp2_over_tp_maps_strided_shards_to_the_right_rows(runs):
     assert step.topology.mesh.axis_names == ("dp", "tp")
 
 
+def test_stats_mode_under_fsdp2_keeps_values_only_for_the_chosen_params(runs, reference):
+    step_path, per_rank = _step(runs, "fsdp2_stats")
+    step = load(step_path)
+    assert {d.mode for d in step.ranks.values()} == {"stats"}
+    sum_sq = 0.0
+    for dump in step.ranks.values():
+        for piece in dump.pieces:
+            assert set(piece.tensors) == ({"grad", "grad_clipped", "param_before", "param_after"} if piece.param.startswith("fc1.") else set())
+            sum_sq += piece.stats["grad"].sum_sq
+    true_norm = norm_of({k: v.double() for k, v in reference.items()})
+    assert math.isclose(math.sqrt(sum_sq), true_norm, rel_tol=1e-6)  # FSDP2 pieces are disjoint: no replicas
+    assert all(math.isclose(r["returned_norm"], true_norm, rel_tol=1e-5) for r in per_rank)
+    report = audit_report(step_path)
+    if report is not None:
+        assert math.isclose(report.global_norm, true_norm, rel_tol=1e-6)
+        assert error_codes(report) == set()
+
+
+def test_pipeline_stages_hold_only_their_parameters_and_the_tied_weight_under_its_logical_name(runs):
+    step = load(_step(runs, "pp_fsdp2_ok")[0])
+    held = {rank: sorted({p.param for p in d.pieces}) for rank, d in step.ranks.items()}
+    assert held[0] == held[1] == ["embed.weight", "fc.bias", "fc.weight"]
+    assert held[2] == held[3] == ["embed.weight", "norm.bias", "norm.weight"]
+    tied = [p for p in step.ranks[2].pieces if p.param == "embed.weight"]
+    assert tied[0].local_name == "lm_head.weight"
+    # stages are not replicas of each other along the pipeline axis
+    assert all(p.replica_group is None for d in step.ranks.values() for p in d.pieces)
+
+
 @pytest.mark.parametrize(
     "scenario, code",
-    [("fsdp2_local", "GA201"), ("hsdp_world", "GA202"), ("tp_replicas", "GA202")],
+    [("fsdp2_local", "GA201"), ("hsdp_world", "GA202"), ("tp_replicas", "GA202"), ("pp_fsdp2_stage_only", "GA203")],
 )
-def test_deliberate_mistake_is_diagnosed(runs, reference, scenario, code):
+def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
     step_path, per_rank = _step(runs, scenario)
-    _, grads = _assert_reassembles_to_reference(step_path, reference)
+    _, grads = _assert_reassembles_to_reference(step_path, references["tied" if scenario.startswith("pp_") else "tiny"])
     true_norm = norm_of(grads)
     reported = [r["returned_norm"] for r in per_rank]
     assert all(not math.isclose(n, true_norm, rel_tol=1e-3) for n in reported)
@@ -108,3 +155,23 @@ def test_deliberate_mistake_is_diagnosed(runs, reference, scenario, code):
     if report is None:
         pytest.skip("gradaudit.audit is not there yet; the dump itself was verified above")
     assert code in error_codes(report)
+
+
+@pytest.mark.parametrize("scenario, exit_code", [("hsdp_ok", 0), ("hsdp_world", 1)])
+def test_gradaudit_check_on_the_captured_folder_exits_by_its_findings(runs, scenario, exit_code):
+    import json
+    import subprocess
+    import sys
+
+    step_path, _ = _step(runs, scenario)
+    if audit_report(step_path) is None:
+        pytest.skip("the check command is not there yet")
+    done = subprocess.run(
+        [sys.executable, "-m", "gradaudit", "check", str(step_path), "--format", "json"], capture_output=True, text=True
+    )
+    assert done.returncode == exit_code, done.stderr
+    codes = {f["code"] for f in json.loads(done.stdout)["findings"] if f["severity"] == "error"}
+    if exit_code == 0:
+        assert codes == set()
+    else:
+        assert "GA202" in codes

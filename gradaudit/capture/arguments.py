@@ -1,0 +1,95 @@
+"""Checking what the training code passed to audit_step, and reading numbers out of what it returned."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any, Callable
+
+from ..errors import CaptureError
+
+MODES = ("full", "stats")
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    if env_world.isdigit() and int(env_world) > 1:
+        raise CaptureError(
+            f"WORLD_SIZE is {env_world} but torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group() before gradaudit.audit_step (or unset WORLD_SIZE for one process)"
+        )
+    return 0, 1
+
+
+def check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CaptureError(f"step must be a non-negative int (the optimizer step number), got {step!r}")
+    return step
+
+
+def check_max_norm(max_norm: Any) -> float:
+    if max_norm is None:
+        raise CaptureError("audit_step needs max_norm=, the clipping threshold your training uses (e.g. max_norm=1.0)")
+    value = opt_float(max_norm)
+    if value is None or not (value > 0 and math.isfinite(value)):
+        raise CaptureError(f"max_norm must be a positive finite number (the clipping threshold), got {max_norm!r}")
+    return value
+
+
+def check_norm_type(norm_type: Any) -> float:
+    try:
+        value = float(norm_type)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise CaptureError(f"norm_type must be positive or 'inf' (as in clip_grad_norm_), got {norm_type!r}")
+    return value
+
+
+def norm_results(result: Any) -> tuple[Any, Any]:
+    """(the norm `fn` returned, and for a DTensor its local value that .to_local().item() would log)."""
+    from .dtensor import is_dtensor
+
+    if is_dtensor(result):
+        # Every rank is inside the same clip call and holds this DTensor, so its collective is safe.
+        return result.full_tensor(), result.to_local()
+    return result, None
+
+
+def clip_arguments(fn: Callable, args, kwargs) -> tuple[Any, Any]:
+    """max_norm and norm_type as passed to a clipping function that names them so, else None."""
+    try:
+        signature = inspect.signature(fn)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None, None
+    values = []
+    for name in ("max_norm", "norm_type"):
+        if name in bound.arguments:
+            values.append(bound.arguments[name])
+        elif name in signature.parameters and signature.parameters[name].default is not inspect.Parameter.empty:
+            values.append(signature.parameters[name].default)
+        else:
+            values.append(None)
+    return values[0], values[1]
+
+
+def opt_float(value: Any) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        if hasattr(value, "numel") and value.numel() != 1:
+            return None
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def opt_int(value: Any) -> int | None:
+    number = opt_float(value)
+    return None if number is None else int(number)

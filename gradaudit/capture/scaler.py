@@ -1,0 +1,54 @@
+"""What a GradScaler knew during the step: loss scale, unscale_ before clipping, found_inf.
+
+GradScaler keeps this in private per-optimizer state whose layout differs across torch versions, so
+every read is defensive and an unreadable field is reported as unknown (None), never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ScalerWatch:
+    def __init__(self, scaler: Any, optimizer: Any) -> None:
+        self.scaler = scaler
+        self.optimizer = optimizer
+        self._states = None
+
+    @property
+    def active(self) -> bool:
+        if self.scaler is None:
+            return False
+        enabled = getattr(self.scaler, "is_enabled", None)
+        return bool(enabled()) if callable(enabled) else True
+
+    def scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.active else None
+
+    def hold(self) -> None:
+        """Keep a reference to the per-optimizer states: update() replaces the dict, so found_inf
+        stays readable from the held one after the user called update() inside the step."""
+        states = getattr(self.scaler, "_per_optimizer_states", None) if self.active else None
+        if states is not None:
+            self._states = states
+
+    def unscaled(self) -> bool | None:
+        """Whether unscale_ had run for the optimizer (explicitly, or inside step())."""
+        state = self._state(getattr(self.scaler, "_per_optimizer_states", None))
+        if state is None:
+            return None if not self.active or self.optimizer is None else False
+        stage = state.get("stage")
+        return getattr(stage, "name", None) in ("UNSCALED", "STEPPED")
+
+    def found_inf(self) -> bool | None:
+        state = self._state(self._states)
+        per_device = state.get("found_inf_per_device") if state else None
+        if not per_device:
+            return None
+        return any(float(v.sum()) > 0 for v in per_device.values())
+
+    def _state(self, states) -> dict | None:
+        if not self.active or self.optimizer is None or states is None:
+            return None
+        # .get, not [ ]: the dict is a defaultdict and must not grow an entry because we looked
+        return states.get(id(self.optimizer))

@@ -1,0 +1,85 @@
+"""A progress bar for long checks: rich, on stderr, transient, shown only after the first second."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Callable, Iterator, TextIO
+
+SHOW_AFTER_S = 1.0
+"""Checks shorter than this never show a bar (it would only flicker)."""
+
+
+class DelayedProgress:
+    """A `progress(done, total)` callback that draws a transient bar once the work has lasted
+    SHOW_AFTER_S; a new step (done going back, or another total) restarts the bar."""
+
+    def __init__(self, stream: TextIO, *, show_after_s: float = SHOW_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._show_after_s = show_after_s
+        self._clock = clock
+        self._started = clock()
+        self._bar = None
+        self._task = None
+        self._last = (0, 0)
+
+    def __call__(self, done: int, total: int) -> None:
+        if done < self._last[0] or total != self._last[1]:
+            self._restart(total)
+        self._last = (done, total)
+        if self._bar is None:
+            if self._clock() - self._started < self._show_after_s:
+                return
+            self._show(total)
+        self._bar.update(self._task, completed=done, total=total)
+
+    @property
+    def shown(self) -> bool:
+        return self._bar is not None
+
+    def _show(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(
+            TextColumn("measuring parameters"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=Console(file=self._stream),
+            transient=True,
+        )
+        self._bar.start()
+        self._task = self._bar.add_task("measure", total=total)
+
+    def _restart(self, total: int) -> None:
+        if self._bar is not None:
+            self._bar.reset(self._task, total=total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+@contextlib.contextmanager
+def check_progress(*, enabled: bool, stream: TextIO | None = None) -> Iterator[Callable[[int, int], None] | None]:
+    """The progress callback for `gradaudit check`, or None when `enabled` is false or either of
+    stdout and stderr is not a terminal (a pipe, a file, CI logs)."""
+    stream = sys.stderr if stream is None else stream
+    if not (enabled and _is_tty(sys.stdout) and _is_tty(stream)):
+        yield None
+        return
+    bar = DelayedProgress(stream)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

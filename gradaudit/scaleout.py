@@ -1,0 +1,165 @@
+"""Scale-out of the check on torch.distributed: under torchrun, each process measures a share of the
+parameters and the partial measurements are gathered with all_gather_object.
+
+    torchrun --nproc-per-node 4 -m gradaudit check ./step_1200
+
+Every process loads the headers (cheap) and runs the checks on the gathered measurements, so every
+process reaches the same report and exit code; only rank 0 prints. The group is gloo (CPU), created
+here from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless the caller
+already initialised one. This module and the capture hook are the only ones that touch
+torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+from .errors import GradauditError, UsageError
+
+if TYPE_CHECKING:
+    from .measure import StepMeasurements
+    from .model import StepDump
+
+GROUP_TIMEOUT = timedelta(minutes=10)
+"""How long a process waits for the others at one exchange before giving up (a process that died
+without reaching the exchange would otherwise hang the rest for gloo's default 30 minutes)."""
+
+
+class ScaleOutError(GradauditError):
+    """Another process of the scaled-out check failed; its message says which and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchEnv:
+    """Where this process sits among the processes torchrun started."""
+
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The torchrun environment of this process, or None when it was not started by torchrun with
+    more than one process (then the check runs as a single process)."""
+    environ = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in environ or "RANK" not in environ:
+        return None
+    try:
+        env = LaunchEnv(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]))
+    except ValueError as exc:
+        raise UsageError(
+            f"RANK={environ['RANK']!r} WORLD_SIZE={environ['WORLD_SIZE']!r} is not a valid torchrun environment ({exc}); "
+            "start the check with torchrun, or unset RANK and WORLD_SIZE"
+        ) from None
+    return env if env.world_size > 1 else None
+
+
+def share_of(costs: Mapping[str, int], rank: int, world_size: int) -> list[str]:
+    """The parameters process `rank` measures: a greedy split by cost (bytes to read), largest first,
+    each to the least loaded process. The same on every process (it depends only on `costs`)."""
+    loads = [0] * world_size
+    mine = []
+    for name in sorted(costs, key=lambda n: (-costs[n], n)):
+        target = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[target] += max(1, costs[name])
+        if target == rank:
+            mine.append(name)
+    return sorted(mine)
+
+
+def read_cost(step: "StepDump") -> dict[str, int]:
+    """Bytes of tensor data per parameter (each piece counted once per dumped tensor), from the headers."""
+    from .model import numel_of
+
+    itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+    costs = {name: 0 for name in step.params}
+    for dump in step.ranks.values():
+        for piece in dump.pieces:
+            costs[piece.param] = costs.get(piece.param, 0) + len(piece.tensors) * numel_of(piece.local_shape) * itemsize.get(
+                piece.dtype, 1
+            )
+    return costs
+
+
+class Exchange:
+    """All-gathers one picklable value per process; every exchange carries either a result or the
+    error that stopped a process, so that one failing process stops all of them with its message
+    instead of leaving them waiting."""
+
+    def __init__(self, env: LaunchEnv) -> None:
+        self.env = env
+
+    def gather(self, value: Any) -> list[Any]:
+        outcomes = self._all_gather(("ok", value))
+        self._raise_failures(outcomes)
+        return [payload for _, payload in outcomes]
+
+    def fail(self, exc: BaseException) -> None:
+        """Tell the other processes, waiting at their next exchange, that this one failed."""
+        kind = "user" if isinstance(exc, GradauditError) else "internal"
+        with contextlib.suppress(Exception):
+            self._all_gather((kind, f"{type(exc).__name__}: {exc}" if kind == "internal" else str(exc)))
+
+    def _all_gather(self, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, outcome)
+        return gathered
+
+    def _raise_failures(self, outcomes: Sequence[tuple[str, Any]]) -> None:
+        for rank, (kind, payload) in enumerate(outcomes):
+            if kind == "user":
+                raise ScaleOutError(f"process {rank} of the scaled-out check stopped: {payload}")
+            if kind == "internal":
+                raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
+
+
+def measure_share(exchange: Exchange) -> Callable[..., "StepMeasurements"]:
+    """A drop-in for `measure.measure_step` that measures this process's share of the parameters
+    and returns the merged measurements of all processes."""
+    from functools import reduce
+
+    from .measure import measure_step
+
+    def measure(step: "StepDump", reader, *, params=None, **kwargs) -> "StepMeasurements":
+        costs = read_cost(step)
+        if params is not None:
+            costs = {name: costs.get(name, 0) for name in params}
+        mine = share_of(costs, exchange.env.rank, exchange.env.world_size)
+        partial = measure_step(step, reader, params=mine, **kwargs)
+        return reduce(lambda a, b: a.merge(b), exchange.gather(partial))
+
+    return measure
+
+
+@contextlib.contextmanager
+def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., "StepMeasurements"] | None]:
+    """Under torchrun: join (or create) the gloo group and give the sharing measure function; a
+    failure in this process is passed on to the others. Without torchrun: None (measure alone)."""
+    if env is None:
+        yield None
+        return
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=GROUP_TIMEOUT)
+    exchange = Exchange(env)
+    try:
+        yield measure_share(exchange)
+    except ScaleOutError:
+        raise  # already known to every process
+    except BaseException as exc:
+        exchange.fail(exc)
+        raise
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""The benchmark must keep running: tiny sizes, every section, no timing asserted."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+import layouts  # noqa: E402
+import run  # noqa: E402
+
+RATIO = re.compile(r"^RATIO (\S+) (.+) = (n/a|[0-9.]+)$", re.M)
+
+
+def test_tiny_bench_runs_every_section_and_prints_its_ratios_and_targets(tmp_path, capsys):
+    assert run.main(["--tiny", "--in-process", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    ratios = {(m.group(1), m.group(2)): m.group(3) for m in RATIO.finditer(out)}
+    for section in ("dense-fp32", "dense-bf16"):
+        for what in ("check/floor time", "naive/floor time", "check peak RSS/largest file"):
+            assert ratios[(section, what)] != "n/a", f"{section} {what} was not measured:\n{out}"
+    assert ratios[("stats", "check time 8 ranks/2 ranks")] != "n/a"
+    assert ratios[("capture", "audit_step full/save_file time")] != "n/a"
+    assert ratios[("capture", "audit_step stats/full time")] != "n/a"
+    assert ratios[("coverage", "grid time 1000/100 pieces")] != "n/a"
+    assert "DISAGREE" not in out and out.count(": agree") == 2
+    summary = out.split("== targets\n", 1)[1]
+    assert len(re.findall(r"^TARGET .*: (MET|MISSED by \d+%) ", summary, re.M)) == 9, summary
+
+
+def test_a_subject_in_its_own_process_reports_its_time_and_peak_memory(tmp_path):
+    layout = layouts.write_dense_dump(tmp_path / "dense", num_elements=20_000, num_ranks=2)
+    result = harness.run_subject("floor", {"directory": str(layout.directory)})
+    assert result.error is None
+    assert result.seconds > 0 and result.peak_rss_bytes > 10 * harness.MIB
+    assert result.value == pytest.approx(layout.true_norm, rel=1e-12)
+
+
+def test_fast_stats_writer_gives_the_same_dumps_as_the_project_writer(tmp_path):
+    from gradaudit.dumpfile import load_rank_file
+    from gradaudit.dumpfile.writer import write_rank_file
+
+    layouts.write_stats_dump(tmp_path / "fast", num_ranks=6, num_params=12)
+    reference = layouts._stats_rank_dumps(num_ranks=6, num_params=12, seed=0)
+    for rank in range(6):
+        written = write_rank_file(tmp_path / "reference", reference.dump(rank), {})
+        fast = load_rank_file(tmp_path / "fast" / written.name)
+        slow = load_rank_file(written)
+        assert dataclasses.replace(fast, path="") == dataclasses.replace(slow, path="")
+        assert fast.num_bytes == slow.num_bytes
