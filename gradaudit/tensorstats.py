@@ -12,6 +12,23 @@ if TYPE_CHECKING:
 
 CHUNK_ELEMENTS = 1 << 22
 _GOLDEN = 0x9E3779B1
+FINGERPRINT_PERIOD = 1 << 12
+"""The fingerprint weight of element i is w[i mod 4096]: a matrix product per chunk, not a hash per element."""
+
+_weight_tables: dict = {}
+
+
+def fingerprint_weights(device) -> "torch.Tensor":
+    """w[j] = ((j * 2654435761) mod 2^32) * 2^-31 - 1 for j < 4096, float64, cached per device."""
+    import torch
+
+    key = str(device)
+    table = _weight_tables.get(key)
+    if table is None:
+        index = torch.arange(FINGERPRINT_PERIOD, dtype=torch.int64)
+        table = ((index * _GOLDEN) % (1 << 32)).to(torch.float64) * (2.0 / (1 << 32)) - 1.0
+        table = _weight_tables[key] = table.to(device)
+    return table
 
 
 class StatsAccumulator:
@@ -19,7 +36,8 @@ class StatsAccumulator:
 
     Sums run in float64 over finite values only; nonfinite values are counted by kind. The
     fingerprint is (sum x, sum x*w) with a fixed pseudo-random weight w per element position, so
-    two replicas agree on it and two different tensors almost never do.
+    two replicas agree on it and two different tensors almost never do. Everything stays on the
+    tensor's device until `result()`.
     """
 
     def __init__(self, norm_type: float) -> None:
@@ -27,7 +45,7 @@ class StatsAccumulator:
         self.numel = 0
         self._sum_pow = []
         self._sum_sq = []
-        self._max_abs = 0.0
+        self._max_abs = []
         self._counts = [0, 0, 0]
         self._fp_sum = []
         self._fp_proj = []
@@ -39,40 +57,61 @@ class StatsAccumulator:
         if flat.numel() == 0:
             return
         x = flat.to(torch.float64)
-        finite = torch.isfinite(x)
-        all_finite = bool(finite.all())
-        if not all_finite:
-            nan = torch.isnan(x)
-            self._counts[0] += int(nan.sum())
-            self._counts[1] += int((x == math.inf).sum())
-            self._counts[2] += int((x == -math.inf).sum())
-            x = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
-        a = x.abs()
-        self._max_abs = max(self._max_abs, float(a.max()))
+        total = x.sum()
+        if not bool(torch.isfinite(total)):
+            x = self._count_and_mask_nonfinite(x)
+            total = x.sum()
+        low, high = torch.aminmax(x)
+        self._max_abs.append(torch.maximum(-low, high))
         sq = torch.dot(x, x)
         self._sum_sq.append(sq)
         p = self.norm_type
         if p == 2.0:
             self._sum_pow.append(sq)
         elif p == 1.0:
-            self._sum_pow.append(a.sum())
+            self._sum_pow.append(x.abs().sum())
         elif not math.isinf(p):
-            self._sum_pow.append(a.pow(p).sum())
-        index = torch.arange(self.numel, self.numel + x.numel(), dtype=torch.int64, device=x.device)
-        weights = ((index * _GOLDEN) % (1 << 32)).to(torch.float64) * (2.0 / (1 << 32)) - 1.0
-        self._fp_sum.append(x.sum())
-        self._fp_proj.append(torch.dot(x, weights))
+            self._sum_pow.append(x.abs().pow(p).sum())
+        self._fp_sum.append(total)
+        self._fp_proj.append(self._projection(x))
         self.numel += x.numel()
+
+    def _count_and_mask_nonfinite(self, x: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        finite = torch.isfinite(x)
+        self._counts[0] += int(torch.isnan(x).sum())
+        self._counts[1] += int((x == math.inf).sum())
+        self._counts[2] += int((x == -math.inf).sum())
+        return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def _projection(self, x: "torch.Tensor") -> "torch.Tensor":
+        """sum_i x_i * w[(offset + i) mod P], as one matrix-vector product over whole periods."""
+        import torch
+
+        weights = fingerprint_weights(x.device)
+        period = FINGERPRINT_PERIOD
+        phase = self.numel % period
+        head = min(x.numel(), (period - phase) % period)
+        result = torch.dot(x[:head], weights[phase : phase + head])
+        body = (x.numel() - head) // period * period
+        if body:
+            result = result + (x[head : head + body].view(-1, period) @ weights).sum()
+        tail = x[head + body :]
+        if tail.numel():
+            result = result + torch.dot(tail, weights[: tail.numel()])
+        return result
 
     def result(self) -> TensorStats:
         total = lambda parts: math.fsum(float(v) for v in parts)  # noqa: E731
-        sum_pow = self._max_abs if math.isinf(self.norm_type) else total(self._sum_pow)
+        max_abs = max((float(v) for v in self._max_abs), default=0.0)
+        sum_pow = max_abs if math.isinf(self.norm_type) else total(self._sum_pow)
         return TensorStats(
             numel=self.numel,
             norm_type=self.norm_type,
             sum_pow=sum_pow,
             sum_sq=total(self._sum_sq),
-            max_abs=self._max_abs,
+            max_abs=max_abs,
             num_nan=self._counts[0],
             num_posinf=self._counts[1],
             num_neginf=self._counts[2],

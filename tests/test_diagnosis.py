@@ -157,7 +157,9 @@ def test_scalar_and_empty_parameters_are_measured_and_covered(tmp_path):
         ]
         for r in range(2)
     }
-    write_step(tmp_path, world_size=2, params={"scale": (), "empty": (0, 4)}, pieces=pieces, clips=clip(1.0, reported_norm=3.0))
+    write_step(
+        tmp_path, world_size=2, params={"scale": (), "empty": (0, 4)}, pieces=pieces, clips=clip(1.0, reported_norm=3.0)
+    )
     report = check(tmp_path)
     assert report.global_norm == 3.0
     assert codes(report) & {"GA102", "GA103", "GA201", "GA601"} == set()
