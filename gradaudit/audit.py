@@ -21,6 +21,8 @@ from .report import Finding, MultiStepReport, NonfiniteCounts, NotChecked, RankR
 from .version import __version__
 
 Progress = Callable[[int, int], None]
+Measure = Callable[..., StepMeasurements]
+"""`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
 
 CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
 """The checks that must all have run before the verdict may call clipping right."""
@@ -194,21 +196,24 @@ def audit_step(
     reference: StepDump | None = None,
     progress: Progress | None = None,
     warnings: tuple[str, ...] = (),
+    measure: Measure | None = None,
 ) -> Report:
     from .dumpfile import TensorReader
 
     with TensorReader(step) as reader:
-        m = measure_step(step, reader, reference=reference, progress=progress)
+        m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
     return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
 
 
-def audit_step_dir(path: str | Path, options: AuditOptions, *, progress: Progress | None = None) -> Report:
+def audit_step_dir(
+    path: str | Path, options: AuditOptions, *, progress: Progress | None = None, measure: Measure | None = None
+) -> Report:
     """Audit one step_<N> folder (with options.reference, against that reference step)."""
     from .dumpfile import load_step
 
     step = load_step(path)
     reference, warnings = _reference_for(step, options)
-    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings)
+    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings, measure=measure)
 
 
 def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | None, tuple[str, ...]]:
@@ -251,15 +256,18 @@ def summarize(report: Report, directory: str) -> StepSummary:
 
 
 def audit_folder(
-    path: str | Path, options: AuditOptions, *, progress: Progress | None = None
+    path: str | Path, options: AuditOptions, *, progress: Progress | None = None, measure: Measure | None = None
 ) -> Report | MultiStepReport:
     """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
     from .dumpfile import find_step_dirs
 
     step_dirs = find_step_dirs(path)
     if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
-        return audit_step_dir(path, options, progress=progress)
-    reports = [(str(directory), audit_step_dir(directory, options, progress=progress)) for directory in step_dirs]
+        return audit_step_dir(path, options, progress=progress, measure=measure)
+    reports = [
+        (str(directory), audit_step_dir(directory, options, progress=progress, measure=measure))
+        for directory in step_dirs
+    ]
     return MultiStepReport(
         directory=str(path),
         steps=tuple(r for _, r in reports),

@@ -101,9 +101,16 @@ def check(
         options = AuditOptions(reference=None if reference is None else str(reference), rtol=rtol, atol=atol)
     except ValueError as exc:
         raise UsageError(f"{exc}; pass --rtol/--atol as non-negative numbers") from None
-    result = audit_folder(directory, options)
+    from .render.progress import check_progress
+    from .scaleout import launch_env, scaled_out
+
+    env = launch_env()  # under torchrun: parameters split among the processes, rank 0 prints
+    printing = env is None or env.rank == 0
+    with scaled_out(env) as measure, check_progress(enabled=printing and format is not OutputFormat.json) as progress:
+        result = audit_folder(directory, options, progress=progress, measure=measure)
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
-    _emit_report(result, format, output)
+    if printing:
+        _emit_report(result, format, output)
     if _fails(reports, fail_on):
         raise SystemExit(EXIT_FINDINGS)
 
@@ -146,7 +153,8 @@ def _emit_report(result, format: OutputFormat, output: Optional[Path]) -> None:
         _emit(text, output)
     except OSError as exc:
         problem = exc.strerror or exc
-        raise UsageError(f"{output}: cannot write the report ({problem}); choose another --output") from None
+        where = "standard output" if output is None else output
+        raise UsageError(f"{where}: cannot write the report ({problem})") from None
     if output is not None:
         sys.stderr.write(f"report written to {output}\n")
 

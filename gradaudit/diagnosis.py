@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 from .measure import PieceMeasurement, StepMeasurements
 from .model import StepDump, TensorStats
 from .norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
+from .ranksets import compact_ranks
 
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
@@ -375,7 +376,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     if true_norm is None:
         note = f"the dumped statistics were taken for another norm type than {norm_type:g}"
     elif step.missing_ranks and not _covers_every_param(step, cover):
-        true_norm, note = None, f"ranks {list(step.missing_ranks)} are missing and held parts of the gradient"
+        true_norm, note = None, f"ranks {compact_ranks(step.missing_ranks)} are missing and held parts of the gradient"
     post_clip = None
     if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and true_norm is not None:
         post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 from .model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
 from .reference import ReferenceSource, compare_regions, compare_values, covers
-from .tensorstats import CHUNK_ELEMENTS, StatsAccumulator
+from .streamstats import KERNEL_CHUNK_ELEMENTS, ChunkKernel, single_threaded_torch
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +25,9 @@ COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
 """Tensor kinds compared against an unsharded reference."""
 
 Progress = Callable[[int, int], None]
+
+CHUNK_ELEMENTS = KERNEL_CHUNK_ELEMENTS
+"""Elements read and reduced at a time per tensor (see streamstats: the float64 buffer stays in cache)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,54 +217,26 @@ def _piece_flat(
     return values / scale if scale != 1.0 and kind in SCALED_KINDS else values
 
 
-def _read_piece(reader, path: str, piece: Piece, norm_type: float, chunk: int):
-    """One pass over every tensor the piece holds (aligned chunks: they share a shape), giving
-    {kind: TensorStats}, and the finite-only sums dot(grad, grad_clipped), dot(grad, grad),
-    |param_after - param_before|^2 when both tensors of a pair are there."""
-    import torch
-
-    kinds = sorted(piece.tensors)
-    accumulators = {kind: StatsAccumulator(norm_type) for kind in kinds}
-    pre_post = "grad" in piece.tensors and "grad_clipped" in piece.tensors
-    update = "param_before" in piece.tensors and "param_after" in piece.tensors
-    sums: dict[str, list[float]] = {"pre_post": [], "pre_pre": [], "update": []}
-    streams = [reader.chunks(path, piece.tensors[kind], max_elements=chunk) for kind in kinds]
-    for chunks in zip(*streams):
-        values = dict(zip(kinds, chunks))
-        for kind, tensor in values.items():
-            accumulators[kind].add(tensor)
-        if pre_post:
-            a, b = _finite_pair(values["grad"], values["grad_clipped"])
-            sums["pre_post"].append(float(torch.dot(a, b)))
-            sums["pre_pre"].append(float(torch.dot(a, a)))
-        if update:
-            a, b = _finite_pair(values["param_before"], values["param_after"])
-            d = b - a
-            sums["update"].append(float(torch.dot(d, d)))
-    stats = {kind: acc.result() for kind, acc in accumulators.items()}
-    total = lambda key, wanted: math.fsum(sums[key]) if wanted else None  # noqa: E731
-    return stats, total("pre_post", pre_post), total("pre_pre", pre_post), total("update", update)
-
-
-def _finite_pair(a: "torch.Tensor", b: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
-    """Both as float64 with every element that is nonfinite in either set to 0 in both."""
-    import torch
-
-    a, b = a.to(torch.float64), b.to(torch.float64)
-    both = torch.isfinite(a) & torch.isfinite(b)
-    if not bool(both.all()):
-        zero = torch.zeros((), dtype=torch.float64)
-        a, b = torch.where(both, a, zero), torch.where(both, b, zero)
-    return a, b
-
-
 # ---------------------------------------------------------------- one parameter
 
 
 def _measure_piece(
-    reader, rank: int, path: str, piece: Piece, norm_type: float, chunk: int, scale: float = 1.0
+    reader,
+    kernel: ChunkKernel,
+    rank: int,
+    path: str,
+    piece: Piece,
+    norm_type: float,
+    scale: float = 1.0,
+    *,
+    fingerprint: bool = False,
 ) -> PieceMeasurement:
-    stats, dot_pre_post, dot_pre_pre, update_sum_sq = _read_piece(reader, path, piece, norm_type, chunk)
+    if piece.tensors:
+        stats, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
+            reader, path, piece, norm_type, fingerprint=fingerprint
+        )
+    else:  # stats-only: nothing to read
+        stats, dot_pre_post, dot_pre_pre, update_sum_sq = {}, None, None, None
     stats = {**stats, **{k: v for k, v in piece.stats.items() if k not in stats}}
     stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in sorted(stats.items())}
     if dot_pre_post is not None and scale != 1.0:
@@ -388,23 +363,35 @@ def measure_param(
     reference_held: list[tuple[int, str, Piece]] | None = None,
     infos: tuple[ParamInfo | None, ParamInfo | None] | None = None,
     scales: Mapping[int, float] | None = None,
+    kernel: ChunkKernel | None = None,
 ) -> ParamMeasurement:
     """Measure one logical parameter: every piece on every present rank, its replicas, its reference.
 
     `held` / `reference_held` are this parameter's (rank, path, piece) entries, and `infos` its
     ParamInfo here and in the reference, when the caller looked them up already for every parameter
-    (see `pieces_by_param`); `scales` maps ranks to `dumped_gradient_scale` of their files."""
+    (see `pieces_by_param`); `scales` maps ranks to `dumped_gradient_scale` of their files; `kernel`
+    holds the calling worker's read buffers."""
     if held is None:
         held = pieces_by_param(step).get(name, [])
-    measured = {
-        (rank, piece.index): _measure_piece(
-            reader, rank, path, piece, norm_type, chunk_elements, _scale_of(step, rank, scales)
-        )
-        for rank, path, piece in held
-    }
+    if kernel is None:
+        kernel = ChunkKernel(chunk_elements)
     by_layout: dict[tuple, list] = {}
     for rank, path, piece in held:
         by_layout.setdefault(piece.layout_key, []).append((rank, path, piece))
+    fingerprinted = _needing_fingerprints(by_layout)
+    measured = {
+        (rank, piece.index): _measure_piece(
+            reader,
+            kernel,
+            rank,
+            path,
+            piece,
+            norm_type,
+            _scale_of(step, rank, scales),
+            fingerprint=(rank, piece.index) in fingerprinted,
+        )
+        for rank, path, piece in held
+    }
     replica_sets = tuple(
         _compare_replicas(reader, copies, measured, chunk_elements)
         for _, copies in sorted(by_layout.items(), key=lambda kv: min((r, p.index) for r, _, p in kv[1]))
@@ -426,6 +413,7 @@ def measure_param(
             chunk=chunk_elements,
             scale_of=lambda rank: _scale_of(step, rank, scales),
             reference=reference,
+            kernel=kernel,
         )
     return ParamMeasurement(
         param=name,
@@ -436,6 +424,17 @@ def measure_param(
         reference_errors=reference_errors,
         notes=notes,
     )
+
+
+def _needing_fingerprints(by_layout: Mapping[tuple, list]) -> set[tuple[int, int]]:
+    """(rank, piece index) of the pieces with values whose replica set also holds stats-only copies:
+    those are compared by fingerprint, so theirs must be computed (it costs several passes)."""
+    wanted = set()
+    for copies in by_layout.values():
+        with_values = [(rank, piece.index) for rank, _, piece in copies if "grad" in piece.tensors]
+        if len(copies) > 1 and len(with_values) < len(copies):
+            wanted.update(with_values)
+    return wanted
 
 
 def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
@@ -453,7 +452,7 @@ def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> 
 
 
 def _measure_reference(
-    name, reader, infos, ref_held, by_layout, *, norm_type: float, chunk: int, scale_of, reference: StepDump
+    name, reader, infos, ref_held, by_layout, *, norm_type: float, chunk: int, scale_of, reference: StepDump, kernel
 ):
     info, ref_info = infos
     if ref_info is None:
@@ -465,7 +464,7 @@ def _measure_reference(
             (f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",),
         )
     reference_pieces = tuple(
-        _measure_piece(reader, rank, path, piece, norm_type, chunk, dumped_gradient_scale(reference.ranks[rank]))
+        _measure_piece(reader, kernel, rank, path, piece, norm_type, dumped_gradient_scale(reference.ranks[rank]))
         for rank, path, piece in ref_held
     )
     errors, notes = [], []
@@ -498,10 +497,15 @@ def measure_step(
     params: Iterable[str] | None = None,
     progress: Progress | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    workers: int | None = None,
 ) -> StepMeasurements:
-    """Measure the given parameters (all of the step's by default) of one step, one parameter at a time.
+    """Measure the given parameters (all of the step's by default) of one step, parameter by parameter.
 
-    `progress(done, total)` is called after each parameter when given.
+    Parameters with tensor data are spread over `workers` threads (default: the usable cores), the
+    largest first; each thread reads with its own TensorReader and buffers, so memory is a few chunks
+    per thread whatever the size of the dump. torch ops release the GIL, and torch runs single-threaded
+    meanwhile, so the result is the same bits for any number of workers. `progress(done, total)` is
+    called after each parameter, from the calling thread.
     """
     if norm_type is None:
         norm_type = step.clip.norm_type if step.clip is not None else 2.0
@@ -514,12 +518,12 @@ def measure_step(
     reference_held = None if reference is None else pieces_by_param(reference)
     reference_infos = {} if reference is None else reference.params
     scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
-    results = {}
-    for done, name in enumerate(names, start=1):
-        results[name] = measure_param(
+
+    def measure(name: str, worker_reader: "TensorReader", kernel: ChunkKernel) -> ParamMeasurement:
+        return measure_param(
             step,
             name,
-            reader,
+            worker_reader,
             norm_type=norm_type,
             reference=reference,
             chunk_elements=chunk_elements,
@@ -527,16 +531,90 @@ def measure_step(
             reference_held=None if reference_held is None else reference_held.get(name, []),
             infos=(known[name], reference_infos.get(name)),
             scales=scales,
+            kernel=kernel,
         )
-        if progress is not None:
-            progress(done, len(names))
+
+    cost = {name: _bytes_to_read(held.get(name, []), None if reference_held is None else reference_held.get(name, [])) for name in names}
+    with single_threaded_torch():
+        results = _measure_all(names, cost, measure, reader, step, workers=available_workers() if workers is None else workers, chunk_elements=chunk_elements, progress=progress)
     reference_only = ()
     if reference is not None:
         reference_only = tuple(sorted(set(reference_infos) - set(known)))
     return StepMeasurements(
         norm_type=norm_type,
-        params=results,
+        params=dict(sorted(results.items())),
         reference_given=reference is not None,
         reference_step=None if reference is None else reference.step,
         reference_only_params=reference_only,
     )
+
+
+def _bytes_to_read(*helds) -> int:
+    from .dumpfile.header import SAFETENSORS_DTYPES
+
+    itemsize = {name: size for name, size in SAFETENSORS_DTYPES.values()}
+    return sum(len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8) for entries in helds if entries for _, _, piece in entries)
+
+
+def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elements: int, progress) -> dict:
+    """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
+    would only contend for the GIL. The others go to the worker threads, largest first."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from .dumpfile import TensorReader
+
+    results: dict[str, ParamMeasurement] = {}
+    done = 0
+
+    def finished(name: str, measurement: ParamMeasurement) -> None:
+        nonlocal done
+        results[name] = measurement
+        done += 1
+        if progress is not None:
+            progress(done, len(names))
+
+    kernel = ChunkKernel(chunk_elements)
+    to_read = sorted((n for n in names if cost[n] > 0), key=lambda n: (-cost[n], n))
+    if workers <= 1 or len(to_read) <= 1:
+        for name in names:
+            finished(name, measure(name, reader, kernel))
+        return results
+    for name in names:
+        if cost[name] == 0:
+            finished(name, measure(name, reader, kernel))
+    local = threading.local()
+    opened: list = []
+    lock = threading.Lock()
+
+    def in_worker(name: str) -> ParamMeasurement:
+        if not hasattr(local, "reader"):
+            local.reader, local.kernel = TensorReader(step), ChunkKernel(chunk_elements)
+            with lock:
+                opened.append(local.reader)
+        return measure(name, local.reader, local.kernel)
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(workers, len(to_read)), thread_name_prefix="gradaudit-measure") as pool:
+            futures = {pool.submit(in_worker, name): name for name in to_read}
+            try:
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    finally:
+        for worker_reader in opened:
+            worker_reader.close()
+    return results
+
+
+def available_workers() -> int:
+    """The cores this process may use."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

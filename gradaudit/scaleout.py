@@ -39,6 +39,8 @@ class LaunchEnv:
 
     rank: int
     world_size: int
+    local_world_size: int = 1
+    """Processes on this node (they share its cores)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -52,7 +54,11 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
     if "WORLD_SIZE" not in environ or "RANK" not in environ:
         return None
     try:
-        env = LaunchEnv(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]))
+        env = LaunchEnv(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
     except ValueError as exc:
         raise UsageError(
             f"RANK={environ['RANK']!r} WORLD_SIZE={environ['WORLD_SIZE']!r} is not a valid torchrun environment ({exc}); "
@@ -127,13 +133,14 @@ def measure_share(exchange: Exchange) -> Callable[..., "StepMeasurements"]:
     and returns the merged measurements of all processes."""
     from functools import reduce
 
-    from .measure import measure_step
+    from .measure import available_workers, measure_step
 
     def measure(step: "StepDump", reader, *, params=None, **kwargs) -> "StepMeasurements":
         costs = read_cost(step)
         if params is not None:
             costs = {name: costs.get(name, 0) for name in params}
         mine = share_of(costs, exchange.env.rank, exchange.env.world_size)
+        kwargs.setdefault("workers", max(1, available_workers() // exchange.env.local_world_size))
         partial = measure_step(step, reader, params=mine, **kwargs)
         return reduce(lambda a, b: a.merge(b), exchange.gather(partial))
 
@@ -157,7 +164,7 @@ def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., "StepMeasurement
         yield measure_share(exchange)
     except ScaleOutError:
         raise  # already known to every process
-    except BaseException as exc:
+    except Exception as exc:
         exchange.fail(exc)
         raise
     finally:

@@ -22,7 +22,7 @@ from gradaudit.dumpfile.build import write_rank
 from gradaudit.measure import measure_step
 from gradaudit.model import ClipRecord, Topology
 from gradaudit.render import json as json_renderer
-from gradaudit.scaleout import LaunchEnv, launch_env, share_of
+from gradaudit.scaleout import LaunchEnv, launch_env, read_cost, share_of
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_dumps"
@@ -77,8 +77,8 @@ def steps(tmp_path_factory) -> Path:
     assert samples, f"no sample dumps under {SAMPLES}"
     for number, sample in enumerate(samples, start=1):
         shutil.copytree(sample / "step_1", parent / f"step_{number}")
-    _write_dense_step(parent / f"step_{len(samples) + 1}")
-    _write_stats_step(parent / f"step_{len(samples) + 2}")
+    _write_dense_step(parent / "step_100")
+    _write_stats_step(parent / "step_101")
     return parent
 
 
@@ -94,15 +94,15 @@ def test_parallel_workers_give_the_report_of_one_worker_byte_for_byte(steps):
     assert '"GA401"' in simple and '"GA601"' in simple
 
 
-def test_a_parameter_subset_measured_alone_equals_its_part_of_the_whole(steps):
+def test_parameters_measured_in_two_shares_merge_into_the_one_pass_result(steps):
     from gradaudit.dumpfile import TensorReader, load_step
 
-    step = load_step(next(p for p in sorted(steps.iterdir()) if len(list(p.iterdir())) == 4 and (p / "rank_00003.safetensors").exists()))
+    step = load_step(steps / "step_100")
     with TensorReader(step) as reader:
-        whole_step = measure_step(step, reader, workers=2)
-        halves = [measure_step(step, reader, params=names, workers=1) for names in (["w"], ["b", "e"])] if "w" in step.params else None
-    if halves is not None:
-        assert halves[0].merge(halves[1]) == whole_step
+        whole_pass = measure_step(step, reader, workers=2)
+        shares = [measure_step(step, reader, params=share_of(read_cost(step), rank, 2), workers=1) for rank in (0, 1)]
+    assert all(share.params for share in shares)
+    assert shares[0].merge(shares[1]) == whole_pass
 
 
 def test_shares_split_every_parameter_exactly_once_and_balance_bytes():
@@ -114,7 +114,7 @@ def test_shares_split_every_parameter_exactly_once_and_balance_bytes():
 
 
 def test_the_torchrun_environment_is_recognised_and_one_process_is_not_a_scale_out():
-    assert launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == LaunchEnv(rank=1, world_size=4)
+    assert launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == LaunchEnv(rank=1, world_size=4, local_world_size=2)
     assert launch_env({"RANK": "0", "WORLD_SIZE": "1"}) is None
     assert launch_env({}) is None
 

@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Union
 
 from ..measure import StepMeasurements
 from ..model import StepDump
+from ..ranksets import compact_ranks
 from ..report import Finding, NotChecked, Severity
 
 
@@ -96,18 +97,7 @@ class CheckSpec:
 
 def ranks_text(ranks) -> str:
     """Ranks as compact text: "0-3, 6"."""
-    ranks = sorted(set(ranks))
-    if not ranks:
-        return "none"
-    parts, start, prev = [], ranks[0], ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ", ".join(parts)
+    return compact_ranks(ranks) or "none"
 
 
 def ranks_named(ranks) -> str:

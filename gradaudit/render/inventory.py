@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 from ..inventory import Inventory
+from ..ranksets import compact_ranks
 from .text import rich_safe
 
 
@@ -22,8 +23,8 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
     from rich.table import Table
 
     out = io.StringIO()
-    console = Console(file=out, width=width, color_system="standard" if color else None, force_terminal=color, highlight=False)
-    missing = ", ".join(map(str, inv.missing_ranks)) or "none"
+    console = Console(file=out, width=width, color_system="standard" if color else None, force_terminal=color, highlight=False, emoji=False)
+    missing = compact_ranks(inv.missing_ranks) or "none"
     console.print(f"[bold]Step {inv.step}[/bold]  {rich_safe(inv.directory)}")
     console.print(
         f"world size {inv.world_size}; ranks present {len(inv.ranks_present)}; missing {missing}; "

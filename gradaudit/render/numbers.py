@@ -7,6 +7,7 @@ import math
 import numbers
 from typing import Iterable, Sequence, Union
 
+from ..ranksets import compact_ranks
 from ..report import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
 
 SIGNIFICANT_DIGITS = 6
@@ -63,19 +64,7 @@ def fmt_percent(fraction: float | None) -> str:
 
 def fmt_ranks(ranks: Iterable[int]) -> str:
     """Sorted ranks with consecutive runs collapsed: (0, 1, 2, 3, 7, 9, 10) -> "0-3, 7, 9-10"."""
-    ordered = sorted(set(ranks))
-    if not ordered:
-        return MISSING
-    runs: list[str] = []
-    start = previous = ordered[0]
-    for rank in ordered[1:] + [None]:
-        if rank is not None and rank == previous + 1:
-            previous = rank
-            continue
-        runs.append(str(start) if start == previous else f"{start}-{previous}")
-        if rank is not None:
-            start = previous = rank
-    return ", ".join(runs)
+    return compact_ranks(ranks) or MISSING
 
 
 def fmt_ratio(numerator: float | None, denominator: float | None) -> str:

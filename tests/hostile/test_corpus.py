@@ -77,11 +77,6 @@ def test_a_real_gradaudit_process_answers_a_broken_dump_with_exit_2_and_one_line
     assert re.search(case.problem, done.stderr.strip())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect for the renderer/check owners: missing ranks are listed one by one "
-    "(`ranks [1, 2, 3, ...]`) in messages, notes and the inventory instead of as ranges (checks.base.ranks_text)",
-)
 @pytest.mark.parametrize("command", COMMANDS)
 def test_one_file_claiming_a_huge_world_size_gives_a_short_report(tmp_path, capsys, command):
     """A 2 KiB file may claim 4096 ranks; the missing ones must be summarised as ranges, not listed
