@@ -121,8 +121,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # ---------------------------------------------------------------- sections
 
 
-def prepared(workdir: Path, key: str, build) -> tuple[Path, object]:
-    """A dump directory built once per workdir and key (reused with --workdir), and its layout."""
+def prepared(workdir: Path, key: str, build, **kwargs) -> tuple[Path, object]:
+    """`build(directory, **kwargs)` run once per workdir and key (reused with --workdir), in a spawned
+    process: building holds the whole dump in memory, and a subject forked from a large parent would
+    report the parent's resident memory as its own peak."""
+    import multiprocessing
     import pickle
 
     directory = workdir / key
@@ -132,7 +135,11 @@ def prepared(workdir: Path, key: str, build) -> tuple[Path, object]:
     if directory.exists():
         shutil.rmtree(directory)
     started = time.perf_counter()
-    layout = build(directory)
+    if harness.IN_PROCESS:
+        layout = build(directory, **kwargs)
+    else:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            layout = pool.apply(build, (directory,), kwargs)
     marker.write_bytes(pickle.dumps(layout))
     print(f"  (built {key} in {time.perf_counter() - started:.1f} s)", flush=True)
     return directory, layout
@@ -142,8 +149,8 @@ def dense_section(out: Printer, workdir: Path, sizes: Sizes, dtype: str, gib: fl
     section = f"dense-{'fp32' if dtype == 'float32' else 'bf16'}"
     elements = int(gib * GIB) // (4 if dtype == "float32" else 2)
     directory, layout = prepared(
-        workdir, f"{section}-{elements}-{sizes.dense_ranks}",
-        lambda d: layouts.write_dense_dump(d, num_elements=elements, num_ranks=sizes.dense_ranks, dtype=dtype),
+        workdir, f"{section}-{elements}-{sizes.dense_ranks}", layouts.write_dense_dump,
+        num_elements=elements, num_ranks=sizes.dense_ranks, dtype=dtype,
     )
     out.line(
         f"== {section}: {layout.num_ranks} ranks FSDP1-style flat shards, {layout.total_bytes / GIB:.2f} GiB, "
@@ -183,8 +190,8 @@ def stats_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
     seconds: dict[int, float | None] = {}
     for num_ranks in sizes.stats_ranks:
         directory, layout = prepared(
-            workdir, f"stats-{num_ranks}x{sizes.stats_pieces}",
-            lambda d, n=num_ranks: layouts.write_stats_dump(d, num_ranks=n, num_params=sizes.stats_pieces),
+            workdir, f"stats-{num_ranks}x{sizes.stats_pieces}", layouts.write_stats_dump,
+            num_ranks=num_ranks, num_params=sizes.stats_pieces,
         )
         out.line(
             f" {num_ranks} ranks x {sizes.stats_pieces} pieces ({layout.num_elements / 1e9:.1f}e9 elements): "

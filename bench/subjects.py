@@ -120,9 +120,9 @@ def _coverage_regions(layout: str, num_pieces: int):
 
     from gradaudit.model import Box, FlatRange
 
-    if layout == "flat":
-        shape = (num_pieces, 1000)
-        return shape, [FlatRange(start=a, stop=b) for a, b in even_flat_ranges(num_pieces * 1000, num_pieces + 7) if b > a]
+    if layout == "flat":  # square: as many distinct column offsets as row boundaries
+        shape = (num_pieces, num_pieces)
+        return shape, [FlatRange(start=a, stop=b) for a, b in even_flat_ranges(num_pieces**2, num_pieces + 7) if b > a]
     if layout == "grid":
         side = math.isqrt(num_pieces)
         shape = (side * 64, side * 64)

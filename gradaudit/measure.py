@@ -2,8 +2,9 @@
 
 The unit of work is one logical parameter: all its pieces on all present ranks. `measure_param`
 reads them by chunks (never more than a few pieces' chunks in memory) and returns a frozen
-`ParamMeasurement`; `measure_step` loops over parameters, optionally a subset, and measurements of
-disjoint subsets `merge` into the same result as one pass (so parameters can be split among processes).
+`ParamMeasurement`; `measure_step` spreads parameters over worker threads, optionally a subset, and
+measurements of disjoint subsets `merge` into the same result as one pass (so parameters can be
+split among processes: see scaleout.py). The inner loop over chunks is streamstats.ChunkKernel.
 """
 
 from __future__ import annotations
@@ -232,13 +233,16 @@ def _measure_piece(
     fingerprint: bool = False,
 ) -> PieceMeasurement:
     if piece.tensors:
-        stats, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
+        read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
             reader, path, piece, norm_type, fingerprint=fingerprint
         )
-    else:  # stats-only: nothing to read
-        stats, dot_pre_post, dot_pre_pre, update_sum_sq = {}, None, None, None
-    stats = {**stats, **{k: v for k, v in piece.stats.items() if k not in stats}}
-    stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in sorted(stats.items())}
+        stats = {**piece.stats, **read}  # values measured here win over stored summaries
+    else:  # stats-only: nothing to read (the common case of many-rank dumps: kept cheap)
+        stats, dot_pre_post, dot_pre_pre, update_sum_sq = piece.stats, None, None, None
+    if scale != 1.0:
+        stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
+    if len(stats) > 1:
+        stats = dict(sorted(stats.items()))
     if dot_pre_post is not None and scale != 1.0:
         dot_pre_post, dot_pre_pre = dot_pre_post / scale**2, dot_pre_pre / scale**2
     return PieceMeasurement(
@@ -534,9 +538,18 @@ def measure_step(
             kernel=kernel,
         )
 
-    cost = {name: _bytes_to_read(held.get(name, []), None if reference_held is None else reference_held.get(name, [])) for name in names}
+    cost = bytes_to_read(step, reference)
     with single_threaded_torch():
-        results = _measure_all(names, cost, measure, reader, step, workers=available_workers() if workers is None else workers, chunk_elements=chunk_elements, progress=progress)
+        results = _measure_all(
+            names,
+            cost,
+            measure,
+            reader,
+            step,
+            workers=available_workers() if workers is None else workers,
+            chunk_elements=chunk_elements,
+            progress=progress,
+        )
     reference_only = ()
     if reference is not None:
         reference_only = tuple(sorted(set(reference_infos) - set(known)))
@@ -549,11 +562,18 @@ def measure_step(
     )
 
 
-def _bytes_to_read(*helds) -> int:
+def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
+    """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
     from .dumpfile.header import SAFETENSORS_DTYPES
 
-    itemsize = {name: size for name, size in SAFETENSORS_DTYPES.values()}
-    return sum(len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8) for entries in helds if entries for _, _, piece in entries)
+    itemsize = dict(SAFETENSORS_DTYPES.values())
+    cost = dict.fromkeys(step.params, 0)
+    for dump in (step, reference):
+        for rank in () if dump is None else dump.ranks_present:
+            for piece in dump.ranks[rank].pieces:
+                if piece.tensors and piece.param in cost:
+                    cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
+    return cost
 
 
 def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elements: int, progress) -> dict:

@@ -80,20 +80,6 @@ def share_of(costs: Mapping[str, int], rank: int, world_size: int) -> list[str]:
     return sorted(mine)
 
 
-def read_cost(step: "StepDump") -> dict[str, int]:
-    """Bytes of tensor data per parameter (each piece counted once per dumped tensor), from the headers."""
-    from .model import numel_of
-
-    itemsize = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-    costs = {name: 0 for name in step.params}
-    for dump in step.ranks.values():
-        for piece in dump.pieces:
-            costs[piece.param] = costs.get(piece.param, 0) + len(piece.tensors) * numel_of(piece.local_shape) * itemsize.get(
-                piece.dtype, 1
-            )
-    return costs
-
-
 class Exchange:
     """All-gathers one picklable value per process; every exchange carries either a result or the
     error that stopped a process, so that one failing process stops all of them with its message
@@ -133,10 +119,10 @@ def measure_share(exchange: Exchange) -> Callable[..., "StepMeasurements"]:
     and returns the merged measurements of all processes."""
     from functools import reduce
 
-    from .measure import available_workers, measure_step
+    from .measure import available_workers, bytes_to_read, measure_step
 
     def measure(step: "StepDump", reader, *, params=None, **kwargs) -> "StepMeasurements":
-        costs = read_cost(step)
+        costs = bytes_to_read(step, kwargs.get("reference"))
         if params is not None:
             costs = {name: costs.get(name, 0) for name in params}
         mine = share_of(costs, exchange.env.rank, exchange.env.world_size)

@@ -19,10 +19,10 @@ from builders import FIXED, box, flat, whole
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile.build import write_rank
-from gradaudit.measure import measure_step
+from gradaudit.measure import bytes_to_read, measure_step
 from gradaudit.model import ClipRecord, Topology
 from gradaudit.render import json as json_renderer
-from gradaudit.scaleout import LaunchEnv, launch_env, read_cost, share_of
+from gradaudit.scaleout import LaunchEnv, launch_env, share_of
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_dumps"
@@ -100,7 +100,7 @@ def test_parameters_measured_in_two_shares_merge_into_the_one_pass_result(steps)
     step = load_step(steps / "step_100")
     with TensorReader(step) as reader:
         whole_pass = measure_step(step, reader, workers=2)
-        shares = [measure_step(step, reader, params=share_of(read_cost(step), rank, 2), workers=1) for rank in (0, 1)]
+        shares = [measure_step(step, reader, params=share_of(bytes_to_read(step), rank, 2), workers=1) for rank in (0, 1)]
     assert all(share.params for share in shares)
     assert shares[0].merge(shares[1]) == whole_pass
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..measure import StepMeasurements
-from ..model import StepDump
+from ..model import FlatRange, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
 from .sweep import coverage, region_boxes
 
@@ -52,12 +52,18 @@ def layouts_by_param(step: StepDump) -> dict[str, dict[tuple, list[int]]]:
 
 def _param_coverage(shape: tuple[int, ...], holders: dict[tuple, list[int]]):
     layouts = list(holders)
-    boxes = [
-        (offsets, sizes, tag)
-        for tag, regions in enumerate(layouts)
-        for region in regions
-        for offsets, sizes in region_boxes(region, shape)
-    ]
+    if all(isinstance(region, FlatRange) for regions in layouts for region in regions):
+        # Flat ranges are intervals of the flattened parameter: a 1-D sweep, O(k log k). Cut into boxes
+        # of a 2-D parameter they would cost the rectangle sweep rows x columns (quadratic in k).
+        shape = (numel_of(shape),)
+        boxes = [((r.start,), (r.numel,), tag) for tag, regions in enumerate(layouts) for r in regions]
+    else:
+        boxes = [
+            (offsets, sizes, tag)
+            for tag, regions in enumerate(layouts)
+            for region in regions
+            for offsets, sizes in region_boxes(region, shape)
+        ]
     result = coverage(boxes, shape)
     ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[tag]]})
     return result, ranks

@@ -15,9 +15,11 @@ class DelayedProgress:
     """A `progress(done, total)` callback that draws a transient bar once the work has lasted
     SHOW_AFTER_S; a new step (done going back, or another total) restarts the bar."""
 
-    def __init__(self, stream: TextIO, *, show_after_s: float = SHOW_AFTER_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stream: TextIO, *, show_after_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._stream = stream
-        self._show_after_s = show_after_s
+        self._show_after_s = SHOW_AFTER_S if show_after_s is None else show_after_s
         self._clock = clock
         self._started = clock()
         self._bar = None
