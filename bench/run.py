@@ -185,7 +185,7 @@ def dense_section(out: Printer, workdir: Path, sizes: Sizes, dtype: str, gib: fl
     )
 
 
-def stats_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
+def stats_section(out: Printer, workdir: Path, sizes: Sizes, *, skip_load_subject: bool = False) -> None:
     out.line(f"== stats-only ladder: {sizes.stats_pieces} params (Llama-70B-like), each flat-sharded over every rank")
     seconds: dict[int, float | None] = {}
     for num_ranks in sizes.stats_ranks:
@@ -198,9 +198,10 @@ def stats_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
             f"{layout.total_bytes / MIB:.0f} MiB of headers, {layout.largest_file_bytes / 1024:.0f} KiB per file"
         )
         args = {"directory": str(directory)}
-        results = harness.interleaved(
-            {"load headers": dict(args, _subject="load_headers"), "check": dict(args)}, sizes.stats_repeats
-        )
+        subjects = {"check": dict(args)}
+        if not skip_load_subject:
+            subjects = {"load headers": dict(args, _subject="load_headers"), **subjects}
+        results = harness.interleaved(subjects, sizes.stats_repeats)
         for summary in results.values():
             out.subject(summary)
         seconds[num_ranks] = results["check"].seconds
@@ -295,6 +296,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Sizes]:
     parser.add_argument("--stats-ranks", help="comma-separated rank counts of the stats ladder (the last is compared with last/4)")
     parser.add_argument("--stats-pieces", type=int, help="parameters (pieces per rank) of the stats dumps")
     parser.add_argument("--capture-params", type=float, help="parameters of the capture model")
+    parser.add_argument("--skip-load-subject", action="store_true",
+                        help="stats ladder: time only the check, not also the loader alone (saves a third)")
     parser.add_argument("--repeats", type=int, help="rounds of interleaved runs (median taken)")
     parser.add_argument("--in-process", action="store_true",
                         help="run subjects in this process (fast, for the smoke test; peak RSS figures are then meaningless)")
@@ -341,7 +344,7 @@ def _run_sections(args: argparse.Namespace, sizes: Sizes) -> int:
         if "bf16" in sections:
             dense_section(out, workdir, sizes, "bfloat16", sizes.bf16_gib)
         if "stats" in sections:
-            stats_section(out, workdir, sizes)
+            stats_section(out, workdir, sizes, skip_load_subject=args.skip_load_subject)
         if "capture" in sections:
             capture_section(out, workdir, sizes)
         if "coverage" in sections:

@@ -102,11 +102,14 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     """The ownership checks (GA102 overlap, GA103 gap) of one parameter cut into `num_pieces` pieces
     spread over `num_ranks` ranks, on a StepDump built in memory. Returns the seconds of the checks
     alone (building the StepDump is not timed)."""
+    from gradaudit.checks.base import AuditOptions
     from gradaudit.checks.coverage import ownership_gap, ownership_overlap
+    from gradaudit.measure import StepMeasurements
 
     step = _coverage_step(layout, num_pieces, num_ranks)
     start = time.perf_counter()
-    hits = ownership_overlap(step, None, None), ownership_gap(step, None, None)
+    measured, options = StepMeasurements(norm_type=2.0, params={}), AuditOptions()
+    hits = ownership_overlap(step, measured, options), ownership_gap(step, measured, options)
     seconds = time.perf_counter() - start
     if any(hits):
         raise SystemExit(f"coverage layout {layout!r} is a clean cover, but the checks found {hits}")

@@ -199,10 +199,12 @@ def audit_step(
     measure: Measure | None = None,
 ) -> Report:
     from .dumpfile import TensorReader
+    from .dumpfile.loader import gc_paused
 
-    with TensorReader(step) as reader:
-        m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
-    return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
+    with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
+        with TensorReader(step) as reader:
+            m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
+        return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
 
 
 def audit_step_dir(

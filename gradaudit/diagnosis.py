@@ -5,6 +5,7 @@ and the match of each rank's reported norm against them (pure: works on measurem
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -60,12 +61,20 @@ def norm_of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: s
     return norm_of_terms(terms, norm_type)
 
 
+_RANK_AND_INDEX = operator.attrgetter("rank", "index")
+
+
 def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]:
     """One piece per layout: replicas count once, through their lowest-rank copy."""
     chosen: dict[tuple, PieceMeasurement] = {}
-    for piece in sorted(pieces, key=lambda p: (p.rank, p.index)):
+    for piece in sorted(pieces, key=_RANK_AND_INDEX):
         chosen.setdefault(piece.layout_key, piece)
     return list(chosen.values())
+
+
+def step_cover(m: StepMeasurements) -> tuple[PieceMeasurement, ...]:
+    """`disjoint_cover` of all the step's pieces, computed once for the diagnosis and every check."""
+    return m.derived("disjoint_cover", None, lambda: tuple(disjoint_cover(m.pieces)))
 
 
 def has_replicas(pieces: Iterable[PieceMeasurement]) -> bool:
@@ -204,13 +213,17 @@ class _RankSetNorms:
         self.norm_type = norm_type
         layout_ids: dict[tuple, int] = {}
         self.entries: dict[int, list[tuple[int, float | None, bool, bool]]] = {}
+        by_index = operator.attrgetter("index")
         for rank, pieces in by_rank.items():
             rows = []
-            for piece in sorted(pieces, key=lambda p: p.index):
+            for piece in sorted(pieces, key=by_index):
                 stats = piece.stats.get("grad")
                 if stats is None:
                     continue
-                layout = layout_ids.setdefault(piece.layout_key, len(layout_ids))
+                key = piece.layout_key
+                layout = layout_ids.get(key)
+                if layout is None:
+                    layout = layout_ids[key] = len(layout_ids)
                 rows.append(
                     (layout, stats_term(stats, norm_type), stats.num_nan > 0, stats.num_posinf + stats.num_neginf > 0)
                 )
@@ -371,7 +384,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     by_rank: dict[int, list[PieceMeasurement]] = {}
     for piece in all_pieces:
         by_rank.setdefault(piece.rank, []).append(piece)
-    cover = disjoint_cover(all_pieces)
+    cover = step_cover(m)
     true_norm, note = norm_of_pieces(cover, norm_type), ""
     if true_norm is None:
         note = f"the dumped statistics were taken for another norm type than {norm_type:g}"
@@ -465,7 +478,7 @@ def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:
     return found
 
 
-def _covers_every_param(step: StepDump, cover: list[PieceMeasurement]) -> bool:
+def _covers_every_param(step: StepDump, cover: Iterable[PieceMeasurement]) -> bool:
     """Whether the present ranks' distinct pieces hold as many elements as every parameter has
     (the exact overlap/gap check is GA102/GA103; this only tells whether missing ranks mattered)."""
     held: dict[str, int] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Union
@@ -10,11 +11,20 @@ TENSOR_KINDS = ("grad", "grad_clipped", "param_before", "param_after")
 """What a dumped tensor is: the gradient before clipping, after clipping, the parameter
 before and after the optimizer step."""
 
+_KIND_SET = frozenset(TENSOR_KINDS)
+
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
+def _dims_valid(values: tuple[int, ...]) -> bool:
+    for v in values:  # the common case first: plain non-negative ints (pieces are validated by the million)
+        if type(v) is not int or v < 0:
+            return not any((not isinstance(v, int)) or isinstance(v, bool) or v < 0 for v in values)
+    return True
+
+
 def _check_dims(name: str, values: tuple[int, ...]) -> None:
-    if any((not isinstance(v, int)) or isinstance(v, bool) or v < 0 for v in values):
+    if not _dims_valid(values):
         raise ValueError(f"{name} must be non-negative integers, got {values!r}")
 
 
@@ -102,7 +112,8 @@ class ParamInfo:
     dtype: str
 
     def __post_init__(self) -> None:
-        _check_dims(f"global shape of {self.name!r}", self.global_shape)
+        if not _dims_valid(self.global_shape):
+            _check_dims(f"global shape of {self.name!r}", self.global_shape)
 
     @property
     def numel(self) -> int:
@@ -129,16 +140,18 @@ class Piece:
     stats: Mapping[str, TensorStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_dims(f"local shape of {self.param!r}", self.local_shape)
-        covered = sum(r.numel for r in self.regions)
+        if not _dims_valid(self.local_shape):
+            _check_dims(f"local shape of {self.param!r}", self.local_shape)
+        covered = sum([r.numel for r in self.regions])
         if covered != numel_of(self.local_shape):
             raise ValueError(
                 f"piece of {self.param!r}: regions cover {covered} elements but the local shape "
                 f"{self.local_shape} has {numel_of(self.local_shape)}; make the regions match the tensor"
             )
-        for kind in list(self.tensors) + list(self.stats):
-            if kind not in TENSOR_KINDS:
-                raise ValueError(f"unknown tensor kind {kind!r}; use one of {TENSOR_KINDS}")
+        if not (_KIND_SET.issuperset(self.tensors) and _KIND_SET.issuperset(self.stats)):
+            for kind in list(self.tensors) + list(self.stats):
+                if kind not in TENSOR_KINDS:
+                    raise ValueError(f"unknown tensor kind {kind!r}; use one of {TENSOR_KINDS}")
 
     @property
     def numel(self) -> int:
@@ -287,9 +300,10 @@ class StepDump:
     def ranks_present(self) -> tuple[int, ...]:
         return tuple(sorted(self.ranks))
 
-    @property
+    @functools.cached_property
     def params(self) -> Mapping[str, ParamInfo]:
-        """Every logical parameter named by any rank, first by rank order."""
+        """Every logical parameter named by any rank, first by rank order (computed once: a
+        many-rank step names millions of parameters; read only)."""
         found: dict[str, ParamInfo] = {}
         for rank in self.ranks_present:
             for info in self.ranks[rank].params:

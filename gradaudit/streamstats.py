@@ -77,7 +77,7 @@ class ChunkKernel:
                 if fingerprint:
                     accumulators[kind].add(values)
                 wide[kind] = self.widen(values, kind)
-                sums[kind].add(wide[kind])
+                sums[kind].add(wide[kind], values)
             if pre_post:
                 ab, aa, _ = _finite_products(wide["grad"], wide["grad_clipped"], difference=False)
                 pairs["pre_post"].append(ab)
@@ -122,14 +122,17 @@ class _Sums:
         self.max_abs = 0.0
         self.counts = [0, 0, 0]
 
-    def add(self, wide: "torch.Tensor") -> None:
-        """Add one chunk (float64; left unchanged)."""
+    def add(self, wide: "torch.Tensor", raw: "torch.Tensor | None" = None) -> None:
+        """Add one chunk (float64; left unchanged). `raw` is the same chunk as dumped: its min and max
+        are the same numbers and cheaper to find in the narrower dtype."""
         import torch
 
         if wide.numel() == 0:
             return
         sq = float(torch.dot(wide, wide))
+        extremes = raw.reshape(-1) if raw is not None and raw.element_size() in (2, 4) else wide  # not float8
         if not math.isfinite(sq):
+            extremes = wide
             finite = torch.isfinite(wide)
             if not bool(finite.all()):
                 self.counts[0] += int(torch.isnan(wide).sum())
@@ -137,7 +140,8 @@ class _Sums:
                 self.counts[2] += int((wide == -math.inf).sum())
                 wide = torch.where(finite, wide, torch.zeros((), dtype=wide.dtype))
                 sq = float(torch.dot(wide, wide))
-        low, high = torch.aminmax(wide)
+            extremes = wide
+        low, high = torch.aminmax(extremes)
         self.max_abs = max(self.max_abs, -float(low), float(high))
         self.sum_sq.append(sq)
         p = self.norm_type

@@ -82,7 +82,7 @@ def _all_coverage(step: StepDump) -> dict:
 
 def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     hits = []
-    for name, (info, result, ranks, _) in _all_coverage(step).items():
+    for name, (info, result, ranks, _) in m.derived("coverage", step, lambda: _all_coverage(step)).items():
         if result.num_overlap_elements:
             hits.append(
                 Hit(
@@ -106,7 +106,7 @@ def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
             "the elements they held cannot be located"
         )
     hits = []
-    for name, (info, result, _, holders) in _all_coverage(step).items():
+    for name, (info, result, _, holders) in m.derived("coverage", step, lambda: _all_coverage(step)).items():
         if result.num_gap_elements:
             hits.append(
                 Hit(

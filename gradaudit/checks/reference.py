@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import disjoint_cover, norm_of_pieces
+from ..diagnosis import disjoint_cover, norm_of_pieces, step_cover
 from ..measure import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
@@ -151,7 +151,7 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
 def _global_norms(step: StepDump, m: StepMeasurements) -> tuple[float | None, float | None]:
     if step.missing_ranks:
         return None, None
-    ours = norm_of_pieces(disjoint_cover(list(m.pieces)), m.norm_type)
+    ours = norm_of_pieces(step_cover(m), m.norm_type)
     return ours, reference_norm(m)
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import disjoint_cover, norm_of_pieces
+from ..diagnosis import norm_of_pieces, step_cover
 from ..measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num
 
 
 def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    cover = disjoint_cover(list(m.pieces))
+    cover = step_cover(m)
     with_update = [p for p in cover if p.update_sum_sq is not None]
     if not with_update:
         return Skip(reason="parameters before and after the optimizer step were not dumped with values")

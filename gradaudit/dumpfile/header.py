@@ -90,11 +90,13 @@ def parse_json(text: str) -> Any:
     """Strict JSON: no NaN/Infinity tokens, no duplicate keys silently merged."""
 
     def no_duplicates(pairs: list) -> dict:
-        out = {}
-        for key, value in pairs:
-            if key in out:
-                raise ValueError(f"duplicate key {shown(key)}")
-            out[key] = value
+        out = dict(pairs)  # in C: this hook runs for every object of a header of thousands
+        if len(out) != len(pairs):
+            seen = set()
+            for key, _ in pairs:
+                if key in seen:
+                    raise ValueError(f"duplicate key {shown(key)}")
+                seen.add(key)
         return out
 
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=no_duplicates)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import gc
 import math
 import os
 import re
@@ -111,6 +113,24 @@ def _folder_problem(directory: Path) -> str | None:
     return "is not a folder; point gradaudit at the step_<N> folder that holds the rank files"
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector off for the duration (restored as it was after).
+
+    Loading and checking a many-rank step creates millions of small objects that all stay alive, and
+    every collection of the oldest generation walks all of them again: 3.9 s of the 17 s of a
+    stats-only check of 128 ranks went to collections that freed nothing. What is built here holds
+    no reference cycles, so nothing accumulates meanwhile.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def load_step(directory: str | os.PathLike) -> StepDump:
     """Load the headers of every rank file in a step folder into one StepDump.
 
@@ -129,18 +149,19 @@ def load_step(directory: str | os.PathLike) -> StepDump:
     if not files:
         raise StepFolderError(f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?")
     ranks: dict[int, RankDump] = {}
-    for path in files:
-        dump = load_rank_file(path)
-        if dump.rank in ranks:
-            raise DumpFormatError(
-                path, f"claims rank {dump.rank}, as does {Path(ranks[dump.rank].path).name}", "remove the stray copy"
-            )
-        named = _RANK_FILE.match(path.name)
-        if named and int(named.group(1)) != dump.rank:
-            warnings.append(f"{path}: named for rank {int(named.group(1))} but holds rank {dump.rank}")
-        ranks[dump.rank] = dump
-    refuse_mixed_runs(ranks)
-    return assemble_step(str(directory), ranks, warnings=tuple(warnings))
+    with gc_paused():
+        for path in files:
+            dump = load_rank_file(path)
+            if dump.rank in ranks:
+                raise DumpFormatError(
+                    path, f"claims rank {dump.rank}, as does {Path(ranks[dump.rank].path).name}", "remove the stray copy"
+                )
+            named = _RANK_FILE.match(path.name)
+            if named and int(named.group(1)) != dump.rank:
+                warnings.append(f"{path}: named for rank {int(named.group(1))} but holds rank {dump.rank}")
+            ranks[dump.rank] = dump
+        refuse_mixed_runs(ranks)
+        return assemble_step(str(directory), ranks, warnings=tuple(warnings))
 
 
 _RUN_IDENTITY: tuple[tuple[str, Callable[[RankDump], object]], ...] = (

@@ -42,6 +42,9 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_INT = 2**63 - 1
 """Counters (step, tokens, element counts) must fit in a signed 64-bit integer."""
 
+_MAX_LIST = 10_000_000
+"""The most entries any list in the metadata may hold unless a field says otherwise."""
+
 _VERSION = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9}){0,2}")
 
 
@@ -240,7 +243,7 @@ class _Reader:
             raise self.fail(where, f"claims {math.prod(dims)} elements, more than any real tensor")
         return dims
 
-    def list_(self, value: Any, where: str, limit: int = 10_000_000) -> list:
+    def list_(self, value: Any, where: str, limit: int = _MAX_LIST) -> list:
         if not isinstance(value, list):
             raise self.fail(where, f"expected a list, got {_kind(value)}")
         if len(value) > limit:
@@ -300,6 +303,182 @@ def _decode_stats(r: _Reader, raw: Any, where: str) -> TensorStats:
     if stats.num_nonfinite > stats.numel:
         raise r.fail(where, f"counts {stats.num_nonfinite} nonfinite values in {stats.numel} elements")
     return stats
+
+
+_KNOWN_KINDS = frozenset(TENSOR_KINDS)
+_KNOWN_DTYPES = frozenset(FLOAT_DTYPES)
+
+
+def _quick_dims(value: Any) -> tuple[int, ...] | None:
+    """`_Reader.shape` for a well-formed list; None for anything it would have to look at closely."""
+    if type(value) is not list or len(value) > 64:
+        return None
+    for v in value:
+        if type(v) is not int or v < 0 or v > MAX_INT:
+            return None
+    dims = tuple(value)
+    return dims if math.prod(dims) <= MAX_ELEMENTS else None
+
+
+def _quick_stats(raw: Any) -> TensorStats | None:
+    """`_decode_stats` of a well-formed entry (plain JSON floats and integers), else None."""
+    if type(raw) is not dict:
+        return None
+    get = raw.get
+    numel, norm_type = get("numel"), get("norm_type")
+    sum_pow, sum_sq, max_abs = get("sum_pow"), get("sum_sq"), get("max_abs")
+    if type(norm_type) is not float:
+        if norm_type != "inf":  # an inf-norm run writes its norm type as the string "inf"
+            return None
+        norm_type = math.inf
+    if not (
+        type(numel) is int
+        and 0 <= numel <= MAX_INT
+        and norm_type > 0
+        and type(sum_pow) is float
+        and sum_pow >= 0
+        and type(sum_sq) is float
+        and sum_sq >= 0
+        and type(max_abs) is float
+        and max_abs >= 0
+    ):
+        return None
+    num_nan, num_posinf, num_neginf = get("num_nan", 0), get("num_posinf", 0), get("num_neginf", 0)
+    if not (
+        type(num_nan) is int
+        and type(num_posinf) is int
+        and type(num_neginf) is int
+        and 0 <= num_nan <= MAX_INT
+        and 0 <= num_posinf <= MAX_INT
+        and 0 <= num_neginf <= MAX_INT
+        and num_nan + num_posinf + num_neginf <= numel
+    ):
+        return None
+    fingerprint = get("fingerprint", _NO_VALUES)
+    if type(fingerprint) is not list or len(fingerprint) > 64:
+        return None
+    for v in fingerprint:
+        if type(v) is not float:
+            return None
+    return TensorStats(
+        numel=numel,
+        norm_type=norm_type,
+        sum_pow=sum_pow,
+        sum_sq=sum_sq,
+        max_abs=max_abs,
+        num_nan=num_nan,
+        num_posinf=num_posinf,
+        num_neginf=num_neginf,
+        fingerprint=tuple(fingerprint),
+    )
+
+
+def _quick_region(raw: Any) -> Region | None:
+    """`_decode_region` of a well-formed entry, else None."""
+    if type(raw) is not dict:
+        return None
+    if "box" in raw:
+        box = raw["box"]
+        if type(box) is not dict:
+            return None
+        offsets, shape = _quick_dims(box.get("offsets")), _quick_dims(box.get("shape"))
+        if offsets is None or shape is None or len(offsets) != len(shape):
+            return None
+        return Box(offsets=offsets, shape=shape)
+    bounds = raw.get("range")
+    if type(bounds) is not list or len(bounds) != 2:
+        return None
+    start, stop = bounds
+    if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= MAX_INT:
+        return None
+    return FlatRange(start=start, stop=stop)
+
+
+def _quick_param(raw: Any) -> ParamInfo | None:
+    """A `params` entry decoded when well formed, else None (the careful decoder then names the defect)."""
+    if type(raw) is not dict:
+        return None
+    name, dtype = raw.get("name"), raw.get("dtype")
+    global_shape = _quick_dims(raw.get("global_shape"))
+    if type(name) is not str or global_shape is None or type(dtype) is not str or dtype not in _KNOWN_DTYPES:
+        return None
+    return ParamInfo(name=name, global_shape=global_shape, dtype=dtype)
+
+
+def _quick_piece(raw: Any, index: int, params: Mapping[str, ParamInfo], numels: dict[str, int]) -> Piece | None:
+    """`_decode_piece` of a well-formed entry, built without the careful path's per-field bookkeeping.
+
+    Many-rank dumps hold millions of pieces, so this is the loader's hot loop. It accepts only plain,
+    valid JSON values and returns None on anything else (including every defect), so that the careful
+    decoder runs and names the problem: both give equal pieces for what this accepts.
+    """
+    if type(raw) is not dict:
+        return None
+    get = raw.get
+    name, regions_raw, dtype = get("param"), get("regions"), get("dtype")
+    if type(name) is not str or type(dtype) is not str or dtype not in _KNOWN_DTYPES:
+        return None
+    if type(regions_raw) is not list or len(regions_raw) > _MAX_LIST:
+        return None
+    info = params.get(name)
+    local_shape = _quick_dims(get("local_shape"))
+    if info is None or local_shape is None:
+        return None
+    regions = []
+    covered = 0
+    for region_raw in regions_raw:
+        region = _quick_region(region_raw)
+        if region is None:
+            return None
+        if type(region) is FlatRange:
+            numel = numels.get(name)
+            if numel is None:
+                numel = numels[name] = info.numel
+            if region.stop > numel:
+                return None
+        elif not region.fits_in(info.global_shape):
+            return None
+        regions.append(region)
+        covered += region.numel
+    if covered != math.prod(local_shape):
+        return None
+    local_name, replica_group = get("local_name"), get("replica_group")
+    if (local_name is not None and type(local_name) is not str) or (
+        replica_group is not None and type(replica_group) is not str
+    ):
+        return None
+    tensors_raw, stats_raw = get("tensors", _NO_ENTRIES), get("stats", _NO_ENTRIES)
+    if type(tensors_raw) is not dict or type(stats_raw) is not dict:
+        return None
+    tensors = {}
+    for kind, key in tensors_raw.items():
+        if kind not in _KNOWN_KINDS or type(key) is not str:
+            return None
+        tensors[kind] = key
+    stats = {}
+    for kind, value in stats_raw.items():
+        if kind not in _KNOWN_KINDS:
+            return None
+        summary = _quick_stats(value)
+        if summary is None or summary.numel != covered:
+            return None
+        stats[kind] = summary
+    return Piece(
+        index=index,
+        param=name,
+        regions=tuple(regions),
+        local_shape=local_shape,
+        dtype=dtype,
+        local_name=local_name,
+        replica_group=replica_group,
+        tensors=tensors,
+        stats=stats,
+    )
+
+
+_NO_ENTRIES: Mapping[str, Any] = {}
+_NO_VALUES: list = []
+"""The defaults of absent keys in the quick decoders (read only, never returned)."""
 
 
 def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[str, ParamInfo]) -> Piece:
@@ -465,18 +644,22 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
         raise r.fail("rank", f"rank {rank} is outside world size {world_size}")
     params: dict[str, ParamInfo] = {}
     for i, raw in enumerate(r.get(doc, "params", "", r.list_)):
-        where = f"params[{i}]"
-        obj = r.obj(raw, where)
-        info = ParamInfo(
-            name=r.get(obj, "name", where, r.str_),
-            global_shape=r.get(obj, "global_shape", where, r.shape),
-            dtype=r.get(obj, "dtype", where, r.dtype),
-        )
+        info = _quick_param(raw)
+        if info is None:
+            where = f"params[{i}]"
+            obj = r.obj(raw, where)
+            info = ParamInfo(
+                name=r.get(obj, "name", where, r.str_),
+                global_shape=r.get(obj, "global_shape", where, r.shape),
+                dtype=r.get(obj, "dtype", where, r.dtype),
+            )
         if info.name in params:
-            raise r.fail(where, f"parameter {shown(info.name)} is listed twice")
+            raise r.fail(f"params[{i}]", f"parameter {shown(info.name)} is listed twice")
         params[info.name] = info
+    numels: dict[str, int] = {}
     pieces = tuple(
-        _decode_piece(r, raw, f"pieces[{i}]", i, params) for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
+        _quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params)
+        for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
     )
     aliases = {
         r.str_(k, "aliases"): r.str_(v, f"aliases.{k}") for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()

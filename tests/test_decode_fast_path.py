@@ -1,0 +1,221 @@
+"""The loader's quick decoders (the hot loop of many-rank dumps) agree with the careful decoder.
+
+For every entry the quick decoder either declines (returns None, and the careful decoder runs) or
+returns exactly what the careful decoder returns; it never accepts an entry the careful one refuses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradaudit.dumpfile.header import parse_json
+from gradaudit.dumpfile.schema import (
+    _decode_piece,
+    _quick_param,
+    _quick_piece,
+    _Reader,
+    decode_rank,
+    encode_rank,
+)
+from gradaudit.errors import DumpFormatError
+from gradaudit.model import Box, ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats
+
+PARAMS = (
+    ParamInfo(name="w", global_shape=(4, 6), dtype="float32"),
+    ParamInfo(name="b", global_shape=(6,), dtype="bfloat16"),
+)
+
+
+def _stats(numel: int, *, norm_type: float = 2.0, nan: int = 0) -> TensorStats:
+    return TensorStats(
+        numel=numel,
+        norm_type=norm_type,
+        sum_pow=0.5 if not math.isinf(norm_type) else 0.25,
+        sum_sq=0.5,
+        max_abs=0.25,
+        num_nan=nan,
+        fingerprint=(0.125, -3.5),
+    )
+
+
+def _pieces() -> tuple[Piece, ...]:
+    return (
+        Piece(
+            index=0,
+            param="w",
+            regions=(Box(offsets=(0, 0), shape=(2, 6)),),
+            local_shape=(2, 6),
+            dtype="float32",
+            tensors={"grad": "w.grad", "grad_clipped": "w.grad_clipped"},
+        ),
+        Piece(
+            index=1,
+            param="w",
+            regions=(FlatRange(start=12, stop=18), FlatRange(start=20, stop=24)),
+            local_shape=(10,),
+            dtype="float32",
+            local_name="tied.w",
+            replica_group="dp",
+            stats={"grad": _stats(10), "grad_clipped": _stats(10, nan=2)},
+        ),
+        Piece(
+            index=2,
+            param="b",
+            regions=(FlatRange(start=0, stop=6),),
+            local_shape=(6,),
+            dtype="bfloat16",
+            tensors={"param_after": "b.after"},
+            stats={"grad": _stats(6, norm_type=math.inf)},
+        ),
+    )
+
+
+def _document() -> dict:
+    dump = RankDump(
+        path="rank_00000.safetensors",
+        rank=0,
+        world_size=2,
+        step=3,
+        mode="stats",
+        params=PARAMS,
+        pieces=_pieces(),
+        clip=ClipRecord(max_norm=1.0),
+    )
+    return parse_json(json.dumps(encode_rank(dump)))  # exactly what the loader sees
+
+
+def _careful_piece(raw, index: int):
+    """The careful decoder's answer: a Piece, or the DumpFormatError message."""
+    params = {p.name: p for p in PARAMS}
+    try:
+        return _decode_piece(_Reader("f"), raw, f"pieces[{index}]", index, params)
+    except DumpFormatError as exc:
+        return f"error: {exc}"
+
+
+def _quick(raw, index: int):
+    return _quick_piece(raw, index, {p.name: p for p in PARAMS}, {})
+
+
+def test_quick_decoder_accepts_every_well_formed_piece_and_builds_the_same_piece():
+    doc = _document()
+    for index, raw in enumerate(doc["pieces"]):
+        quick = _quick(raw, index)
+        assert quick is not None, f"piece {index} fell back to the careful decoder"
+        assert quick == _careful_piece(raw, index) == _pieces()[index]
+    assert all(_quick_param(raw) == info for raw, info in zip(doc["params"], PARAMS))
+
+
+def test_decoded_rank_equals_the_encoded_one():
+    decoded = decode_rank(_document(), "rank_00000.safetensors")
+    assert decoded.pieces == _pieces()
+    assert decoded.params == PARAMS
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**64), max_value=2**64)
+    | st.floats(allow_nan=False)
+    | st.sampled_from(["nan", "inf", "-inf", "w", "b", "grad", "float32", "int8"])
+    | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _paths(value, prefix=()):
+    """Every (container path, key) inside a JSON value."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield prefix, key
+            yield from _paths(item, prefix + (key,))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield prefix, i
+            yield from _paths(item, prefix + (i,))
+
+
+PIECE_FIELDS = (
+    "param", "regions", "local_shape", "dtype", "local_name", "replica_group", "tensors", "stats",
+    "box", "range", "offsets", "shape", "numel", "norm_type", "sum_pow", "sum_sq", "max_abs",
+    "num_nan", "num_posinf", "num_neginf", "fingerprint", "grad", "grad_clipped", "other",
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    index=st.integers(min_value=0, max_value=2),
+    choice=st.integers(min_value=0, max_value=10_000),
+    action=st.sampled_from(["replace", "delete", "add"]),
+    value=JSON_VALUES,
+    new_key=st.sampled_from(PIECE_FIELDS),
+)
+def test_quick_decoder_never_accepts_what_the_careful_one_refuses(index, choice, action, value, new_key):
+    raw = copy.deepcopy(_document()["pieces"][index])
+    paths = list(_paths(raw))
+    container_path, key = paths[choice % len(paths)]
+    container = raw
+    for step in container_path:
+        container = container[step]
+    if action == "replace":
+        container[key] = value
+    elif action == "delete":
+        del container[key]
+    elif isinstance(container, dict):
+        container[new_key] = value
+    else:
+        container.append(value)
+    quick, careful = _quick(raw, index), _careful_piece(raw, index)
+    assert quick is None or quick == careful
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"name": "w", "global_shape": [4, 6], "dtype": "float32"},
+        {"name": "w", "global_shape": [4, -6], "dtype": "float32"},
+        {"name": "w", "global_shape": [4, True], "dtype": "float32"},
+        {"name": "w", "global_shape": [2**40, 2**40], "dtype": "float32"},
+        {"name": "w", "global_shape": [2**63, 0], "dtype": "float32"},
+        {"name": "w", "global_shape": [4, 6], "dtype": "int8"},
+        {"name": 3, "global_shape": [4, 6], "dtype": "float32"},
+        {"name": "w", "global_shape": (4, 6), "dtype": "float32"},
+        ["w"],
+    ],
+)
+def test_quick_param_decoder_declines_anything_unusual(raw):
+    info = _quick_param(raw)
+    if info is not None:
+        assert info == ParamInfo(name=raw["name"], global_shape=tuple(raw["global_shape"]), dtype=raw["dtype"])
+        assert raw == {"name": "w", "global_shape": [4, 6], "dtype": "float32"}
+
+
+TRICKY_VALUES = (
+    None, True, False, 0, 1, -1, 7, 2**63, 0.0, -0.0, -0.5, 1.5, math.inf, "nan", "inf", "-inf", "",
+    "w", "b", "x", "grad", "float32", "int8", [], [0], [1, 2], [-1, 3], [0.5], [2**63, 0], {}, {"range": [0, 1]},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_every_field_of_a_piece_replaced_by_a_tricky_value_is_decoded_alike(index):
+    """Exhaustive over the entry's fields: each replaced, and each deleted, one at a time."""
+    original = _document()["pieces"][index]
+    for container_path, key in list(_paths(original)):
+        for value in (*TRICKY_VALUES, "<delete>"):
+            raw = copy.deepcopy(original)
+            container = raw
+            for step in container_path:
+                container = container[step]
+            if value == "<delete>":
+                del container[key]
+            else:
+                container[key] = copy.deepcopy(value)
+            quick, careful = _quick(raw, index), _careful_piece(raw, index)
+            assert quick is None or quick == careful, (container_path, key, value, careful)
