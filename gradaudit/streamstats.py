@@ -26,8 +26,9 @@ if TYPE_CHECKING:
     from .dumpfile import TensorReader
     from .model import Piece
 
-KERNEL_CHUNK_ELEMENTS = 1 << 18
-"""256K elements: the float64 buffer (2 MiB) stays in the core's cache between the passes over it."""
+KERNEL_CHUNK_ELEMENTS = 1 << 19
+"""512K elements (a 4 MiB float64 buffer): large enough that the Python around each chunk is a small
+share, small enough to stay in cache between the passes over it (measured: 256K and 1M are slower)."""
 
 
 class ChunkKernel:
