@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import TYPE_CHECKING, Iterable
 
 from .model import TensorStats
@@ -16,6 +17,24 @@ FINGERPRINT_PERIOD = 1 << 12
 """The fingerprint weight of element i is w[i mod 4096]: a matrix product per chunk, not a hash per element."""
 
 _weight_tables: dict = {}
+_scratch = threading.local()
+
+
+def _widened(flat: "torch.Tensor") -> "torch.Tensor":
+    """`flat` as float64 in a reused per-thread buffer: a fresh allocation per chunk costs more in page
+    faults than the conversion itself."""
+    import torch
+
+    if flat.dtype == torch.float64:
+        return flat
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    key = str(flat.device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < flat.numel():
+        buffer = buffers[key] = torch.empty(max(flat.numel(), CHUNK_ELEMENTS), dtype=torch.float64, device=flat.device)
+    return buffer[: flat.numel()].copy_(flat)
 
 
 def fingerprint_weights(device) -> "torch.Tensor":
@@ -56,7 +75,7 @@ class StatsAccumulator:
         flat = chunk.reshape(-1)
         if flat.numel() == 0:
             return
-        x = flat.to(torch.float64)
+        x = _widened(flat)
         total = x.sum()
         if not bool(torch.isfinite(total)):
             x = self._count_and_mask_nonfinite(x)
