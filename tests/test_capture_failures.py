@@ -9,22 +9,10 @@ import pytest
 import torch
 
 import gradaudit
-from gradaudit.capture.warn import CaptureWarning, forget_warnings
+from gradaudit.capture.warn import CaptureWarning
 from gradaudit.dumpfile import DumpExistsError, load_step
 from gradaudit.errors import CaptureError
-
-MAX_NORM = 0.05
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    forget_warnings()
-
-
-def make_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 
 def train_steps(model, out_dir, steps, **kwargs) -> list[float]:

@@ -9,21 +9,8 @@ import torch
 
 import gradaudit
 from gradaudit.capture.names import logical_name
-from gradaudit.capture.warn import forget_warnings
 from gradaudit.dumpfile import TensorReader, load_step
-
-MAX_NORM = 0.05
-
-
-@pytest.fixture(autouse=True)
-def _single_process(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    forget_warnings()
-
-
-def make_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 
 def backward(model, scale: float = 1.0):

@@ -209,7 +209,7 @@ class AuditStep:
     def _finish(self) -> None:
         snapshots = self._snapshots
         if not snapshots.has("grad") and not snapshots.has("grad_clipped"):
-            snapshots.take("grad")
+            snapshots.take("grad", copy=False)  # written below, before training resumes
         if snapshots.abandoned is not None:
             # Better a missing rank (GA100) than a file that looks complete and is not.
             if self.strict:

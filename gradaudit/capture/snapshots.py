@@ -49,8 +49,11 @@ class Snapshots:
             for p in self.pieces
         )
 
-    def take(self, kind: str) -> None:
-        """Record `kind` ("grad", "grad_clipped", "param_before", "param_after") of every piece now."""
+    def take(self, kind: str, *, copy: bool = True) -> None:
+        """Record `kind` ("grad", "grad_clipped", "param_before", "param_after") of every piece now.
+
+        `copy=False` keeps a reference instead of a copy: only for a snapshot written before training
+        can touch the tensors again (the one taken as the context exits)."""
         import torch
 
         from ..tensorstats import stats_of_tensor
@@ -69,7 +72,7 @@ class Snapshots:
                     if tensor is None:
                         continue
                     if self._keep_values[index]:
-                        self.values[(index, kind)] = tensor.detach().clone()
+                        self.values[(index, kind)] = tensor.detach().clone() if copy else tensor.detach()
                     if self._keep_stats and kind in GRAD_KINDS:
                         self.stats[(index, kind)] = stats_of_tensor(tensor, self.norm_type)
                 except Exception as exc:  # one unreadable piece must not stop the step
