@@ -351,7 +351,7 @@ def _decide(reported: Match | None, implied: Match | None, coef_is_one: bool = F
     if implied is None:
         detail = _describe(reported)
         if coef_is_one and reported.hypothesis != CORRECT:
-            detail += "; the applied coefficient 1 cannot tell whether clipping or only the log used this norm"
+            detail += "; its applied coefficient 1 (no scaling) is what clipping by this norm gives"
         return reported.hypothesis, False, detail
     if reported is None:
         return implied.hypothesis, False, _describe(implied)
