@@ -187,57 +187,6 @@ def explain(
     _emit(explain_code(code), None)
 
 
-def _terminal_width() -> int:
-    import shutil
-
-    return max(80, min(160, shutil.get_terminal_size((100, 24)).columns))
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """Entry point: user errors exit 2 with one line; anything unexpected exits 3."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args
-    if debug:
-        args.remove("--debug")
-    try:
-        app(args=args, prog_name="gradaudit", standalone_mode=False)
-    except GradauditError as exc:
-        _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
-    except SystemExit as exc:
-        raise
-    except KeyboardInterrupt:
-        _fail("interrupted", 130, debug)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence
-        if _is_usage_error(exc):
-            exc.show()  # type: ignore[attr-defined]
-            sys.exit(EXIT_BAD_INPUT)
-        if type(exc).__name__ == "Abort":
-            _fail("aborted", EXIT_BAD_INPUT, debug)
-        _fail(
-            f"internal error: {type(exc).__name__}: {exc}. This is a bug in gradaudit, not in your dump; "
-            "re-run with --debug for the traceback and report it",
-            EXIT_INTERNAL,
-            debug,
-        )
-    sys.exit(EXIT_OK)
-
-
-def _is_usage_error(exc: Exception) -> bool:
-    """typer may bundle its own click; recognise its usage errors by their class family."""
-    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__) and hasattr(exc, "show")
-
-
-def _fail(message: str, code: int, debug: bool) -> None:
-    if debug:
-        import traceback
-
-        traceback.print_exc()
-    from .render.text import printable
-
-    sys.stderr.write(printable(message) + "\n")
-    sys.exit(code)
-
-
 @app.command()
 def demo(
     scenario: Optional[str] = typer.Argument(None, help="A scenario name; see --list.", show_default=False),
@@ -270,3 +219,54 @@ def demo(
         f"next: {result.check_command}",
         None,
     )
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return max(80, min(160, shutil.get_terminal_size((100, 24)).columns))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Entry point: user errors exit 2 with one line; anything unexpected exits 3."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    if debug:
+        args.remove("--debug")
+    try:
+        app(args=args, prog_name="gradaudit", standalone_mode=False)
+    except GradauditError as exc:
+        _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        _fail("interrupted", 130, debug)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence
+        if _is_usage_error(exc):
+            exc.show()  # type: ignore[attr-defined]
+            sys.exit(EXIT_BAD_INPUT)
+        if type(exc).__name__ == "Abort":
+            _fail("aborted", EXIT_BAD_INPUT, debug)
+        _fail(
+            f"internal error: {type(exc).__name__}: {exc}. This is a bug in gradaudit, not in your dump; "
+            "re-run with --debug for the traceback and report it",
+            EXIT_INTERNAL,
+            debug,
+        )
+    sys.exit(EXIT_OK)
+
+
+def _is_usage_error(exc: Exception) -> bool:
+    """typer may bundle its own click; recognise its usage errors by their class family."""
+    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__) and hasattr(exc, "show")
+
+
+def _fail(message: str, code: int, debug: bool) -> None:
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    from .render.text import printable
+
+    sys.stderr.write(printable(message) + "\n")
+    sys.exit(code)
