@@ -57,10 +57,14 @@ def audit_step_subject(num_params: int, workdir: str, mode: str) -> tuple[float,
     try:
         # One untimed step on a tiny model first: the first use imports the capture code (a one-off
         # cost per training run, not per step).
-        with gradaudit.audit_step(model_with_gradients(1000), directory / "warmup", step=0, max_norm=MAX_NORM, mode=mode):
+        with gradaudit.audit_step(
+            model_with_gradients(1000), directory / "warmup", step=0, max_norm=MAX_NORM, mode=mode
+        ):
             pass
         start = time.perf_counter()
-        with gradaudit.audit_step(model, directory, step=1, max_norm=MAX_NORM, mode=mode, strict=True) as audit:
+        with gradaudit.audit_step(
+            model, directory, step=1, max_norm=MAX_NORM, mode=mode, strict=True
+        ) as audit:
             audit.record(reported_norm=norm)
         seconds = time.perf_counter() - start
         written = sum(p.stat().st_size for p in (directory / "step_1").glob("*.safetensors"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -79,7 +80,9 @@ def run_subject(name: str, args: dict, *, timeout_s: float = 900.0) -> Run:
         peak = usage.ru_maxrss * 1024  # kilobytes on Linux
         if process.returncode != 0:
             err.seek(0)
-            tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or [f"exit {process.returncode}"]
+            tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or [
+                f"exit {process.returncode}"
+            ]
             return Run(seconds=None, peak_rss_bytes=peak, error=tail[0][:300])
     result = json.loads(out.decode().strip().splitlines()[-1])
     return Run(seconds=result["seconds"], peak_rss_bytes=peak, value=result["value"])
@@ -101,10 +104,8 @@ def _run_in_process(name: str, args: dict) -> Run:
 
 
 def _kill_group(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def interleaved(subjects: dict[str, dict], repeats: int, **kw) -> dict[str, Summary]:

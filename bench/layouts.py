@@ -55,7 +55,7 @@ def transformer_shapes(num_elements: int, *, num_layers: int = 8) -> dict[str, t
     Per layer 12 h^2 + 2 h (fused qkv, out, up, down, two norms) plus an 8h x h embedding:
     h is solved from the element count and rounded to a multiple of 8.
     """
-    hidden = max(8, int(round(math.sqrt(num_elements / (12 * num_layers + 8)) / 8)) * 8)
+    hidden = max(8, round(math.sqrt(num_elements / (12 * num_layers + 8)) / 8) * 8)
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8 * hidden, hidden)}
     for layer in range(num_layers):
         prefix = f"layers.{layer}."
@@ -143,17 +143,32 @@ def write_dense_dump(
     for ranges in fsdp1_ranges(shapes, num_ranks):
         pieces = []
         for name, start, stop in ranges:
-            values = _values_from_pool(pool, stop - start, offset=(zlib.crc32(name.encode()) + start) % pool.numel(), torch_dtype=torch_dtype)
+            values = _values_from_pool(
+                pool,
+                stop - start,
+                offset=(zlib.crc32(name.encode()) + start) % pool.numel(),
+                torch_dtype=torch_dtype,
+            )
             sum_sq += _sum_sq(values)
             pieces.append(flat(name, start, grad=values))
         per_rank.append(pieces)
     true_norm = math.sqrt(sum_sq)
-    clip = ClipRecord(max_norm=MAX_NORM, reported_norm=true_norm, clip_coef=expected_clip_coef(true_norm, MAX_NORM))
+    clip = ClipRecord(
+        max_norm=MAX_NORM, reported_norm=true_norm, clip_coef=expected_clip_coef(true_norm, MAX_NORM)
+    )
     sizes = []
     for rank, pieces in enumerate(per_rank):
         path = write_rank(
-            directory, rank=rank, world_size=num_ranks, step=1, params=shapes, pieces=pieces, clip=clip,
-            run_id="bench", host="bench", created_at="2026-01-01T00:00:00+00:00",
+            directory,
+            rank=rank,
+            world_size=num_ranks,
+            step=1,
+            params=shapes,
+            pieces=pieces,
+            clip=clip,
+            run_id="bench",
+            host="bench",
+            created_at="2026-01-01T00:00:00+00:00",
         )
         sizes.append(path.stat().st_size)
         per_rank[rank] = None  # free as we go
@@ -178,7 +193,11 @@ def _value_pool(seed: int, torch_dtype, num_elements: int):
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(min(POOL_ELEMENTS, num_elements + 7), generator=generator).mul_(GRAD_SCALE).to(torch_dtype)
+    return (
+        torch.randn(min(POOL_ELEMENTS, num_elements + 7), generator=generator)
+        .mul_(GRAD_SCALE)
+        .to(torch_dtype)
+    )
 
 
 def _values_from_pool(pool, numel: int, *, offset: int, torch_dtype):
@@ -224,7 +243,10 @@ def _piece_stats(rng: random.Random, numel: int, scale: float):
         sum_pow=sum_sq,
         sum_sq=sum_sq,
         max_abs=4.0 * scale if numel else 0.0,
-        fingerprint=(rng.uniform(-1, 1) * scale * math.sqrt(numel), rng.uniform(-1, 1) * scale * math.sqrt(numel)),
+        fingerprint=(
+            rng.uniform(-1, 1) * scale * math.sqrt(numel),
+            rng.uniform(-1, 1) * scale * math.sqrt(numel),
+        ),
     )
 
 
@@ -265,13 +287,20 @@ class _stats_rank_dumps:
 
         self.num_ranks = num_ranks
         self.shapes = llama_shapes(num_params)
-        self.infos = tuple(ParamInfo(name=n, global_shape=s, dtype="bfloat16") for n, s in self.shapes.items())
+        self.infos = tuple(
+            ParamInfo(name=n, global_shape=s, dtype="bfloat16") for n, s in self.shapes.items()
+        )
         self.num_elements = sum(math.prod(s) for s in self.shapes.values())
-        self.ranges = {name: even_flat_ranges(math.prod(shape), num_ranks) for name, shape in self.shapes.items()}
+        self.ranges = {
+            name: even_flat_ranges(math.prod(shape), num_ranks) for name, shape in self.shapes.items()
+        }
         scales = {name: GRAD_SCALE * 1e-2 * (1 + (i % 7)) for i, name in enumerate(self.shapes)}
         rng = random.Random(seed)
         self.stats = [
-            [_piece_stats(rng, self.ranges[n][rank][1] - self.ranges[n][rank][0], scales[n]) for n in self.shapes]
+            [
+                _piece_stats(rng, self.ranges[n][rank][1] - self.ranges[n][rank][0], scales[n])
+                for n in self.shapes
+            ]
             for rank in range(num_ranks)
         ]
         true_norm = math.sqrt(math.fsum(s.sum_sq for per_rank in self.stats for s in per_rank))
@@ -291,14 +320,28 @@ class _stats_rank_dumps:
             start, stop = self.ranges[name][rank]
             pieces.append(
                 Piece(
-                    index=index, param=name, regions=(FlatRange(start=start, stop=stop),),
-                    local_shape=(stop - start,), dtype="bfloat16", stats={"grad": self.stats[rank][index]},
+                    index=index,
+                    param=name,
+                    regions=(FlatRange(start=start, stop=stop),),
+                    local_shape=(stop - start,),
+                    dtype="bfloat16",
+                    stats={"grad": self.stats[rank][index]},
                 )
             )
         return RankDump(
-            path="", rank=rank, world_size=self.num_ranks, step=1, mode="stats", run_id="bench", host="bench",
-            torch_version=torch_version, gradaudit_version=__version__, created_at="2026-01-01T00:00:00+00:00",
-            params=self.infos, pieces=tuple(pieces), clip=self.clip,
+            path="",
+            rank=rank,
+            world_size=self.num_ranks,
+            step=1,
+            mode="stats",
+            run_id="bench",
+            host="bench",
+            torch_version=torch_version,
+            gradaudit_version=__version__,
+            created_at="2026-01-01T00:00:00+00:00",
+            params=self.infos,
+            pieces=tuple(pieces),
+            clip=self.clip,
         )
 
     def document(self, rank: int) -> dict:
@@ -310,15 +353,25 @@ class _stats_rank_dumps:
         """`template` (another rank's encoded document) with this rank's number, ranges and statistics."""
         doc = dict(template, rank=rank)
         pieces = []
-        for index, (name, piece) in enumerate(zip(self.shapes, template["pieces"])):
+        for index, (name, piece) in enumerate(zip(self.shapes, template["pieces"], strict=False)):
             start, stop = self.ranges[name][rank]
             stats = self.stats[rank][index]
             encoded = dict(
                 piece["stats"]["grad"],
-                numel=stats.numel, sum_pow=stats.sum_pow, sum_sq=stats.sum_sq, max_abs=stats.max_abs,
+                numel=stats.numel,
+                sum_pow=stats.sum_pow,
+                sum_sq=stats.sum_sq,
+                max_abs=stats.max_abs,
                 fingerprint=list(stats.fingerprint),
             )
-            pieces.append(dict(piece, regions=[{"range": [start, stop]}], local_shape=[stop - start], stats={"grad": encoded}))
+            pieces.append(
+                dict(
+                    piece,
+                    regions=[{"range": [start, stop]}],
+                    local_shape=[stop - start],
+                    stats={"grad": encoded},
+                )
+            )
         doc["pieces"] = pieces
         return doc
 

@@ -9,7 +9,6 @@ the same run. See bench/README.md.
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import shutil
 import sys
@@ -20,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness  # noqa: E402
-import layouts  # noqa: E402
-from harness import MIB, Summary  # noqa: E402
+import harness
+import layouts
+from harness import MIB, Summary
 
 GIB = 1 << 30
 
@@ -52,16 +51,37 @@ class Sizes:
 
 
 DEFAULT = Sizes(
-    dense_gib=2.0, bf16_gib=2.0, dense_ranks=8, stats_ranks=(64, 128, 256, 512), stats_pieces=800,
-    capture_params=100_000_000, coverage_pieces=(10_000, 100_000), repeats=3, stats_repeats=1,
+    dense_gib=2.0,
+    bf16_gib=2.0,
+    dense_ranks=8,
+    stats_ranks=(64, 128, 256, 512),
+    stats_pieces=800,
+    capture_params=100_000_000,
+    coverage_pieces=(10_000, 100_000),
+    repeats=3,
+    stats_repeats=1,
 )
 FULL = Sizes(
-    dense_gib=2.0, bf16_gib=2.0, dense_ranks=8, stats_ranks=(512, 1024, 2048, 4096), stats_pieces=800,
-    capture_params=100_000_000, coverage_pieces=(10_000, 100_000), repeats=3, stats_repeats=1,
+    dense_gib=2.0,
+    bf16_gib=2.0,
+    dense_ranks=8,
+    stats_ranks=(512, 1024, 2048, 4096),
+    stats_pieces=800,
+    capture_params=100_000_000,
+    coverage_pieces=(10_000, 100_000),
+    repeats=3,
+    stats_repeats=1,
 )
 TINY = Sizes(
-    dense_gib=2 / 1024, bf16_gib=2 / 1024, dense_ranks=8, stats_ranks=(2, 4, 8), stats_pieces=20,
-    capture_params=200_000, coverage_pieces=(100, 1_000), repeats=1, stats_repeats=1,
+    dense_gib=2 / 1024,
+    bf16_gib=2 / 1024,
+    dense_ranks=8,
+    stats_ranks=(2, 4, 8),
+    stats_pieces=20,
+    capture_params=200_000,
+    coverage_pieces=(100, 1_000),
+    repeats=1,
+    stats_repeats=1,
 )
 SECTIONS = ("dense", "bf16", "stats", "capture", "coverage")
 
@@ -149,8 +169,12 @@ def dense_section(out: Printer, workdir: Path, sizes: Sizes, dtype: str, gib: fl
     section = f"dense-{'fp32' if dtype == 'float32' else 'bf16'}"
     elements = int(gib * GIB) // (4 if dtype == "float32" else 2)
     directory, layout = prepared(
-        workdir, f"{section}-{elements}-{sizes.dense_ranks}", layouts.write_dense_dump,
-        num_elements=elements, num_ranks=sizes.dense_ranks, dtype=dtype,
+        workdir,
+        f"{section}-{elements}-{sizes.dense_ranks}",
+        layouts.write_dense_dump,
+        num_elements=elements,
+        num_ranks=sizes.dense_ranks,
+        dtype=dtype,
     )
     out.line(
         f"== {section}: {layout.num_ranks} ranks FSDP1-style flat shards, {layout.total_bytes / GIB:.2f} GiB, "
@@ -169,7 +193,9 @@ def dense_section(out: Printer, workdir: Path, sizes: Sizes, dtype: str, gib: fl
     floor, check, naive = results["floor"], results["check"], results["naive"]
     if floor.ok and check.ok:
         agree = abs(check.value - floor.value) <= 1e-9 * floor.value
-        out.line(f"  check norm {check.value:.12g} vs floor {floor.value:.12g}: {'agree' if agree else 'DISAGREE'}")
+        out.line(
+            f"  check norm {check.value:.12g} vs floor {floor.value:.12g}: {'agree' if agree else 'DISAGREE'}"
+        )
     out.ratio(section, "check/floor time", _ratio(check.seconds, floor.seconds))
     out.ratio(section, "naive/floor time", _ratio(naive.seconds, floor.seconds))
     out.ratio(section, "check/naive time", _ratio(check.seconds, naive.seconds))
@@ -177,21 +203,34 @@ def dense_section(out: Printer, workdir: Path, sizes: Sizes, dtype: str, gib: fl
         out.ratio(section, f"{summary.name} peak RSS/largest file", _ratio(summary.peak_rss_bytes, largest))
     rss_limit = (TARGET_RSS_FILE_FACTOR * largest) / MIB + TARGET_RSS_SLACK_MIB
     scale = "" if gib >= 2.0 else f" [at {gib:g} GiB, target is 2 GiB: run --full]"
-    out.target(f"{section} check time <= {TARGET_CHECK_VS_FLOOR}x floor{scale}", _ratio(check.seconds, floor.seconds),
-               TARGET_CHECK_VS_FLOOR, "x", check.error or "")
+    out.target(
+        f"{section} check time <= {TARGET_CHECK_VS_FLOOR}x floor{scale}",
+        _ratio(check.seconds, floor.seconds),
+        TARGET_CHECK_VS_FLOOR,
+        "x",
+        check.error or "",
+    )
     out.target(
         f"{section} check peak RSS <= 2 x largest file + 300 MiB{scale}",
-        None if check.peak_rss_bytes is None else check.peak_rss_bytes / MIB, rss_limit, "MiB", check.error or "",
+        None if check.peak_rss_bytes is None else check.peak_rss_bytes / MIB,
+        rss_limit,
+        "MiB",
+        check.error or "",
     )
 
 
 def stats_section(out: Printer, workdir: Path, sizes: Sizes, *, skip_load_subject: bool = False) -> None:
-    out.line(f"== stats-only ladder: {sizes.stats_pieces} params (Llama-70B-like), each flat-sharded over every rank")
+    out.line(
+        f"== stats-only ladder: {sizes.stats_pieces} params (Llama-70B-like), each flat-sharded over every rank"
+    )
     seconds: dict[int, float | None] = {}
     for num_ranks in sizes.stats_ranks:
         directory, layout = prepared(
-            workdir, f"stats-{num_ranks}x{sizes.stats_pieces}", layouts.write_stats_dump,
-            num_ranks=num_ranks, num_params=sizes.stats_pieces,
+            workdir,
+            f"stats-{num_ranks}x{sizes.stats_pieces}",
+            layouts.write_stats_dump,
+            num_ranks=num_ranks,
+            num_params=sizes.stats_pieces,
         )
         out.line(
             f" {num_ranks} ranks x {sizes.stats_pieces} pieces ({layout.num_elements / 1e9:.1f}e9 elements): "
@@ -211,21 +250,39 @@ def stats_section(out: Printer, workdir: Path, sizes: Sizes, *, skip_load_subjec
         out.ratio("stats", f"check time {n} ranks/{ladder[0]} ranks", _ratio(seconds[n], seconds[ladder[0]]))
     largest, quarter = ladder[-1], ladder[-1] // 4
     growth = _ratio(seconds.get(largest), seconds.get(quarter)) if quarter in seconds else None
-    scale = "" if largest == TARGET_STATS_RANKS else f" [measured {largest} vs {quarter}; target is 4096 vs 1024: run --full]"
-    out.target(f"stats check time growth {largest}/{quarter} ranks <= {TARGET_STATS_GROWTH}x{scale}", growth,
-               TARGET_STATS_GROWTH, "x")
+    scale = (
+        ""
+        if largest == TARGET_STATS_RANKS
+        else f" [measured {largest} vs {quarter}; target is 4096 vs 1024: run --full]"
+    )
+    out.target(
+        f"stats check time growth {largest}/{quarter} ranks <= {TARGET_STATS_GROWTH}x{scale}",
+        growth,
+        TARGET_STATS_GROWTH,
+        "x",
+    )
     if largest == TARGET_STATS_RANKS:
-        out.target(f"stats check of 4096 ranks x {sizes.stats_pieces} pieces < 60 s", seconds.get(largest),
-                   TARGET_STATS_SECONDS, "s")
+        out.target(
+            f"stats check of 4096 ranks x {sizes.stats_pieces} pieces < 60 s",
+            seconds.get(largest),
+            TARGET_STATS_SECONDS,
+            "s",
+        )
     elif smallest_known:
         estimate = None if seconds.get(largest) is None else seconds[largest] * TARGET_STATS_RANKS / largest
         out.line(f"  linear estimate for 4096 ranks from {largest}: {estimate:.1f} s" if estimate else "")
-        out.target(f"stats check of 4096 ranks < 60 s [estimated linearly from {largest} ranks; run --full]",
-                   estimate, TARGET_STATS_SECONDS, "s")
+        out.target(
+            f"stats check of 4096 ranks < 60 s [estimated linearly from {largest} ranks; run --full]",
+            estimate,
+            TARGET_STATS_SECONDS,
+            "s",
+        )
 
 
 def capture_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
-    out.line(f"== capture: a {sizes.capture_params / 1e6:.0f}M-parameter fp32 model, gradients from one backward")
+    out.line(
+        f"== capture: a {sizes.capture_params / 1e6:.0f}M-parameter fp32 model, gradients from one backward"
+    )
     args = {"num_params": sizes.capture_params, "workdir": str(workdir / "capture")}
     results = harness.interleaved(
         {
@@ -241,10 +298,20 @@ def capture_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
     out.ratio("capture", "audit_step full/save_file time", _ratio(full.seconds, save.seconds))
     out.ratio("capture", "audit_step stats/full time", _ratio(stats.seconds, full.seconds))
     scale = "" if sizes.capture_params >= 100_000_000 else " [model under 100M parameters]"
-    out.target(f"audit_step full <= {TARGET_AUDIT_FULL_VS_SAVE}x save_file{scale}", _ratio(full.seconds, save.seconds),
-               TARGET_AUDIT_FULL_VS_SAVE, "x", full.error or save.error or "")
-    out.target(f"audit_step stats < 5% of full{scale}", _ratio(stats.seconds, full.seconds), TARGET_STATS_VS_FULL,
-               "x", stats.error or full.error or "")
+    out.target(
+        f"audit_step full <= {TARGET_AUDIT_FULL_VS_SAVE}x save_file{scale}",
+        _ratio(full.seconds, save.seconds),
+        TARGET_AUDIT_FULL_VS_SAVE,
+        "x",
+        full.error or save.error or "",
+    )
+    out.target(
+        f"audit_step stats < 5% of full{scale}",
+        _ratio(stats.seconds, full.seconds),
+        TARGET_STATS_VS_FULL,
+        "x",
+        stats.error or full.error or "",
+    )
 
 
 def coverage_section(out: Printer, sizes: Sizes) -> None:
@@ -264,8 +331,12 @@ def coverage_section(out: Printer, sizes: Sizes) -> None:
         out.ratio("coverage", f"{layout} time {large}/{small} pieces", growth)
         if growth is not None:
             worst = growth if worst is None else max(worst, growth)
-    out.target(f"coverage time growth for 10x pieces <= {TARGET_COVERAGE_GROWTH:g}x (n log n ~ 12x, n^2 = 100x)",
-               worst, TARGET_COVERAGE_GROWTH, "x")
+    out.target(
+        f"coverage time growth for 10x pieces <= {TARGET_COVERAGE_GROWTH:g}x (n log n ~ 12x, n^2 = 100x)",
+        worst,
+        TARGET_COVERAGE_GROWTH,
+        "x",
+    )
 
 
 # ---------------------------------------------------------------- main
@@ -287,20 +358,35 @@ def machine_line() -> str:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, Sizes]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="the issue's target sizes (4096-rank stats ladder)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="the issue's target sizes (4096-rank stats ladder)"
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, seconds in all (the smoke test)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}"
+    )
     parser.add_argument("--dense-gib", type=float, help="size of the fp32 dump")
     parser.add_argument("--bf16-gib", type=float, help="size of the bf16 dump")
-    parser.add_argument("--stats-ranks", help="comma-separated rank counts of the stats ladder (the last is compared with last/4)")
+    parser.add_argument(
+        "--stats-ranks",
+        help="comma-separated rank counts of the stats ladder (the last is compared with last/4)",
+    )
     parser.add_argument("--stats-pieces", type=int, help="parameters (pieces per rank) of the stats dumps")
     parser.add_argument("--capture-params", type=float, help="parameters of the capture model")
-    parser.add_argument("--skip-load-subject", action="store_true",
-                        help="stats ladder: time only the check, not also the loader alone (saves a third)")
+    parser.add_argument(
+        "--skip-load-subject",
+        action="store_true",
+        help="stats ladder: time only the check, not also the loader alone (saves a third)",
+    )
     parser.add_argument("--repeats", type=int, help="rounds of interleaved runs (median taken)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run subjects in this process (fast, for the smoke test; peak RSS figures are then meaningless)")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run subjects in this process (fast, for the smoke test; peak RSS figures are then meaningless)",
+    )
     parser.add_argument("--workdir", type=Path, help="keep dumps here and reuse them on the next run")
     args = parser.parse_args(argv)
     sizes = TINY if args.tiny else FULL if args.full else DEFAULT
@@ -334,7 +420,9 @@ def _run_sections(args: argparse.Namespace, sizes: Sizes) -> int:
     sections = args.sections.split(",")
     out = Printer()
     started = time.perf_counter()
-    out.line(f"gradaudit bench ({'full' if args.full else 'tiny' if args.tiny else 'default'} sizes): {sizes}")
+    out.line(
+        f"gradaudit bench ({'full' if args.full else 'tiny' if args.tiny else 'default'} sizes): {sizes}"
+    )
     out.line(machine_line())
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gradaudit-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,8 @@ def load_headers(directory: str) -> int:
 
 
 CAPTURE_SUBJECTS = ("audit_step", "save_file")
+
+
 def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     """The ownership checks (GA102 overlap, GA103 gap) of one parameter cut into `num_pieces` pieces
     spread over `num_ranks` ranks, on a StepDump built in memory. Returns the seconds of the checks
@@ -125,11 +127,15 @@ def _coverage_regions(layout: str, num_pieces: int):
 
     if layout == "flat":  # square: as many distinct column offsets as row boundaries
         shape = (num_pieces, num_pieces)
-        return shape, [FlatRange(start=a, stop=b) for a, b in even_flat_ranges(num_pieces**2, num_pieces + 7) if b > a]
+        return shape, [
+            FlatRange(start=a, stop=b) for a, b in even_flat_ranges(num_pieces**2, num_pieces + 7) if b > a
+        ]
     if layout == "grid":
         side = math.isqrt(num_pieces)
         shape = (side * 64, side * 64)
-        return shape, [Box(offsets=(64 * i, 64 * j), shape=(64, 64)) for i in range(side) for j in range(side)]
+        return shape, [
+            Box(offsets=(64 * i, 64 * j), shape=(64, 64)) for i in range(side) for j in range(side)
+        ]
     blocks = num_pieces // 4
     shape = (blocks * 8, 256)
     return shape, [Box(offsets=(8 * i, 0), shape=(8, 256)) for i in range(blocks) for _ in range(4)]
@@ -145,16 +151,31 @@ def _coverage_step(layout: str, num_pieces: int, num_ranks: int):
     for i, region in enumerate(regions):
         rank = i % num_ranks
         per_rank[rank].append(
-            Piece(index=len(per_rank[rank]), param="w", regions=(region,), local_shape=(region.numel,), dtype="float32")
+            Piece(
+                index=len(per_rank[rank]),
+                param="w",
+                regions=(region,),
+                local_shape=(region.numel,),
+                dtype="float32",
+            )
         )
     ranks = {
-        rank: RankDump(path=f"rank{rank}", rank=rank, world_size=num_ranks, step=1, params=(info,), pieces=tuple(pieces))
+        rank: RankDump(
+            path=f"rank{rank}", rank=rank, world_size=num_ranks, step=1, params=(info,), pieces=tuple(pieces)
+        )
         for rank, pieces in enumerate(per_rank)
     }
     return assemble_step("memory", ranks)
 
 
-SUBJECTS = {"floor": floor, "naive": naive, "check": check, "check_codes": check_codes, "load_headers": load_headers, "coverage": coverage}
+SUBJECTS = {
+    "floor": floor,
+    "naive": naive,
+    "check": check,
+    "check_codes": check_codes,
+    "load_headers": load_headers,
+    "coverage": coverage,
+}
 
 
 def measure(name: str, args: dict) -> tuple[float, object]:
@@ -167,7 +188,7 @@ def measure(name: str, args: dict) -> tuple[float, object]:
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
 
-    import gradaudit.dumpfile  # noqa: F401
+    import gradaudit.dumpfile
 
     if name.startswith("check"):
         import gradaudit.audit  # noqa: F401

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["audit_step", "dump", "__version__"]
+__all__ = ["__version__", "audit_step", "dump"]
 
 
 def __getattr__(name: str) -> Any:

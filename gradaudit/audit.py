@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
@@ -17,7 +17,16 @@ from .diagnosis import StepDiagnosis, diagnose_step
 from .errors import StepFolderError
 from .measure import StepMeasurements, measure_step
 from .model import StepDump
-from .report import Finding, MultiStepReport, NonfiniteCounts, NotChecked, RankRow, Report, Severity, StepSummary
+from .report import (
+    Finding,
+    MultiStepReport,
+    NonfiniteCounts,
+    NotChecked,
+    RankRow,
+    Report,
+    Severity,
+    StepSummary,
+)
 from .version import __version__
 
 Progress = Callable[[int, int], None]
@@ -64,14 +73,14 @@ def _fmt(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.6g}"
 
 
-def verdict(diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked: tuple[NotChecked, ...]) -> str:
+def verdict(
+    diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked: tuple[NotChecked, ...]
+) -> str:
     """One sentence: the true norm, the expected coefficient and the principal finding."""
     if diagnosis.true_norm is not None:
         head = f"True global {norm_name(diagnosis.norm_type)} {_fmt(diagnosis.true_norm)}"
         if diagnosis.max_norm is not None:
-            head += (
-                f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
-            )
+            head += f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
     else:
         head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
     serious = [f for f in findings if f.severity is not Severity.INFO]
@@ -116,7 +125,9 @@ def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) ->
                 diagnosis=d.hypothesis,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
-                nonfinite=NonfiniteCounts(nan=counts[rank][0], posinf=counts[rank][1], neginf=counts[rank][2]),
+                nonfinite=NonfiniteCounts(
+                    nan=counts[rank][0], posinf=counts[rank][1], neginf=counts[rank][2]
+                ),
             )
         )
     return tuple(rows)
@@ -133,7 +144,8 @@ def _environment(step: StepDump) -> dict[str, str]:
         "gradaudit (auditor)": __version__,
         "gradaudit (dump)": joined(d.gradaudit_version for d in dumps),
         "torch (dump)": joined(d.torch_version for d in dumps),
-        "hosts": (", ".join(hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else "")) or "unknown",
+        "hosts": (", ".join(hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else ""))
+        or "unknown",
         "mode": joined(d.mode for d in dumps),
         "world_size": str(step.world_size),
         "run_id": joined(d.run_id for d in dumps if d.run_id),
@@ -144,7 +156,9 @@ def _topology(step: StepDump) -> dict[str, str]:
     topo = step.topology
     found = {name: " ".join(str(list(g)) for g in lists) for name, lists in sorted(topo.groups.items())}
     if topo.mesh is not None:
-        found["mesh"] = " x ".join(f"{n}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape))
+        found["mesh"] = " x ".join(
+            f"{n}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape, strict=False)
+        )
     if topo.norm_group is not None:
         found["norm_group"] = topo.norm_group
     return found
@@ -162,7 +176,12 @@ def command_for(directory: str, options: AuditOptions) -> str:
 
 
 def build_report(
-    step: StepDump, m: StepMeasurements, options: AuditOptions, *, command: str = "", warnings: tuple[str, ...] = ()
+    step: StepDump,
+    m: StepMeasurements,
+    options: AuditOptions,
+    *,
+    command: str = "",
+    warnings: tuple[str, ...] = (),
 ) -> Report:
     """The Report of one measured step (pure)."""
     findings, not_checked = run_checks(step, m, options)
@@ -208,14 +227,20 @@ def audit_step(
 
 
 def audit_step_dir(
-    path: str | Path, options: AuditOptions, *, progress: Progress | None = None, measure: Measure | None = None
+    path: str | Path,
+    options: AuditOptions,
+    *,
+    progress: Progress | None = None,
+    measure: Measure | None = None,
 ) -> Report:
     """Audit one step_<N> folder (with options.reference, against that reference step)."""
     from .dumpfile import load_step
 
     step = load_step(path)
     reference, warnings = _reference_for(step, options)
-    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings, measure=measure)
+    return audit_step(
+        step, options, reference=reference, progress=progress, warnings=warnings, measure=measure
+    )
 
 
 def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | None, tuple[str, ...]]:
@@ -258,7 +283,11 @@ def summarize(report: Report, directory: str) -> StepSummary:
 
 
 def audit_folder(
-    path: str | Path, options: AuditOptions, *, progress: Progress | None = None, measure: Measure | None = None
+    path: str | Path,
+    options: AuditOptions,
+    *,
+    progress: Progress | None = None,
+    measure: Measure | None = None,
 ) -> Report | MultiStepReport:
     """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
     from .dumpfile import find_step_dirs

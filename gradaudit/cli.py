@@ -6,7 +6,6 @@ import enum
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -41,7 +40,7 @@ def _root() -> None:
     """Audit gradient clipping under sharded training from per-rank gradient dumps."""
 
 
-def _emit(text: str, output: Optional[Path]) -> None:
+def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
@@ -74,17 +73,21 @@ class FailOn(str, enum.Enum):
 
 @app.command()
 def check(
-    directory: Path = typer.Argument(..., help="A step_<N> folder of rank files, or a folder of step_<N> folders."),
-    reference: Optional[Path] = typer.Option(
+    directory: Path = typer.Argument(
+        ..., help="A step_<N> folder of rank files, or a folder of step_<N> folders."
+    ),
+    reference: Path | None = typer.Option(
         None, "--reference", help="An unsharded reference step (world size 1) of the same model and data."
     ),
-    format: OutputFormat = typer.Option(OutputFormat.terminal, "--format", "-f", help="terminal, markdown or json."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the report to this file."),
+    format: OutputFormat = typer.Option(
+        OutputFormat.terminal, "--format", "-f", help="terminal, markdown or json."
+    ),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the report to this file."),
     fail_on: FailOn = typer.Option(
         FailOn.error, "--fail-on", help="Exit 1 on findings at or above: error, warning, never."
     ),
-    rtol: Optional[float] = typer.Option(None, "--rtol", help="Relative tolerance of the reference comparison."),
-    atol: Optional[float] = typer.Option(None, "--atol", help="Absolute tolerance of the reference comparison."),
+    rtol: float | None = typer.Option(None, "--rtol", help="Relative tolerance of the reference comparison."),
+    atol: float | None = typer.Option(None, "--atol", help="Absolute tolerance of the reference comparison."),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
@@ -106,7 +109,10 @@ def check(
 
     env = launch_env()  # under torchrun: parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
-    with scaled_out(env) as measure, check_progress(enabled=printing and format is not OutputFormat.json) as progress:
+    with (
+        scaled_out(env) as measure,
+        check_progress(enabled=printing and format is not OutputFormat.json) as progress,
+    ):
         result = audit_folder(directory, options, progress=progress, measure=measure)
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
@@ -125,10 +131,12 @@ def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
     for folder in dump_dirs:
         root = folder.resolve()
         if target == root or root in target.parents:
-            raise UsageError(f"{output}: --output lies inside the dump folder {folder}; write the report elsewhere")
+            raise UsageError(
+                f"{output}: --output lies inside the dump folder {folder}; write the report elsewhere"
+            )
 
 
-def _emit_report(result, format: OutputFormat, output: Optional[Path]) -> None:
+def _emit_report(result, format: OutputFormat, output: Path | None) -> None:
     from .errors import UsageError
     from .report import MultiStepReport
 
@@ -146,8 +154,10 @@ def _emit_report(result, format: OutputFormat, output: Optional[Path]) -> None:
 
         color = output is None and sys.stdout.isatty()
         width = 100 if output is not None else _terminal_width()
-        text = renderer.render_multi(result, width=width, color=color) if multi else renderer.render_report(
-            result, width=width, color=color
+        text = (
+            renderer.render_multi(result, width=width, color=color)
+            if multi
+            else renderer.render_report(result, width=width, color=color)
         )
     try:
         _emit(text, output)
@@ -170,11 +180,12 @@ def _fails(reports, fail_on: FailOn) -> bool:
 
 @app.command()
 def explain(
-    code: Optional[str] = typer.Argument(None, help="A finding code such as GA201."),
+    code: str | None = typer.Argument(None, help="A finding code such as GA201."),
     all_codes: bool = typer.Option(False, "--all", help="List every code with its severity and title."),
 ) -> None:
     """Explain a finding code: what it checks, why it matters, an example, how to fix it."""
-    from .checks.registry import BY_CODE, explain as explain_code, explain_all
+    from .checks.registry import BY_CODE, explain_all
+    from .checks.registry import explain as explain_code
     from .errors import UsageError
 
     if all_codes:
@@ -189,8 +200,8 @@ def explain(
 
 @app.command()
 def demo(
-    scenario: Optional[str] = typer.Argument(None, help="A scenario name; see --list.", show_default=False),
-    out_dir: Optional[Path] = typer.Argument(None, help="Folder to write the dumps under.", show_default=False),
+    scenario: str | None = typer.Argument(None, help="A scenario name; see --list.", show_default=False),
+    out_dir: Path | None = typer.Argument(None, help="Folder to write the dumps under.", show_default=False),
     list_scenarios: bool = typer.Option(False, "--list", help="List the scenarios and exit."),
 ) -> None:
     """Run one real training step with a known clipping mistake on local CPU ranks (gloo) and dump it.
@@ -206,7 +217,9 @@ def demo(
         _emit(scenario_table(), None)
         return
     if scenario is None or out_dir is None:
-        raise UsageError("give a scenario and an output folder: gradaudit demo SCENARIO OUT_DIR (see gradaudit demo --list)")
+        raise UsageError(
+            "give a scenario and an output folder: gradaudit demo SCENARIO OUT_DIR (see gradaudit demo --list)"
+        )
     chosen = get_scenario(scenario)
     try:
         result = run_demo(scenario, out_dir, progress=lambda line: sys.stderr.write(line + "\n"))
@@ -227,7 +240,7 @@ def _terminal_width() -> int:
     return max(80, min(160, shutil.get_terminal_size((100, 24)).columns))
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors exit 2 with one line; anything unexpected exits 3."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args

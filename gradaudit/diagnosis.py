@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from .measure import PieceMeasurement, StepMeasurements
 from .model import StepDump, TensorStats
@@ -184,11 +184,16 @@ def applied_coef_of(
         if denominator > 0:
             return math.fsum(a for a, _ in pre_post) / denominator, "gradients"
     stat_pairs = [
-        (p.stats["grad"], p.stats["grad_clipped"]) for p in pieces if "grad" in p.stats and "grad_clipped" in p.stats
+        (p.stats["grad"], p.stats["grad_clipped"])
+        for p in pieces
+        if "grad" in p.stats and "grad_clipped" in p.stats
     ]
     if stat_pairs and len(stat_pairs) == len([p for p in pieces if "grad" in p.stats]):
         if sum(b.num_nonfinite for _, b in stat_pairs) > sum(a.num_nonfinite for a, _ in stat_pairs):
-            return math.nan, "gradients"  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+            return (
+                math.nan,
+                "gradients",
+            )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
         pre = math.fsum(a.sum_sq for a, _ in stat_pairs)
         post = math.fsum(b.sum_sq for _, b in stat_pairs)
         if pre > 0:
@@ -225,12 +230,19 @@ class _RankSetNorms:
                 if layout is None:
                     layout = layout_ids[key] = len(layout_ids)
                 rows.append(
-                    (layout, stats_term(stats, norm_type), stats.num_nan > 0, stats.num_posinf + stats.num_neginf > 0)
+                    (
+                        layout,
+                        stats_term(stats, norm_type),
+                        stats.num_nan > 0,
+                        stats.num_posinf + stats.num_neginf > 0,
+                    )
                 )
             self.entries[rank] = rows
         self._cache: dict[tuple, tuple[float | None, bool]] = {}
 
-    def norm(self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None) -> tuple[float | None, bool]:
+    def norm(
+        self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None
+    ) -> tuple[float | None, bool]:
         """(norm, whether any layout appears more than once among these ranks); with `first`, that
         rank's copies of replicated pieces are the ones counted."""
         order = tuple(sorted(ranks))
@@ -275,7 +287,9 @@ def _candidates(
     found: list[Candidate] = []
     signatures: set = set()
 
-    def add(hypothesis: str, ranks: tuple[int, ...], dedupe: bool, description: str, value: float | None) -> None:
+    def add(
+        hypothesis: str, ranks: tuple[int, ...], dedupe: bool, description: str, value: float | None
+    ) -> None:
         signature = (frozenset(ranks), dedupe)
         if signature in signatures or value is None:
             return
@@ -305,7 +319,13 @@ def _candidates(
         if set(members) == set(range(step.world_size)) or members == (rank,):
             continue
         once, repeated = norms.norm(members, True)
-        add(f"{WRONG_GROUP}:{name}", members, True, f"ranks {list(members)} of group {name}, replicas once", once)
+        add(
+            f"{WRONG_GROUP}:{name}",
+            members,
+            True,
+            f"ranks {list(members)} of group {name}, replicas once",
+            once,
+        )
         if repeated:
             every = norms.norm(members, False)[0]
             add(
@@ -344,7 +364,9 @@ def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> fl
     return max_norm / coef - CLIP_EPS
 
 
-def _decide(reported: Match | None, implied: Match | None, coef_is_one: bool = False) -> tuple[str | None, bool, str]:
+def _decide(
+    reported: Match | None, implied: Match | None, coef_is_one: bool = False
+) -> tuple[str | None, bool, str]:
     """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
     if reported is None and implied is None:
         return None, False, "no reported norm and no applied coefficient below 1 to match"
@@ -358,7 +380,11 @@ def _decide(reported: Match | None, implied: Match | None, coef_is_one: bool = F
     if reported.hypothesis == implied.hypothesis:
         return reported.hypothesis, False, _describe(reported)
     if implied.hypothesis == CORRECT:
-        return reported.hypothesis, True, _describe(reported) + "; but the applied coefficient matches the true norm"
+        return (
+            reported.hypothesis,
+            True,
+            _describe(reported) + "; but the applied coefficient matches the true norm",
+        )
     return implied.hypothesis, False, _describe(implied) + f"; the reported norm says {reported.hypothesis}"
 
 
@@ -389,7 +415,10 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     if true_norm is None:
         note = f"the dumped statistics were taken for another norm type than {norm_type:g}"
     elif step.missing_ranks and not _covers_every_param(step, cover):
-        true_norm, note = None, f"ranks {compact_ranks(step.missing_ranks)} are missing and held parts of the gradient"
+        true_norm, note = (
+            None,
+            f"ranks {compact_ranks(step.missing_ranks)} are missing and held parts of the gradient",
+        )
     post_clip = None
     if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and true_norm is not None:
         post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
@@ -422,13 +451,17 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 "partial gradients and are not matched"
             )
         else:
-            reported_match = None if reported is None else match_norm(reported, "reported norm", candidates, rtol)
+            reported_match = (
+                None if reported is None else match_norm(reported, "reported norm", candidates, rtol)
+            )
             implied_match = (
                 None
                 if implied is None
                 else match_norm(implied, "norm implied by the applied coefficient", candidates, rtol)
             )
-            coef_is_one = coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
+            coef_is_one = (
+                coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
+            )
             hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
         rank_sq = math.fsum(own_sq.get(rank, ()))
         ranks[rank] = RankDiagnosis(
@@ -447,7 +480,9 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
             share_of_squared_norm=rank_sq / total_sq if total_sq > 0 else 0.0,
             rtol=rtol,
             true_norm=rank_true,
-            expected_coef=None if rank_true is None or max_norm is None else expected_clip_coef(rank_true, max_norm),
+            expected_coef=None
+            if rank_true is None or max_norm is None
+            else expected_clip_coef(rank_true, max_norm),
             num_clip_calls=num_calls,
         )
     return StepDiagnosis(

@@ -40,7 +40,9 @@ class Inventory:
 
 def _region_text(region) -> str:
     if isinstance(region, Box):
-        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(region.offsets, region.shape)) + "]"
+        return (
+            "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(region.offsets, region.shape, strict=False)) + "]"
+        )
     assert isinstance(region, FlatRange)
     return f"flat[{region.start}:{region.stop}]"
 
@@ -65,16 +67,22 @@ def build_inventory(step: StepDump) -> Inventory:
         if groups and "replicated" in layout:
             layout += f" over {', '.join(groups)}"
         holders = tuple(
-            (rank, " ".join(_region_text(r) for r in piece.regions) + (f" as {piece.local_name}" if piece.local_name else ""))
+            (
+                rank,
+                " ".join(_region_text(r) for r in piece.regions)
+                + (f" as {piece.local_name}" if piece.local_name else ""),
+            )
             for rank, piece in held
         )
         params.append(
-            ParamHolding(name=name, global_shape=info.global_shape, dtype=info.dtype, layout=layout, holders=holders)
+            ParamHolding(
+                name=name, global_shape=info.global_shape, dtype=info.dtype, layout=layout, holders=holders
+            )
         )
     topo = step.topology
     mesh = None
     if topo.mesh is not None:
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape))
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape, strict=False))
     return Inventory(
         directory=step.directory,
         step=step.step,
@@ -82,7 +90,9 @@ def build_inventory(step: StepDump) -> Inventory:
         ranks_present=step.ranks_present,
         missing_ranks=step.missing_ranks,
         modes=tuple(sorted({d.mode for d in step.ranks.values()})),
-        groups=tuple((name, " ".join(str(list(g)) for g in lists)) for name, lists in sorted(topo.groups.items())),
+        groups=tuple(
+            (name, " ".join(str(list(g)) for g in lists)) for name, lists in sorted(topo.groups.items())
+        ),
         mesh=mesh,
         norm_group=topo.norm_group,
         params=tuple(params),

@@ -10,8 +10,9 @@ split among processes: see scaleout.py). The inner loop over chunks is streamsta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from .model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
 from .reference import ReferenceSource, compare_regions, compare_values, covers
@@ -140,10 +141,14 @@ class StepMeasurements:
             self._memo[key] = entry
         return entry[1]
 
-    def merge(self, other: "StepMeasurements") -> "StepMeasurements":
+    def merge(self, other: StepMeasurements) -> StepMeasurements:
         """Combine measurements of disjoint parameter subsets of the same step."""
-        if self.norm_type != other.norm_type and not (math.isnan(self.norm_type) and math.isnan(other.norm_type)):
-            raise ValueError(f"cannot merge measurements of norm types {self.norm_type} and {other.norm_type}")
+        if self.norm_type != other.norm_type and not (
+            math.isnan(self.norm_type) and math.isnan(other.norm_type)
+        ):
+            raise ValueError(
+                f"cannot merge measurements of norm types {self.norm_type} and {other.norm_type}"
+            )
         if self.reference_given != other.reference_given:
             raise ValueError("cannot merge measurements with and without a reference")
         overlap = set(self.params) & set(other.params)
@@ -156,7 +161,9 @@ class StepMeasurements:
             params=dict(sorted({**self.params, **other.params}.items())),
             reference_given=self.reference_given,
             reference_step=self.reference_step,
-            reference_only_params=tuple(sorted(set(self.reference_only_params) | set(other.reference_only_params))),
+            reference_only_params=tuple(
+                sorted(set(self.reference_only_params) | set(other.reference_only_params))
+            ),
         )
 
     @property
@@ -176,7 +183,9 @@ def dumped_gradient_scale(dump: RankDump) -> float:
     if clip is None:
         return 1.0
     first = clip.calls[0] if clip.calls else None
-    unscaled = first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
+    unscaled = (
+        first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
+    )
     scale = first.loss_scale if first is not None and first.loss_scale is not None else clip.loss_scale
     if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
         return scale
@@ -199,7 +208,7 @@ def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
 # ---------------------------------------------------------------- reading helpers
 
 
-def _read_flat(reader: "TensorReader", path: str, key: str, start: int, stop: int) -> "torch.Tensor":
+def _read_flat(reader: TensorReader, path: str, key: str, start: int, stop: int) -> torch.Tensor:
     """Elements [start, stop) of the row-major flattened tensor, reading only those."""
     return reader.read_range(path, key, start, stop)
 
@@ -211,7 +220,7 @@ def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 def _piece_flat(
     reader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
-) -> "torch.Tensor":
+) -> torch.Tensor:
     import torch
 
     values = _read_flat(reader, path, piece.tensors[kind], start, stop).to(torch.float64)
@@ -262,7 +271,10 @@ def _measure_piece(
 
 
 def _compare_replicas(
-    reader, copies: list[tuple[int, str, Piece]], measured: Mapping[tuple[int, int], PieceMeasurement], chunk: int
+    reader,
+    copies: list[tuple[int, str, Piece]],
+    measured: Mapping[tuple[int, int], PieceMeasurement],
+    chunk: int,
 ) -> ReplicaSet:
     """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
@@ -288,15 +300,19 @@ def _compare_replicas(
                 mismatches[i] += mismatch
         results = [
             ReplicaCopy(rank=r, index=p.index, max_abs_diff=d, num_nonfinite_mismatch=n)
-            for (r, _, p), d, n in zip(others, diffs, mismatches)
+            for (r, _, p), d, n in zip(others, diffs, mismatches, strict=False)
         ]
     else:
         for rank, _, piece in copies[1:]:
             stats = measured[(rank, piece.index)].stats.get("grad")
             delta = None
-            if stats is not None and base_stats is not None and len(stats.fingerprint) == len(base_stats.fingerprint):
+            if (
+                stats is not None
+                and base_stats is not None
+                and len(stats.fingerprint) == len(base_stats.fingerprint)
+            ):
                 delta = max(
-                    [abs(a - b) for a, b in zip(stats.fingerprint, base_stats.fingerprint)]
+                    [abs(a - b) for a, b in zip(stats.fingerprint, base_stats.fingerprint, strict=False)]
                     + [
                         abs(math.sqrt(stats.sum_sq) - math.sqrt(base_stats.sum_sq)),
                         abs(stats.max_abs - base_stats.max_abs),
@@ -320,7 +336,14 @@ def _compare_replicas(
 
 
 def _compare_with_reference(
-    reader, param: str, rank_path: str, piece: Piece, source: ReferenceSource, kind: str, chunk: int, scale: float
+    reader,
+    param: str,
+    rank_path: str,
+    piece: Piece,
+    source: ReferenceSource,
+    kind: str,
+    chunk: int,
+    scale: float,
 ) -> ReferenceError:
     max_err, max_ref, mismatches, compared = compare_regions(
         lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
@@ -358,7 +381,7 @@ def _dtype_looseness(dtype: str) -> float:
 def measure_param(
     step: StepDump,
     name: str,
-    reader: "TensorReader",
+    reader: TensorReader,
     *,
     norm_type: float,
     reference: StepDump | None = None,
@@ -456,7 +479,17 @@ def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> 
 
 
 def _measure_reference(
-    name, reader, infos, ref_held, by_layout, *, norm_type: float, chunk: int, scale_of, reference: StepDump, kernel
+    name,
+    reader,
+    infos,
+    ref_held,
+    by_layout,
+    *,
+    norm_type: float,
+    chunk: int,
+    scale_of,
+    reference: StepDump,
+    kernel,
 ):
     info, ref_info = infos
     if ref_info is None:
@@ -465,10 +498,14 @@ def _measure_reference(
         return (
             (),
             (),
-            (f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",),
+            (
+                f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
+            ),
         )
     reference_pieces = tuple(
-        _measure_piece(reader, kernel, rank, path, piece, norm_type, dumped_gradient_scale(reference.ranks[rank]))
+        _measure_piece(
+            reader, kernel, rank, path, piece, norm_type, dumped_gradient_scale(reference.ranks[rank])
+        )
         for rank, path, piece in ref_held
     )
     errors, notes = [], []
@@ -494,7 +531,7 @@ def _measure_reference(
 
 def measure_step(
     step: StepDump,
-    reader: "TensorReader",
+    reader: TensorReader,
     *,
     norm_type: float | None = None,
     reference: StepDump | None = None,
@@ -523,7 +560,7 @@ def measure_step(
     reference_infos = {} if reference is None else reference.params
     scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
 
-    def measure(name: str, worker_reader: "TensorReader", kernel: ChunkKernel) -> ParamMeasurement:
+    def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
         return measure_param(
             step,
             name,
@@ -615,7 +652,9 @@ def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elem
         return measure(name, local.reader, local.kernel)
 
     try:
-        with ThreadPoolExecutor(max_workers=min(workers, len(to_read)), thread_name_prefix="gradaudit-measure") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(workers, len(to_read)), thread_name_prefix="gradaudit-measure"
+        ) as pool:
             futures = {pool.submit(in_worker, name): name for name in to_read}
             try:
                 for future in as_completed(futures):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Union
 
 TENSOR_KINDS = ("grad", "grad_clipped", "param_before", "param_after")
 """What a dumped tensor is: the gradient before clipping, after clipping, the parameter
@@ -53,7 +53,7 @@ class Box:
 
     def fits_in(self, global_shape: tuple[int, ...]) -> bool:
         return len(global_shape) == len(self.shape) and all(
-            o + s <= g for o, s, g in zip(self.offsets, self.shape, global_shape)
+            o + s <= g for o, s, g in zip(self.offsets, self.shape, global_shape, strict=False)
         )
 
 
@@ -77,7 +77,7 @@ class FlatRange:
         return self.stop <= numel_of(global_shape)
 
 
-Region = Union[Box, FlatRange]
+Region = Box | FlatRange
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,7 +177,9 @@ class MeshInfo:
         if len(self.shape) != len(self.axis_names):
             raise ValueError(f"mesh shape {self.shape} and axis names {self.axis_names} differ in length")
         if numel_of(self.shape) != len(self.ranks):
-            raise ValueError(f"mesh shape {self.shape} needs {numel_of(self.shape)} ranks, got {len(self.ranks)}")
+            raise ValueError(
+                f"mesh shape {self.shape} needs {numel_of(self.shape)} ranks, got {len(self.ranks)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

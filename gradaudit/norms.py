@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 CLIP_EPS = 1e-6
 """The epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)."""

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def compact_ranks(ranks: Iterable[int]) -> str:
     """Sorted ranks with consecutive runs collapsed: (0, 1, 2, 3, 7, 9, 10) -> "0-3, 7, 9-10"; "" if none."""
     ordered = sorted(set(ranks))
     runs: list[str] = []
+    last = None
     for rank in ordered:
-        if runs and rank == last + 1:
+        if last is not None and rank == last + 1:
             first = runs[-1].split("-")[0]
             runs[-1] = f"{first}-{rank}"
         else:

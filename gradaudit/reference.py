@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from .model import Box, FlatRange, Piece, Region, numel_of
 
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from .dumpfile import TensorReader
 
 
-def compare_values(ours: "torch.Tensor", ref: "torch.Tensor") -> tuple[float, float, int]:
+def compare_values(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, int]:
     """(max |ours - ref| over elements finite in both, max |ref| over its finite elements, count of
     elements where one is finite and the other not, or both nonfinite but not the same value)."""
     import torch
@@ -42,7 +43,7 @@ class ReferenceSource:
 
     def __init__(
         self,
-        reader: "TensorReader",
+        reader: TensorReader,
         global_shape: tuple[int, ...],
         pieces: list[tuple[str, Piece]],
         kind: str,
@@ -61,7 +62,7 @@ class ReferenceSource:
                 return
         self.dense = _assemble_dense(reader, self.global_shape, with_values, kind)
 
-    def flat(self, start: int, stop: int) -> "torch.Tensor":
+    def flat(self, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the row-major flattened parameter."""
         import torch
 
@@ -72,11 +73,11 @@ class ReferenceSource:
             values = self.dense.reshape(-1)[start:stop]
         return values / self.scale if self.scale != 1.0 else values
 
-    def box(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> "torch.Tensor":
+    def box(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The box's elements, row-major: the whole rows that hold it are read, then cut."""
         if len(shape) == 0:
             return self.flat(0, 1)
-        index = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=False))
         if self.whole is None:
             values = self.dense[index].reshape(-1)
             return values / self.scale if self.scale != 1.0 else values
@@ -102,7 +103,7 @@ def covers(pieces: list[tuple[str, Piece]], global_shape: tuple[int, ...]) -> bo
 
 def _assemble_dense(
     reader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: str
-) -> "torch.Tensor":
+) -> torch.Tensor:
     import torch
 
     dense = torch.full((numel_of(global_shape),), math.nan, dtype=torch.float64)
@@ -114,7 +115,9 @@ def _assemble_dense(
             if isinstance(region, FlatRange):
                 dense[region.start : region.stop] = values[offset : offset + region.numel]
             else:
-                index = flat_index[tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))].reshape(-1)
+                index = flat_index[
+                    tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape, strict=False))
+                ].reshape(-1)
                 dense[index] = values[offset : offset + region.numel]
             offset += region.numel
     return dense.reshape(global_shape)
@@ -142,7 +145,10 @@ def region_windows(region: Region, chunk: int, row_elements: int = 0) -> Iterato
 
 
 def compare_regions(
-    read_ours: Callable[[int, int], "torch.Tensor"], regions: tuple[Region, ...], source: ReferenceSource, chunk: int
+    read_ours: Callable[[int, int], torch.Tensor],
+    regions: tuple[Region, ...],
+    source: ReferenceSource,
+    chunk: int,
 ) -> tuple[float, float, int, int]:
     """Compare a piece (its elements [a, b) in float64 from `read_ours(a, b)`) with the reference, window
     by window: (max |error|, max |reference|, nonfinite mismatches, elements compared)."""
@@ -153,7 +159,11 @@ def compare_regions(
         for sub, offset in region_windows(region, chunk, row_elements):
             start = region_offset + offset
             ours = read_ours(start, start + sub.numel)
-            ref = source.flat(sub.start, sub.stop) if isinstance(sub, FlatRange) else source.box(sub.offsets, sub.shape)
+            ref = (
+                source.flat(sub.start, sub.stop)
+                if isinstance(sub, FlatRange)
+                else source.box(sub.offsets, sub.shape)
+            )
             err, ref_max, mismatch = compare_values(ours, ref)
             max_err, max_ref, mismatches = max(max_err, err), max(max_ref, ref_max), mismatches + mismatch
             compared += sub.numel

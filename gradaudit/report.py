@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping, Union
 
 REPORT_VERSION = 1
 
-Number = Union[int, float]
+Number = int | float
 
 
 class Severity(str, Enum):
@@ -32,7 +32,7 @@ class Finding:
     message: str
     ranks: tuple[int, ...] = ()
     params: tuple[str, ...] = ()
-    evidence: Mapping[str, Union[Number, str, None]] = field(default_factory=dict)
+    evidence: Mapping[str, Number | str | None] = field(default_factory=dict)
 
     @property
     def sort_key(self) -> tuple:

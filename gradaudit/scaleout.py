@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import GradauditError, UsageError
 
@@ -114,14 +115,14 @@ class Exchange:
                 raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
 
 
-def measure_share(exchange: Exchange) -> Callable[..., "StepMeasurements"]:
+def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     """A drop-in for `measure.measure_step` that measures this process's share of the parameters
     and returns the merged measurements of all processes."""
     from functools import reduce
 
     from .measure import available_workers, bytes_to_read, measure_step
 
-    def measure(step: "StepDump", reader, *, params=None, **kwargs) -> "StepMeasurements":
+    def measure(step: StepDump, reader, *, params=None, **kwargs) -> StepMeasurements:
         costs = bytes_to_read(step, kwargs.get("reference"))
         if params is not None:
             costs = {name: costs.get(name, 0) for name in params}
@@ -134,7 +135,7 @@ def measure_share(exchange: Exchange) -> Callable[..., "StepMeasurements"]:
 
 
 @contextlib.contextmanager
-def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., "StepMeasurements"] | None]:
+def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., StepMeasurements] | None]:
     """Under torchrun: join (or create) the gloo group and give the sharing measure function; a
     failure in this process is passed on to the others. Without torchrun: None (measure alone)."""
     if env is None:

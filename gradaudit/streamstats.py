@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from .model import TensorStats
 from .tensorstats import StatsAccumulator
@@ -36,13 +37,13 @@ class ChunkKernel:
 
     def __init__(self, chunk_elements: int = KERNEL_CHUNK_ELEMENTS) -> None:
         self.chunk_elements = chunk_elements
-        self._buffers: dict[str, "torch.Tensor"] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def windows(self, numel: int) -> Iterator[tuple[int, int]]:
         for start in range(0, numel, self.chunk_elements):
             yield start, min(numel, start + self.chunk_elements)
 
-    def widen(self, values: "torch.Tensor", slot: str) -> "torch.Tensor":
+    def widen(self, values: torch.Tensor, slot: str) -> torch.Tensor:
         """`values` (any float dtype, at most one chunk) as float64, in the reused buffer `slot`."""
         import torch
 
@@ -54,7 +55,13 @@ class ChunkKernel:
         return wide
 
     def read_piece(
-        self, reader: "TensorReader", path: str, piece: "Piece", norm_type: float, *, fingerprint: bool = False
+        self,
+        reader: TensorReader,
+        path: str,
+        piece: Piece,
+        norm_type: float,
+        *,
+        fingerprint: bool = False,
     ) -> tuple[dict[str, TensorStats], float | None, float | None, float | None]:
         """One pass over every tensor the piece holds, in aligned chunks: ({kind: TensorStats},
         sum grad*grad_clipped, sum grad*grad, sum (param_after - param_before)^2), the sums over the
@@ -84,7 +91,9 @@ class ChunkKernel:
                 pairs["pre_post"].append(ab)
                 pairs["pre_pre"].append(aa)
             if update:
-                pairs["update"].append(_finite_products(wide["param_before"], wide["param_after"], difference=True)[2])
+                pairs["update"].append(
+                    _finite_products(wide["param_before"], wide["param_after"], difference=True)[2]
+                )
         if fingerprint:
             stats = {kind: acc.result() for kind, acc in accumulators.items()}
         else:
@@ -93,7 +102,7 @@ class ChunkKernel:
         return stats, total("pre_post", pre_post), total("pre_pre", pre_post), total("update", update)
 
 
-def _finite_products(a: "torch.Tensor", b: "torch.Tensor", *, difference: bool) -> tuple[float, float, float]:
+def _finite_products(a: torch.Tensor, b: torch.Tensor, *, difference: bool) -> tuple[float, float, float]:
     """(a.b, a.a, |b-a|^2) over the elements finite in both; the buffers are left unchanged."""
     import torch
 
@@ -123,7 +132,7 @@ class _Sums:
         self.max_abs = 0.0
         self.counts = [0, 0, 0]
 
-    def add(self, wide: "torch.Tensor", raw: "torch.Tensor | None" = None) -> None:
+    def add(self, wide: torch.Tensor, raw: torch.Tensor | None = None) -> None:
         """Add one chunk (float64; left unchanged). `raw` is the same chunk as dumped: its min and max
         are the same numbers and cheaper to find in the narrower dtype."""
         import torch

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .model import TensorStats
 
@@ -20,7 +21,7 @@ _weight_tables: dict = {}
 _scratch = threading.local()
 
 
-def _widened(flat: "torch.Tensor") -> "torch.Tensor":
+def _widened(flat: torch.Tensor) -> torch.Tensor:
     """`flat` as float64 in a reused per-thread buffer: a fresh allocation per chunk costs more in page
     faults than the conversion itself."""
     import torch
@@ -33,11 +34,13 @@ def _widened(flat: "torch.Tensor") -> "torch.Tensor":
     key = str(flat.device)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < flat.numel():
-        buffer = buffers[key] = torch.empty(max(flat.numel(), CHUNK_ELEMENTS), dtype=torch.float64, device=flat.device)
+        buffer = buffers[key] = torch.empty(
+            max(flat.numel(), CHUNK_ELEMENTS), dtype=torch.float64, device=flat.device
+        )
     return buffer[: flat.numel()].copy_(flat)
 
 
-def fingerprint_weights(device) -> "torch.Tensor":
+def fingerprint_weights(device) -> torch.Tensor:
     """w[j] = ((j * 2654435761) mod 2^32) * 2^-31 - 1 for j < 4096, float64, cached per device."""
     import torch
 
@@ -69,7 +72,7 @@ class StatsAccumulator:
         self._fp_sum = []
         self._fp_proj = []
 
-    def add(self, chunk: "torch.Tensor") -> None:
+    def add(self, chunk: torch.Tensor) -> None:
         import torch
 
         flat = chunk.reshape(-1)
@@ -95,7 +98,7 @@ class StatsAccumulator:
         self._fp_proj.append(self._projection(x))
         self.numel += x.numel()
 
-    def _count_and_mask_nonfinite(self, x: "torch.Tensor") -> "torch.Tensor":
+    def _count_and_mask_nonfinite(self, x: torch.Tensor) -> torch.Tensor:
         import torch
 
         finite = torch.isfinite(x)
@@ -104,7 +107,7 @@ class StatsAccumulator:
         self._counts[2] += int((x == -math.inf).sum())
         return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-    def _projection(self, x: "torch.Tensor") -> "torch.Tensor":
+    def _projection(self, x: torch.Tensor) -> torch.Tensor:
         """sum_i x_i * w[(offset + i) mod P], as one matrix-vector product over whole periods."""
         import torch
 
@@ -138,13 +141,17 @@ class StatsAccumulator:
         )
 
 
-def stats_of_chunks(chunks: Iterable["torch.Tensor"], norm_type: float) -> TensorStats:
+def stats_of_chunks(chunks: Iterable[torch.Tensor], norm_type: float) -> TensorStats:
     acc = StatsAccumulator(norm_type)
     for chunk in chunks:
         acc.add(chunk)
     return acc.result()
 
 
-def stats_of_tensor(tensor: "torch.Tensor", norm_type: float, chunk_elements: int = CHUNK_ELEMENTS) -> TensorStats:
+def stats_of_tensor(
+    tensor: torch.Tensor, norm_type: float, chunk_elements: int = CHUNK_ELEMENTS
+) -> TensorStats:
     flat = tensor.detach().reshape(-1)
-    return stats_of_chunks((flat[i : i + chunk_elements] for i in range(0, flat.numel(), chunk_elements)), norm_type)
+    return stats_of_chunks(
+        (flat[i : i + chunk_elements] for i in range(0, flat.numel(), chunk_elements)), norm_type
+    )

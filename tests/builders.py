@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from gradaudit.dumpfile.build import PieceSpec, box, flat, whole, write_rank
 from gradaudit.model import ClipRecord, DataRecord, Topology
 from gradaudit.report import Report
 
-__all__ = ["box", "flat", "whole", "write_step", "tensor_with_norm", "sharded_rows", "check", "codes", "clip"]
+__all__ = ["box", "check", "clip", "codes", "flat", "sharded_rows", "tensor_with_norm", "whole", "write_step"]
 
 FIXED = {"host": "host-a", "created_at": "2026-01-01T00:00:00+00:00", "run_id": "test-run"}
 
@@ -86,7 +86,9 @@ def sharded_rows(
         ]
         for rank, g in enumerate(grads)
     }
-    return write_step(directory, world_size=len(grads), params={param: shape}, pieces=pieces, clips=clips, **kw)
+    return write_step(
+        directory, world_size=len(grads), params={param: shape}, pieces=pieces, clips=clips, **kw
+    )
 
 
 def check(directory: str | Path, **options) -> Report:

@@ -41,7 +41,9 @@ def test_missing_max_norm_raises(model, tmp_path):
 
 def test_an_alias_key_that_is_not_a_parameter_of_this_rank_raises(model, tmp_path):
     with pytest.raises(CaptureError, match=r"'lm_head\.weight' is not a parameter .*\(e\.g\. bias, weight\)"):
-        with gradaudit.audit_step(model, tmp_path, step=1, max_norm=1.0, aliases={"lm_head.weight": "embed.weight"}):
+        with gradaudit.audit_step(
+            model, tmp_path, step=1, max_norm=1.0, aliases={"lm_head.weight": "embed.weight"}
+        ):
             pass
     assert not (tmp_path / "step_1").exists()
 

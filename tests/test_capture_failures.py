@@ -7,12 +7,12 @@ import warnings
 
 import pytest
 import torch
+from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 import gradaudit
 from gradaudit.capture.warn import CaptureWarning
 from gradaudit.dumpfile import DumpExistsError, load_step
 from gradaudit.errors import CaptureError
-from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 
 def train_steps(model, out_dir, steps, **kwargs) -> list[float]:
@@ -20,7 +20,9 @@ def train_steps(model, out_dir, steps, **kwargs) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in steps:
-        with gradaudit.audit_step(model, out_dir, step=step, max_norm=MAX_NORM, optimizer=opt, **kwargs) as audit:
+        with gradaudit.audit_step(
+            model, out_dir, step=step, max_norm=MAX_NORM, optimizer=opt, **kwargs
+        ) as audit:
             opt.zero_grad()
             loss = model(torch.randn(5, 4)).pow(2).mean()
             loss.backward()
@@ -53,7 +55,9 @@ def test_a_full_disk_warns_once_and_training_goes_on_without_any_file(tmp_path, 
     losses, caught = capture_warnings(lambda: train_steps(make_model(), tmp_path, [1, 2, 3]))
     assert len(losses) == 3
     assert len(caught) == 1
-    assert "No space left on device" in str(caught[0].message) and "training goes on" in str(caught[0].message)
+    assert "No space left on device" in str(caught[0].message) and "training goes on" in str(
+        caught[0].message
+    )
     for step in (1, 2, 3):
         assert list((tmp_path / f"step_{step}").iterdir()) == []  # neither the final name nor a temporary
 
@@ -120,8 +124,13 @@ def test_a_piece_whose_gradient_cannot_be_read_is_dropped_and_warned(tmp_path):
         raise RuntimeError("device lost")
 
     explicit = LocalPiece(
-        param="0.weight", global_shape=(3, 4), dtype="float32", regions=(Box(offsets=(0, 0), shape=(3, 4)),),
-        local_shape=(3, 4), grad=broken, value=lambda: model[0].weight.detach(),
+        param="0.weight",
+        global_shape=(3, 4),
+        dtype="float32",
+        regions=(Box(offsets=(0, 0), shape=(3, 4)),),
+        local_shape=(3, 4),
+        grad=broken,
+        value=lambda: model[0].weight.detach(),
     )
     _, caught = capture_warnings(lambda: train_steps(model, tmp_path, [1], ownership=[explicit]))
     assert len(caught) == 1 and "device lost" in str(caught[0].message)
@@ -130,7 +139,9 @@ def test_a_piece_whose_gradient_cannot_be_read_is_dropped_and_warned(tmp_path):
     assert dump.param("0.weight") is not None  # still named, so the checker reports the gap
 
 
-def test_an_unexpected_failure_while_inferring_ownership_warns_and_the_step_runs_untouched(tmp_path, monkeypatch):
+def test_an_unexpected_failure_while_inferring_ownership_warns_and_the_step_runs_untouched(
+    tmp_path, monkeypatch
+):
     from gradaudit.capture import session
 
     def broken(*args, **kwargs):
@@ -166,8 +177,13 @@ def test_running_out_of_memory_while_copying_gives_every_copy_back_and_writes_no
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     explicit = LocalPiece(
-        param="1.bias", global_shape=(3,), dtype="float32", regions=(Box(offsets=(0,), shape=(3,)),),
-        local_shape=(3,), grad=out_of_memory, value=lambda: model[1].bias.detach(),
+        param="1.bias",
+        global_shape=(3,),
+        dtype="float32",
+        regions=(Box(offsets=(0,), shape=(3,)),),
+        local_shape=(3,),
+        grad=out_of_memory,
+        value=lambda: model[1].bias.detach(),
     )
     losses, caught = capture_warnings(lambda: train_steps(model, tmp_path, [1, 2], ownership=[explicit]))
     assert len(losses) == 2 and len(caught) == 1

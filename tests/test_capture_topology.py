@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from gradaudit.capture.dtensor import _runs_of
-from gradaudit.capture.topology import TopologyBuilder, normalize_groups, rank_lists_over_axes, with_norm_group
+from gradaudit.capture.topology import (
+    TopologyBuilder,
+    normalize_groups,
+    rank_lists_over_axes,
+    with_norm_group,
+)
 from gradaudit.errors import CaptureError
 from gradaudit.model import Topology
 
@@ -97,7 +102,10 @@ def test_a_non_contiguous_strided_shard_becomes_one_piece_per_run():
     local = global_value[[2, 3, 6, 7]]  # what _StridedShard(0, split_factor=2) leaves on coordinate 1
     param = _FakeDTensorParam(_FakeMesh(1), (_StridedShard(0, split_factor=2),), global_value, local)
     pieces = dtensor_pieces("w", None, param, TopologyBuilder(rank=1, world_size=2))
-    assert [(p.regions[0].offsets, p.regions[0].shape) for p in pieces] == [((2, 0), (2, 3)), ((6, 0), (2, 3))]
+    assert [(p.regions[0].offsets, p.regions[0].shape) for p in pieces] == [
+        ((2, 0), (2, 3)),
+        ((6, 0), (2, 3)),
+    ]
     for piece in pieces:
         (box,) = piece.regions
         rows = slice(box.offsets[0], box.offsets[0] + box.shape[0])

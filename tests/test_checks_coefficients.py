@@ -16,7 +16,9 @@ def test_ranks_applying_different_coefficients_are_named(tmp_path):
 
 
 def test_coefficients_equal_within_rounding_are_one_coefficient(tmp_path):
-    sharded_rows(tmp_path, _grads(), clips={0: clip(1.0, clip_coef=0.70710678), 1: clip(1.0, clip_coef=0.70710679)})
+    sharded_rows(
+        tmp_path, _grads(), clips={0: clip(1.0, clip_coef=0.70710678), 1: clip(1.0, clip_coef=0.70710679)}
+    )
     assert "GA301" not in codes(check(tmp_path))
 
 

@@ -95,7 +95,7 @@ def test_flat_ranges_become_few_boxes_that_hold_exactly_their_elements():
         assert len(boxes) <= 2 * len(shape) - 1
         held = torch.zeros(shape, dtype=torch.int64)
         for offsets, sizes in boxes:
-            held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+            held[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))] += 1
         expected = torch.zeros(60, dtype=torch.int64)
         expected[start:stop] = 1
         assert torch.equal(held.reshape(-1), expected)

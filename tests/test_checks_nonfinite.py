@@ -18,7 +18,11 @@ def test_a_nonfinite_shard_on_one_rank_names_that_rank_and_parameter(tmp_path):
     report = check(tmp_path)
     found = finding(report, "GA401")
     assert found.ranks == (2,) and found.params == ("layers.0.w",)
-    assert (found.evidence["num_nan"], found.evidence["num_posinf"], found.evidence["num_neginf"]) == (1, 1, 0)
+    assert (found.evidence["num_nan"], found.evidence["num_posinf"], found.evidence["num_neginf"]) == (
+        1,
+        1,
+        0,
+    )
     assert "rank 2" in found.message
     assert report.ranks[2].nonfinite.total == 2 and report.ranks[0].nonfinite.total == 0
     assert math.isnan(report.global_norm)

@@ -1,7 +1,17 @@
 """GA501, GA502, GA702, GA701: when and on what clipping ran, how losses were averaged, update size."""
 
 import torch
-from builders import check, clip, codes, finding, not_checked, sharded_rows, tensor_with_norm, whole, write_step
+from builders import (
+    check,
+    clip,
+    codes,
+    finding,
+    not_checked,
+    sharded_rows,
+    tensor_with_norm,
+    whole,
+    write_step,
+)
 
 from gradaudit.model import ClipCall, ClipRecord, DataRecord
 
@@ -33,7 +43,9 @@ def test_clipping_before_unscale_is_reported_with_the_effective_threshold(tmp_pa
 
 
 def test_clipping_after_unscale_raises_no_scale_finding(tmp_path):
-    sharded_rows(tmp_path, _grads(), clips=ClipRecord(max_norm=1.0, loss_scale=1024.0, unscaled_before_clip=True))
+    sharded_rows(
+        tmp_path, _grads(), clips=ClipRecord(max_norm=1.0, loss_scale=1024.0, unscaled_before_clip=True)
+    )
     report = check(tmp_path)
     assert "GA502" not in codes(report) and "GA502" not in not_checked(report)
 
@@ -44,7 +56,10 @@ def test_scale_check_is_not_checked_without_a_loss_scale(tmp_path):
 
 
 def test_ranks_averaging_over_different_token_counts_get_a_warning(tmp_path):
-    data = {0: DataRecord(tokens=1000, loss_reduction="mean"), 1: DataRecord(tokens=200, loss_reduction="mean")}
+    data = {
+        0: DataRecord(tokens=1000, loss_reduction="mean"),
+        1: DataRecord(tokens=200, loss_reduction="mean"),
+    }
     sharded_rows(tmp_path, _grads(), clips=clip(1.0), data=data)
     found = finding(check(tmp_path), "GA702")
     assert found.severity.value == "warning" and found.ranks == (1,)
@@ -71,7 +86,10 @@ def test_update_norm_is_reported_next_to_the_gradient_norm(tmp_path):
     )
     found = finding(check(tmp_path), "GA701")
     assert found.severity.value == "info"
-    assert abs(found.evidence["update_norm"] - 0.1) < 1e-12 and abs(found.evidence["gradient_norm"] - 5.0) < 1e-12
+    assert (
+        abs(found.evidence["update_norm"] - 0.1) < 1e-12
+        and abs(found.evidence["gradient_norm"] - 5.0) < 1e-12
+    )
 
 
 def test_update_norm_is_not_checked_without_parameters_before_and_after(tmp_path):

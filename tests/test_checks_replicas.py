@@ -10,7 +10,8 @@ def _replicas(tmp_path, copies, *, stats_only=False, dtype=torch.float32):
         world_size=len(copies),
         params={"w": tuple(copies[0].shape)},
         pieces={
-            r: [whole("w", grad=g.to(dtype), replica_group="dp", stats_only=stats_only)] for r, g in enumerate(copies)
+            r: [whole("w", grad=g.to(dtype), replica_group="dp", stats_only=stats_only)]
+            for r, g in enumerate(copies)
         },
         clips=clip(1.0),
     )

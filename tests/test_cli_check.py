@@ -38,7 +38,10 @@ def test_a_clean_step_exits_0_and_a_buggy_one_exits_1(tmp_path, capsys):
 def test_fail_on_sets_the_severity_that_fails(tmp_path, capsys):
     warned = _clean(
         tmp_path / "warn",
-        data={0: DataRecord(tokens=10, loss_reduction="mean"), 1: DataRecord(tokens=20, loss_reduction="mean")},
+        data={
+            0: DataRecord(tokens=10, loss_reduction="mean"),
+            1: DataRecord(tokens=20, loss_reduction="mean"),
+        },
     )
     assert run("check", str(warned), capsys=capsys)[0] == 0
     assert run("check", str(warned), "--fail-on", "warning", capsys=capsys)[0] == 1

@@ -28,7 +28,13 @@ def _mixed_step(directory):
             whole("bias", grad=torch.ones(3), replica_group="dp"),
         ],
     }
-    write_step(directory, world_size=2, params={"a": (6, 4), "b": (10,), "bias": (3,)}, pieces=pieces, clips=clip(1.0))
+    write_step(
+        directory,
+        world_size=2,
+        params={"a": (6, 4), "b": (10,), "bias": (3,)},
+        pieces=pieces,
+        clips=clip(1.0),
+    )
     return load_step(directory), a, b
 
 
@@ -38,7 +44,7 @@ def test_measuring_in_tiny_chunks_gives_the_same_numbers_as_one_chunk(tmp_path):
         big = measure_step(step, reader)
         tiny = measure_step(step, reader, chunk_elements=3)
     for name in big.params:
-        for p, q in zip(big.params[name].pieces, tiny.params[name].pieces):
+        for p, q in zip(big.params[name].pieces, tiny.params[name].pieces, strict=False):
             assert math.isclose(p.stats["grad"].sum_sq, q.stats["grad"].sum_sq, rel_tol=1e-12)
             assert (p.dot_pre_post is None) == (q.dot_pre_post is None)
             if p.dot_pre_post is not None:
@@ -73,8 +79,13 @@ def test_replicas_count_once_in_the_true_norm_and_every_copy_in_the_double_count
     assert math.isclose(diagnosis.true_norm, expected, rel_tol=1e-12)
     double = {c.hypothesis: c.value for c in diagnosis.ranks[0].candidates}["replicas_double_counted"]
     assert math.isclose(double, math.sqrt(expected**2 + 3.0), rel_tol=1e-12)
-    assert math.isclose(diagnosis.ranks[0].share_of_squared_norm + diagnosis.ranks[1].share_of_squared_norm, 1.0)
-    assert diagnosis.ranks[0].applied_coef == pytest.approx(0.5) and diagnosis.ranks[0].coef_source == "gradients"
+    assert math.isclose(
+        diagnosis.ranks[0].share_of_squared_norm + diagnosis.ranks[1].share_of_squared_norm, 1.0
+    )
+    assert (
+        diagnosis.ranks[0].applied_coef == pytest.approx(0.5)
+        and diagnosis.ranks[0].coef_source == "gradients"
+    )
 
 
 def test_the_inf_norm_is_the_largest_magnitude_and_is_diagnosed_like_any_other(tmp_path):
@@ -89,7 +100,10 @@ def test_a_group_spanning_the_whole_world_is_not_a_wrong_group(tmp_path):
     grads = [tensor_with_norm(0.6, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
     true = float(torch.cat(grads).norm())
     sharded_rows(
-        tmp_path, grads, clips=clip(1.0, reported_norm=true), topology=Topology(groups={"dp_shard": ((0, 1),)})
+        tmp_path,
+        grads,
+        clips=clip(1.0, reported_norm=true),
+        topology=Topology(groups={"dp_shard": ((0, 1),)}),
     )
     report = check(tmp_path)
     assert [row.diagnosis for row in report.ranks] == ["correct", "correct"]
@@ -100,7 +114,11 @@ def test_stats_only_dumps_are_diagnosed_from_their_stored_statistics(tmp_path):
     grads = [tensor_with_norm(0.8, (2, 3), seed=r, dtype=torch.float64) for r in range(4)]
     rows = {r: [box("w", (2 * r, 0), grad=g, stats_only=True)] for r, g in enumerate(grads)}
     write_step(
-        tmp_path, world_size=4, params={"w": (8, 3)}, pieces=rows, clips=clip(1.0, reported_norm=0.8, clip_coef=1.0)
+        tmp_path,
+        world_size=4,
+        params={"w": (8, 3)},
+        pieces=rows,
+        clips=clip(1.0, reported_norm=0.8, clip_coef=1.0),
     )
     report = check(tmp_path)
     assert abs(report.global_norm - 1.6) < 1e-9
@@ -136,7 +154,10 @@ def test_a_rank_that_clipped_every_microbatch_is_not_matched_against_the_norm_hy
 def test_a_rank_with_drifted_replicas_is_judged_by_its_own_copies_not_as_a_local_norm(tmp_path):
     base = tensor_with_norm(2.0, (3,), seed=1, dtype=torch.float64)
     drifted = base * 0.5
-    pieces = {0: [whole("w", grad=base.clone(), replica_group="dp")], 1: [whole("w", grad=drifted, replica_group="dp")]}
+    pieces = {
+        0: [whole("w", grad=base.clone(), replica_group="dp")],
+        1: [whole("w", grad=drifted, replica_group="dp")],
+    }
     clips = {
         0: clip(1.0, reported_norm=2.0, clip_coef=1 / (2.0 + 1e-6)),
         1: clip(1.0, reported_norm=1.0, clip_coef=1.0),
@@ -158,7 +179,11 @@ def test_scalar_and_empty_parameters_are_measured_and_covered(tmp_path):
         for r in range(2)
     }
     write_step(
-        tmp_path, world_size=2, params={"scale": (), "empty": (0, 4)}, pieces=pieces, clips=clip(1.0, reported_norm=3.0)
+        tmp_path,
+        world_size=2,
+        params={"scale": (), "empty": (0, 4)},
+        pieces=pieces,
+        clips=clip(1.0, reported_norm=3.0),
     )
     report = check(tmp_path)
     assert report.global_norm == 3.0

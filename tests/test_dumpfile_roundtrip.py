@@ -34,8 +34,10 @@ def test_write_then_load_gives_back_the_same_tensors_bit_for_bit(tmp_path, dtype
             piece = step.ranks[rank].pieces[0]
             got = reader.read(step.ranks[rank].path, piece.tensors["grad"])
             assert got.dtype == dtype
-            assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                               g.view(torch.int16 if dtype != torch.float32 else torch.int32))
+            assert torch.equal(
+                got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                g.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            )
             chunks = list(reader.chunks(step.ranks[rank].path, piece.tensors["grad_clipped"], max_elements=3))
             assert len(chunks) == 2
             assert torch.equal(torch.cat(chunks), clipped.reshape(-1))
@@ -77,7 +79,11 @@ def test_metadata_round_trips_including_nonfinite_numbers(tmp_path):
     assert dump.topology == topo
     assert dump.clip.norm_type == math.inf and math.isnan(dump.clip.reported_norm)
     assert dump.clip.calls[0].reported_norm == math.inf and dump.clip.calls[0].loss_scale == 1024.0
-    assert (dump.clip.found_inf, dump.clip.step_skipped, dump.clip.unscaled_before_clip) == (True, True, False)
+    assert (dump.clip.found_inf, dump.clip.step_skipped, dump.clip.unscaled_before_clip) == (
+        True,
+        True,
+        False,
+    )
     assert dump.data == DataRecord(tokens=123, loss=2.5, loss_reduction="mean")
     assert dump.aliases == {"head.w": "w"}
     assert dump.pieces[0].regions == (FlatRange(start=4, stop=8),)
@@ -86,7 +92,11 @@ def test_metadata_round_trips_including_nonfinite_numbers(tmp_path):
 
 def test_stats_only_piece_stores_statistics_and_no_values(tmp_path):
     write_rank(
-        tmp_path, rank=0, world_size=1, step=1, params={"w": (2,)},
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={"w": (2,)},
         pieces=[whole("w", grad=torch.tensor([3.0, float("nan")]), stats_only=True)],
         clip=ClipRecord(max_norm=1.0),
     )
@@ -100,18 +110,33 @@ def test_stats_only_piece_stores_statistics_and_no_values(tmp_path):
 
 def test_on_disk_header_of_a_tiny_dump_is_pinned(tmp_path):
     write_rank(
-        tmp_path, rank=0, world_size=2, step=3, params={"w": (2, 2)},
+        tmp_path,
+        rank=0,
+        world_size=2,
+        step=3,
+        params={"w": (2, 2)},
         pieces=[box("w", (0, 0), grad=torch.tensor([[1.0, 2.0]]))],
         clip=ClipRecord(max_norm=1.0, reported_norm=2.0),
-        host="host-a", created_at="2026-01-01T00:00:00+00:00", run_id="r",
+        host="host-a",
+        created_at="2026-01-01T00:00:00+00:00",
+        run_id="r",
     )
     header = read_header(str(tmp_path / "rank_00000.safetensors"))
     doc = json.loads(header.metadata["gradaudit"])
     doc["torch_version"] = "<torch>"
     expected = {
         "aliases": {},
-        "clip": {"calls": [], "clip_coef": None, "found_inf": None, "loss_scale": None, "max_norm": 1.0,
-                 "norm_type": 2.0, "reported_norm": 2.0, "step_skipped": None, "unscaled_before_clip": None},
+        "clip": {
+            "calls": [],
+            "clip_coef": None,
+            "found_inf": None,
+            "loss_scale": None,
+            "max_norm": 1.0,
+            "norm_type": 2.0,
+            "reported_norm": 2.0,
+            "step_skipped": None,
+            "unscaled_before_clip": None,
+        },
         "created_at": "2026-01-01T00:00:00+00:00",
         "data": {"loss": None, "loss_reduction": None, "tokens": None},
         "format": "gradaudit-dump",
@@ -120,9 +145,15 @@ def test_on_disk_header_of_a_tiny_dump_is_pinned(tmp_path):
         "host": "host-a",
         "mode": "full",
         "params": [{"dtype": "float32", "global_shape": [2, 2], "name": "w"}],
-        "pieces": [{"dtype": "float32", "local_shape": [1, 2], "param": "w",
-                    "regions": [{"box": {"offsets": [0, 0], "shape": [1, 2]}}],
-                    "tensors": {"grad": "w::grad::0"}}],
+        "pieces": [
+            {
+                "dtype": "float32",
+                "local_shape": [1, 2],
+                "param": "w",
+                "regions": [{"box": {"offsets": [0, 0], "shape": [1, 2]}}],
+                "tensors": {"grad": "w::grad::0"},
+            }
+        ],
         "rank": 0,
         "run_id": "r",
         "step": 3,
@@ -135,7 +166,7 @@ def test_on_disk_header_of_a_tiny_dump_is_pinned(tmp_path):
 
 
 def test_a_dump_is_never_overwritten_silently(tmp_path):
-    kwargs = dict(rank=0, world_size=1, step=1, params={"w": (1,)}, clip=ClipRecord(max_norm=1.0))
+    kwargs = {"rank": 0, "world_size": 1, "step": 1, "params": {"w": (1,)}, "clip": ClipRecord(max_norm=1.0)}
     path = write_rank(tmp_path, pieces=[whole("w", grad=torch.ones(1))], **kwargs)
     before = path.read_bytes()
     from gradaudit.dumpfile import DumpExistsError
@@ -148,8 +179,13 @@ def test_a_dump_is_never_overwritten_silently(tmp_path):
 
 def test_a_file_whose_box_lies_outside_its_parameter_is_refused_naming_the_file(tmp_path):
     path = write_rank(
-        tmp_path, rank=0, world_size=1, step=1, params={"w": (2, 2)},
-        pieces=[box("w", (0, 0), grad=torch.ones(2, 2))], clip=ClipRecord(max_norm=1.0),
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={"w": (2, 2)},
+        pieces=[box("w", (0, 0), grad=torch.ones(2, 2))],
+        clip=ClipRecord(max_norm=1.0),
     )
     raw = path.read_bytes()
     patched = raw.replace(b'\\"offsets\\": [0, 0]', b'\\"offsets\\": [1, 0]')
@@ -161,8 +197,13 @@ def test_a_file_whose_box_lies_outside_its_parameter_is_refused_naming_the_file(
 
 def test_a_newer_major_format_version_is_refused_with_an_upgrade_hint(tmp_path):
     path = write_rank(
-        tmp_path, rank=0, world_size=1, step=1, params={"w": (1,)},
-        pieces=[whole("w", grad=torch.ones(1))], clip=ClipRecord(max_norm=1.0),
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={"w": (1,)},
+        pieces=[whole("w", grad=torch.ones(1))],
+        clip=ClipRecord(max_norm=1.0),
     )
     raw = path.read_bytes()
     path.write_bytes(raw.replace(b'\\"format_version\\": \\"1.0\\"', b'\\"format_version\\": \\"2.0\\"'))
@@ -172,14 +213,24 @@ def test_a_newer_major_format_version_is_refused_with_an_upgrade_hint(tmp_path):
 
 def test_unknown_keys_from_a_newer_minor_version_are_ignored(tmp_path):
     path = write_rank(
-        tmp_path, rank=0, world_size=1, step=1, params={"w": (1,)},
-        pieces=[whole("w", grad=torch.ones(1))], clip=ClipRecord(max_norm=1.0),
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={"w": (1,)},
+        pieces=[whole("w", grad=torch.ones(1))],
+        clip=ClipRecord(max_norm=1.0),
     )
     raw = path.read_bytes()
-    path.write_bytes(raw.replace(b'\\"format_version\\": \\"1.0\\"', b'\\"format_version\\": \\"1.7\\", \\"future\\": 1'))
+    path.write_bytes(
+        raw.replace(b'\\"format_version\\": \\"1.0\\"', b'\\"format_version\\": \\"1.7\\", \\"future\\": 1')
+    )
     # the header length changed: rewrite it properly
     import struct
+
     n = struct.unpack("<Q", raw[:8])[0]
-    body = raw[8 : 8 + n].replace(b'\\"format_version\\": \\"1.0\\"', b'\\"format_version\\": \\"1.7\\", \\"future\\": 1')
+    body = raw[8 : 8 + n].replace(
+        b'\\"format_version\\": \\"1.0\\"', b'\\"format_version\\": \\"1.7\\", \\"future\\": 1'
+    )
     path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
     assert load_step(tmp_path).ranks[0].pieces[0].param == "w"

@@ -20,21 +20,23 @@ def _info(in_shard, offset=None, numel=None, start=None, end=None):
 def _flat_param(**overrides):
     """A rank's view of a FlatParameter holding w (3x4) and b (4) unsharded as [w | pad | b | pad],
     sharded over 2 ranks in chunks of 10: this rank (1) holds w[10:12], alignment padding, then all of b."""
-    fields = dict(
-        _fqns=("layer.w", "layer.b"),
-        _shapes=(torch.Size([3, 4]), torch.Size([4])),
-        _numels=(12, 4),
-        _contiguities=(True, True),
-        _shard_param_infos=(_info(True, 0, 2, 10, 11), _info(True, 4, 4, 0, 3)),
-        _sharded_size=torch.Size([10]),
-    )
+    fields = {
+        "_fqns": ("layer.w", "layer.b"),
+        "_shapes": (torch.Size([3, 4]), torch.Size([4])),
+        "_numels": (12, 4),
+        "_contiguities": (True, True),
+        "_shard_param_infos": (_info(True, 0, 2, 10, 11), _info(True, 4, 4, 0, 3)),
+        "_sharded_size": torch.Size([10]),
+    }
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
 
 def test_each_original_parameter_in_the_shard_becomes_its_flat_range_past_the_padding():
     shards = param_shards(_flat_param())
-    assert [(s.fqn, s.global_shape, s.start, s.stop, s.offset_in_shard, s.numel_in_shard) for s in shards] == [
+    assert [
+        (s.fqn, s.global_shape, s.start, s.stop, s.offset_in_shard, s.numel_in_shard) for s in shards
+    ] == [
         ("layer.w", (3, 4), 10, 12, 0, 2),
         ("layer.b", (4,), 0, 4, 4, 4),
     ]

@@ -1,5 +1,6 @@
 """Property tests of the norm math: any disjoint cover of a tensor, with replicas, gives its norm."""
 
+import itertools
 import math
 import random
 
@@ -27,10 +28,14 @@ def cut_tensors(draw):
     numel = tensor.numel()
     if draw(st.booleans()):
         cuts = sorted(set(draw(st.lists(st.integers(0, numel), max_size=6))) | {0, numel})
-        pieces = [(FlatRange(start=a, stop=b), tensor.reshape(-1)[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+        pieces = [
+            (FlatRange(start=a, stop=b), tensor.reshape(-1)[a:b])
+            for a, b in itertools.pairwise(cuts)
+            if b > a
+        ]
     else:
         per_dim = [sorted(set(draw(st.lists(st.integers(0, n), max_size=3))) | {0, n}) for n in shape]
-        spans = [[(a, b) for a, b in zip(c, c[1:]) if b > a] for c in per_dim]
+        spans = [[(a, b) for a, b in itertools.pairwise(c) if b > a] for c in per_dim]
         pieces = []
         for combo in _product(spans):
             offsets = tuple(a for a, _ in combo)
@@ -52,7 +57,7 @@ def _product(lists):
 def _measurements(pieces, norm_type, rng, num_ranks=4, replica_chance=0.5):
     """PieceMeasurements with every piece on a random rank, some copied onto other ranks."""
     found = []
-    next_index = {r: 0 for r in range(num_ranks)}
+    next_index = dict.fromkeys(range(num_ranks), 0)
     for region, values in pieces:
         ranks = {rng.randrange(num_ranks)}
         while rng.random() < replica_chance and len(ranks) < num_ranks:
@@ -91,7 +96,9 @@ def test_permuting_pieces_changes_nothing(cut, norm_type, seed):
     measured = _measurements(pieces, norm_type, rng)
     shuffled = list(measured)
     rng.shuffle(shuffled)
-    assert norm_of_pieces(disjoint_cover(shuffled), norm_type) == norm_of_pieces(disjoint_cover(measured), norm_type)
+    assert norm_of_pieces(disjoint_cover(shuffled), norm_type) == norm_of_pieces(
+        disjoint_cover(measured), norm_type
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -122,7 +129,7 @@ def random_boxes(draw):
     boxes = []
     for tag in range(draw(st.integers(0, 6))):
         offsets = tuple(draw(st.integers(0, n - 1)) for n in shape)
-        sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(shape, offsets))
+        sizes = tuple(draw(st.integers(1, n - o)) for n, o in zip(shape, offsets, strict=False))
         boxes.append((offsets, sizes, tag))
     return shape, boxes
 
@@ -133,12 +140,12 @@ def test_the_coverage_sweep_counts_gaps_and_overlaps_like_a_dense_count_of_every
     shape, boxes = case
     counts = torch.zeros(shape, dtype=torch.int64)
     for offsets, sizes, _ in boxes:
-        counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+        counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))] += 1
     result = coverage(boxes, shape)
     assert result.num_gap_elements == int((counts == 0).sum())
     assert result.num_overlap_elements == int((counts - 1).clamp(min=0).sum())
     shared = set()
     for offsets, sizes, tag in boxes:
-        if bool((counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] > 1).any()):
+        if bool((counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))] > 1).any()):
             shared.add(tag)
     assert result.overlapping_tags == shared

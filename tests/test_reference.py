@@ -148,7 +148,9 @@ def test_parameters_missing_on_one_side_are_reported(tmp_path):
     ref = _write_reference(tmp_path / "ref", grad, name="other")
     report = check(_write_sharded(tmp_path / "run", grad, [1.0] * 4), reference=str(ref))
     found = [f for f in report.findings if f.code == "GA602"]
-    assert any("only in the reference" in f.message and "not in the reference dump" in f.message for f in found)
+    assert any(
+        "only in the reference" in f.message and "not in the reference dump" in f.message for f in found
+    )
 
 
 def test_reference_checks_are_not_checked_without_a_reference(tmp_path):

@@ -25,8 +25,20 @@ from gradaudit.report import NonfiniteCounts, ParamComparison
 
 @pytest.mark.parametrize(
     ("value", "text"),
-    [(None, "-"), (1.6, "1.6"), (1.0, "1"), (0.0, "0"), (-0.0, "0"), (1 / 3, "0.333333"), (1e20, "1e+20"),
-     (123456789.0, "1.23457e+08"), (math.nan, "nan"), (math.inf, "inf"), (-math.inf, "-inf"), (3, "3")],
+    [
+        (None, "-"),
+        (1.6, "1.6"),
+        (1.0, "1"),
+        (0.0, "0"),
+        (-0.0, "0"),
+        (1 / 3, "0.333333"),
+        (1e20, "1e+20"),
+        (123456789.0, "1.23457e+08"),
+        (math.nan, "nan"),
+        (math.inf, "inf"),
+        (-math.inf, "-inf"),
+        (3, "3"),
+    ],
 )
 def test_floats_show_six_significant_digits_and_spell_out_nonfinite_values(value, text):
     assert fmt_float(value) == text
@@ -67,11 +79,24 @@ def test_json_numbers_are_plain_and_nonfinite_ones_are_strings():
 
 def test_reference_comparisons_put_failures_and_larger_errors_first():
     def comparison(name, rel, ok):
-        return ParamComparison(param=name, kind="grad", max_abs_error=rel, max_rel_error=rel, atol=0.0, rtol=0.0,
-                               within_tolerance=ok)
+        return ParamComparison(
+            param=name,
+            kind="grad",
+            max_abs_error=rel,
+            max_rel_error=rel,
+            atol=0.0,
+            rtol=0.0,
+            within_tolerance=ok,
+        )
 
-    ordered = reference_worst_first([comparison("a", 0.1, True), comparison("b", 0.2, False),
-                                     comparison("c", math.nan, False), comparison("d", 0.9, True)])
+    ordered = reference_worst_first(
+        [
+            comparison("a", 0.1, True),
+            comparison("b", 0.2, False),
+            comparison("c", math.nan, False),
+            comparison("d", 0.9, True),
+        ]
+    )
     assert [c.param for c in ordered] == ["c", "b", "d", "a"]
 
 

@@ -80,7 +80,9 @@ def seed_report(*, step: int = 1200) -> Report:
             ),
         ),
         not_checked=(
-            NotChecked(code="GA502", title="clipping on scaled gradients", reason="no loss scale was recorded"),
+            NotChecked(
+                code="GA502", title="clipping on scaled gradients", reason="no loss scale was recorded"
+            ),
         ),
         verdict="clipping used each rank's local norm 0.8 instead of the global norm 1.6; "
         "the coefficient should have been 0.625, every rank applied 1",
@@ -88,12 +90,22 @@ def seed_report(*, step: int = 1200) -> Report:
         topology={"dp_shard": "[0, 1, 2, 3]", "mesh": "(4,) dp_shard", "norm_group": "dp_shard"},
         reference=(
             ParamComparison(
-                param="layers.0.weight", kind="grad", max_abs_error=1e-7, max_rel_error=2e-6,
-                atol=1e-5, rtol=1e-4, within_tolerance=True,
+                param="layers.0.weight",
+                kind="grad",
+                max_abs_error=1e-7,
+                max_rel_error=2e-6,
+                atol=1e-5,
+                rtol=1e-4,
+                within_tolerance=True,
             ),
             ParamComparison(
-                param="layers.1.weight", kind="grad_clipped", max_abs_error=0.3, max_rel_error=0.6,
-                atol=1e-5, rtol=1e-4, within_tolerance=False,
+                param="layers.1.weight",
+                kind="grad_clipped",
+                max_abs_error=0.3,
+                max_rel_error=0.6,
+                atol=1e-5,
+                rtol=1e-4,
+                within_tolerance=False,
             ),
         ),
         command="gradaudit check ./run/step_1200 --reference ./ref/step_1200",
@@ -105,14 +117,27 @@ def clean_report(*, step: int) -> Report:
     """Clipping done right: true norm 0.5 below max_norm, nothing to say."""
     ranks = tuple(
         RankRow(
-            rank=r, local_norm=0.25, reported_norm=0.5, applied_clip_coef=1.0, applied_coef_source="reported",
-            diagnosis="correct", share_of_squared_norm=0.25,
+            rank=r,
+            local_norm=0.25,
+            reported_norm=0.5,
+            applied_clip_coef=1.0,
+            applied_coef_source="reported",
+            diagnosis="correct",
+            share_of_squared_norm=0.25,
         )
         for r in range(4)
     )
     return Report(
-        step=step, world_size=4, ranks_present=(0, 1, 2, 3), missing_ranks=(), norm_type=2.0, max_norm=1.0,
-        global_norm=0.5, expected_clip_coef=1.0, ranks=ranks, findings=(),
+        step=step,
+        world_size=4,
+        ranks_present=(0, 1, 2, 3),
+        missing_ranks=(),
+        norm_type=2.0,
+        max_norm=1.0,
+        global_norm=0.5,
+        expected_clip_coef=1.0,
+        ranks=ranks,
+        findings=(),
         verdict="clipping used the true global norm 0.5; no clipping was needed",
         command=f"gradaudit check ./run/step_{step}",
     )
@@ -130,12 +155,17 @@ def missing_rank_report(*, step: int) -> Report:
         ranks=base.ranks[:3],
         findings=(
             Finding(
-                code="GA100", severity=Severity.ERROR, title="ranks missing",
-                message="rank 3 has no file in the step folder", ranks=(3,),
+                code="GA100",
+                severity=Severity.ERROR,
+                title="ranks missing",
+                message="rank 3 has no file in the step folder",
+                ranks=(3,),
             ),
         ),
         not_checked=(
-            NotChecked(code="GA201", title="local norm", reason="needs every rank's pieces; rank 3 is missing"),
+            NotChecked(
+                code="GA201", title="local norm", reason="needs every rank's pieces; rank 3 is missing"
+            ),
         ),
         reference=(),
         verdict="rank 3 is missing; the global norm could not be computed",
@@ -166,10 +196,19 @@ def nonfinite_report() -> Report:
     """Rank 1 holds an inf and a nan: the global norm is nan, and so is everything derived from it."""
     base = seed_report(step=1400)
     ranks = tuple(
-        replace(row, local_norm=math.inf, reported_norm=math.nan, applied_clip_coef=None, applied_coef_source=None,
-                diagnosis=None, diagnosis_detail="", share_of_squared_norm=math.nan,
-                nonfinite=NonfiniteCounts(nan=3, posinf=1))
-        if row.rank == 1 else replace(row, reported_norm=math.nan, diagnosis=None, diagnosis_detail="")
+        replace(
+            row,
+            local_norm=math.inf,
+            reported_norm=math.nan,
+            applied_clip_coef=None,
+            applied_coef_source=None,
+            diagnosis=None,
+            diagnosis_detail="",
+            share_of_squared_norm=math.nan,
+            nonfinite=NonfiniteCounts(nan=3, posinf=1),
+        )
+        if row.rank == 1
+        else replace(row, reported_norm=math.nan, diagnosis=None, diagnosis_detail="")
         for row in base.ranks
     )
     return replace(
@@ -180,10 +219,21 @@ def nonfinite_report() -> Report:
         ranks=ranks,
         findings=(
             Finding(
-                code="GA401", severity=Severity.ERROR, title="nonfinite gradient values",
-                message="rank 1 holds 3 nan and 1 +inf in layers.1.weight", ranks=(1,), params=("layers.1.weight",),
-                evidence={"nan": 3, "posinf": 1, "neginf": 0, "max_abs": math.inf, "global_norm": math.nan,
-                          "min": -math.inf, "first_rank": 1},
+                code="GA401",
+                severity=Severity.ERROR,
+                title="nonfinite gradient values",
+                message="rank 1 holds 3 nan and 1 +inf in layers.1.weight",
+                ranks=(1,),
+                params=("layers.1.weight",),
+                evidence={
+                    "nan": 3,
+                    "posinf": 1,
+                    "neginf": 0,
+                    "max_abs": math.inf,
+                    "global_norm": math.nan,
+                    "min": -math.inf,
+                    "first_rank": 1,
+                },
             ),
         ),
         reference=(),
@@ -213,7 +263,9 @@ def _check_golden(request, name: str, text: str) -> None:
     if text != expected:
         import difflib
 
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "now"))
+        diff = "".join(
+            difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "now")
+        )
         pytest.fail(f"{name} differs from the golden file (rerun with --update-goldens if intended):\n{diff}")
 
 
@@ -231,6 +283,7 @@ def test_multi_step_rendering_matches_its_golden_file(request, suffix):
 
 
 # ---------------------------------------------------------------- what the seed report must say
+
 
 def test_terminal_report_starts_with_the_verdict_and_the_true_norm_and_coefficient():
     lines = terminal_render.render_report(seed_report()).splitlines()
@@ -260,10 +313,14 @@ def test_terminal_chart_of_a_clean_step_keeps_every_bar_and_the_total_below_the_
 def test_terminal_chart_draws_only_the_largest_ranks_of_a_big_world():
     base = seed_report()
     shares = [0.5] + [0.5 / 19] * 19
-    ranks = tuple(replace(base.ranks[0], rank=r, share_of_squared_norm=share) for r, share in enumerate(shares))
+    ranks = tuple(
+        replace(base.ranks[0], rank=r, share_of_squared_norm=share) for r, share in enumerate(shares)
+    )
     report = replace(base, world_size=20, ranks_present=tuple(range(20)), ranks=ranks)
     text = terminal_render.render_report(report)
-    drawn = [line.split()[1] for line in text.splitlines() if line.strip().startswith("rank ") and "█" in line]
+    drawn = [
+        line.split()[1] for line in text.splitlines() if line.strip().startswith("rank ") and "█" in line
+    ]
     assert len(drawn) == terminal_render.MAX_CHART_RANKS and drawn[0] == "0"
     assert drawn == sorted(drawn, key=int)
     assert f"{20 - terminal_render.MAX_CHART_RANKS} smaller ranks not drawn" in text
@@ -288,17 +345,30 @@ def test_terminal_rank_table_of_a_big_world_keeps_the_telling_ranks_and_summariz
 def test_reference_comparison_lists_the_worst_parameter_first():
     report = seed_report()
     for text in (terminal_render.render_report(report), markdown_render.render_report(report)):
-        assert text.index("grad_clipped" if "grad_clipped" in text else "grad\\_clipped") < text.index("1e-07")
+        assert text.index("grad_clipped" if "grad_clipped" in text else "grad\\_clipped") < text.index(
+            "1e-07"
+        )
 
 
 def test_markdown_report_is_a_complete_bug_ticket_body():
     markdown = markdown_render.render_report(seed_report())
-    order = ["# gradaudit report: step 1200", "**✗ Verdict:** clipping used each rank's local norm", "## Environment",
-             "| torch | 2.13.0 |", "| topology dp\\_shard | \\[0, 1, 2, 3\\] |", "## Ranks",
-             "| 0 | 0.8 | 0.8 | 1 | gradients | local\\_only | 25.0% | 0 |", "## Findings",
-             "### ✗ error GA201: clipping used a local norm", "evidence: reported\\_norm = 0.8, true\\_norm = 1.6",
-             "## Not checked", "## Reference comparison", "## Warnings", "## Reproduce",
-             "```sh\ngradaudit check ./run/step_1200 --reference ./ref/step_1200\n```"]
+    order = [
+        "# gradaudit report: step 1200",
+        "**✗ Verdict:** clipping used each rank's local norm",
+        "## Environment",
+        "| torch | 2.13.0 |",
+        "| topology dp\\_shard | \\[0, 1, 2, 3\\] |",
+        "## Ranks",
+        "| 0 | 0.8 | 0.8 | 1 | gradients | local\\_only | 25.0% | 0 |",
+        "## Findings",
+        "### ✗ error GA201: clipping used a local norm",
+        "evidence: reported\\_norm = 0.8, true\\_norm = 1.6",
+        "## Not checked",
+        "## Reference comparison",
+        "## Warnings",
+        "## Reproduce",
+        "```sh\ngradaudit check ./run/step_1200 --reference ./ref/step_1200\n```",
+    ]
     positions = [markdown.index(part) for part in order]
     assert positions == sorted(positions)
 
@@ -312,12 +382,37 @@ def test_missing_ranks_are_called_out_in_every_human_format():
 
 def test_json_report_has_the_stable_keys_and_severity_strings():
     data = json.loads(json_render.render_report(seed_report()))
-    assert {"report_version", "step", "world_size", "ranks_present", "missing_ranks", "norm_type", "max_norm",
-            "global_norm", "expected_clip_coef", "verdict", "ranks", "findings", "not_checked", "reference",
-            "environment", "topology", "command", "warnings"} <= set(data)
-    assert set(data["ranks"][0]) == {"rank", "local_norm", "reported_norm", "applied_clip_coef",
-                                     "applied_coef_source", "diagnosis", "diagnosis_detail",
-                                     "share_of_squared_norm", "nonfinite"}
+    assert {
+        "report_version",
+        "step",
+        "world_size",
+        "ranks_present",
+        "missing_ranks",
+        "norm_type",
+        "max_norm",
+        "global_norm",
+        "expected_clip_coef",
+        "verdict",
+        "ranks",
+        "findings",
+        "not_checked",
+        "reference",
+        "environment",
+        "topology",
+        "command",
+        "warnings",
+    } <= set(data)
+    assert set(data["ranks"][0]) == {
+        "rank",
+        "local_norm",
+        "reported_norm",
+        "applied_clip_coef",
+        "applied_coef_source",
+        "diagnosis",
+        "diagnosis_detail",
+        "share_of_squared_norm",
+        "nonfinite",
+    }
     assert data["ranks"][0]["nonfinite"] == {"nan": 0, "posinf": 0, "neginf": 0}
     assert [f["severity"] for f in data["findings"]] == ["error", "error", "info"]
     assert set(data["findings"][0]) == {"code", "severity", "title", "message", "ranks", "params", "evidence"}
@@ -332,6 +427,7 @@ def test_multi_step_json_holds_the_summary_and_every_complete_step():
 
 
 # ---------------------------------------------------------------- nonfinite numbers
+
 
 def test_nonfinite_numbers_render_as_valid_json_strings():
     report = nonfinite_report()
@@ -380,20 +476,36 @@ def hostile_report() -> Report:
     return replace(
         base,
         ranks=tuple(
-            replace(row, applied_coef_source=HOSTILE_NAMES[0], diagnosis=f"wrong_group:{HOSTILE_NAMES[1]}",
-                    diagnosis_detail=joined)
+            replace(
+                row,
+                applied_coef_source=HOSTILE_NAMES[0],
+                diagnosis=f"wrong_group:{HOSTILE_NAMES[1]}",
+                diagnosis_detail=joined,
+            )
             for row in base.ranks
         ),
         findings=(
             Finding(
-                code="GA204", severity=Severity.ERROR, title=f"title {HOSTILE_NAMES[2]}", message=f"message {joined}",
-                ranks=(0,), params=HOSTILE_NAMES, evidence={"group": HOSTILE_NAMES[1], HOSTILE_NAMES[0]: 1.5},
+                code="GA204",
+                severity=Severity.ERROR,
+                title=f"title {HOSTILE_NAMES[2]}",
+                message=f"message {joined}",
+                ranks=(0,),
+                params=HOSTILE_NAMES,
+                evidence={"group": HOSTILE_NAMES[1], HOSTILE_NAMES[0]: 1.5},
             ),
         ),
         not_checked=(NotChecked(code="GA502", title=HOSTILE_NAMES[3], reason=HOSTILE_NAMES[4]),),
         reference=tuple(
-            ParamComparison(param=name, kind="grad", max_abs_error=0.1, max_rel_error=0.2, atol=1e-5, rtol=1e-4,
-                            within_tolerance=False)
+            ParamComparison(
+                param=name,
+                kind="grad",
+                max_abs_error=0.1,
+                max_rel_error=0.2,
+                atol=1e-5,
+                rtol=1e-4,
+                within_tolerance=False,
+            )
             for name in HOSTILE_NAMES
         ),
         verdict=f"verdict {joined}",
@@ -482,7 +594,9 @@ def test_markdown_escapes_markup_html_and_code_outside_the_reproduce_block():
     assert "<script>" not in prose and "\\<script\\>" in prose
     assert "line\\\\nbreak" in prose
     assert "权重.é.λ" in prose
-    assert not any(line.startswith(("- 1", "# heading", "#")) and "heading" in line for line in prose.splitlines())
+    assert not any(
+        line.startswith(("- 1", "# heading", "#")) and "heading" in line for line in prose.splitlines()
+    )
     block = markdown.split("## Reproduce\n\n", 1)[1]
     assert block.startswith("````sh\ngradaudit check './step_7/```\\n[red]|x'\n````\n")
 
@@ -493,7 +607,10 @@ def test_multi_step_renderers_escape_a_hostile_folder_name():
     terminal = terminal_render.render_multi(multi)
     assert "\x1b" not in terminal and "[red]x\\x1b[31m|`y`\\nz" in terminal
     markdown = markdown_render.render_multi(multi)
-    assert markdown.splitlines()[0] == "# gradaudit report: 3 steps in ./runs/\\[red\\]x\\\\x1b\\[31m\\|\\`y\\`\\\\nz"
+    assert (
+        markdown.splitlines()[0]
+        == "# gradaudit report: 3 steps in ./runs/\\[red\\]x\\\\x1b\\[31m\\|\\`y\\`\\\\nz"
+    )
     assert json.loads(json_render.render_multi(multi))["directory"] == directory
 
 
@@ -509,6 +626,7 @@ def test_json_round_trips_hostile_names_intact():
 
 
 # ---------------------------------------------------------------- determinism
+
 
 @pytest.mark.parametrize("suffix", sorted(RENDERERS))
 def test_rendering_the_same_report_twice_gives_identical_strings(suffix):

@@ -4,9 +4,9 @@ finding codes its mistake should produce (and the correct scenario no error)."""
 from __future__ import annotations
 
 import pytest
+from samples import check_json, codes, reference_dir, step_dir
 
 from gradaudit.demo import scenario_names
-from samples import check_json, codes, reference_dir, step_dir
 
 # scenario: (codes of `gradaudit check`, codes that `--reference` adds), duplicates included.
 EXPECTED = {

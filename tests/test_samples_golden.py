@@ -36,7 +36,9 @@ def _check_markdown(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str
 def _assert_golden(markdown: str, golden: Path, request: pytest.FixtureRequest) -> None:
     if _updating(request):
         golden.write_text(markdown, encoding="utf-8")
-    assert markdown == golden.read_text(encoding="utf-8"), f"regenerate with --update-goldens and review {golden}"
+    assert markdown == golden.read_text(encoding="utf-8"), (
+        f"regenerate with --update-goldens and review {golden}"
+    )
 
 
 @pytest.mark.parametrize("scenario", scenario_names())
@@ -49,7 +51,9 @@ def test_markdown_report_of_the_sample_dump_is_the_committed_golden(scenario, ca
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2_local_clip", "nonfinite_shard"])
-def test_markdown_report_against_the_reference_is_the_committed_golden(scenario, capsys, monkeypatch, request):
+def test_markdown_report_against_the_reference_is_the_committed_golden(
+    scenario, capsys, monkeypatch, request
+):
     monkeypatch.chdir(REPO)
     code, markdown = _check_markdown(
         capsys, f"sample_dumps/{scenario}/step_1", "--reference", f"sample_dumps/{scenario}/reference/step_1"

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 from safetensors import safe_open
+from samples import REPO, check_json, codes, reference_dir, step_dir
 
 from gradaudit.cli import main
 from gradaudit.demo.toy import LEARNING_RATE
-from samples import REPO, check_json, codes, reference_dir, step_dir
 
 PARAMS = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
 
@@ -19,7 +19,7 @@ def reference_tensors(scenario: str, kind: str) -> dict:
     """The reference's tensors of `kind` by parameter, read straight from its one rank file."""
     path = reference_dir(scenario) / "rank_00000.safetensors"
     with safe_open(str(path), framework="pt") as f:
-        return {key.split("::")[0]: f.get_tensor(key).double() for key in f.keys() if key.split("::")[1] == kind}
+        return {key.split("::")[0]: f.get_tensor(key).double() for key in f.keys() if key.split("::")[1] == kind}  # noqa: SIM118
 
 
 def comparisons(report: dict, kind: str) -> dict:
@@ -39,7 +39,9 @@ def test_every_shard_is_below_max_norm_but_the_whole_gradient_is_above_it(capsys
 def test_local_clip_gradients_match_the_reference_but_clipped_gradients_and_next_weights_do_not(capsys):
     report = check_json(capsys, step_dir("fsdp2_local_clip"), reference_dir("fsdp2_local_clip"))
     assert all(c["within_tolerance"] for c in comparisons(report, "grad").values())
-    shortfall = 1.0 - report["expected_clip_coef"]  # the ranks applied 1, the reference the expected coefficient
+    shortfall = (
+        1.0 - report["expected_clip_coef"]
+    )  # the ranks applied 1, the reference the expected coefficient
     reference_grads = reference_tensors("fsdp2_local_clip", "grad")
     for kind, scale in (("grad_clipped", shortfall), ("param_after", LEARNING_RATE * shortfall)):
         differing = comparisons(report, kind)
@@ -75,10 +77,16 @@ def test_markdown_report_against_the_reference_names_the_differing_parameters_an
     monkeypatch.chdir(REPO)
     capsys.readouterr()
     with pytest.raises(SystemExit):
-        main([
-            "check", "sample_dumps/fsdp2_local_clip/step_1",
-            "--reference", "sample_dumps/fsdp2_local_clip/reference/step_1", "--format", "markdown",
-        ])
+        main(
+            [
+                "check",
+                "sample_dumps/fsdp2_local_clip/step_1",
+                "--reference",
+                "sample_dumps/fsdp2_local_clip/reference/step_1",
+                "--format",
+                "markdown",
+            ]
+        )
     markdown = capsys.readouterr().out
     report = check_json(capsys, step_dir("fsdp2_local_clip"), reference_dir("fsdp2_local_clip"))
     worst = max(comparisons(report, "grad_clipped").values(), key=lambda c: c["max_abs_error"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import shutil
 import socket
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from builders import FIXED, box, flat, whole
+
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile.build import write_rank
@@ -42,15 +43,25 @@ def _write_dense_step(directory: Path) -> None:
     coef = 0.5
     for rank in range(4):
         pieces = [
-            flat("w", cuts_w[rank], grad=w.view(-1)[cuts_w[rank] : cuts_w[rank + 1]],
-                 grad_clipped=w.view(-1)[cuts_w[rank] : cuts_w[rank + 1]] * coef),
+            flat(
+                "w",
+                cuts_w[rank],
+                grad=w.view(-1)[cuts_w[rank] : cuts_w[rank + 1]],
+                grad_clipped=w.view(-1)[cuts_w[rank] : cuts_w[rank + 1]] * coef,
+            ),
             flat("e", cuts_e[rank], grad=e.view(-1)[cuts_e[rank] : cuts_e[rank + 1]]),
             whole("b", grad=bias + (1e-3 if rank == 3 else 0.0), replica_group="dp"),
         ]
         write_rank(
-            directory, rank=rank, world_size=4, step=1, params={"w": (700, 1000), "e": (300, 999), "b": (1000,)},
-            pieces=pieces, clip=ClipRecord(max_norm=1.0, reported_norm=2.5, clip_coef=coef),
-            topology=Topology(groups={"dp": ((0, 1, 2, 3),)}), **FIXED,
+            directory,
+            rank=rank,
+            world_size=4,
+            step=1,
+            params={"w": (700, 1000), "e": (300, 999), "b": (1000,)},
+            pieces=pieces,
+            clip=ClipRecord(max_norm=1.0, reported_norm=2.5, clip_coef=coef),
+            topology=Topology(groups={"dp": ((0, 1, 2, 3),)}),
+            **FIXED,
         )
 
 
@@ -61,11 +72,18 @@ def _write_stats_step(directory: Path) -> None:
     norm = torch.randn(40, generator=gen)
     for rank in range(3):
         write_rank(
-            directory, rank=rank, world_size=3, step=1, params={"w": (30, 40), "norm": (40,)},
-            pieces=[box("w", (10 * rank, 0), grad=w[10 * rank : 10 * rank + 10], stats_only=True),
-                    whole("norm", grad=norm, replica_group="dp", stats_only=True)],
+            directory,
+            rank=rank,
+            world_size=3,
+            step=1,
+            params={"w": (30, 40), "norm": (40,)},
+            pieces=[
+                box("w", (10 * rank, 0), grad=w[10 * rank : 10 * rank + 10], stats_only=True),
+                whole("norm", grad=norm, replica_group="dp", stats_only=True),
+            ],
             clip=ClipRecord(max_norm=1.0, reported_norm=float(w.norm()), clip_coef=1.0),
-            topology=Topology(groups={"dp": ((0, 1, 2),)}), **FIXED,
+            topology=Topology(groups={"dp": ((0, 1, 2),)}),
+            **FIXED,
         )
 
 
@@ -84,7 +102,11 @@ def steps(tmp_path_factory) -> Path:
 
 def _json_of(directory: Path, **audit_kw) -> str:
     result = audit_folder(directory, AuditOptions(), **audit_kw)
-    return json_renderer.render_multi(result) if hasattr(result, "summary") else json_renderer.render_report(result)
+    return (
+        json_renderer.render_multi(result)
+        if hasattr(result, "summary")
+        else json_renderer.render_report(result)
+    )
 
 
 def test_parallel_workers_give_the_report_of_one_worker_byte_for_byte(steps):
@@ -100,7 +122,10 @@ def test_parameters_measured_in_two_shares_merge_into_the_one_pass_result(steps)
     step = load_step(steps / "step_100")
     with TensorReader(step) as reader:
         whole_pass = measure_step(step, reader, workers=2)
-        shares = [measure_step(step, reader, params=share_of(bytes_to_read(step), rank, 2), workers=1) for rank in (0, 1)]
+        shares = [
+            measure_step(step, reader, params=share_of(bytes_to_read(step), rank, 2), workers=1)
+            for rank in (0, 1)
+        ]
     assert all(share.params for share in shares)
     assert shares[0].merge(shares[1]) == whole_pass
 
@@ -108,13 +133,15 @@ def test_parameters_measured_in_two_shares_merge_into_the_one_pass_result(steps)
 def test_shares_split_every_parameter_exactly_once_and_balance_bytes():
     costs = {f"p{i}": (i * 7919) % 1000 + 1 for i in range(50)}
     shares = [share_of(costs, rank, 3) for rank in range(3)]
-    assert sorted(sum(shares, [])) == sorted(costs)
+    assert sorted(functools.reduce(operator.iadd, shares, [])) == sorted(costs)
     loads = [sum(costs[n] for n in share) for share in shares]
     assert max(loads) - min(loads) <= max(costs.values())
 
 
 def test_the_torchrun_environment_is_recognised_and_one_process_is_not_a_scale_out():
-    assert launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == LaunchEnv(rank=1, world_size=4, local_world_size=2)
+    assert launch_env({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == LaunchEnv(
+        rank=1, world_size=4, local_world_size=2
+    )
     assert launch_env({"RANK": "0", "WORLD_SIZE": "1"}) is None
     assert launch_env({}) is None
 
@@ -130,10 +157,24 @@ def _launch(args: list[str], world_size: int = 2) -> list[subprocess.CompletedPr
     port = _free_port()
     processes = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        processes.append(subprocess.Popen([sys.executable, "-m", "gradaudit", *args], env=env, cwd=REPO,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "gradaudit", *args],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     results = []
     for process in processes:
         out, err = process.communicate(timeout=120)
@@ -143,7 +184,9 @@ def _launch(args: list[str], world_size: int = 2) -> list[subprocess.CompletedPr
 
 def _single_process(args: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    return subprocess.run([sys.executable, "-m", "gradaudit", *args], env=env, cwd=REPO, capture_output=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "gradaudit", *args], env=env, cwd=REPO, capture_output=True, timeout=120
+    )
 
 
 @pytest.mark.integration
@@ -152,7 +195,9 @@ def test_two_processes_under_the_torchrun_environment_print_the_single_process_r
     single = _single_process(args)
     rank0, rank1 = _launch(args)
     assert single.returncode == 1, single.stderr.decode()
-    assert (rank0.returncode, rank1.returncode) == (single.returncode, single.returncode), rank0.stderr.decode() + rank1.stderr.decode()
+    assert (rank0.returncode, rank1.returncode) == (single.returncode, single.returncode), (
+        rank0.stderr.decode() + rank1.stderr.decode()
+    )
     assert rank0.stdout == single.stdout
     assert rank1.stdout == b""
 

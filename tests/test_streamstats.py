@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from builders import FIXED, flat
+
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.build import write_rank
 from gradaudit.model import ClipRecord
@@ -15,7 +15,9 @@ from gradaudit.streamstats import ChunkKernel
 from gradaudit.tensorstats import stats_of_tensor
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn]
+)
 def test_kernel_statistics_and_pair_sums_match_the_accumulator_with_nonfinite_values(tmp_path, dtype):
     gen = torch.Generator().manual_seed(1)
     grad = (torch.randn(70_001, generator=gen) * 3).to(dtype)
@@ -23,33 +25,59 @@ def test_kernel_statistics_and_pair_sums_match_the_accumulator_with_nonfinite_va
         grad[5], grad[7], grad[60_000] = math.nan, math.inf, -math.inf
     clipped = (grad.float() * 0.5).to(dtype)
     clipped[9] = math.nan
-    write_rank(tmp_path, rank=0, world_size=1, step=1, params={"w": (70_001,)},
-               pieces=[flat("w", 0, grad=grad, grad_clipped=clipped)], clip=ClipRecord(max_norm=1.0), **FIXED)
+    write_rank(
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={"w": (70_001,)},
+        pieces=[flat("w", 0, grad=grad, grad_clipped=clipped)],
+        clip=ClipRecord(max_norm=1.0),
+        **FIXED,
+    )
     step = load_step(tmp_path)
     piece = step.ranks[0].pieces[0]
     with TensorReader(step) as reader:
         for norm_type in (2.0, 1.0, 3.5, math.inf):
-            stats, pre_post, pre_pre, update = ChunkKernel(1 << 14).read_piece(reader, step.ranks[0].path, piece, norm_type)
+            stats, pre_post, pre_pre, update = ChunkKernel(1 << 14).read_piece(
+                reader, step.ranks[0].path, piece, norm_type
+            )
             for kind, values in (("grad", grad), ("grad_clipped", clipped)):
                 got, want = stats[kind], stats_of_tensor(values, norm_type)
-                assert (got.num_nan, got.num_posinf, got.num_neginf) == (want.num_nan, want.num_posinf, want.num_neginf)
+                assert (got.num_nan, got.num_posinf, got.num_neginf) == (
+                    want.num_nan,
+                    want.num_posinf,
+                    want.num_neginf,
+                )
                 for field in ("sum_pow", "sum_sq", "max_abs"):
                     assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-12)
                 assert got.fingerprint == ()
     a, b = grad.double(), clipped.double()
     both = torch.isfinite(a) & torch.isfinite(b)
     a, b = torch.where(both, a, 0.0), torch.where(both, b, 0.0)
-    assert pre_post == pytest.approx(float(a @ b), rel=1e-12) and pre_pre == pytest.approx(float(a @ a), rel=1e-12)
+    assert pre_post == pytest.approx(float(a @ b), rel=1e-12) and pre_pre == pytest.approx(
+        float(a @ a), rel=1e-12
+    )
     assert update is None
 
 
 def test_fingerprints_are_computed_only_when_asked_for_and_then_equal_the_accumulators(tmp_path):
     values = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
-    write_rank(tmp_path, rank=0, world_size=1, step=1, params={"w": (10_000,)}, pieces=[flat("w", 0, grad=values)],
-               clip=ClipRecord(max_norm=1.0), **FIXED)
+    write_rank(
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={"w": (10_000,)},
+        pieces=[flat("w", 0, grad=values)],
+        clip=ClipRecord(max_norm=1.0),
+        **FIXED,
+    )
     step = load_step(tmp_path)
     with TensorReader(step) as reader:
-        stats, *_ = ChunkKernel(1 << 12).read_piece(reader, step.ranks[0].path, step.ranks[0].pieces[0], 2.0, fingerprint=True)
+        stats, *_ = ChunkKernel(1 << 12).read_piece(
+            reader, step.ranks[0].path, step.ranks[0].pieces[0], 2.0, fingerprint=True
+        )
     want = stats_of_tensor(values, 2.0).fingerprint
     assert len(stats["grad"].fingerprint) == len(want) > 0
     assert stats["grad"].fingerprint == pytest.approx(want, rel=1e-9)

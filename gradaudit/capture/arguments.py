@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import CaptureError
 
@@ -34,10 +35,14 @@ def check_step(step: Any) -> int:
 
 def check_max_norm(max_norm: Any) -> float:
     if max_norm is None:
-        raise CaptureError("audit_step needs max_norm=, the clipping threshold your training uses (e.g. max_norm=1.0)")
+        raise CaptureError(
+            "audit_step needs max_norm=, the clipping threshold your training uses (e.g. max_norm=1.0)"
+        )
     value = opt_float(max_norm)
     if value is None or not (value > 0 and math.isfinite(value)):
-        raise CaptureError(f"max_norm must be a positive finite number (the clipping threshold), got {max_norm!r}")
+        raise CaptureError(
+            f"max_norm must be a positive finite number (the clipping threshold), got {max_norm!r}"
+        )
     return value
 
 
@@ -72,7 +77,9 @@ def clip_arguments(fn: Callable, args, kwargs) -> tuple[Any, Any]:
     for name in ("max_norm", "norm_type"):
         if name in bound.arguments:
             values.append(bound.arguments[name])
-        elif name in signature.parameters and signature.parameters[name].default is not inspect.Parameter.empty:
+        elif (
+            name in signature.parameters and signature.parameters[name].default is not inspect.Parameter.empty
+        ):
             values.append(signature.parameters[name].default)
         else:
             values.append(None)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..model import Box
 from .errors import UnsupportedParameter
@@ -23,7 +24,7 @@ def is_dtensor(tensor: object) -> bool:
 
 
 def dtensor_pieces(
-    name: str, local_name: str | None, param: "torch.Tensor", topology: TopologyBuilder
+    name: str, local_name: str | None, param: torch.Tensor, topology: TopologyBuilder
 ) -> list[LocalPiece]:
     """This rank's pieces of DTensor `param`: one Box per contiguous run of its local shard.
 
@@ -68,7 +69,7 @@ def dtensor_pieces(
     return pieces
 
 
-def _grad_of(name: str, param, placements, select) -> Callable[[], Optional["torch.Tensor"]]:
+def _grad_of(name: str, param, placements, select) -> Callable[[], torch.Tensor | None]:
     def grad():
         g = param.grad
         if g is None:
@@ -86,10 +87,10 @@ def _grad_of(name: str, param, placements, select) -> Callable[[], Optional["tor
     return grad
 
 
-def _selector(local_starts, shape, local_shape) -> Callable[["torch.Tensor"], "torch.Tensor"]:
+def _selector(local_starts, shape, local_shape) -> Callable[[torch.Tensor], torch.Tensor]:
     whole = all(s == 0 for s in local_starts) and tuple(shape) == tuple(local_shape)
 
-    def select(local: "torch.Tensor") -> "torch.Tensor":
+    def select(local: torch.Tensor) -> torch.Tensor:
         if tuple(local.shape) != tuple(local_shape):
             raise UnsupportedParameter(
                 f"local tensor of shape {tuple(local.shape)} where the placements give {tuple(local_shape)} "
@@ -97,7 +98,7 @@ def _selector(local_starts, shape, local_shape) -> Callable[["torch.Tensor"], "t
             )
         if whole:
             return local
-        for dim, (start, length) in enumerate(zip(local_starts, shape)):
+        for dim, (start, length) in enumerate(zip(local_starts, shape, strict=False)):
             local = local.narrow(dim, start, length)
         return local
 
@@ -139,11 +140,20 @@ def _local_indices(global_shape, mesh, placements, coordinate) -> dict[int, list
             continue
         dim = placement.dim % len(global_shape)
         size, index = _get_shard_size_and_offsets(
-            local_shape[dim], mesh.size(mesh_dim), coordinate[mesh_dim], placement, offsets.get(dim), global_shape[dim], False
+            local_shape[dim],
+            mesh.size(mesh_dim),
+            coordinate[mesh_dim],
+            placement,
+            offsets.get(dim),
+            global_shape[dim],
+            False,
         )
         local_shape[dim] = size
         offsets[dim] = index
-    return {dim: ([] if local_shape[dim] == 0 else [int(i) for i in index.tolist()]) for dim, index in offsets.items()}
+    return {
+        dim: ([] if local_shape[dim] == 0 else [int(i) for i in index.tolist()])
+        for dim, index in offsets.items()
+    }
 
 
 def _contiguous_indices(global_shape, mesh, placements) -> dict[int, list[int]]:
@@ -154,7 +164,9 @@ def _contiguous_indices(global_shape, mesh, placements) -> dict[int, list[int]]:
     local_shape, offsets = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     dims = {p.dim % len(global_shape) for p in placements if isinstance(p, Shard)}
     if any(type(p).__name__ == "_StridedShard" for p in placements):
-        raise UnsupportedParameter(f"strided sharding {placements} needs torch >= 2.6 for gradaudit to map it")
+        raise UnsupportedParameter(
+            f"strided sharding {placements} needs torch >= 2.6 for gradaudit to map it"
+        )
     return {d: list(range(offsets[d], offsets[d] + local_shape[d])) for d in dims}
 
 

@@ -4,8 +4,9 @@ shard mapped back to flat ranges of the original parameters it holds."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CaptureError
 from ..model import FlatRange
@@ -75,13 +76,17 @@ def param_shards(flat_param: Any) -> list[ParamShard]:
         infos = tuple(flat_param._shard_param_infos)
         sharded_numel = _numel(flat_param._sharded_size)
     except (AttributeError, TypeError) as exc:
-        raise CaptureError(f"cannot read an FSDP1 FlatParameter's shard metadata ({exc}): {_LAYOUT_HINT}") from None
+        raise CaptureError(
+            f"cannot read an FSDP1 FlatParameter's shard metadata ({exc}): {_LAYOUT_HINT}"
+        ) from None
     if not len(fqns) == len(shapes) == len(numels) == len(infos) == len(contiguities):
         raise CaptureError(
             f"FSDP1 FlatParameter metadata of {list(fqns)} has per-parameter lists of different lengths: {_LAYOUT_HINT}"
         )
     shards = []
-    for index, (fqn, shape, numel, contiguous, info) in enumerate(zip(fqns, shapes, numels, contiguities, infos)):
+    for index, (fqn, shape, numel, contiguous, info) in enumerate(
+        zip(fqns, shapes, numels, contiguities, infos, strict=False)
+    ):
         try:
             in_shard, offset, numel_in_shard, start, end_inclusive = tuple(info)
         except (TypeError, ValueError):
@@ -96,7 +101,7 @@ def param_shards(flat_param: Any) -> list[ParamShard]:
         consistent = (
             0 <= start <= stop <= numel
             and numel_in_shard == stop - start
-            and 0 <= offset
+            and offset >= 0
             and offset + numel_in_shard <= sharded_numel
             and _numel(shape) == numel
         )
@@ -124,7 +129,7 @@ def param_shards(flat_param: Any) -> list[ParamShard]:
     return shards
 
 
-def fsdp1_pieces(model: "torch.nn.Module") -> list[LocalPiece] | None:
+def fsdp1_pieces(model: torch.nn.Module) -> list[LocalPiece] | None:
     """One LocalPiece per original parameter present in this rank's FSDP1 shards; None without FSDP1."""
     units = _fsdp1_units(model)
     if units is None:
@@ -157,7 +162,7 @@ def fsdp1_pieces(model: "torch.nn.Module") -> list[LocalPiece] | None:
     return pieces
 
 
-def fsdp1_groups(model: "torch.nn.Module") -> dict[str, tuple[tuple[int, ...], ...]]:
+def fsdp1_groups(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
     """This rank's view of the FSDP1 process groups: {"dp_shard", "dp_replicate"} or {"dp"} (NO_SHARD)."""
     units = _fsdp1_units(model) or []
     groups: dict[str, tuple[int, ...]] = {}
@@ -187,7 +192,7 @@ def _replica_group(strategy: str) -> str | None:
     return None
 
 
-def _fsdp1_units(model: "torch.nn.Module") -> list[_Unit] | None:
+def _fsdp1_units(model: torch.nn.Module) -> list[_Unit] | None:
     fsdp_class = _fsdp1_class()
     if fsdp_class is None:
         return None
@@ -202,7 +207,7 @@ def _fsdp1_units(model: "torch.nn.Module") -> list[_Unit] | None:
     return units
 
 
-def _unmanaged_parameter_names(model: "torch.nn.Module", units: list[_Unit]) -> list[str]:
+def _unmanaged_parameter_names(model: torch.nn.Module, units: list[_Unit]) -> list[str]:
     managed: set[int] = set()
     for unit in units:
         managed.add(id(unit.flat_param))
@@ -232,7 +237,9 @@ def _handle_of(module: Any, prefix: str) -> Any:
     handles = vars(module).get("_handles")  # torch < 2.1 kept a list of at most one handle
     if isinstance(handles, list) and len(handles) <= 1:
         return handles[0] if handles else None
-    raise CaptureError(f"cannot find the FlatParameter handle of the FSDP1 module {prefix or '<root>'}: {_LAYOUT_HINT}")
+    raise CaptureError(
+        f"cannot find the FlatParameter handle of the FSDP1 module {prefix or '<root>'}: {_LAYOUT_HINT}"
+    )
 
 
 def _unit_of(path: str, module: Any, handle: Any) -> _Unit:
@@ -241,7 +248,9 @@ def _unit_of(path: str, module: Any, handle: Any) -> _Unit:
     where = path or "<root>"
     strategy = getattr(vars(module).get("sharding_strategy"), "name", None)
     if strategy not in _KNOWN_STRATEGIES:
-        raise CaptureError(f"FSDP1 module {where} has an unknown sharding strategy {strategy!r}: {_LAYOUT_HINT}")
+        raise CaptureError(
+            f"FSDP1 module {where} has an unknown sharding strategy {strategy!r}: {_LAYOUT_HINT}"
+        )
     flat_param = getattr(handle, "flat_param", None)
     shard_pg = vars(module).get("process_group")
     if flat_param is None or shard_pg is None:
@@ -252,7 +261,9 @@ def _unit_of(path: str, module: Any, handle: Any) -> _Unit:
     if strategy in _HYBRID_STRATEGIES:
         inter_node_pg = vars(module).get("_inter_node_pg")
         if inter_node_pg is None:
-            raise CaptureError(f"cannot find the inter-node group of the HYBRID_SHARD module {where}: {_LAYOUT_HINT}")
+            raise CaptureError(
+                f"cannot find the inter-node group of the HYBRID_SHARD module {where}: {_LAYOUT_HINT}"
+            )
         replicate_ranks = tuple(dist.get_process_group_ranks(inter_node_pg))
     return _Unit(
         prefix=_join(path, "_fsdp_wrapped_module"),
@@ -265,12 +276,12 @@ def _unit_of(path: str, module: Any, handle: Any) -> _Unit:
     )
 
 
-def _grad_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], Optional["torch.Tensor"]]:
+def _grad_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], torch.Tensor | None]:
     """The gradient the optimizer will read: the original parameter's `.grad` (a view into the sharded
     flat gradient, 1-D for sharded strategies, of the original shape under NO_SHARD) when
     use_orig_params=True, else the matching slice of the FlatParameter's sharded `.grad`."""
 
-    def read() -> Optional["torch.Tensor"]:
+    def read() -> torch.Tensor | None:
         flat_grad = unit.flat_param.grad
         _check_grad_is_sharded(unit, flat_grad, name)
         if unit.use_orig_params:
@@ -290,8 +301,8 @@ def _grad_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], Opti
     return read
 
 
-def _value_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], Optional["torch.Tensor"]]:
-    def read() -> Optional["torch.Tensor"]:
+def _value_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], torch.Tensor | None]:
+    def read() -> torch.Tensor | None:
         if unit.use_orig_params:
             param = _orig_param(unit, shard, name)
             if param.numel() == shard.numel_in_shard:
@@ -304,7 +315,7 @@ def _value_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], Opt
     return read
 
 
-def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> "torch.Tensor":
+def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> torch.Tensor:
     params = getattr(unit.flat_param, "_params", None)
     if params is None or len(params) <= shard.index:
         raise CaptureError(
@@ -314,7 +325,7 @@ def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> "torch.Tensor":
     return params[shard.index]
 
 
-def _sharded_flat_param(unit: _Unit) -> Optional["torch.Tensor"]:
+def _sharded_flat_param(unit: _Unit) -> torch.Tensor | None:
     """The FlatParameter's local shard: itself when resharded, else its saved `_local_shard`."""
     sharded_numel = _numel(unit.flat_param._sharded_size)
     for candidate in (unit.flat_param, getattr(unit.flat_param, "_local_shard", None)):
@@ -323,7 +334,7 @@ def _sharded_flat_param(unit: _Unit) -> Optional["torch.Tensor"]:
     return None
 
 
-def _check_grad_is_sharded(unit: _Unit, flat_grad: Optional["torch.Tensor"], name: str) -> None:
+def _check_grad_is_sharded(unit: _Unit, flat_grad: torch.Tensor | None, name: str) -> None:
     if flat_grad is None:
         return
     sharded_numel = _numel(unit.flat_param._sharded_size)

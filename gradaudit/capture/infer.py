@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import CaptureError
 from ..model import Topology
@@ -33,7 +34,7 @@ class Ownership:
 
 
 def infer_ownership(
-    model: "torch.nn.Module",
+    model: torch.nn.Module,
     *,
     rank: int,
     world_size: int,
@@ -56,16 +57,25 @@ def infer_ownership(
     fsdp1 = _fsdp1_pieces(model, topology)
     if fsdp1 is not None:
         pieces = [_aliased(p, alias_of) for p in fsdp1]
-        return Ownership(pieces=tuple(pieces) + tuple(explicit), topology=topology.build(), aliases=_local_aliases(pieces))
+        return Ownership(
+            pieces=tuple(pieces) + tuple(explicit), topology=topology.build(), aliases=_local_aliases(pieces)
+        )
 
     explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
-    plain: list[tuple[str, str, "torch.Tensor"]] = []
+    plain: list[tuple[str, str, torch.Tensor]] = []
     for logical, fqn, param in params:
         if logical in explicit_names or fqn in explicit_names or not param.requires_grad:
             continue
         if is_dtensor(param):
-            _extend(pieces, on_unsupported, logical, lambda: dtensor_pieces(*_names(logical, alias_of), param, topology))
+            _extend(
+                pieces,
+                on_unsupported,
+                logical,
+                lambda logical=logical, param=param: dtensor_pieces(
+                    *_names(logical, alias_of), param, topology
+                ),
+            )
         else:
             plain.append((logical, fqn, param))
 
@@ -90,7 +100,7 @@ def _plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsup
                 f"alias; pass aliases={{{logical!r}: <logical name>}} or it is counted as a parameter of its own",
             )
         group = dp_group if is_megatron_sharded(param) else replicated_group
-        make = lambda: plain_pieces(  # noqa: E731
+        make = lambda logical=logical, param=param, group=group: plain_pieces(  # noqa: E731
             *_names(logical, alias_of), param, replica_group=group, tensor_parallel=tensor_parallel
         )
         _extend(pieces, on_unsupported, logical, make)
@@ -102,7 +112,7 @@ def _extend(pieces: list, on_unsupported, name: str, make: Callable[[], list[Loc
         pieces.extend(make())
     except CaptureError:
         raise
-    except Exception as exc:  # an unexpected parameter type must cost that parameter, not the step
+    except Exception as exc:  # noqa: BLE001  an unexpected parameter type must cost that parameter, not the step
         on_unsupported(name, exc)
 
 
@@ -127,7 +137,9 @@ def _check_aliases(aliases: Mapping[str, str], params) -> None:
     known = {logical for logical, _, _ in params} | {fqn for _, fqn, _ in params}
     for key, value in aliases.items():
         if not isinstance(key, str) or not isinstance(value, str) or not value:
-            raise CaptureError(f"aliases must map parameter names to logical names (str -> str), got {key!r}: {value!r}")
+            raise CaptureError(
+                f"aliases must map parameter names to logical names (str -> str), got {key!r}: {value!r}"
+            )
         if key not in known:
             some = ", ".join(sorted(known)[:5]) or "(this rank has no parameters)"
             raise CaptureError(
@@ -156,7 +168,11 @@ def _data_parallel_group(model, topology: TopologyBuilder, groups) -> str | None
             pg = getattr(module, "process_group", None)
             import torch.distributed as dist
 
-            ranks = tuple(dist.get_process_group_ranks(pg)) if pg is not None else tuple(range(topology.world_size))
+            ranks = (
+                tuple(dist.get_process_group_ranks(pg))
+                if pg is not None
+                else tuple(range(topology.world_size))
+            )
             return topology.name_of(ranks, default="ddp")
     return DATA_PARALLEL_GROUP_NAME if DATA_PARALLEL_GROUP_NAME in groups else None
 

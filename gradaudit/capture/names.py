@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -18,7 +19,7 @@ def is_ddp(module: object) -> bool:
     return any(cls.__name__ in _DDP_CLASS_NAMES for cls in type(module).__mro__)
 
 
-def logical_name(model: "torch.nn.Module", fqn: str) -> str:
+def logical_name(model: torch.nn.Module, fqn: str) -> str:
     """`fqn` (as model.named_parameters() gives it) without wrapper path components.
 
     `module.` is dropped only where the module holding it is a DistributedDataParallel wrapper, so a
@@ -36,7 +37,7 @@ def logical_name(model: "torch.nn.Module", fqn: str) -> str:
     return ".".join(kept)
 
 
-def named_logical_parameters(model: "torch.nn.Module") -> Iterator[tuple[str, str, "torch.nn.Parameter"]]:
+def named_logical_parameters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(logical name, this rank's FQN, parameter) for each distinct parameter of `model`."""
     for fqn, param in model.named_parameters():
         yield logical_name(model, fqn), fqn, param

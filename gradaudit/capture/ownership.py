@@ -3,8 +3,9 @@ per-stack ownership inference and the hook that writes the dump)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from ..model import Region
 
@@ -27,8 +28,8 @@ class LocalPiece:
     dtype: str
     regions: tuple[Region, ...]
     local_shape: tuple[int, ...]
-    grad: Callable[[], Optional["torch.Tensor"]]
-    value: Callable[[], Optional["torch.Tensor"]]
+    grad: Callable[[], torch.Tensor | None]
+    value: Callable[[], torch.Tensor | None]
     replica_group: str | None = None
     """Name of the process group over which this piece is replicated, when it is."""
     local_name: str | None = None

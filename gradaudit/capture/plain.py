@@ -3,8 +3,9 @@ and Megatron-style tensor-parallel shards marked by attributes on the tensor."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 from ..model import Box
 from .errors import UnsupportedParameter
@@ -23,14 +24,14 @@ class TensorParallelRank:
     index: int
 
 
-def is_megatron_sharded(param: "torch.Tensor") -> bool:
+def is_megatron_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
 def plain_pieces(
     name: str,
     local_name: str | None,
-    param: "torch.Tensor",
+    param: torch.Tensor,
     *,
     replica_group: str | None,
     tensor_parallel: TensorParallelRank | None = None,
@@ -71,7 +72,7 @@ def plain_pieces(
     ]
 
 
-def _grad_of(param) -> Callable[[], Optional["torch.Tensor"]]:
+def _grad_of(param) -> Callable[[], torch.Tensor | None]:
     def grad():
         g = param.grad
         return None if g is None else g.detach()

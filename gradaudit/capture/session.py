@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
@@ -40,13 +41,13 @@ class AuditStep:
 
     def __init__(
         self,
-        model: "torch.nn.Module",
+        model: torch.nn.Module,
         out_dir: str | os.PathLike,
         *,
         step: int,
         max_norm: float | None = None,
         norm_type: float | str = 2.0,
-        optimizer: "torch.optim.Optimizer | None" = None,
+        optimizer: torch.optim.Optimizer | None = None,
         scaler: Any = None,
         groups: Mapping[str, Any] | None = None,
         aliases: Mapping[str, str] | None = None,
@@ -62,7 +63,9 @@ class AuditStep:
         self.max_norm = check_max_norm(max_norm)
         self.norm_type = check_norm_type(norm_type)
         if mode not in MODES:
-            raise CaptureError(f"unknown mode {mode!r}; pass mode='full' (gradient values) or mode='stats' (float64 summaries)")
+            raise CaptureError(
+                f"unknown mode {mode!r}; pass mode='full' (gradient values) or mode='stats' (float64 summaries)"
+            )
         if isinstance(full_params, str):
             full_params = (full_params,)
         if ownership is not None and not all(isinstance(p, LocalPiece) for p in ownership):
@@ -93,7 +96,7 @@ class AuditStep:
 
     # -- the context -------------------------------------------------------------------------
 
-    def __enter__(self) -> "AuditStep":
+    def __enter__(self) -> AuditStep:
         try:
             self._guard("capture", self._start)
             if self._recording:
@@ -148,7 +151,9 @@ class AuditStep:
     def clip(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Call `fn(*args, **kwargs)` and return what it returns, recording gradients around it."""
         if not self._active:
-            raise CaptureError("audit.clip() was called outside its `with gradaudit.audit_step(...)` block; call it inside")
+            raise CaptureError(
+                "audit.clip() was called outside its `with gradaudit.audit_step(...)` block; call it inside"
+            )
         first = not self._calls
         call: dict[str, Any] = {"reported": None, "reported_local": None}
         if self._recording:
@@ -156,7 +161,10 @@ class AuditStep:
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
-        self._guard("capture", lambda: call.update(zip(("reported", "reported_local"), norm_results(result))))
+        self._guard(
+            "capture",
+            lambda: call.update(zip(("reported", "reported_local"), norm_results(result), strict=False)),
+        )
         if self._recording:
             self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
         return result
@@ -173,7 +181,13 @@ class AuditStep:
         """Add what the training code logged (values given as numbers or one-element tensors)."""
         if loss_reduction is not None and loss_reduction not in ("mean", "sum"):
             raise CaptureError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        given = dict(reported_norm=reported_norm, clip_coef=clip_coef, loss=loss, tokens=tokens, loss_reduction=loss_reduction)
+        given = {
+            "reported_norm": reported_norm,
+            "clip_coef": clip_coef,
+            "loss": loss,
+            "tokens": tokens,
+            "loss_reduction": loss_reduction,
+        }
         self._logged.update({k: v for k, v in given.items() if v is not None})
 
     # -- recording ----------------------------------------------------------------------------
@@ -188,7 +202,10 @@ class AuditStep:
     def _after_clip(self, call: dict, fn, args, kwargs, result) -> None:
         if call["reported_local"] is not None:
             mesh = result.device_mesh
-            self._norm_mesh = (tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()), "+".join(axis_names(mesh)))
+            self._norm_mesh = (
+                tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()),
+                "+".join(axis_names(mesh)),
+            )
         call["max_norm"], call["norm_type"] = clip_arguments(fn, args, kwargs)
         self._calls.append(call)
         self._snapshots.take("grad_clipped")
@@ -213,8 +230,13 @@ class AuditStep:
         if snapshots.abandoned is not None:
             # Better a missing rank (GA100) than a file that looks complete and is not.
             if self.strict:
-                raise CaptureError(f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}")
-            warn_once("abandoned", f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}")
+                raise CaptureError(
+                    f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}"
+                )
+            warn_once(
+                "abandoned",
+                f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}",
+            )
             return
         dump, tensors = build_rank_dump(
             snapshots,
@@ -237,7 +259,10 @@ class AuditStep:
         except DumpExistsError as exc:
             if self.strict:
                 raise
-            warn_once(f"exists:{self.out_dir}", f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}")
+            warn_once(
+                f"exists:{self.out_dir}",
+                f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}",
+            )
 
     def _read_scaler_at_start(self) -> None:
         self._loss_scale = self._scaler.scale()
@@ -354,5 +379,11 @@ def dump(
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
     session = AuditStep(model, out_dir, step=step, **kwargs)
     with session:
-        session.record(reported_norm=reported_norm, clip_coef=clip_coef, loss=loss, tokens=tokens, loss_reduction=loss_reduction)
+        session.record(
+            reported_norm=reported_norm,
+            clip_coef=clip_coef,
+            loss=loss,
+            tokens=tokens,
+            loss_reduction=loss_reduction,
+        )
     return session.path

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ..model import TensorStats
 from .names import matches_any
@@ -37,7 +38,7 @@ class Snapshots:
         self.pieces = tuple(pieces)
         self.norm_type = norm_type
         self.on_error = on_error
-        self.values: dict[tuple[int, str], "torch.Tensor"] = {}
+        self.values: dict[tuple[int, str], torch.Tensor] = {}
         self.stats: dict[tuple[int, str], TensorStats] = {}
         self.failed: set[int] = set()
         self.kinds_taken: set[str] = set()
@@ -45,7 +46,9 @@ class Snapshots:
         """Why nothing of this step will be written (the copies ran out of memory), else None."""
         self._keep_stats = mode == "stats"
         self._keep_values = tuple(
-            mode == "full" or matches_any(p.param, full_params) or (p.local_name is not None and matches_any(p.local_name, full_params))
+            mode == "full"
+            or matches_any(p.param, full_params)
+            or (p.local_name is not None and matches_any(p.local_name, full_params))
             for p in self.pieces
         )
 
@@ -75,7 +78,7 @@ class Snapshots:
                         self.values[(index, kind)] = tensor.detach().clone() if copy else tensor.detach()
                     if self._keep_stats and kind in GRAD_KINDS:
                         self.stats[(index, kind)] = stats_of_tensor(tensor, self.norm_type)
-                except Exception as exc:  # one unreadable piece must not stop the step
+                except Exception as exc:  # noqa: BLE001  one unreadable piece must not stop the step
                     if _is_out_of_memory(exc):
                         self.abandon(f"copying the tensors ran out of memory ({exc})")
                         return

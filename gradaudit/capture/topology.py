@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..model import MeshInfo, Topology
 
@@ -16,7 +17,7 @@ PIPELINE_AXIS_NAMES = frozenset({"pp", "pipeline", "pipeline_parallel", "pipelin
 (a weight tied across stages is declared with aliases= instead)."""
 
 
-def root_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh `mesh` was sliced from (itself when it was not), across torch versions."""
     getter = getattr(mesh, "_get_root_mesh", None)
     if getter is not None:
@@ -30,14 +31,16 @@ def root_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
         return mesh
 
 
-def axis_names(mesh: "DeviceMesh") -> tuple[str, ...]:
+def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
     names = getattr(mesh, "mesh_dim_names", None)
     if names:
         return tuple(names)
     return tuple(f"mesh_dim{i}" for i in range(mesh.ndim))
 
 
-def rank_lists_over_axes(ranks: Sequence[int], shape: Sequence[int], axes: Iterable[int]) -> tuple[tuple[int, ...], ...]:
+def rank_lists_over_axes(
+    ranks: Sequence[int], shape: Sequence[int], axes: Iterable[int]
+) -> tuple[tuple[int, ...], ...]:
     """The groups of ranks (row-major `ranks` of a mesh of `shape`) that differ only along `axes`."""
     axes = sorted(set(axes))
     others = [a for a in range(len(shape)) if a not in axes]
@@ -85,7 +88,7 @@ class TopologyBuilder:
         self.add_group(default, [ranks])
         return default
 
-    def add_mesh(self, mesh: "DeviceMesh") -> tuple[MeshInfo, tuple[str, ...]]:
+    def add_mesh(self, mesh: DeviceMesh) -> tuple[MeshInfo, tuple[str, ...]]:
         """Record a root mesh: its shape, axis names and the rank lists of each axis."""
         names = axis_names(mesh)
         info = MeshInfo(
@@ -99,7 +102,7 @@ class TopologyBuilder:
                 self.add_group(name, rank_lists_over_axes(info.ranks, info.shape, [axis]))
         return info, names
 
-    def replica_group_of(self, mesh: "DeviceMesh", replicated_axes: Sequence[int]) -> str | None:
+    def replica_group_of(self, mesh: DeviceMesh, replicated_axes: Sequence[int]) -> str | None:
         """Name (and record) the group over which a DTensor on `mesh` is replicated.
 
         The replicated axes are those of `mesh` with a Replicate placement plus the axes of its root
@@ -140,7 +143,9 @@ class TopologyBuilder:
         return Topology(groups=groups, mesh=self.mesh(), norm_group=norm_group)
 
 
-def normalize_groups(groups: Mapping[str, object] | None, *, world_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+def normalize_groups(
+    groups: Mapping[str, object] | None, *, world_size: int
+) -> dict[str, tuple[tuple[int, ...], ...]]:
     """The user's `groups=` as rank lists: a ProcessGroup becomes this rank's list of global ranks."""
     from ..errors import CaptureError
 
@@ -156,7 +161,9 @@ def normalize_groups(groups: Mapping[str, object] | None, *, world_size: int) ->
             )
         for ranks in lists:
             if any(r < 0 or r >= world_size for r in ranks):
-                raise CaptureError(f"groups[{name!r}] names rank(s) outside world size {world_size}: {list(ranks)}")
+                raise CaptureError(
+                    f"groups[{name!r}] names rank(s) outside world size {world_size}: {list(ranks)}"
+                )
         out[name] = lists
     return out
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from ..dumpfile.writer import step_dir, write_rank_file
 from ..model import ClipRecord, DataRecord, ParamInfo, Piece, RankDump, Topology
@@ -28,7 +29,7 @@ def build_rank_dump(
     clip: ClipRecord | None,
     data: DataRecord,
     run_id: str | None,
-) -> tuple[RankDump, dict[tuple[int, str], "torch.Tensor"]]:
+) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
     """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
     infos: dict[str, ParamInfo] = {}
     pieces, tensors = [], {}
@@ -85,7 +86,7 @@ def write_dump(out_dir, dump: RankDump, tensors) -> Path:
     return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
 
 
-def _as_dtype(tensor: "torch.Tensor", dtype: str) -> "torch.Tensor":
+def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     if str(tensor.dtype).removeprefix("torch.") == dtype:
         return tensor
     import torch

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Union
 
 from ..measure import StepMeasurements
 from ..model import StepDump
@@ -37,7 +37,7 @@ class Hit:
     message: str
     ranks: tuple[int, ...] = ()
     params: tuple[str, ...] = ()
-    evidence: Mapping[str, Union[int, float, str, None]] = field(default_factory=dict)
+    evidence: Mapping[str, int | float | str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +47,7 @@ class Skip:
     reason: str
 
 
-CheckResult = Union[tuple[Hit, ...], Skip]
+CheckResult = tuple[Hit, ...] | Skip
 CheckFn = Callable[[StepDump, StepMeasurements, AuditOptions], CheckResult]
 
 

@@ -41,7 +41,9 @@ def coefficients_differ(step: StepDump, m: StepMeasurements, options: AuditOptio
     if len(groups) <= 1:
         return ()
     majority = max(groups, key=len)
-    outliers = [rv for g in groups if g is not majority for rv in g] if len(majority) > len(known) / 2 else known
+    outliers = (
+        [rv for g in groups if g is not majority for rv in g] if len(majority) > len(known) / 2 else known
+    )
     described = "; ".join(
         f"{ranks_named(r for r, _ in g)}: {num(g[0][1])}" for g in sorted(groups, key=lambda g: g[0][0])
     )
@@ -50,7 +52,11 @@ def coefficients_differ(step: StepDump, m: StepMeasurements, options: AuditOptio
         Hit(
             message=f"ranks applied {len(groups)} different clip coefficients to one update ({described})",
             ranks=tuple(r for r, _ in outliers),
-            evidence={"min_clip_coef": min(values), "max_clip_coef": max(values), "num_distinct": len(groups)},
+            evidence={
+                "min_clip_coef": min(values),
+                "max_clip_coef": max(values),
+                "num_distinct": len(groups),
+            },
         ),
     )
 
@@ -62,7 +68,9 @@ def coefficient_vs_expected(step: StepDump, m: StepMeasurements, options: AuditO
     if diagnosis.true_norm is None:
         return Skip(reason=f"the true global norm is unknown: {diagnosis.true_norm_note}")
     if not math.isfinite(diagnosis.true_norm):
-        return Skip(reason=f"the true global norm is {num(diagnosis.true_norm)} (nonfinite gradients, see GA401)")
+        return Skip(
+            reason=f"the true global norm is {num(diagnosis.true_norm)} (nonfinite gradients, see GA401)"
+        )
     known = [d for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if not known:
         return Skip(reason="no rank dumped post-clip gradients, a clip coefficient or a reported norm")
@@ -108,7 +116,9 @@ def post_clip_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -
     if diagnosis.post_clip_norm is None:
         return Skip(reason="post-clip gradients (grad_clipped) were not dumped for every piece")
     if not math.isfinite(diagnosis.post_clip_norm):
-        return Skip(reason=f"the post-clip norm is {num(diagnosis.post_clip_norm)} (nonfinite gradients, see GA401)")
+        return Skip(
+            reason=f"the post-clip norm is {num(diagnosis.post_clip_norm)} (nonfinite gradients, see GA401)"
+        )
     limit = diagnosis.max_norm * (1 + diagnosis.rtol)
     if diagnosis.post_clip_norm <= limit:
         return ()

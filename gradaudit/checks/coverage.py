@@ -30,7 +30,9 @@ def metadata_disagreement(step: StepDump, m: StepMeasurements, options: AuditOpt
         by_value: dict[str, list[int]] = {}
         for rank, value in sorted(item.values.items()):
             by_value.setdefault(value, []).append(rank)
-        described = "; ".join(f"{ranks_named(r)}: {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1]))
+        described = "; ".join(
+            f"{ranks_named(r)}: {v}" for v, r in sorted(by_value.items(), key=lambda kv: kv[1])
+        )
         hits.append(
             Hit(
                 message=f"ranks disagree on {item.what}: {described}",

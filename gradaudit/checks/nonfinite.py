@@ -41,7 +41,12 @@ def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptio
             ),
             ranks=tuple(ranks),
             params=tuple(params),
-            evidence={"num_nan": totals[0], "num_posinf": totals[1], "num_neginf": totals[2], "first_rank": first},
+            evidence={
+                "num_nan": totals[0],
+                "num_posinf": totals[1],
+                "num_neginf": totals[2],
+                "first_rank": first,
+            },
         ),
     )
 

@@ -91,7 +91,9 @@ def local_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -> Ch
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == LOCAL_ONLY)
     return (
-        (_hit(diagnosis, ranks, "clipping used each rank's local norm, never reduced across ranks"),) if ranks else ()
+        (_hit(diagnosis, ranks, "clipping used each rank's local norm, never reduced across ranks"),)
+        if ranks
+        else ()
     )
 
 

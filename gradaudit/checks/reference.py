@@ -43,7 +43,9 @@ def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
     )
     if error.num_nonfinite_mismatch:
         rel = math.inf
-    within = error.num_nonfinite_mismatch == 0 and error.max_abs_error <= atol + rtol * error.max_abs_reference
+    within = (
+        error.num_nonfinite_mismatch == 0 and error.max_abs_error <= atol + rtol * error.max_abs_reference
+    )
     return ParamComparison(
         param=error.param,
         kind=error.kind,
@@ -124,7 +126,9 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
         hits.append(
             Hit(
                 message="parameters that could not be compared with the reference: " + "; ".join(missing[:8]),
-                params=tuple(sorted({pm.param for pm in m.params.values() if pm.notes} | set(m.reference_only_params))),
+                params=tuple(
+                    sorted({pm.param for pm in m.params.values() if pm.notes} | set(m.reference_only_params))
+                ),
                 evidence={"num_mismatched_params": len(missing)},
             )
         )

@@ -24,11 +24,21 @@ _TABLE = (
     ("GA204", ERROR, "norm matches no known mistake", norm.unexplained),
     ("GA205", WARNING, "reported norm is wrong but clipping used the right one", norm.logging_bug),
     ("GA301", ERROR, "ranks applied different clip coefficients", coefficients.coefficients_differ),
-    ("GA302", ERROR, "applied coefficient differs from the expected one", coefficients.coefficient_vs_expected),
+    (
+        "GA302",
+        ERROR,
+        "applied coefficient differs from the expected one",
+        coefficients.coefficient_vs_expected,
+    ),
     ("GA303", ERROR, "post-clip global norm exceeds max_norm", coefficients.post_clip_norm),
     ("GA401", ERROR, "nonfinite gradient values", nonfinite.nonfinite_gradients),
     ("GA402", ERROR, "ranks disagree on nonfinite or skipped step", nonfinite.skip_disagreement),
-    ("GA501", ERROR, "clipping ran more than once before one optimizer step", procedure.clipped_more_than_once),
+    (
+        "GA501",
+        ERROR,
+        "clipping ran more than once before one optimizer step",
+        procedure.clipped_more_than_once,
+    ),
     (
         "GA502",
         ERROR,
@@ -44,7 +54,12 @@ _TABLE = (
         reference.clipped_or_next_weights_differ,
     ),
     ("GA701", INFO, "update norm vs gradient norm", updates.update_vs_gradient),
-    ("GA702", WARNING, "ranks averaged their own loss over different token counts", procedure.uneven_token_means),
+    (
+        "GA702",
+        WARNING,
+        "ranks averaged their own loss over different token counts",
+        procedure.uneven_token_means,
+    ),
 )
 
 DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA701")
@@ -85,7 +100,12 @@ def explain(code: str, width: int = 88) -> str:
     """The text `gradaudit explain CODE` prints."""
     spec = BY_CODE[code.upper()]
     e = spec.explanation
-    sections = (("What it checks", e.what), ("Why it matters", e.why), ("Example", e.example), ("How to fix it", e.fix))
+    sections = (
+        ("What it checks", e.what),
+        ("Why it matters", e.why),
+        ("Example", e.example),
+        ("How to fix it", e.fix),
+    )
     body = "\n\n".join(
         f"{heading}\n" + textwrap.fill(text, width=width, initial_indent="  ", subsequent_indent="  ")
         for heading, text in sections

@@ -13,9 +13,10 @@ O(k log k); only 3-D or larger boxes in general position can cost more.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from ..model import Box, FlatRange, Region
 
@@ -33,7 +34,9 @@ class Coverage:
     """Tags of the boxes involved in any overlap."""
 
 
-def flat_range_boxes(start: int, stop: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def flat_range_boxes(
+    start: int, stop: int, shape: Sequence[int]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The boxes that make up elements [start, stop) of a row-major tensor of `shape`."""
     shape = tuple(shape)
     if start >= stop:
@@ -100,7 +103,9 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int) -> tuple[int
         return shape[dim] * rest, 0, set()
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][dim])
     cuts = sorted(
-        {0, shape[dim]} | {boxes[i][0][dim] for i in order} | {boxes[i][0][dim] + boxes[i][1][dim] for i in order}
+        {0, shape[dim]}
+        | {boxes[i][0][dim] for i in order}
+        | {boxes[i][0][dim] + boxes[i][1][dim] for i in order}
     )
     gap = overlap = 0
     tags: set = set()
@@ -108,7 +113,7 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int) -> tuple[int
     active: dict[int, None] = {}
     ends: list[tuple[int, int]] = []
     next_start = 0
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         while next_start < len(order) and boxes[order[next_start]][0][dim] <= a:
             i = order[next_start]
             active[i] = None
@@ -213,7 +218,9 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tu
     position: O(k log k + positions x segments) in C, with a few numpy calls per row position."""
     import numpy as np
 
-    cuts = np.array(sorted({0, cols} | {b[0][dim + 1] for b in boxes} | {b[0][dim + 1] + b[1][dim + 1] for b in boxes}))
+    cuts = np.array(
+        sorted({0, cols} | {b[0][dim + 1] for b in boxes} | {b[0][dim + 1] + b[1][dim + 1] for b in boxes})
+    )
     segment_lengths = np.diff(cuts)
     row_start = np.array([b[0][dim] for b in boxes], dtype=np.int64)
     row_stop = row_start + np.array([b[1][dim] for b in boxes], dtype=np.int64)
@@ -233,7 +240,7 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tu
     counts = np.zeros(len(cuts) - 1, dtype=np.int64)
     gap = overlap = widths = previous = named_slabs = 0
     tags: set = set()
-    for a, b in zip(starts.tolist(), stops.tolist()):
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=False):
         here = int(position[a])
         span = here - previous
         if span:

@@ -16,7 +16,9 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
     if not with_update:
         return Skip(reason="parameters before and after the optimizer step were not dumped with values")
     if len(with_update) < len(cover):
-        return Skip(reason=f"only {len(with_update)} of {len(cover)} pieces hold parameters before and after the step")
+        return Skip(
+            reason=f"only {len(with_update)} of {len(cover)} pieces hold parameters before and after the step"
+        )
     update_norm = math.sqrt(math.fsum(p.update_sum_sq for p in cover))
     clipped = all("grad_clipped" in p.stats for p in cover)
     grad_norm = norm_of_pieces(cover, 2.0, "grad_clipped" if clipped else "grad")

@@ -7,8 +7,8 @@ from .run import DemoOutputExists, DemoResult, run_demo, scenario_dirs
 __all__ = [
     "SCENARIOS",
     "DemoOutputExists",
-    "DemoRunFailed",
     "DemoResult",
+    "DemoRunFailed",
     "Scenario",
     "get_scenario",
     "run_demo",

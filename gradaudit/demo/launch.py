@@ -78,7 +78,8 @@ def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
     context = multiprocessing.get_context(_start_method())
     errors = context.SimpleQueue()
     processes = [
-        context.Process(target=_guarded, args=(entry, index, args, errors), daemon=True) for index in range(nprocs)
+        context.Process(target=_guarded, args=(entry, index, args, errors), daemon=True)
+        for index in range(nprocs)
     ]
     for process in processes:
         process.start()
@@ -89,7 +90,9 @@ def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
             failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 if errors.empty():
-                    raise DemoRunFailed(f"demo process {failed[0]} of {nprocs} died with exit code {codes[failed[0]]}")
+                    raise DemoRunFailed(
+                        f"demo process {failed[0]} of {nprocs} died with exit code {codes[failed[0]]}"
+                    )
                 index, detail = errors.get()
                 raise DemoRunFailed(f"demo process {index} of {nprocs} failed", detail)
             if all(code == 0 for code in codes):
@@ -107,7 +110,7 @@ def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
 def _guarded(entry, index: int, args: tuple, errors) -> None:
     try:
         entry(index, *args)
-    except BaseException:
+    except BaseException:  # noqa: BLE001  reported to the parent, then re-raised as an exit
         errors.put((index, traceback.format_exc()))
         raise SystemExit(1) from None
 
@@ -142,7 +145,11 @@ def _rank_main(rank: int, world_size: int, port: int, target: str, out_dir: str)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(
-        "gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        "gloo",
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     _resolve(target)(RankContext(rank=rank, world_size=world_size, out_dir=Path(out_dir)))
     dist.barrier()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..errors import GradauditError
 from .launch import DEFAULT_TIMEOUT_S, run_ranks, run_single
@@ -65,7 +65,9 @@ def run_demo(
             )
     module = f"{__package__}.scenarios.{scenario.name}"
     progress(f"running {name} on {scenario.world_size} gloo ranks (CPU)...")
-    run_ranks(f"{module}:train_rank", world_size=scenario.world_size, out_dir=sharded_root, timeout_s=timeout_s)
+    run_ranks(
+        f"{module}:train_rank", world_size=scenario.world_size, out_dir=sharded_root, timeout_s=timeout_s
+    )
     progress("running its unsharded reference in one process...")
     run_single(f"{module}:train_reference", out_dir=reference_root, timeout_s=timeout_s)
     return result

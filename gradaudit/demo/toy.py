@@ -5,8 +5,8 @@ Imported only inside a demo run (it imports torch at the top).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -77,9 +77,9 @@ class TinyLM(nn.Module):
             x = self.head(torch.tanh(self.block1(x)))
         return x
 
-    def keep_stage(self, stage: int) -> "TinyLM":
+    def keep_stage(self, stage: int) -> TinyLM:
         """Delete the modules of the other stage (stage 0: embed, block0; stage 1: block1, head)."""
-        for name in (("block1", "head") if stage == 0 else ("embed", "block0")):
+        for name in ("block1", "head") if stage == 0 else ("embed", "block0"):
             delattr(self, name)
         return self
 
@@ -90,7 +90,9 @@ def seeded(factory: Callable[[], nn.Module]) -> nn.Module:
     return factory()
 
 
-def regression_batch(*, d_in: int = 8, d_out: int = 4, target_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def regression_batch(
+    *, d_in: int = 8, d_out: int = 4, target_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of the regression scenarios: inputs and targets, always the same values."""
     generator = torch.Generator().manual_seed(DATA_SEED)
     inputs = torch.randn(GLOBAL_BATCH, d_in, generator=generator)
@@ -132,7 +134,7 @@ def reference_step(
     max_norm: float,
     microbatches: Sequence[tuple[torch.Tensor, ...]],
     loss_fn: Callable[..., torch.Tensor] = mse,
-    scaler: Optional["torch.amp.GradScaler"] = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """One correct single-process step: accumulate every microbatch of the global batch, unscale when a
     scaler is used, clip once by the true norm, then step. Writes out_dir/step_<STEP>/."""
@@ -140,7 +142,14 @@ def reference_step(
 
     optimizer = sgd(model)
     with gradaudit.audit_step(
-        model, out_dir, step=STEP, max_norm=max_norm, norm_type=2.0, optimizer=optimizer, scaler=scaler, strict=True
+        model,
+        out_dir,
+        step=STEP,
+        max_norm=max_norm,
+        norm_type=2.0,
+        optimizer=optimizer,
+        scaler=scaler,
+        strict=True,
     ) as audit:
         for batch in microbatches:
             loss = loss_fn(model, *batch) / len(microbatches)

@@ -1,19 +1,20 @@
 """Writing dumps from plain tensors and ownership metadata, for tests, benchmarks and custom trainers.
 
-    write_rank(step_dir, rank=0, world_size=2, step=7,
-               params={"w": (4, 3)},
-               pieces=[box("w", (0, 0), grad=g0)],
-               clip=ClipRecord(max_norm=1.0, reported_norm=0.8))
+write_rank(step_dir, rank=0, world_size=2, step=7,
+           params={"w": (4, 3)},
+           pieces=[box("w", (0, 0), grad=g0)],
+           clip=ClipRecord(max_norm=1.0, reported_norm=0.8))
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..model import (
     TENSOR_KINDS,
@@ -40,7 +41,7 @@ class PieceSpec:
 
     param: str
     regions: tuple[Region, ...]
-    tensors: Mapping[str, "torch.Tensor"]
+    tensors: Mapping[str, torch.Tensor]
     local_name: str | None = None
     replica_group: str | None = None
     stats_only: bool = False
@@ -66,11 +67,25 @@ class PieceSpec:
 
 
 def _tensors(grad, grad_clipped, param_before, param_after) -> dict:
-    given = {"grad": grad, "grad_clipped": grad_clipped, "param_before": param_before, "param_after": param_after}
+    given = {
+        "grad": grad,
+        "grad_clipped": grad_clipped,
+        "param_before": param_before,
+        "param_after": param_after,
+    }
     return {k: v for k, v in given.items() if v is not None}
 
 
-def box(param: str, offsets: Sequence[int], grad=None, *, grad_clipped=None, param_before=None, param_after=None, **kw) -> PieceSpec:
+def box(
+    param: str,
+    offsets: Sequence[int],
+    grad=None,
+    *,
+    grad_clipped=None,
+    param_before=None,
+    param_after=None,
+    **kw,
+) -> PieceSpec:
     """A piece that is the N-D block of `param` starting at `offsets`, shaped like its tensors."""
     tensors = _tensors(grad, grad_clipped, param_before, param_after)
     shape = tuple(next(iter(tensors.values())).shape)
@@ -79,16 +94,24 @@ def box(param: str, offsets: Sequence[int], grad=None, *, grad_clipped=None, par
 
 def whole(param: str, grad=None, **kw) -> PieceSpec:
     """A piece holding all of `param` (a replica, or an unsharded parameter)."""
-    tensors = _tensors(grad, kw.pop("grad_clipped", None), kw.pop("param_before", None), kw.pop("param_after", None))
+    tensors = _tensors(
+        grad, kw.pop("grad_clipped", None), kw.pop("param_before", None), kw.pop("param_after", None)
+    )
     shape = tuple(next(iter(tensors.values())).shape)
-    return PieceSpec(param=param, regions=(Box(offsets=(0,) * len(shape), shape=shape),), tensors=tensors, **kw)
+    return PieceSpec(
+        param=param, regions=(Box(offsets=(0,) * len(shape), shape=shape),), tensors=tensors, **kw
+    )
 
 
-def flat(param: str, start: int, grad=None, *, grad_clipped=None, param_before=None, param_after=None, **kw) -> PieceSpec:
+def flat(
+    param: str, start: int, grad=None, *, grad_clipped=None, param_before=None, param_after=None, **kw
+) -> PieceSpec:
     """A 1-D piece holding elements [start, start + numel) of the flattened `param`."""
     tensors = _tensors(grad, grad_clipped, param_before, param_after)
     numel = next(iter(tensors.values())).numel()
-    return PieceSpec(param=param, regions=(FlatRange(start=start, stop=start + numel),), tensors=tensors, **kw)
+    return PieceSpec(
+        param=param, regions=(FlatRange(start=start, stop=start + numel),), tensors=tensors, **kw
+    )
 
 
 def write_rank(
@@ -154,7 +177,9 @@ def write_rank(
         host=host if host is not None else socket.gethostname(),
         torch_version=_torch_version(),
         gradaudit_version=__version__,
-        created_at=created_at if created_at is not None else datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=created_at
+        if created_at is not None
+        else datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=infos,
         pieces=tuple(model_pieces),
         aliases=dict(aliases or {}),

@@ -12,8 +12,9 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO
 
 from ..errors import DumpFormatError
 
@@ -41,7 +42,7 @@ SAFETENSORS_DTYPES = {
 }
 """Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
 DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
-ITEMSIZES = {name: size for name, size in SAFETENSORS_DTYPES.values()}
+ITEMSIZES = dict(SAFETENSORS_DTYPES.values())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,10 +160,14 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
         (length,) = struct.unpack("<Q", read_exactly(handle, 8))
         if length > size - 8:
             raise DumpFormatError(
-                path, f"header claims {length} bytes but the file has only {size - 8} after it", "the file is truncated"
+                path,
+                f"header claims {length} bytes but the file has only {size - 8} after it",
+                "the file is truncated",
             )
         if length > MAX_HEADER_BYTES:
-            raise DumpFormatError(path, f"header claims {length} bytes, more than the {MAX_HEADER_BYTES} allowed")
+            raise DumpFormatError(
+                path, f"header claims {length} bytes, more than the {MAX_HEADER_BYTES} allowed"
+            )
         raw = read_exactly(handle, length)
     except OSError as exc:
         raise DumpFormatError(path, os_problem(exc)) from None
@@ -173,12 +178,16 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise DumpFormatError(path, "header is not UTF-8 text", "the file is not a safetensors file") from None
+        raise DumpFormatError(
+            path, "header is not UTF-8 text", "the file is not a safetensors file"
+        ) from None
     try:
         doc = parse_json(text.rstrip(" "))
     except (ValueError, RecursionError) as exc:
         raise DumpFormatError(
-            path, f"header is not valid JSON ({_first_line(exc)})", "the file is corrupt or not a safetensors file"
+            path,
+            f"header is not valid JSON ({_first_line(exc)})",
+            "the file is corrupt or not a safetensors file",
         ) from None
     if not isinstance(doc, dict):
         raise DumpFormatError(path, "header is not a JSON object", "the file is not a safetensors file")
@@ -206,7 +215,9 @@ def validate_tensors(raw: RawHeader) -> Header:
         shape = entry.get("shape")
         offsets = entry.get("data_offsets")
         if not isinstance(code, str) or code not in SAFETENSORS_DTYPES:
-            raise DumpFormatError(path, f"tensor {shown(key)} has dtype {shown(code)}, which gradaudit cannot read")
+            raise DumpFormatError(
+                path, f"tensor {shown(key)} has dtype {shown(code)}, which gradaudit cannot read"
+            )
         if not (
             isinstance(shape, list)
             and len(shape) <= MAX_DIMS
@@ -223,7 +234,8 @@ def validate_tensors(raw: RawHeader) -> Header:
         name, itemsize = SAFETENSORS_DTYPES[code]
         if math.prod(shape) * itemsize != offsets[1] - offsets[0]:
             raise DumpFormatError(
-                path, f"tensor {shown(key)} has shape {shown(shape)} but {offsets[1] - offsets[0]} bytes of data"
+                path,
+                f"tensor {shown(key)} has shape {shown(shape)} but {offsets[1] - offsets[0]} bytes of data",
             )
         if offsets[1] > data_size:
             raise DumpFormatError(

@@ -11,8 +11,9 @@ import os
 import re
 import stat
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import DumpFormatError, StepFolderError
 from ..model import Inconsistency, RankDump, StepDump
@@ -51,7 +52,9 @@ def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
     text = raw.metadata.get(METADATA_KEY)
     if text is None:
         raise DumpFormatError(
-            path, "is a safetensors file without gradaudit metadata", "is it a model checkpoint? point gradaudit at a step_<N> dump folder"
+            path,
+            "is a safetensors file without gradaudit metadata",
+            "is it a model checkpoint? point gradaudit at a step_<N> dump folder",
         )
     header = validate_tensors(raw)
     try:
@@ -66,11 +69,12 @@ def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
     for piece in dump.pieces:
-        for kind, key in piece.tensors.items():
+        for key in piece.tensors.values():
             entry = header.tensors.get(key)
             if entry is None:
                 raise DumpFormatError(
-                    dump.path, f"piece {piece.index} ({shown(piece.param)}) names tensor {shown(key)}, which the file lacks"
+                    dump.path,
+                    f"piece {piece.index} ({shown(piece.param)}) names tensor {shown(key)}, which the file lacks",
                 )
             if entry.shape != piece.local_shape:
                 raise DumpFormatError(
@@ -78,7 +82,9 @@ def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
                     f"tensor {shown(key)} has shape {list(entry.shape)} but its piece says {list(piece.local_shape)}",
                 )
             if entry.dtype != piece.dtype:
-                raise DumpFormatError(dump.path, f"tensor {shown(key)} is {entry.dtype} but its piece says {piece.dtype}")
+                raise DumpFormatError(
+                    dump.path, f"tensor {shown(key)} is {entry.dtype} but its piece says {piece.dtype}"
+                )
 
 
 def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
@@ -145,16 +151,22 @@ def load_step(directory: str | os.PathLike) -> StepDump:
     try:
         files, warnings = rank_files(directory)
     except OSError as exc:
-        raise StepFolderError(f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions") from None
+        raise StepFolderError(
+            f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
+        ) from None
     if not files:
-        raise StepFolderError(f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?")
+        raise StepFolderError(
+            f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?"
+        )
     ranks: dict[int, RankDump] = {}
     with gc_paused():
         for path in files:
             dump = load_rank_file(path)
             if dump.rank in ranks:
                 raise DumpFormatError(
-                    path, f"claims rank {dump.rank}, as does {Path(ranks[dump.rank].path).name}", "remove the stray copy"
+                    path,
+                    f"claims rank {dump.rank}, as does {Path(ranks[dump.rank].path).name}",
+                    "remove the stray copy",
                 )
             named = _RANK_FILE.match(path.name)
             if named and int(named.group(1)) != dump.rank:
@@ -240,7 +252,9 @@ def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
         for what, index in (("shape", 0), ("dtype", 1)):
             if len({v[index] for v in by_rank.values()}) > 1:
                 found.append(
-                    Inconsistency(what=f"{what} of {name}", values={r: str(v[index]) for r, v in by_rank.items()})
+                    Inconsistency(
+                        what=f"{what} of {name}", values={r: str(v[index]) for r, v in by_rank.items()}
+                    )
                 )
     return found
 
@@ -282,7 +296,9 @@ def find_step_dirs(directory: str | os.PathLike) -> list[Path]:
     try:
         entries = list(directory.iterdir())
     except OSError as exc:
-        raise StepFolderError(f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions") from None
+        raise StepFolderError(
+            f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
+        ) from None
     if any(e.name.endswith(RANK_FILE_SUFFIX) for e in entries):
         return [directory]
     steps = sorted((int(m.group(1)), e) for e in entries if (m := _STEP_DIR.match(e.name)))
@@ -309,9 +325,13 @@ class TensorReader:
             try:
                 dump, header = _load_rank_from(handle, path)
                 expected = self._expected.get(path)
-                if expected is not None and (dump.pieces != expected.pieces or dump.num_bytes != expected.num_bytes):
+                if expected is not None and (
+                    dump.pieces != expected.pieces or dump.num_bytes != expected.num_bytes
+                ):
                     raise DumpFormatError(
-                        path, "changed on disk after it was loaded", "let the dump finish before checking it, then re-run"
+                        path,
+                        "changed on disk after it was loaded",
+                        "let the dump finish before checking it, then re-run",
                     )
             except BaseException:
                 handle.close()
@@ -326,7 +346,9 @@ class TensorReader:
             raise DumpFormatError(path, f"has no tensor {shown(key)}")
         return handle, entry
 
-    def _read(self, path: str, key: str, handle: BinaryIO, entry: TensorEntry, first: int, count: int) -> "torch.Tensor":
+    def _read(
+        self, path: str, key: str, handle: BinaryIO, entry: TensorEntry, first: int, count: int
+    ) -> torch.Tensor:
         """Elements [first, first + count) of the flattened tensor, as a 1-D tensor."""
         import torch
 
@@ -351,11 +373,11 @@ class TensorReader:
             raise DumpFormatError(path, os_problem(exc)) from None
         return buffer.view(dtype)
 
-    def read(self, path: str, key: str) -> "torch.Tensor":
+    def read(self, path: str, key: str) -> torch.Tensor:
         handle, entry = self._entry(path, key)
         return self._read(path, key, handle, entry, 0, math.prod(entry.shape)).reshape(entry.shape)
 
-    def chunks(self, path: str, key: str, max_elements: int = 1 << 22) -> Iterator["torch.Tensor"]:
+    def chunks(self, path: str, key: str, max_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
         """The tensor flattened row-major, in consecutive 1-D chunks of whole rows of at most about
         `max_elements` (an empty tensor gives one empty chunk)."""
         handle, entry = self._entry(path, key)
@@ -369,7 +391,7 @@ class TensorReader:
             stop = min(start + rows_per_chunk, entry.shape[0])
             yield self._read(path, key, handle, entry, start * row, (stop - start) * row)
 
-    def read_range(self, path: str, key: str, start: int, stop: int) -> "torch.Tensor":
+    def read_range(self, path: str, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of the tensor flattened row-major, reading only those bytes."""
         handle, entry = self._entry(path, key)
         numel = math.prod(entry.shape)
@@ -382,7 +404,7 @@ class TensorReader:
             handle.close()
         self._files.clear()
 
-    def __enter__(self) -> "TensorReader":
+    def __enter__(self) -> TensorReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

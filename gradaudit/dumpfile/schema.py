@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..errors import DumpFormatError
 from ..model import (
@@ -176,7 +177,9 @@ class _Reader:
 
     def fail(self, where: str, problem: str) -> DumpFormatError:
         return DumpFormatError(
-            self.path, f"metadata field {clipped(where, 160)}: {problem}", "the file is not a valid gradaudit dump"
+            self.path,
+            f"metadata field {clipped(where, 160)}: {problem}",
+            "the file is not a valid gradaudit dump",
         )
 
     def obj(self, value: Any, where: str) -> Mapping[str, Any]:
@@ -184,7 +187,16 @@ class _Reader:
             raise self.fail(where, f"expected an object, got {_kind(value)}")
         return value
 
-    def get(self, obj: Mapping[str, Any], key: str, where: str, conv: Callable, *, default: Any = ..., optional=False):
+    def get(
+        self,
+        obj: Mapping[str, Any],
+        key: str,
+        where: str,
+        conv: Callable,
+        *,
+        default: Any = ...,
+        optional=False,
+    ):
         if key not in obj or (optional and obj[key] is None):
             if default is not ...:
                 return default
@@ -253,14 +265,19 @@ class _Reader:
     def dtype(self, value: Any, where: str) -> str:
         name = self.str_(value, where)
         if name not in FLOAT_DTYPES:
-            raise self.fail(where, f"{shown(name, 40)} is not a floating dtype gradaudit reads ({', '.join(FLOAT_DTYPES)})")
+            raise self.fail(
+                where,
+                f"{shown(name, 40)} is not a floating dtype gradaudit reads ({', '.join(FLOAT_DTYPES)})",
+            )
         return name
 
 
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), "a number")
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), "a number"
+    )
 
 
 def _decode_region(r: _Reader, raw: Any, where: str) -> Region:
@@ -297,7 +314,9 @@ def _decode_stats(r: _Reader, raw: Any, where: str) -> TensorStats:
         num_neginf=count("num_neginf"),
         fingerprint=tuple(
             r.float_(v, f"{where}.fingerprint[{i}]")
-            for i, v in enumerate(r.get(obj, "fingerprint", where, lambda v, w: r.list_(v, w, 64), default=[]))
+            for i, v in enumerate(
+                r.get(obj, "fingerprint", where, lambda v, w: r.list_(v, w, 64), default=[])
+            )
         ),
     )
     if stats.num_nonfinite > stats.numel:
@@ -405,7 +424,9 @@ def _quick_param(raw: Any) -> ParamInfo | None:
     return ParamInfo(name=name, global_shape=global_shape, dtype=dtype)
 
 
-def _quick_piece(raw: Any, index: int, params: Mapping[str, ParamInfo], numels: dict[str, int]) -> Piece | None:
+def _quick_piece(
+    raw: Any, index: int, params: Mapping[str, ParamInfo], numels: dict[str, int]
+) -> Piece | None:
     """`_decode_piece` of a well-formed entry, built without the careful path's per-field bookkeeping.
 
     Many-rank dumps hold millions of pieces, so this is the loader's hot loop. It accepts only plain,
@@ -508,16 +529,23 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
     tensors = {}
     for kind, key in tensors_raw.items():
         if kind not in TENSOR_KINDS:
-            raise r.fail(f"{where}.tensors", f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})")
+            raise r.fail(
+                f"{where}.tensors",
+                f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})",
+            )
         tensors[kind] = r.str_(key, f"{where}.tensors.{kind}")
     stats_raw = r.get(obj, "stats", where, r.obj, default={})
     stats = {}
     for kind, value in stats_raw.items():
         if kind not in TENSOR_KINDS:
-            raise r.fail(f"{where}.stats", f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})")
+            raise r.fail(
+                f"{where}.stats", f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})"
+            )
         stats[kind] = _decode_stats(r, value, f"{where}.stats.{kind}")
         if stats[kind].numel != covered:
-            raise r.fail(f"{where}.stats.{kind}.numel", f"is {stats[kind].numel} but the piece holds {covered}")
+            raise r.fail(
+                f"{where}.stats.{kind}.numel", f"is {stats[kind].numel} but the piece holds {covered}"
+            )
     return Piece(
         index=index,
         param=name,
@@ -537,7 +565,9 @@ def _region_text(region: Region) -> str:
     return f"flat range [{region.start}, {region.stop})"
 
 
-def _decode_groups(r: _Reader, raw: Any, where: str, world_size: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+def _decode_groups(
+    r: _Reader, raw: Any, where: str, world_size: int
+) -> dict[str, tuple[tuple[int, ...], ...]]:
     groups = {}
     for name, lists in r.obj(raw, where).items():
         rank_lists = []
@@ -569,7 +599,10 @@ def _decode_topology(r: _Reader, raw: Any, world_size: int) -> Topology:
             for i, v in enumerate(r.get(m, "ranks", "topology.mesh", r.list_))
         )
         if len(shape) != len(names) or math.prod(shape) != len(ranks):
-            raise r.fail("topology.mesh", f"shape {list(shape)}, {len(names)} axis names and {len(ranks)} ranks disagree")
+            raise r.fail(
+                "topology.mesh",
+                f"shape {list(shape)}, {len(names)} axis names and {len(ranks)} ranks disagree",
+            )
         mesh = MeshInfo(shape=shape, axis_names=names, ranks=ranks)
     return Topology(
         groups=_decode_groups(r, obj.get("groups", {}), "topology.groups", world_size),
@@ -617,11 +650,15 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
 def check_format_version(doc: Mapping[str, Any], path: str) -> None:
     """Refuse documents that are not ours, or from a newer major version; accept newer minors."""
     if doc.get("format") != FORMAT_NAME:
-        raise DumpFormatError(path, "is not a gradaudit dump (no gradaudit format marker)", "was it written by gradaudit.dump?")
+        raise DumpFormatError(
+            path, "is not a gradaudit dump (no gradaudit format marker)", "was it written by gradaudit.dump?"
+        )
     version = doc.get("format_version")
     match = _VERSION.fullmatch(version) if isinstance(version, str) else None
     if match is None:
-        raise DumpFormatError(path, f"has an unreadable format_version {shown(version, 40)}", "expected MAJOR.MINOR")
+        raise DumpFormatError(
+            path, f"has an unreadable format_version {shown(version, 40)}", "expected MAJOR.MINOR"
+        )
     major = int(match.group(1))
     if major > FORMAT_MAJOR:
         raise DumpFormatError(
@@ -662,7 +699,8 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
         for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
     )
     aliases = {
-        r.str_(k, "aliases"): r.str_(v, f"aliases.{k}") for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()
+        r.str_(k, "aliases"): r.str_(v, f"aliases.{k}")
+        for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()
     }
     data = r.get(doc, "data", "", r.obj, default={})
     mode = r.get(doc, "mode", "", r.str_, default="full")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from ..errors import GradauditError
 from ..model import RankDump
@@ -39,7 +40,7 @@ class DumpExistsError(GradauditError):
 def write_rank_file(
     directory: str | os.PathLike,
     dump: RankDump,
-    tensors: Mapping[tuple[int, str], "torch.Tensor"],
+    tensors: Mapping[tuple[int, str], torch.Tensor],
     *,
     overwrite: bool = False,
 ) -> Path:
@@ -53,9 +54,9 @@ def write_rank_file(
 
     directory = Path(directory)
     pieces = []
-    payload: dict[str, "torch.Tensor"] = {}
+    payload: dict[str, torch.Tensor] = {}
     by_index = {p.index: p for p in dump.pieces}
-    for (index, kind), tensor in tensors.items():
+    for index, _kind in tensors:
         if index not in by_index:
             raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
     for piece in dump.pieces:
@@ -70,7 +71,9 @@ def write_rank_file(
                     f"local shape {piece.local_shape}"
                 )
             if str(tensor.dtype).removeprefix("torch.") != piece.dtype:
-                raise ValueError(f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}")
+                raise ValueError(
+                    f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}"
+                )
             key = tensor_key(piece.param, kind, piece.index)
             payload[key] = tensor.detach().to("cpu").contiguous()
             keys[kind] = key

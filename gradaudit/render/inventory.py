@@ -23,7 +23,14 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
     from rich.table import Table
 
     out = io.StringIO()
-    console = Console(file=out, width=width, color_system="standard" if color else None, force_terminal=color, highlight=False, emoji=False)
+    console = Console(
+        file=out,
+        width=width,
+        color_system="standard" if color else None,
+        force_terminal=color,
+        highlight=False,
+        emoji=False,
+    )
     missing = compact_ranks(inv.missing_ranks) or "none"
     console.print(f"[bold]Step {inv.step}[/bold]  {rich_safe(inv.directory)}")
     console.print(
@@ -41,7 +48,13 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
         table.add_column(column)
     for p in inv.params:
         holders = "; ".join(f"r{r} {rich_safe(h)}" for r, h in p.holders) or "nobody"
-        table.add_row(rich_safe(p.name), "x".join(map(str, p.global_shape)) or "scalar", p.dtype, rich_safe(p.layout), holders)
+        table.add_row(
+            rich_safe(p.name),
+            "x".join(map(str, p.global_shape)) or "scalar",
+            p.dtype,
+            rich_safe(p.layout),
+            holders,
+        )
     console.print(table)
     for warning in inv.warnings:
         console.print(f"warning: {rich_safe(warning)}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..report import Finding, MultiStepReport, Report, Severity
 from .numbers import (
@@ -53,10 +53,13 @@ def _report_blocks(report: Report) -> list[str]:
     blocks.append("## Findings")
     blocks += [_finding_block(f) for f in report.findings] or ["None."]
     if report.not_checked:
-        blocks += ["## Not checked", _bullets(
-            f"**{markdown_escape(n.code)}** {markdown_escape(n.title)}: {markdown_escape(n.reason)}"
-            for n in report.not_checked
-        )]
+        blocks += [
+            "## Not checked",
+            _bullets(
+                f"**{markdown_escape(n.code)}** {markdown_escape(n.title)}: {markdown_escape(n.reason)}"
+                for n in report.not_checked
+            ),
+        ]
     if report.reference:
         blocks += ["## Reference comparison", _reference_table(report)]
     if report.warnings:
@@ -73,20 +76,30 @@ def _verdict(report: Report) -> str:
 
 def _headline_table(report: Report) -> str:
     return _table(
-        [f"true global {norm_name(report.norm_type)}", "expected clip coef", "max_norm", "ranks present", "findings"],
-        [[
-            fmt_float(report.global_norm),
-            fmt_coef(report.expected_clip_coef),
-            fmt_float(report.max_norm),
-            f"{len(report.ranks_present)} of {report.world_size}",
-            fmt_finding_counts(report.findings),
-        ]],
+        [
+            f"true global {norm_name(report.norm_type)}",
+            "expected clip coef",
+            "max_norm",
+            "ranks present",
+            "findings",
+        ],
+        [
+            [
+                fmt_float(report.global_norm),
+                fmt_coef(report.expected_clip_coef),
+                fmt_float(report.max_norm),
+                f"{len(report.ranks_present)} of {report.world_size}",
+                fmt_finding_counts(report.findings),
+            ]
+        ],
     )
 
 
 def _environment_table(report: Report) -> str:
     rows = [[markdown_escape(k), markdown_escape(v)] for k, v in sorted(report.environment.items())]
-    rows += [[f"topology {markdown_escape(k)}", markdown_escape(v)] for k, v in sorted(report.topology.items())]
+    rows += [
+        [f"topology {markdown_escape(k)}", markdown_escape(v)] for k, v in sorted(report.topology.items())
+    ]
     if not rows:
         return "Not recorded."
     return _table(["run", "value"], rows)
@@ -95,8 +108,16 @@ def _environment_table(report: Report) -> str:
 def _rank_table(report: Report) -> str:
     if not report.ranks:
         return "No rank could be read."
-    header = ["rank", "local norm", "reported norm", "applied coef", "coef from", "diagnosis",
-              "share of Σg²", "nonfinite"]
+    header = [
+        "rank",
+        "local norm",
+        "reported norm",
+        "applied coef",
+        "coef from",
+        "diagnosis",
+        "share of Σg²",
+        "nonfinite",
+    ]
     rows = [
         [
             str(row.rank),
@@ -133,11 +154,16 @@ def _finding_block(finding: Finding) -> str:
     if finding.ranks:
         facts.append(fmt_ranks_labelled(finding.ranks))
     if finding.params:
-        facts.append("params: " + join_limited(finding.params, limit=MAX_PARAMS_SHOWN, escape=markdown_escape))
+        facts.append(
+            "params: " + join_limited(finding.params, limit=MAX_PARAMS_SHOWN, escape=markdown_escape)
+        )
     if finding.evidence:
-        facts.append("evidence: " + ", ".join(
-            f"{markdown_escape(str(k))} = {_evidence_value(v)}" for k, v in finding.evidence.items()
-        ))
+        facts.append(
+            "evidence: "
+            + ", ".join(
+                f"{markdown_escape(str(k))} = {_evidence_value(v)}" for k, v in finding.evidence.items()
+            )
+        )
     if facts:
         lines += ["", _bullets(facts)]
     return "\n".join(lines)
@@ -152,15 +178,21 @@ def _reference_table(report: Report) -> str:
     failing = sum(not c.within_tolerance for c in ordered)
     rows = [
         [
-            markdown_escape(c.param), markdown_escape(c.kind), fmt_float(c.max_abs_error), fmt_float(c.max_rel_error),
-            fmt_float(c.atol), fmt_float(c.rtol), "yes" if c.within_tolerance else "**no**",
+            markdown_escape(c.param),
+            markdown_escape(c.kind),
+            fmt_float(c.max_abs_error),
+            fmt_float(c.max_rel_error),
+            fmt_float(c.atol),
+            fmt_float(c.rtol),
+            "yes" if c.within_tolerance else "**no**",
         ]
         for c in ordered[:MAX_REFERENCE_ROWS]
     ]
     intro = f"{failing} of {len(ordered)} outside tolerance, worst first."
     table = _table(
         ["parameter", "tensor", "max abs error", "max rel error", "atol", "rtol", "within tolerance"],
-        rows, align=["l", "l", "r", "r", "r", "r", "l"],
+        rows,
+        align=["l", "l", "r", "r", "r", "r", "l"],
     )
     hidden = len(ordered) - MAX_REFERENCE_ROWS
     outro = f"\n\n{hidden} more not shown." if hidden > 0 else ""
@@ -177,9 +209,14 @@ def _summary_table(multi: MultiStepReport) -> str:
     header = ["step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings", "codes"]
     rows = [
         [
-            str(s.step), fmt_float(s.reported_norm), fmt_float(s.global_norm),
-            fmt_ratio(s.reported_norm, s.global_norm), fmt_coef(s.expected_clip_coef),
-            str(s.num_errors), str(s.num_warnings), markdown_escape(", ".join(s.codes)) or "-",
+            str(s.step),
+            fmt_float(s.reported_norm),
+            fmt_float(s.global_norm),
+            fmt_ratio(s.reported_norm, s.global_norm),
+            fmt_coef(s.expected_clip_coef),
+            str(s.num_errors),
+            str(s.num_warnings),
+            markdown_escape(", ".join(s.codes)) or "-",
         ]
         for s in multi.summary
     ]
@@ -208,7 +245,9 @@ def _bullets(items: Iterable[str]) -> str:
     return "\n".join(f"- {item}" for item in items)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, align: Sequence[str] | None = None) -> str:
+def _table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], *, align: Sequence[str] | None = None
+) -> str:
     """A GitHub table; cells must already be escaped (no `|`, no newline)."""
     marks = {"l": "---", "r": "---:"}
     separator = [marks[a] for a in (align or ["l"] * len(header))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 from ..ranksets import compact_ranks
 from ..report import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
@@ -14,7 +14,7 @@ SIGNIFICANT_DIGITS = 6
 MISSING = "-"
 """What a table shows for a value that is not known (JSON uses null)."""
 
-JsonScalar = Union[int, float, str, bool, None]
+JsonScalar = int | float | str | bool | None
 
 
 def fmt_float(value: float | None) -> str:
@@ -48,7 +48,7 @@ def fmt_norm_type(norm_type: float | None) -> str:
 
 
 def norm_name(norm_type: float | None) -> str:
-    """"L2 norm", "L1 norm", "Linf norm"; "norm" when unknown."""
+    """ "L2 norm", "L1 norm", "Linf norm"; "norm" when unknown."""
     if norm_type is None:
         return "norm"
     return f"L{fmt_norm_type(norm_type)} norm"
@@ -75,7 +75,7 @@ def fmt_ratio(numerator: float | None, denominator: float | None) -> str:
 
 
 def fmt_nonfinite(counts: NonfiniteCounts) -> str:
-    """"0", or the nonzero counts: "2 nan, 1 -inf"."""
+    """ "0", or the nonzero counts: "2 nan, 1 -inf"."""
     if counts.total == 0:
         return "0"
     labelled = ((counts.nan, "nan"), (counts.posinf, "+inf"), (counts.neginf, "-inf"))
@@ -83,7 +83,7 @@ def fmt_nonfinite(counts: NonfiniteCounts) -> str:
 
 
 def fmt_finding_counts(findings: Sequence[Finding]) -> str:
-    """"2 errors, 1 info", or "no findings"."""
+    """ "2 errors, 1 info", or "no findings"."""
     parts = []
     for severity in (Severity.ERROR, Severity.WARNING, Severity.INFO):
         n = sum(f.severity is severity for f in findings)
@@ -109,7 +109,7 @@ def fmt_value(value: object) -> str:
 
 
 def fmt_ranks_labelled(ranks: Sequence[int]) -> str:
-    """"rank 3" or "ranks 0-3, 7"."""
+    """ "rank 3" or "ranks 0-3, 7"."""
     return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {fmt_ranks(ranks)}"
 
 
@@ -138,7 +138,13 @@ def reference_worst_first(comparisons: Sequence[ParamComparison]) -> list[ParamC
 
     return sorted(
         comparisons,
-        key=lambda c: (c.within_tolerance, -badness(c.max_rel_error), -badness(c.max_abs_error), c.param, c.kind),
+        key=lambda c: (
+            c.within_tolerance,
+            -badness(c.max_rel_error),
+            -badness(c.max_abs_error),
+            c.param,
+            c.kind,
+        ),
     )
 
 

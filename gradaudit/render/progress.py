@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Callable, Iterator, TextIO
+from collections.abc import Callable, Iterator
+from typing import TextIO
 
 SHOW_AFTER_S = 1.0
 """Checks shorter than this never show a bar (it would only flicker)."""
@@ -16,7 +17,11 @@ class DelayedProgress:
     SHOW_AFTER_S; a new step (done going back, or another total) restarts the bar."""
 
     def __init__(
-        self, stream: TextIO, *, show_after_s: float | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        stream: TextIO,
+        *,
+        show_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._stream = stream
         self._show_after_s = SHOW_AFTER_S if show_after_s is None else show_after_s
@@ -66,7 +71,9 @@ class DelayedProgress:
 
 
 @contextlib.contextmanager
-def check_progress(*, enabled: bool, stream: TextIO | None = None) -> Iterator[Callable[[int, int], None] | None]:
+def check_progress(
+    *, enabled: bool, stream: TextIO | None = None
+) -> Iterator[Callable[[int, int], None] | None]:
     """The progress callback for `gradaudit check`, or None when `enabled` is false or either of
     stdout and stderr is not a terminal (a pipe, a file, CI logs)."""
     stream = sys.stderr if stream is None else stream

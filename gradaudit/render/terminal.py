@@ -11,7 +11,8 @@ from __future__ import annotations
 import io
 import math
 from collections import Counter
-from typing import TYPE_CHECKING, Sequence, Union
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
 from .numbers import (
@@ -45,7 +46,7 @@ THRESHOLD_MARK = "│"
 _SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 _SYMBOL = {Severity.ERROR: "✗", Severity.WARNING: "!", Severity.INFO: "✓", None: "✓"}
 
-Piece = Union[str, tuple[str, str]]
+Piece = str | tuple[str, str]
 """A piece of a line: plain text, or (text, style). Never markup."""
 
 
@@ -59,7 +60,9 @@ def render_report(report: Report, *, width: int = 100, color: bool = False) -> s
 def render_multi(multi: MultiStepReport, *, width: int = 100, color: bool = False) -> str:
     out = io.StringIO()
     console = _console(out, width, color)
-    console.print(_line(("gradaudit", "bold"), f" · {len(multi.steps)} steps in {printable(multi.directory)}"))
+    console.print(
+        _line(("gradaudit", "bold"), f" · {len(multi.steps)} steps in {printable(multi.directory)}")
+    )
     console.print()
     console.print(_summary_table(multi))
     for report in multi.steps:
@@ -74,7 +77,7 @@ def render_multi(multi: MultiStepReport, *, width: int = 100, color: bool = Fals
     return _strip_line_ends(out.getvalue())
 
 
-def _console(out: io.StringIO, width: int, color: bool) -> "Console":
+def _console(out: io.StringIO, width: int, color: bool) -> Console:
     from rich.console import Console
 
     # Every setting explicit, so that the environment (FORCE_COLOR, COLUMNS, a tty) cannot change the output.
@@ -96,13 +99,13 @@ def _strip_line_ends(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.split("\n"))
 
 
-def _line(*pieces: Piece) -> "Text":
+def _line(*pieces: Piece) -> Text:
     from rich.text import Text
 
     return Text.assemble(*pieces)
 
 
-def _lines(*lines: Sequence[Piece]) -> "Text":
+def _lines(*lines: Sequence[Piece]) -> Text:
     from rich.text import Text
 
     return Text("\n").join(_line(*pieces) for pieces in lines)
@@ -112,7 +115,7 @@ def _bar_width(width: int) -> int:
     return max(10, min(50, width - 45))
 
 
-def _print_report(console: "Console", report: Report, *, bar_width: int) -> None:
+def _print_report(console: Console, report: Report, *, bar_width: int) -> None:
     _print_verdict(console, report)
     _print_missing(console, report)
     console.print()
@@ -124,30 +127,36 @@ def _print_report(console: "Console", report: Report, *, bar_width: int) -> None
     _print_warnings(console, report.warnings)
 
 
-def _print_verdict(console: "Console", report: Report) -> None:
+def _print_verdict(console: Console, report: Report) -> None:
     severity = report.worst_severity
     style = _SEVERITY_STYLE[severity] if severity else "bold green"
     verdict = printable(report.verdict) if report.verdict else "no verdict"
     console.print(_line((f"{_SYMBOL[severity]} {verdict}", style)))
-    console.print(_line(
-        f"true global {norm_name(report.norm_type)} {fmt_float(report.global_norm)} · "
-        f"expected clip coefficient {fmt_coef(report.expected_clip_coef)} · max_norm {fmt_float(report.max_norm)}"
-    ))
-    console.print(_line(
-        f"step {report.step} · {len(report.ranks_present)}/{report.world_size} ranks present · "
-        f"{fmt_finding_counts(report.findings)}"
-    ))
+    console.print(
+        _line(
+            f"true global {norm_name(report.norm_type)} {fmt_float(report.global_norm)} · "
+            f"expected clip coefficient {fmt_coef(report.expected_clip_coef)} · max_norm {fmt_float(report.max_norm)}"
+        )
+    )
+    console.print(
+        _line(
+            f"step {report.step} · {len(report.ranks_present)}/{report.world_size} ranks present · "
+            f"{fmt_finding_counts(report.findings)}"
+        )
+    )
 
 
-def _print_missing(console: "Console", report: Report) -> None:
+def _print_missing(console: Console, report: Report) -> None:
     if report.missing_ranks:
-        console.print(_line(
-            (f"missing ranks: {fmt_ranks(report.missing_ranks)}", "bold red"),
-            " (the others were audited; checks that need them say so below)",
-        ))
+        console.print(
+            _line(
+                (f"missing ranks: {fmt_ranks(report.missing_ranks)}", "bold red"),
+                " (the others were audited; checks that need them say so below)",
+            )
+        )
 
 
-def _table(columns: Sequence[tuple[str, str]]) -> "Table":
+def _table(columns: Sequence[tuple[str, str]]) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -157,10 +166,18 @@ def _table(columns: Sequence[tuple[str, str]]) -> "Table":
     return table
 
 
-def _print_ranks(console: "Console", report: Report) -> None:
+def _print_ranks(console: Console, report: Report) -> None:
     shown, hidden = _ranks_to_show(report.ranks, MAX_RANK_ROWS)
-    table = _table([("rank", "right"), ("local norm", "right"), ("reported norm", "right"),
-                    ("applied coef", "right"), ("diagnosis", "left"), ("nonfinite", "left")])
+    table = _table(
+        [
+            ("rank", "right"),
+            ("local norm", "right"),
+            ("reported norm", "right"),
+            ("applied coef", "right"),
+            ("diagnosis", "left"),
+            ("nonfinite", "left"),
+        ]
+    )
     for row in shown:
         table.add_row(
             str(row.rank),
@@ -172,8 +189,15 @@ def _print_ranks(console: "Console", report: Report) -> None:
         )
     console.print(table)
     if hidden:
-        console.print(_line((f"  {len(hidden)} more ranks not shown ({_summarize_ranks(hidden)}); "
-                             "the Markdown and JSON reports list every rank", "dim")))
+        console.print(
+            _line(
+                (
+                    f"  {len(hidden)} more ranks not shown ({_summarize_ranks(hidden)}); "
+                    "the Markdown and JSON reports list every rank",
+                    "dim",
+                )
+            )
+        )
     _print_diagnosis_details(console, shown)
 
 
@@ -205,20 +229,22 @@ def _summarize_ranks(rows: list[RankRow]) -> str:
     return "; ".join(parts)
 
 
-def _print_diagnosis_details(console: "Console", rows: list[RankRow]) -> None:
+def _print_diagnosis_details(console: Console, rows: list[RankRow]) -> None:
     groups = diagnosis_groups(rows)
     for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]:
-        console.print(_line(f"  {fmt_ranks_labelled(ranks)}, {printable(diagnosis)}: ", (printable(detail), "dim")))
+        console.print(
+            _line(f"  {fmt_ranks_labelled(ranks)}, {printable(diagnosis)}: ", (printable(detail), "dim"))
+        )
     if len(groups) > MAX_DETAIL_LINES:
         console.print(_line((f"  {len(groups) - MAX_DETAIL_LINES} more explanations not shown", "dim")))
 
 
-def _applied_coef_cell(row: RankRow) -> "Text":
+def _applied_coef_cell(row: RankRow) -> Text:
     coef = fmt_coef(row.applied_clip_coef)
     return _line(f"{coef} ({printable(row.applied_coef_source)})" if row.applied_coef_source else coef)
 
 
-def _print_chart(console: "Console", report: Report, *, bar_width: int) -> None:
+def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
     """Each rank's part of the squared global norm as a bar, max_norm² marked: "each below, the sum above"."""
     console.print()
     reason = _chart_unavailable(report)
@@ -227,23 +253,30 @@ def _print_chart(console: "Console", report: Report, *, bar_width: int) -> None:
         return
     total = report.global_norm**2
     threshold = report.max_norm**2
-    console.print(_line(
-        ("Share of the squared global norm", "bold"),
-        f" (total {fmt_float(total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
-    ))
-    rows = [(f"rank {row.rank}", row.share_of_squared_norm * total, row.share_of_squared_norm) for row in report.ranks]
+    console.print(
+        _line(
+            ("Share of the squared global norm", "bold"),
+            f" (total {fmt_float(total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
+        )
+    )
+    rows = [
+        (f"rank {row.rank}", row.share_of_squared_norm * total, row.share_of_squared_norm)
+        for row in report.ranks
+    ]
     shown, num_hidden = _largest_in_rank_order(rows, MAX_CHART_RANKS)
     shown.append(("all ranks", total, 1.0))
     scale = max([threshold] + [value for _, value, _ in shown if math.isfinite(value)])
     label_width = max(len(label) for label, _, _ in shown)
     for label, value, share in shown:
         side = "above" if value > threshold else "below" if value <= threshold else ""
-        console.print(_line(
-            f"  {label:>{label_width}} ",
-            *_bar(value, threshold, scale, bar_width),
-            f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
-            (side, "red" if side == "above" else ""),
-        ))
+        console.print(
+            _line(
+                f"  {label:>{label_width}} ",
+                *_bar(value, threshold, scale, bar_width),
+                f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
+                (side, "red" if side == "above" else ""),
+            )
+        )
     if num_hidden:
         console.print(_line((f"  {num_hidden} smaller ranks not drawn", "dim")))
 
@@ -278,7 +311,7 @@ def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece
     return [(below, "green"), THRESHOLD_MARK, (above, "red")]
 
 
-def _print_findings(console: "Console", findings: tuple[Finding, ...]) -> None:
+def _print_findings(console: Console, findings: tuple[Finding, ...]) -> None:
     from rich.table import Table
 
     console.print()
@@ -299,7 +332,7 @@ def _print_findings(console: "Console", findings: tuple[Finding, ...]) -> None:
     console.print(grid)
 
 
-def _finding_body(finding: Finding) -> "Text":
+def _finding_body(finding: Finding) -> Text:
     lines: list[Sequence[Piece]] = [[(printable(finding.title), "bold")], [printable(finding.message)]]
     where = []
     if finding.ranks:
@@ -309,12 +342,14 @@ def _finding_body(finding: Finding) -> "Text":
     if where:
         lines.append([(" · ".join(where), "dim")])
     if finding.evidence:
-        pairs = ", ".join(f"{printable(str(k))}={printable(fmt_value(v))}" for k, v in finding.evidence.items())
+        pairs = ", ".join(
+            f"{printable(str(k))}={printable(fmt_value(v))}" for k, v in finding.evidence.items()
+        )
         lines.append([(f"evidence: {pairs}", "dim")])
     return _lines(*lines)
 
 
-def _print_not_checked(console: "Console", report: Report) -> None:
+def _print_not_checked(console: Console, report: Report) -> None:
     if not report.not_checked:
         return
     from rich.table import Table
@@ -332,21 +367,37 @@ def _print_not_checked(console: "Console", report: Report) -> None:
     console.print(grid)
 
 
-def _print_reference(console: "Console", report: Report) -> None:
+def _print_reference(console: Console, report: Report) -> None:
     if not report.reference:
         return
     ordered = reference_worst_first(report.reference)
     num_failing = sum(not c.within_tolerance for c in ordered)
     console.print()
-    console.print(_line(
-        ("Reference comparison", "bold"), f": {num_failing} of {len(ordered)} outside tolerance (worst first)"
-    ))
-    table = _table([("parameter", "left"), ("tensor", "left"), ("max abs error", "right"),
-                    ("max rel error", "right"), ("atol", "right"), ("rtol", "right"), ("ok", "left")])
+    console.print(
+        _line(
+            ("Reference comparison", "bold"),
+            f": {num_failing} of {len(ordered)} outside tolerance (worst first)",
+        )
+    )
+    table = _table(
+        [
+            ("parameter", "left"),
+            ("tensor", "left"),
+            ("max abs error", "right"),
+            ("max rel error", "right"),
+            ("atol", "right"),
+            ("rtol", "right"),
+            ("ok", "left"),
+        ]
+    )
     for c in ordered[:MAX_REFERENCE_ROWS]:
         table.add_row(
-            _line(printable(c.param)), _line(printable(c.kind)), fmt_float(c.max_abs_error),
-            fmt_float(c.max_rel_error), fmt_float(c.atol), fmt_float(c.rtol),
+            _line(printable(c.param)),
+            _line(printable(c.kind)),
+            fmt_float(c.max_abs_error),
+            fmt_float(c.max_rel_error),
+            fmt_float(c.atol),
+            fmt_float(c.rtol),
             _line("yes") if c.within_tolerance else _line(("NO", "bold red")),
         )
     console.print(table)
@@ -356,7 +407,7 @@ def _print_reference(console: "Console", report: Report) -> None:
         console.print(_line((f"  {len(rest)} more not shown ({rest_failing} outside tolerance)", "dim")))
 
 
-def _print_warnings(console: "Console", warnings: tuple[str, ...]) -> None:
+def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
     if not warnings:
         return
     console.print()
@@ -368,28 +419,36 @@ def _has_news(report: Report) -> bool:
     return bool(report.findings or report.warnings or report.missing_ranks)
 
 
-def _summary_table(multi: MultiStepReport) -> "Table":
+def _summary_table(multi: MultiStepReport) -> Table:
     columns = ("step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings")
     table = _table([(c, "right") for c in columns] + [("codes", "left")])
     for s in multi.summary:
         table.add_row(
-            str(s.step), fmt_float(s.reported_norm), fmt_float(s.global_norm),
-            fmt_ratio(s.reported_norm, s.global_norm), fmt_coef(s.expected_clip_coef),
-            _line((str(s.num_errors), "bold red" if s.num_errors else "")), str(s.num_warnings),
+            str(s.step),
+            fmt_float(s.reported_norm),
+            fmt_float(s.global_norm),
+            fmt_ratio(s.reported_norm, s.global_norm),
+            fmt_coef(s.expected_clip_coef),
+            _line((str(s.num_errors), "bold red" if s.num_errors else "")),
+            str(s.num_warnings),
             _line(printable(", ".join(s.codes)) or "-"),
         )
     return table
 
 
-def _print_step_brief(console: "Console", report: Report) -> None:
+def _print_step_brief(console: Console, report: Report) -> None:
     _print_verdict(console, report)
     _print_missing(console, report)
     for finding in report.findings:
         ranks = f" ({fmt_ranks_labelled(finding.ranks)})" if finding.ranks else ""
-        console.print(_line(
-            "  ", (f"{finding.severity.value:<7}", _SEVERITY_STYLE[finding.severity]),
-            f" {printable(finding.code)} {printable(finding.title)}", (ranks, "dim"),
-        ))
+        console.print(
+            _line(
+                "  ",
+                (f"{finding.severity.value:<7}", _SEVERITY_STYLE[finding.severity]),
+                f" {printable(finding.code)} {printable(finding.title)}",
+                (ranks, "dim"),
+            )
+        )
     for warning in report.warnings:
         console.print(_line("  ", ("warning:", "yellow"), f" {printable(warning)}"))
     if report.command:

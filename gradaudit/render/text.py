@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _INVISIBLE_CATEGORIES = ("Cf", "Zl", "Zp", "Cs")

@@ -7,9 +7,10 @@ import math
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -199,7 +200,10 @@ def _checkpoint(metadata: dict | None) -> Callable[[Path], tuple[Path, str]]:
         step_dir = _valid(root)
         target = rank_path(step_dir, 1)
         target.unlink()
-        tensors = {"layer.weight": torch.randn(4, 4), "bn.num_batches_tracked": torch.tensor(3, dtype=torch.int64)}
+        tensors = {
+            "layer.weight": torch.randn(4, 4),
+            "bn.num_batches_tracked": torch.tensor(3, dtype=torch.int64),
+        }
         save_file(tensors, str(target), metadata=metadata)
         return step_dir, target.name
 
@@ -335,10 +339,26 @@ REPORT = {"show": 0, "check": 0}
 """A clean report from both commands."""
 
 CORPUS: tuple[Case, ...] = (
-    Case("an empty folder", _empty_folder, r"holds no rank files \(\*\.safetensors\); is this a step_<N> dump folder\?$"),
-    Case("a path that is a file, not a folder", _not_a_folder, r"is a file, not a folder; point gradaudit at the step_<N> folder"),
-    Case("a path that does not exist", _no_such_path, r"no such folder; point gradaudit at a step_<N> dump folder$"),
-    Case("an empty file", _break_rank1(_truncate(lambda n: 0)), r"is 0 bytes long, too short to be a safetensors file$"),
+    Case(
+        "an empty folder",
+        _empty_folder,
+        r"holds no rank files \(\*\.safetensors\); is this a step_<N> dump folder\?$",
+    ),
+    Case(
+        "a path that is a file, not a folder",
+        _not_a_folder,
+        r"is a file, not a folder; point gradaudit at the step_<N> folder",
+    ),
+    Case(
+        "a path that does not exist",
+        _no_such_path,
+        r"no such folder; point gradaudit at a step_<N> dump folder$",
+    ),
+    Case(
+        "an empty file",
+        _break_rank1(_truncate(lambda n: 0)),
+        r"is 0 bytes long, too short to be a safetensors file$",
+    ),
     Case("a file of three bytes", _break_rank1(_truncate(lambda n: 3)), r"is 3 bytes long, too short"),
     Case(
         "a file truncated in the header",
@@ -355,59 +375,238 @@ CORPUS: tuple[Case, ...] = (
         _break_rank1(_set_length(2**40)),
         r"header claims 1099511627776 bytes but the file has only \d+ after it \(the file is truncated\)$",
     ),
-    Case("a header length of 2^64-1", _break_rank1(_set_length(2**64 - 1)), r"header claims 18446744073709551615 bytes"),
-    Case("a header length of zero", _break_rank1(_set_length(0)), r"header is not valid JSON \(Expecting value"),
-    Case("header JSON that is invalid", _raw_header(b'{"__metadata__": {"gradaudit": '), r"header is not valid JSON \("),
-    Case("header JSON that is not an object", _raw_header(b"[1, 2, 3]"), r"header is not a JSON object \(the file is not a safetensors file\)$"),
+    Case(
+        "a header length of 2^64-1",
+        _break_rank1(_set_length(2**64 - 1)),
+        r"header claims 18446744073709551615 bytes",
+    ),
+    Case(
+        "a header length of zero", _break_rank1(_set_length(0)), r"header is not valid JSON \(Expecting value"
+    ),
+    Case(
+        "header JSON that is invalid",
+        _raw_header(b'{"__metadata__": {"gradaudit": '),
+        r"header is not valid JSON \(",
+    ),
+    Case(
+        "header JSON that is not an object",
+        _raw_header(b"[1, 2, 3]"),
+        r"header is not a JSON object \(the file is not a safetensors file\)$",
+    ),
     Case("header bytes that are not UTF-8", _raw_header(b'{"\xff\xfe": 1}'), r"header is not UTF-8 text"),
-    Case("header JSON with a duplicate key", _raw_header(b'{"a": 1, "a": 2}'), r"header is not valid JSON \(duplicate key 'a'\)"),
-    Case("header JSON nested 100000 deep", _raw_header(deeply_nested(100_000).encode()), r"header is not valid JSON \(maximum recursion depth"),
-    Case("header __metadata__ that is not a map of strings", _header(lambda h: h.__setitem__("__metadata__", {"gradaudit": 1})), r"header __metadata__ is not a map of strings$"),
-    Case("a tensor of an unknown dtype", _header(lambda h: h["w::grad::0"].__setitem__("dtype", "F4")), r"tensor 'w::grad::0' has dtype 'F4', which gradaudit cannot read$"),
+    Case(
+        "header JSON with a duplicate key",
+        _raw_header(b'{"a": 1, "a": 2}'),
+        r"header is not valid JSON \(duplicate key 'a'\)",
+    ),
+    Case(
+        "header JSON nested 100000 deep",
+        _raw_header(deeply_nested(100_000).encode()),
+        r"header is not valid JSON \(maximum recursion depth",
+    ),
+    Case(
+        "header __metadata__ that is not a map of strings",
+        _header(lambda h: h.__setitem__("__metadata__", {"gradaudit": 1})),
+        r"header __metadata__ is not a map of strings$",
+    ),
+    Case(
+        "a tensor of an unknown dtype",
+        _header(lambda h: h["w::grad::0"].__setitem__("dtype", "F4")),
+        r"tensor 'w::grad::0' has dtype 'F4', which gradaudit cannot read$",
+    ),
     Case(
         "a model checkpoint without gradaudit metadata",
         _checkpoint(None),
         r"is a safetensors file without gradaudit metadata \(is it a model checkpoint\? point gradaudit at a step_<N> dump folder\)$",
     ),
-    Case("a Hugging Face checkpoint with its own metadata", _checkpoint({"format": "pt"}), r"is a safetensors file without gradaudit metadata"),
-    Case("metadata that is not JSON", _header(lambda h: h["__metadata__"].__setitem__("gradaudit", "{")), r"gradaudit metadata is not valid JSON \("),
-    Case("metadata with a NaN token", _header(lambda h: h["__metadata__"].__setitem__("gradaudit", '{"step": NaN}')), r"gradaudit metadata is not valid JSON \(JSON constant NaN is not allowed\)"),
-    Case("metadata nested 100000 deep", _header(lambda h: h["__metadata__"].__setitem__("gradaudit", deeply_nested(100_000))), r"gradaudit metadata is not valid JSON \(maximum recursion depth"),
-    Case("metadata that is a list", _metadata(lambda doc: [doc]), r"metadata field \(root\): expected an object, got a list"),
-    Case("metadata without the format marker", _metadata(_set("format", "other")), r"is not a gradaudit dump \(no gradaudit format marker\)"),
-    Case("metadata missing world_size", _metadata(_drop("world_size")), r"metadata field world_size: missing \(the file is not a valid gradaudit dump\)$"),
+    Case(
+        "a Hugging Face checkpoint with its own metadata",
+        _checkpoint({"format": "pt"}),
+        r"is a safetensors file without gradaudit metadata",
+    ),
+    Case(
+        "metadata that is not JSON",
+        _header(lambda h: h["__metadata__"].__setitem__("gradaudit", "{")),
+        r"gradaudit metadata is not valid JSON \(",
+    ),
+    Case(
+        "metadata with a NaN token",
+        _header(lambda h: h["__metadata__"].__setitem__("gradaudit", '{"step": NaN}')),
+        r"gradaudit metadata is not valid JSON \(JSON constant NaN is not allowed\)",
+    ),
+    Case(
+        "metadata nested 100000 deep",
+        _header(lambda h: h["__metadata__"].__setitem__("gradaudit", deeply_nested(100_000))),
+        r"gradaudit metadata is not valid JSON \(maximum recursion depth",
+    ),
+    Case(
+        "metadata that is a list",
+        _metadata(lambda doc: [doc]),
+        r"metadata field \(root\): expected an object, got a list",
+    ),
+    Case(
+        "metadata without the format marker",
+        _metadata(_set("format", "other")),
+        r"is not a gradaudit dump \(no gradaudit format marker\)",
+    ),
+    Case(
+        "metadata missing world_size",
+        _metadata(_drop("world_size")),
+        r"metadata field world_size: missing \(the file is not a valid gradaudit dump\)$",
+    ),
     Case("metadata missing the pieces", _metadata(_drop("pieces")), r"metadata field pieces: missing"),
-    Case("metadata with a step that is a string", _metadata(_set("step", "7")), r"metadata field step: expected an integer, got a string"),
-    Case("metadata with a rank that is a boolean", _metadata(_set("rank", True)), r"metadata field rank: expected an integer, got a boolean"),
-    Case("metadata with pieces that are an object", _metadata(_set("pieces", {})), r"metadata field pieces: expected a list, got an object"),
-    Case("metadata with max_norm nan", _metadata(_set_clip("max_norm", "nan")), r"metadata field clip.max_norm: must be a positive number, got 'nan'"),
-    Case("metadata with max_norm inf", _metadata(_set_clip("max_norm", "inf")), r"metadata field clip.max_norm: must be finite"),
-    Case("metadata with a negative max_norm", _metadata(_set_clip("max_norm", -1.0)), r"metadata field clip.max_norm: must be a positive number, got -1.0"),
-    Case("metadata with a 400-digit max_norm", _metadata(_set_clip("max_norm", 10**400)), r"metadata field clip.max_norm: is a number too large for a float64"),
-    Case("metadata with a negative step", _metadata(_set("step", -1)), r"metadata field step: must be >= 0, got -1"),
-    Case("metadata with world_size zero", _metadata(_set("world_size", 0)), r"metadata field world_size: must be >= 1, got 0"),
-    Case("metadata with world_size 10^12", _metadata(_set("world_size", 10**12)), r"metadata field world_size: must be <= 1048576"),
-    Case("metadata with a negative stat", _metadata(lambda doc: doc["pieces"][0].__setitem__("stats", {"grad": {"numel": 6, "norm_type": 2.0, "sum_pow": -1.0, "sum_sq": 1.0, "max_abs": 1.0}})), r"metadata field pieces\[0\]\.stats\.grad\.sum_pow: must be a non-negative number"),
-    Case("an unknown major format version", _metadata(_set("format_version", "2.0")), r"uses dump format 2\.0, newer than the 1\.0 this gradaudit reads \(upgrade gradaudit"),
-    Case("an unreadable format version", _metadata(_set("format_version", "²")), r"has an unreadable format_version '²' \(expected MAJOR.MINOR\)$"),
-    Case("a piece whose box lies outside its parameter", _metadata(_box_outside), r"metadata field pieces\[0\]\.regions\[0\]: box offsets \[3, 0\] shape \[2, 3\] lies outside parameter 'w' of shape \[4, 3\]"),
-    Case("a piece whose shape disagrees with its tensor", _metadata(_shape_disagrees), r"tensor 'w::grad::0' has shape \[2, 3\] but its piece says \[3, 2\]$"),
-    Case("a piece naming a tensor the file lacks", _metadata(_tensor_missing), r"piece 0 \('w'\) names tensor 'no-such-tensor', which the file lacks$"),
-    Case("two files claiming the same rank", _duplicate_rank, r"claims rank 0, as does rank_00000\.safetensors \(remove the stray copy\)$"),
-    Case("a rank outside the world size", _metadata(_set("rank", 5)), r"metadata field rank: rank 5 is outside world size 2"),
+    Case(
+        "metadata with a step that is a string",
+        _metadata(_set("step", "7")),
+        r"metadata field step: expected an integer, got a string",
+    ),
+    Case(
+        "metadata with a rank that is a boolean",
+        _metadata(_set("rank", True)),
+        r"metadata field rank: expected an integer, got a boolean",
+    ),
+    Case(
+        "metadata with pieces that are an object",
+        _metadata(_set("pieces", {})),
+        r"metadata field pieces: expected a list, got an object",
+    ),
+    Case(
+        "metadata with max_norm nan",
+        _metadata(_set_clip("max_norm", "nan")),
+        r"metadata field clip.max_norm: must be a positive number, got 'nan'",
+    ),
+    Case(
+        "metadata with max_norm inf",
+        _metadata(_set_clip("max_norm", "inf")),
+        r"metadata field clip.max_norm: must be finite",
+    ),
+    Case(
+        "metadata with a negative max_norm",
+        _metadata(_set_clip("max_norm", -1.0)),
+        r"metadata field clip.max_norm: must be a positive number, got -1.0",
+    ),
+    Case(
+        "metadata with a 400-digit max_norm",
+        _metadata(_set_clip("max_norm", 10**400)),
+        r"metadata field clip.max_norm: is a number too large for a float64",
+    ),
+    Case(
+        "metadata with a negative step",
+        _metadata(_set("step", -1)),
+        r"metadata field step: must be >= 0, got -1",
+    ),
+    Case(
+        "metadata with world_size zero",
+        _metadata(_set("world_size", 0)),
+        r"metadata field world_size: must be >= 1, got 0",
+    ),
+    Case(
+        "metadata with world_size 10^12",
+        _metadata(_set("world_size", 10**12)),
+        r"metadata field world_size: must be <= 1048576",
+    ),
+    Case(
+        "metadata with a negative stat",
+        _metadata(
+            lambda doc: doc["pieces"][0].__setitem__(
+                "stats",
+                {"grad": {"numel": 6, "norm_type": 2.0, "sum_pow": -1.0, "sum_sq": 1.0, "max_abs": 1.0}},
+            )
+        ),
+        r"metadata field pieces\[0\]\.stats\.grad\.sum_pow: must be a non-negative number",
+    ),
+    Case(
+        "an unknown major format version",
+        _metadata(_set("format_version", "2.0")),
+        r"uses dump format 2\.0, newer than the 1\.0 this gradaudit reads \(upgrade gradaudit",
+    ),
+    Case(
+        "an unreadable format version",
+        _metadata(_set("format_version", "²")),
+        r"has an unreadable format_version '²' \(expected MAJOR.MINOR\)$",
+    ),
+    Case(
+        "a piece whose box lies outside its parameter",
+        _metadata(_box_outside),
+        r"metadata field pieces\[0\]\.regions\[0\]: box offsets \[3, 0\] shape \[2, 3\] lies outside parameter 'w' of shape \[4, 3\]",
+    ),
+    Case(
+        "a piece whose shape disagrees with its tensor",
+        _metadata(_shape_disagrees),
+        r"tensor 'w::grad::0' has shape \[2, 3\] but its piece says \[3, 2\]$",
+    ),
+    Case(
+        "a piece naming a tensor the file lacks",
+        _metadata(_tensor_missing),
+        r"piece 0 \('w'\) names tensor 'no-such-tensor', which the file lacks$",
+    ),
+    Case(
+        "two files claiming the same rank",
+        _duplicate_rank,
+        r"claims rank 0, as does rank_00000\.safetensors \(remove the stray copy\)$",
+    ),
+    Case(
+        "a rank outside the world size",
+        _metadata(_set("rank", 5)),
+        r"metadata field rank: rank 5 is outside world size 2",
+    ),
     Case("a negative rank", _metadata(_set("rank", -1)), r"metadata field rank: must be >= 0, got -1"),
-    Case("a group naming a rank outside the world", _metadata(lambda doc: doc["topology"]["groups"].__setitem__("dp", [[0, 9]])), r"metadata field topology\.groups\.dp\[0\]: names a rank outside world size 2"),
-    Case("ranks from different steps in one folder", _break_rank1(_mixed_step), rf"has step {STEP + 1} but rank_00000\.safetensors has step {STEP} \(a step folder must hold one step of one run; move the stray file out\)$"),
-    Case("ranks from different runs in one folder", _metadata(_set("run_id", "run-b")), r"has run_id 'run-b' but rank_00000\.safetensors has run_id 'run-a'"),
-    Case("ranks with different world sizes in one folder", _metadata(_set("world_size", 4)), r"has world_size 4 but rank_00000\.safetensors has world_size 2"),
-    Case("a tensor header claiming 10^15 elements", _header(_claims_1e15_in_header), r"tensor 'w::grad::0' has shape \[1000000000000000\] but 24 bytes of data$"),
-    Case("a piece claiming 10^15 elements beside a small tensor", _metadata(_claims_1e15_in_metadata), r"tensor 'w::grad::0' has shape \[2, 3\] but its piece says \[1000000000000000\]$"),
-    Case("a parameter claiming 10^20 elements", _metadata(_claims_too_many_elements), r"metadata field params\[0\]\.global_shape: claims 100000000000000000000 elements, more than any real tensor"),
+    Case(
+        "a group naming a rank outside the world",
+        _metadata(lambda doc: doc["topology"]["groups"].__setitem__("dp", [[0, 9]])),
+        r"metadata field topology\.groups\.dp\[0\]: names a rank outside world size 2",
+    ),
+    Case(
+        "ranks from different steps in one folder",
+        _break_rank1(_mixed_step),
+        rf"has step {STEP + 1} but rank_00000\.safetensors has step {STEP} \(a step folder must hold one step of one run; move the stray file out\)$",
+    ),
+    Case(
+        "ranks from different runs in one folder",
+        _metadata(_set("run_id", "run-b")),
+        r"has run_id 'run-b' but rank_00000\.safetensors has run_id 'run-a'",
+    ),
+    Case(
+        "ranks with different world sizes in one folder",
+        _metadata(_set("world_size", 4)),
+        r"has world_size 4 but rank_00000\.safetensors has world_size 2",
+    ),
+    Case(
+        "a tensor header claiming 10^15 elements",
+        _header(_claims_1e15_in_header),
+        r"tensor 'w::grad::0' has shape \[1000000000000000\] but 24 bytes of data$",
+    ),
+    Case(
+        "a piece claiming 10^15 elements beside a small tensor",
+        _metadata(_claims_1e15_in_metadata),
+        r"tensor 'w::grad::0' has shape \[2, 3\] but its piece says \[1000000000000000\]$",
+    ),
+    Case(
+        "a parameter claiming 10^20 elements",
+        _metadata(_claims_too_many_elements),
+        r"metadata field params\[0\]\.global_shape: claims 100000000000000000000 elements, more than any real tensor",
+    ),
     Case("a rank file that is a symlink to itself", _rank_link_loop, r"is a symbolic link loop$"),
-    Case("a rank file that is a broken symlink", _broken_link, r"does not exist \(a broken symbolic link, or removed while reading\)$"),
-    Case("a step folder that is a symlink loop", _step_dir_link_loop, r"is a symbolic link loop; point gradaudit at the real step_<N> folder$"),
-    Case("a rank file that is a folder", _rank_is_a_folder, r"is not a regular file \(a folder, pipe or device\)$"),
-    Case("a rank file that is a named pipe", _rank_is_a_pipe, r"is not a regular file \(a folder, pipe or device\)$"),
+    Case(
+        "a rank file that is a broken symlink",
+        _broken_link,
+        r"does not exist \(a broken symbolic link, or removed while reading\)$",
+    ),
+    Case(
+        "a step folder that is a symlink loop",
+        _step_dir_link_loop,
+        r"is a symbolic link loop; point gradaudit at the real step_<N> folder$",
+    ),
+    Case(
+        "a rank file that is a folder",
+        _rank_is_a_folder,
+        r"is not a regular file \(a folder, pipe or device\)$",
+    ),
+    Case(
+        "a rank file that is a named pipe",
+        _rank_is_a_pipe,
+        r"is not a regular file \(a folder, pipe or device\)$",
+    ),
     # The finding cases: a report, not exit 2.
     Case("a missing rank", _missing_rank, r"", exit_codes={"show": 0, "check": 1}),
     Case("a stray file beside the dumps", _stray_file, r"", exit_codes=REPORT),

@@ -15,7 +15,9 @@ FINDINGS = {case.name: case for case in CORPUS if case.exit_codes is not None}
 
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("case", REFUSALS, ids=lambda case: case.name)
-def test_each_broken_dump_is_refused_with_one_line_naming_the_file_and_the_problem(tmp_path, capsys, case: Case, command):
+def test_each_broken_dump_is_refused_with_one_line_naming_the_file_and_the_problem(
+    tmp_path, capsys, case: Case, command
+):
     target, culprit = case.build(tmp_path)
     outcome = run_cli(capsys, command, str(target))
     assert_clean_refusal(outcome, names=culprit, problem=case.problem)
@@ -46,7 +48,9 @@ def test_a_stray_file_beside_the_dumps_is_ignored_with_a_warning_naming_it(tmp_p
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_stats_only_piece_claiming_1e15_elements_is_audited_without_allocating_it(tmp_path, capsys, command):
+def test_a_stats_only_piece_claiming_1e15_elements_is_audited_without_allocating_it(
+    tmp_path, capsys, command
+):
     import resource
 
     case = FINDINGS["a stats-only piece claiming 10^15 elements"]
@@ -63,7 +67,9 @@ def test_a_stats_only_piece_claiming_1e15_elements_is_audited_without_allocating
     ("command", "case_name"),
     [("show", "a file truncated in the data"), ("check", "a rank file that is a named pipe")],
 )
-def test_a_real_gradaudit_process_answers_a_broken_dump_with_exit_2_and_one_line(tmp_path, command, case_name):
+def test_a_real_gradaudit_process_answers_a_broken_dump_with_exit_2_and_one_line(
+    tmp_path, command, case_name
+):
     import subprocess
     import sys
 

@@ -47,7 +47,12 @@ def test_the_package_source_never_mentions_pickle_torch_load_eval_or_exec():
 
 
 def test_the_forbidden_patterns_do_catch_what_they_are_meant_to_catch():
-    samples = {"pickle": "import pickle", "torch.load": "x = torch.load(p)", "eval(": "eval(text)", "exec(": "exec(code)"}
+    samples = {
+        "pickle": "import pickle",
+        "torch.load": "x = torch.load(p)",
+        "eval(": "eval(text)",
+        "exec(": "exec(code)",
+    }
     for what, sample in samples.items():
         assert re.search(FORBIDDEN[what], sample), what
     assert not re.search(FORBIDDEN["eval("], "self.retrieval(x)")
@@ -71,10 +76,15 @@ def _write_hostile_step(root: Path) -> Path:
 
     step_dir = root / "step_1"
     write_rank(
-        step_dir, rank=0, world_size=1, step=1,
-        params={name: (2,) for name in HOSTILE_NAMES},
+        step_dir,
+        rank=0,
+        world_size=1,
+        step=1,
+        params=dict.fromkeys(HOSTILE_NAMES, (2,)),
         pieces=[whole(name, grad=torch.tensor([1.0, float("nan")])) for name in HOSTILE_NAMES],
-        clip=ClipRecord(max_norm=1.0, reported_norm=5.0), host="h", created_at="t",
+        clip=ClipRecord(max_norm=1.0, reported_norm=5.0),
+        host="h",
+        created_at="t",
     )
     return step_dir
 
@@ -171,11 +181,15 @@ def test_an_unreadable_rank_file_is_refused_naming_it(tmp_path, capsys, monkeypa
     _deny(monkeypatch, rank_path(step_dir, 1))
     outcome = run_cli(capsys, "show", str(step_dir))
     assert_clean_refusal(
-        outcome, names="rank_00001.safetensors", problem=r"cannot be read: permission denied \(check the file's permissions\)$"
+        outcome,
+        names="rank_00001.safetensors",
+        problem=r"cannot be read: permission denied \(check the file's permissions\)$",
     )
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode; covered by the monkeypatched test")
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root reads files whatever their mode; covered by the monkeypatched test"
+)
 def test_a_rank_file_without_read_permission_is_refused_naming_it(tmp_path, capsys):
     step_dir = write_valid_step(tmp_path / "step_7")
     rank_path(step_dir, 1).chmod(0)
@@ -191,7 +205,11 @@ def test_a_step_folder_that_cannot_be_listed_is_refused_naming_it(tmp_path, caps
 
     monkeypatch.setattr(Path, "iterdir", denied)
     outcome = run_cli(capsys, "show", str(step_dir))
-    assert_clean_refusal(outcome, names="step_7", problem=r"cannot be listed \(Permission denied\); check the folder's permissions$")
+    assert_clean_refusal(
+        outcome,
+        names="step_7",
+        problem=r"cannot be listed \(Permission denied\); check the folder's permissions$",
+    )
 
 
 # ------------------------------------------------------------------ faults between loading and reading
@@ -205,7 +223,9 @@ def test_a_file_truncated_after_loading_gives_a_format_error_not_a_crash(tmp_pat
     with TensorReader() as reader:
         assert reader.read(path, key).shape == (2, 3)
         os.truncate(path, os.path.getsize(path) - 70)  # 72 bytes of data: all tensors cut
-        with pytest.raises(DumpFormatError, match=r"rank_00001\.safetensors: tensor '.*' is cut short at byte \d+"):
+        with pytest.raises(
+            DumpFormatError, match=r"rank_00001\.safetensors: tensor '.*' is cut short at byte \d+"
+        ):
             reader.read(path, step.ranks[1].pieces[1].tensors["grad_clipped"])
 
 
@@ -214,7 +234,10 @@ def test_a_file_truncated_before_its_first_tensor_read_is_refused_naming_it(tmp_
     step = load_step(step_dir)
     path = step.ranks[0].path
     os.truncate(path, os.path.getsize(path) - 4)
-    with TensorReader(step) as reader, pytest.raises(DumpFormatError, match=r"rank_00000\.safetensors: .*truncated"):
+    with (
+        TensorReader(step) as reader,
+        pytest.raises(DumpFormatError, match=r"rank_00000\.safetensors: .*truncated"),
+    ):
         reader.read(path, step.ranks[0].pieces[0].tensors["grad"])
 
 
@@ -223,14 +246,19 @@ def test_a_file_replaced_by_another_dump_after_loading_is_refused_when_the_step_
     step = load_step(step_dir)
     other = write_valid_step(tmp_path / "other", names=("v", "c"))
     shutil.copyfile(rank_path(other, 0), rank_path(step_dir, 0))
-    with TensorReader(step) as reader, pytest.raises(DumpFormatError, match="changed on disk after it was loaded"):
+    with (
+        TensorReader(step) as reader,
+        pytest.raises(DumpFormatError, match="changed on disk after it was loaded"),
+    ):
         reader.read(step.ranks[0].path, step.ranks[0].pieces[0].tensors["grad"])
 
 
 def test_chunks_of_a_tensor_claiming_1e15_rows_of_nothing_end_at_once(tmp_path):
     step_dir = write_valid_step(tmp_path / "step_7")
     path = rank_path(step_dir, 0)
-    edit_header(path, lambda h: h.__setitem__("ghost", {"dtype": "F32", "shape": [10**15, 0], "data_offsets": [0, 0]}))
+    edit_header(
+        path, lambda h: h.__setitem__("ghost", {"dtype": "F32", "shape": [10**15, 0], "data_offsets": [0, 0]})
+    )
     with TensorReader() as reader:
         chunks = list(reader.chunks(str(path), "ghost"))
     assert [c.numel() for c in chunks] == [0]
@@ -240,21 +268,35 @@ def test_chunks_and_whole_reads_agree_for_every_float_dtype(tmp_path):
     from gradaudit.dumpfile.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
-    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+    dtypes = (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
     values = torch.linspace(-3, 3, 35).reshape(5, 7)
     write_rank(
-        tmp_path, rank=0, world_size=1, step=1, params={str(d): (5, 7) for d in dtypes},
-        pieces=[whole(str(d), grad=values.to(d)) for d in dtypes], clip=ClipRecord(max_norm=1.0),
+        tmp_path,
+        rank=0,
+        world_size=1,
+        step=1,
+        params={str(d): (5, 7) for d in dtypes},
+        pieces=[whole(str(d), grad=values.to(d)) for d in dtypes],
+        clip=ClipRecord(max_norm=1.0),
     )
     step = load_step(tmp_path)
     with TensorReader(step) as reader:
-        for piece, dtype in zip(step.ranks[0].pieces, dtypes):
+        for piece, dtype in zip(step.ranks[0].pieces, dtypes, strict=False):
             whole_tensor = reader.read(step.ranks[0].path, piece.tensors["grad"])
             assert whole_tensor.dtype == dtype
             assert torch.equal(whole_tensor.view(torch.uint8), values.to(dtype).view(torch.uint8))
             chunks = list(reader.chunks(step.ranks[0].path, piece.tensors["grad"], max_elements=14))
             assert [c.numel() for c in chunks] == [14, 14, 7]
-            assert torch.equal(torch.cat(chunks).view(torch.uint8), whole_tensor.reshape(-1).view(torch.uint8))
+            assert torch.equal(
+                torch.cat(chunks).view(torch.uint8), whole_tensor.reshape(-1).view(torch.uint8)
+            )
 
 
 def test_a_step_link_loop_in_a_run_folder_is_listed_so_that_loading_explains_it(tmp_path):
@@ -293,7 +335,11 @@ def test_check_refuses_a_file_truncated_between_loading_and_reading_naming_it(tm
     victim = rank_path(step_dir, 1)
     _change_after_loading(monkeypatch, lambda: os.truncate(victim, victim.stat().st_size - 70))
     outcome = run_cli(capsys, "check", str(step_dir))
-    assert_clean_refusal(outcome, names=victim.name, problem=r"ends at byte \d+ of a 2-byte data section \(the file is truncated\)$")
+    assert_clean_refusal(
+        outcome,
+        names=victim.name,
+        problem=r"ends at byte \d+ of a 2-byte data section \(the file is truncated\)$",
+    )
 
 
 def test_check_refuses_a_file_replaced_between_loading_and_reading_naming_it(tmp_path, capsys, monkeypatch):
@@ -302,7 +348,9 @@ def test_check_refuses_a_file_replaced_between_loading_and_reading_naming_it(tmp
     victim = rank_path(step_dir, 1)
     _change_after_loading(monkeypatch, lambda: shutil.copyfile(rank_path(other, 1), victim))
     outcome = run_cli(capsys, "check", str(step_dir))
-    assert_clean_refusal(outcome, names=victim.name, problem=r"changed on disk after it was loaded \(let the dump finish")
+    assert_clean_refusal(
+        outcome, names=victim.name, problem=r"changed on disk after it was loaded \(let the dump finish"
+    )
 
 
 @pytest.mark.parametrize("format", ["terminal", "markdown", "json"])

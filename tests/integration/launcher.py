@@ -17,7 +17,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 DEFAULT_TIMEOUT_S = 90.0
 
@@ -116,5 +117,7 @@ def run_ranks(
                 why = f"exited with code {code}"
             problems.append(f"--- rank {rank} {why}; no result (timeout {timeout_s:.0f} s)")
     if problems:
-        raise RankFailure(f"{fn.__module__}.{fn.__qualname__} on {world_size} ranks failed:\n" + "\n".join(problems))
+        raise RankFailure(
+            f"{fn.__module__}.{fn.__qualname__} on {world_size} ranks failed:\n" + "\n".join(problems)
+        )
     return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

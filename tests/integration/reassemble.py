@@ -21,7 +21,9 @@ def reassemble(step: StepDump, kind: str = "grad") -> dict[str, torch.Tensor]:
                 if kind not in piece.tensors:
                     continue
                 info = step.params[piece.param]
-                full = out.setdefault(piece.param, torch.full(info.global_shape, math.nan, dtype=torch.float64))
+                full = out.setdefault(
+                    piece.param, torch.full(info.global_shape, math.nan, dtype=torch.float64)
+                )
                 seen = covered.setdefault(piece.param, torch.zeros(info.global_shape, dtype=torch.bool))
                 values = reader.read(dump.path, piece.tensors[kind]).double().reshape(-1)
                 start = 0
@@ -46,7 +48,7 @@ def _view(tensor: torch.Tensor, region) -> torch.Tensor:
     if isinstance(region, FlatRange):
         return tensor.view(-1)[region.start : region.stop]
     assert isinstance(region, Box)
-    index = tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape))
+    index = tuple(slice(o, o + s) for o, s in zip(region.offsets, region.shape, strict=False))
     return tensor[index]
 
 

@@ -10,9 +10,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 import gradaudit
-from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 CLIP_EPS = 1e-6
 
@@ -70,7 +70,9 @@ def per_mesh_clip(params, max_norm: float) -> torch.Tensor:
 
 def _step(model, out_dir, x, y, clip, **audit_kwargs) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True, **audit_kwargs) as audit:
+    with gradaudit.audit_step(
+        model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True, **audit_kwargs
+    ) as audit:
         loss = loss_of(model(x), y)
         loss.backward()
         norm = audit.clip(clip, list(model.parameters()), MAX_NORM)
@@ -165,11 +167,10 @@ def _stage_clip(stage, max_norm: float, *, pp_group) -> torch.Tensor:
 
 def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     """Two pipeline stages, each sharded with FSDP2 over 2 ranks, the embedding tied across stages."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from models import tied_net, token_batch
     from scenarios_plain import FirstStage, LastStage
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp_shard"))
     pp_index, dp_index = mesh.get_coordinate()
@@ -186,7 +187,14 @@ def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
         aliases = {"lm_head.weight": "embed.weight"} if pp_index == 1 else None
         out_dir = os.path.join(out_root, name)
         with gradaudit.audit_step(
-            stage, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True, aliases=aliases, groups={"pp": pp_group}
+            stage,
+            out_dir,
+            step=1,
+            max_norm=MAX_NORM,
+            optimizer=opt,
+            strict=True,
+            aliases=aliases,
+            groups={"pp": pp_group},
         ) as audit:
             if pp_index == 0:
                 hidden = stage(tokens)

@@ -12,16 +12,18 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-import gradaudit
 from models import MAX_NORM, batch, loss_of, rows, tied_net, tiny_net, token_batch
 from scenarios_dtensor import apply_coef
+
+import gradaudit
 
 
 def _record_step(model, out_dir, run, **audit_kwargs) -> dict:
     """Run `run(audit)` (forward, backward, clip; returns the norm) inside audit_step, then step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True, **audit_kwargs) as audit:
+    with gradaudit.audit_step(
+        model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True, **audit_kwargs
+    ) as audit:
         norm = run(audit)
         opt.step()
     return {"returned_norm": float(norm), "path": str(audit.path)}

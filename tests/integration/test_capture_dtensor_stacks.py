@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
+import scenarios_dtensor
 from launcher import run_ranks
 from models import reference_grads_tied, reference_grads_tiny, write_reference_dump
 from reassemble import audit_report, error_codes, load, norm_of, reassemble
-import scenarios_dtensor
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +55,9 @@ def _assert_reassembles_to_reference(step_path, reference):
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2_ok", "hsdp_ok", "tp_ok", "fsdp2_tp_ok", "pp_fsdp2_ok"])
-def test_correct_clipping_dump_reassembles_and_recomputes_the_returned_norm(runs, references, reference_dump, scenario):
+def test_correct_clipping_dump_reassembles_and_recomputes_the_returned_norm(
+    runs, references, reference_dump, scenario
+):
     pipeline = scenario.startswith("pp_")  # TiedNet in two stages; the others run TinyNet
     step_path, per_rank = _step(runs, scenario)
     step, grads = _assert_reassembles_to_reference(step_path, references["tied" if pipeline else "tiny"])
@@ -76,7 +77,8 @@ def test_correct_clipping_dump_reassembles_and_recomputes_the_returned_norm(runs
 def test_fsdp2_shards_are_uneven_and_one_rank_holds_no_head_rows(runs):
     step = load(_step(runs, "fsdp2_ok")[0])
     head_rows = {
-        rank: sum(p.local_shape[0] for p in dump.pieces if p.param == "head.weight") for rank, dump in step.ranks.items()
+        rank: sum(p.local_shape[0] for p in dump.pieces if p.param == "head.weight")
+        for rank, dump in step.ranks.items()
     }
     assert head_rows == {0: 1, 1: 1, 2: 1, 3: 0}
     assert step.topology.mesh.axis_names == ("dp_shard",)
@@ -92,7 +94,10 @@ def test_hsdp_pieces_are_replicas_over_the_replicate_axis(runs):
     calls = [d.clip.calls[0] for d in step.ranks.values()]
     # a DTensor norm is recorded as its full value, and as the local value a careless .item() logs
     assert len({c.reported_norm for c in calls}) == 1
-    assert all(c.reported_local_norm is not None and c.reported_local_norm <= c.reported_norm * (1 + 1e-6) for c in calls)
+    assert all(
+        c.reported_local_norm is not None and c.reported_local_norm <= c.reported_norm * (1 + 1e-6)
+        for c in calls
+    )
 
 
 def test_tensor_parallel_layernorm_beside_dtensors_is_a_replica_over_tp(runs):
@@ -106,7 +111,10 @@ def test_tensor_parallel_layernorm_beside_dtensors_is_a_replica_over_tp(runs):
 
 def test_fsdp2_over_tp_maps_strided_shards_to_the_right_rows(runs):
     step = load(_step(runs, "fsdp2_tp_ok")[0])
-    fc1_rows = {rank: [p.regions[0].offsets[0] for p in d.pieces if p.param == "fc1.weight"] for rank, d in step.ranks.items()}
+    fc1_rows = {
+        rank: [p.regions[0].offsets[0] for p in d.pieces if p.param == "fc1.weight"]
+        for rank, d in step.ranks.items()
+    }
     # TP chunk t holds rows [8t, 8t+8); FSDP over dp splits it again: rank (dp=d, tp=t) starts at 8t + 4d.
     assert fc1_rows == {0: [0], 1: [8], 2: [4], 3: [12]}
     assert step.topology.mesh.axis_names == ("dp", "tp")
@@ -119,7 +127,11 @@ def test_stats_mode_under_fsdp2_keeps_values_only_for_the_chosen_params(runs, re
     sum_sq = 0.0
     for dump in step.ranks.values():
         for piece in dump.pieces:
-            assert set(piece.tensors) == ({"grad", "grad_clipped", "param_before", "param_after"} if piece.param.startswith("fc1.") else set())
+            assert set(piece.tensors) == (
+                {"grad", "grad_clipped", "param_before", "param_after"}
+                if piece.param.startswith("fc1.")
+                else set()
+            )
             sum_sq += piece.stats["grad"].sum_sq
     true_norm = norm_of({k: v.double() for k, v in reference.items()})
     assert math.isclose(math.sqrt(sum_sq), true_norm, rel_tol=1e-6)  # FSDP2 pieces are disjoint: no replicas
@@ -143,11 +155,18 @@ def test_pipeline_stages_hold_only_their_parameters_and_the_tied_weight_under_it
 
 @pytest.mark.parametrize(
     "scenario, code",
-    [("fsdp2_local", "GA201"), ("hsdp_world", "GA202"), ("tp_replicas", "GA202"), ("pp_fsdp2_stage_only", "GA203")],
+    [
+        ("fsdp2_local", "GA201"),
+        ("hsdp_world", "GA202"),
+        ("tp_replicas", "GA202"),
+        ("pp_fsdp2_stage_only", "GA203"),
+    ],
 )
 def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
     step_path, per_rank = _step(runs, scenario)
-    _, grads = _assert_reassembles_to_reference(step_path, references["tied" if scenario.startswith("pp_") else "tiny"])
+    _, grads = _assert_reassembles_to_reference(
+        step_path, references["tied" if scenario.startswith("pp_") else "tiny"]
+    )
     true_norm = norm_of(grads)
     reported = [r["returned_norm"] for r in per_rank]
     assert all(not math.isclose(n, true_norm, rel_tol=1e-3) for n in reported)
@@ -167,7 +186,9 @@ def test_gradaudit_check_on_the_captured_folder_exits_by_its_findings(runs, scen
     if audit_report(step_path) is None:
         pytest.skip("the check command is not there yet")
     done = subprocess.run(
-        [sys.executable, "-m", "gradaudit", "check", str(step_path), "--format", "json"], capture_output=True, text=True
+        [sys.executable, "-m", "gradaudit", "check", str(step_path), "--format", "json"],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == exit_code, done.stderr
     codes = {f["code"] for f in json.loads(done.stdout)["findings"] if f["severity"] == "error"}

@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 
 import pytest
-
+import scenarios_plain
 from launcher import run_ranks
 from models import reference_grads_tied, reference_grads_tiny, write_reference_dump
 from reassemble import audit_report, error_codes, load, norm_of, reassemble
-import scenarios_plain
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +61,16 @@ def test_correct_clipping_dump_reassembles_and_recomputes_the_returned_norm(runs
 def test_ddp_parameters_are_whole_replicas_over_the_world_without_the_module_prefix(runs):
     _, step, _, _ = _reassembled(runs, "ddp_ok")
     for dump in step.ranks.values():
-        assert {p.param for p in dump.pieces} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "norm.weight", "norm.bias", "head.weight", "head.bias"}
+        assert {p.param for p in dump.pieces} == {
+            "fc1.weight",
+            "fc1.bias",
+            "fc2.weight",
+            "fc2.bias",
+            "norm.weight",
+            "norm.bias",
+            "head.weight",
+            "head.bias",
+        }
         assert {p.replica_group for p in dump.pieces} == {"world"}
     assert step.topology.groups["world"] == ((0, 1),)
 

@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-
 from launcher import run_ranks
 from models import MAX_NORM, batch, loss_of, reference_grads_tiny, rows, tiny_net, write_reference_dump
 from reassemble import audit_report, error_codes, load, norm_of, reassemble
@@ -28,17 +27,19 @@ REPLICATE_GROUPS = ((0, 2), (1, 3))
 WHOLE_WORLD = ((0, 1, 2, 3),)
 
 
-def _setup(strategy, use_orig_params=False, grouping=None, low_precision_grads=False, checkpointed=False) -> dict:
+def _setup(
+    strategy, use_orig_params=False, grouping=None, low_precision_grads=False, checkpointed=False
+) -> dict:
     """How one case wraps TinyNet; `grouping` says how HYBRID_SHARD gets its groups (explicit
     (shard, replicate) process groups or a 2-D device mesh); `checkpointed` wraps fc2 in an
     activation-checkpoint wrapper, whose name must not leak into parameter names."""
-    return dict(
-        strategy=strategy,
-        use_orig_params=use_orig_params,
-        grouping=grouping,
-        low_precision_grads=low_precision_grads,
-        checkpointed=checkpointed,
-    )
+    return {
+        "strategy": strategy,
+        "use_orig_params": use_orig_params,
+        "grouping": grouping,
+        "low_precision_grads": low_precision_grads,
+        "checkpointed": checkpointed,
+    }
 
 
 INFERENCE_CASES = {
@@ -167,7 +168,8 @@ def all_fsdp1_cases(rank: int, world_size: int, out_root: str) -> dict:
         model = _wrap_fsdp1(INFERENCE_CASES[setup_case], groups)
         audited[case] = _audited_step(model, rank, os.path.join(out_root, case), clip)
     no_sync = {
-        case: _grad_error_inside_no_sync(_wrap_fsdp1(INFERENCE_CASES[case], groups), rank) for case in NO_SYNC_CASES
+        case: _grad_error_inside_no_sync(_wrap_fsdp1(INFERENCE_CASES[case], groups), rank)
+        for case in NO_SYNC_CASES
     }
     ignored = _pieces_and_warnings_with_norm_ignored(rank)
     return {"inferred": inferred, "audited": audited, "no_sync": no_sync, "ignored": ignored}
@@ -258,7 +260,9 @@ def _assemble(described: list[dict], ranks: tuple[int, ...], kind: str, shapes: 
 
 
 @pytest.mark.parametrize("case", list(INFERENCE_CASES))
-def test_fsdp1_pieces_hold_each_element_once_per_model_copy_and_reassemble_to_the_reference(runs, reference, case):
+def test_fsdp1_pieces_hold_each_element_once_per_model_copy_and_reassemble_to_the_reference(
+    runs, reference, case
+):
     strategy, low_precision = INFERENCE_CASES[case]["strategy"], INFERENCE_CASES[case]["low_precision_grads"]
     grads, values = reference
     shapes = {name: tuple(g.shape) for name, g in grads.items()}
@@ -269,7 +273,10 @@ def test_fsdp1_pieces_hold_each_element_once_per_model_copy_and_reassemble_to_th
         assembled_values = _assemble(described, ranks, "value", shapes)
         for name, expected in grads.items():
             scale = max(1.0, float(expected.abs().max()))
-            assert float((assembled_grads[name] - expected.double()).abs().max()) <= tolerance * scale, (name, ranks)
+            assert float((assembled_grads[name] - expected.double()).abs().max()) <= tolerance * scale, (
+                name,
+                ranks,
+            )
             assert torch.equal(assembled_values[name].float(), values[name]), (name, ranks)
 
 
@@ -308,11 +315,17 @@ def test_hybrid_shard_replicas_hold_the_same_ranges_with_equal_gradients(runs, c
         ("NO_SHARD+orig", lambda rank: {"dp": WHOLE_WORLD}),
         (
             "HYBRID_SHARD",
-            lambda rank: {"dp_shard": (SHARD_GROUPS[rank // 2],), "dp_replicate": (REPLICATE_GROUPS[rank % 2],)},
+            lambda rank: {
+                "dp_shard": (SHARD_GROUPS[rank // 2],),
+                "dp_replicate": (REPLICATE_GROUPS[rank % 2],),
+            },
         ),
         (
             "HYBRID_SHARD+orig",
-            lambda rank: {"dp_shard": (SHARD_GROUPS[rank // 2],), "dp_replicate": (REPLICATE_GROUPS[rank % 2],)},
+            lambda rank: {
+                "dp_shard": (SHARD_GROUPS[rank // 2],),
+                "dp_replicate": (REPLICATE_GROUPS[rank % 2],),
+            },
         ),
     ],
 )
@@ -358,7 +371,9 @@ def test_fsdp1_step_clipped_by_fsdp_clip_grad_norm_audits_clean(runs, reference_
         pytest.skip("gradaudit.audit is not there yet; the dump itself was verified above")
     assert math.isclose(report.global_norm, true_norm, rel_tol=1e-9)
     assert error_codes(report) == set()
-    assert {c.param for c in report.reference} == set(reference_grads_tiny())  # GA602/GA603 saw every parameter
+    assert {c.param for c in report.reference} == set(
+        reference_grads_tiny()
+    )  # GA602/GA603 saw every parameter
 
 
 def test_torch_clip_grad_norm_on_fsdp1_local_shards_is_diagnosed_as_a_local_norm(runs):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 import launcher_workers
+import pytest
 from launcher import RankFailure, run_ranks
 
 pytestmark = pytest.mark.integration

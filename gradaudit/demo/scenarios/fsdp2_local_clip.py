@@ -54,5 +54,8 @@ def train_rank(ctx: RankContext) -> None:
 
 def train_reference(out_dir: Path) -> None:
     reference_step(
-        seeded(TinyMLP), out_dir, max_norm=MAX_NORM, microbatches=[regression_batch(target_scale=TARGET_SCALE)]
+        seeded(TinyMLP),
+        out_dir,
+        max_norm=MAX_NORM,
+        microbatches=[regression_batch(target_scale=TARGET_SCALE)],
     )

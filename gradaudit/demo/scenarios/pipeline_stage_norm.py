@@ -77,4 +77,6 @@ def train_rank(ctx: RankContext) -> None:
 
 
 def train_reference(out_dir: Path) -> None:
-    reference_step(seeded(TinyLM), out_dir, max_norm=MAX_NORM, microbatches=[token_batch()], loss_fn=cross_entropy)
+    reference_step(
+        seeded(TinyLM), out_dir, max_norm=MAX_NORM, microbatches=[token_batch()], loss_fn=cross_entropy
+    )

@@ -46,7 +46,9 @@ def _batch():
 
 def train_rank(ctx: RankContext) -> None:
     mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("tp",))
-    model = parallelize_module(seeded(TinyTPBlock), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    model = parallelize_module(
+        seeded(TinyTPBlock), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    )
     inputs, targets = _batch()  # tensor-parallel ranks all see the whole batch
     optimizer = sgd(model)
     with gradaudit.audit_step(
