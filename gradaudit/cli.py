@@ -20,6 +20,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: typer's rich help formatter alone takes as long as the rest of --help
     help="Audit gradient clipping under sharded training from per-rank gradient dumps.",
 )
 
@@ -178,24 +179,40 @@ def _fails(reports, fail_on: FailOn) -> bool:
     return any(f.severity in failing for report in reports for f in report.findings)
 
 
-@app.command()
-def explain(
-    code: str | None = typer.Argument(None, help="A finding code such as GA201."),
-    all_codes: bool = typer.Option(False, "--all", help="List every code with its severity and title."),
-) -> None:
-    """Explain a finding code: what it checks, why it matters, an example, how to fix it."""
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    options_metavar="[CODE]... | --all",
+)
+def explain(ctx: typer.Context) -> None:
+    """Explain finding codes such as GA201: what each checks, why it matters, an example, how to fix it.
+
+    With --all, list every code with its severity and title.
+    """
+    _explain(ctx.args)
+
+
+def _explain(args: list[str]) -> None:
+    """`gradaudit explain`, also called by `main` without typer (see `main`)."""
     from .checks.registry import BY_CODE, explain_all
     from .checks.registry import explain as explain_code
     from .errors import UsageError
 
-    if all_codes:
+    options = [arg for arg in args if arg.startswith("-")]
+    codes = [arg.upper() for arg in args if not arg.startswith("-")]
+    bad = [option for option in options if option != "--all"]
+    if bad:
+        raise UsageError(f"explain: no such option {bad[0]!r}; give codes such as GA201, or --all")
+    if options:
+        if codes:
+            raise UsageError("explain: give codes or --all, not both")
         _emit(explain_all(), None)
         return
-    if code is None:
+    if not codes:
         raise UsageError("give a code such as GA201, or --all to list every code")
-    if code.upper() not in BY_CODE:
-        raise UsageError(f"unknown code {code!r}; run `gradaudit explain --all` for the list")
-    _emit(explain_code(code), None)
+    unknown = [code for code in codes if code not in BY_CODE]
+    if unknown:
+        raise UsageError(f"unknown code {unknown[0]!r}; run `gradaudit explain --all` for the list")
+    _emit("\n".join(explain_code(code) for code in codes), None)
 
 
 @app.command()
@@ -247,7 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     if debug:
         args.remove("--debug")
     try:
-        app(args=args, prog_name="gradaudit", standalone_mode=False)
+        if args[:1] == ["explain"] and "--help" not in args:
+            # typer coerces every parameter, even the group's --help flag, through pydantic, which would
+            # double the time `explain` takes to print a paragraph; its arguments need no parser.
+            _explain(args[1:])
+        else:
+            app(args=args, prog_name="gradaudit", standalone_mode=False)
     except GradauditError as exc:
         _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
     except SystemExit:

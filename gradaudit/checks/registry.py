@@ -1,15 +1,65 @@
-"""The one table of checks: code, severity, title, explanation and the function that runs it."""
+"""The one table of checks: code, severity, title, explanation and the function that runs it.
+
+The check modules are named here but imported only when a check first runs, so that `gradaudit explain`
+reads this table without loading the measuring code (see `_CheckModule`).
+"""
 
 from __future__ import annotations
 
+import importlib
 import textwrap
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..measure import StepMeasurements
-from ..model import StepDump
 from ..report import Finding, NotChecked, Severity
-from . import coefficients, coverage, nonfinite, norm, procedure, reference, replicas, updates
-from .base import AuditOptions, CheckSpec
+from .base import AuditOptions, CheckFn, CheckResult, CheckSpec
 from .explanations import EXPLANATIONS
+
+if TYPE_CHECKING:
+    from ..measure import StepMeasurements
+    from ..model import StepDump
+
+
+@dataclass(frozen=True)
+class DeferredCheck:
+    """`module.function` of this package, imported on its first call."""
+
+    module: str
+    function: str
+
+    def resolve(self) -> CheckFn:
+        fn: CheckFn = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)
+        return fn
+
+    def __call__(self, step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+        return self.resolve()(step, m, options)
+
+
+class _CheckModule:
+    """Stands for a check module in the table: `norm.local_norm` is a DeferredCheck of `checks.norm`."""
+
+    def __init__(self, module: str) -> None:
+        self._module = module
+
+    def __getattr__(self, function: str) -> DeferredCheck:
+        if function.startswith("_"):
+            raise AttributeError(function)
+        return DeferredCheck(module=self._module, function=function)
+
+
+coefficients, coverage, nonfinite, norm, procedure, reference, replicas, updates = (
+    _CheckModule(name)
+    for name in (
+        "coefficients",
+        "coverage",
+        "nonfinite",
+        "norm",
+        "procedure",
+        "reference",
+        "replicas",
+        "updates",
+    )
+)
 
 ERROR, WARNING, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 
