@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .checks.base import AuditOptions
@@ -18,7 +18,9 @@ from .errors import StepFolderError
 from .measure import StepMeasurements, measure_step
 from .model import StepDump
 from .report import (
+    Environment,
     Finding,
+    MeshShape,
     MultiStepReport,
     NonfiniteCounts,
     NotChecked,
@@ -26,6 +28,7 @@ from .report import (
     Report,
     Severity,
     StepSummary,
+    TopologySummary,
 )
 from .version import __version__
 
@@ -133,35 +136,31 @@ def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) ->
     return tuple(rows)
 
 
-def _environment(step: StepDump) -> dict[str, str]:
+def _environment(step: StepDump) -> Environment:
     dumps = [step.ranks[r] for r in step.ranks_present]
 
-    def joined(values) -> str:
-        return ", ".join(sorted({v for v in values if v})) or "unknown"
+    def distinct(values: Iterable[str | None]) -> tuple[str, ...]:
+        return tuple(sorted({v for v in values if v}))
 
-    hosts = sorted({d.host for d in dumps if d.host})
-    return {
-        "gradaudit (auditor)": __version__,
-        "gradaudit (dump)": joined(d.gradaudit_version for d in dumps),
-        "torch (dump)": joined(d.torch_version for d in dumps),
-        "hosts": (", ".join(hosts[:8]) + (f" and {len(hosts) - 8} more" if len(hosts) > 8 else ""))
-        or "unknown",
-        "mode": joined(d.mode for d in dumps),
-        "world_size": str(step.world_size),
-        "run_id": joined(d.run_id for d in dumps if d.run_id),
-    }
+    return Environment(
+        auditor_version=__version__,
+        dump_versions=distinct(d.gradaudit_version for d in dumps),
+        torch_versions=distinct(d.torch_version for d in dumps),
+        hosts=distinct(d.host for d in dumps),
+        modes=distinct(d.mode for d in dumps),
+        world_size=step.world_size,
+        run_ids=distinct(d.run_id for d in dumps),
+    )
 
 
-def _topology(step: StepDump) -> dict[str, str]:
+def _topology(step: StepDump) -> TopologySummary:
     topo = step.topology
-    found = {name: " ".join(str(list(g)) for g in lists) for name, lists in sorted(topo.groups.items())}
-    if topo.mesh is not None:
-        found["mesh"] = " x ".join(
-            f"{n}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape, strict=False)
-        )
-    if topo.norm_group is not None:
-        found["norm_group"] = topo.norm_group
-    return found
+    mesh = topo.mesh
+    return TopologySummary(
+        groups={name: tuple(tuple(g) for g in lists) for name, lists in sorted(topo.groups.items())},
+        mesh=None if mesh is None else MeshShape(shape=tuple(mesh.shape), axis_names=tuple(mesh.axis_names)),
+        norm_group=topo.norm_group,
+    )
 
 
 def command_for(directory: str, options: AuditOptions) -> str:

@@ -89,6 +89,11 @@ def check(
     ),
     rtol: float | None = typer.Option(None, "--rtol", help="Relative tolerance of the reference comparison."),
     atol: float | None = typer.Option(None, "--atol", help="Absolute tolerance of the reference comparison."),
+    all_ranks: bool = typer.Option(
+        False,
+        "--all-ranks",
+        help="One row per rank in terminal and Markdown reports, instead of folding ranks that agree.",
+    ),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
@@ -117,7 +122,7 @@ def check(
         result = audit_folder(directory, options, progress=progress, measure=measure)
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
-        _emit_report(result, format, output)
+        _emit_report(result, format, output, fold=not all_ranks)
     if _fails(reports, fail_on):
         raise SystemExit(EXIT_FINDINGS)
 
@@ -137,7 +142,7 @@ def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
             )
 
 
-def _emit_report(result, format: OutputFormat, output: Path | None) -> None:
+def _emit_report(result, format: OutputFormat, output: Path | None, *, fold: bool) -> None:
     from .errors import UsageError
     from .report import MultiStepReport
 
@@ -149,7 +154,7 @@ def _emit_report(result, format: OutputFormat, output: Path | None) -> None:
     elif format is OutputFormat.markdown:
         from .render import markdown as renderer
 
-        text = renderer.render_multi(result) if multi else renderer.render_report(result)
+        text = renderer.render_multi(result) if multi else renderer.render_report(result, fold=fold)
     else:
         from .render import terminal as renderer
 
@@ -158,7 +163,7 @@ def _emit_report(result, format: OutputFormat, output: Path | None) -> None:
         text = (
             renderer.render_multi(result, width=width, color=color)
             if multi
-            else renderer.render_report(result, width=width, color=color)
+            else renderer.render_report(result, width=width, color=color, fold=fold)
         )
     try:
         _emit(text, output)

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+"""Bumped whenever the JSON report changes shape; docs/REPORT.md lists the versions and what changed."""
 
 Number = int | float
 
@@ -35,7 +36,7 @@ class Finding:
     evidence: Mapping[str, Number | str | None] = field(default_factory=dict)
 
     @property
-    def sort_key(self) -> tuple:
+    def sort_key(self) -> tuple[int, str, tuple[int, ...], tuple[str, ...], str]:
         return (self.severity.rank, self.code, self.ranks, self.params, self.message)
 
 
@@ -94,6 +95,37 @@ class ParamComparison:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Environment:
+    """Fingerprint of the run: which versions wrote and audited the dump, on which hosts, in which mode."""
+
+    auditor_version: str = ""
+    """The gradaudit version that made this report."""
+    dump_versions: tuple[str, ...] = ()
+    """The gradaudit versions that wrote the rank files (one, unless the files were mixed)."""
+    torch_versions: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()
+    """Capture modes of the rank files: "full" (tensors) and/or "stats" (statistics only)."""
+    world_size: int | None = None
+    run_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshShape:
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopologySummary:
+    """The process groups the dump recorded: name -> rank lists, the device mesh, the norm's group."""
+
+    groups: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    mesh: MeshShape | None = None
+    norm_group: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Report:
     """Everything a renderer needs; built by the audit, never mutated."""
 
@@ -110,10 +142,8 @@ class Report:
     not_checked: tuple[NotChecked, ...] = ()
     verdict: str = ""
     """One sentence: the principal finding, or that clipping was right."""
-    environment: Mapping[str, str] = field(default_factory=dict)
-    """Fingerprint of the run: torch/gradaudit versions, hosts, mode, topology summary."""
-    topology: Mapping[str, str] = field(default_factory=dict)
-    """Group name -> rank lists as text; "mesh" -> shape and axis names."""
+    environment: Environment = field(default_factory=Environment)
+    topology: TopologySummary = field(default_factory=TopologySummary)
     reference: tuple[ParamComparison, ...] = ()
     command: str = ""
     """The command line that reproduces this report."""

@@ -14,7 +14,10 @@ from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.report import (
+    REPORT_VERSION,
+    Environment,
     Finding,
+    MeshShape,
     MultiStepReport,
     NonfiniteCounts,
     NotChecked,
@@ -23,6 +26,7 @@ from gradaudit.report import (
     Report,
     Severity,
     StepSummary,
+    TopologySummary,
 )
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -86,8 +90,20 @@ def seed_report(*, step: int = 1200) -> Report:
         ),
         verdict="clipping used each rank's local norm 0.8 instead of the global norm 1.6; "
         "the coefficient should have been 0.625, every rank applied 1",
-        environment={"torch": "2.13.0", "gradaudit": "0.1.0", "hosts": "node-a, node-b", "mode": "fsdp2"},
-        topology={"dp_shard": "[0, 1, 2, 3]", "mesh": "(4,) dp_shard", "norm_group": "dp_shard"},
+        environment=Environment(
+            auditor_version="0.1.0",
+            dump_versions=("0.1.0",),
+            torch_versions=("2.13.0",),
+            hosts=("node-a", "node-b"),
+            modes=("full",),
+            world_size=4,
+            run_ids=("run-42",),
+        ),
+        topology=TopologySummary(
+            groups={"dp_shard": ((0, 1, 2, 3),)},
+            mesh=MeshShape(shape=(4,), axis_names=("dp_shard",)),
+            norm_group="dp_shard",
+        ),
         reference=(
             ParamComparison(
                 param="layers.0.weight",
@@ -326,20 +342,30 @@ def test_terminal_chart_draws_only_the_largest_ranks_of_a_big_world():
     assert f"{20 - terminal_render.MAX_CHART_RANKS} smaller ranks not drawn" in text
 
 
-def test_terminal_rank_table_of_a_big_world_keeps_the_telling_ranks_and_summarizes_the_rest():
+def test_terminal_rank_table_of_a_big_world_folds_ranks_into_ranges_and_lists_the_outliers():
     base = seed_report()
     row = base.ranks[0]
     ranks = [replace(row, rank=r, local_norm=0.1 + r / 10000) for r in range(1024)]
     ranks[700] = replace(ranks[700], nonfinite=NonfiniteCounts(nan=5))
     ranks[900] = replace(ranks[900], diagnosis="replicas_double_counted", diagnosis_detail="counted twice")
     report = replace(base, world_size=1024, ranks_present=tuple(range(1024)), ranks=tuple(ranks))
-    lines = terminal_render.render_report(report).splitlines()
-    table_ranks = [int(line.split()[0]) for line in lines if re.match(r"\s*\d+\s+\d", line)]
-    assert len(table_ranks) == terminal_render.MAX_RANK_ROWS and table_ranks == sorted(table_ranks)
-    assert {700, 900, 1023} <= set(table_ranks)
-    summary = next(line for line in lines if "more ranks not shown" in line)
-    assert summary.strip().startswith("992 more ranks not shown (local_only ×992; local norm")
+    text = terminal_render.render_report(report)
+    lines = text.splitlines()
+    assert re.search(
+        r"^\s+0-699, 701-899, …\s+0\.1–0\.2023\s+0\.8\s+1 \(gradients\)\s+local_only\s+0$", text, re.M
+    )
+    assert "(1022 ranks)" in text
+    assert re.search(r"^\s+700\s+0\.17\s+0\.8\s.*5 nan$", text, re.M)
+    assert re.search(r"^\s+900\s+0\.19\s+0\.8\s.*replicas_double_co", text, re.M)
     assert any(line.startswith("  rank 900, replicas_double_counted: counted twice") for line in lines)
+
+
+def test_terminal_rank_table_lists_every_rank_when_asked_not_to_fold():
+    report = seed_report()
+    folded = terminal_render.render_report(report)
+    every = terminal_render.render_report(report, fold=False)
+    assert re.search(r"^\s+0-3\s+0\.8", folded, re.MULTILINE)
+    assert [int(m) for m in re.findall(r"^\s+(\d)\s+0\.8\s", every, re.MULTILINE)] == [0, 1, 2, 3]
 
 
 def test_reference_comparison_lists_the_worst_parameter_first():
@@ -350,22 +376,24 @@ def test_reference_comparison_lists_the_worst_parameter_first():
         )
 
 
-def test_markdown_report_is_a_complete_bug_ticket_body():
+def test_markdown_report_is_a_complete_bug_ticket_body_that_leads_with_the_verdict_and_findings():
     markdown = markdown_render.render_report(seed_report())
     order = [
         "# gradaudit report: step 1200",
         "**✗ Verdict:** clipping used each rank's local norm",
-        "## Environment",
-        "| torch | 2.13.0 |",
-        "| topology dp\\_shard | \\[0, 1, 2, 3\\] |",
-        "## Ranks",
-        "| 0 | 0.8 | 0.8 | 1 | gradients | local\\_only | 25.0% | 0 |",
         "## Findings",
         "### ✗ error GA201: clipping used a local norm",
         "evidence: reported\\_norm = 0.8, true\\_norm = 1.6",
         "## Not checked",
+        "## Ranks",
+        "| 0-3 | 0.8 | 0.8 | 1 | gradients | local\\_only | 25.0% | 0 |",
         "## Reference comparison",
         "## Warnings",
+        "## Environment",
+        "<details><summary>Versions, hosts and process groups (world size 4, 2 hosts, 1 process group)</summary>",
+        "| torch (dump) | 2.13.0 |",
+        "| group dp\\_shard | 1 group of 4 ranks: {0-3} |",
+        "</details>",
         "## Reproduce",
         "```sh\ngradaudit check ./run/step_1200 --reference ./ref/step_1200\n```",
     ]
@@ -423,7 +451,7 @@ def test_multi_step_json_holds_the_summary_and_every_complete_step():
     data = json.loads(json_render.render_multi(multi_report()))
     assert [s["step"] for s in data["summary"]] == [1100, 1200, 1300]
     assert data["steps"][1] == json_render.report_to_dict(seed_report())
-    assert data["directory"] == "./run" and data["report_version"] == 1
+    assert data["directory"] == "./run" and data["report_version"] == REPORT_VERSION == 2
 
 
 # ---------------------------------------------------------------- nonfinite numbers
@@ -509,8 +537,17 @@ def hostile_report() -> Report:
             for name in HOSTILE_NAMES
         ),
         verdict=f"verdict {joined}",
-        environment={"hosts": joined, HOSTILE_NAMES[1]: HOSTILE_NAMES[2]},
-        topology={HOSTILE_NAMES[0]: HOSTILE_NAMES[3]},
+        environment=Environment(
+            auditor_version=HOSTILE_NAMES[2],
+            torch_versions=(joined,),
+            hosts=HOSTILE_NAMES,
+            run_ids=HOSTILE_NAMES,
+        ),
+        topology=TopologySummary(
+            groups={HOSTILE_NAMES[0]: ((0, 1), (2, 3)), HOSTILE_NAMES[1]: ((0, 1, 2, 3),)},
+            mesh=MeshShape(shape=(2, 2), axis_names=(HOSTILE_NAMES[3], HOSTILE_NAMES[4])),
+            norm_group=HOSTILE_NAMES[5],
+        ),
         command="gradaudit check './step_7/```\n[red]|x'",
         warnings=HOSTILE_NAMES,
     )
@@ -523,7 +560,7 @@ def test_terminal_output_shows_hostile_names_literally_and_never_emits_escapes()
     assert "[red]0[/red]" in text
     assert "\\x1b[31mansi\\x1b[0m" in text and "line\\nbreak" in text and "\\u202eevil" in text
     assert ":thumbs_up:" in text and "权重.é.λ" in text
-    assert "warning: back\\slash\\\n" in text and "slash\\\\" not in text
+    assert "warning: back\\\\slash\\\\\n" in text
 
 
 def test_terminal_output_ignores_force_color_in_the_environment(monkeypatch):
@@ -588,7 +625,9 @@ def test_markdown_escapes_markup_html_and_code_outside_the_reproduce_block():
     assert "\x1b" not in markdown and "\u202e" not in markdown
     markdown.encode("utf-8")
     for char in "`<[":
-        assert not re.search(r"(?<!\\)(?:\\\\)*" + re.escape(char), re.sub("</?sub>", "", prose)), char
+        assert not re.search(
+            r"(?<!\\)(?:\\\\)*" + re.escape(char), re.sub("</?(sub|details|summary)>", "", prose)
+        ), char
     for token in ("*bold*", "_it_", "~~s~~", "$x$", "&amp;", "|b|", "# heading", "\\slash\\"):
         assert not re.search(r"(?<!\\)" + re.escape(token), prose), token
     assert "<script>" not in prose and "\\<script\\>" in prose
@@ -621,7 +660,9 @@ def test_json_round_trips_hostile_names_intact():
     assert data["warnings"] == list(HOSTILE_NAMES)
     assert [c["param"] for c in data["reference"]] == list(HOSTILE_NAMES)
     assert data["findings"][0]["evidence"][HOSTILE_NAMES[0]] == 1.5
-    assert data["command"] == report.command and data["environment"] == dict(report.environment)
+    assert data["command"] == report.command
+    assert data["environment"]["hosts"] == list(HOSTILE_NAMES)
+    assert data["topology"]["groups"][HOSTILE_NAMES[0]] == [[0, 1], [2, 3]]
     assert data["ranks"][0]["diagnosis"] == f"wrong_group:{HOSTILE_NAMES[1]}"
 
 

@@ -1,11 +1,24 @@
-"""JSON rendering of a report: stable keys, strings for nonfinite numbers, complete (nothing abbreviated)."""
+"""JSON rendering of a report: stable keys, strings for nonfinite numbers, complete (nothing abbreviated).
+
+The shape is the report schema (`gradaudit/report_schema.json`, described in docs/REPORT.md); change both
+together and bump `REPORT_VERSION`."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ..report import Finding, MultiStepReport, NonfiniteCounts, ParamComparison, RankRow, Report, StepSummary
+from ..report import (
+    Environment,
+    Finding,
+    MultiStepReport,
+    NonfiniteCounts,
+    ParamComparison,
+    RankRow,
+    Report,
+    StepSummary,
+    TopologySummary,
+)
 from .numbers import json_number
 
 
@@ -51,6 +64,27 @@ def _comparison_to_dict(comparison: ParamComparison) -> dict[str, Any]:
     }
 
 
+def environment_to_dict(env: Environment) -> dict[str, Any]:
+    return {
+        "auditor_version": env.auditor_version,
+        "dump_versions": list(env.dump_versions),
+        "torch_versions": list(env.torch_versions),
+        "hosts": list(env.hosts),
+        "modes": list(env.modes),
+        "world_size": env.world_size,
+        "run_ids": list(env.run_ids),
+    }
+
+
+def topology_to_dict(topology: TopologySummary) -> dict[str, Any]:
+    mesh = topology.mesh
+    return {
+        "groups": {name: [list(ranks) for ranks in lists] for name, lists in topology.groups.items()},
+        "mesh": None if mesh is None else {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names)},
+        "norm_group": topology.norm_group,
+    }
+
+
 def report_to_dict(report: Report) -> dict[str, Any]:
     """The report as plain JSON values; lists keep the report's order."""
     return {
@@ -68,8 +102,8 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         "findings": [_finding_to_dict(finding) for finding in report.findings],
         "not_checked": [{"code": n.code, "title": n.title, "reason": n.reason} for n in report.not_checked],
         "reference": [_comparison_to_dict(c) for c in report.reference],
-        "environment": dict(report.environment),
-        "topology": dict(report.topology),
+        "environment": environment_to_dict(report.environment),
+        "topology": topology_to_dict(report.topology),
         "command": report.command,
         "warnings": list(report.warnings),
     }

@@ -3,74 +3,136 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from ..report import Finding, MultiStepReport, Report, Severity
+from .fold import fmt_groups, fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_groups,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
-    fmt_nonfinite,
-    fmt_percent,
-    fmt_ranks,
-    fmt_ranks_labelled,
     fmt_ratio,
     fmt_value,
     norm_name,
     reference_worst_first,
 )
-from .text import join_limited, markdown_code_block, markdown_escape
+from .text import clip_text, join_limited, markdown_code_block, markdown_escape
 
-MAX_PARAMS_SHOWN = 20
+MAX_CHARS = 20_000
+"""A report must fit a ticket (GitHub refuses issue bodies over 65,536 characters) at any world size."""
+MAX_PARAMS_SHOWN = 10
 MAX_REFERENCE_ROWS = 20
+MAX_RANK_GROUPS = 24
+MAX_DETAIL_LINES = 8
+MAX_NAME_CHARS = 120
+"""Untrusted names and short texts are cut to this many characters before escaping."""
+MAX_MESSAGE_CHARS = 600
+FINDINGS_FULL_BUDGET = 6_000
+"""Characters of findings shown in full; the rest are listed one line each, then counted."""
+FINDINGS_BRIEF_BUDGET = 2_000
+LIST_BUDGET = 1_500
+"""Characters of a bullet list (not checked, warnings) before the rest is counted."""
+OPEN_ROWS = 8
+"""Tables with more rows than this go inside a <details> block."""
+SEE_JSON = "see `gradaudit check --format json` for everything"
 
 _SYMBOL = {Severity.ERROR: "✗", Severity.WARNING: "⚠", Severity.INFO: "ℹ", None: "✓"}
 
 
-def render_report(report: Report) -> str:
-    blocks = [f"# gradaudit report: step {report.step}", *_report_blocks(report)]
-    return "\n\n".join(block.rstrip("\n") for block in blocks) + "\n"
+def render_report(report: Report, *, fold: bool = True) -> str:
+    """The report as a ticket body: verdict and findings first, per-rank detail folded and in <details>.
+
+    `fold=False` lists every rank on its own row (the size bound then no longer holds).
+    """
+    blocks = [f"# gradaudit report: step {report.step}", *_report_blocks(report, fold=fold)]
+    return _join(_fit(blocks, MAX_CHARS if fold else None))
 
 
 def render_multi(multi: MultiStepReport) -> str:
     blocks = [
-        f"# gradaudit report: {len(multi.steps)} steps in {markdown_escape(multi.directory)}",
+        f"# gradaudit report: {len(multi.steps)} steps in {_md(multi.directory)}",
         _summary_table(multi),
     ]
     for report in multi.steps:
         blocks.append(f"## Step {report.step}")
         blocks.extend(_step_brief(report))
-    blocks.append(f"<sub>gradaudit report version {multi.report_version}</sub>")
+    blocks.append(_version_line(multi.report_version))
+    return _join(blocks)
+
+
+def _join(blocks: Sequence[str]) -> str:
     return "\n\n".join(block.rstrip("\n") for block in blocks) + "\n"
 
 
-def _report_blocks(report: Report) -> list[str]:
-    blocks = [_verdict(report), _headline_table(report)]
+def _md(text: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    """Untrusted text for Markdown: cut, then escaped."""
+    return markdown_escape(clip_text(text, max_chars))
+
+
+def _version_line(version: int) -> str:
+    return f"<sub>gradaudit report version {version}</sub>"
+
+
+@dataclass(frozen=True)
+class _Optional:
+    """A block the report can do without when it would not fit (replaced by a line saying so)."""
+
+    text: str
+    what: str
+    drop_order: int
+    """Blocks with lower numbers are dropped first."""
+
+
+def _fit(blocks: Sequence[str | _Optional], max_chars: int | None) -> list[str]:
+    """Drop optional blocks, lowest `drop_order` first, until the report fits; each leaves one line."""
+    texts = [block.text if isinstance(block, _Optional) else block for block in blocks]
+    if max_chars is None:
+        return texts
+    optional = sorted(
+        ((block.drop_order, i, block) for i, block in enumerate(blocks) if isinstance(block, _Optional)),
+        key=lambda item: item[:2],
+    )
+    for _, i, block in optional:
+        if len(_join(texts)) <= max_chars:
+            break
+        texts[i] = f"*{block.what} left out to keep this report short; {SEE_JSON}.*"
+    return texts
+
+
+def _report_blocks(report: Report, *, fold: bool) -> list[str | _Optional]:
+    blocks: list[str | _Optional] = [_verdict(report), _headline_table(report)]
     if report.missing_ranks:
-        blocks.append(f"**Missing ranks:** {fmt_ranks(report.missing_ranks)} (the other ranks were audited).")
-    blocks += ["## Environment", _environment_table(report)]
-    blocks += ["## Ranks", _rank_table(report)]
-    blocks.append("## Findings")
-    blocks += [_finding_block(f) for f in report.findings] or ["None."]
+        blocks.append(
+            f"**Missing ranks:** {fmt_rank_set(report.missing_ranks, max_chars=200)} (the other ranks were audited)."
+        )
+    blocks += ["## Findings", *_findings(report.findings)]
     if report.not_checked:
+        items = [
+            f"**{_md(n.code)}** {_md(n.title)}: {_md(n.reason, MAX_MESSAGE_CHARS)}"
+            for n in report.not_checked
+        ]
         blocks += [
             "## Not checked",
-            _bullets(
-                f"**{markdown_escape(n.code)}** {markdown_escape(n.title)}: {markdown_escape(n.reason)}"
-                for n in report.not_checked
-            ),
+            _Optional(_bullets_within(items, LIST_BUDGET), "The list of checks not run", 4),
         ]
+    blocks += ["## Ranks", _Optional(_rank_section(report, fold=fold), "The per-rank table", 5)]
     if report.reference:
-        blocks += ["## Reference comparison", _reference_table(report)]
+        blocks += [
+            "## Reference comparison",
+            _Optional(_reference_table(report), "The reference comparison", 2),
+        ]
     if report.warnings:
-        blocks += ["## Warnings", _bullets(markdown_escape(w) for w in report.warnings)]
-    blocks += ["## Reproduce", _reproduce(report.command)]
-    blocks.append(f"<sub>gradaudit report version {report.report_version}</sub>")
+        items = [_md(w, MAX_MESSAGE_CHARS) for w in report.warnings]
+        blocks += ["## Warnings", _Optional(_bullets_within(items, LIST_BUDGET), "The warnings", 3)]
+    blocks += ["## Environment", _Optional(_environment_section(report), "The environment", 1)]
+    blocks += ["## Reproduce", _Optional(_reproduce(report.command), "The command", 6)]
+    blocks.append(_version_line(report.report_version))
     return blocks
 
 
 def _verdict(report: Report) -> str:
-    verdict = markdown_escape(report.verdict) if report.verdict else "no verdict"
+    verdict = _md(report.verdict, 1_000) if report.verdict else "no verdict"
     return f"**{_SYMBOL[report.worst_severity]} Verdict:** {verdict}"
 
 
@@ -95,21 +157,95 @@ def _headline_table(report: Report) -> str:
     )
 
 
-def _environment_table(report: Report) -> str:
-    rows = [[markdown_escape(k), markdown_escape(v)] for k, v in sorted(report.environment.items())]
-    rows += [
-        [f"topology {markdown_escape(k)}", markdown_escape(v)] for k, v in sorted(report.topology.items())
+def _findings(findings: Sequence[Finding]) -> list[str]:
+    if not findings:
+        return ["None."]
+    full, rest = _take_within([_finding_block(f) for f in findings], FINDINGS_FULL_BUDGET)
+    blocks = list(full)
+    if rest:
+        brief, hidden = _take_within([_finding_line(f) for f in findings[len(full) :]], FINDINGS_BRIEF_BUDGET)
+        summary = f"{len(rest)} more findings"
+        body = "\n".join(f"- {line}" for line in brief)
+        if hidden:
+            body += f"\n\n{len(hidden)} more not listed; {SEE_JSON}."
+        blocks.append(_details(summary, body))
+    return blocks
+
+
+def _finding_line(finding: Finding) -> str:
+    ranks = f" ({fmt_ranks_labelled_short(finding.ranks)})" if finding.ranks else ""
+    return f"**{finding.severity.value} {_md(finding.code)}** {_md(finding.title)}{ranks}"
+
+
+def _take_within(items: Sequence[str], budget: int) -> tuple[list[str], list[str]]:
+    """The leading items whose total length stays within `budget` (at least one), and the rest."""
+    taken: list[str] = []
+    used = 0
+    for item in items:
+        if taken and used + len(item) > budget:
+            break
+        taken.append(item)
+        used += len(item) + 2
+    return taken, list(items[len(taken) :])
+
+
+def _bullets_within(items: Sequence[str], budget: int) -> str:
+    shown, hidden = _take_within(items, budget)
+    text = _bullets(shown)
+    return f"{text}\n- and {len(hidden)} more; {SEE_JSON}" if hidden else text
+
+
+def _details(summary: str, body: str) -> str:
+    return f"<details><summary>{summary}</summary>\n\n{body}\n\n</details>"
+
+
+def _environment_section(report: Report) -> str:
+    env, topo = report.environment, report.topology
+    rows = [
+        ["gradaudit (auditor)", _md(env.auditor_version) or "-"],
+        ["gradaudit (dump)", _names(env.dump_versions)],
+        ["torch (dump)", _names(env.torch_versions)],
+        ["world size", "-" if env.world_size is None else str(env.world_size)],
+        ["hosts", _names(env.hosts)],
+        ["capture mode", _names(env.modes)],
+        ["run id", _names(env.run_ids)],
     ]
-    if not rows:
-        return "Not recorded."
-    return _table(["run", "value"], rows)
+    if topo.mesh is not None:
+        mesh = " × ".join(
+            f"{_md(n)}={s}" for n, s in zip(topo.mesh.axis_names, topo.mesh.shape, strict=False)
+        )
+        rows.append(["device mesh", mesh])
+    rows += [[f"group {_md(name)}", fmt_groups(lists)] for name, lists in list(topo.groups.items())[:16]]
+    if len(topo.groups) > 16:
+        rows.append(["groups", f"{len(topo.groups) - 16} more not shown"])
+    if topo.norm_group is not None:
+        rows.append(["norm reduced over", _md(topo.norm_group)])
+    summary = ", ".join(
+        part
+        for part in (
+            "" if env.world_size is None else f"world size {env.world_size}",
+            _count(len(env.hosts), "host"),
+            _count(len(topo.groups), "process group"),
+        )
+        if part
+    )
+    return _details(f"Versions, hosts and process groups ({summary})", _table(["", "value"], rows))
 
 
-def _rank_table(report: Report) -> str:
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _names(values: Sequence[str], limit: int = 8) -> str:
+    return join_limited(list(values), limit=limit, escape=lambda v: _md(v, 60)) if values else "-"
+
+
+def _rank_section(report: Report, *, fold: bool) -> str:
     if not report.ranks:
         return "No rank could be read."
+    folded = fold_ranks(report.ranks, max_groups=MAX_RANK_GROUPS) if fold else one_per_rank(report.ranks)
     header = [
-        "rank",
+        "ranks",
         "local norm",
         "reported norm",
         "applied coef",
@@ -118,59 +254,75 @@ def _rank_table(report: Report) -> str:
         "share of Σg²",
         "nonfinite",
     ]
-    rows = [
-        [
-            str(row.rank),
-            fmt_float(row.local_norm),
-            fmt_float(row.reported_norm),
-            fmt_coef(row.applied_clip_coef),
-            markdown_escape(row.applied_coef_source) if row.applied_coef_source else "-",
-            markdown_escape(row.diagnosis) if row.diagnosis else "-",
-            fmt_percent(row.share_of_squared_norm),
-            fmt_nonfinite(row.nonfinite),
-        ]
-        for row in report.ranks
-    ]
-    table = _table(header, rows, align=["r", "r", "r", "r", "l", "l", "r", "l"])
+    rows = []
+    for group in folded.groups:
+        local, reported, coef, share, nonfinite = group_cells(group)
+        rows.append(
+            [
+                fmt_rank_set(group.ranks),
+                local,
+                reported,
+                coef,
+                _md(group.applied_coef_source) if group.applied_coef_source else "-",
+                _md(group.diagnosis) if group.diagnosis else "-",
+                share,
+                nonfinite,
+            ]
+        )
+    table = _table(header, rows, align=["l", "r", "r", "r", "l", "l", "r", "l"])
+    parts = []
+    if folded.folded:
+        parts.append(
+            f"{_count(len(report.ranks), 'rank')} in {_count(len(rows), 'row')}: ranks that agree share a row, "
+            "numbers that differ within a row are shown as ranges."
+        )
+    if len(rows) > OPEN_ROWS:
+        table = _details(f"Per-rank table ({len(rows)} rows)", table)
+    parts.append(table)
+    if folded.hidden_ranks:
+        parts.append(
+            f"{len(folded.hidden_ranks)} more ranks in {folded.num_hidden_groups} groups not shown "
+            f"(ranks {fmt_rank_set(folded.hidden_ranks)}); {SEE_JSON}."
+        )
     details = _diagnosis_details(report)
-    return f"{table}\n\n{details}" if details else table
+    if details:
+        parts.append(details)
+    return "\n\n".join(parts)
 
 
 def _diagnosis_details(report: Report) -> str:
-    return _bullets(
-        f"{fmt_ranks_labelled(ranks)}, {markdown_escape(diagnosis)}: {markdown_escape(detail)}"
-        for diagnosis, detail, ranks in diagnosis_groups(report.ranks)
-    )
+    groups = diagnosis_groups(report.ranks)
+    lines = [
+        f"{fmt_ranks_labelled_short(ranks)}, {_md(diagnosis)}: {_md(detail, 300)}"
+        for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]
+    ]
+    if len(groups) > MAX_DETAIL_LINES:
+        lines.append(f"{len(groups) - MAX_DETAIL_LINES} more explanations not shown")
+    return _bullets(lines)
 
 
 def _finding_block(finding: Finding) -> str:
     lines = [
-        f"### {_SYMBOL[finding.severity]} {finding.severity.value} {markdown_escape(finding.code)}: "
-        f"{markdown_escape(finding.title)}",
+        f"### {_SYMBOL[finding.severity]} {finding.severity.value} {_md(finding.code)}: {_md(finding.title)}",
         "",
-        markdown_escape(finding.message),
+        _md(finding.message, MAX_MESSAGE_CHARS),
     ]
     facts = []
     if finding.ranks:
-        facts.append(fmt_ranks_labelled(finding.ranks))
+        facts.append(fmt_ranks_labelled_short(finding.ranks))
     if finding.params:
-        facts.append(
-            "params: " + join_limited(finding.params, limit=MAX_PARAMS_SHOWN, escape=markdown_escape)
-        )
+        facts.append("params: " + join_limited(finding.params, limit=MAX_PARAMS_SHOWN, escape=_md))
     if finding.evidence:
-        facts.append(
-            "evidence: "
-            + ", ".join(
-                f"{markdown_escape(str(k))} = {_evidence_value(v)}" for k, v in finding.evidence.items()
-            )
-        )
+        pairs = [f"{_md(str(k))} = {_evidence_value(v)}" for k, v in list(finding.evidence.items())[:16]]
+        more = len(finding.evidence) - len(pairs)
+        facts.append("evidence: " + ", ".join(pairs) + (f" (+{more} more)" if more > 0 else ""))
     if facts:
         lines += ["", _bullets(facts)]
     return "\n".join(lines)
 
 
 def _evidence_value(value: object) -> str:
-    return markdown_escape(value) if isinstance(value, str) else fmt_value(value)
+    return _md(value) if isinstance(value, str) else fmt_value(value)
 
 
 def _reference_table(report: Report) -> str:
@@ -178,8 +330,8 @@ def _reference_table(report: Report) -> str:
     failing = sum(not c.within_tolerance for c in ordered)
     rows = [
         [
-            markdown_escape(c.param),
-            markdown_escape(c.kind),
+            _md(c.param),
+            _md(c.kind),
             fmt_float(c.max_abs_error),
             fmt_float(c.max_rel_error),
             fmt_float(c.atol),
@@ -194,6 +346,8 @@ def _reference_table(report: Report) -> str:
         rows,
         align=["l", "l", "r", "r", "r", "r", "l"],
     )
+    if len(rows) > OPEN_ROWS:
+        table = _details(f"Reference table ({len(rows)} rows)", table)
     hidden = len(ordered) - MAX_REFERENCE_ROWS
     outro = f"\n\n{hidden} more not shown." if hidden > 0 else ""
     return f"{intro}\n\n{table}{outro}"
@@ -202,7 +356,7 @@ def _reference_table(report: Report) -> str:
 def _reproduce(command: str) -> str:
     if not command:
         return "The command was not recorded."
-    return markdown_code_block(command, info="sh")
+    return markdown_code_block(clip_text(command, 2_000), info="sh")
 
 
 def _summary_table(multi: MultiStepReport) -> str:
@@ -216,7 +370,7 @@ def _summary_table(multi: MultiStepReport) -> str:
             fmt_coef(s.expected_clip_coef),
             str(s.num_errors),
             str(s.num_warnings),
-            markdown_escape(", ".join(s.codes)) or "-",
+            _md(", ".join(s.codes), 200) or "-",
         ]
         for s in multi.summary
     ]
@@ -226,16 +380,11 @@ def _summary_table(multi: MultiStepReport) -> str:
 def _step_brief(report: Report) -> list[str]:
     blocks = [_verdict(report), _headline_table(report)]
     if report.missing_ranks:
-        blocks.append(f"**Missing ranks:** {fmt_ranks(report.missing_ranks)}.")
-    items = [
-        f"**{f.severity.value} {markdown_escape(f.code)}** {markdown_escape(f.title)}"
-        + (f" ({fmt_ranks_labelled(f.ranks)})" if f.ranks else "")
-        + f": {markdown_escape(f.message)}"
-        for f in report.findings
-    ]
-    items += [f"**warning:** {markdown_escape(w)}" for w in report.warnings]
+        blocks.append(f"**Missing ranks:** {fmt_rank_set(report.missing_ranks, max_chars=200)}.")
+    items = [f"{_finding_line(f)}: {_md(f.message, MAX_MESSAGE_CHARS)}" for f in report.findings]
+    items += [f"**warning:** {_md(w, MAX_MESSAGE_CHARS)}" for w in report.warnings]
     if items:
-        blocks.append(_bullets(items))
+        blocks.append(_bullets_within(items, FINDINGS_BRIEF_BUDGET))
     if report.command:
         blocks.append(_reproduce(report.command))
     return blocks

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import io
 import math
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
+from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_groups,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
-    fmt_nonfinite,
     fmt_percent,
     fmt_ranks,
-    fmt_ranks_labelled,
     fmt_ratio,
     fmt_value,
     norm_name,
@@ -40,6 +38,7 @@ MAX_PARAMS_SHOWN = 8
 MAX_RANK_ROWS = 32
 MAX_DETAIL_LINES = 8
 MAX_REFERENCE_ROWS = 10
+MAX_WARNINGS = 20
 MAX_CHART_RANKS = 16
 THRESHOLD_MARK = "│"
 
@@ -50,10 +49,11 @@ Piece = str | tuple[str, str]
 """A piece of a line: plain text, or (text, style). Never markup."""
 
 
-def render_report(report: Report, *, width: int = 100, color: bool = False) -> str:
+def render_report(report: Report, *, width: int = 100, color: bool = False, fold: bool = True) -> str:
+    """The report for a terminal; `fold=False` prints every rank on its own row."""
     out = io.StringIO()
     console = _console(out, width, color)
-    _print_report(console, report, bar_width=_bar_width(width))
+    _print_report(console, report, bar_width=_bar_width(width), fold=fold)
     return _strip_line_ends(out.getvalue())
 
 
@@ -115,11 +115,11 @@ def _bar_width(width: int) -> int:
     return max(10, min(50, width - 45))
 
 
-def _print_report(console: Console, report: Report, *, bar_width: int) -> None:
+def _print_report(console: Console, report: Report, *, bar_width: int, fold: bool) -> None:
     _print_verdict(console, report)
     _print_missing(console, report)
     console.print()
-    _print_ranks(console, report)
+    _print_ranks(console, report, fold=fold)
     _print_chart(console, report, bar_width=bar_width)
     _print_findings(console, report.findings)
     _print_not_checked(console, report)
@@ -150,7 +150,7 @@ def _print_missing(console: Console, report: Report) -> None:
     if report.missing_ranks:
         console.print(
             _line(
-                (f"missing ranks: {fmt_ranks(report.missing_ranks)}", "bold red"),
+                (f"missing ranks: {fmt_rank_set(report.missing_ranks, max_chars=200)}", "bold red"),
                 " (the others were audited; checks that need them say so below)",
             )
         )
@@ -162,15 +162,15 @@ def _table(columns: Sequence[tuple[str, str]]) -> Table:
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for header, justify in columns:
-        table.add_column(header, justify=justify)
+        table.add_column(header, justify=justify, overflow="fold")
     return table
 
 
-def _print_ranks(console: Console, report: Report) -> None:
-    shown, hidden = _ranks_to_show(report.ranks, MAX_RANK_ROWS)
+def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
+    folded = fold_ranks(report.ranks, max_groups=MAX_RANK_ROWS) if fold else one_per_rank(report.ranks)
     table = _table(
         [
-            ("rank", "right"),
+            ("ranks" if folded.folded else "rank", "right"),
             ("local norm", "right"),
             ("reported norm", "right"),
             ("applied coef", "right"),
@@ -178,62 +178,38 @@ def _print_ranks(console: Console, report: Report) -> None:
             ("nonfinite", "left"),
         ]
     )
-    for row in shown:
+    for group in folded.groups:
+        local, reported, coef, _, nonfinite = group_cells(group)
+        source = f" ({printable(group.applied_coef_source)})" if group.applied_coef_source else ""
         table.add_row(
-            str(row.rank),
-            fmt_float(row.local_norm),
-            fmt_float(row.reported_norm),
-            _applied_coef_cell(row),
-            _line(printable(row.diagnosis) if row.diagnosis else "-"),
-            _line((fmt_nonfinite(row.nonfinite), "bold red" if row.nonfinite.total else "")),
+            fmt_rank_set(group.ranks, max_chars=16),
+            local,
+            reported,
+            _line(coef + source),
+            _line(printable(group.diagnosis) if group.diagnosis else "-"),
+            _line((nonfinite, "bold red" if group.nonfinite.total else "")),
         )
     console.print(table)
-    if hidden:
+    if folded.hidden_ranks:
         console.print(
             _line(
                 (
-                    f"  {len(hidden)} more ranks not shown ({_summarize_ranks(hidden)}); "
-                    "the Markdown and JSON reports list every rank",
+                    f"  {len(folded.hidden_ranks)} more ranks in {folded.num_hidden_groups} groups not shown "
+                    f"(ranks {fmt_rank_set(folded.hidden_ranks)}); the JSON report lists every rank",
                     "dim",
                 )
             )
         )
-    _print_diagnosis_details(console, shown)
+    _print_diagnosis_details(console, report.ranks)
 
 
-def _ranks_to_show(rows: tuple[RankRow, ...], limit: int) -> tuple[list[RankRow], list[RankRow]]:
-    """All ranks, or in a big world the telling ones: nonfinite first, then unusual diagnoses, then extremes."""
-    if len(rows) <= limit:
-        return list(rows), []
-    common = Counter(row.diagnosis for row in rows).most_common(1)[0][0]
-    finite = _finite_local_norms(rows)
-    extremes = {max(finite, key=finite.get), min(finite, key=finite.get)} if finite else set()
-
-    def priority(row: RankRow) -> tuple:
-        return (row.nonfinite.total == 0, row.diagnosis == common, row.rank not in extremes, row.rank)
-
-    chosen = {row.rank for row in sorted(rows, key=priority)[:limit]}
-    return [r for r in rows if r.rank in chosen], [r for r in rows if r.rank not in chosen]
-
-
-def _finite_local_norms(rows: Sequence[RankRow]) -> dict[int, float]:
-    return {r.rank: r.local_norm for r in rows if r.local_norm is not None and math.isfinite(r.local_norm)}
-
-
-def _summarize_ranks(rows: list[RankRow]) -> str:
-    diagnoses = Counter(printable(row.diagnosis) if row.diagnosis else "-" for row in rows).most_common()
-    parts = [", ".join(f"{name} ×{n}" for name, n in diagnoses[:3]) + (", …" if len(diagnoses) > 3 else "")]
-    norms = _finite_local_norms(rows).values()
-    if norms:
-        parts.append(f"local norm {fmt_float(min(norms))} to {fmt_float(max(norms))}")
-    return "; ".join(parts)
-
-
-def _print_diagnosis_details(console: Console, rows: list[RankRow]) -> None:
+def _print_diagnosis_details(console: Console, rows: Sequence[RankRow]) -> None:
     groups = diagnosis_groups(rows)
     for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]:
         console.print(
-            _line(f"  {fmt_ranks_labelled(ranks)}, {printable(diagnosis)}: ", (printable(detail), "dim"))
+            _line(
+                f"  {fmt_ranks_labelled_short(ranks)}, {printable(diagnosis)}: ", (printable(detail), "dim")
+            )
         )
     if len(groups) > MAX_DETAIL_LINES:
         console.print(_line((f"  {len(groups) - MAX_DETAIL_LINES} more explanations not shown", "dim")))
@@ -336,7 +312,7 @@ def _finding_body(finding: Finding) -> Text:
     lines: list[Sequence[Piece]] = [[(printable(finding.title), "bold")], [printable(finding.message)]]
     where = []
     if finding.ranks:
-        where.append(fmt_ranks_labelled(finding.ranks))
+        where.append(fmt_ranks_labelled_short(finding.ranks))
     if finding.params:
         where.append("params " + join_limited(finding.params, limit=MAX_PARAMS_SHOWN, escape=printable))
     if where:
@@ -411,8 +387,17 @@ def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
     if not warnings:
         return
     console.print()
-    for warning in warnings:
+    for warning in warnings[:MAX_WARNINGS]:
         console.print(_line(("warning:", "yellow"), f" {printable(warning)}"))
+    if len(warnings) > MAX_WARNINGS:
+        console.print(
+            _line(
+                (
+                    f"  {len(warnings) - MAX_WARNINGS} more warnings not shown; the JSON report lists them",
+                    "dim",
+                )
+            )
+        )
 
 
 def _has_news(report: Report) -> bool:
@@ -440,7 +425,7 @@ def _print_step_brief(console: Console, report: Report) -> None:
     _print_verdict(console, report)
     _print_missing(console, report)
     for finding in report.findings:
-        ranks = f" ({fmt_ranks_labelled(finding.ranks)})" if finding.ranks else ""
+        ranks = f" ({fmt_ranks_labelled_short(finding.ranks)})" if finding.ranks else ""
         console.print(
             _line(
                 "  ",

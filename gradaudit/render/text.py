@@ -14,6 +14,16 @@ encoded, so printing them would raise)."""
 
 _MARKDOWN_SPECIAL = re.compile(r"[\\`*_\[\]<>#|~&$]")
 """Emphasis, code, links and images (a link needs its "["), HTML, entities, headings, cells, strike-through, math."""
+_GITHUB_REFERENCE = re.compile(
+    r"(?<=@)(?=[A-Za-z0-9])|(?<=#)(?=\d)|(?<=\bGH)(?=-\d)|(?<=:)(?=//)|(?<=\bwww)(?=\.)|(?<=:)(?=[A-Za-z0-9_+-]+:)",
+    re.IGNORECASE,
+)
+"""Where GitHub would make a mention (@user), an issue link (#12), a bare link (https://, www.) or an emoji
+(:tada:) out of plain text; it does so after Markdown escapes are applied, so backslashes cannot stop it."""
+ZERO_WIDTH_SPACE = "&#8203;"
+"""Written as an entity so that the Markdown source shows it; a zero-width space in a name itself is shown
+by `printable` as `\\u200b`, so the two cannot be confused."""
+_MARK = "\x00"
 _MARKDOWN_BLOCK_START = re.compile(r"^(\s*)([-+=](?=[\s=-]|$)|\d{1,9}[.)](?=\s|$))")
 """A list item ("- x", "1. x"), a thematic break ("---") or a setext underline ("==="); "0.1.0" is none."""
 
@@ -27,8 +37,12 @@ def _escape_invisible(text: str) -> str:
 
 
 def printable(text: str) -> str:
-    """Replace control characters (ANSI escapes, newlines, tabs) and invisible Unicode by visible escapes."""
-    text = text.replace("\n", "\\n").replace("\t", "\\t")
+    """Replace control characters (ANSI escapes, newlines, tabs) and invisible Unicode by visible escapes.
+
+    A backslash is doubled first, so the escapes are unambiguous: a real ESC byte prints as `\x1b`, the
+    four characters `\x1b` as `\\x1b`.
+    """
+    text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
     return _escape_invisible(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
 
 
@@ -49,9 +63,15 @@ def markdown_escape(text: str) -> str:
 
     Every character that could start emphasis, code, a link, HTML, an entity, math, a table cell or
     strike-through is escaped, and so is a leading marker that would start a block (list, rule, underline).
+    Text GitHub would turn into a mention, an issue link, a bare link or an emoji gets a zero-width space
+    where the pattern would match (`@&#8203;octocat`), so pasting a report into an issue pings nobody.
     """
-    escaped = _MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(), printable(text))
-    return _MARKDOWN_BLOCK_START.sub(lambda m: m.group(1) + _escape_block_marker(m.group(2)), escaped)
+    # The references are found before escaping ("thumbs\\_up" would hide ":thumbs_up:" from the pattern) and
+    # marked with NUL, which `printable` has already removed from the text.
+    marked = _GITHUB_REFERENCE.sub(_MARK, printable(text))
+    escaped = _MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(), marked)
+    escaped = _MARKDOWN_BLOCK_START.sub(lambda m: m.group(1) + _escape_block_marker(m.group(2)), escaped)
+    return escaped.replace(_MARK, ZERO_WIDTH_SPACE)
 
 
 def _escape_block_marker(marker: str) -> str:
@@ -59,6 +79,15 @@ def _escape_block_marker(marker: str) -> str:
     if marker[0].isdigit():
         return marker[:-1] + "\\" + marker[-1]
     return "\\" + marker
+
+
+def html_escape(text: str) -> str:
+    """Printable, HTML-escaped and defused like `markdown_escape`: for text inside an HTML block
+    (a <summary>), where Markdown escapes would show as backslashes."""
+    import html
+
+    marked = _GITHUB_REFERENCE.sub(_MARK, printable(text))
+    return html.escape(marked, quote=False).replace(_MARK, ZERO_WIDTH_SPACE)
 
 
 def markdown_code_block(text: str, *, info: str = "") -> str:
@@ -70,6 +99,13 @@ def markdown_code_block(text: str, *, info: str = "") -> str:
     longest = max((len(run) for run in re.findall(r"`+", body)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{info}\n{body}\n{fence}\n"
+
+
+def clip_text(text: str, max_chars: int) -> str:
+    """`text`, cut to `max_chars` characters with "…" at the end when longer (cut before escaping)."""
+    if len(text) <= max_chars:
+        return text
+    return text[: max(0, max_chars - 1)] + "…"
 
 
 def join_limited(names: Sequence[str], *, limit: int, escape: Callable[[str], str], sep: str = ", ") -> str:
