@@ -132,7 +132,7 @@ def _rank_table_rows(markdown: str) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [1, 8, 1024, 4096, 16384])
-def test_markdown_of_a_clean_step_fits_a_ticket_at_any_world_size(world_size):
+def test_markdown_of_a_clean_step_fits_a_ticket_at_any_world_size(world_size: int) -> None:
     report = big_report(world_size, num_findings=0)
     markdown = markdown_render.render_report(report)
     assert len(markdown) <= TICKET_LIMIT
@@ -140,7 +140,7 @@ def test_markdown_of_a_clean_step_fits_a_ticket_at_any_world_size(world_size):
 
 
 @pytest.mark.parametrize("world_size", [1024, 4096])
-def test_markdown_of_4096_ranks_with_outliers_fits_and_lists_each_outlier(world_size):
+def test_markdown_of_4096_ranks_with_outliers_fits_and_lists_each_outlier(world_size: int) -> None:
     outliers = {17: "local_only", 2049 % world_size: "replicas_double_counted", world_size - 1: "local_only"}
     report = big_report(world_size, outliers=outliers, nonfinite_ranks=(1000,), num_findings=3)
     markdown = markdown_render.render_report(report)
@@ -157,7 +157,7 @@ def test_markdown_of_4096_ranks_with_outliers_fits_and_lists_each_outlier(world_
     assert "| 1000 |" in markdown and "3 nan" in markdown
 
 
-def test_markdown_stays_under_the_limit_when_every_rank_differs_and_names_are_long():
+def test_markdown_stays_under_the_limit_when_every_rank_differs_and_names_are_long() -> None:
     report = big_report(4096, every_rank_differs=True, num_findings=40, name_length=400)
     markdown = markdown_render.render_report(report)
     assert len(markdown) <= TICKET_LIMIT
@@ -165,7 +165,7 @@ def test_markdown_stays_under_the_limit_when_every_rank_differs_and_names_are_lo
     assert "more ranks in" in markdown and "--format json" in markdown
 
 
-def test_markdown_leads_with_the_verdict_and_findings_and_puts_long_parts_in_details():
+def test_markdown_leads_with_the_verdict_and_findings_and_puts_long_parts_in_details() -> None:
     markdown = markdown_render.render_report(big_report(4096, outliers={5: "local_only"}, num_findings=30))
     headings = [line for line in markdown.splitlines() if line.startswith("## ")]
     assert headings[:3] == ["## Findings", "## Not checked", "## Ranks"]
@@ -176,7 +176,7 @@ def test_markdown_leads_with_the_verdict_and_findings_and_puts_long_parts_in_det
     assert markdown.count("<details>") == markdown.count("</details>")
 
 
-def test_json_report_keeps_every_rank_while_markdown_and_terminal_fold_them():
+def test_json_report_keeps_every_rank_while_markdown_and_terminal_fold_them() -> None:
     report = big_report(4096, outliers={5: "local_only"})
     data = json.loads(json_render.render_report(report))
     assert [row["rank"] for row in data["ranks"]] == list(range(4096))
@@ -186,13 +186,13 @@ def test_json_report_keeps_every_rank_while_markdown_and_terminal_fold_them():
     assert re.search(r"^\s+5\s", terminal, re.M)
 
 
-def test_folded_numbers_show_the_range_of_the_ranks_in_the_row():
+def test_folded_numbers_show_the_range_of_the_ranks_in_the_row() -> None:
     report = big_report(4096)
     markdown = markdown_render.render_report(report)
     low, high = 0.01, 0.01 * (1 + 96 / 1000)
     assert f"| 0.01–{high:.6g} |" in markdown and not math.isclose(low, high)
 
 
-def test_markdown_with_every_rank_asked_for_lists_each_rank():
+def test_markdown_with_every_rank_asked_for_lists_each_rank() -> None:
     markdown = markdown_render.render_report(big_report(64), fold=False)
     assert all(f"\n| {rank} | " in markdown for rank in range(64))
