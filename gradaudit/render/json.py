@@ -131,6 +131,18 @@ def multi_to_dict(multi: MultiStepReport) -> dict[str, Any]:
     }
 
 
+SCHEMA_FILE = "report_schema.json"
+"""The JSON Schema of this module's output, shipped inside the package (docs/REPORT.md describes it)."""
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) that every report this version prints validates against."""
+    from importlib.resources import files
+
+    schema: dict[str, Any] = json.loads(files("gradaudit").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
+    return schema
+
+
 def _dumps(value: dict[str, Any]) -> str:
     # allow_nan=False: a nonfinite float that escaped json_number is a bug, not invalid JSON in the output.
     return json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n"
