@@ -5,11 +5,16 @@ from __future__ import annotations
 import enum
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from .errors import GradauditError
+
+if TYPE_CHECKING:
+    from .report import MultiStepReport, Report
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -142,29 +147,12 @@ def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
             )
 
 
-def _emit_report(result, format: OutputFormat, output: Path | None, *, fold: bool) -> None:
+def _emit_report(
+    result: Report | MultiStepReport, format: OutputFormat, output: Path | None, *, fold: bool
+) -> None:
     from .errors import UsageError
-    from .report import MultiStepReport
 
-    multi = isinstance(result, MultiStepReport)
-    if format is OutputFormat.json:
-        from .render import json as renderer
-
-        text = renderer.render_multi(result) if multi else renderer.render_report(result)
-    elif format is OutputFormat.markdown:
-        from .render import markdown as renderer
-
-        text = renderer.render_multi(result) if multi else renderer.render_report(result, fold=fold)
-    else:
-        from .render import terminal as renderer
-
-        color = output is None and sys.stdout.isatty()
-        width = 100 if output is not None else _terminal_width()
-        text = (
-            renderer.render_multi(result, width=width, color=color)
-            if multi
-            else renderer.render_report(result, width=width, color=color, fold=fold)
-        )
+    text = _render(result, format, fold=fold, to_file=output is not None)
     try:
         _emit(text, output)
     except OSError as exc:
@@ -175,7 +163,31 @@ def _emit_report(result, format: OutputFormat, output: Path | None, *, fold: boo
         sys.stderr.write(f"report written to {output}\n")
 
 
-def _fails(reports, fail_on: FailOn) -> bool:
+def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: bool, to_file: bool) -> str:
+    from .report import MultiStepReport
+
+    if format is OutputFormat.json:
+        from .render import json as json_renderer
+
+        if isinstance(result, MultiStepReport):
+            return json_renderer.render_multi(result)
+        return json_renderer.render_report(result)
+    if format is OutputFormat.markdown:
+        from .render import markdown as markdown_renderer
+
+        if isinstance(result, MultiStepReport):
+            return markdown_renderer.render_multi(result)
+        return markdown_renderer.render_report(result, fold=fold)
+    from .render import terminal as terminal_renderer
+
+    color = not to_file and sys.stdout.isatty()
+    width = 100 if to_file else _terminal_width()
+    if isinstance(result, MultiStepReport):
+        return terminal_renderer.render_multi(result, width=width, color=color)
+    return terminal_renderer.render_report(result, width=width, color=color, fold=fold)
+
+
+def _fails(reports: Sequence[Report], fail_on: FailOn) -> bool:
     from .report import Severity
 
     if fail_on is FailOn.never:
@@ -244,7 +256,7 @@ def demo(
         )
     chosen = get_scenario(scenario)
     try:
-        result = run_demo(scenario, out_dir, progress=lambda line: sys.stderr.write(line + "\n"))
+        result = run_demo(scenario, out_dir, progress=_print_progress)
     except DemoRunFailed as exc:
         sys.stderr.write(exc.detail)
         raise
@@ -254,6 +266,10 @@ def demo(
         f"next: {result.check_command}",
         None,
     )
+
+
+def _print_progress(line: str) -> None:
+    sys.stderr.write(line + "\n")
 
 
 def _terminal_width() -> int:

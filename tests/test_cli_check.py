@@ -98,3 +98,17 @@ def test_explain_prints_the_sections_and_all_lists_every_code(capsys):
     code, out, _ = run("explain", "--all", capsys=capsys)
     assert code == 0 and len([line for line in out.splitlines() if line.startswith("GA")]) == 21
     assert run("explain", "GA999", capsys=capsys)[0] == 2
+
+
+def test_all_ranks_lists_every_rank_where_the_default_folds_ranks_that_agree(tmp_path, capsys):
+    step = _local(tmp_path / "local")
+    for fmt, folded_row, single_row in (
+        ("markdown", "\n| 0-3 | 0.8 |", "\n| 2 | 0.8 |"),
+        ("terminal", "\n  0-3 ", "\n   2 "),
+    ):
+        _, folded, _ = run("check", str(step), "--format", fmt, capsys=capsys)
+        _, every, _ = run("check", str(step), "--format", fmt, "--all-ranks", capsys=capsys)
+        assert folded_row in folded and single_row not in folded
+        assert single_row in every and folded_row not in every
+    _, data, _ = run("check", str(step), "--format", "json", capsys=capsys)
+    assert [row["rank"] for row in json.loads(data)["ranks"]] == [0, 1, 2, 3]

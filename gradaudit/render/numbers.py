@@ -37,7 +37,7 @@ def fmt_coef(value: float | None) -> str:
     A coefficient of 0.9999996 did clip; showing "1" would hide that.
     """
     text = fmt_float(value)
-    if text == "1" and value != 1:
+    if text == "1" and value is not None and value != 1:
         return f"{float(value):.10g}"
     return text
 

@@ -6,7 +6,10 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 SHOW_AFTER_S = 1.0
 """Checks shorter than this never show a bar (it would only flicker)."""
@@ -27,29 +30,29 @@ class DelayedProgress:
         self._show_after_s = SHOW_AFTER_S if show_after_s is None else show_after_s
         self._clock = clock
         self._started = clock()
-        self._bar = None
-        self._task = None
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
         self._last = (0, 0)
 
     def __call__(self, done: int, total: int) -> None:
         if done < self._last[0] or total != self._last[1]:
             self._restart(total)
         self._last = (done, total)
-        if self._bar is None:
+        if self._bar is None or self._task is None:
             if self._clock() - self._started < self._show_after_s:
                 return
-            self._show(total)
+            self._bar, self._task = self._show(total)
         self._bar.update(self._task, completed=done, total=total)
 
     @property
     def shown(self) -> bool:
         return self._bar is not None
 
-    def _show(self, total: int) -> None:
+    def _show(self, total: int) -> tuple[Progress, TaskID]:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self._bar = Progress(
+        bar = Progress(
             TextColumn("measuring parameters"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -57,11 +60,11 @@ class DelayedProgress:
             console=Console(file=self._stream),
             transient=True,
         )
-        self._bar.start()
-        self._task = self._bar.add_task("measure", total=total)
+        bar.start()
+        return bar, bar.add_task("measure", total=total)
 
     def _restart(self, total: int) -> None:
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.reset(self._task, total=total)
 
     def close(self) -> None:

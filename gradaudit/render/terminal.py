@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
@@ -156,7 +156,10 @@ def _print_missing(console: Console, report: Report) -> None:
         )
 
 
-def _table(columns: Sequence[tuple[str, str]]) -> Table:
+Justify = Literal["left", "right"]
+
+
+def _table(columns: Sequence[tuple[str, Justify]]) -> Table:
     from rich import box
     from rich.table import Table
 
@@ -224,7 +227,7 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
     """Each rank's part of the squared global norm as a bar, max_norm² marked: "each below, the sum above"."""
     console.print()
     reason = _chart_unavailable(report)
-    if reason:
+    if reason or report.global_norm is None or report.max_norm is None:
         console.print(_line((f"no norm chart: {reason}", "dim")))
         return
     total = report.global_norm**2
@@ -261,7 +264,12 @@ def _chart_unavailable(report: Report) -> str:
     # RankRow.share_of_squared_norm is a share of Σg², so the chart is only meaningful for the L2 norm.
     if report.norm_type != 2:
         return f"drawn for the L2 norm only; this step clips the {norm_name(report.norm_type)}"
-    if any(v is None or not math.isfinite(v) for v in (report.global_norm, report.max_norm)):
+    if (
+        report.global_norm is None
+        or report.max_norm is None
+        or not math.isfinite(report.global_norm)
+        or not math.isfinite(report.max_norm)
+    ):
         return "max_norm or the global norm is unknown or not finite"
     if report.max_norm <= 0:
         return "max_norm must be positive"
@@ -270,7 +278,11 @@ def _chart_unavailable(report: Report) -> str:
     return ""
 
 
-def _largest_in_rank_order(rows: list, limit: int) -> tuple[list, int]:
+ChartRow = tuple[str, float, float]
+"""(label, part of the squared norm, share)."""
+
+
+def _largest_in_rank_order(rows: list[ChartRow], limit: int) -> tuple[list[ChartRow], int]:
     """The `limit` rows with the largest values, kept in rank order, and how many were left out."""
     if len(rows) <= limit:
         return list(rows), 0
@@ -406,7 +418,8 @@ def _has_news(report: Report) -> bool:
 
 def _summary_table(multi: MultiStepReport) -> Table:
     columns = ("step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings")
-    table = _table([(c, "right") for c in columns] + [("codes", "left")])
+    justified: list[tuple[str, Justify]] = [(c, "right") for c in columns]
+    table = _table([*justified, ("codes", "left")])
     for s in multi.summary:
         table.add_row(
             str(s.step),
