@@ -20,3 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return __version__
     raise AttributeError(f"module 'gradaudit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
