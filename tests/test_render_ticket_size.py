@@ -196,3 +196,32 @@ def test_folded_numbers_show_the_range_of_the_ranks_in_the_row() -> None:
 def test_markdown_with_every_rank_asked_for_lists_each_rank() -> None:
     markdown = markdown_render.render_report(big_report(64), fold=False)
     assert all(f"\n| {rank} | " in markdown for rank in range(64))
+
+
+def test_a_folder_of_many_steps_lists_quiet_steps_in_one_line_and_bounds_the_step_sections() -> None:
+    from dataclasses import replace
+
+    from gradaudit.report import MultiStepReport, StepSummary
+
+    noisy = big_report(64, num_findings=3)
+    quiet = replace(big_report(64, num_findings=0), warnings=())
+    steps = tuple(replace(noisy if s % 2 else quiet, step=s) for s in range(200))
+    summary = tuple(
+        StepSummary(
+            step=r.step,
+            directory=f"run/step_{r.step}",
+            global_norm=r.global_norm,
+            reported_norm=2.0,
+            expected_clip_coef=r.expected_clip_coef,
+            num_errors=len(r.findings),
+            num_warnings=0,
+            codes=tuple(f.code for f in r.findings),
+        )
+        for r in steps
+    )
+    markdown = markdown_render.render_multi(MultiStepReport(directory="run", steps=steps, summary=summary))
+    assert "No findings, warnings or missing ranks in steps 0, 2, 4," in markdown
+    assert "## Step 0\n" not in markdown and "## Step 1\n" in markdown
+    assert "more steps with findings not shown" in markdown
+    assert "<details><summary>Summary of the 200 steps</summary>" in markdown
+    assert len(markdown) < 12_000 + 200 * 120

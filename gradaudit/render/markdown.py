@@ -34,6 +34,8 @@ FINDINGS_BRIEF_BUDGET = 2_000
 LIST_BUDGET = 1_500
 """Characters of a bullet list (not checked, warnings) before the rest is counted."""
 OPEN_ROWS = 8
+STEPS_BUDGET = 12_000
+"""Characters of per-step sections in a multi-step report before the rest are counted."""
 """Tables with more rows than this go inside a <details> block."""
 SEE_JSON = "see `gradaudit check --format json` for everything"
 
@@ -50,15 +52,28 @@ def render_report(report: Report, *, fold: bool = True) -> str:
 
 
 def render_multi(multi: MultiStepReport) -> str:
-    blocks = [
-        f"# gradaudit report: {len(multi.steps)} steps in {_md(multi.directory)}",
-        _summary_table(multi),
-    ]
-    for report in multi.steps:
-        blocks.append(f"## Step {report.step}")
-        blocks.extend(_step_brief(report))
+    """A folder of steps: the per-step summary table, then each step that has something to say."""
+    summary = _summary_table(multi)
+    if len(multi.summary) > 3 * OPEN_ROWS:
+        summary = _details(f"Summary of the {len(multi.summary)} steps", summary)
+    blocks = [f"# gradaudit report: {len(multi.steps)} steps in {_md(multi.directory)}", summary]
+    telling = [report for report in multi.steps if _has_news(report)]
+    sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in telling]
+    shown, hidden = _take_within(sections, STEPS_BUDGET)
+    blocks += shown
+    if hidden:
+        blocks.append(f"{len(hidden)} more steps with findings not shown; {SEE_JSON}.")
+    quiet = [report.step for report in multi.steps if not _has_news(report)]
+    if quiet:
+        blocks.append(
+            f"No findings, warnings or missing ranks in steps {fmt_rank_set(quiet, max_chars=200)}."
+        )
     blocks.append(_version_line(multi.report_version))
     return _join(blocks)
+
+
+def _has_news(report: Report) -> bool:
+    return bool(report.findings or report.warnings or report.missing_ranks)
 
 
 def _join(blocks: Sequence[str]) -> str:
