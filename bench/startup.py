@@ -24,12 +24,15 @@ TOY_DUMP = "sample_dumps/fsdp2_local_clip/step_1"
 
 FLOOR_CLI = "floor: import typer, rich.console"
 FLOOR_NUMPY_CLI = "floor: import numpy, typer, rich.console"
+TYPER_COERCION = "reference: the floor + typer's pydantic coercion"
+"""Not a target: typer coerces every parsed parameter through pydantic, which `check` cannot avoid."""
 HELP = "gradaudit --help"
 EXPLAIN = "gradaudit explain GA201"
 CHECK = "gradaudit check (4-rank toy dump)"
 SUBJECTS: dict[str, tuple[str, ...]] = {
     FLOOR_CLI: ("-c", "import typer, rich.console"),
     FLOOR_NUMPY_CLI: ("-c", "import numpy, typer, rich.console"),
+    TYPER_COERCION: ("-c", "import numpy, typer, rich.console, typer._adapters"),
     HELP: ("-m", "gradaudit", "--help"),
     EXPLAIN: ("-m", "gradaudit", "explain", "GA201"),
     CHECK: ("-m", "gradaudit", "check", TOY_DUMP, "--fail-on", "never"),
