@@ -146,3 +146,9 @@ def test_join_limited_counts_what_it_leaves_out():
     assert join_limited(["a", "b", "c"], limit=2, escape=str.upper) == "A, B (+1 more)"
     assert join_limited([], limit=2, escape=str) == "-"
     assert join_limited(["a"], limit=2, escape=str) == "a"
+
+
+def test_small_shares_keep_two_significant_digits_so_a_large_world_does_not_read_all_zero() -> None:
+    from gradaudit.render.numbers import fmt_percent
+
+    assert [fmt_percent(x) for x in (0.25, 1 / 4096, 0.0, None)] == ["25.0%", "0.024%", "0.0%", "-"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
@@ -225,3 +226,35 @@ def test_a_folder_of_many_steps_lists_quiet_steps_in_one_line_and_bounds_the_ste
     assert "more steps with findings not shown" in markdown
     assert "<details><summary>Summary of the 200 steps</summary>" in markdown
     assert len(markdown) < 12_000 + 200 * 120
+
+
+def test_a_real_4096_rank_dump_with_a_few_outlier_ranks_gives_a_ticket_sized_markdown_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """End to end: builder-written rank files, `gradaudit check`, Markdown and JSON."""
+    import torch
+    from builders import clip, sharded_rows
+
+    from gradaudit.cli import main
+
+    world_size, outliers = 4096, (7, 3000)
+    grads = [torch.full((1, 4), 0.01 * (1 + r % 5), dtype=torch.float64) for r in range(world_size)]
+    true = float(torch.cat(grads).norm())
+    clips = {
+        r: clip(2.0, reported_norm=float(grads[r].norm()) if r in outliers else true, clip_coef=1.0)
+        for r in range(world_size)
+    }
+    step = sharded_rows(tmp_path / "step_1", grads, clips=clips)
+    outputs = {}
+    for fmt in ("markdown", "json"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(["check", str(step), "--format", fmt])
+        outputs[fmt] = capsys.readouterr().out
+    markdown = outputs["markdown"]
+    assert len(markdown) <= TICKET_LIMIT
+    assert markdown.index("## Findings") < markdown.index("## Ranks")
+    rows = _rank_table_rows(markdown)
+    assert len(rows) <= markdown_render.MAX_RANK_GROUPS
+    assert any(row.startswith(("| 7, 3000 |", "| 7 |")) for row in rows), rows
+    assert [row["rank"] for row in json.loads(outputs["json"])["ranks"]] == list(range(world_size))

@@ -55,11 +55,16 @@ def norm_name(norm_type: float | None) -> str:
 
 
 def fmt_percent(fraction: float | None) -> str:
+    """ "25.0%"; below 0.1% two significant digits ("0.0024%"), so that a large world's ranks do not
+    all read 0.0%; exactly zero is "0.0%"."""
     if fraction is None:
         return MISSING
     if not math.isfinite(fraction):
         return fmt_float(fraction)
-    return f"{fraction * 100:.1f}%"
+    percent = fraction * 100
+    if 0 < abs(percent) < 0.05:
+        return f"{percent:.2g}%"
+    return f"{percent:.1f}%"
 
 
 def fmt_ranks(ranks: Iterable[int]) -> str:
