@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ..ranksets import compact_ranks
 from ..report import Finding, NotChecked, Severity
 
-if TYPE_CHECKING:  # kept out of the import so that `gradaudit explain` loads no measuring code
+if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
     from ..measure import StepMeasurements
     from ..model import StepDump
 

@@ -34,9 +34,9 @@ FINDINGS_BRIEF_BUDGET = 2_000
 LIST_BUDGET = 1_500
 """Characters of a bullet list (not checked, warnings) before the rest is counted."""
 OPEN_ROWS = 8
+"""Tables with more rows than this go inside a <details> block."""
 STEPS_BUDGET = 12_000
 """Characters of per-step sections in a multi-step report before the rest are counted."""
-"""Tables with more rows than this go inside a <details> block."""
 SEE_JSON = "see `gradaudit check --format json` for everything"
 
 _SYMBOL = {Severity.ERROR: "✗", Severity.WARNING: "⚠", Severity.INFO: "ℹ", None: "✓"}
