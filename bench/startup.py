@@ -81,7 +81,7 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(f"== startup ({args.repeats} interleaved rounds, whole processes, median seconds)")
     for name, values in times.items():
-        print(f"{name:<45} {medians[name]:7.3f}   runs: {' '.join(f'{v:.3f}' for v in values)}")
+        print(f"{name:<50} {medians[name]:7.3f}   runs: {' '.join(f'{v:.3f}' for v in values)}")
     for target in TARGETS:
         value = (
             medians[target.subject]
