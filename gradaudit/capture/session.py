@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.writer import DumpExistsError
@@ -22,6 +24,7 @@ from .arguments import (
 )
 from .callstats import grad_stats_of_snapshot, per_piece
 from .infer import Ownership, infer_ownership
+from .optimizers import hookable_optimizer
 from .ownership import LocalPiece
 from .scaler import ScalerWatch
 from .snapshots import Snapshots
@@ -71,7 +74,7 @@ class AuditStep:
             full_params = (full_params,)
         if ownership is not None and not all(isinstance(p, LocalPiece) for p in ownership):
             raise CaptureError("ownership= takes a list of gradaudit.capture.LocalPiece, one per local piece")
-        self.optimizer = optimizer
+        self.optimizer = hookable_optimizer(optimizer)
         self.scaler = scaler
         self.mode = mode
         self.full_params = tuple(full_params)
@@ -89,6 +92,9 @@ class AuditStep:
         self._logged: dict[str, Any] = {}
         self._hooks: list = []
         self._active = False
+        self._begun = False
+        self._ended = False
+        self._patched: list[tuple[Any, str, bool, Any]] = []
         self._stepped = False
         self._scaler = ScalerWatch(scaler, optimizer)
         self._loss_scale: float | None = None
@@ -97,9 +103,15 @@ class AuditStep:
         self.path = None
         """Where the rank file was written (None until the context exits, or when writing failed)."""
 
-    # -- the context -------------------------------------------------------------------------
+    # -- begin and end (the context manager is built on them) ---------------------------------
 
-    def __enter__(self) -> AuditStep:
+    def begin(self) -> AuditStep:
+        """Start recording: for callback frameworks, where one hook opens the audit and another ends it."""
+        if self._begun:
+            raise CaptureError(
+                f"this audit of step {self.step} was already begun; make one AuditStep per optimizer step"
+            )
+        self._begun = True
         try:
             self._guard("capture", self._start)
             if self._recording:
@@ -109,6 +121,36 @@ class AuditStep:
             raise
         self._active = True
         return self
+
+    def end(self) -> Path | None:
+        """Stop recording and write this rank's file; returns its path (None when nothing was written).
+
+        Call it after the optimizer step (or, with no optimizer given, whenever the gradients are final)."""
+        self._close()
+        if self._recording and not self._ended:
+            self._ended = True
+            self._guard("write", self._finish)
+        return self.path
+
+    def cancel(self) -> None:
+        """Stop recording and write nothing (the step failed, or the framework skipped it)."""
+        self._close()
+        self._ended = True
+
+    def _close(self) -> None:
+        if not self._begun:
+            raise CaptureError(f"this audit of step {self.step} was never begun; call begin() first")
+        self._active = False
+        self._remove_hooks()
+        for owner, name, had_own, original in reversed(self._patched):
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self._patched.clear()
+
+    def __enter__(self) -> AuditStep:
+        return self.begin()
 
     def _start(self) -> None:
         ownership = infer_ownership(
@@ -143,11 +185,10 @@ class AuditStep:
         return self._snapshots is not None
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._active = False
-        self._remove_hooks()
-        if exc_type is not None or not self._recording:
-            return  # the step itself failed: its exception matters, not a half-recorded dump
-        self._guard("write", self._finish)
+        if exc_type is not None:
+            self.cancel()  # the step itself failed: its exception matters, not a half-recorded dump
+        else:
+            self.end()
 
     # -- what training code calls -------------------------------------------------------------
 
@@ -155,7 +196,8 @@ class AuditStep:
         """Call `fn(*args, **kwargs)` and return what it returns, recording gradients around it."""
         if not self._active:
             raise CaptureError(
-                "audit.clip() was called outside its `with gradaudit.audit_step(...)` block; call it inside"
+                "audit.clip() was called outside its audit; call it inside `with gradaudit.audit_step(...)`, "
+                "or between audit.begin() and audit.end()"
             )
         first = not self._calls
         call: dict[str, Any] = {"reported": None, "reported_local": None}
@@ -171,6 +213,23 @@ class AuditStep:
         if self._recording:
             self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
         return result
+
+    def intercept_clip(self, owner: Any, name: str) -> None:
+        """Route every call of `owner.<name>(...)` through `audit.clip` until the audit ends.
+
+        For frameworks that clip inside their own loop, e.g. `audit.intercept_clip(accelerator,
+        "clip_grad_norm_")`; the attribute is restored by end() or cancel()."""
+        if not self._active:
+            raise CaptureError("intercept_clip() needs a begun audit; call audit.begin() first")
+        original = getattr(owner, name)
+        own = vars(owner) if hasattr(owner, "__dict__") else {}
+        self._patched.append((owner, name, name in own, own.get(name)))
+
+        @functools.wraps(original)
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            return self.clip(original, *args, **kwargs)
+
+        setattr(owner, name, clip)
 
     def record(
         self,
@@ -366,6 +425,20 @@ def audit_step(model, out_dir, **kwargs) -> AuditStep:
       run_id: an identifier all ranks of the run share.
     """
     return AuditStep(model, out_dir, **kwargs)
+
+
+def begin_audit(model, out_dir, **kwargs) -> AuditStep:
+    """Begin recording one training step now; `audit.end()` writes the dump (the begin/end form of
+    `audit_step`, for callback frameworks where one hook opens the audit and a later one closes it).
+
+        audit = gradaudit.begin_audit(model, "audit", step=step, max_norm=1.0, optimizer=opt)
+        ...  # backward; audit.clip(...) or audit.intercept_clip(owner, "clip_grad_norm_"); opt.step()
+        audit.end()
+
+    Takes the arguments of `audit_step`. `optimizer=` may be a framework's wrapper that exposes the
+    torch optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning).
+    """
+    return AuditStep(model, out_dir, **kwargs).begin()
 
 
 def dump(
