@@ -275,7 +275,11 @@ class AuditStep:
         self._calls.append(call)
         self._snapshots.take("grad_clipped")
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def before_optimizer_step(self) -> None:
+        """Record the parameters the optimizer step starts from (and, when clipping did not go through
+        `audit.clip`, the gradients it steps with). The `optimizer=` hooks call this; a framework whose
+        closure runs inside `optimizer.step()` calls it itself once the gradients are final."""
+
         def record():
             self._stepped = True
             self._scaler.hold()
@@ -283,10 +287,19 @@ class AuditStep:
                 self._snapshots.take("grad_clipped")
             self._snapshots.take("param_before")
 
-        self._guard("capture", record)
+        if self._recording:
+            self._guard("capture", record)
+
+    def after_optimizer_step(self) -> None:
+        """Record the parameters after the optimizer step (the `optimizer=` hooks call this)."""
+        if self._recording:
+            self._guard("capture", lambda: self._snapshots.take("param_after"))
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._guard("capture", lambda: self._snapshots.take("param_after"))
+        self.after_optimizer_step()
 
     def _finish(self) -> None:
         snapshots = self._snapshots
