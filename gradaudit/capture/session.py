@@ -214,6 +214,11 @@ class AuditStep:
             self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
         return result
 
+    @property
+    def reported_norms(self) -> tuple[float | None, ...]:
+        """The norm each clip call so far returned, in call order (None where it returned none)."""
+        return tuple(opt_float(c["reported"]) for c in self._calls)
+
     def intercept_clip(self, owner: Any, name: str) -> None:
         """Route every call of `owner.<name>(...)` through `audit.clip` until the audit ends.
 

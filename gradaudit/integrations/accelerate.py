@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from ..capture.optimizers import hookable_optimizer
@@ -42,7 +43,7 @@ class AccelerateAudit:
         accelerator: Any,
         model: Any,
         optimizer: Any,
-        out_dir: str | os.PathLike,
+        out_dir: str | os.PathLike[str],
         *,
         steps: Iterable[int] | int | None = None,
         every: int | None = None,
@@ -66,7 +67,7 @@ class AccelerateAudit:
         self.next_step = first_step
         """The number of the optimizer step the current micro-batches contribute to."""
         self.audit: AuditStep | None = None
-        self.paths: list[os.PathLike] = []
+        self.paths: list[Path] = []
         """Rank files written so far on this rank."""
         self._original_clip = accelerator.clip_grad_norm_
         self._handles = [
