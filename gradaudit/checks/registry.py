@@ -7,7 +7,7 @@ import textwrap
 from ..measure import StepMeasurements
 from ..model import StepDump
 from ..report import Finding, NotChecked, Severity
-from . import coefficients, coverage, nonfinite, norm, procedure, reference, replicas, updates
+from . import coefficients, coverage, nonfinite, norm, postclip, procedure, reference, replicas, updates
 from .base import AuditOptions, CheckSpec
 from .explanations import EXPLANATIONS
 
@@ -45,6 +45,7 @@ _TABLE = (
         "clipping ran on scaled gradients (before GradScaler.unscale_)",
         procedure.clipped_scaled_gradients,
     ),
+    ("GA503", ERROR, "gradients were captured after clipping", postclip.captured_after_clipping),
     ("GA601", ERROR, "pieces that should be replicas differ", replicas.replicas_differ),
     ("GA602", ERROR, "gradients differ from the unsharded reference", reference.gradients_differ),
     (

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
@@ -28,7 +29,7 @@ CLIP_EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s epsilon: coef = max_norm / (norm + 1e-6), at most 1."""
 
 
-class GradAuditCallback(TrainerCallback):  # type: ignore[misc]
+class GradAuditCallback(TrainerCallback):
     """Audit the optimizer steps `steps=[...]` (counted from 1, as `state.global_step` after the step)
     or every N-th (`every=N`); `mode="full"` (gradient values) or `"stats"` (float64 summaries).
 
@@ -115,7 +116,7 @@ class GradAuditCallback(TrainerCallback):  # type: ignore[misc]
 
 def _calling_trainer() -> Any:
     """The Trainer whose training loop is calling the callbacks (found on the call stack)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, Trainer):

@@ -40,3 +40,9 @@ def test_the_callback_audits_a_correct_ddp_step_clean_with_the_norm_the_trainer_
     assert step.clip.clip_coef == pytest.approx(min(1.0, step.clip.max_norm / (call.reported_norm + 1e-6)))
     pieces = [p for d in step.ranks.values() for p in d.pieces]
     assert all(p.has("grad_clipped") and p.has("param_before") and p.has("param_after") for p in pieces)
+
+
+def test_a_dump_from_on_pre_optimizer_step_after_the_trainer_clipped_is_named_ga503(runs):
+    out_root, _ = runs
+    report = audit_report(out_root / "hf_dump_after_clip" / "step_2")
+    assert "GA503" in error_codes(report)
