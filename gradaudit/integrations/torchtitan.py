@@ -38,7 +38,7 @@ class TorchtitanAudit:
         model: Any = None,
         **audit_kwargs: Any,
     ) -> None:
-        from torchtitan.distributed import utils as dist_utils
+        from torchtitan.distributed import utils as dist_utils  # type: ignore[import-untyped]
 
         parts = list(getattr(trainer, "model_parts", ()))
         if model is None and len(parts) != 1:
