@@ -474,6 +474,14 @@ def dump(
     """Write this rank's current gradients and the given metadata now (for step hooks and callbacks).
 
     Takes the arguments of `audit_step` and of `AuditStep.record`; returns the path written, or None.
+
+    Call it where the gradients are final and not yet clipped: after the last backward of the step,
+    before the clip call. In a hand-written loop that is just before `clip_grad_norm_`; in Lightning,
+    `on_before_optimizer_step` (it runs before Lightning clips); in Accelerate, just before
+    `accelerator.clip_grad_norm_`. HF Trainer has no callback between backward and clipping (its
+    `on_pre_optimizer_step` runs after it clipped): use `gradaudit.integrations.transformers.
+    GradAuditCallback` there, and the other framework modules in `gradaudit.integrations` elsewhere. A
+    dump taken after clipping holds gradients whose norm is max_norm itself; the report names it GA503.
     """
     if "optimizer" in kwargs:
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
