@@ -94,4 +94,3 @@ def hf_trainer_runs(rank: int, world_size: int, out_root: str) -> dict:
     trainer.add_callback(DumpAfterClipping())
     trainer.train()
     return results
-
