@@ -55,6 +55,8 @@ class GradAuditCallback(TrainerCallback):
         self.audit: AuditStep | None = None
         self.paths: list[Path] = []
         """Rank files written so far on this rank."""
+        self._totals: dict[str, Any] | None = None
+        self._uncount: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer is None:
@@ -89,6 +91,7 @@ class GradAuditCallback(TrainerCallback):
             **self.audit_kwargs,
         ).begin()
         self.audit.intercept_clip(trainer, "_clip_grad_norm")
+        self._count_batches(trainer)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # The Trainer logs as grad_norm what its clip call returned (the audit records that already);
@@ -98,7 +101,45 @@ class GradAuditCallback(TrainerCallback):
         if self.audit is not None and norm is not None and math.isfinite(norm):
             self.audit.record(clip_coef=min(1.0, args.max_grad_norm / (norm + CLIP_EPS)))
 
+    def _count_batches(self, trainer: Any) -> None:
+        """Sum this rank's loss and label tokens over the step's micro-batches (until the audit ends)."""
+        original = trainer.training_step
+        totals: dict[str, Any] = {"loss": 0.0, "tokens": 0, "global": False}
+
+        def training_step(model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            loss = original(model, inputs, num_items_in_batch)
+            labels = inputs.get("labels") if isinstance(inputs, dict) else None
+            if labels is not None and hasattr(labels, "ne"):
+                totals["tokens"] += int(labels.ne(-100).sum())
+            totals["loss"] += float(loss.detach())
+            totals["global"] = totals["global"] or num_items_in_batch is not None
+            return loss
+
+        trainer.training_step = training_step
+        self._uncount = lambda: vars(trainer).pop("training_step", None)
+        self._totals = totals
+
+    def _stop_counting(self) -> None:
+        if self._uncount is not None:
+            self._uncount()
+            self._uncount = None
+
+    def _record_batches(self) -> None:
+        totals = self._totals
+        if self.audit is None or totals is None:
+            return
+        # With num_items_in_batch the Trainer divides each loss by the step's token count over all
+        # ranks (a sum over tokens, normalized once); without it each micro-batch averages its own.
+        self.audit.record(
+            loss=totals["loss"],
+            tokens=totals["tokens"] or None,
+            loss_reduction="sum" if totals["global"] else "mean",
+        )
+
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop_counting()
+        self._record_batches()
+        self._totals = None
         audit, self.audit = self.audit, None
         if audit is not None:
             path = audit.end()
@@ -109,6 +150,7 @@ class GradAuditCallback(TrainerCallback):
         self.on_optimizer_step(args, state, control, **kwargs)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop_counting()
         if self.audit is not None:
             self.audit.cancel()
             self.audit = None

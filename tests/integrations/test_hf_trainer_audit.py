@@ -38,6 +38,8 @@ def test_the_callback_audits_a_correct_ddp_step_clean_with_the_norm_the_trainer_
     assert call.reported_norm == pytest.approx(norm_of(reassemble(step, "grad")), rel=1e-5)
     assert step.clip.reported_norm == call.reported_norm
     assert step.clip.clip_coef == pytest.approx(min(1.0, step.clip.max_norm / (call.reported_norm + 1e-6)))
+    # 2 micro-batches of 2 sequences of 8 tokens per rank
+    assert all(d.data.tokens == 32 and d.data.loss is not None for d in step.ranks.values())
     pieces = [p for d in step.ranks.values() for p in d.pieces]
     assert all(p.has("grad_clipped") and p.has("param_before") and p.has("param_after") for p in pieces)
 
