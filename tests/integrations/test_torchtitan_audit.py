@@ -41,3 +41,19 @@ def test_the_first_steps_norm_equals_the_single_process_norm(runs):
 def test_leaving_out_pp_mesh_is_named_as_a_norm_reduced_over_the_wrong_group(runs):
     out_root, _ = runs
     assert "GA203" in error_codes(audit_report(out_root / "torchtitan_pp_stage_norm" / "step_2"))
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory):
+    from torchtitan_workers import torchtitan_ep_run
+
+    out_root = tmp_path_factory.mktemp("torchtitan_ep")
+    return out_root, run_ranks(torchtitan_ep_run, 2, (str(out_root),), timeout_s=240)
+
+
+def test_the_ep_and_non_ep_norms_combined_by_torchtitan_audit_clean(ep_run):
+    out_root, results = ep_run
+    step_path = out_root / "torchtitan_ep_ok" / "step_1"
+    step = load(step_path)
+    assert norm_of(reassemble(step, "grad")) == pytest.approx(results[0]["norm"], rel=1e-5)
+    assert error_codes(audit_report(step_path)) == set()

@@ -99,3 +99,45 @@ def torchtitan_runs(rank: int, world_size: int, out_root: str) -> dict:
             trainer.train_step(x, y)
         results[name] = {"norms": trainer.grad_norms, "paths": [str(p) for p in audit.paths]}
     return results
+
+
+class ExpertNet(torch.nn.Module):
+    """fc1 and head sharded with FSDP2 over dp_shard; one expert per rank, sharded over the ep mesh."""
+
+    def __init__(self, ep_mesh) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+        experts = torch.randn(ep_mesh.size(), 8, 8) * 0.3
+        self.experts = torch.nn.Parameter(distribute_tensor(experts, ep_mesh, [Shard(0)]))
+
+    def forward(self, x):
+        hidden = torch.relu(self.fc1(x))
+        return self.head(hidden @ self.experts.to_local()[0])
+
+
+def torchtitan_ep_run(rank: int, world_size: int, out_root: str) -> dict:
+    """torchtitan's EP/non-EP split: the dense and the expert norms come from different meshes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.distributed import utils as dist_utils
+
+    import gradaudit
+
+    dense_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    ep_mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    model = ExpertNet(ep_mesh)
+    fully_shard(model.fc1, mesh=dense_mesh)
+    fully_shard(model.head, mesh=dense_mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    out_dir = os.path.join(out_root, "torchtitan_ep_ok")
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        loss_of(model(x), y).backward()
+        norm = audit.clip(dist_utils.clip_grad_norm_, list(model.parameters()), MAX_NORM, ep_enabled=True)
+        opt.step()
+    return {"norm": float(norm), "path": str(audit.path)}
