@@ -430,7 +430,8 @@ def audit_step(model, out_dir, **kwargs) -> AuditStep:
     Keyword arguments:
       step, max_norm (required), norm_type (2.0): the optimizer step and the clipping the run means to do.
       optimizer: records parameters before/after its step (and the gradients it steps with when
-        clipping was not done through `audit.clip`).
+        clipping was not done through `audit.clip`); a framework's wrapper exposing the torch
+        optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning) is unwrapped.
       scaler: a GradScaler: loss scale, whether unscale_ ran before each clip call, found_inf.
       groups: {name: ProcessGroup | rank list | list of rank lists}. 'tp' (or 'tensor_model_parallel')
         is the tensor-parallel group of Megatron-style parameters; 'dp' the group plain parameters are
