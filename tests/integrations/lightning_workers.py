@@ -52,11 +52,12 @@ def _lightning_module(shard: bool, local_clip: bool):
     return Module()
 
 
-def _loader(rank: int, world_size: int):
+def _loader(rank: int, world_size: int, accumulate: int = 1):
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
-    # The same local batch every step: one sample of 4 rows per step.
-    return torch.utils.data.DataLoader([(x, y)] * NUM_STEPS, batch_size=None)
+    # The same local batch every optimizer step, in `accumulate` micro-batches.
+    micro = [(rows(x, i, accumulate), rows(y, i, accumulate)) for i in range(accumulate)]
+    return torch.utils.data.DataLoader(micro * NUM_STEPS, batch_size=None)
 
 
 def lightning_runs(rank: int, world_size: int, out_root: str) -> dict:
@@ -67,6 +68,7 @@ def lightning_runs(rank: int, world_size: int, out_root: str) -> dict:
 
     runs = {
         "lightning_ddp_ok": (lambda: DDPStrategy(), False, False),
+        "lightning_ddp_accumulate_ok": (lambda: DDPStrategy(), False, False),
         "lightning_fsdp2_ok": (
             lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
             True,
@@ -80,6 +82,7 @@ def lightning_runs(rank: int, world_size: int, out_root: str) -> dict:
     }
     results = {}
     for name, (strategy, shard, local_clip) in runs.items():
+        accumulate = 2 if "accumulate" in name else 1
         callback = GradAuditCallback(os.path.join(out_root, name), steps=[2], strict=True)
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -94,7 +97,8 @@ def lightning_runs(rank: int, world_size: int, out_root: str) -> dict:
             enable_progress_bar=False,
             enable_model_summary=False,
             use_distributed_sampler=False,
+            accumulate_grad_batches=accumulate,
         )
-        trainer.fit(_lightning_module(shard, local_clip), _loader(rank, world_size))
+        trainer.fit(_lightning_module(shard, local_clip), _loader(rank, world_size, accumulate))
         results[name] = [str(p) for p in callback.paths]
     return results

@@ -19,7 +19,9 @@ def runs(tmp_path_factory):
     return out_root, run_ranks(lightning_runs, 2, (str(out_root),), timeout_s=300)
 
 
-@pytest.mark.parametrize("scenario", ["lightning_ddp_ok", "lightning_fsdp2_ok"])
+@pytest.mark.parametrize(
+    "scenario", ["lightning_ddp_ok", "lightning_ddp_accumulate_ok", "lightning_fsdp2_ok"]
+)
 def test_lightnings_own_norm_clipping_audits_clean_with_the_norm_it_clipped_with(runs, scenario):
     out_root, results = runs
     assert [len(r[scenario]) for r in results] == [1, 1]
@@ -28,6 +30,10 @@ def test_lightnings_own_norm_clipping_audits_clean_with_the_norm_it_clipped_with
     step = load(step_path)
     assert len(step.clip.calls) == 1
     assert step.clip.reported_norm == pytest.approx(norm_of(reassemble(step, "grad")), rel=1e-5)
+    if scenario == "lightning_ddp_accumulate_ok":  # 2 micro-batches of half the rows: the same gradient
+        assert step.clip.reported_norm == pytest.approx(
+            load(out_root / "lightning_ddp_ok" / "step_2").clip.reported_norm, rel=1e-5
+        )
     pieces = [p for d in step.ranks.values() for p in d.pieces]
     assert all(p.has("grad_clipped") and p.has("param_before") and p.has("param_after") for p in pieces)
 
