@@ -67,13 +67,16 @@ def hf_trainer_runs(rank: int, world_size: int, out_root: str) -> dict:
     from gradaudit.integrations.transformers import GradAuditCallback
 
     results = {}
-    callback = GradAuditCallback(os.path.join(out_root, "hf_ddp_ok"), steps=[2], strict=True)
-    trainer = Trainer(
-        model=tiny_llama(), args=_args(os.path.join(out_root, "trainer_ok")), train_dataset=TokenData()
-    )
-    trainer.add_callback(callback)
-    trainer.train()
-    results["hf_ddp_ok"] = [str(p) for p in callback.paths]
+    for name, selection in (("hf_ddp_ok", {"steps": [2]}), ("hf_ddp_stats", {"every": 2, "mode": "stats"})):
+        callback = GradAuditCallback(os.path.join(out_root, name), strict=True, **selection)
+        trainer = Trainer(
+            model=tiny_llama(),
+            args=_args(os.path.join(out_root, f"trainer_{name}")),
+            train_dataset=TokenData(),
+        )
+        trainer.add_callback(callback)
+        trainer.train()
+        results[name] = [str(p) for p in callback.paths]
 
     class DumpAfterClipping(TrainerCallback):
         """The mistake: dump() from on_pre_optimizer_step, after the Trainer has clipped."""

@@ -48,3 +48,13 @@ def test_a_dump_from_on_pre_optimizer_step_after_the_trainer_clipped_is_named_ga
     out_root, _ = runs
     report = audit_report(out_root / "hf_dump_after_clip" / "step_2")
     assert "GA503" in error_codes(report)
+
+
+def test_stats_mode_every_second_step_audits_clean_with_the_same_norm(runs):
+    out_root, results = runs
+    assert [len(r["hf_ddp_stats"]) for r in results] == [1, 1]
+    step = load(out_root / "hf_ddp_stats" / "step_2")
+    assert all(d.mode == "stats" for d in step.ranks.values())
+    full = load(out_root / "hf_ddp_ok" / "step_2")
+    assert step.clip.reported_norm == pytest.approx(full.clip.reported_norm, rel=1e-6)
+    assert error_codes(audit_report(out_root / "hf_ddp_stats" / "step_2")) == set()
