@@ -96,7 +96,8 @@ class AuditStep:
         self._ended = False
         self._patched: list[tuple[Any, str, bool, Any]] = []
         self._stepped = False
-        self._scaler = ScalerWatch(scaler, optimizer)
+        # GradScaler keys its state by the torch optimizer it steps (the one behind a wrapper).
+        self._scaler = ScalerWatch(scaler, self.optimizer if self.optimizer is not None else optimizer)
         self._loss_scale: float | None = None
         self._norm_mesh: tuple[tuple[int, ...], str] | None = None
         """(ranks, name) of the mesh a DTensor norm returned by the clipping function was reduced over."""
