@@ -89,3 +89,21 @@ def test_an_optimizer_that_cannot_be_hooked_warns_at_the_users_line_saying_what_
     (warning,) = [w for w in caught if issubclass(w.category, CaptureWarning)]
     assert warning.filename == __file__
     assert "Pass the torch.optim.Optimizer that it wraps instead" in str(warning.message)
+
+
+def test_a_grad_scaler_is_read_through_the_optimizer_behind_a_wrapper(tmp_path):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    audit = gradaudit.begin_audit(
+        model, tmp_path, step=2, max_norm=MAX_NORM, optimizer=StepWrapper(opt), scaler=scaler
+    )
+    scaler.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+    scaler.step(opt)
+    scaler.update()
+    audit.end()
+    clip = load_step(tmp_path / "step_2").clip
+    assert [c.unscaled for c in clip.calls] == [True]
+    assert clip.found_inf is False and clip.step_skipped is False
