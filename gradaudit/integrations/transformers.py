@@ -90,7 +90,12 @@ class GradAuditCallback(TrainerCallback):
             mode=self.mode,
             **self.audit_kwargs,
         ).begin()
-        self.audit.intercept_clip(trainer, "_clip_grad_norm")
+        # Trainer._clip_grad_norm covers every path the Trainer clips by (Accelerate's clip_grad_norm_,
+        # its mixed-mesh norm); Trainers without it clip through Accelerate.
+        if callable(getattr(trainer, "_clip_grad_norm", None)):
+            self.audit.intercept_clip(trainer, "_clip_grad_norm")
+        else:
+            self.audit.intercept_clip(accelerator, "clip_grad_norm_")
         self._count_batches(trainer)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
