@@ -1,17 +1,17 @@
 """gradaudit: audit gradient clipping under sharded training.
 
-`import gradaudit` stays light: torch and the capture code load on first use of `audit_step` or `dump`.
+`import gradaudit` stays light: torch and the capture code load on first use of the capture API.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["__version__", "audit_step", "dump"]
+__all__ = ["AuditStep", "__version__", "audit_step", "begin_audit", "dump"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("audit_step", "dump"):
+    if name in ("AuditStep", "audit_step", "begin_audit", "dump"):
         from .capture import session
 
         return getattr(session, name)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.writer import DumpExistsError
@@ -20,7 +22,9 @@ from .arguments import (
     opt_int,
     rank_and_world_size,
 )
+from .callstats import grad_stats_of_snapshot, per_piece
 from .infer import Ownership, infer_ownership
+from .optimizers import hookable_optimizer
 from .ownership import LocalPiece
 from .scaler import ScalerWatch
 from .snapshots import Snapshots
@@ -70,7 +74,7 @@ class AuditStep:
             full_params = (full_params,)
         if ownership is not None and not all(isinstance(p, LocalPiece) for p in ownership):
             raise CaptureError("ownership= takes a list of gradaudit.capture.LocalPiece, one per local piece")
-        self.optimizer = optimizer
+        self.optimizer = hookable_optimizer(optimizer)
         self.scaler = scaler
         self.mode = mode
         self.full_params = tuple(full_params)
@@ -83,20 +87,32 @@ class AuditStep:
         self._ownership: Ownership | None = None
         self._snapshots: Snapshots | None = None
         self._calls: list[dict] = []
+        self._call_stats: list[dict] = []
+        """Per finished clip call: piece index -> TensorStats of its gradient just before that call."""
         self._logged: dict[str, Any] = {}
         self._hooks: list = []
         self._active = False
+        self._begun = False
+        self._ended = False
+        self._patched: list[tuple[Any, str, bool, Any]] = []
         self._stepped = False
-        self._scaler = ScalerWatch(scaler, optimizer)
+        # GradScaler keys its state by the torch optimizer it steps (the one behind a wrapper).
+        self._scaler = ScalerWatch(scaler, self.optimizer if self.optimizer is not None else optimizer)
         self._loss_scale: float | None = None
         self._norm_mesh: tuple[tuple[int, ...], str] | None = None
         """(ranks, name) of the mesh a DTensor norm returned by the clipping function was reduced over."""
         self.path = None
         """Where the rank file was written (None until the context exits, or when writing failed)."""
 
-    # -- the context -------------------------------------------------------------------------
+    # -- begin and end (the context manager is built on them) ---------------------------------
 
-    def __enter__(self) -> AuditStep:
+    def begin(self) -> AuditStep:
+        """Start recording: for callback frameworks, where one hook opens the audit and another ends it."""
+        if self._begun:
+            raise CaptureError(
+                f"this audit of step {self.step} was already begun; make one AuditStep per optimizer step"
+            )
+        self._begun = True
         try:
             self._guard("capture", self._start)
             if self._recording:
@@ -106,6 +122,36 @@ class AuditStep:
             raise
         self._active = True
         return self
+
+    def end(self) -> Path | None:
+        """Stop recording and write this rank's file; returns its path (None when nothing was written).
+
+        Call it after the optimizer step (or, with no optimizer given, whenever the gradients are final)."""
+        self._close()
+        if self._recording and not self._ended:
+            self._ended = True
+            self._guard("write", self._finish)
+        return self.path
+
+    def cancel(self) -> None:
+        """Stop recording and write nothing (the step failed, or the framework skipped it)."""
+        self._close()
+        self._ended = True
+
+    def _close(self) -> None:
+        if not self._begun:
+            raise CaptureError(f"this audit of step {self.step} was never begun; call begin() first")
+        self._active = False
+        self._remove_hooks()
+        for owner, name, had_own, original in reversed(self._patched):
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self._patched.clear()
+
+    def __enter__(self) -> AuditStep:
+        return self.begin()
 
     def _start(self) -> None:
         ownership = infer_ownership(
@@ -140,11 +186,10 @@ class AuditStep:
         return self._snapshots is not None
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._active = False
-        self._remove_hooks()
-        if exc_type is not None or not self._recording:
-            return  # the step itself failed: its exception matters, not a half-recorded dump
-        self._guard("write", self._finish)
+        if exc_type is not None:
+            self.cancel()  # the step itself failed: its exception matters, not a half-recorded dump
+        else:
+            self.end()
 
     # -- what training code calls -------------------------------------------------------------
 
@@ -152,7 +197,8 @@ class AuditStep:
         """Call `fn(*args, **kwargs)` and return what it returns, recording gradients around it."""
         if not self._active:
             raise CaptureError(
-                "audit.clip() was called outside its `with gradaudit.audit_step(...)` block; call it inside"
+                "audit.clip() was called outside its audit; call it inside `with gradaudit.audit_step(...)`, "
+                "or between audit.begin() and audit.end()"
             )
         first = not self._calls
         call: dict[str, Any] = {"reported": None, "reported_local": None}
@@ -168,6 +214,28 @@ class AuditStep:
         if self._recording:
             self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
         return result
+
+    @property
+    def reported_norms(self) -> tuple[float | None, ...]:
+        """The norm each clip call so far returned, in call order (None where it returned none)."""
+        return tuple(opt_float(c["reported"]) for c in self._calls)
+
+    def intercept_clip(self, owner: Any, name: str) -> None:
+        """Route every call of `owner.<name>(...)` through `audit.clip` until the audit ends.
+
+        For frameworks that clip inside their own loop, e.g. `audit.intercept_clip(accelerator,
+        "clip_grad_norm_")`; the attribute is restored by end() or cancel()."""
+        if not self._active:
+            raise CaptureError("intercept_clip() needs a begun audit; call audit.begin() first")
+        original = getattr(owner, name)
+        own = vars(owner) if hasattr(owner, "__dict__") else {}
+        self._patched.append((owner, name, name in own, own.get(name)))
+
+        @functools.wraps(original)
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            return self.clip(original, *args, **kwargs)
+
+        setattr(owner, name, clip)
 
     def record(
         self,
@@ -193,8 +261,11 @@ class AuditStep:
     # -- recording ----------------------------------------------------------------------------
 
     def _before_clip(self, call: dict, first: bool) -> None:
-        if first:
-            self._snapshots.take("grad")
+        if not first:
+            # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
+            # (the common case) no statistics beyond the dump's own are ever computed.
+            self._call_stats.append(grad_stats_of_snapshot(self._snapshots))
+        self._snapshots.take("grad")
         call["unscaled"] = self._scaler.unscaled()
         call["loss_scale"] = self._scaler.scale()
         self._scaler.hold()
@@ -210,7 +281,11 @@ class AuditStep:
         self._calls.append(call)
         self._snapshots.take("grad_clipped")
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def before_optimizer_step(self) -> None:
+        """Record the parameters the optimizer step starts from (and, when clipping did not go through
+        `audit.clip`, the gradients it steps with). The `optimizer=` hooks call this; a framework whose
+        closure runs inside `optimizer.step()` calls it itself once the gradients are final."""
+
         def record():
             self._stepped = True
             self._scaler.hold()
@@ -218,10 +293,19 @@ class AuditStep:
                 self._snapshots.take("grad_clipped")
             self._snapshots.take("param_before")
 
-        self._guard("capture", record)
+        if self._recording:
+            self._guard("capture", record)
+
+    def after_optimizer_step(self) -> None:
+        """Record the parameters after the optimizer step (the `optimizer=` hooks call this)."""
+        if self._recording:
+            self._guard("capture", lambda: self._snapshots.take("param_after"))
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.before_optimizer_step()
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._guard("capture", lambda: self._snapshots.take("param_after"))
+        self.after_optimizer_step()
 
     def _finish(self) -> None:
         snapshots = self._snapshots
@@ -238,6 +322,8 @@ class AuditStep:
                 f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}",
             )
             return
+        if self._calls:
+            self._call_stats.append(grad_stats_of_snapshot(snapshots))
         dump, tensors = build_rank_dump(
             snapshots,
             rank=self.rank,
@@ -253,6 +339,7 @@ class AuditStep:
                 loss_reduction=self._logged.get("loss_reduction"),
             ),
             run_id=self.run_id,
+            call_stats=per_piece(self._call_stats, len(snapshots.pieces)),
         )
         try:
             self.path = write_dump(self.out_dir, dump, tensors)
@@ -344,7 +431,8 @@ def audit_step(model, out_dir, **kwargs) -> AuditStep:
     Keyword arguments:
       step, max_norm (required), norm_type (2.0): the optimizer step and the clipping the run means to do.
       optimizer: records parameters before/after its step (and the gradients it steps with when
-        clipping was not done through `audit.clip`).
+        clipping was not done through `audit.clip`); a framework's wrapper exposing the torch
+        optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning) is unwrapped.
       scaler: a GradScaler: loss scale, whether unscale_ ran before each clip call, found_inf.
       groups: {name: ProcessGroup | rank list | list of rank lists}. 'tp' (or 'tensor_model_parallel')
         is the tensor-parallel group of Megatron-style parameters; 'dp' the group plain parameters are
@@ -357,6 +445,20 @@ def audit_step(model, out_dir, **kwargs) -> AuditStep:
       run_id: an identifier all ranks of the run share.
     """
     return AuditStep(model, out_dir, **kwargs)
+
+
+def begin_audit(model, out_dir, **kwargs) -> AuditStep:
+    """Begin recording one training step now; `audit.end()` writes the dump (the begin/end form of
+    `audit_step`, for callback frameworks where one hook opens the audit and a later one closes it).
+
+        audit = gradaudit.begin_audit(model, "audit", step=step, max_norm=1.0, optimizer=opt)
+        ...  # backward; audit.clip(...) or audit.intercept_clip(owner, "clip_grad_norm_"); opt.step()
+        audit.end()
+
+    Takes the arguments of `audit_step`. `optimizer=` may be a framework's wrapper that exposes the
+    torch optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning).
+    """
+    return AuditStep(model, out_dir, **kwargs).begin()
 
 
 def dump(
@@ -374,6 +476,14 @@ def dump(
     """Write this rank's current gradients and the given metadata now (for step hooks and callbacks).
 
     Takes the arguments of `audit_step` and of `AuditStep.record`; returns the path written, or None.
+
+    Call it where the gradients are final and not yet clipped: after the last backward of the step,
+    before the clip call. In a hand-written loop that is just before `clip_grad_norm_`; in Lightning,
+    `on_before_optimizer_step` (it runs before Lightning clips); in Accelerate, just before
+    `accelerator.clip_grad_norm_`. HF Trainer has no callback between backward and clipping (its
+    `on_pre_optimizer_step` runs after it clipped): use `gradaudit.integrations.transformers.
+    GradAuditCallback` there, and the other framework modules in `gradaudit.integrations` elsewhere. A
+    dump taken after clipping holds gradients whose norm is max_norm itself; the report names it GA503.
     """
     if "optimizer" in kwargs:
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")

@@ -17,7 +17,18 @@ def warn_once(key: str, message: str) -> None:
     if key in _already_warned:
         return
     _already_warned.add(key)
-    warnings.warn(message, CaptureWarning, stacklevel=3)
+    warnings.warn(message, CaptureWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside gradaudit, so that a warning names the user's line."""
+    import sys
+
+    package = __name__.split(".")[0] + "."
+    frame, level = sys._getframe(2), 2
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def forget_warnings() -> None:

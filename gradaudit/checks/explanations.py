@@ -140,6 +140,18 @@ EXPLANATIONS: dict[str, Explanation] = {
         "the reported norm is 65536 times the true one.",
         fix="Call scaler.unscale_(optimizer) before clip_grad_norm_.",
     ),
+    "GA503": Explanation(
+        what="Whether the dumped gradients are the clipped ones: no clip call was recorded, and their global norm "
+        "is max_norm itself (what clip_grad_norm_ leaves behind), while the norm the run recorded, if any, is above it.",
+        why="The audit recomputes the norm clipping should have used from the dumped gradients. Captured after "
+        "clipping, they are already scaled to max_norm, so the recomputed norm is the post-clip one and every "
+        "clipping check would compare the clipped gradient with itself and pass.",
+        example="gradaudit.dump() called from HF Trainer's on_pre_optimizer_step, which runs after the Trainer "
+        "clipped: the dump's norm is exactly max_norm 1.0, while the Trainer logged grad_norm 3.2.",
+        fix="Capture before clipping: wrap the clip call with audit.clip (or audit.intercept_clip), or use the "
+        "framework's callback from gradaudit.integrations; call dump() only where the gradients are not yet clipped "
+        "(after the last backward, before the clip call).",
+    ),
     "GA601": Explanation(
         what="Copies of one piece on several ranks (replicas: equal parameter and regions) hold the same values, "
         "within the dtype's tolerance (or the same fingerprint in stats-only dumps).",

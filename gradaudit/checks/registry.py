@@ -47,13 +47,14 @@ class _CheckModule:
         return DeferredCheck(module=self._module, function=function)
 
 
-coefficients, coverage, nonfinite, norm, procedure, reference, replicas, updates = (
+coefficients, coverage, nonfinite, norm, postclip, procedure, reference, replicas, updates = (
     _CheckModule(name)
     for name in (
         "coefficients",
         "coverage",
         "nonfinite",
         "norm",
+        "postclip",
         "procedure",
         "reference",
         "replicas",
@@ -95,6 +96,7 @@ _TABLE = (
         "clipping ran on scaled gradients (before GradScaler.unscale_)",
         procedure.clipped_scaled_gradients,
     ),
+    ("GA503", ERROR, "gradients were captured after clipping", postclip.captured_after_clipping),
     ("GA601", ERROR, "pieces that should be replicas differ", replicas.replicas_differ),
     ("GA602", ERROR, "gradients differ from the unsharded reference", reference.gradients_differ),
     (

@@ -1,0 +1,146 @@
+"""DeepSpeed ZeRO (stages 1-3): audit the selected optimizer steps of a DeepSpeed engine.
+
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=config, ...)
+    DeepSpeedAudit(engine, "audit", steps=[100])           # the one added line
+    for batch in loader:
+        engine.backward(loss_fn(engine(batch)))
+        engine.step()
+
+ZeRO clips inside `engine.step()`, on the flat gradient partitions each rank owns. At the step's
+gradient-accumulation boundary the audit records, just before `engine.step()`, this rank's partition
+of every parameter's gradient as a flat range of that parameter (ZeRO-1/2: the parameter's fragment
+of the rank's optimizer partition; ZeRO-3: its `ds_tensor` partition), and after it the norm DeepSpeed
+clipped with (`engine.get_global_grad_norm()`). The clipped gradients and the parameters are not
+captured: ZeRO frees the gradient partitions inside the step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..capture.ownership import LocalPiece
+from ..capture.session import AuditStep
+from ..model import FlatRange
+from .steps import select_steps
+
+
+class DeepSpeedAudit:
+    """Wraps `engine.step`; `steps=[...]` or `every=N` count optimizer steps from 1."""
+
+    def __init__(
+        self,
+        engine: Any,
+        out_dir: str | os.PathLike[str],
+        *,
+        steps: Iterable[int] | int | None = None,
+        every: int | None = None,
+        **audit_kwargs: Any,
+    ) -> None:
+        self.engine = engine
+        self.out_dir = out_dir
+        self.selection = select_steps(steps, every)
+        self.audit_kwargs = audit_kwargs
+        self.paths: list[Path] = []
+        self._original = engine.step
+        engine.step = self._step
+
+    def remove(self) -> None:
+        vars(self.engine).pop("step", None)
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        engine = self.engine
+        step = int(engine.global_steps) + 1
+        max_norm = float(engine.gradient_clipping() or 0.0)
+        if not engine.is_gradient_accumulation_boundary() or max_norm <= 0 or not self.selection.wants(step):
+            return self._original(*args, **kwargs)
+        readable = [True]
+        audit = AuditStep(
+            torch.nn.Module(),  # nothing to infer: every piece is described below
+            self.out_dir,
+            step=step,
+            max_norm=max_norm,
+            ownership=zero_pieces(engine, readable),
+            **self.audit_kwargs,
+        ).begin()
+
+        def step_then_close(*args: Any, **kwargs: Any) -> Any:
+            result = self._original(*args, **kwargs)
+            readable[0] = False  # ZeRO has freed its gradient partitions
+            return result
+
+        result = audit.clip(step_then_close, *args, **kwargs)
+        audit.record(reported_norm=engine.get_global_grad_norm())
+        path = audit.end()
+        if path is not None:
+            self.paths.append(path)
+        return result
+
+
+def zero_pieces(engine: Any, readable: list[bool]) -> list[LocalPiece]:
+    """This rank's flat partition of each parameter, with readers of its gradient (None once
+    `readable[0]` is False) and values."""
+    stage = int(engine.zero_optimization_stage())
+    pieces = []
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        piece = _zero3_piece(name, param, readable) if stage == 3 else _zero12_piece(name, param, readable)
+        if piece is not None:
+            pieces.append(piece)
+    return pieces
+
+
+def _dtype(param: Any) -> str:
+    return str(param.dtype).removeprefix("torch.")
+
+
+def _zero12_piece(name: str, param: Any, readable: list[bool]) -> LocalPiece | None:
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None  # this rank's optimizer partition holds no element of this parameter
+    start, numel = int(mapping.lp_fragment_address.start), int(mapping.lp_fragment_address.numel)
+    index = param._index_in_param_group
+
+    def grad() -> Any:
+        if not readable[0]:
+            return None
+        fragment = mapping.get_lp_grad_fragment(index).reshape(-1)
+        if fragment.numel() == param.numel():  # a full-size accumulation buffer: keep this rank's part
+            fragment = fragment.narrow(0, start, numel)
+        return fragment
+
+    return LocalPiece(
+        param=name,
+        global_shape=tuple(param.shape),
+        dtype=_dtype(param),
+        regions=(FlatRange(start=start, stop=start + numel),),
+        local_shape=(numel,),
+        grad=grad,
+        value=lambda: param.detach().reshape(-1).narrow(0, start, numel),
+    )
+
+
+def _zero3_piece(name: str, param: Any, readable: list[bool]) -> LocalPiece | None:
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_local_grad
+
+    partition = param.ds_tensor
+    size = int(partition.ds_numel)  # every rank's partition has this size, the last one padded
+    start = size * dist.get_rank(group=param.ds_process_group)
+    numel = max(0, min(size, int(param.ds_numel) - start))
+    if numel == 0:
+        return None
+    return LocalPiece(
+        param=name,
+        global_shape=tuple(param.ds_shape),
+        dtype=_dtype(param),
+        regions=(FlatRange(start=start, stop=start + numel),),
+        local_shape=(numel,),
+        grad=lambda: safe_get_local_grad(param).reshape(-1).narrow(0, 0, numel) if readable[0] else None,
+        value=lambda: partition.reshape(-1).narrow(0, 0, numel),
+    )

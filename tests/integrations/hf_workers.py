@@ -1,0 +1,99 @@
+"""Rank workers for HF Trainer on 2 gloo ranks: a tiny Llama built from a config (no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MAX_GRAD_NORM = 0.5
+VOCAB = 32
+SEQ = 8
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, num: int = 16) -> None:
+        gen = torch.Generator().manual_seed(4)
+        self.ids = torch.randint(0, VOCAB, (num, SEQ), generator=gen)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _args(out_dir: str, **kw):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        max_grad_norm=MAX_GRAD_NORM,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        **kw,
+    )
+
+
+def hf_trainer_runs(rank: int, world_size: int, out_root: str) -> dict:
+    from transformers import Trainer, TrainerCallback
+
+    import gradaudit
+    from gradaudit.integrations.transformers import GradAuditCallback
+
+    results = {}
+    for name, selection in (("hf_ddp_ok", {"steps": [2]}), ("hf_ddp_stats", {"every": 2, "mode": "stats"})):
+        callback = GradAuditCallback(os.path.join(out_root, name), strict=True, **selection)
+        trainer = Trainer(
+            model=tiny_llama(),
+            args=_args(os.path.join(out_root, f"trainer_{name}")),
+            train_dataset=TokenData(),
+        )
+        trainer.add_callback(callback)
+        trainer.train()
+        results[name] = [str(p) for p in callback.paths]
+
+    class DumpAfterClipping(TrainerCallback):
+        """The mistake: dump() from on_pre_optimizer_step, after the Trainer has clipped."""
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if state.global_step + 1 == 2:
+                gradaudit.dump(
+                    model,
+                    os.path.join(out_root, "hf_dump_after_clip"),
+                    step=2,
+                    max_norm=args.max_grad_norm,
+                    strict=True,
+                )
+
+    trainer = Trainer(
+        model=tiny_llama(), args=_args(os.path.join(out_root, "trainer_late")), train_dataset=TokenData()
+    )
+    trainer.add_callback(DumpAfterClipping())
+    trainer.train()
+    return results
