@@ -138,8 +138,18 @@ class Piece:
     replica_group: str | None = None
     tensors: Mapping[str, str] = field(default_factory=dict)
     stats: Mapping[str, TensorStats] = field(default_factory=dict)
+    call_stats: tuple[TensorStats, ...] = ()
+    """When the step made two or more clip calls: statistics of this piece's gradient just before each
+    call, in call order (one per `ClipRecord.calls` entry; an absent gradient as zeros). Else empty."""
 
     def __post_init__(self) -> None:
+        if self.call_stats:
+            for stats in self.call_stats:
+                if stats.numel != numel_of(self.local_shape):
+                    raise ValueError(
+                        f"piece of {self.param!r}: call statistics of {stats.numel} elements for a piece of "
+                        f"{numel_of(self.local_shape)}; give one TensorStats of the whole piece per clip call"
+                    )
         if not _dims_valid(self.local_shape):
             _check_dims(f"local shape of {self.param!r}", self.local_shape)
         covered = sum([r.numel for r in self.regions])

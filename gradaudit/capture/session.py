@@ -20,6 +20,7 @@ from .arguments import (
     opt_int,
     rank_and_world_size,
 )
+from .callstats import grad_stats_of_snapshot, per_piece
 from .infer import Ownership, infer_ownership
 from .ownership import LocalPiece
 from .scaler import ScalerWatch
@@ -83,6 +84,8 @@ class AuditStep:
         self._ownership: Ownership | None = None
         self._snapshots: Snapshots | None = None
         self._calls: list[dict] = []
+        self._call_stats: list[dict] = []
+        """Per finished clip call: piece index -> TensorStats of its gradient just before that call."""
         self._logged: dict[str, Any] = {}
         self._hooks: list = []
         self._active = False
@@ -193,8 +196,11 @@ class AuditStep:
     # -- recording ----------------------------------------------------------------------------
 
     def _before_clip(self, call: dict, first: bool) -> None:
-        if first:
-            self._snapshots.take("grad")
+        if not first:
+            # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
+            # (the common case) no statistics beyond the dump's own are ever computed.
+            self._call_stats.append(grad_stats_of_snapshot(self._snapshots))
+        self._snapshots.take("grad")
         call["unscaled"] = self._scaler.unscaled()
         call["loss_scale"] = self._scaler.scale()
         self._scaler.hold()
@@ -238,6 +244,8 @@ class AuditStep:
                 f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}",
             )
             return
+        if self._calls:
+            self._call_stats.append(grad_stats_of_snapshot(snapshots))
         dump, tensors = build_rank_dump(
             snapshots,
             rank=self.rank,
@@ -253,6 +261,7 @@ class AuditStep:
                 loss_reduction=self._logged.get("loss_reduction"),
             ),
             run_id=self.run_id,
+            call_stats=per_piece(self._call_stats, len(snapshots.pieces)),
         )
         try:
             self.path = write_dump(self.out_dir, dump, tensors)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..dumpfile.writer import step_dir, write_rank_file
-from ..model import ClipRecord, DataRecord, ParamInfo, Piece, RankDump, Topology
+from ..model import ClipRecord, DataRecord, ParamInfo, Piece, RankDump, TensorStats, Topology
 from ..version import __version__
 from .snapshots import Snapshots
 
@@ -29,6 +29,7 @@ def build_rank_dump(
     clip: ClipRecord | None,
     data: DataRecord,
     run_id: str | None,
+    call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
 ) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
     """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
     infos: dict[str, ParamInfo] = {}
@@ -58,6 +59,7 @@ def build_rank_dump(
                 local_name=local.local_name,
                 replica_group=local.replica_group,
                 stats=stats,
+                call_stats=(call_stats or {}).get(source_index, ()),
             )
         )
     dump = RankDump(

@@ -26,6 +26,7 @@ from ..model import (
     Piece,
     RankDump,
     Region,
+    TensorStats,
     Topology,
 )
 from ..version import __version__
@@ -46,6 +47,9 @@ class PieceSpec:
     replica_group: str | None = None
     stats_only: bool = False
     """Store float64 statistics of the tensors instead of their values."""
+    call_stats: Sequence[TensorStats | torch.Tensor] = ()
+    """Per clip call (two or more in the step), this piece's gradient just before it: a TensorStats, or a
+    tensor shaped like the piece whose statistics are written."""
 
     def __post_init__(self) -> None:
         if "grad" not in self.tensors and not self.tensors:
@@ -164,6 +168,10 @@ def write_rank(
                 local_name=spec.local_name,
                 replica_group=spec.replica_group,
                 stats=stats,
+                call_stats=tuple(
+                    s if isinstance(s, TensorStats) else stats_of_tensor(s, stats_norm_type)
+                    for s in spec.call_stats
+                ),
             )
         )
     all_stats = bool(pieces) and all(spec.stats_only for spec in pieces)

@@ -99,6 +99,8 @@ def _encode_piece(piece: Piece) -> dict:
         out["tensors"] = dict(sorted(piece.tensors.items()))
     if piece.stats:
         out["stats"] = {k: _encode_stats(v) for k, v in sorted(piece.stats.items())}
+    if piece.call_stats:
+        out["call_stats"] = [_encode_stats(v) for v in piece.call_stats]
     return out
 
 
@@ -484,6 +486,15 @@ def _quick_piece(
         if summary is None or summary.numel != covered:
             return None
         stats[kind] = summary
+    call_stats_raw = get("call_stats", _NO_VALUES)
+    if type(call_stats_raw) is not list or len(call_stats_raw) > _MAX_CALLS:
+        return None
+    call_stats = []
+    for value in call_stats_raw:
+        summary = _quick_stats(value)
+        if summary is None or summary.numel != covered:
+            return None
+        call_stats.append(summary)
     return Piece(
         index=index,
         param=name,
@@ -494,8 +505,12 @@ def _quick_piece(
         replica_group=replica_group,
         tensors=tensors,
         stats=stats,
+        call_stats=tuple(call_stats),
     )
 
+
+_MAX_CALLS = 10_000
+"""The most clip calls one step may record statistics for."""
 
 _NO_ENTRIES: Mapping[str, Any] = {}
 _NO_VALUES: list = []
@@ -546,6 +561,17 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
             raise r.fail(
                 f"{where}.stats.{kind}.numel", f"is {stats[kind].numel} but the piece holds {covered}"
             )
+    call_stats = tuple(
+        _decode_stats(r, value, f"{where}.call_stats[{i}]")
+        for i, value in enumerate(
+            r.get(obj, "call_stats", where, lambda v, w: r.list_(v, w, _MAX_CALLS), default=[])
+        )
+    )
+    for i, summary in enumerate(call_stats):
+        if summary.numel != covered:
+            raise r.fail(
+                f"{where}.call_stats[{i}].numel", f"is {summary.numel} but the piece holds {covered}"
+            )
     return Piece(
         index=index,
         param=name,
@@ -556,6 +582,7 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
         replica_group=r.get(obj, "replica_group", where, r.str_, optional=True),
         tensors=tensors,
         stats=stats,
+        call_stats=call_stats,
     )
 
 
