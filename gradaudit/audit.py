@@ -39,11 +39,11 @@ CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
 CAUSES_FIRST = (
     "GA100",
     "GA101",
+    "GA501",
     "GA401",
     "GA102",
     "GA103",
     "GA601",
-    "GA501",
     "GA502",
     "GA201",
     "GA202",
@@ -76,11 +76,25 @@ def _fmt(value: float | None) -> str:
 def verdict(
     diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked: tuple[NotChecked, ...]
 ) -> str:
-    """One sentence: the true norm, the expected coefficient and the principal finding."""
+    """One sentence: the true norm (and the moment it is of), the expected coefficient and the
+    principal finding; or that clipping was right, or could not be checked and why."""
+    name = norm_name(diagnosis.norm_type)
     if diagnosis.true_norm is not None:
-        head = f"True global {norm_name(diagnosis.norm_type)} {_fmt(diagnosis.true_norm)}"
+        head = f"True global {name} {_fmt(diagnosis.true_norm)}"
+        if diagnosis.moment:
+            head += f" {diagnosis.moment}"
         if diagnosis.max_norm is not None:
             head += f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
+    elif diagnosis.norm_lower_bound is not None:
+        head = (
+            f"True global {name} at least {_fmt(diagnosis.norm_lower_bound)}"
+            f"{' ' + diagnosis.moment if diagnosis.moment else ''} ({diagnosis.true_norm_note})"
+        )
+        if diagnosis.max_norm is not None:
+            head += (
+                f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient at most "
+                f"{_fmt(diagnosis.coef_upper_bound)}"
+            )
     else:
         head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
     serious = [f for f in findings if f.severity is not Severity.INFO]
@@ -88,11 +102,16 @@ def verdict(
         rank_of = {code: i for i, code in enumerate(CAUSES_FIRST)}
         principal = min(serious, key=lambda f: (rank_of.get(f.code, len(rank_of)), f.sort_key))
         where = f" on {_ranks(principal.ranks)}" if principal.ranks else ""
-        more = f" (and {len(serious) - 1} more findings)" if len(serious) > 1 else ""
+        others = len(serious) - 1
+        more = f" (and {others} more finding{'s' if others > 1 else ''})" if others else ""
         return f"{head}. {principal.code}: {principal.title}{where}{more}."
-    undecided = sorted({n.code for n in not_checked} & set(CLIPPING_CODES))
+    undecided = {n.code: n for n in not_checked if n.code in CLIPPING_CODES}
+    if "GA201" in undecided:
+        return f"{head}. Clipping not checked: {undecided['GA201'].reason}."
     if undecided:
-        return f"{head}. No problem found, but {', '.join(undecided)} could not be checked (see below)."
+        return (
+            f"{head}. No problem found, but {', '.join(sorted(undecided))} could not be checked (see below)."
+        )
     return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
 
 

@@ -31,11 +31,16 @@ def diagnosis_or_skip(step: StepDump, m: StepMeasurements) -> StepDiagnosis | Sk
     if step.clip is None:
         return Skip(reason="no rank recorded what its clipping did (no clip record in the dump)")
     diagnosis = diagnose_step(step, m)
-    if diagnosis.true_norm is None:
+    if diagnosis.true_norm is None and diagnosis.norm_lower_bound is None:
         return Skip(reason=f"the true global norm is unknown: {diagnosis.true_norm_note}")
     if all(d.hypothesis is None for d in diagnosis.ranks.values()):
+        if diagnosis.true_norm is None:
+            return Skip(
+                reason=f"the true global norm is unknown ({diagnosis.true_norm_note}) and no rank's norm is "
+                f"below {num(diagnosis.norm_lower_bound)}, the lower bound the present ranks give"
+            )
         repeated = [d.rank for d in diagnosis.ranks.values() if d.num_clip_calls > 1]
-        if repeated:
+        if repeated and diagnosis.mixed_moments:
             return Skip(
                 reason=f"{ranks_named(repeated)} clipped several times before one step (see GA501); "
                 "their norms are of partial gradients"
@@ -62,10 +67,15 @@ def _evidence_lines(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> str
 def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
     first = ranks[0]
     scaled = any(base_hypothesis(d.hypothesis)[1] for d in ranks)
-    message = (
-        f"{lead} on {ranks_named(d.rank for d in ranks)}: true global norm {num(diagnosis.true_norm)}, "
-        f"expected coefficient {num(diagnosis.expected_coef)}. {_evidence_lines(diagnosis, ranks)}"
-    )
+    if diagnosis.true_norm is None:
+        truth = (
+            f"true global norm at least {num(diagnosis.norm_lower_bound)} ({diagnosis.true_norm_note}; a lower "
+            f"bound from the present ranks), expected coefficient at most {num(diagnosis.coef_upper_bound)}"
+        )
+    else:
+        moment = f" {diagnosis.moment}" if diagnosis.moment else ""
+        truth = f"true global norm {num(diagnosis.true_norm)}{moment}, expected coefficient {num(diagnosis.expected_coef)}"
+    message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(diagnosis, ranks)}"
     if scaled:
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
     return Hit(
@@ -73,6 +83,7 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
         ranks=tuple(d.rank for d in ranks),
         evidence={
             "true_norm": diagnosis.true_norm,
+            "true_norm_lower_bound": diagnosis.norm_lower_bound,
             "expected_clip_coef": diagnosis.expected_coef,
             "reported_norm": first.reported_norm,
             "local_norm": first.local_norm,

@@ -1,0 +1,59 @@
+"""Rank workers for the verdict tests: real sharded steps whose mistakes (or correctness) the
+diagnosis must name exactly."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from models import MAX_NORM, batch, loss_of, rows, tiny_net
+
+import gradaudit
+
+NUM_MICROBATCHES = 2
+
+
+def _microbatches(rank: int, world_size: int):
+    x, y = batch()
+    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    return [(rows(x, i, NUM_MICROBATCHES), rows(y, i, NUM_MICROBATCHES)) for i in range(NUM_MICROBATCHES)]
+
+
+def fsdp2_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root: str) -> str:
+    """FSDP2, no gradient sync on the first micro-batch, a clip after each micro-batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    model = tiny_net()
+    for module in (model.fc1, model.fc2, model.norm, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out_dir = os.path.join(out_root, "fsdp2_accumulation")
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        for i, (xs, ys) in enumerate(_microbatches(rank, world_size)):
+            model.set_requires_gradient_sync(i == NUM_MICROBATCHES - 1)
+            (loss_of(model(xs), ys) / NUM_MICROBATCHES).backward()
+            audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
+
+
+def ddp_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root: str) -> str:
+    """DDP, `no_sync()` on the first micro-batch (the usual accumulation), a clip after each."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(tiny_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out_dir = os.path.join(out_root, "ddp_accumulation")
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        for i, (xs, ys) in enumerate(_microbatches(rank, world_size)):
+            sync = i == NUM_MICROBATCHES - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                (loss_of(model(xs), ys) / NUM_MICROBATCHES).backward()
+            audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
