@@ -19,9 +19,7 @@ def reference_tensors(scenario: str, kind: str) -> dict:
     """The reference's tensors of `kind` by parameter, read straight from its one rank file."""
     path = reference_dir(scenario) / "rank_00000.safetensors"
     with safe_open(str(path), framework="pt") as f:
-        return {
-            key.split("::")[0]: f.get_tensor(key).double() for key in f.keys() if key.split("::")[1] == kind
-        }  # noqa: SIM118
+        return {key.split("::")[0]: f.get_tensor(key).double() for key in f.keys() if key.split("::")[1] == kind}  # noqa: SIM118
 
 
 def comparisons(report: dict, kind: str) -> dict:
