@@ -83,7 +83,6 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
         ranks=tuple(d.rank for d in ranks),
         evidence={
             "true_norm": diagnosis.true_norm,
-            "true_norm_lower_bound": diagnosis.norm_lower_bound,
             "expected_clip_coef": diagnosis.expected_coef,
             "reported_norm": first.reported_norm,
             "local_norm": first.local_norm,
@@ -92,6 +91,11 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
             if first.reported_match is None or first.reported_match.candidate is None
             else first.reported_match.candidate.value,
             "rtol": diagnosis.rtol,
+            **(
+                {}
+                if diagnosis.norm_lower_bound is None
+                else {"true_norm_lower_bound": diagnosis.norm_lower_bound}
+            ),
         },
     )
 

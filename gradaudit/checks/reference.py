@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import disjoint_cover, norm_of_pieces, step_cover
+from ..diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
 from ..measure import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
@@ -120,7 +120,9 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
         return Skip(
             reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)"
         )
-    hits = _hits_for(("grad",), m, options, "gradients differ from the unsharded reference")
+    moment = _moment(step, m)
+    lead = f"gradients ({moment})" if moment else "gradients"
+    hits = _hits_for(("grad",), m, options, f"{lead} differ from the unsharded reference")
     if notes or m.reference_only_params:
         missing = notes + [f"{name}: only in the reference" for name in m.reference_only_params]
         hits.append(
@@ -145,11 +147,19 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
                 )
             hits.append(
                 Hit(
-                    message=f"the global gradient norm is {num(ours)} here but {num(theirs)} in the reference{coefs}",
+                    message=f"the global gradient norm is {num(ours)} here{' ' + moment if moment else ''} but "
+                    f"{num(theirs)} in the reference{coefs}",
                     evidence={"global_norm": ours, "reference_global_norm": theirs, "rtol": rtol},
                 )
             )
     return tuple(hits)
+
+
+def _moment(step: StepDump, m: StepMeasurements) -> str:
+    """When the dumped pre-clip gradient was taken, when several clip calls make it matter."""
+    if step.clip is None:
+        return ""
+    return diagnose_step(step, m).moment
 
 
 def _global_norms(step: StepDump, m: StepMeasurements) -> tuple[float | None, float | None]:
