@@ -37,7 +37,6 @@ CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
 """The checks that must all have run before the verdict may call clipping right."""
 
 CAUSES_FIRST = (
-    "GA100",
     "GA101",
     "GA501",
     "GA401",
@@ -53,9 +52,11 @@ CAUSES_FIRST = (
     "GA301",
     "GA302",
     "GA303",
+    "GA100",
     "GA602",
     "GA603",
     "GA205",
+    "GA206",
     "GA702",
     "GA701",
 )
@@ -98,6 +99,8 @@ def verdict(
     else:
         head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
     serious = [f for f in findings if f.severity is not Severity.INFO]
+    if [f.code for f in serious] == ["GA206"]:
+        return f"{head}. Clipping not checked: {serious[0].evidence['reason']}."
     if serious:
         rank_of = {code: i for i, code in enumerate(CAUSES_FIRST)}
         principal = min(serious, key=lambda f: (rank_of.get(f.code, len(rank_of)), f.sort_key))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .measure import PieceMeasurement, StepMeasurements
 from .model import ClipRecord, StepDump, TensorStats
@@ -147,6 +147,7 @@ class StepDiagnosis:
     rtol: float
     ranks: Mapping[int, RankDiagnosis] = field(default_factory=dict)
     post_clip_norm: float | None = None
+    """The global norm after clipping; with ranks missing (`norm_lower_bound` set), a lower bound."""
     num_clip_calls: int = 0
     """The most clip calls any rank made before its optimizer step."""
     moment: str = ""
@@ -452,7 +453,8 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
             f"{missing_text(step.missing_ranks)} and held parts of the gradient",
         )
     post_clip = None
-    if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and true_norm is not None:
+    known = true_norm is not None or lower_bound is not None
+    if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and known:
         post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
     expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
     rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
@@ -524,6 +526,11 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
             hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
             if bounded is not None and hypothesis is None and bounded.undecided:
                 detail = "; ".join(bounded.undecided)
+            elif bounded is not None and hypothesis is not None:
+                detail += (
+                    f"; below {lower_bound:.6g}, the lower bound on the true norm from the present ranks, "
+                    "so it is not the true norm"
+                )
             if num_calls > 1:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
         rank_sq = math.fsum(own_sq.get(rank, ()))
@@ -618,16 +625,7 @@ class _BoundedMatcher:
                 f"{', '.join(rivals)}, whose missing ranks are not in the dump"
             )
             return None
-        return Match(
-            observed=observed,
-            what=what,
-            candidate=replace(
-                found.candidate,
-                description=f"{found.candidate.description}, below {bound:.6g}, the lower bound on the true "
-                "norm from the present ranks",
-            ),
-            coinciding=found.coinciding,
-        )
+        return found
 
 
 def _scaled_term(stats: TensorStats, norm_type: float, scale: float) -> float | None:

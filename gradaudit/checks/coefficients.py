@@ -184,12 +184,19 @@ def post_clip_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -
             reason=f"the post-clip norm is {num(diagnosis.post_clip_norm)} (nonfinite gradients, see GA401)"
         )
     limit = diagnosis.max_norm * (1 + diagnosis.rtol)
+    bound = diagnosis.true_norm is None
     if diagnosis.post_clip_norm <= limit:
+        if bound:
+            return Skip(
+                reason=f"{diagnosis.true_norm_note}: the post-clip norm of the present ranks, "
+                f"{num(diagnosis.post_clip_norm)}, is only a lower bound"
+            )
         return ()
     return (
         Hit(
             message=(
-                f"after clipping, the global norm is {num(diagnosis.post_clip_norm)}, above max_norm "
+                f"after clipping, the global norm is {'at least ' if bound else ''}{num(diagnosis.post_clip_norm)}"
+                f"{' (' + diagnosis.true_norm_note + ')' if bound else ''}, above max_norm "
                 f"{num(diagnosis.max_norm)} (ratio {num(diagnosis.post_clip_norm / diagnosis.max_norm)})"
             ),
             ranks=tuple(step.ranks_present),

@@ -86,6 +86,16 @@ EXPLANATIONS: dict[str, Explanation] = {
         "the global one.",
         fix="Log the value returned by the clipping call (made a full tensor) rather than a locally computed norm.",
     ),
+    "GA206": Explanation(
+        what="Whether the dump holds the evidence the clipping checks need: the gradient before clipping and, "
+        "on some rank, a reported norm, a clip coefficient or the gradient after clipping.",
+        why="Without that evidence GA201-GA204 and GA302 cannot run, and a report with no error would look like "
+        "a pass. This warning says that clipping was not checked, and why, so that no one reads it as checked.",
+        example="gradaudit.dump() called after clip_grad_norm_ in a step hook: the dump holds the clipped "
+        "gradient and no norm, so nothing shows what clipping did.",
+        fix="Capture with `with gradaudit.audit_step(...) as audit:` and clip through `audit.clip(...)`, or pass "
+        "the norm the training code computed (`reported_norm=`) and call the dump before clipping.",
+    ),
     "GA301": Explanation(
         what="All ranks applied the same clip coefficient to the gradient (within the dtype's tolerance).",
         why="One logical update must be scaled by one number; different coefficients per rank change the "

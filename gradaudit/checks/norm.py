@@ -188,3 +188,20 @@ def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
 
 def is_correct(hypothesis: str | None) -> bool:
     return base_hypothesis(hypothesis)[0] == CORRECT
+
+
+def not_checked(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
+    for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
+    diagnosis = diagnosis_or_skip(step, m)
+    if not isinstance(diagnosis, Skip):
+        return ()
+    if step.clip is not None and diagnose_step(step, m).num_clip_calls > 1:
+        return ()
+    return (
+        Hit(
+            message=f"clipping not checked: {diagnosis.reason}; nothing in this report says clipping was right",
+            ranks=tuple(step.ranks_present),
+            evidence={"reason": diagnosis.reason},
+        ),
+    )

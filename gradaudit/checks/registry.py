@@ -23,6 +23,7 @@ _TABLE = (
     ("GA203", ERROR, "norm reduced over the wrong process group", norm.wrong_group),
     ("GA204", ERROR, "norm matches no known mistake", norm.unexplained),
     ("GA205", WARNING, "reported norm is wrong but clipping used the right one", norm.logging_bug),
+    ("GA206", WARNING, "clipping was not checked", norm.not_checked),
     ("GA301", ERROR, "ranks applied different clip coefficients", coefficients.coefficients_differ),
     (
         "GA302",

@@ -57,3 +57,49 @@ def ddp_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root: s
             audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
         opt.step()
     return str(audit.path.parent)
+
+
+def fsdp2_local_clip(rank: int, world_size: int, out_root: str) -> str:
+    """FSDP2 where each rank clips by the norm of its own `to_local()` shards (GA201)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    model = tiny_net()
+    for module in (model.fc1, model.fc2, model.norm, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+
+    def local_clip(params, max_norm: float) -> torch.Tensor:
+        grads = [p.grad.to_local() for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    out_dir = os.path.join(out_root, "fsdp2_local_clip")
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        loss_of(model(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
+        audit.clip(local_clip, list(model.parameters()), MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
+
+
+def fsdp2_dump_after_clipping(rank: int, world_size: int, out_root: str) -> str:
+    """A correct FSDP2 step dumped by `gradaudit.dump()` from a hook after clipping, with no norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    model = tiny_net()
+    for module in (model.fc1, model.fc2, model.norm, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = batch()
+    loss_of(model(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    path = gradaudit.dump(model, os.path.join(out_root, "post_clip"), step=1, max_norm=MAX_NORM, strict=True)
+    return str(path.parent)
