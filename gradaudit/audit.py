@@ -33,7 +33,7 @@ Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
 
-CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
+CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209", "GA302")
 """The checks that must all have run before the verdict may call clipping right."""
 
 CAUSES_FIRST = (
@@ -47,6 +47,9 @@ CAUSES_FIRST = (
     "GA201",
     "GA202",
     "GA203",
+    "GA207",
+    "GA208",
+    "GA209",
     "GA204",
     "GA402",
     "GA301",

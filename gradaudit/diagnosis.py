@@ -9,6 +9,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .hypotheses import ParamGroup, averaged_candidates, group_candidates, overflow_candidates, param_groups
 from .measure import PieceMeasurement, StepMeasurements
 from .model import ClipRecord, StepDump, TensorStats
 from .norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
@@ -475,6 +476,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     total_sq = math.fsum(v for values in own_sq.values() for v in values)
     norms = _RankSetNorms(by_rank, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
+    further = _FurtherCandidates(step, all_pieces, norms, norm_type)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
@@ -520,6 +522,16 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                     if implied is None
                     else match_norm(implied, "norm implied by the applied coefficient", candidates, rtol)
                 )
+            if bounded is None and any(
+                x is not None and x.candidate is None for x in (reported_match, implied_match)
+            ):
+                candidates = candidates + further.for_rank(rank, true_norm)
+                if reported_match is not None:
+                    reported_match = match_norm(
+                        reported_match.observed, reported_match.what, candidates, rtol
+                    )
+                if implied_match is not None:
+                    implied_match = match_norm(implied_match.observed, implied_match.what, candidates, rtol)
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
@@ -571,6 +583,45 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
         call_norms=call_norms,
         norm_lower_bound=lower_bound,
     )
+
+
+class _FurtherCandidates:
+    """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
+
+    def __init__(
+        self, step: StepDump, pieces: list[PieceMeasurement], norms: _RankSetNorms, norm_type: float
+    ) -> None:
+        self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
+        self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
+
+    def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
+        if self._groups is None:
+            groups = param_groups(self.pieces)
+            per_group: dict[str, _RankSetNorms] = {}
+            for group in groups:
+                by_rank: dict[int, list[PieceMeasurement]] = {}
+                for piece in self.pieces:
+                    if piece.param in group.params:
+                        by_rank.setdefault(piece.rank, []).append(piece)
+                per_group[group.label] = _RankSetNorms(by_rank, self.norm_type)
+            self._groups = (groups, per_group)
+        return self._groups
+
+    def for_rank(self, rank: int, true_norm: float | None) -> tuple[Candidate, ...]:
+        groups, per_group = self._param_groups()
+        extras = []
+        if groups and true_norm is not None:
+            norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
+            extras += group_candidates(self.step, rank, groups, norm_of, self.norm_type)
+        extras += averaged_candidates(self.step, rank, lambda r: self.norms.norm((r,), False)[0])
+        extras += overflow_candidates(true_norm, self.norm_type, sorted({p.dtype for p in self.pieces}))
+        return tuple(
+            Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
+        )
+
+
+def _norm_fn(norms: _RankSetNorms):
+    return lambda ranks, dedupe: norms.norm(ranks, dedupe)[0]
 
 
 def missing_text(ranks: Iterable[int]) -> str:

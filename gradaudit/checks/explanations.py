@@ -96,6 +96,37 @@ EXPLANATIONS: dict[str, Explanation] = {
         fix="Capture with `with gradaudit.audit_step(...) as audit:` and clip through `audit.clip(...)`, or pass "
         "the norm the training code computed (`reported_norm=`) and call the dump before clipping.",
     ),
+    "GA207": Explanation(
+        what="When no whole-step accounting explains a rank's norm: the norm in which one group of parameters "
+        "(parameters held alike, e.g. the experts of an MoE layer) is left out, counted on every rank that "
+        "holds a replica, taken from the rank's own pieces, or reduced over another process group, while every "
+        "other parameter is counted once.",
+        why="Mixture-of-experts and mixed-parallel models reduce different parameters over different groups; "
+        "getting one group wrong changes the norm by that group's share only, so the clip is slightly off on "
+        "every step and no whole-step hypothesis matches.",
+        example="Expert gradients replicated over 2 expert-data-parallel ranks, their squares all-reduced over "
+        "the whole data-parallel world instead of the expert-parallel group: every expert counted twice.",
+        fix="Reduce each parameter group's squares over the group that shards it (experts over the expert-"
+        "parallel group), once per logical element, and include every group in the total.",
+    ),
+    "GA208": Explanation(
+        what="Whether a rank's norm is the mean of the ranks' local norms (or the root of the mean of their "
+        "squares) over a process group, instead of the root of the sum of their squares.",
+        why="Averaging norms across data-parallel ranks, as some legacy mixed-precision optimizers did, gives a "
+        "number smaller than the global norm: clipping is too weak.",
+        example="Four ZeRO ranks each compute the norm of their partition and all-reduce it with op=AVG.",
+        fix="All-reduce the sum of |g|^p over the group with op=SUM and take the p-th root.",
+    ),
+    "GA209": Explanation(
+        what="Whether a rank's inf (or nan) norm is what the true norm becomes in a narrower working precision, "
+        "while every gradient value is finite.",
+        why="A norm that overflows zeroes the update (coefficient max_norm / inf = 0) or makes the step skipped "
+        "by a loss scaler, although nothing in the gradients is nonfinite.",
+        example="A gradient element of 1e20 in float32: its square, 1e40, is beyond float32's 3.4e38, so the fp32 "
+        "norm is inf while the float64 norm is 1e20.",
+        fix="Compute norms in float32 or float64 with scaling (torch.linalg.vector_norm scales for you on most "
+        "backends; a hand-rolled sum of squares does not), or find why the gradient is that large.",
+    ),
     "GA301": Explanation(
         what="All ranks applied the same clip coefficient to the gradient (within the dtype's tolerance).",
         why="One logical update must be scaled by one number; different coefficients per rank change the "

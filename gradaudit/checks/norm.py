@@ -13,6 +13,7 @@ from ..diagnosis import (
     StepDiagnosis,
     diagnose_step,
 )
+from ..hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
 from ..measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
@@ -137,6 +138,60 @@ def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
         hit = _hit(diagnosis, members, f"clipping reduced the norm over process group {group!r} only")
         hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, "group": group}))
     return tuple(hits)
+
+
+def _by_hypothesis(step: StepDump, m: StepMeasurements, prefix: str, lead) -> CheckResult:
+    """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix)."""
+    diagnosis = diagnosis_or_skip(step, m)
+    if isinstance(diagnosis, Skip):
+        return diagnosis
+    ranks = _ranks_with(diagnosis, lambda h: h.startswith(prefix + ":"))
+    by_what: dict[str, list[RankDiagnosis]] = {}
+    for d in ranks:
+        by_what.setdefault(base_hypothesis(d.hypothesis)[0].split(":", 1)[1], []).append(d)
+    hits = []
+    for what, members in sorted(by_what.items()):
+        hit = _hit(diagnosis, members, lead(what))
+        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, "hypothesis": what}))
+    return tuple(hits)
+
+
+_HOW = {
+    "dropped": "left out of the norm",
+    "every_copy": "counted on every rank that holds a replica",
+    "local": "taken from each rank's own pieces only",
+}
+
+
+def _group_lead(what: str) -> str:
+    label, how = what.split(":", 1)
+    text = _HOW.get(how) or f"reduced over process group {how.split(':', 1)[1]!r} instead"
+    return f"clipping used a norm in which the {label!r} parameters are {text}, the rest counted right"
+
+
+def param_group_mistake(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(step, m, PARAM_GROUP, _group_lead)
+
+
+def averaged_norms(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(
+        step,
+        m,
+        AVERAGED,
+        lambda group: (
+            f"clipping used per-rank norms averaged over process group {group!r} instead of their "
+            "squares summed"
+        ),
+    )
+
+
+def overflowed(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(
+        step,
+        m,
+        OVERFLOW,
+        lambda dtype: f"clipping's norm overflowed to inf in {dtype} although every gradient value is finite",
+    )
 
 
 def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:

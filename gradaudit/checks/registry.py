@@ -24,6 +24,9 @@ _TABLE = (
     ("GA204", ERROR, "norm matches no known mistake", norm.unexplained),
     ("GA205", WARNING, "reported norm is wrong but clipping used the right one", norm.logging_bug),
     ("GA206", WARNING, "clipping was not checked", norm.not_checked),
+    ("GA207", ERROR, "norm accounts one group of parameters wrongly", norm.param_group_mistake),
+    ("GA208", ERROR, "norm averages per-rank norms instead of summing squares", norm.averaged_norms),
+    ("GA209", ERROR, "norm overflowed in its working precision", norm.overflowed),
     ("GA301", ERROR, "ranks applied different clip coefficients", coefficients.coefficients_differ),
     (
         "GA302",

@@ -103,3 +103,93 @@ def fsdp2_dump_after_clipping(rank: int, world_size: int, out_root: str) -> str:
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     path = gradaudit.dump(model, os.path.join(out_root, "post_clip"), step=1, max_norm=MAX_NORM, strict=True)
     return str(path.parent)
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, first: int, num_local: int) -> None:
+        super().__init__()
+        layers = []
+        for i in range(num_local):
+            torch.manual_seed(100 + first + i)  # global expert first + i: the same weights on its replicas
+            layer = torch.nn.Linear(8, 8)
+            for p in layer.parameters():
+                p.allreduce = False  # Megatron's mark of an expert parameter
+            layers.append(layer)
+        self.local_experts = torch.nn.ModuleList(layers)
+
+
+class TinyMoE(torch.nn.Module):
+    """Megatron-style: dense layers replicated on every rank, `mlp.experts.local_experts.<i>` local."""
+
+    def __init__(self, first_expert: int, num_local: int) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = _Experts(first_expert, num_local)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        return self.head(h + sum(torch.tanh(e(h)) for e in self.mlp.experts.local_experts))
+
+
+EP_GROUPS = ((0, 1), (2, 3))
+EDP_GROUPS = ((0, 2), (1, 3))
+NUM_LOCAL_EXPERTS = 2
+
+
+def moe_expert_parallel(rank: int, world_size: int, out_root: str, mistake: str) -> str:
+    """4 ranks, experts sharded over expert-parallel groups of 2 and replicated over the other pair.
+
+    mistake: "none" (dense squares once + expert squares all-reduced over ep), "experts_over_dp" (expert
+    squares all-reduced over the whole data-parallel world: every expert counted twice) or
+    "experts_dropped" (experts left out of the norm).
+    """
+    import torch.distributed as dist
+
+    assert world_size == 4
+    ep_groups = [dist.new_group(list(g)) for g in EP_GROUPS]
+    edp_groups = [dist.new_group(list(g)) for g in EDP_GROUPS]
+    ep = next(pg for g, pg in zip(EP_GROUPS, ep_groups, strict=True) if rank in g)
+    edp = next(pg for g, pg in zip(EDP_GROUPS, edp_groups, strict=True) if rank in g)
+    ep_index = next(g for g in EP_GROUPS if rank in g).index(rank)
+    model = TinyMoE(ep_index * NUM_LOCAL_EXPERTS, NUM_LOCAL_EXPERTS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    experts = [p for n, p in model.named_parameters() if "local_experts" in n]
+    dense = [p for n, p in model.named_parameters() if "local_experts" not in n]
+
+    def clip(max_norm: float) -> torch.Tensor:
+        dense_sq = sum(p.grad.double().pow(2).sum() for p in dense)
+        expert_sq = sum(p.grad.double().pow(2).sum() for p in experts)
+        if mistake == "experts_dropped":
+            expert_sq = expert_sq * 0
+        else:
+            dist.all_reduce(expert_sq, group=None if mistake == "experts_over_dp" else ep)
+        norm = (dense_sq + expert_sq).sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in dense + experts:
+            p.grad.mul_(coef)
+        return norm
+
+    out_dir = os.path.join(out_root, f"moe_{mistake}")
+    with gradaudit.audit_step(
+        model,
+        out_dir,
+        step=1,
+        max_norm=MAX_NORM,
+        optimizer=opt,
+        groups={"ep": [list(g) for g in EP_GROUPS]},
+        strict=True,
+    ) as audit:
+        loss_of(model(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
+        for p in dense:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        for p in experts:
+            dist.all_reduce(p.grad, group=edp)
+            p.grad /= 2
+        audit.clip(clip, MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
