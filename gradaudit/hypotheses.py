@@ -48,10 +48,11 @@ class ParamGroup:
 def param_groups(pieces: Sequence[PieceMeasurement]) -> tuple[ParamGroup, ...]:
     """The step's parameters grouped by how they are held; a single group when they are all alike."""
     holders: dict[str, set[int]] = {}
-    copies: dict[tuple, int] = {}
+    copies: dict[tuple[str, object], int] = {}
     for piece in pieces:
         holders.setdefault(piece.param, set()).add(piece.rank)
-        copies[piece.layout_key] = copies.get(piece.layout_key, 0) + 1
+        key = (piece.param, piece.regions)
+        copies[key] = copies.get(key, 0) + 1
     most_copies: dict[str, int] = {}
     for (param, _), n in copies.items():
         most_copies[param] = max(most_copies.get(param, 0), n)
@@ -104,8 +105,9 @@ def group_candidates(
 ) -> list[Extra]:
     """Every accounting where one parameter group departs from the correct one and the rest is right."""
     present = tuple(step.ranks_present)
-    correct = {g.label: _term(norm_of_group[g.label](present, True), norm_type) for g in groups}
-    if any(v is None for v in correct.values()):
+    maybe = {g.label: _term(norm_of_group[g.label](present, True), norm_type) for g in groups}
+    correct = {label: v for label, v in maybe.items() if v is not None}
+    if len(correct) < len(maybe):
         return []
     found: list[Extra] = []
     for group in groups:
@@ -211,7 +213,7 @@ def _term(norm: float | None, norm_type: float) -> float | None:
         return None
     if is_inf_norm(norm_type) or not math.isfinite(norm):
         return norm
-    return norm**norm_type
+    return float(norm**norm_type)
 
 
 def _combine(terms: list[float], norm_type: float) -> float:
