@@ -27,6 +27,7 @@ from .report import (
     Severity,
     StepSummary,
 )
+from .updates_explained import DERIVED_KEY, explain_update_errors
 from .version import __version__
 
 Progress = Callable[[int, int], None]
@@ -58,6 +59,7 @@ CAUSES_FIRST = (
     "GA100",
     "GA602",
     "GA603",
+    "GA604",
     "GA205",
     "GA206",
     "GA702",
@@ -248,6 +250,10 @@ def audit_step(
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
+            if reference is not None:
+                m.derived(
+                    DERIVED_KEY, step, lambda: explain_update_errors(step, reference, m, options, reader)
+                )
         return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
 
 

@@ -208,6 +208,20 @@ EXPLANATIONS: dict[str, Explanation] = {
         example="Local-norm clipping: the gradients match the reference, the clipped gradients are 1.6 times larger.",
         fix="Fix the clipping finding reported next to it; then the clipped gradients should match.",
     ),
+    "GA604": Explanation(
+        what="For a parameter whose gradients agree with the reference but whose next weights do not: whether "
+        "each element's difference is within what the reference's own update makes of the gradient tolerance "
+        "(|update| / |gradient| x allowed gradient error; exactly lr x allowed error for SGD), and, for elements "
+        "whose gradient is zero within tolerance, within twice the parameter's largest update element.",
+        why="Adam divides each gradient element by its running magnitude: a gradient that is zero up to rounding "
+        "(the key bias of attention, which the softmax's shift invariance makes mathematically zero) becomes a "
+        "step of up to the learning rate in a direction set by noise. The sharded and unsharded runs round "
+        "differently, so their next weights differ while nothing is wrong; this is reported instead of GA603.",
+        example="blocks.0.attn.qkv.bias under AdamW: gradients agree within 1e-8, the key-bias gradient is about "
+        "1e-11, and the next weights differ by 4.6e-7 against an allowed 2e-7.",
+        fix="Nothing to fix when the gradients agree. To compare next weights tightly, use SGD for the audited "
+        "step, or a larger Adam eps.",
+    ),
     "GA701": Explanation(
         what="The norm of the optimizer's update (parameters after minus before) next to the gradient norm.",
         why="Clipping bounds the gradient, not an adaptive optimizer's update: Adam's update is about lr per "

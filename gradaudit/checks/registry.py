@@ -57,6 +57,12 @@ _TABLE = (
         "clipped gradients or next weights differ from the unsharded reference",
         reference.clipped_or_next_weights_differ,
     ),
+    (
+        "GA604",
+        INFO,
+        "next weights differ only as the optimizer's normalisation of agreeing gradients explains",
+        reference.updates_explained_by_optimizer,
+    ),
     ("GA701", INFO, "update norm vs gradient norm", updates.update_vs_gradient),
     (
         "GA702",
@@ -66,7 +72,7 @@ _TABLE = (
     ),
 )
 
-DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA701")
+DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA604", "GA701")
 """Checks whose clean result stands with ranks missing (the others then say they could not decide)."""
 
 CHECKS: tuple[CheckSpec, ...] = tuple(

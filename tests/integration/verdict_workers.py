@@ -193,3 +193,67 @@ def moe_expert_parallel(rank: int, world_size: int, out_root: str, mistake: str)
         audit.clip(clip, MAX_NORM)
         opt.step()
     return str(audit.path.parent)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+        return x + self.proj(weights @ v)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn = _Attention(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
+class QKVModel(torch.nn.Module):
+    """An attention block with a qkv bias: the key bias's gradient is zero up to rounding (the softmax is
+    shift-invariant), which Adam turns into full-size steps of noise."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = torch.nn.Linear(8, dim)
+        self.blocks = torch.nn.ModuleList([_Block(dim)])
+        self.head = torch.nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=1))
+
+
+def qkv_adamw_fsdp2(rank: int, world_size: int, out_dir: str) -> str:
+    """A correct FSDP2 step of QKVModel with AdamW; at world size 1 (run_reference) its reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 6, 8, generator=gen), torch.randn(8, 3, generator=gen)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    model = QKVModel()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        loss_of(model(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
+        audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
+
+
+def reference_of(fn_name: str, out_dir: str) -> str:
+    """Run worker `fn_name` through gradaudit.run_reference (a fresh process: see the test)."""
+    return gradaudit.run_reference(globals()[fn_name], 0, 1, out_dir)
