@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .model import StepDump
+from .model import Piece, StepDump
 
 if TYPE_CHECKING:
     import torch
@@ -137,9 +137,9 @@ def explain_update_errors(
     return found
 
 
-def _holding(step: StepDump, name: str) -> list[tuple[str, object]]:
+def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
     """(path, piece) of the lowest-rank copy of each layout of `name` in `step`."""
-    chosen: dict[tuple, tuple[str, object]] = {}
+    chosen: dict[tuple[object, ...], tuple[str, Piece]] = {}
     for rank in step.ranks_present:
         dump = step.ranks[rank]
         for piece in dump.pieces:
