@@ -56,7 +56,7 @@ def infer_ownership(
     _check_aliases(aliases, params)
     alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **dict(aliases)}
 
-    fsdp1 = _fsdp1_pieces(model, topology)
+    fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
     if fsdp1 is not None:
         pieces = [_aliased(p, alias_of) for p in fsdp1]
         return Ownership(
@@ -184,12 +184,12 @@ def _check_aliases(aliases: Mapping[str, str], params) -> None:
             )
 
 
-def _fsdp1_pieces(model, topology: TopologyBuilder) -> list[LocalPiece] | None:
+def _fsdp1_pieces(model, topology: TopologyBuilder, exclude: frozenset[str]) -> list[LocalPiece] | None:
     try:
         from . import fsdp1
     except ImportError:
         return None
-    pieces = fsdp1.fsdp1_pieces(model)
+    pieces = fsdp1.fsdp1_pieces(model, exclude=exclude)
     if pieces is None:
         return None
     for name, lists in fsdp1.fsdp1_groups(model).items():

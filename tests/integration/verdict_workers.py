@@ -257,3 +257,24 @@ def qkv_adamw_fsdp2(rank: int, world_size: int, out_dir: str) -> str:
 def reference_of(fn_name: str, out_dir: str) -> str:
     """Run worker `fn_name` through gradaudit.run_reference (a fresh process: see the test)."""
     return gradaudit.run_reference(globals()[fn_name], 0, 1, out_dir)
+
+
+def fsdp1_ignored_modules(rank: int, world_size: int, out_root: str) -> str:
+    """A correct FSDP1 step with `ignored_modules=[model.norm]`: the code all-reduces the ignored
+    parameters' gradients itself and clips with FSDP's clip_grad_norm_, which counts them once."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = tiny_net()
+    fsdp = FullyShardedDataParallel(model, ignored_modules=[model.norm], device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    x, y = batch()
+    out_dir = os.path.join(out_root, "fsdp1_ignored")
+    with gradaudit.audit_step(fsdp, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        loss_of(fsdp(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
+        for p in model.norm.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        audit.clip(fsdp.clip_grad_norm_, MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
