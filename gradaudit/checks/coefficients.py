@@ -136,8 +136,8 @@ def _expected_text(diagnosis, d) -> str:
     if d.expected_coef is None or _close(d.expected_coef, diagnosis.expected_coef, diagnosis.rtol):
         return ""
     return (
-        f", nor {num(d.expected_coef)}, which the true norm {num(d.true_norm)} with rank {d.rank}'s own drifted "
-        "replicas asks for (see GA601)"
+        f", neither that nor {num(d.expected_coef)}, which the true norm {num(d.true_norm)} with rank {d.rank}'s "
+        "own drifted replicas asks for (see GA601)"
     )
 
 
