@@ -51,8 +51,7 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
                 "gradient_norm": grad_norm,
                 "ratio": ratio,
                 "gradient_kind": "grad_clipped" if clipped else "grad",
-                "num_pieces": len(cover),
-                "num_pieces_in_step": len(everything),
+                **({"num_pieces": len(cover), "num_pieces_in_step": len(everything)} if partial else {}),
             },
         ),
     )
