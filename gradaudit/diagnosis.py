@@ -593,6 +593,7 @@ class _FurtherCandidates:
     ) -> None:
         self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
+        self._averaged: dict = {}
 
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
         if self._groups is None:
@@ -613,7 +614,9 @@ class _FurtherCandidates:
         if groups and true_norm is not None:
             norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
             extras += group_candidates(self.step, rank, groups, norm_of, self.norm_type)
-        extras += averaged_candidates(self.step, rank, lambda r: self.norms.norm((r,), False)[0])
+        extras += averaged_candidates(
+            self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
+        )
         extras += overflow_candidates(true_norm, self.norm_type, sorted({p.dtype for p in self.pieces}))
         return tuple(
             Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .measure import PieceMeasurement
 from .model import StepDump
 from .norms import is_inf_norm, norm_from_total, relative_difference
+from .ranksets import compact_ranks
 
 PARAM_GROUP = "param_group"
 """Hypothesis prefix: "param_group:<label>:<how>", <how> one of dropped, every_copy, local, over:<group>."""
@@ -156,34 +157,48 @@ def group_candidates(
     return found
 
 
-def averaged_candidates(step: StepDump, rank: int, local_norm: Callable[[int], float | None]) -> list[Extra]:
-    """Each named group's (and the world's) mean of per-rank local norms, and root mean square."""
+def averaged_candidates(
+    step: StepDump,
+    rank: int,
+    local_norm: Callable[[int], float | None],
+    memo: dict[tuple[str, tuple[int, ...]], list[Extra]] | None = None,
+) -> list[Extra]:
+    """Each named group's (and the world's) mean of per-rank local norms, and root mean square
+    (`memo` keeps them per group, shared by its members: a world of thousands of ranks is one group)."""
     found: list[Extra] = []
     lists = [(name, step.topology.group_of(name, rank)) for name in sorted(step.topology.groups)]
     for name, members in lists:
         if not members or len(members) < 2 or any(m in step.missing_ranks for m in members):
             continue
-        norms = [local_norm(m) for m in members]
-        if any(n is None or not math.isfinite(n) for n in norms):
+        key = (name, tuple(members))
+        if memo is not None and key in memo:
+            found += memo[key]
             continue
-        values = [float(n) for n in norms if n is not None]
-        found.append(
-            Extra(
-                hypothesis=f"{AVERAGED}:{name}",
-                value=math.fsum(values) / len(values),
-                description=f"the mean of the local norms of ranks {list(members)} (group {name}), "
-                "instead of the root of their summed squares",
-            )
-        )
-        found.append(
-            Extra(
-                hypothesis=f"{AVERAGED}:{name}",
-                value=math.sqrt(math.fsum(v * v for v in values) / len(values)),
-                description=f"the root of the mean of the squared local norms of ranks {list(members)} "
-                f"(group {name}), instead of their sum",
-            )
-        )
+        here = _averaged(name, tuple(members), local_norm)
+        if memo is not None:
+            memo[key] = here
+        found += here
     return found
+
+
+def _averaged(name: str, members: tuple[int, ...], local_norm: Callable[[int], float | None]) -> list[Extra]:
+    norms = [local_norm(m) for m in members]
+    values = [float(n) for n in norms if n is not None and math.isfinite(n)]
+    if len(values) < len(norms):
+        return []
+    shown = f"ranks {compact_ranks(members)} (group {name})"
+    return [
+        Extra(
+            hypothesis=f"{AVERAGED}:{name}",
+            value=math.fsum(values) / len(values),
+            description=f"the mean of the local norms of {shown}, instead of the root of their summed squares",
+        ),
+        Extra(
+            hypothesis=f"{AVERAGED}:{name}",
+            value=math.sqrt(math.fsum(v * v for v in values) / len(values)),
+            description=f"the root of the mean of the squared local norms of {shown}, instead of their sum",
+        ),
+    ]
 
 
 def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Extra]:
