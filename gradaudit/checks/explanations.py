@@ -166,11 +166,16 @@ EXPLANATIONS: dict[str, Explanation] = {
         fix="Use the sharded grad scaler of your stack (it all-reduces found_inf), or all-reduce found_inf with MAX.",
     ),
     "GA501": Explanation(
-        what="How many times clipping ran before one optimizer step, per rank.",
+        what="How many times clipping ran before one optimizer step, per rank, and (when the capture recorded "
+        "statistics before each call) the true global norm before each call. The dumped gradient is the one "
+        "before the last call, so every norm and coefficient the report derives says it is of that moment; "
+        "from a dump that holds only the gradient before the first call, no replica or coefficient check is "
+        "derived across the two moments.",
         why="Clipping each microbatch's partial gradient during accumulation clips a different vector than the "
         "accumulated gradient, so the update differs from the intended rule.",
         example="With 4 accumulation steps clip_grad_norm_ is called in the microbatch loop: 4 calls, each on a "
-        "partial sum.",
+        "partial sum. Under FSDP2 with set_requires_gradient_sync(False) the first calls see no gradient at "
+        "all (true norm 0); under DDP's no_sync() they clip each rank's unreduced partial gradient.",
         fix="Clip once, after the last backward of the accumulation window and before optimizer.step().",
     ),
     "GA502": Explanation(
