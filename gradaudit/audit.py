@@ -114,8 +114,13 @@ def verdict(
         more = f" (and {others} more finding{'s' if others > 1 else ''})" if others else ""
         return f"{head}. {principal.code}: {principal.title}{where}{more}."
     undecided = {n.code: n for n in not_checked if n.code in CLIPPING_CODES}
-    if "GA201" in undecided:
+    if "GA201" in undecided and "GA302" in undecided:
         return f"{head}. Clipping not checked: {undecided['GA201'].reason}."
+    if "GA201" in undecided:
+        return (
+            f"{head}. Every rank applied the expected coefficient, but which norm clipping used could not be "
+            f"checked: {undecided['GA201'].reason}."
+        )
     if undecided:
         return (
             f"{head}. No problem found, but {', '.join(sorted(undecided))} could not be checked (see below)."

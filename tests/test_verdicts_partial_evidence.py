@@ -88,3 +88,14 @@ def test_a_missing_rank_with_nothing_found_does_not_read_as_a_pass(tmp_path):
     assert "Clipping used the true global norm" not in report.verdict
     assert "Clipping not checked" in report.verdict or "GA100" in report.verdict
     shutil.rmtree(tmp_path)
+
+
+def test_a_verified_coefficient_without_a_norm_to_match_is_not_called_unchecked_clipping(tmp_path):
+    shards = _four_shards()
+    sharded_rows(tmp_path, shards, clips=clip(2.0), clipped=[s.clone() for s in shards])
+    report = check(tmp_path)
+    assert "GA206" not in codes(report) and not codes(report)
+    assert (
+        "Every rank applied the expected coefficient, but which norm clipping used could not be checked"
+        in (report.verdict)
+    )

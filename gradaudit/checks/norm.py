@@ -248,15 +248,23 @@ def is_correct(hypothesis: str | None) -> bool:
 def not_checked(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
     for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
+    from .coefficients import coefficient_vs_expected
+
     diagnosis = diagnosis_or_skip(step, m)
     if not isinstance(diagnosis, Skip):
         return ()
     if step.clip is not None and diagnose_step(step, m).num_clip_calls > 1:
         return ()
+    coefficient = coefficient_vs_expected(step, m, options)
+    if not isinstance(coefficient, Skip):
+        return ()  # the applied coefficients were checked: GA302 speaks for clipping
+    reason = diagnosis.reason
+    if coefficient.reason != reason:
+        reason += f"; and {coefficient.reason}"
     return (
         Hit(
-            message=f"clipping not checked: {diagnosis.reason}; nothing in this report says clipping was right",
+            message=f"clipping not checked: {reason}; nothing in this report says clipping was right",
             ranks=tuple(step.ranks_present),
-            evidence={"reason": diagnosis.reason},
+            evidence={"reason": reason},
         ),
     )
