@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from .hypotheses import ParamGroup, averaged_candidates, group_candidates, overflow_candidates, param_groups
@@ -444,15 +444,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     for piece in all_pieces:
         by_rank.setdefault(piece.rank, []).append(piece)
     cover = step_cover(m)
-    true_norm, note, lower_bound = norm_of_pieces(cover, norm_type), "", None
-    if true_norm is None:
-        note = f"the dumped statistics were taken for another norm type than {norm_type:g}"
-    elif step.missing_ranks and not _covers_every_param(step, cover):
-        lower_bound = true_norm if math.isfinite(true_norm) else None
-        true_norm, note = (
-            None,
-            f"{missing_text(step.missing_ranks)} and held parts of the gradient",
-        )
+    true_norm, note, lower_bound = _true_norm(step, cover, norm_type)
     post_clip = None
     known = true_norm is not None or lower_bound is not None
     if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and known:
@@ -460,15 +452,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
     rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
     loss_scale = loss_scale_of(step)
-    num_calls_max = max(
-        (len(step.ranks[r].clip.calls) for r in step.ranks_present if step.ranks[r].clip is not None),
-        default=0,
-    )
-    call_norms = _call_norms(step, norm_type, rtol) if num_calls_max > 1 else ()
-    mixed = num_calls_max > 1 and not call_norms
-    moment = ""
-    if num_calls_max > 1:
-        moment = f"before the {'first' if mixed else 'last'} of {num_calls_max} clip calls"
+    num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq: dict[int, list[float]] = {}
     for piece in cover:
         if "grad" in piece.stats:
@@ -502,47 +486,23 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 "gradient from before the first call only: its norms are not matched"
             )
         else:
+            bounded = None
             if true_norm is None and lower_bound is not None:
                 bounded = _BoundedMatcher(step, rank, norms, lower_bound, rtol)
-                reported_match = (
-                    None if reported is None else bounded.match(reported, "reported norm", candidates)
-                )
-                implied_match = (
-                    None
-                    if implied is None
-                    else bounded.match(implied, "norm implied by the applied coefficient", candidates)
-                )
-            else:
-                bounded = None
-                reported_match = (
-                    None if reported is None else match_norm(reported, "reported norm", candidates, rtol)
-                )
-                implied_match = (
-                    None
-                    if implied is None
-                    else match_norm(implied, "norm implied by the applied coefficient", candidates, rtol)
-                )
-            if bounded is None and any(
-                x is not None and x.candidate is None for x in (reported_match, implied_match)
-            ):
-                candidates = candidates + further.for_rank(rank, true_norm)
-                if reported_match is not None:
-                    reported_match = match_norm(
-                        reported_match.observed, reported_match.what, candidates, rtol
-                    )
-                if implied_match is not None:
-                    implied_match = match_norm(implied_match.observed, implied_match.what, candidates, rtol)
+            candidates, reported_match, implied_match = _match_both(
+                reported,
+                implied,
+                candidates,
+                rtol,
+                bounded,
+                lambda rank=rank: further.for_rank(rank, true_norm),
+            )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
             hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
-            if bounded is not None and hypothesis is None and bounded.undecided:
-                detail = "; ".join(bounded.undecided)
-            elif bounded is not None and hypothesis is not None:
-                detail += (
-                    f"; below {lower_bound:.6g}, the lower bound on the true norm from the present ranks, "
-                    "so it is not the true norm"
-                )
+            if bounded is not None:
+                detail = bounded.detail(hypothesis, detail)
             if num_calls > 1:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
         rank_sq = math.fsum(own_sq.get(rank, ()))
@@ -627,6 +587,73 @@ def _norm_fn(norms: _RankSetNorms):
     return lambda ranks, dedupe: norms.norm(ranks, dedupe)[0]
 
 
+def _true_norm(
+    step: StepDump, cover: Iterable[PieceMeasurement], norm_type: float
+) -> tuple[float | None, str, float | None]:
+    """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are missing)."""
+    cover = list(cover)
+    value = norm_of_pieces(cover, norm_type)
+    if value is None:
+        return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
+    if step.missing_ranks and not _covers_every_param(step, cover):
+        bound = value if math.isfinite(value) else None
+        return None, f"{missing_text(step.missing_ranks)} and held parts of the gradient", bound
+    return value, "", None
+
+
+def _moment(step: StepDump, norm_type: float, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
+    """(most clip calls on a rank, true norm before each call, whether the dumped pre- and post-clip
+    gradients are of different moments, when the dumped pre-clip gradient was taken)."""
+    num_calls = max(
+        (len(step.ranks[r].clip.calls) for r in step.ranks_present if step.ranks[r].clip is not None),
+        default=0,
+    )
+    if num_calls <= 1:
+        return num_calls, (), False, ""
+    call_norms = _call_norms(step, norm_type, rtol)
+    mixed = not call_norms
+    return (
+        num_calls,
+        call_norms,
+        mixed,
+        f"before the {'first' if mixed else 'last'} of {num_calls} clip calls",
+    )
+
+
+def _match_both(
+    reported: float | None,
+    implied: float | None,
+    candidates: tuple[Candidate, ...],
+    rtol: float,
+    bounded: _BoundedMatcher | None,
+    more: Callable[[], tuple[Candidate, ...]],
+) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
+    """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
+    first, then, when one number is left unexplained (and the true norm is known), the further ones."""
+
+    def both(tried: tuple[Candidate, ...]) -> tuple[Match | None, Match | None]:
+        found = []
+        for observed, what in (
+            (reported, "reported norm"),
+            (implied, "norm implied by the applied coefficient"),
+        ):
+            if observed is None:
+                found.append(None)
+            elif bounded is not None:
+                found.append(bounded.match(observed, what, tried))
+            else:
+                found.append(match_norm(observed, what, tried, rtol))
+        return found[0], found[1]
+
+    reported_match, implied_match = both(candidates)
+    if bounded is None and any(
+        x is not None and x.candidate is None for x in (reported_match, implied_match)
+    ):
+        candidates = candidates + more()
+        reported_match, implied_match = both(candidates)
+    return candidates, reported_match, implied_match
+
+
 def missing_text(ranks: Iterable[int]) -> str:
     """ "rank 2 is missing" or "ranks 2-3 are missing"."""
     ranks = sorted(set(ranks))
@@ -659,6 +686,15 @@ class _BoundedMatcher:
             value = norms.norm(present, True)[0]
             if value is not None:
                 self.partial_groups.append((name, value))
+
+    def detail(self, hypothesis: str | None, detail: str) -> str:
+        """The rank's detail, saying what the bound decided or why it could not."""
+        if hypothesis is None:
+            return "; ".join(self.undecided) if self.undecided else detail
+        return (
+            f"{detail}; below {self.lower_bound:.6g}, the lower bound on the true norm from the present ranks, "
+            "so it is not the true norm"
+        )
 
     def match(self, observed: float, what: str, candidates: tuple[Candidate, ...]) -> Match | None:
         bound = self.lower_bound
