@@ -61,8 +61,9 @@ EXPLANATIONS: dict[str, Explanation] = {
     ),
     "GA203": Explanation(
         what="The reported norm against the norm of the pieces held by one named process group of this rank.",
-        why="Reducing over the wrong group (one pipeline stage, the shard axis without the others, experts left "
-        "out) gives each group its own coefficient: ranks apply different scales to one logical update.",
+        why="Reducing over the wrong group (one pipeline stage, the shard axis without the others) gives each "
+        "group its own coefficient: ranks apply different scales to one logical update. A mistake confined to "
+        "one group of parameters (experts left out, or reduced over the wrong group) is GA207.",
         example="Two pipeline stages each clip by their own stage norm: stage 0 sees 0.9, stage 1 sees 1.2, "
         "and neither is the true norm 1.5.",
         fix="All-reduce the sum of |g|^p over every group that splits the parameters (pp and the shard axes), "
@@ -70,8 +71,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         "all-reduce.",
     ),
     "GA204": Explanation(
-        what="Whether the reported norm matches any candidate at all (true, local, double-counted, per group, "
-        "loss-scaled).",
+        what="Whether the reported norm matches any candidate at all (true, local, double-counted, per process "
+        "group, loss-scaled, one parameter group wrong (GA207), averaged (GA208), overflowed (GA209)).",
         why="A norm that matches no known accounting may come from a bug gradaudit does not model, a norm "
         "taken at another moment (before accumulation finished), or a mismatched dump.",
         example="Rank 0 reports 3.7 while the true norm is 1.6, its local norm 0.8 and every group norm below 1.6.",
