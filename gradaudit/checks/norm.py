@@ -19,6 +19,7 @@ from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
+MAX_CANDIDATES_IN_MESSAGE = 16
 
 
 def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]:
@@ -202,7 +203,10 @@ def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     if not ranks:
         return ()
     hit = _hit(diagnosis, ranks, "clipping used a norm that matches no known accounting mistake")
-    candidates = ", ".join(f"{c.hypothesis} {num(c.value)}" for c in ranks[0].candidates)
+    tried = ranks[0].candidates
+    candidates = ", ".join(f"{c.hypothesis} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
+    if len(tried) > MAX_CANDIDATES_IN_MESSAGE:
+        candidates += f", and {len(tried) - MAX_CANDIDATES_IN_MESSAGE} more"
     return (
         Hit(
             message=f"{hit.message}. Candidates tried for rank {ranks[0].rank}: {candidates}",
