@@ -278,3 +278,42 @@ def fsdp1_ignored_modules(rank: int, world_size: int, out_root: str) -> str:
         audit.clip(fsdp.clip_grad_norm_, MAX_NORM)
         opt.step()
     return str(audit.path.parent)
+
+
+def fsdp2_hand_rolled_norm(rank: int, world_size: int, out_root: str, mistake: str) -> str:
+    """FSDP2 with a hand-rolled norm: "averaged" all-reduces the ranks' local norms with AVG (legacy
+    DeepSpeed style); "overflow" puts a finite 1e20 in one gradient and sums squares in float32."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    model = tiny_net()
+    for module in (model.fc1, model.fc2, model.norm, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+
+    def clip(params, max_norm: float) -> torch.Tensor:
+        grads = [p.grad.to_local() for p in params if p.grad is not None]
+        if mistake == "overflow":
+            norm = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            dist.all_reduce(norm)
+            norm = norm.sqrt()
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            dist.all_reduce(norm, op=dist.ReduceOp.AVG)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    out_dir = os.path.join(out_root, f"fsdp2_{mistake}")
+    with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
+        loss_of(model(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
+        if mistake == "overflow" and rank == 0:
+            model.fc1.weight.grad.to_local()[0, 0] = 1e20
+        audit.clip(clip, list(model.parameters()), MAX_NORM)
+        opt.step()
+    return str(audit.path.parent)
