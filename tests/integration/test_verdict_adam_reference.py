@@ -50,3 +50,8 @@ def test_a_correct_adamw_step_with_a_qkv_bias_matches_its_reference_without_ga60
     (explained,) = [f for f in report.findings if f.code == "GA604"]
     assert set(explained.params) == {c.param for c in bad} == {"blocks.0.attn.qkv.bias"}
     assert explained.evidence["num_near_zero_gradient_elements"] >= 1
+
+
+def test_run_reference_refuses_to_run_inside_a_rank_of_the_sharded_run():
+    (message,) = run_ranks(verdict_workers.run_reference_inside_a_rank, 1, timeout_s=60)
+    assert "already initialized" in message and "fresh process" in message

@@ -317,3 +317,14 @@ def fsdp2_hand_rolled_norm(rank: int, world_size: int, out_root: str, mistake: s
         audit.clip(clip, list(model.parameters()), MAX_NORM)
         opt.step()
     return str(audit.path.parent)
+
+
+def run_reference_inside_a_rank(rank: int, world_size: int) -> str:
+    """The message run_reference gives when called from inside an initialized process group."""
+    from gradaudit.errors import UsageError
+
+    try:
+        gradaudit.run_reference(print, "never called")
+    except UsageError as exc:
+        return str(exc)
+    return ""
