@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AuditStep", "__version__", "audit_step", "begin_audit", "dump"]
+__all__ = ["AuditStep", "__version__", "audit_step", "begin_audit", "dump", "run_reference"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,6 +15,10 @@ def __getattr__(name: str) -> Any:
         from .capture import session
 
         return getattr(session, name)
+    if name == "run_reference":
+        from .reference_run import run_reference
+
+        return run_reference
     if name == "__version__":
         from .version import __version__
 

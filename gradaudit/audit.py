@@ -30,35 +30,42 @@ from .report import (
     StepSummary,
     TopologySummary,
 )
+from .updates_explained import DERIVED_KEY, explain_update_errors
 from .version import __version__
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
 
-CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA302")
+CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209", "GA302")
 """The checks that must all have run before the verdict may call clipping right."""
 
 CAUSES_FIRST = (
-    "GA100",
     "GA101",
+    "GA503",
+    "GA501",
     "GA401",
     "GA102",
     "GA103",
     "GA601",
-    "GA501",
     "GA502",
     "GA201",
     "GA202",
     "GA203",
+    "GA207",
+    "GA208",
+    "GA209",
     "GA204",
     "GA402",
     "GA301",
     "GA302",
     "GA303",
+    "GA100",
     "GA602",
     "GA603",
+    "GA604",
     "GA205",
+    "GA206",
     "GA702",
     "GA701",
 )
@@ -79,23 +86,49 @@ def _fmt(value: float | None) -> str:
 def verdict(
     diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked: tuple[NotChecked, ...]
 ) -> str:
-    """One sentence: the true norm, the expected coefficient and the principal finding."""
+    """One sentence: the true norm (and the moment it is of), the expected coefficient and the
+    principal finding; or that clipping was right, or could not be checked and why."""
+    name = norm_name(diagnosis.norm_type)
     if diagnosis.true_norm is not None:
-        head = f"True global {norm_name(diagnosis.norm_type)} {_fmt(diagnosis.true_norm)}"
+        head = f"True global {name} {_fmt(diagnosis.true_norm)}"
+        if diagnosis.moment:
+            head += f" {diagnosis.moment}"
         if diagnosis.max_norm is not None:
             head += f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
+    elif diagnosis.norm_lower_bound is not None:
+        head = (
+            f"True global {name} at least {_fmt(diagnosis.norm_lower_bound)}"
+            f"{' ' + diagnosis.moment if diagnosis.moment else ''} ({diagnosis.true_norm_note})"
+        )
+        if diagnosis.max_norm is not None:
+            head += (
+                f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient at most "
+                f"{_fmt(diagnosis.coef_upper_bound)}"
+            )
     else:
         head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
     serious = [f for f in findings if f.severity is not Severity.INFO]
+    if [f.code for f in serious] == ["GA206"]:
+        return f"{head}. Clipping not checked: {serious[0].evidence['reason']}."
     if serious:
         rank_of = {code: i for i, code in enumerate(CAUSES_FIRST)}
         principal = min(serious, key=lambda f: (rank_of.get(f.code, len(rank_of)), f.sort_key))
         where = f" on {_ranks(principal.ranks)}" if principal.ranks else ""
-        more = f" (and {len(serious) - 1} more findings)" if len(serious) > 1 else ""
+        others = len(serious) - 1
+        more = f" (and {others} more finding{'s' if others > 1 else ''})" if others else ""
         return f"{head}. {principal.code}: {principal.title}{where}{more}."
-    undecided = sorted({n.code for n in not_checked} & set(CLIPPING_CODES))
+    undecided = {n.code: n for n in not_checked if n.code in CLIPPING_CODES}
+    if "GA201" in undecided and "GA302" in undecided:
+        return f"{head}. Clipping not checked: {undecided['GA201'].reason}."
+    if "GA201" in undecided:
+        return (
+            f"{head}. Every rank applied the expected coefficient, but which norm clipping used could not be "
+            f"checked: {undecided['GA201'].reason}."
+        )
     if undecided:
-        return f"{head}. No problem found, but {', '.join(undecided)} could not be checked (see below)."
+        return (
+            f"{head}. No problem found, but {', '.join(sorted(undecided))} could not be checked (see below)."
+        )
     return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
 
 
@@ -222,6 +255,10 @@ def audit_step(
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
+            if reference is not None:
+                m.derived(
+                    DERIVED_KEY, step, lambda: explain_update_errors(step, reference, m, options, reader)
+                )
         return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .hypotheses import ParamGroup, averaged_candidates, group_candidates, overflow_candidates, param_groups
 from .measure import PieceMeasurement, StepMeasurements
-from .model import StepDump, TensorStats
+from .model import ClipRecord, StepDump, TensorStats
 from .norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
 from .ranksets import compact_ranks
 
@@ -147,6 +148,36 @@ class StepDiagnosis:
     rtol: float
     ranks: Mapping[int, RankDiagnosis] = field(default_factory=dict)
     post_clip_norm: float | None = None
+    """The global norm after clipping; with ranks missing (`norm_lower_bound` set), a lower bound."""
+    num_clip_calls: int = 0
+    """The most clip calls any rank made before its optimizer step."""
+    moment: str = ""
+    """When the dumped pre-clip gradient was taken, when that is not simply "before clipping": e.g.
+    "before the last of 2 clip calls". Every norm derived from it is of that moment."""
+    mixed_moments: bool = False
+    """The pre-clip gradient is from before the first of several clip calls and the post-clip one
+    from after the last (a dump without per-call evidence): nothing may be derived across the two."""
+    call_norms: tuple[CallNorm, ...] = ()
+    """The true global norm just before each clip call, from the per-call statistics."""
+    norm_lower_bound: float | None = None
+    """With ranks missing: the norm of what the present ranks hold, a lower bound on the true norm."""
+
+    @property
+    def coef_upper_bound(self) -> float | None:
+        """With ranks missing: the largest coefficient the lower bound on the norm allows."""
+        if self.norm_lower_bound is None or self.max_norm is None:
+            return None
+        return expected_clip_coef(self.norm_lower_bound, self.max_norm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallNorm:
+    """The true global norm of the gradient just before one clip call (1-based `call`)."""
+
+    call: int
+    norm: float | None
+    replicas_differ: bool = False
+    """Copies of replicated pieces differed at this call (not yet reduced): the lowest rank's count."""
 
 
 def loss_scale_of(step: StepDump) -> float | None:
@@ -299,10 +330,12 @@ def _candidates(
     if true_norm is not None:
         add(CORRECT, all_ranks, True, "every logical element counted once", true_norm)
         if rank_true is not None and relative_difference(rank_true, true_norm) > 0:
-            found[-1] = Candidate(
-                hypothesis=CORRECT,
-                value=rank_true,
-                description=f"every logical element counted once, with rank {rank}'s replicas",
+            found.append(
+                Candidate(
+                    hypothesis=CORRECT,
+                    value=rank_true,
+                    description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
+                )
             )
     add(LOCAL_ONLY, (rank,), False, f"rank {rank}'s own pieces only", norms.norm((rank,), False)[0])
     double, repeated = norms.norm(all_ranks, False)
@@ -411,20 +444,15 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     for piece in all_pieces:
         by_rank.setdefault(piece.rank, []).append(piece)
     cover = step_cover(m)
-    true_norm, note = norm_of_pieces(cover, norm_type), ""
-    if true_norm is None:
-        note = f"the dumped statistics were taken for another norm type than {norm_type:g}"
-    elif step.missing_ranks and not _covers_every_param(step, cover):
-        true_norm, note = (
-            None,
-            f"ranks {compact_ranks(step.missing_ranks)} are missing and held parts of the gradient",
-        )
+    true_norm, note, lower_bound = _true_norm(step, cover, norm_type)
     post_clip = None
-    if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and true_norm is not None:
+    known = true_norm is not None or lower_bound is not None
+    if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and known:
         post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
     expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
     rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
     loss_scale = loss_scale_of(step)
+    num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq: dict[int, list[float]] = {}
     for piece in cover:
         if "grad" in piece.stats:
@@ -432,6 +460,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     total_sq = math.fsum(v for values in own_sq.values() for v in values)
     norms = _RankSetNorms(by_rank, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
+    further = _FurtherCandidates(step, all_pieces, norms, norm_type)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
@@ -439,30 +468,43 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
         if true_norm is not None and rank in drifted:
             rank_true = norms.norm(tuple(step.ranks_present), True, first=rank)[0]
         candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true)
+        rank_clip = step.ranks[rank].clip
+        num_calls = len(rank_clip.calls) if rank_clip is not None else 0
         reported = reported_norm_of(step, rank)
-        coef, source = applied_coef_of(step, rank, own, max_norm)
+        if num_calls > 1 and rank_clip is not None and rank_clip.calls[-1].reported_norm is not None:
+            reported = rank_clip.calls[-1].reported_norm
+        if mixed and num_calls > 1:
+            coef, source = None, None
+        else:
+            coef, source = applied_coef_of(step, rank, own, max_norm)
         implied = _implied_norm(coef, max_norm, rtol) if source != "reported_norm" else None
-        num_calls = len(step.ranks[rank].clip.calls) if step.ranks[rank].clip is not None else 0
-        if num_calls > 1:
+        if mixed and num_calls > 1:
             reported_match = implied_match = None
             hypothesis, logging_bug = None, False
             detail = (
-                f"clipping ran {num_calls} times before this optimizer step (GA501): its norms are of "
-                "partial gradients and are not matched"
+                f"clipping ran {num_calls} times before this optimizer step (GA501) and the dump holds the "
+                "gradient from before the first call only: its norms are not matched"
             )
         else:
-            reported_match = (
-                None if reported is None else match_norm(reported, "reported norm", candidates, rtol)
-            )
-            implied_match = (
-                None
-                if implied is None
-                else match_norm(implied, "norm implied by the applied coefficient", candidates, rtol)
+            bounded = None
+            if true_norm is None and lower_bound is not None:
+                bounded = _BoundedMatcher(step, rank, norms, lower_bound, rtol)
+            candidates, reported_match, implied_match = _match_both(
+                reported,
+                implied,
+                candidates,
+                rtol,
+                bounded,
+                lambda rank=rank: further.for_rank(rank, true_norm),
             )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
             hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
+            if bounded is not None:
+                detail = bounded.detail(hypothesis, detail)
+            if num_calls > 1:
+                detail = f"at the last of {num_calls} clip calls: {detail}"
         rank_sq = math.fsum(own_sq.get(rank, ()))
         ranks[rank] = RankDiagnosis(
             rank=rank,
@@ -495,7 +537,244 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
         rtol=rtol,
         ranks=ranks,
         post_clip_norm=post_clip,
+        num_clip_calls=num_calls_max,
+        moment=moment,
+        mixed_moments=mixed,
+        call_norms=call_norms,
+        norm_lower_bound=lower_bound,
     )
+
+
+class _FurtherCandidates:
+    """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
+
+    def __init__(
+        self, step: StepDump, pieces: list[PieceMeasurement], norms: _RankSetNorms, norm_type: float
+    ) -> None:
+        self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
+        self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
+        self._averaged: dict = {}
+
+    def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
+        if self._groups is None:
+            groups = param_groups(self.pieces)
+            per_group: dict[str, _RankSetNorms] = {}
+            for group in groups:
+                by_rank: dict[int, list[PieceMeasurement]] = {}
+                for piece in self.pieces:
+                    if piece.param in group.params:
+                        by_rank.setdefault(piece.rank, []).append(piece)
+                per_group[group.label] = _RankSetNorms(by_rank, self.norm_type)
+            self._groups = (groups, per_group)
+        return self._groups
+
+    def for_rank(self, rank: int, true_norm: float | None) -> tuple[Candidate, ...]:
+        groups, per_group = self._param_groups()
+        extras = []
+        if groups and true_norm is not None:
+            norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
+            extras += group_candidates(self.step, rank, groups, norm_of, self.norm_type)
+        extras += averaged_candidates(
+            self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
+        )
+        extras += overflow_candidates(true_norm, self.norm_type, sorted({p.dtype for p in self.pieces}))
+        return tuple(
+            Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
+        )
+
+
+def _norm_fn(norms: _RankSetNorms):
+    return lambda ranks, dedupe: norms.norm(ranks, dedupe)[0]
+
+
+def _true_norm(
+    step: StepDump, cover: Iterable[PieceMeasurement], norm_type: float
+) -> tuple[float | None, str, float | None]:
+    """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are missing)."""
+    cover = list(cover)
+    value = norm_of_pieces(cover, norm_type)
+    if value is None:
+        return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
+    if step.missing_ranks and not _covers_every_param(step, cover):
+        bound = value if math.isfinite(value) else None
+        return None, f"{missing_text(step.missing_ranks)} and held parts of the gradient", bound
+    return value, "", None
+
+
+def _moment(step: StepDump, norm_type: float, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
+    """(most clip calls on a rank, true norm before each call, whether the dumped pre- and post-clip
+    gradients are of different moments, when the dumped pre-clip gradient was taken)."""
+    num_calls = max(
+        (len(step.ranks[r].clip.calls) for r in step.ranks_present if step.ranks[r].clip is not None),
+        default=0,
+    )
+    if num_calls <= 1:
+        return num_calls, (), False, ""
+    call_norms = _call_norms(step, norm_type, rtol)
+    mixed = not call_norms
+    return (
+        num_calls,
+        call_norms,
+        mixed,
+        f"before the {'first' if mixed else 'last'} of {num_calls} clip calls",
+    )
+
+
+def _match_both(
+    reported: float | None,
+    implied: float | None,
+    candidates: tuple[Candidate, ...],
+    rtol: float,
+    bounded: _BoundedMatcher | None,
+    more: Callable[[], tuple[Candidate, ...]],
+) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
+    """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
+    first, then, when one number is left unexplained (and the true norm is known), the further ones."""
+
+    def both(tried: tuple[Candidate, ...]) -> tuple[Match | None, Match | None]:
+        found = []
+        for observed, what in (
+            (reported, "reported norm"),
+            (implied, "norm implied by the applied coefficient"),
+        ):
+            if observed is None:
+                found.append(None)
+            elif bounded is not None:
+                found.append(bounded.match(observed, what, tried))
+            else:
+                found.append(match_norm(observed, what, tried, rtol))
+        return found[0], found[1]
+
+    reported_match, implied_match = both(candidates)
+    if bounded is None and any(
+        x is not None and x.candidate is None for x in (reported_match, implied_match)
+    ):
+        candidates = candidates + more()
+        reported_match, implied_match = both(candidates)
+    return candidates, reported_match, implied_match
+
+
+def missing_text(ranks: Iterable[int]) -> str:
+    """ "rank 2 is missing" or "ranks 2-3 are missing"."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} is missing"
+    return f"ranks {compact_ranks(ranks)} are missing"
+
+
+class _BoundedMatcher:
+    """Matching a rank's number when ranks are missing: only a lower bound on the true norm is known.
+
+    A number below the bound is certainly not the true norm (nor any norm that counts more than the
+    present ranks hold); it is named as a mistake only when that mistake is computable from the
+    present ranks and no other accounting, partly held by the missing ranks, could also give it.
+    """
+
+    def __init__(
+        self, step: StepDump, rank: int, norms: _RankSetNorms, lower_bound: float, rtol: float
+    ) -> None:
+        self.lower_bound = lower_bound
+        self.rtol = rtol
+        self.undecided: list[str] = []
+        self.partial_groups: list[tuple[str, float]] = []
+        """Groups of this rank with missing members: (name, norm of their present members)."""
+        for name in sorted(step.topology.groups):
+            members = step.topology.group_of(name, rank)
+            if not members or not any(r in step.missing_ranks for r in members):
+                continue
+            present = tuple(sorted(r for r in members if r not in step.missing_ranks))
+            value = norms.norm(present, True)[0]
+            if value is not None:
+                self.partial_groups.append((name, value))
+
+    def detail(self, hypothesis: str | None, detail: str) -> str:
+        """The rank's detail, saying what the bound decided or why it could not."""
+        if hypothesis is None:
+            return "; ".join(self.undecided) if self.undecided else detail
+        return (
+            f"{detail}; below {self.lower_bound:.6g}, the lower bound on the true norm from the present ranks, "
+            "so it is not the true norm"
+        )
+
+    def match(self, observed: float, what: str, candidates: tuple[Candidate, ...]) -> Match | None:
+        bound = self.lower_bound
+        if not observed < bound * (1 - self.rtol):
+            self.undecided.append(
+                f"{what} {observed:.6g} is not below {bound:.6g}, the norm of what the present ranks hold "
+                "(a lower bound on the true norm): with ranks missing, it may be the true norm"
+            )
+            return None
+        found = match_norm(observed, what, candidates, self.rtol)
+        if found.candidate is None:
+            return found
+        rivals = [name for name, value in self.partial_groups if value <= observed * (1 + self.rtol)]
+        if rivals:
+            self.undecided.append(
+                f"{what} {observed:.6g} is below the lower bound {bound:.6g} and matches "
+                f"{found.candidate.description}, but could also be a norm over group "
+                f"{', '.join(rivals)}, whose missing ranks are not in the dump"
+            )
+            return None
+        return found
+
+
+def _scaled_term(stats: TensorStats, norm_type: float, scale: float) -> float | None:
+    term = stats_term(stats, norm_type)
+    if term is None or scale == 1.0:
+        return term
+    return term / scale if is_inf_norm(norm_type) else term / scale**norm_type
+
+
+def _call_scale(dump_clip: ClipRecord | None, call: int) -> float:
+    """How many times the true gradient the gradient before clip call `call` was (the loss scale
+    when that call ran before GradScaler.unscale_)."""
+    calls = () if dump_clip is None else dump_clip.calls
+    if call >= len(calls):
+        return 1.0
+    c = calls[call]
+    if c.unscaled is False and c.loss_scale is not None and math.isfinite(c.loss_scale) and c.loss_scale > 0:
+        return c.loss_scale
+    return 1.0
+
+
+def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm, ...]:
+    """The true global norm before each clip call, from the pieces' per-call statistics: replicas
+    count once through their lowest-rank copy (copies that differ at a call are noted)."""
+    num_calls = max((len(p.call_stats) for r in step.ranks_present for p in step.ranks[r].pieces), default=0)
+    found = []
+    for call in range(num_calls):
+        chosen: dict[tuple, float] = {}
+        terms: list[float] = []
+        has_nan = has_inf = unknown = differ = False
+        for rank in step.ranks_present:
+            dump = step.ranks[rank]
+            scale = _call_scale(dump.clip, call)
+            for piece in sorted(dump.pieces, key=operator.attrgetter("index")):
+                if len(piece.call_stats) <= call:
+                    continue
+                stats = piece.call_stats[call]
+                sum_sq = stats.sum_sq / scale**2
+                key = piece.layout_key
+                if key in chosen:
+                    differ |= relative_difference(chosen[key], sum_sq) > rtol
+                    continue
+                chosen[key] = sum_sq
+                term = _scaled_term(stats, norm_type, scale)
+                unknown |= term is None
+                if term is not None:
+                    terms.append(term)
+                has_nan |= stats.num_nan > 0
+                has_inf |= stats.num_posinf + stats.num_neginf > 0
+        if unknown:
+            value = None
+        elif has_nan:
+            value = math.nan
+        elif has_inf:
+            value = math.inf
+        else:
+            value = norm_of_terms(terms, norm_type)
+        found.append(CallNorm(call=call + 1, norm=value, replicas_differ=differ))
+    return tuple(found)
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:

@@ -179,8 +179,9 @@ def test_gradients_dumped_before_unscale_are_unscaled_and_a_scaled_local_norm_gi
     assert report.ranks[0].diagnosis == "loss_scaled:local_only"
 
 
-def test_norm_checks_say_not_checked_without_a_clip_record(tmp_path):
+def test_norm_checks_say_not_checked_without_a_clip_record_and_warn_that_clipping_was_not_checked(tmp_path):
     sharded_rows(tmp_path, four_shards_of_norm_08(), clips=None)
     report = check(tmp_path)
     assert {n.code for n in report.not_checked} >= NORM_CODES
-    assert codes(report) == set()
+    assert codes(report) == {"GA206"}
+    assert "Clipping not checked: no rank recorded what its clipping did" in report.verdict

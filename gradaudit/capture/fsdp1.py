@@ -12,6 +12,8 @@ from ..errors import CaptureError
 from ..model import FlatRange
 from .names import logical_name
 from .ownership import LocalPiece
+from .plain import plain_pieces
+from .topology import WORLD
 from .warn import warn_once
 
 if TYPE_CHECKING:
@@ -129,8 +131,10 @@ def param_shards(flat_param: Any) -> list[ParamShard]:
     return shards
 
 
-def fsdp1_pieces(model: torch.nn.Module) -> list[LocalPiece] | None:
-    """One LocalPiece per original parameter present in this rank's FSDP1 shards; None without FSDP1."""
+def fsdp1_pieces(model: torch.nn.Module, *, exclude: frozenset[str] = frozenset()) -> list[LocalPiece] | None:
+    """One LocalPiece per original parameter present in this rank's FSDP1 shards, and one whole replica
+    per parameter FSDP1 does not manage (ignored_modules / ignored_states) unless named in `exclude`
+    (given with ownership=); None without FSDP1."""
     units = _fsdp1_units(model)
     if units is None:
         return None
@@ -152,12 +156,16 @@ def fsdp1_pieces(model: torch.nn.Module) -> list[LocalPiece] | None:
                     replica_group=replica_group,
                 )
             )
-    unmanaged = _unmanaged_parameter_names(model, units)
+    unmanaged = [(name, param) for name, param in _unmanaged_parameters(model, units) if name not in exclude]
+    for name, param in unmanaged:
+        pieces.extend(plain_pieces(name, None, param, replica_group=WORLD))
     if unmanaged:
+        names = ", ".join(name for name, _ in unmanaged)
         warn_once(
-            "fsdp1-unmanaged:" + ",".join(unmanaged),
-            f"parameters {', '.join(unmanaged)} are not managed by FSDP1 (ignored_modules / ignored_states), "
-            "so gradaudit cannot tell who holds them and leaves them out of the dump; pass them with ownership=",
+            "fsdp1-unmanaged:" + names,
+            f"gradaudit: parameters {names} are not managed by FSDP1 (ignored_modules / ignored_states); they "
+            "are audited as whole replicas on every rank (FSDP1 does not reduce their gradients: your code "
+            "must). If each rank holds different values, pass them with ownership=",
         )
     return pieces
 
@@ -207,16 +215,16 @@ def _fsdp1_units(model: torch.nn.Module) -> list[_Unit] | None:
     return units
 
 
-def _unmanaged_parameter_names(model: torch.nn.Module, units: list[_Unit]) -> list[str]:
+def _unmanaged_parameters(model: torch.nn.Module, units: list[_Unit]) -> list[tuple[str, Any]]:
     managed: set[int] = set()
     for unit in units:
         managed.add(id(unit.flat_param))
         for attribute in ("_params", "_shared_params"):  # the original parameters, use_orig_params=True
             managed.update(id(p) for p in getattr(unit.flat_param, attribute, None) or ())
     return [
-        logical_name(model, fqn)
+        (logical_name(model, fqn), param)
         for fqn, param in model.named_parameters()
-        if id(param) not in managed and not getattr(param, "_is_flat_param", False)
+        if id(param) not in managed and not getattr(param, "_is_flat_param", False) and param.requires_grad
     ]
 
 

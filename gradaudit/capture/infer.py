@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from ..errors import CaptureError
 from ..model import Topology
 from .dtensor import dtensor_pieces, is_dtensor
+from .errors import UnsupportedParameter
+from .experts import expert_rank, global_expert_name, is_megatron_expert
 from .names import is_ddp, named_logical_parameters
 from .ownership import LocalPiece
 from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces
@@ -54,7 +56,7 @@ def infer_ownership(
     _check_aliases(aliases, params)
     alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **dict(aliases)}
 
-    fsdp1 = _fsdp1_pieces(model, topology)
+    fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
     if fsdp1 is not None:
         pieces = [_aliased(p, alias_of) for p in fsdp1]
         return Ownership(
@@ -92,7 +94,23 @@ def _plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsup
     tensor_parallel = _tensor_parallel_rank(topology, groups)
     replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
     pieces: list[LocalPiece] = []
+    expert_names = [logical for logical, _, param in plain if is_megatron_expert(param)]
+    experts, expert_problem = None, None
+    if expert_names:
+        try:
+            experts, expert_groups = expert_rank(topology.rank, groups, expert_names)
+        except UnsupportedParameter as exc:
+            expert_problem = exc
+        else:
+            for name, lists in expert_groups.items():
+                topology.add_group(name, lists)
     for logical, _fqn, param in plain:
+        if is_megatron_expert(param):
+            make = lambda logical=logical, param=param: megatron_expert_pieces(  # noqa: E731
+                logical, param, experts, alias_of, tensor_parallel, expert_problem
+            )
+            _extend(pieces, on_unsupported, logical, make)
+            continue
         if getattr(param, "shared", False) and logical not in alias_of:
             warn_once(
                 f"shared:{logical}",
@@ -105,6 +123,24 @@ def _plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsup
         )
         _extend(pieces, on_unsupported, logical, make)
     return pieces
+
+
+def megatron_expert_pieces(
+    logical, param, experts, alias_of, tensor_parallel, problem=None
+) -> list[LocalPiece]:
+    """A Megatron-style expert: a whole parameter (or its tensor-parallel partition) of one global expert,
+    replicated over the expert-data-parallel group."""
+    if problem is not None:
+        raise problem
+    name = global_expert_name(logical, experts)
+    target, local_name = _names(logical, alias_of)
+    return plain_pieces(
+        name if target == logical else target,
+        logical if local_name is None else local_name,
+        param,
+        replica_group=experts.replica_group,
+        tensor_parallel=tensor_parallel,
+    )
 
 
 def _extend(pieces: list, on_unsupported, name: str, make: Callable[[], list[LocalPiece]]) -> None:
@@ -148,12 +184,12 @@ def _check_aliases(aliases: Mapping[str, str], params) -> None:
             )
 
 
-def _fsdp1_pieces(model, topology: TopologyBuilder) -> list[LocalPiece] | None:
+def _fsdp1_pieces(model, topology: TopologyBuilder, exclude: frozenset[str]) -> list[LocalPiece] | None:
     try:
         from . import fsdp1
     except ImportError:
         return None
-    pieces = fsdp1.fsdp1_pieces(model)
+    pieces = fsdp1.fsdp1_pieces(model, exclude=exclude)
     if pieces is None:
         return None
     for name, lists in fsdp1.fsdp1_groups(model).items():

@@ -10,6 +10,11 @@ from ..model import StepDump
 from ..norms import relative_difference
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
+MIXED_MOMENTS = (
+    "clipping ran several times (GA501) and the dump holds the gradient from before the first call but "
+    "the clipped one from after the last: no coefficient is derived across the two moments"
+)
+
 SOURCE_TEXT = {
     "gradients": "measured from the pre- and post-clip gradients",
     "reported": "as reported",
@@ -30,6 +35,8 @@ def _clusters(values: list[tuple[int, float]], rtol: float) -> list[list[tuple[i
 
 def coefficients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     diagnosis = diagnose_step(step, m)
+    if diagnosis.mixed_moments:
+        return Skip(reason=MIXED_MOMENTS)
     known = [(d.rank, d.applied_coef) for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if len(known) < 2:
         return Skip(reason="fewer than two ranks have a known applied coefficient")
@@ -65,21 +72,79 @@ def coefficient_vs_expected(step: StepDump, m: StepMeasurements, options: AuditO
     diagnosis = diagnose_step(step, m)
     if diagnosis.max_norm is None:
         return Skip(reason="no rank recorded max_norm (no clip record in the dump)")
-    if diagnosis.true_norm is None:
+    if diagnosis.mixed_moments:
+        return Skip(reason=MIXED_MOMENTS)
+    if diagnosis.true_norm is None and diagnosis.norm_lower_bound is None:
         return Skip(reason=f"the true global norm is unknown: {diagnosis.true_norm_note}")
-    if not math.isfinite(diagnosis.true_norm):
-        return Skip(
-            reason=f"the true global norm is {num(diagnosis.true_norm)} (nonfinite gradients, see GA401)"
-        )
+    shown_norm = diagnosis.true_norm if diagnosis.true_norm is not None else diagnosis.norm_lower_bound
+    if shown_norm is None or not math.isfinite(shown_norm):
+        return Skip(reason=f"the true global norm is {num(shown_norm)} (nonfinite gradients, see GA401)")
     known = [d for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if not known:
         return Skip(reason="no rank dumped post-clip gradients, a clip coefficient or a reported norm")
-    single = [d for d in known if d.num_clip_calls <= 1]
-    if not single:
-        return Skip(
-            reason="every rank clipped several times before the step (see GA501): no one coefficient to compare"
+    if diagnosis.true_norm is None:
+        return _above_bound(diagnosis, known)
+    wrong = [
+        d
+        for d in known
+        if not any(_close(d.applied_coef, e, diagnosis.rtol) for e in _expected_of(diagnosis, d))
+    ]
+    if not wrong:
+        return ()
+    alike: dict[tuple[str, str | None, str], list[int]] = {}
+    for d in wrong:
+        alike.setdefault((num(d.applied_coef), d.coef_source, _expected_text(diagnosis, d)), []).append(
+            d.rank
         )
-    wrong = [d for d in single if relative_difference(d.applied_coef, d.expected_coef) > diagnosis.rtol]
+    details = "; ".join(
+        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)}){expected}"
+        for (coef, source, expected), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
+    )
+    if len(alike) > 6:
+        details += f"; and {len(alike) - 6} more coefficients"
+    moment = f" {diagnosis.moment}" if diagnosis.moment else ""
+    lead = "the last clip call's coefficient: " if diagnosis.moment else ""
+    return (
+        Hit(
+            message=(
+                f"{lead}the true global norm {num(diagnosis.true_norm)}{moment} with max_norm "
+                f"{num(diagnosis.max_norm)} asks for coefficient {num(diagnosis.expected_coef)}, but {details}"
+            ),
+            ranks=tuple(d.rank for d in wrong),
+            evidence={
+                "true_norm": diagnosis.true_norm,
+                "max_norm": diagnosis.max_norm,
+                "expected_clip_coef": diagnosis.expected_coef,
+                "applied_clip_coef": wrong[0].applied_coef,
+                "rtol": diagnosis.rtol,
+            },
+        ),
+    )
+
+
+def _close(a: float, b: float | None, rtol: float) -> bool:
+    return b is not None and relative_difference(a, b) <= rtol
+
+
+def _expected_of(diagnosis, d) -> tuple[float | None, ...]:
+    """The coefficients a rank may rightly have applied: the step's expected one, or (when its copies
+    of replicated pieces drifted, GA601) the one its own copies give."""
+    return (diagnosis.expected_coef, d.expected_coef)
+
+
+def _expected_text(diagnosis, d) -> str:
+    if d.expected_coef is None or _close(d.expected_coef, diagnosis.expected_coef, diagnosis.rtol):
+        return ""
+    return (
+        f", neither that nor {num(d.expected_coef)}, which the true norm {num(d.true_norm)} with rank {d.rank}'s "
+        "own drifted replicas asks for (see GA601)"
+    )
+
+
+def _above_bound(diagnosis, known) -> CheckResult:
+    """With ranks missing: a coefficient above what the lower bound on the true norm allows is wrong."""
+    bound, limit = diagnosis.norm_lower_bound, diagnosis.coef_upper_bound
+    wrong = [d for d in known if limit is not None and d.applied_coef > limit * (1 + diagnosis.rtol)]
     if not wrong:
         return ()
     alike: dict[tuple[str, str | None], list[int]] = {}
@@ -89,19 +154,18 @@ def coefficient_vs_expected(step: StepDump, m: StepMeasurements, options: AuditO
         f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)})"
         for (coef, source), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
     )
-    if len(alike) > 6:
-        details += f"; and {len(alike) - 6} more coefficients"
     return (
         Hit(
             message=(
-                f"the true global norm {num(diagnosis.true_norm)} with max_norm {num(diagnosis.max_norm)} asks for "
-                f"coefficient {num(diagnosis.expected_coef)}, but {details}"
+                f"the true global norm is at least {num(bound)} ({diagnosis.true_norm_note}; a bound from the "
+                f"present ranks), so max_norm {num(diagnosis.max_norm)} asks for a coefficient of at most "
+                f"{num(limit)}, but {details}"
             ),
             ranks=tuple(d.rank for d in wrong),
             evidence={
-                "true_norm": diagnosis.true_norm,
+                "true_norm_lower_bound": bound,
                 "max_norm": diagnosis.max_norm,
-                "expected_clip_coef": diagnosis.expected_coef,
+                "expected_clip_coef_upper_bound": limit,
                 "applied_clip_coef": wrong[0].applied_coef,
                 "rtol": diagnosis.rtol,
             },
@@ -120,12 +184,19 @@ def post_clip_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -
             reason=f"the post-clip norm is {num(diagnosis.post_clip_norm)} (nonfinite gradients, see GA401)"
         )
     limit = diagnosis.max_norm * (1 + diagnosis.rtol)
+    bound = diagnosis.true_norm is None
     if diagnosis.post_clip_norm <= limit:
+        if bound:
+            return Skip(
+                reason=f"{diagnosis.true_norm_note}: the post-clip norm of the present ranks, "
+                f"{num(diagnosis.post_clip_norm)}, is only a lower bound"
+            )
         return ()
     return (
         Hit(
             message=(
-                f"after clipping, the global norm is {num(diagnosis.post_clip_norm)}, above max_norm "
+                f"after clipping, the global norm is {'at least ' if bound else ''}{num(diagnosis.post_clip_norm)}"
+                f"{' (' + diagnosis.true_norm_note + ')' if bound else ''}, above max_norm "
                 f"{num(diagnosis.max_norm)} (ratio {num(diagnosis.post_clip_norm / diagnosis.max_norm)})"
             ),
             ranks=tuple(step.ranks_present),

@@ -61,8 +61,9 @@ EXPLANATIONS: dict[str, Explanation] = {
     ),
     "GA203": Explanation(
         what="The reported norm against the norm of the pieces held by one named process group of this rank.",
-        why="Reducing over the wrong group (one pipeline stage, the shard axis without the others, experts left "
-        "out) gives each group its own coefficient: ranks apply different scales to one logical update.",
+        why="Reducing over the wrong group (one pipeline stage, the shard axis without the others) gives each "
+        "group its own coefficient: ranks apply different scales to one logical update. A mistake confined to "
+        "one group of parameters (experts left out, or reduced over the wrong group) is GA207.",
         example="Two pipeline stages each clip by their own stage norm: stage 0 sees 0.9, stage 1 sees 1.2, "
         "and neither is the true norm 1.5.",
         fix="All-reduce the sum of |g|^p over every group that splits the parameters (pp and the shard axes), "
@@ -70,8 +71,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         "all-reduce.",
     ),
     "GA204": Explanation(
-        what="Whether the reported norm matches any candidate at all (true, local, double-counted, per group, "
-        "loss-scaled).",
+        what="Whether the reported norm matches any candidate at all (true, local, double-counted, per process "
+        "group, loss-scaled, one parameter group wrong (GA207), averaged (GA208), overflowed (GA209)).",
         why="A norm that matches no known accounting may come from a bug gradaudit does not model, a norm "
         "taken at another moment (before accumulation finished), or a mismatched dump.",
         example="Rank 0 reports 3.7 while the true norm is 1.6, its local norm 0.8 and every group norm below 1.6.",
@@ -85,6 +86,47 @@ EXPLANATIONS: dict[str, Explanation] = {
         example="A training loop logs the local norm of rank 0 while clip_grad_norm_ on DTensors clipped with "
         "the global one.",
         fix="Log the value returned by the clipping call (made a full tensor) rather than a locally computed norm.",
+    ),
+    "GA206": Explanation(
+        what="Whether the dump holds the evidence the clipping checks need: the gradient before clipping and, "
+        "on some rank, a reported norm, a clip coefficient or the gradient after clipping.",
+        why="Without that evidence GA201-GA204 and GA302 cannot run, and a report with no error would look like "
+        "a pass. This warning says that clipping was not checked, and why, so that no one reads it as checked.",
+        example="gradaudit.dump() called after clip_grad_norm_ in a step hook: the dump holds the clipped "
+        "gradient and no norm, so nothing shows what clipping did.",
+        fix="Capture with `with gradaudit.audit_step(...) as audit:` and clip through `audit.clip(...)`, or pass "
+        "the norm the training code computed (`reported_norm=`) and call the dump before clipping.",
+    ),
+    "GA207": Explanation(
+        what="When no whole-step accounting explains a rank's norm: the norm in which one group of parameters "
+        "(parameters held alike, e.g. the experts of an MoE layer) is left out, counted on every rank that "
+        "holds a replica, taken from the rank's own pieces, or reduced over another process group, while every "
+        "other parameter is counted once.",
+        why="Mixture-of-experts and mixed-parallel models reduce different parameters over different groups; "
+        "getting one group wrong changes the norm by that group's share only, so the clip is slightly off on "
+        "every step and no whole-step hypothesis matches.",
+        example="Expert gradients replicated over 2 expert-data-parallel ranks, their squares all-reduced over "
+        "the whole data-parallel world instead of the expert-parallel group: every expert counted twice.",
+        fix="Reduce each parameter group's squares over the group that shards it (experts over the expert-"
+        "parallel group), once per logical element, and include every group in the total.",
+    ),
+    "GA208": Explanation(
+        what="Whether a rank's norm is the mean of the ranks' local norms (or the root of the mean of their "
+        "squares) over a process group, instead of the root of the sum of their squares.",
+        why="Averaging norms across data-parallel ranks, as some legacy mixed-precision optimizers did, gives a "
+        "number smaller than the global norm: clipping is too weak.",
+        example="Four ZeRO ranks each compute the norm of their partition and all-reduce it with op=AVG.",
+        fix="All-reduce the sum of |g|^p over the group with op=SUM and take the p-th root.",
+    ),
+    "GA209": Explanation(
+        what="Whether a rank's inf (or nan) norm is what the true norm becomes in a narrower working precision, "
+        "while every gradient value is finite.",
+        why="A norm that overflows zeroes the update (coefficient max_norm / inf = 0) or makes the step skipped "
+        "by a loss scaler, although nothing in the gradients is nonfinite.",
+        example="A gradient element of 1e20 in float32: its square, 1e40, is beyond float32's 3.4e38, so the fp32 "
+        "norm is inf while the float64 norm is 1e20.",
+        fix="Compute norms in float32 or float64 with scaling (torch.linalg.vector_norm scales for you on most "
+        "backends; a hand-rolled sum of squares does not), or find why the gradient is that large.",
     ),
     "GA301": Explanation(
         what="All ranks applied the same clip coefficient to the gradient (within the dtype's tolerance).",
@@ -125,11 +167,16 @@ EXPLANATIONS: dict[str, Explanation] = {
         fix="Use the sharded grad scaler of your stack (it all-reduces found_inf), or all-reduce found_inf with MAX.",
     ),
     "GA501": Explanation(
-        what="How many times clipping ran before one optimizer step, per rank.",
+        what="How many times clipping ran before one optimizer step, per rank, and (when the capture recorded "
+        "statistics before each call) the true global norm before each call. The dumped gradient is the one "
+        "before the last call, so every norm and coefficient the report derives says it is of that moment; "
+        "from a dump that holds only the gradient before the first call, no replica or coefficient check is "
+        "derived across the two moments.",
         why="Clipping each microbatch's partial gradient during accumulation clips a different vector than the "
         "accumulated gradient, so the update differs from the intended rule.",
         example="With 4 accumulation steps clip_grad_norm_ is called in the microbatch loop: 4 calls, each on a "
-        "partial sum.",
+        "partial sum. Under FSDP2 with set_requires_gradient_sync(False) the first calls see no gradient at "
+        "all (true norm 0); under DDP's no_sync() they clip each rank's unreduced partial gradient.",
         fix="Clip once, after the last backward of the accumulation window and before optimizer.step().",
     ),
     "GA502": Explanation(
@@ -178,6 +225,20 @@ EXPLANATIONS: dict[str, Explanation] = {
         "weights show what the bug did to the model.",
         example="Local-norm clipping: the gradients match the reference, the clipped gradients are 1.6 times larger.",
         fix="Fix the clipping finding reported next to it; then the clipped gradients should match.",
+    ),
+    "GA604": Explanation(
+        what="For a parameter whose gradients agree with the reference but whose next weights do not: whether "
+        "each element's difference is within what the reference's own update makes of the gradient tolerance "
+        "(|update| / |gradient| x allowed gradient error; exactly lr x allowed error for SGD), and, for elements "
+        "whose gradient is zero within tolerance, within twice the parameter's largest update element.",
+        why="Adam divides each gradient element by its running magnitude: a gradient that is zero up to rounding "
+        "(the key bias of attention, which the softmax's shift invariance makes mathematically zero) becomes a "
+        "step of up to the learning rate in a direction set by noise. The sharded and unsharded runs round "
+        "differently, so their next weights differ while nothing is wrong; this is reported instead of GA603.",
+        example="blocks.0.attn.qkv.bias under AdamW: gradients agree within 1e-8, the key-bias gradient is about "
+        "1e-11, and the next weights differ by 4.6e-7 against an allowed 2e-7.",
+        fix="Nothing to fix when the gradients agree. To compare next weights tightly, use SGD for the audited "
+        "step, or a larger Adam eps.",
     ),
     "GA701": Explanation(
         what="The norm of the optimizer's update (parameters after minus before) next to the gradient norm.",

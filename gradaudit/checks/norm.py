@@ -13,11 +13,13 @@ from ..diagnosis import (
     StepDiagnosis,
     diagnose_step,
 )
+from ..hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
 from ..measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
+MAX_CANDIDATES_IN_MESSAGE = 16
 
 
 def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]:
@@ -31,11 +33,16 @@ def diagnosis_or_skip(step: StepDump, m: StepMeasurements) -> StepDiagnosis | Sk
     if step.clip is None:
         return Skip(reason="no rank recorded what its clipping did (no clip record in the dump)")
     diagnosis = diagnose_step(step, m)
-    if diagnosis.true_norm is None:
+    if diagnosis.true_norm is None and diagnosis.norm_lower_bound is None:
         return Skip(reason=f"the true global norm is unknown: {diagnosis.true_norm_note}")
     if all(d.hypothesis is None for d in diagnosis.ranks.values()):
+        if diagnosis.true_norm is None:
+            return Skip(
+                reason=f"the true global norm is unknown ({diagnosis.true_norm_note}) and no rank's norm is "
+                f"below {num(diagnosis.norm_lower_bound)}, the lower bound the present ranks give"
+            )
         repeated = [d.rank for d in diagnosis.ranks.values() if d.num_clip_calls > 1]
-        if repeated:
+        if repeated and diagnosis.mixed_moments:
             return Skip(
                 reason=f"{ranks_named(repeated)} clipped several times before one step (see GA501); "
                 "their norms are of partial gradients"
@@ -62,10 +69,15 @@ def _evidence_lines(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> str
 def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
     first = ranks[0]
     scaled = any(base_hypothesis(d.hypothesis)[1] for d in ranks)
-    message = (
-        f"{lead} on {ranks_named(d.rank for d in ranks)}: true global norm {num(diagnosis.true_norm)}, "
-        f"expected coefficient {num(diagnosis.expected_coef)}. {_evidence_lines(diagnosis, ranks)}"
-    )
+    if diagnosis.true_norm is None:
+        truth = (
+            f"true global norm at least {num(diagnosis.norm_lower_bound)} ({diagnosis.true_norm_note}; a lower "
+            f"bound from the present ranks), expected coefficient at most {num(diagnosis.coef_upper_bound)}"
+        )
+    else:
+        moment = f" {diagnosis.moment}" if diagnosis.moment else ""
+        truth = f"true global norm {num(diagnosis.true_norm)}{moment}, expected coefficient {num(diagnosis.expected_coef)}"
+    message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(diagnosis, ranks)}"
     if scaled:
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
     return Hit(
@@ -81,6 +93,11 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
             if first.reported_match is None or first.reported_match.candidate is None
             else first.reported_match.candidate.value,
             "rtol": diagnosis.rtol,
+            **(
+                {}
+                if diagnosis.norm_lower_bound is None
+                else {"true_norm_lower_bound": diagnosis.norm_lower_bound}
+            ),
         },
     )
 
@@ -124,6 +141,60 @@ def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     return tuple(hits)
 
 
+def _by_hypothesis(step: StepDump, m: StepMeasurements, prefix: str, lead) -> CheckResult:
+    """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix)."""
+    diagnosis = diagnosis_or_skip(step, m)
+    if isinstance(diagnosis, Skip):
+        return diagnosis
+    ranks = _ranks_with(diagnosis, lambda h: h.startswith(prefix + ":"))
+    by_what: dict[str, list[RankDiagnosis]] = {}
+    for d in ranks:
+        by_what.setdefault(base_hypothesis(d.hypothesis)[0].split(":", 1)[1], []).append(d)
+    hits = []
+    for what, members in sorted(by_what.items()):
+        hit = _hit(diagnosis, members, lead(what))
+        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, "hypothesis": what}))
+    return tuple(hits)
+
+
+_HOW = {
+    "dropped": "left out of the norm",
+    "every_copy": "counted on every rank that holds a replica",
+    "local": "taken from each rank's own pieces only",
+}
+
+
+def _group_lead(what: str) -> str:
+    label, how = what.split(":", 1)
+    text = _HOW.get(how) or f"reduced over process group {how.split(':', 1)[1]!r} instead"
+    return f"clipping used a norm in which the {label!r} parameters are {text}, the rest counted right"
+
+
+def param_group_mistake(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(step, m, PARAM_GROUP, _group_lead)
+
+
+def averaged_norms(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(
+        step,
+        m,
+        AVERAGED,
+        lambda group: (
+            f"clipping used per-rank norms averaged over process group {group!r} instead of their "
+            "squares summed"
+        ),
+    )
+
+
+def overflowed(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(
+        step,
+        m,
+        OVERFLOW,
+        lambda dtype: f"clipping's norm overflowed to inf in {dtype} although every gradient value is finite",
+    )
+
+
 def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     diagnosis = diagnosis_or_skip(step, m)
     if isinstance(diagnosis, Skip):
@@ -132,7 +203,10 @@ def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     if not ranks:
         return ()
     hit = _hit(diagnosis, ranks, "clipping used a norm that matches no known accounting mistake")
-    candidates = ", ".join(f"{c.hypothesis} {num(c.value)}" for c in ranks[0].candidates)
+    tried = ranks[0].candidates
+    candidates = ", ".join(f"{c.hypothesis} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
+    if len(tried) > MAX_CANDIDATES_IN_MESSAGE:
+        candidates += f", and {len(tried) - MAX_CANDIDATES_IN_MESSAGE} more"
     return (
         Hit(
             message=f"{hit.message}. Candidates tried for rank {ranks[0].rank}: {candidates}",
@@ -173,3 +247,28 @@ def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
 
 def is_correct(hypothesis: str | None) -> bool:
     return base_hypothesis(hypothesis)[0] == CORRECT
+
+
+def not_checked(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
+    for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
+    from .coefficients import coefficient_vs_expected
+
+    diagnosis = diagnosis_or_skip(step, m)
+    if not isinstance(diagnosis, Skip):
+        return ()
+    if step.clip is not None and diagnose_step(step, m).num_clip_calls > 1:
+        return ()
+    coefficient = coefficient_vs_expected(step, m, options)
+    if not isinstance(coefficient, Skip):
+        return ()  # the applied coefficients were checked: GA302 speaks for clipping
+    reason = diagnosis.reason
+    if coefficient.reason != reason:
+        reason += f"; and {coefficient.reason}"
+    return (
+        Hit(
+            message=f"clipping not checked: {reason}; nothing in this report says clipping was right",
+            ranks=tuple(step.ranks_present),
+            evidence={"reason": reason},
+        ),
+    )

@@ -7,8 +7,12 @@ from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 from .norm import base_hypothesis
 
+MAX_CALLS_IN_MESSAGE = 8
+
 
 def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    from ..diagnosis import diagnose_step
+
     calls = {r: step.ranks[r].clip.calls for r in step.ranks_present if step.ranks[r].clip is not None}
     if not any(calls.values()):
         return Skip(reason="no rank recorded its individual clip calls")
@@ -16,19 +20,44 @@ def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOp
     if not repeated:
         return ()
     first_rank = min(repeated)
-    norms = ", ".join(num(c.reported_norm) for c in repeated[first_rank][:8])
+    norms = ", ".join(num(c.reported_norm) for c in repeated[first_rank][:MAX_CALLS_IN_MESSAGE])
     counts = sorted({len(c) for c in repeated.values()})
+    evidence: dict[str, int | float | str | None] = {"num_calls": max(counts), "first_rank": first_rank}
+    diagnosis = diagnose_step(step, m)
+    if diagnosis.call_norms:
+        true_norms = _call_norms_text(diagnosis.call_norms[:MAX_CALLS_IN_MESSAGE], diagnosis.max_norm)
+        evidence.update(
+            {f"call_{c.call}_true_norm": c.norm for c in diagnosis.call_norms[:MAX_CALLS_IN_MESSAGE]}
+        )
+        truth = f"; the true global norm was {true_norms}"
+    else:
+        truth = (
+            "; the dump holds the gradient from before the first call only (no per-call statistics), so "
+            "the true norm at each call is unknown and no coefficient or replica check is derived from it"
+        )
     return (
         Hit(
             message=(
                 f"{ranks_named(repeated)} clipped {'/'.join(map(str, counts))} times before one optimizer step "
-                f"(rank {first_rank} reported norms {norms}); clipping each microbatch's partial gradient is not "
-                "clipping the accumulated gradient"
+                f"(rank {first_rank} reported norms {norms}){truth}; clipping each microbatch's partial "
+                "gradient is not clipping the accumulated gradient: clip once, after the last microbatch"
             ),
             ranks=tuple(repeated),
-            evidence={"num_calls": max(counts), "first_rank": first_rank},
+            evidence=evidence,
         ),
     )
+
+
+def _call_norms_text(call_norms, max_norm: float | None) -> str:
+    parts = []
+    for c in call_norms:
+        text = f"{num(c.norm)} before call {c.call}"
+        if c.replicas_differ:
+            text += " (replicas not yet reduced: the lowest rank's copies counted)"
+        elif max_norm is not None and c.norm is not None and c.norm <= max_norm:
+            text += " (at most max_norm: that call scaled nothing)"
+        parts.append(text)
+    return ", ".join(parts)
 
 
 def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:

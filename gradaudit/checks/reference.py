@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import disjoint_cover, norm_of_pieces, step_cover
+from ..diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
 from ..measure import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
 from ..report import ParamComparison
+from ..updates_explained import judgements
 from .base import AuditOptions, CheckResult, Hit, Skip, count, num
 
 REFERENCE_TOLERANCE_BY_DTYPE = {
@@ -89,8 +90,18 @@ def _describe(c: ParamComparison) -> str:
     )
 
 
-def _hits_for(kinds: tuple[str, ...], m: StepMeasurements, options: AuditOptions, lead: str) -> list[Hit]:
-    bad = [c for c in reference_comparisons(m, options) if c.kind in kinds and not c.within_tolerance]
+def _hits_for(
+    kinds: tuple[str, ...],
+    m: StepMeasurements,
+    options: AuditOptions,
+    lead: str,
+    excused: frozenset[str] = frozenset(),
+) -> list[Hit]:
+    bad = [
+        c
+        for c in reference_comparisons(m, options)
+        if c.kind in kinds and not c.within_tolerance and c.param not in excused
+    ]
     if not bad:
         return []
     lines = [_describe(c) for c in bad[:MAX_PARAMS_IN_MESSAGE]]
@@ -120,7 +131,9 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
         return Skip(
             reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)"
         )
-    hits = _hits_for(("grad",), m, options, "gradients differ from the unsharded reference")
+    moment = _moment(step, m)
+    lead = f"gradients ({moment})" if moment else "gradients"
+    hits = _hits_for(("grad",), m, options, f"{lead} differ from the unsharded reference")
     if notes or m.reference_only_params:
         missing = notes + [f"{name}: only in the reference" for name in m.reference_only_params]
         hits.append(
@@ -145,11 +158,19 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
                 )
             hits.append(
                 Hit(
-                    message=f"the global gradient norm is {num(ours)} here but {num(theirs)} in the reference{coefs}",
+                    message=f"the global gradient norm is {num(ours)} here{' ' + moment if moment else ''} but "
+                    f"{num(theirs)} in the reference{coefs}",
                     evidence={"global_norm": ours, "reference_global_norm": theirs, "rtol": rtol},
                 )
             )
     return tuple(hits)
+
+
+def _moment(step: StepDump, m: StepMeasurements) -> str:
+    """When the dumped pre-clip gradient was taken, when several clip calls make it matter."""
+    if step.clip is None:
+        return ""
+    return diagnose_step(step, m).moment
 
 
 def _global_norms(step: StepDump, m: StepMeasurements) -> tuple[float | None, float | None]:
@@ -168,5 +189,43 @@ def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options:
             reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
         )
     hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
-    hits += _hits_for(("param_after",), m, options, "the next weights differ from the unsharded reference")
+    explained = frozenset(name for name, j in judgements(step, m).items() if j.explained)
+    hits += _hits_for(
+        ("param_after",), m, options, "the next weights differ from the unsharded reference", explained
+    )
     return tuple(hits)
+
+
+def updates_explained_by_optimizer(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    """GA604: next-weights differences that the optimizer's normalisation of agreeing gradients explains."""
+    if not m.reference_given:
+        return Skip(reason="no unsharded reference was given (--reference REF)")
+    explained = sorted((j for j in judgements(step, m).values() if j.explained), key=lambda j: j.param)
+    if not explained:
+        return ()
+    lines = []
+    for j in explained[:MAX_PARAMS_IN_MESSAGE]:
+        why = (
+            f"{count(j.num_near_zero_gradient, 'element')} with a gradient zero within tolerance "
+            f"({num(j.gradient_tolerance)}), moved by up to the step size {num(j.max_update)}"
+            if j.num_near_zero_gradient
+            else "within what the reference's update makes of the gradient tolerance"
+        )
+        lines.append(
+            f"{j.param}: max |error| {num(j.max_abs_error)} (allowed {num(j.base_tolerance)}): {why}"
+        )
+    if len(explained) > MAX_PARAMS_IN_MESSAGE:
+        lines.append(f"and {len(explained) - MAX_PARAMS_IN_MESSAGE} more")
+    return (
+        Hit(
+            message=f"the next weights of {count(len(explained), 'parameter')} differ from the reference while "
+            "their gradients agree; the optimizer's normalisation explains it (an adaptive optimizer turns "
+            "near-zero gradients, whose sign is rounding noise, into full-size steps): " + "; ".join(lines),
+            params=tuple(j.param for j in explained),
+            evidence={
+                "num_params": len(explained),
+                "num_near_zero_gradient_elements": sum(j.num_near_zero_gradient for j in explained),
+                "worst_param": max(explained, key=lambda j: j.max_abs_error).param,
+            },
+        ),
+    )

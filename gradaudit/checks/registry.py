@@ -74,6 +74,10 @@ _TABLE = (
     ("GA203", ERROR, "norm reduced over the wrong process group", norm.wrong_group),
     ("GA204", ERROR, "norm matches no known mistake", norm.unexplained),
     ("GA205", WARNING, "reported norm is wrong but clipping used the right one", norm.logging_bug),
+    ("GA206", WARNING, "clipping was not checked", norm.not_checked),
+    ("GA207", ERROR, "norm accounts one group of parameters wrongly", norm.param_group_mistake),
+    ("GA208", ERROR, "norm averages per-rank norms instead of summing squares", norm.averaged_norms),
+    ("GA209", ERROR, "norm overflowed in its working precision", norm.overflowed),
     ("GA301", ERROR, "ranks applied different clip coefficients", coefficients.coefficients_differ),
     (
         "GA302",
@@ -105,6 +109,12 @@ _TABLE = (
         "clipped gradients or next weights differ from the unsharded reference",
         reference.clipped_or_next_weights_differ,
     ),
+    (
+        "GA604",
+        INFO,
+        "next weights differ only as the optimizer's normalisation of agreeing gradients explains",
+        reference.updates_explained_by_optimizer,
+    ),
     ("GA701", INFO, "update norm vs gradient norm", updates.update_vs_gradient),
     (
         "GA702",
@@ -114,7 +124,7 @@ _TABLE = (
     ),
 )
 
-DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA701")
+DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA604", "GA701")
 """Checks whose clean result stands with ranks missing (the others then say they could not decide)."""
 
 CHECKS: tuple[CheckSpec, ...] = tuple(

@@ -35,6 +35,13 @@ def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
 
 
 def replicas_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    from ..diagnosis import diagnose_step
+
+    if step.clip is not None and diagnose_step(step, m).mixed_moments:
+        return Skip(
+            reason="clipping ran several times (GA501) and the dumped gradient is from before the first call, "
+            "a partial gradient that accumulation may not have reduced yet"
+        )
     sets = [rs for pm in m.params.values() for rs in pm.replica_sets]
     if not sets:
         return Skip(reason="no parameter piece is held on more than one present rank")

@@ -11,15 +11,20 @@ from .base import AuditOptions, CheckResult, Hit, Skip, num
 
 
 def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    cover = step_cover(m)
-    with_update = [p for p in cover if p.update_sum_sq is not None]
-    if not with_update:
-        return Skip(reason="parameters before and after the optimizer step were not dumped with values")
-    if len(with_update) < len(cover):
+    everything = step_cover(m)
+    cover = [p for p in everything if p.update_sum_sq is not None]
+    if not cover:
+        stats = any(step.ranks[r].mode == "stats" for r in step.ranks_present)
         return Skip(
-            reason=f"only {len(with_update)} of {len(cover)} pieces hold parameters before and after the step"
+            reason="parameters before and after the optimizer step were not dumped with values"
+            + (
+                " (a stats-mode dump keeps parameter values only for full_params= patterns)"
+                if stats
+                else " (pass optimizer= to audit_step)"
+            )
         )
-    update_norm = math.sqrt(math.fsum(p.update_sum_sq for p in cover))
+    partial = len(cover) < len(everything)
+    update_norm = math.sqrt(math.fsum(p.update_sum_sq for p in cover if p.update_sum_sq is not None))
     clipped = all("grad_clipped" in p.stats for p in cover)
     grad_norm = norm_of_pieces(cover, 2.0, "grad_clipped" if clipped else "grad")
     if grad_norm is None or not math.isfinite(grad_norm) or not math.isfinite(update_norm):
@@ -31,7 +36,12 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
     return (
         Hit(
             message=(
-                f"the optimizer moved the parameters by L2 norm {num(update_norm)}; the {which} had L2 norm "
+                (
+                    f"over the {len(cover)} of {len(everything)} pieces dumped with parameter values: "
+                    if partial
+                    else ""
+                )
+                + f"the optimizer moved the parameters by L2 norm {num(update_norm)}; the {which} had L2 norm "
                 f"{num(grad_norm)} (ratio {num(ratio)}). Gradient clipping bounds the gradient, not an adaptive "
                 "optimizer's update: monitor the update norm separately if it matters"
             ),
@@ -41,6 +51,7 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
                 "gradient_norm": grad_norm,
                 "ratio": ratio,
                 "gradient_kind": "grad_clipped" if clipped else "grad",
+                **({"num_pieces": len(cover), "num_pieces_in_step": len(everything)} if partial else {}),
             },
         ),
     )

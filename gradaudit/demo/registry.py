@@ -80,7 +80,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         name="clip_per_microbatch",
         world_size=2,
-        stack="DDP, 2 microbatches of gradient accumulation",
+        stack="DDP, 2 microbatches of gradient accumulation (no_sync() on the first)",
         mistake="clips after every microbatch",
         expected="GA501 clipped twice; --reference: GA602, GA603",
     ),

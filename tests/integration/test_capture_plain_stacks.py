@@ -8,7 +8,7 @@ import math
 import pytest
 import scenarios_plain
 from launcher import run_ranks
-from models import reference_grads_tied, reference_grads_tiny, write_reference_dump
+from models import MAX_NORM, reference_grads_tied, reference_grads_tiny, write_reference_dump
 from reassemble import audit_report, error_codes, load, norm_of, reassemble
 
 pytestmark = pytest.mark.integration
@@ -39,9 +39,12 @@ def _reassembled(runs, scenario):
     assert step.missing_ranks == ()
     grads = {scenarios_plain.MEGATRON_NAMES.get(k, k): v for k, v in reassemble(step, "grad").items()}
     reference = _reference(scenario)
+    scale = 1.0
+    if scenario == "ddp_twice":  # the dump holds the gradient before the last clip call: after the first
+        scale = min(1.0, MAX_NORM / (step.ranks[0].clip.calls[0].reported_norm + 1e-6))
     assert sorted(grads) == sorted(reference)
     for name, expected in reference.items():
-        assert float((grads[name] - expected.double()).abs().max()) < 1e-5, name
+        assert float((grads[name] - scale * expected.double()).abs().max()) < 1e-5, name
     return step_path, step, norm_of(grads), [r[scenario]["returned_norm"] for r in results]
 
 

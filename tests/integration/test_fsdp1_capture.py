@@ -392,8 +392,8 @@ def test_reading_gradients_left_unreduced_by_no_sync_raises_a_capture_error(runs
         assert message is not None and "no_sync()" in message
 
 
-def test_parameters_fsdp1_ignores_are_left_out_with_a_warning_naming_them(runs):
+def test_parameters_fsdp1_ignores_are_captured_as_replicas_with_a_warning_naming_them(runs):
     for rank_result in runs[1]:
         ignored = rank_result["ignored"]
-        assert not ignored["params"] & {"norm.weight", "norm.bias"}
-        assert any("norm.weight, norm.bias" in w and "ownership=" in w for w in ignored["warnings"])
+        assert {"norm.weight", "norm.bias"} <= ignored["params"]
+        assert any("norm.weight, norm.bias" in w and "whole replicas" in w for w in ignored["warnings"])

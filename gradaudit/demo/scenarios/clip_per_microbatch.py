@@ -1,9 +1,11 @@
-"""DDP with two microbatches of gradient accumulation (all-reduced after each, as plain DDP does outside
-`no_sync()`), clipping after every microbatch instead of once before the optimizer step: the first
-microbatch's share is clipped on its own, which changes the objective, and the sum is clipped again."""
+"""DDP with two microbatches of gradient accumulation, as usually written: `no_sync()` on the first
+(its gradients stay local), the all-reduce on the last. The mistake: clipping after every microbatch
+instead of once before the optimizer step. The first call clips each rank's unreduced partial
+gradient by its local norm, which changes the objective; the sum is clipped again."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -26,8 +28,10 @@ def train_rank(ctx: RankContext) -> None:
     with gradaudit.audit_step(
         model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
     ) as audit:
-        for inputs, targets in microbatches:
-            (mse(model, inputs, targets) / NUM_MICROBATCHES).backward()
+        for i, (inputs, targets) in enumerate(microbatches):
+            last = i == NUM_MICROBATCHES - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                (mse(model, inputs, targets) / NUM_MICROBATCHES).backward()
             # The mistake: this belongs after the loop, once.
             audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
         optimizer.step()

@@ -1,0 +1,164 @@
+"""Next weights judged through the optimizer: is a next-weights difference from the reference what the
+optimizer's own normalisation makes of gradient differences within tolerance?
+
+An adaptive optimizer (Adam) divides each gradient element by its running magnitude, so a gradient
+element that is zero up to rounding (a key bias behind a softmax, which is shift-invariant) moves its
+weight by up to the full step size in a direction set by noise; the next weights then differ from the
+reference although the gradients agree. For each element, the allowed next-weights error is the
+reference's tolerance plus what the reference's own update makes of the allowed gradient error:
+`|u_i| / |g_i| * allowed_g` (for SGD exactly lr * allowed_g), and for elements whose gradient is zero
+within tolerance, up to twice the parameter's largest update element (the noise may flip the step).
+
+`explain_update_errors` reads tensors (the shell side, only for parameters whose gradients agree and
+whose next weights do not); `judge_elements` is the pure rule on tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .model import Piece, StepDump
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checks.base import AuditOptions
+    from .dumpfile import TensorReader
+    from .measure import StepMeasurements
+
+DERIVED_KEY = "updates_explained"
+"""Where audit_step leaves the result for the checks (StepMeasurements.derived)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateJudgement:
+    """One parameter's next weights judged through the optimizer's normalisation."""
+
+    param: str
+    explained: bool
+    max_abs_error: float
+    base_tolerance: float
+    """atol + rtol * max |reference next weights|: what GA603 allowed."""
+    num_elements: int
+    num_near_zero_gradient: int
+    """Elements whose error needed the near-zero-gradient allowance (their gradient is zero within tolerance)."""
+    gradient_tolerance: float
+    max_update: float
+    """The largest |update| element of the reference step for this parameter."""
+
+
+def judge_elements(
+    *,
+    param: str,
+    ours_after: torch.Tensor,
+    ref_before: torch.Tensor,
+    ref_after: torch.Tensor,
+    ref_grad: torch.Tensor,
+    base_tolerance: float,
+    gradient_tolerance: float,
+) -> UpdateJudgement:
+    """The rule above on float64 tensors of one parameter (same shapes)."""
+    import torch
+
+    error = (ours_after - ref_after).abs()
+    update = (ref_after - ref_before).abs()
+    grad = ref_grad.abs()
+    max_update = float(update.max()) if update.numel() else 0.0
+    near_zero = grad <= gradient_tolerance
+    sensitivity = torch.where(near_zero, torch.zeros_like(update), update / grad.clamp_min(1e-300))
+    allowed = base_tolerance + torch.where(
+        near_zero, torch.full_like(update, 2 * max_update), sensitivity * gradient_tolerance
+    )
+    finite = torch.isfinite(error)
+    explained = bool(finite.all()) and bool((error <= allowed).all())
+    needed = (error > base_tolerance + sensitivity * gradient_tolerance) & near_zero
+    return UpdateJudgement(
+        param=param,
+        explained=explained,
+        max_abs_error=float(error.max()) if error.numel() else 0.0,
+        base_tolerance=base_tolerance,
+        num_elements=int(error.numel()),
+        num_near_zero_gradient=int(needed.sum()),
+        gradient_tolerance=gradient_tolerance,
+        max_update=max_update,
+    )
+
+
+def explain_update_errors(
+    step: StepDump,
+    reference: StepDump,
+    m: StepMeasurements,
+    options: AuditOptions,
+    reader: TensorReader,
+) -> Mapping[str, UpdateJudgement]:
+    """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
+    from .checks.reference import compare, tolerances
+    from .reference import _assemble_dense
+
+    found: dict[str, UpdateJudgement] = {}
+    for name, pm in m.params.items():
+        by_kind = {e.kind: e for e in pm.reference_errors}
+        after = by_kind.get("param_after")
+        grad_kind = "grad_clipped" if "grad_clipped" in by_kind else "grad"
+        grad = by_kind.get(grad_kind)
+        if after is None or grad is None or compare(after, options).within_tolerance:
+            continue
+        if not all(compare(e, options).within_tolerance for k, e in by_kind.items() if k != "param_after"):
+            continue
+        info = reference.params.get(name)
+        if info is None:
+            continue
+        shape = tuple(info.global_shape)
+        ref_pieces = _holding(reference, name)
+        ours = _holding(step, name)
+        needed = ("param_before", "param_after", grad_kind)
+        if not all(all(k in p.tensors for _, p in ref_pieces) and ref_pieces for k in needed):
+            continue
+        if not ours or not all("param_after" in p.tensors for _, p in ours):
+            continue
+        dense = {k: _assemble_dense(reader, shape, ref_pieces, k) for k in needed}
+        ours_after = _assemble_dense(reader, shape, ours, "param_after")
+        if bool(ours_after.isnan().any()) and not bool(dense["param_after"].isnan().any()):
+            continue  # our pieces do not cover the parameter: leave it to GA603
+        rtol, atol = tolerances(after.dtype, options)
+        grtol, gatol = tolerances(grad.dtype, options)
+        found[name] = judge_elements(
+            param=name,
+            ours_after=ours_after,
+            ref_before=dense["param_before"],
+            ref_after=dense["param_after"],
+            ref_grad=dense[grad_kind] / _scale(reference, grad_kind),
+            base_tolerance=atol + rtol * after.max_abs_reference,
+            gradient_tolerance=gatol + grtol * grad.max_abs_reference,
+        )
+    return found
+
+
+def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
+    """(path, piece) of the lowest-rank copy of each layout of `name` in `step`."""
+    chosen: dict[tuple[object, ...], tuple[str, Piece]] = {}
+    for rank in step.ranks_present:
+        dump = step.ranks[rank]
+        for piece in dump.pieces:
+            if piece.param == name:
+                chosen.setdefault(piece.layout_key, (dump.path, piece))
+    return list(chosen.values())
+
+
+def _scale(step: StepDump, kind: str) -> float:
+    from .measure import SCALED_KINDS, dumped_gradient_scale
+
+    if kind not in SCALED_KINDS or not step.ranks_present:
+        return 1.0
+    scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
+    return scale if math.isfinite(scale) and scale > 0 else 1.0
+
+
+def judgements(step: StepDump, m: StepMeasurements) -> Mapping[str, UpdateJudgement]:
+    """What audit_step left for the checks ({} when it judged nothing)."""
+    result = m.derived(DERIVED_KEY, step, dict)
+    assert isinstance(result, Mapping)
+    return result
