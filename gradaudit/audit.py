@@ -14,8 +14,8 @@ from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
 from .diagnosis import StepDiagnosis, diagnose_step
+from .engine.measure import StepMeasurements, measure_step
 from .errors import StepFolderError
-from .measure import StepMeasurements, measure_step
 from .model import StepDump
 from .report import (
     Finding,

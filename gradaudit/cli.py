@@ -104,8 +104,8 @@ def check(
         options = AuditOptions(reference=None if reference is None else str(reference), rtol=rtol, atol=atol)
     except ValueError as exc:
         raise UsageError(f"{exc}; pass --rtol/--atol as non-negative numbers") from None
+    from .engine.scaleout import launch_env, scaled_out
     from .render.progress import check_progress
-    from .scaleout import launch_env, scaled_out
 
     env = launch_env()  # under torchrun: parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0

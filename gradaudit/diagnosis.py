@@ -9,9 +9,17 @@ import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .measure import PieceMeasurement, StepMeasurements
+from .engine.measure import PieceMeasurement, StepMeasurements
 from .model import StepDump, TensorStats
-from .norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
+from .norms import (
+    CLIP_EPS,
+    expected_clip_coef,
+    is_inf_norm,
+    norm_of_terms,
+    norm_rtol,
+    relative_difference,
+    safe_fsum,
+)
 from .ranksets import compact_ranks
 
 MIN_RTOL = 1e-6
@@ -180,9 +188,9 @@ def applied_coef_of(
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
     pre_post = [(p.dot_pre_post, p.dot_pre_pre) for p in pieces if p.dot_pre_post is not None]
     if pre_post:
-        denominator = math.fsum(b for _, b in pre_post)
+        denominator = safe_fsum(b for _, b in pre_post)
         if denominator > 0:
-            return math.fsum(a for a, _ in pre_post) / denominator, "gradients"
+            return safe_fsum(a for a, _ in pre_post) / denominator, "gradients"
     stat_pairs = [
         (p.stats["grad"], p.stats["grad_clipped"])
         for p in pieces
@@ -194,8 +202,8 @@ def applied_coef_of(
                 math.nan,
                 "gradients",
             )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        pre = math.fsum(a.sum_sq for a, _ in stat_pairs)
-        post = math.fsum(b.sum_sq for _, b in stat_pairs)
+        pre = safe_fsum(a.sum_sq for a, _ in stat_pairs)
+        post = safe_fsum(b.sum_sq for _, b in stat_pairs)
         if pre > 0:
             return math.sqrt(post / pre), "gradients"
     clip = step.ranks[rank].clip
@@ -429,7 +437,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     for piece in cover:
         if "grad" in piece.stats:
             own_sq.setdefault(piece.rank, []).append(piece.stats["grad"].sum_sq)
-    total_sq = math.fsum(v for values in own_sq.values() for v in values)
+    total_sq = safe_fsum(v for values in own_sq.values() for v in values)
     norms = _RankSetNorms(by_rank, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     ranks = {}
@@ -463,7 +471,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
             hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
-        rank_sq = math.fsum(own_sq.get(rank, ()))
+        rank_sq = safe_fsum(own_sq.get(rank, ()))
         ranks[rank] = RankDiagnosis(
             rank=rank,
             local_norm=norms.norm((rank,), False)[0],

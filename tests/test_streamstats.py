@@ -10,9 +10,9 @@ from builders import FIXED, flat
 
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.build import write_rank
+from gradaudit.engine.kernel import ChunkKernel
+from gradaudit.engine.tensorstats import stats_of_tensor
 from gradaudit.model import ClipRecord
-from gradaudit.streamstats import ChunkKernel
-from gradaudit.tensorstats import stats_of_tensor
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from ..ranksets import compact_ranks
 from ..report import Finding, NotChecked, Severity

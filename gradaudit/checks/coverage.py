@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import FlatRange, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
 from .sweep import coverage, region_boxes

@@ -13,7 +13,7 @@ from ..diagnosis import (
     StepDiagnosis,
     diagnose_step,
 )
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 

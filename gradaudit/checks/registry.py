@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from ..report import Finding, NotChecked, Severity
 from . import coefficients, coverage, nonfinite, norm, procedure, reference, replicas, updates

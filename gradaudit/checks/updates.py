@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..diagnosis import norm_of_pieces, step_cover
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num
 

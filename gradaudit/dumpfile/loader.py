@@ -6,21 +6,19 @@ import contextlib
 import dataclasses
 import errno
 import gc
-import math
 import os
 import re
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
-from ..errors import DumpFormatError, StepFolderError
+from ..errors import DumpFormatError, GradauditError, StepFolderError
 from ..model import Inconsistency, RankDump, StepDump
 from .header import (
-    ITEMSIZES,
     Header,
-    TensorEntry,
+    OpenFileLimitError,
     clipped,
     open_regular_file,
     os_problem,
@@ -31,9 +29,6 @@ from .header import (
 )
 from .schema import METADATA_KEY, decode_rank
 from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
-
-if TYPE_CHECKING:
-    import torch
 
 _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
 _RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
@@ -100,6 +95,14 @@ def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
     return files, warnings
 
 
+def _listing_problem(directory: Path, exc: OSError) -> GradauditError:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return OpenFileLimitError(directory)
+    return StepFolderError(
+        f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
+    )
+
+
 def _folder_problem(directory: Path) -> str | None:
     """Why `directory` cannot be opened as a folder, in words; None when it can."""
     try:
@@ -151,9 +154,7 @@ def load_step(directory: str | os.PathLike) -> StepDump:
     try:
         files, warnings = rank_files(directory)
     except OSError as exc:
-        raise StepFolderError(
-            f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
-        ) from None
+        raise _listing_problem(directory, exc) from None
     if not files:
         raise StepFolderError(
             f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?"
@@ -296,116 +297,8 @@ def find_step_dirs(directory: str | os.PathLike) -> list[Path]:
     try:
         entries = list(directory.iterdir())
     except OSError as exc:
-        raise StepFolderError(
-            f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
-        ) from None
+        raise _listing_problem(directory, exc) from None
     if any(e.name.endswith(RANK_FILE_SUFFIX) for e in entries):
         return [directory]
     steps = sorted((int(m.group(1)), e) for e in entries if (m := _STEP_DIR.match(e.name)))
     return [e for _, e in steps] or [directory]
-
-
-class TensorReader:
-    """Reads dumped tensors lazily, one at a time or by chunks of rows, from the rank files of a step.
-
-    Reads are plain bounded file reads, not a memory map: a file truncated or rewritten after it was
-    loaded gives a DumpFormatError naming it (a memory map would kill the process with SIGBUS).
-    Each file's header is validated again when it is first opened; given the `step` it was loaded
-    as, the reader also refuses a file whose pieces changed since.
-    """
-
-    def __init__(self, step: StepDump | None = None) -> None:
-        self._expected = {d.path: d for d in step.ranks.values()} if step is not None else {}
-        self._files: dict[str, tuple[BinaryIO, Header]] = {}
-
-    def _open(self, path: str) -> tuple[BinaryIO, Header]:
-        opened = self._files.get(path)
-        if opened is None:
-            handle = open_regular_file(path)
-            try:
-                dump, header = _load_rank_from(handle, path)
-                expected = self._expected.get(path)
-                if expected is not None and (
-                    dump.pieces != expected.pieces or dump.num_bytes != expected.num_bytes
-                ):
-                    raise DumpFormatError(
-                        path,
-                        "changed on disk after it was loaded",
-                        "let the dump finish before checking it, then re-run",
-                    )
-            except BaseException:
-                handle.close()
-                raise
-            opened = self._files[path] = (handle, header)
-        return opened
-
-    def _entry(self, path: str, key: str) -> tuple[BinaryIO, TensorEntry]:
-        handle, header = self._open(path)
-        entry = header.tensors.get(key)
-        if entry is None:
-            raise DumpFormatError(path, f"has no tensor {shown(key)}")
-        return handle, entry
-
-    def _read(
-        self, path: str, key: str, handle: BinaryIO, entry: TensorEntry, first: int, count: int
-    ) -> torch.Tensor:
-        """Elements [first, first + count) of the flattened tensor, as a 1-D tensor."""
-        import torch
-
-        dtype = getattr(torch, entry.dtype)
-        itemsize = ITEMSIZES[entry.dtype]
-        offset, num_bytes = entry.begin + first * itemsize, count * itemsize
-        buffer = torch.empty(num_bytes, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
-        done = 0
-        try:
-            handle.seek(offset)
-            while done < num_bytes:
-                got = handle.readinto(view[done:])
-                if not got:
-                    raise DumpFormatError(
-                        path,
-                        f"tensor {shown(key)} is cut short at byte {offset + done}",
-                        "the file was truncated or rewritten after it was checked",
-                    )
-                done += got
-        except OSError as exc:
-            raise DumpFormatError(path, os_problem(exc)) from None
-        return buffer.view(dtype)
-
-    def read(self, path: str, key: str) -> torch.Tensor:
-        handle, entry = self._entry(path, key)
-        return self._read(path, key, handle, entry, 0, math.prod(entry.shape)).reshape(entry.shape)
-
-    def chunks(self, path: str, key: str, max_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
-        """The tensor flattened row-major, in consecutive 1-D chunks of whole rows of at most about
-        `max_elements` (an empty tensor gives one empty chunk)."""
-        handle, entry = self._entry(path, key)
-        numel = math.prod(entry.shape)
-        if numel == 0 or len(entry.shape) == 0:
-            yield self._read(path, key, handle, entry, 0, numel)
-            return
-        row = numel // entry.shape[0]
-        rows_per_chunk = max(1, max_elements // row)
-        for start in range(0, entry.shape[0], rows_per_chunk):
-            stop = min(start + rows_per_chunk, entry.shape[0])
-            yield self._read(path, key, handle, entry, start * row, (stop - start) * row)
-
-    def read_range(self, path: str, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of the tensor flattened row-major, reading only those bytes."""
-        handle, entry = self._entry(path, key)
-        numel = math.prod(entry.shape)
-        if not 0 <= start <= stop <= numel:
-            raise ValueError(f"range [{start}, {stop}) is outside tensor {key!r} of {numel} elements")
-        return self._read(path, key, handle, entry, start, stop - start)
-
-    def close(self) -> None:
-        for handle, _ in self._files.values():
-            handle.close()
-        self._files.clear()
-
-    def __enter__(self) -> TensorReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,0 +1,681 @@
+"""Reading the dumped tensors once, by parameter, into the numbers the checks need (the shell side).
+
+The unit of work is one logical parameter: all its pieces on all present ranks. `measure_param`
+reads them by chunks (never more than a few pieces' chunks in memory) and returns a frozen
+`ParamMeasurement`; `measure_step` spreads parameters over worker threads, optionally a subset, and
+measurements of disjoint subsets `merge` into the same result as one pass (so parameters can be
+split among processes: see scaleout.py). The inner loop over chunks is kernel.ChunkKernel; all of
+it is numpy, so that checking a dump never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
+from ..norms import divide_by_power
+from .kernel import KERNEL_CHUNK_ELEMENTS, ChunkKernel
+from .reference import ReferenceSource, compare_regions, compare_values, covers
+
+if TYPE_CHECKING:
+    from .reader import TensorReader
+
+COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
+"""Tensor kinds compared against an unsharded reference."""
+
+Progress = Callable[[int, int], None]
+
+CHUNK_ELEMENTS = KERNEL_CHUNK_ELEMENTS
+"""Elements read and reduced at a time per tensor (see kernel: the float64 buffer stays in cache)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PieceMeasurement:
+    """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
+
+    rank: int
+    index: int
+    param: str
+    regions: tuple[Region, ...]
+    dtype: str
+    numel: int
+    replica_group: str | None = None
+    stats: Mapping[str, TensorStats] = field(default_factory=dict)
+    dot_pre_post: float | None = None
+    """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
+    dot_pre_pre: float | None = None
+    """sum(grad * grad) over the same elements as `dot_pre_post`."""
+    update_sum_sq: float | None = None
+    """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
+    value_scale: float = 1.0
+    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
+    before GradScaler.unscale_); every gradient number here is already divided by it."""
+
+    @property
+    def layout_key(self) -> tuple:
+        return (self.param, self.regions)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaCopy:
+    """One copy of a replica set compared with the set's base (lowest-rank) copy."""
+
+    rank: int
+    index: int
+    max_abs_diff: float | None = None
+    """Largest |copy - base| over elements finite in both (None in stats mode)."""
+    num_nonfinite_mismatch: int | None = None
+    """Elements where one is finite and the other not, or both infinite with different signs."""
+    fingerprint_delta: float | None = None
+    """Largest difference of the fingerprint components (stats mode)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaSet:
+    """Pieces with one layout (same parameter, same regions) held on several ranks."""
+
+    param: str
+    regions: tuple[Region, ...]
+    dtype: str
+    base_rank: int
+    base_index: int
+    base_max_abs: float
+    base_sum_sq: float
+    numel: int
+    copies: tuple[ReplicaCopy, ...]
+    by_values: bool
+    """True when the copies were compared value by value, False when only by fingerprints."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({self.base_rank, *(c.rank for c in self.copies)}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceError:
+    """One parameter and tensor kind compared with the reference, element by element."""
+
+    param: str
+    kind: str
+    dtype: str
+    numel_compared: int
+    max_abs_error: float
+    max_abs_reference: float
+    num_nonfinite_mismatch: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamMeasurement:
+    param: str
+    norm_type: float
+    pieces: tuple[PieceMeasurement, ...]
+    replica_sets: tuple[ReplicaSet, ...] = ()
+    reference_pieces: tuple[PieceMeasurement, ...] = ()
+    """The reference dump's pieces of this parameter (their stats), when a reference was given."""
+    reference_errors: tuple[ReferenceError, ...] = ()
+    notes: tuple[str, ...] = ()
+    """Why something about this parameter could not be measured (e.g. absent from the reference)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMeasurements:
+    """Everything read from the tensors of one step; a pure value the checks work on."""
+
+    norm_type: float
+    params: Mapping[str, ParamMeasurement]
+    reference_given: bool = False
+    reference_step: int | None = None
+    reference_only_params: tuple[str, ...] = ()
+    """Parameters the reference holds and the checked dump does not."""
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """Values derived purely from these measurements and a step, computed once for all checks."""
+
+    def derived(self, key: str, step: object, compute: Callable[[], object]) -> object:
+        """`compute()`, remembered for this `step` object: the checks share one diagnosis."""
+        entry = self._memo.get(key)
+        if entry is None or entry[0] is not step:
+            entry = (step, compute())
+            self._memo[key] = entry
+        return entry[1]
+
+    def merge(self, other: StepMeasurements) -> StepMeasurements:
+        """Combine measurements of disjoint parameter subsets of the same step."""
+        if self.norm_type != other.norm_type and not (
+            math.isnan(self.norm_type) and math.isnan(other.norm_type)
+        ):
+            raise ValueError(
+                f"cannot merge measurements of norm types {self.norm_type} and {other.norm_type}"
+            )
+        if self.reference_given != other.reference_given:
+            raise ValueError("cannot merge measurements with and without a reference")
+        overlap = set(self.params) & set(other.params)
+        if overlap:
+            raise ValueError(
+                f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+            )
+        return StepMeasurements(
+            norm_type=self.norm_type,
+            params=dict(sorted({**self.params, **other.params}.items())),
+            reference_given=self.reference_given,
+            reference_step=self.reference_step,
+            reference_only_params=tuple(
+                sorted(set(self.reference_only_params) | set(other.reference_only_params))
+            ),
+        )
+
+    @property
+    def pieces(self) -> Iterator[PieceMeasurement]:
+        for pm in self.params.values():
+            yield from pm.pieces
+
+
+SCALED_KINDS = ("grad", "grad_clipped")
+"""Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
+
+
+def dumped_gradient_scale(dump: RankDump) -> float:
+    """How many times the true gradient the dumped gradients are: the loss scale when the rank's first
+    clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
+    clip = dump.clip
+    if clip is None:
+        return 1.0
+    first = clip.calls[0] if clip.calls else None
+    unscaled = (
+        first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
+    )
+    scale = first.loss_scale if first is not None and first.loss_scale is not None else clip.loss_scale
+    if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
+        return scale
+    return 1.0
+
+
+def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
+    """The statistics of the gradient divided by `scale`; a sum whose quotient is beyond float64
+    becomes inf or 0 (as the float64 sum of the unscaled values would), never an exception."""
+    if scale == 1.0:
+        return stats
+    p = stats.norm_type
+    return replace(
+        stats,
+        sum_pow=stats.sum_pow / scale if math.isinf(p) else divide_by_power(stats.sum_pow, scale, p),
+        sum_sq=divide_by_power(stats.sum_sq, scale, 2.0),
+        max_abs=stats.max_abs / scale,
+        fingerprint=tuple(v / scale for v in stats.fingerprint),
+    )
+
+
+# ---------------------------------------------------------------- reading helpers
+
+
+def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, numel, chunk):
+        yield start, min(numel, start + chunk)
+
+
+def _piece_flat(
+    reader: TensorReader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
+) -> np.ndarray:
+    """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
+    values = reader.float64(path, piece.tensors[kind], start, stop)
+    if scale != 1.0 and kind in SCALED_KINDS:
+        with np.errstate(all="ignore"):
+            values /= scale
+    return values
+
+
+# ---------------------------------------------------------------- one parameter
+
+
+def _measure_piece(
+    reader,
+    kernel: ChunkKernel,
+    rank: int,
+    path: str,
+    piece: Piece,
+    norm_type: float,
+    scale: float = 1.0,
+    *,
+    fingerprint: bool = False,
+) -> PieceMeasurement:
+    if piece.tensors:
+        read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
+            reader, path, piece, norm_type, fingerprint=fingerprint
+        )
+        stats = {**piece.stats, **read}  # values measured here win over stored summaries
+    else:  # stats-only: nothing to read (the common case of many-rank dumps: kept cheap)
+        stats, dot_pre_post, dot_pre_pre, update_sum_sq = piece.stats, None, None, None
+    if scale != 1.0:
+        stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
+    if len(stats) > 1:
+        stats = dict(sorted(stats.items()))
+    if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
+        dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
+        dot_pre_pre = divide_by_power(dot_pre_pre, scale, 2.0)
+    return PieceMeasurement(
+        rank=rank,
+        index=piece.index,
+        param=piece.param,
+        regions=piece.regions,
+        dtype=piece.dtype,
+        numel=piece.numel,
+        replica_group=piece.replica_group,
+        stats=stats,
+        dot_pre_post=dot_pre_post,
+        dot_pre_pre=dot_pre_pre,
+        update_sum_sq=update_sum_sq,
+        value_scale=scale,
+    )
+
+
+def _compare_replicas(
+    reader,
+    copies: list[tuple[int, str, Piece]],
+    measured: Mapping[tuple[int, int], PieceMeasurement],
+    chunk: int,
+) -> ReplicaSet:
+    """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
+    copies = sorted(copies, key=lambda c: (c[0], c[2].index))
+    base_rank, base_path, base = copies[0]
+    base_stats = measured[(base_rank, base.index)].stats.get("grad")
+    by_values = all("grad" in p.tensors for _, _, p in copies)
+    results = []
+    if by_values:
+        others = copies[1:]
+        per_copy = max(1 << 16, chunk // max(1, len(copies)))
+        diffs = [0.0] * len(others)
+        mismatches = [0] * len(others)
+        for start, stop in _flat_windows(base.numel, per_copy):
+            ref = _piece_flat(
+                reader, base_path, base, "grad", start, stop, measured[(base_rank, base.index)].value_scale
+            )
+            for i, (rank, path, piece) in enumerate(others):
+                values = _piece_flat(
+                    reader, path, piece, "grad", start, stop, measured[(rank, piece.index)].value_scale
+                )
+                diff, _, mismatch = compare_values(values, ref)
+                diffs[i] = max(diffs[i], diff)
+                mismatches[i] += mismatch
+        results = [
+            ReplicaCopy(rank=r, index=p.index, max_abs_diff=d, num_nonfinite_mismatch=n)
+            for (r, _, p), d, n in zip(others, diffs, mismatches, strict=False)
+        ]
+    else:
+        for rank, _, piece in copies[1:]:
+            stats = measured[(rank, piece.index)].stats.get("grad")
+            delta = None
+            if (
+                stats is not None
+                and base_stats is not None
+                and len(stats.fingerprint) == len(base_stats.fingerprint)
+            ):
+                delta = max(
+                    [abs(a - b) for a, b in zip(stats.fingerprint, base_stats.fingerprint, strict=False)]
+                    + [
+                        abs(math.sqrt(stats.sum_sq) - math.sqrt(base_stats.sum_sq)),
+                        abs(stats.max_abs - base_stats.max_abs),
+                    ]
+                )
+                if stats.num_nonfinite != base_stats.num_nonfinite:
+                    delta = math.inf
+            results.append(ReplicaCopy(rank=rank, index=piece.index, fingerprint_delta=delta))
+    return ReplicaSet(
+        param=base.param,
+        regions=base.regions,
+        dtype=base.dtype,
+        base_rank=base_rank,
+        base_index=base.index,
+        base_max_abs=0.0 if base_stats is None else base_stats.max_abs,
+        base_sum_sq=0.0 if base_stats is None else base_stats.sum_sq,
+        numel=base.numel,
+        copies=tuple(results),
+        by_values=by_values,
+    )
+
+
+def _compare_with_reference(
+    reader,
+    param: str,
+    rank_path: str,
+    piece: Piece,
+    source: ReferenceSource,
+    kind: str,
+    chunk: int,
+    scale: float,
+) -> ReferenceError:
+    max_err, max_ref, mismatches, compared = compare_regions(
+        lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
+    )
+    return ReferenceError(
+        param=param,
+        kind=kind,
+        dtype=piece.dtype,
+        numel_compared=compared,
+        max_abs_error=max_err,
+        max_abs_reference=max_ref,
+        num_nonfinite_mismatch=mismatches,
+    )
+
+
+def _merge_errors(errors: list[ReferenceError]) -> ReferenceError:
+    first = errors[0]
+    return ReferenceError(
+        param=first.param,
+        kind=first.kind,
+        dtype=max((e.dtype for e in errors), key=_dtype_looseness),
+        numel_compared=sum(e.numel_compared for e in errors),
+        max_abs_error=max(e.max_abs_error for e in errors),
+        max_abs_reference=max(e.max_abs_reference for e in errors),
+        num_nonfinite_mismatch=sum(e.num_nonfinite_mismatch for e in errors),
+    )
+
+
+def _dtype_looseness(dtype: str) -> float:
+    from ..norms import norm_rtol
+
+    return norm_rtol([dtype])
+
+
+def measure_param(
+    step: StepDump,
+    name: str,
+    reader: TensorReader,
+    *,
+    norm_type: float,
+    reference: StepDump | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    held: list[tuple[int, str, Piece]] | None = None,
+    reference_held: list[tuple[int, str, Piece]] | None = None,
+    infos: tuple[ParamInfo | None, ParamInfo | None] | None = None,
+    scales: Mapping[int, float] | None = None,
+    kernel: ChunkKernel | None = None,
+) -> ParamMeasurement:
+    """Measure one logical parameter: every piece on every present rank, its replicas, its reference.
+
+    `held` / `reference_held` are this parameter's (rank, path, piece) entries, and `infos` its
+    ParamInfo here and in the reference, when the caller looked them up already for every parameter
+    (see `pieces_by_param`); `scales` maps ranks to `dumped_gradient_scale` of their files; `kernel`
+    holds the calling worker's read buffers."""
+    if held is None:
+        held = pieces_by_param(step).get(name, [])
+    if kernel is None:
+        kernel = ChunkKernel(chunk_elements)
+    by_layout: dict[tuple, list] = {}
+    for rank, path, piece in held:
+        by_layout.setdefault(piece.layout_key, []).append((rank, path, piece))
+    fingerprinted = _needing_fingerprints(by_layout)
+    measured = {
+        (rank, piece.index): _measure_piece(
+            reader,
+            kernel,
+            rank,
+            path,
+            piece,
+            norm_type,
+            _scale_of(step, rank, scales),
+            fingerprint=(rank, piece.index) in fingerprinted,
+        )
+        for rank, path, piece in held
+    }
+    replica_sets = tuple(
+        _compare_replicas(reader, copies, measured, chunk_elements)
+        for _, copies in sorted(by_layout.items(), key=lambda kv: min((r, p.index) for r, _, p in kv[1]))
+        if len(copies) > 1
+    )
+    reference_pieces, reference_errors, notes = (), (), ()
+    if reference is not None:
+        if reference_held is None:
+            reference_held = pieces_by_param(reference).get(name, [])
+        if infos is None:
+            infos = (step.params.get(name), reference.params.get(name))
+        reference_pieces, reference_errors, notes = _measure_reference(
+            name,
+            reader,
+            infos,
+            reference_held,
+            by_layout,
+            norm_type=norm_type,
+            chunk=chunk_elements,
+            scale_of=lambda rank: _scale_of(step, rank, scales),
+            reference=reference,
+            kernel=kernel,
+        )
+    return ParamMeasurement(
+        param=name,
+        norm_type=norm_type,
+        pieces=tuple(measured[k] for k in sorted(measured)),
+        replica_sets=replica_sets,
+        reference_pieces=reference_pieces,
+        reference_errors=reference_errors,
+        notes=notes,
+    )
+
+
+def _needing_fingerprints(by_layout: Mapping[tuple, list]) -> set[tuple[int, int]]:
+    """(rank, piece index) of the pieces with values whose replica set also holds stats-only copies:
+    those are compared by fingerprint, so theirs must be computed (it costs several passes)."""
+    wanted = set()
+    for copies in by_layout.values():
+        with_values = [(rank, piece.index) for rank, _, piece in copies if "grad" in piece.tensors]
+        if len(copies) > 1 and len(with_values) < len(copies):
+            wanted.update(with_values)
+    return wanted
+
+
+def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
+    """Parameter -> (rank, file path, piece) of every piece that holds part of it, by rank."""
+    found: dict[str, list[tuple[int, str, Piece]]] = {}
+    for rank in step.ranks_present:
+        dump = step.ranks[rank]
+        for piece in dump.pieces:
+            found.setdefault(piece.param, []).append((rank, dump.path, piece))
+    return found
+
+
+def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> float:
+    return scales[rank] if scales is not None and rank in scales else dumped_gradient_scale(step.ranks[rank])
+
+
+def _measure_reference(
+    name,
+    reader,
+    infos,
+    ref_held,
+    by_layout,
+    *,
+    norm_type: float,
+    chunk: int,
+    scale_of,
+    reference: StepDump,
+    kernel,
+):
+    info, ref_info = infos
+    if ref_info is None:
+        return (), (), (f"{name}: not in the reference dump",)
+    if info is not None and tuple(ref_info.global_shape) != tuple(info.global_shape):
+        return (
+            (),
+            (),
+            (
+                f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
+            ),
+        )
+    reference_pieces = tuple(
+        _measure_piece(
+            reader, kernel, rank, path, piece, norm_type, dumped_gradient_scale(reference.ranks[rank])
+        )
+        for rank, path, piece in ref_held
+    )
+    errors, notes = [], []
+    for kind in COMPARED_KINDS:
+        ref_with_values = [(path, piece) for _, path, piece in ref_held if kind in piece.tensors]
+        ours = [min(copies, key=lambda c: (c[0], c[2].index)) for copies in by_layout.values()]
+        ours = [(rank, path, piece) for rank, path, piece in ours if kind in piece.tensors]
+        if not ours or not ref_with_values:
+            continue
+        if not covers(ref_with_values, ref_info.global_shape):
+            notes.append(f"{name}: the reference's {kind} pieces do not cover the parameter; not compared")
+            continue
+        ref_rank = next(rank for rank, _, piece in ref_held if kind in piece.tensors)
+        ref_scale = dumped_gradient_scale(reference.ranks[ref_rank]) if kind in SCALED_KINDS else 1.0
+        source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
+        per_piece = [
+            _compare_with_reference(reader, name, path, piece, source, kind, chunk, scale_of(rank))
+            for rank, path, piece in sorted(ours, key=lambda c: (c[0], c[2].index))
+        ]
+        errors.append(_merge_errors(per_piece))
+    return reference_pieces, tuple(errors), tuple(notes)
+
+
+def measure_step(
+    step: StepDump,
+    reader: TensorReader,
+    *,
+    norm_type: float | None = None,
+    reference: StepDump | None = None,
+    params: Iterable[str] | None = None,
+    progress: Progress | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    workers: int | None = None,
+) -> StepMeasurements:
+    """Measure the given parameters (all of the step's by default) of one step, parameter by parameter.
+
+    Parameters with tensor data are spread over `workers` threads (default: the usable cores), the
+    largest first; each thread reads with its own TensorReader and buffers, so memory is a few chunks
+    per thread whatever the size of the dump. numpy's reductions release the GIL, and each parameter
+    is reduced by one thread in a fixed chunk order, so the result is the same bits for any number
+    of workers. `progress(done, total)` is
+    called after each parameter, from the calling thread.
+    """
+    if norm_type is None:
+        norm_type = step.clip.norm_type if step.clip is not None else 2.0
+    known = step.params
+    names = sorted(known) if params is None else sorted(set(params))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"parameters {unknown[:3]} are not in step {step.step}; pass names from step.params")
+    held = pieces_by_param(step)
+    reference_held = None if reference is None else pieces_by_param(reference)
+    reference_infos = {} if reference is None else reference.params
+    scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
+
+    def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
+        return measure_param(
+            step,
+            name,
+            worker_reader,
+            norm_type=norm_type,
+            reference=reference,
+            chunk_elements=chunk_elements,
+            held=held.get(name, []),
+            reference_held=None if reference_held is None else reference_held.get(name, []),
+            infos=(known[name], reference_infos.get(name)),
+            scales=scales,
+            kernel=kernel,
+        )
+
+    cost = bytes_to_read(step, reference)
+    results = _measure_all(
+        names,
+        cost,
+        measure,
+        reader,
+        step,
+        workers=available_workers() if workers is None else workers,
+        chunk_elements=chunk_elements,
+        progress=progress,
+    )
+    reference_only = ()
+    if reference is not None:
+        reference_only = tuple(sorted(set(reference_infos) - set(known)))
+    return StepMeasurements(
+        norm_type=norm_type,
+        params=dict(sorted(results.items())),
+        reference_given=reference is not None,
+        reference_step=None if reference is None else reference.step,
+        reference_only_params=reference_only,
+    )
+
+
+def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
+    """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
+    from ..dumpfile.header import SAFETENSORS_DTYPES
+
+    itemsize = dict(SAFETENSORS_DTYPES.values())
+    cost = dict.fromkeys(step.params, 0)
+    for dump in (step, reference):
+        for rank in () if dump is None else dump.ranks_present:
+            for piece in dump.ranks[rank].pieces:
+                if piece.tensors and piece.param in cost:
+                    cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
+    return cost
+
+
+def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elements: int, progress) -> dict:
+    """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
+    would only contend for the GIL. The others go to the worker threads, largest first."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from .reader import TensorReader
+
+    results: dict[str, ParamMeasurement] = {}
+    done = 0
+
+    def finished(name: str, measurement: ParamMeasurement) -> None:
+        nonlocal done
+        results[name] = measurement
+        done += 1
+        if progress is not None:
+            progress(done, len(names))
+
+    kernel = ChunkKernel(chunk_elements)
+    to_read = sorted((n for n in names if cost[n] > 0), key=lambda n: (-cost[n], n))
+    if workers <= 1 or len(to_read) <= 1:
+        for name in names:
+            finished(name, measure(name, reader, kernel))
+        return results
+    for name in names:
+        if cost[name] == 0:
+            finished(name, measure(name, reader, kernel))
+    local = threading.local()
+    opened: list = []
+    lock = threading.Lock()
+
+    def in_worker(name: str) -> ParamMeasurement:
+        if not hasattr(local, "reader"):
+            local.reader, local.kernel = TensorReader(step), ChunkKernel(chunk_elements)
+            with lock:
+                opened.append(local.reader)
+        return measure(name, local.reader, local.kernel)
+
+    try:
+        with ThreadPoolExecutor(
+            max_workers=min(workers, len(to_read)), thread_name_prefix="gradaudit-measure"
+        ) as pool:
+            futures = {pool.submit(in_worker, name): name for name in to_read}
+            try:
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    finally:
+        for worker_reader in opened:
+            worker_reader.close()
+    return results
+
+
+def available_workers() -> int:
+    """The cores this process may use."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
