@@ -172,6 +172,8 @@ def command_for(directory: str, options: AuditOptions) -> str:
         parts += ["--rtol", f"{options.rtol:g}"]
     if options.atol is not None:
         parts += ["--atol", f"{options.atol:g}"]
+    if options.allow_incomplete_ranks:
+        parts += ["--allow-incomplete-ranks"]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -236,7 +238,7 @@ def audit_step_dir(
     """Audit one step_<N> folder (with options.reference, against that reference step)."""
     from .dumpfile import load_step
 
-    step = load_step(path)
+    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks)
     reference, warnings = _reference_for(step, options)
     return audit_step(
         step, options, reference=reference, progress=progress, warnings=warnings, measure=measure

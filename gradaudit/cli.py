@@ -88,6 +88,11 @@ def check(
     ),
     rtol: float | None = typer.Option(None, "--rtol", help="Relative tolerance of the reference comparison."),
     atol: float | None = typer.Option(None, "--atol", help="Absolute tolerance of the reference comparison."),
+    allow_incomplete_ranks: bool = typer.Option(
+        False,
+        "--allow-incomplete-ranks",
+        help="Audit the readable ranks; report each unreadable rank file as a missing rank with its reason.",
+    ),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
@@ -101,7 +106,12 @@ def check(
     if output is not None:
         _refuse_output_path(output, [directory] + ([reference] if reference is not None else []))
     try:
-        options = AuditOptions(reference=None if reference is None else str(reference), rtol=rtol, atol=atol)
+        options = AuditOptions(
+            reference=None if reference is None else str(reference),
+            rtol=rtol,
+            atol=atol,
+            allow_incomplete_ranks=allow_incomplete_ranks,
+        )
     except ValueError as exc:
         raise UsageError(f"{exc}; pass --rtol/--atol as non-negative numbers") from None
     from .engine.scaleout import launch_env, scaled_out

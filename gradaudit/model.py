@@ -297,6 +297,9 @@ class StepDump:
     inconsistencies: tuple[Inconsistency, ...] = ()
     warnings: tuple[str, ...] = ()
     """Things the loader skipped (stray files), to be shown to the user."""
+    unreadable_ranks: Mapping[int, str] = field(default_factory=dict)
+    """Ranks whose file could not be read, with the reason (only with --allow-incomplete-ranks;
+    each is also in `missing_ranks`)."""
 
     @property
     def ranks_present(self) -> tuple[int, ...]:

@@ -22,6 +22,8 @@ class AuditOptions:
     """Relative tolerance for the reference comparison (GA602/GA603); None: chosen by dtype."""
     atol: float | None = None
     """Absolute tolerance for the reference comparison; None: chosen by dtype."""
+    allow_incomplete_ranks: bool = False
+    """An unreadable rank file becomes a missing rank with its reason instead of stopping the audit."""
 
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):

@@ -140,12 +140,15 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_step(directory: str | os.PathLike) -> StepDump:
+def load_step(directory: str | os.PathLike, *, allow_incomplete: bool = False) -> StepDump:
     """Load the headers of every rank file in a step folder into one StepDump.
 
     Files from different steps, runs or world sizes in one folder are refused (DumpFormatError):
     the writer never mixes them, so such a folder was assembled by hand, and any finding computed
-    across them would describe no real step.
+    across them would describe no real step. A file that cannot be read stops the load, unless
+    `allow_incomplete`: then a file named for its rank becomes a missing rank with its reason
+    (`StepDump.unreadable_ranks`), any other a warning. Running out of file descriptors is never
+    taken for a broken file.
     """
     directory = Path(directory)
     problem = _folder_problem(directory)
@@ -160,9 +163,20 @@ def load_step(directory: str | os.PathLike) -> StepDump:
             f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?"
         )
     ranks: dict[int, RankDump] = {}
+    unreadable: dict[int, str] = {}
     with gc_paused():
         for path in files:
-            dump = load_rank_file(path)
+            try:
+                dump = load_rank_file(path)
+            except DumpFormatError as exc:
+                if not allow_incomplete:
+                    raise
+                named = _RANK_FILE.match(path.name)
+                reason = exc.problem + (f" ({exc.hint})" if exc.hint else "")
+                if named:
+                    unreadable[int(named.group(1))] = reason
+                warnings.append(f"{path}: unreadable, audited as a missing rank: {reason}")
+                continue
             if dump.rank in ranks:
                 raise DumpFormatError(
                     path,
@@ -173,8 +187,20 @@ def load_step(directory: str | os.PathLike) -> StepDump:
             if named and int(named.group(1)) != dump.rank:
                 warnings.append(f"{path}: named for rank {int(named.group(1))} but holds rank {dump.rank}")
             ranks[dump.rank] = dump
+        if not ranks:
+            raise StepFolderError(
+                f"{directory}: none of its {len(files)} rank files can be read ({warnings[-1]})"
+            )
         refuse_mixed_runs(ranks)
-        return assemble_step(str(directory), ranks, warnings=tuple(warnings))
+        step = assemble_step(str(directory), ranks, warnings=tuple(warnings))
+    if not unreadable:
+        return step
+    unreadable = {r: why for r, why in unreadable.items() if r not in step.ranks}
+    world_size = max([step.world_size, *(r + 1 for r in unreadable)])
+    missing = tuple(r for r in range(world_size) if r not in step.ranks)
+    return dataclasses.replace(
+        step, world_size=world_size, missing_ranks=missing, unreadable_ranks=dict(sorted(unreadable.items()))
+    )
 
 
 _RUN_IDENTITY: tuple[tuple[str, Callable[[RankDump], object]], ...] = (
