@@ -250,8 +250,20 @@ def _terminal_width() -> int:
     return max(80, min(160, shutil.get_terminal_size((100, 24)).columns))
 
 
+def _single_threaded_blas() -> None:
+    """BLAS's own threads off in this process, before numpy loads it: the check spreads parameters
+    over its own worker threads, and BLAS threads beside them spin and fight for the cores (a dense
+    check measured 30x slower with OpenBLAS's default threads on a loaded 2-core machine)."""
+    import os
+
+    if "numpy" not in sys.modules:
+        for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(name, "1")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors exit 2 with one line; anything unexpected exits 3."""
+    _single_threaded_blas()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if debug:
