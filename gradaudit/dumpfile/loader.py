@@ -12,10 +12,11 @@ import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError, StepFolderError
 from ..model import Inconsistency, RankDump, StepDump
+from .columnar import ParamsCache
 from .header import (
     Header,
     OpenFileLimitError,
@@ -23,6 +24,7 @@ from .header import (
     open_regular_file,
     os_problem,
     parse_json,
+    read_exactly,
     read_raw_header_from,
     shown,
     validate_tensors,
@@ -34,15 +36,18 @@ _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
 _RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
 
 
-def load_rank_file(path: str | os.PathLike) -> RankDump:
-    """Read and validate one rank file's header; no tensor data is read."""
+def load_rank_file(path: str | os.PathLike, *, params_cache: ParamsCache | None = None) -> RankDump:
+    """Read and validate one rank file's header; no tensor data is read (format-1.1 columns are
+    metadata, and are read). `params_cache` shares decoded parameter tables between the ranks."""
     path = str(path)
     with open_regular_file(path) as handle:
-        dump, _ = _load_rank_from(handle, path)
+        dump, _ = _load_rank_from(handle, path, params_cache)
     return dump
 
 
-def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
+def _load_rank_from(
+    handle: BinaryIO, path: str, params_cache: ParamsCache | None = None
+) -> tuple[RankDump, Header]:
     raw = read_raw_header_from(handle, path)
     text = raw.metadata.get(METADATA_KEY)
     if text is None:
@@ -57,9 +62,39 @@ def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
     except (ValueError, RecursionError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({clipped(first_line)})") from None
-    dump = decode_rank(doc, path, num_bytes=header.file_size)
+    arrays = _read_columns(handle, path, header) if isinstance(doc, dict) and "columnar" in doc else None
+    dump = decode_rank(doc, path, num_bytes=header.file_size, arrays=arrays, params_cache=params_cache)
     _check_tensors_against_header(dump, header)
     return dump, header
+
+
+def _read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
+    """The format-1.1 column tensors of a file as numpy arrays (their sizes were checked against
+    the file by validate_tensors, so nothing here allocates more than the file holds)."""
+    import numpy as np
+
+    from .columnar import PREFIX
+
+    dtypes = {"int64": np.int64, "float64": np.float64, "uint8": np.uint8}
+    arrays: dict[str, Any] = {}
+    for key, entry in header.tensors.items():
+        if not key.startswith(PREFIX):
+            continue
+        if entry.dtype not in dtypes:
+            raise DumpFormatError(
+                path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
+            )
+        try:
+            handle.seek(entry.begin)
+            raw = read_exactly(handle, entry.end - entry.begin)
+        except OSError as exc:
+            raise DumpFormatError(path, os_problem(exc)) from None
+        if len(raw) != entry.end - entry.begin:
+            raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
+        arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
+            entry.shape
+        )
+    return arrays
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
@@ -164,10 +199,11 @@ def load_step(directory: str | os.PathLike, *, allow_incomplete: bool = False) -
         )
     ranks: dict[int, RankDump] = {}
     unreadable: dict[int, str] = {}
+    params_cache: ParamsCache = {}
     with gc_paused():
         for path in files:
             try:
-                dump = load_rank_file(path)
+                dump = load_rank_file(path, params_cache=params_cache)
             except DumpFormatError as exc:
                 if not allow_incomplete:
                     raise

@@ -15,12 +15,11 @@ import torch
 from builders import FIXED, check
 
 from gradaudit.dumpfile.build import flat, whole, write_rank
-from gradaudit.dumpfile.schema import _encode_stats
-from gradaudit.model import ClipRecord, TensorStats
+from gradaudit.dumpfile.writer import write_rank_file
+from gradaudit.model import ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats
 
 from .cli import assert_clean_refusal, assert_report_or_clean_refusal, run_cli
 from .corpus import (
-    edit_metadata,
     header_bytes,
     rank_path,
     read_parts,
@@ -178,26 +177,31 @@ def test_two_gradients_whose_squares_sum_beyond_float64_give_their_finite_norm(t
 
 def _stats_step(tmp_path: Path, stats: dict[str, TensorStats], norm_type: float = 2.0, **clip_fields) -> Path:
     """A one-rank stats-only step whose pieces carry exactly `stats` (numbers no real tensor has)."""
-    write_rank(
-        tmp_path,
+    pieces = tuple(
+        Piece(
+            index=i,
+            param=name,
+            regions=(FlatRange(start=0, stop=s.numel),),
+            local_shape=(s.numel,),
+            dtype="float64",
+            stats={"grad": s},
+        )
+        for i, (name, s) in enumerate(stats.items())
+    )
+    dump = RankDump(
+        path="",
         rank=0,
         world_size=1,
         step=1,
-        params={name: (s.numel,) for name, s in stats.items()},
-        pieces=[
-            whole(name, grad=torch.zeros(s.numel, dtype=torch.float64), stats_only=True)
-            for name, s in stats.items()
-        ],
+        mode="stats",
+        params=tuple(
+            ParamInfo(name=name, global_shape=(s.numel,), dtype="float64") for name, s in stats.items()
+        ),
+        pieces=pieces,
         clip=ClipRecord(max_norm=1.0, norm_type=norm_type, **clip_fields),
-        norm_type=norm_type,
         **FIXED,
     )
-
-    def replace_stats(doc: dict) -> None:
-        for piece in doc["pieces"]:
-            piece["stats"]["grad"] = _encode_stats(stats[piece["param"]])
-
-    edit_metadata(rank_path(tmp_path, 0), replace_stats)
+    write_rank_file(tmp_path, dump, {})
     return tmp_path
 
 
