@@ -50,7 +50,7 @@ def _header(path) -> tuple[int, dict, dict]:
 
 def test_a_stats_only_rank_is_written_as_columns_and_read_back_equal(tmp_path):
     path = _stats_step(tmp_path)
-    length, header, doc = _header(path)
+    _, _, doc = _header(path)
     assert doc["format_version"] == "1.1" and doc["pieces"] == [] and doc["params"] == []
     assert doc["columnar"]["num_pieces"] == 3 and doc["columnar"]["kinds"] == ["grad"]
     dump = load_rank_file(path)
@@ -143,7 +143,7 @@ def _rewrite_columns(path, edit) -> None:
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
 
-    _, header, doc = _header(path)
+    _, _, doc = _header(path)
     arrays = {k: v.copy() for k, v in load_file(str(path)).items()}
     edit(arrays, doc)
     save_file(
