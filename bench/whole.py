@@ -151,6 +151,7 @@ def one_param_section(workdir: Path, mib: int, repeats: int) -> None:
 
 CAPTURE_SCRIPT = """
 import statistics, time, torch
+torch.set_num_threads(1)
 from gradaudit.engine.tensorstats import stats_of_tensor
 torch.manual_seed(0)
 grads = [torch.randn(n) for n in [{sizes}]]

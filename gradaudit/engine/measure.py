@@ -34,7 +34,7 @@ CHUNK_ELEMENTS = KERNEL_CHUNK_ELEMENTS
 """Elements read and reduced at a time per tensor (see kernel: the float64 buffer stays in cache)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PieceMeasurement:
     """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
 
