@@ -94,7 +94,11 @@ def build_in_child(kind: str, directory: Path, size: float) -> None:
 
 
 def build(kind: str, directory: Path, size: float) -> None:
-    if kind == "dense":
+    if kind == "stats":
+        import layouts
+
+        layouts.write_stats_dump(directory, num_ranks=int(size))
+    elif kind == "dense":
         import layouts
 
         layouts.write_dense_dump(directory, num_elements=int(size * GIB) // 4, num_ranks=8)
@@ -147,6 +151,37 @@ def one_param_section(workdir: Path, mib: int, repeats: int) -> None:
     result = pair(floor, check, repeats)
     report("one-param", "gradaudit check", "numpy floor", result, 1.3)
     _agree(result)
+
+
+def stats_section(workdir: Path, ladder: tuple[int, ...]) -> None:
+    print(
+        f"== stats: 800 parameters flat-sharded over every rank, stats only (format 1.1), ranks {list(ladder)}"
+    )
+    seconds: dict[int, float] = {}
+    peaks: dict[int, int] = {}
+    for ranks in ladder:
+        directory = workdir / f"stats-{ranks}"
+        build_in_child("stats", directory, ranks)
+        _warm(directory)
+        seconds[ranks], peaks[ranks], _ = run_timed_rss(
+            [PY, "-m", "gradaudit", "check", str(directory), "--format", "json"]
+        )
+        print(
+            f"  {ranks:5d} ranks: gradaudit check {seconds[ranks]:7.2f} s   peak RSS {peaks[ranks] / MIB:6.0f} MiB"
+        )
+        sys.stdout.flush()
+    for small in ladder:
+        if small * 4 in seconds:
+            growth = seconds[small * 4] / seconds[small]
+            print(f"RATIO stats check time {small * 4}/{small} ranks = {growth:.2f}")
+            print(
+                f"TARGET stats growth per 4x ranks <= 4.2x: {'MET' if growth <= 4.2 else 'NOT MET'} ({growth:.2f}x, {small}->{small * 4})"
+            )
+    top = max(ladder)
+    verdict = "MET" if seconds[top] < 60 and peaks[top] < 1.5 * GIB else "NOT MET"
+    print(
+        f"TARGET stats {top} ranks < 60 s and < 1.5 GiB (the target is at 4096): {verdict} ({seconds[top]:.1f} s, {peaks[top] / GIB:.2f} GiB)"
+    )
 
 
 CAPTURE_SCRIPT = """
@@ -205,6 +240,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small dumps (a minute), for a smoke run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the dumps here and reuse them")
+    parser.add_argument("--full", action="store_true", help="the stats ladder up to 4096 ranks (long)")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gradaudit-whole-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -216,6 +252,8 @@ def main() -> int:
         dense_section(workdir, 0.125 if args.quick else 1.0, max(3, args.repeats - 2))
         one_param_section(workdir, 64 if args.quick else 512, max(3, args.repeats - 2))
         capture_section((16 if args.quick else 52) << 20, 5)
+        ladder = (32, 128) if args.quick else (128, 512, 1024, 2048, 4096) if args.full else (128, 512)
+        stats_section(workdir, ladder)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
