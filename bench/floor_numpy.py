@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # single-threaded, before numpy loads BLAS
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if __name__ == "__main__":  # single-threaded, before numpy loads BLAS
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json
 import math
