@@ -29,7 +29,16 @@ if TYPE_CHECKING:
     from ..model import StepDump
 
 MAX_OPEN_FILES = 32
-"""Files kept open at once: enough for the pieces a worker reads side by side, far below any limit."""
+"""Files kept open at once per reader (one reader per worker thread): enough for the pieces a worker
+reads side by side; fewer under a low limit on open files (see `default_max_open`)."""
+
+
+def default_max_open() -> int:
+    """MAX_OPEN_FILES, or an eighth of the soft limit on open files when that is lower."""
+    from ..dumpfile.header import open_file_limit
+
+    limit = open_file_limit()
+    return MAX_OPEN_FILES if isinstance(limit, str) or limit <= 0 else max(1, min(MAX_OPEN_FILES, limit // 8))
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,11 @@ class TensorReader:
     """Reads tensors of a step's rank files as numpy arrays (and, for callers that want them, as
     torch tensors); see the module docstring."""
 
-    def __init__(self, step: StepDump | None = None, *, max_open: int = MAX_OPEN_FILES) -> None:
+    def __init__(self, step: StepDump | None = None, *, max_open: int | None = None) -> None:
         self._expected = {d.path: d for d in step.ranks.values()} if step is not None else {}
         self._headers: dict[str, tuple[Header, _Identity]] = {}
         self._open_files: OrderedDict[str, BinaryIO] = OrderedDict()
-        self._max_open = max(1, max_open)
+        self._max_open = max(1, default_max_open() if max_open is None else max_open)
         self._scratch: dict[str, np.ndarray] = {}
 
     def _handle(self, path: str) -> tuple[BinaryIO, Header]:
