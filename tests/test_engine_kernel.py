@@ -1,4 +1,4 @@
-"""The check's chunk kernel gives the statistics of the reference accumulator, in any dtype and chunking."""
+"""The check's numpy chunk kernel gives the statistics of the capture side's torch accumulator, in any dtype and chunking."""
 
 from __future__ import annotations
 
