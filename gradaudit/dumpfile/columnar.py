@@ -305,6 +305,32 @@ def _check_rows(
         raise fail("coordinates are not laid out piece after piece")
 
 
+def _check_extents(
+    rows: np.ndarray,
+    coords: np.ndarray,
+    params: Sequence[ParamInfo],
+    counts: Mapping[str, np.ndarray],
+    fail: Fail,
+) -> None:
+    """Flat ranges inside their parameter and nonfinite counts within each piece's elements, for
+    all pieces at once (boxes are checked one by one as they are built: they are few)."""
+    param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
+    flat = np.flatnonzero(ndim == 0)
+    start, stop = coords[first[flat]], coords[first[flat] + 1]
+    limit = np.array([p.numel for p in params], dtype=np.int64)[param[flat]]
+    bad = (start < 0) | (start > stop) | (stop > limit)
+    if bad.any():
+        i = int(flat[np.argmax(bad)])
+        raise fail(
+            f"piece {i}: range [{coords[first[i]]}, {coords[first[i] + 1]}) is outside {params[param[i]].name!r:.60}"
+        )
+    numel = stop - start
+    for kind, counted in counts.items():
+        over = counted[flat].sum(axis=1) > numel
+        if over.any():
+            raise fail(f"piece {int(flat[np.argmax(over)])}: more nonfinite {kind} values than elements")
+
+
 def _pieces_from(
     rows: np.ndarray,
     coords: np.ndarray,
@@ -316,19 +342,17 @@ def _pieces_from(
     *,
     fail: Fail | None = None,
 ) -> tuple[Piece, ...]:
+    if fail is not None:
+        _check_extents(rows, coords, params, counts, fail)
     coords_list = coords.tolist()
-    stats_lists = {k: v.tolist() for k, v in stats.items()}
-    counts_lists = {k: v.tolist() for k, v in counts.items()}
+    stats_lists = [(k, v.tolist(), counts[k].tolist()) for k, v in stats.items()]
     pieces = []
-    numels = [p.numel for p in params]
     for index, (param_index, group, first, ndim) in enumerate(rows.tolist()):
         info = params[param_index]
         region: Region
         if ndim == 0:
             start, stop = coords_list[first], coords_list[first + 1]
-            if fail is not None and not 0 <= start <= stop <= numels[param_index]:
-                raise fail(f"piece {index}: range [{start}, {stop}) is outside {info.name!r:.60}")
-            region, local_shape = FlatRange(start=start, stop=stop), (stop - start,)
+            region, local_shape, numel = FlatRange(start=start, stop=stop), (stop - start,), stop - start
         else:
             offsets = tuple(coords_list[first : first + ndim])
             shape = tuple(coords_list[first + ndim : first + 2 * ndim])
@@ -337,14 +361,13 @@ def _pieces_from(
                 for o, s, d in zip(offsets, shape, info.global_shape, strict=True)
             ):
                 raise fail(f"piece {index}: box {list(offsets)} + {list(shape)} is outside {info.name!r:.60}")
-            region, local_shape = Box(offsets=offsets, shape=shape), shape
-        numel = math.prod(local_shape)
+            region, local_shape, numel = Box(offsets=offsets, shape=shape), shape, math.prod(shape)
+            if fail is not None and any(sum(c[index]) > numel for _, _, c in stats_lists):
+                raise fail(f"piece {index}: more nonfinite values than elements")
         piece_stats = {}
-        for kind, values in stats_lists.items():
+        for kind, values, counted in stats_lists:
             sum_pow, sum_sq, max_abs, *fingerprint = values[index]
-            nan, posinf, neginf = counts_lists[kind][index]
-            if fail is not None and nan + posinf + neginf > numel:
-                raise fail(f"piece {index}: {nan + posinf + neginf} nonfinite values in {numel} elements")
+            nan, posinf, neginf = counted[index]
             piece_stats[kind] = TensorStats(
                 numel=numel,
                 norm_type=norm_type,
