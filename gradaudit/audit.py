@@ -14,7 +14,7 @@ from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
 from .diagnosis import StepDiagnosis, diagnose_step
-from .engine.measure import StepMeasurements, measure_step
+from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
 from .model import StepDump
 from .report import (
@@ -225,6 +225,7 @@ def audit_step(
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
+        warnings = tuple(warnings) + overflow_notes(m)
         return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
 
 

@@ -174,6 +174,26 @@ class StepMeasurements:
             yield from pm.pieces
 
 
+def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
+    """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
+    squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    notes = []
+    for piece in m.pieces:
+        stats = piece.stats.get("grad")
+        if stats is None or stats.num_nonfinite or not stats.numel:
+            continue
+        for what, value in (("squares", stats.sum_sq), (f"|x|^{stats.norm_type:g}", stats.sum_pow)):
+            if math.isinf(value):
+                notes.append(
+                    f"{piece.param} on rank {piece.rank}: the sum of {what} of its finite gradient values "
+                    f"(max |x| {stats.max_abs:.6g}) exceeds float64, so norms that include it are reported as inf"
+                )
+                break
+    if len(notes) > limit:
+        notes = notes[:limit] + [f"and {len(notes) - limit} more pieces whose sums exceed float64"]
+    return tuple(notes)
+
+
 SCALED_KINDS = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
 

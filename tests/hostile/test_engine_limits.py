@@ -251,3 +251,13 @@ def test_extreme_loss_scales_are_audited_without_an_internal_error(tmp_path, cap
     outcome = run_cli(capsys, "check", str(step_dir))
     assert_report_or_clean_refusal(outcome)
     assert outcome.code in (0, 1)
+
+
+def test_a_sum_of_squares_beyond_float64_is_reported_as_an_infinite_norm_with_its_reason(tmp_path, capsys):
+    step_dir = _float64_step(
+        tmp_path, {"a": torch.tensor([1e200, -1e200, 3.0], dtype=torch.float64)}, reported_norm=1.0
+    )
+    report = check(step_dir)
+    assert report.global_norm == math.inf
+    assert any("a on rank 0" in w and "exceeds float64" in w for w in report.warnings), report.warnings
+    assert_report_or_clean_refusal(run_cli(capsys, "check", str(step_dir)))
