@@ -81,3 +81,10 @@ def test_fingerprints_are_computed_only_when_asked_for_and_then_equal_the_accumu
     want = stats_of_tensor(values, 2.0).fingerprint
     assert len(stats["grad"].fingerprint) == len(want) > 0
     assert stats["grad"].fingerprint == pytest.approx(want, rel=1e-9)
+
+
+def test_the_measurement_chunk_is_the_kernel_chunk():
+    from gradaudit.engine.kernel import KERNEL_CHUNK_ELEMENTS
+    from gradaudit.engine.measure import CHUNK_ELEMENTS
+
+    assert CHUNK_ELEMENTS == KERNEL_CHUNK_ELEMENTS

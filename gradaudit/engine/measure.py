@@ -15,23 +15,25 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ..model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
 from ..norms import divide_by_power
-from .kernel import KERNEL_CHUNK_ELEMENTS, ChunkKernel
-from .reference import ReferenceSource, compare_regions, compare_values, covers
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from .kernel import ChunkKernel
     from .reader import TensorReader
+    from .reference import ReferenceSource
 
 COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
 """Tensor kinds compared against an unsharded reference."""
 
 Progress = Callable[[int, int], None]
 
-CHUNK_ELEMENTS = KERNEL_CHUNK_ELEMENTS
-"""Elements read and reduced at a time per tensor (see kernel: the float64 buffer stays in cache)."""
+CHUNK_ELEMENTS = 1 << 16
+"""Elements read and reduced at a time per tensor: kernel.KERNEL_CHUNK_ELEMENTS (the float64 buffer
+stays in cache). numpy and the kernel load on first measurement, so that the checks (and `explain`)
+can import this module's value classes cheaply."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,6 +243,8 @@ def _piece_flat(
     reader: TensorReader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
 ) -> np.ndarray:
     """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
+    import numpy as np
+
     values = reader.float64(path, piece.tensors[kind], start, stop)
     if scale != 1.0 and kind in SCALED_KINDS:
         with np.errstate(all="ignore"):
@@ -299,6 +303,8 @@ def _compare_replicas(
     chunk: int,
 ) -> ReplicaSet:
     """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
+    from .reference import compare_values
+
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
     base_rank, base_path, base = copies[0]
     base_stats = measured[(base_rank, base.index)].stats.get("grad")
@@ -367,6 +373,8 @@ def _compare_with_reference(
     chunk: int,
     scale: float,
 ) -> ReferenceError:
+    from .reference import compare_regions
+
     max_err, max_ref, mismatches, compared = compare_regions(
         lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
     )
@@ -423,6 +431,8 @@ def measure_param(
     if held is None:
         held = pieces_by_param(step).get(name, [])
     if kernel is None:
+        from .kernel import ChunkKernel
+
         kernel = ChunkKernel(chunk_elements)
     by_layout: dict[tuple, list] = {}
     for rank, path, piece in held:
@@ -513,6 +523,8 @@ def _measure_reference(
     reference: StepDump,
     kernel,
 ):
+    from .reference import ReferenceSource, covers
+
     info, ref_info = infos
     if ref_info is None:
         return (), (), (f"{name}: not in the reference dump",)
@@ -652,6 +664,8 @@ def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elem
         done += 1
         if progress is not None:
             progress(done, len(names))
+
+    from .kernel import ChunkKernel
 
     kernel = ChunkKernel(chunk_elements)
     to_read = sorted((n for n in names if cost[n] > 0), key=lambda n: (-cost[n], n))
