@@ -255,19 +255,34 @@ def write_stats_dump(directory: Path, *, num_ranks: int, num_params: int = 800, 
     `num_ranks` ranks, so every rank file describes `num_params` pieces and holds no tensor.
 
     Statistics are synthesized (there are no values) and consistent: the clip record's reported norm
-    is the norm they add up to. Rank 0 is written by the project's writer (`write_rank_file`, schema
-    encoding); the other ranks reuse rank 0's encoded document with their own ranges, statistics and
-    rank number patched in (`patched_rank_document`), which is what lets 4096 files be written in
-    seconds. tests/test_bench_smoke.py checks that both paths give identical dumps.
+    is the norm they add up to. Rank 0 is written by the project's writer (`write_rank_file`: format
+    1.1, pieces and parameters as binary columns); the other ranks reuse rank 0's document and
+    columns with their own ranges, statistics and rank number patched in (`patched_columns`), which
+    is what lets 4096 files be written in seconds. tests/test_bench_smoke.py checks that both paths
+    give identical dumps.
     """
+    import json
+
+    from gradaudit.dumpfile.columnar import to_columns
+    from gradaudit.dumpfile.schema import METADATA_KEY
     from gradaudit.dumpfile.writer import write_rank_file
 
     layout = _stats_rank_dumps(num_ranks=num_ranks, num_params=num_params, seed=seed)
     directory.mkdir(parents=True, exist_ok=True)
-    sizes = [write_rank_file(directory, layout.dump(0), {}).stat().st_size]
-    template = layout.document(0)
+    first = write_rank_file(directory, layout.dump(0), {})
+    sizes = [first.stat().st_size]
+    from safetensors import safe_open
+
+    with safe_open(str(first), framework="numpy") as handle:
+        document = json.loads(handle.metadata()[METADATA_KEY])
+    columns = to_columns(layout.dump(0))
+    assert columns is not None
     for rank in range(1, num_ranks):
-        sizes.append(_write_document(directory, rank, layout.patched_document(template, rank)))
+        sizes.append(
+            _write_columns(
+                directory, rank, dict(document, rank=rank), layout.patched_columns(columns[1], rank)
+            )
+        )
     return StatsLayout(
         directory=directory,
         num_ranks=num_ranks,
@@ -349,6 +364,21 @@ class _stats_rank_dumps:
 
         return encode_rank(self.dump(rank))
 
+    def patched_columns(self, template: dict, rank: int) -> dict:
+        """Rank 0's columns with this rank's ranges and statistics."""
+        import numpy as np
+
+        from gradaudit.dumpfile.columnar import COORDS, stats_key
+
+        arrays = dict(template)
+        arrays[COORDS] = np.array(
+            [v for name in self.shapes for v in self.ranges[name][rank]], dtype=np.int64
+        )
+        arrays[stats_key("grad")] = np.array(
+            [[s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint] for s in self.stats[rank]], dtype=np.float64
+        )
+        return arrays
+
     def patched_document(self, template: dict, rank: int) -> dict:
         """`template` (another rank's encoded document) with this rank's number, ranges and statistics."""
         doc = dict(template, rank=rank)
@@ -374,6 +404,22 @@ class _stats_rank_dumps:
             )
         doc["pieces"] = pieces
         return doc
+
+
+def _write_columns(directory: Path, rank: int, doc: dict, arrays: dict) -> int:
+    """Write one format-1.1 rank file holding `doc` and its columns, as write_rank_file would."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from gradaudit.dumpfile.schema import METADATA_KEY
+    from gradaudit.dumpfile.writer import rank_file_name
+
+    path = directory / rank_file_name(rank)
+    tensors = {key: torch.from_numpy(array.copy()) for key, array in arrays.items()}
+    save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(doc, sort_keys=True, allow_nan=False)})
+    return path.stat().st_size
 
 
 def _write_document(directory: Path, rank: int, doc: dict) -> int:

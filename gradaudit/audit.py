@@ -14,8 +14,8 @@ from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
 from .diagnosis import StepDiagnosis, diagnose_step
+from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
-from .measure import StepMeasurements, measure_step
 from .model import StepDump
 from .report import (
     Environment,
@@ -204,6 +204,8 @@ def command_for(directory: str, options: AuditOptions) -> str:
         parts += ["--rtol", f"{options.rtol:g}"]
     if options.atol is not None:
         parts += ["--atol", f"{options.atol:g}"]
+    if options.allow_incomplete_ranks:
+        parts += ["--allow-incomplete-ranks"]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -259,6 +261,7 @@ def audit_step(
                 m.derived(
                     DERIVED_KEY, step, lambda: explain_update_errors(step, reference, m, options, reader)
                 )
+        warnings = tuple(warnings) + overflow_notes(m)
         return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
 
 
@@ -272,7 +275,7 @@ def audit_step_dir(
     """Audit one step_<N> folder (with options.reference, against that reference step)."""
     from .dumpfile import load_step
 
-    step = load_step(path)
+    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks)
     reference, warnings = _reference_for(step, options)
     return audit_step(
         step, options, reference=reference, progress=progress, warnings=warnings, measure=measure

@@ -9,10 +9,19 @@ import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .engine.measure import PieceMeasurement, StepMeasurements
 from .hypotheses import ParamGroup, averaged_candidates, group_candidates, overflow_candidates, param_groups
-from .measure import PieceMeasurement, StepMeasurements
 from .model import ClipRecord, StepDump, TensorStats
-from .norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
+from .norms import (
+    CLIP_EPS,
+    divide_by_power,
+    expected_clip_coef,
+    is_inf_norm,
+    norm_of_terms,
+    norm_rtol,
+    relative_difference,
+    safe_fsum,
+)
 from .ranksets import compact_ranks
 
 MIN_RTOL = 1e-6
@@ -211,9 +220,9 @@ def applied_coef_of(
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
     pre_post = [(p.dot_pre_post, p.dot_pre_pre) for p in pieces if p.dot_pre_post is not None]
     if pre_post:
-        denominator = math.fsum(b for _, b in pre_post)
+        denominator = safe_fsum(b for _, b in pre_post)
         if denominator > 0:
-            return math.fsum(a for a, _ in pre_post) / denominator, "gradients"
+            return safe_fsum(a for a, _ in pre_post) / denominator, "gradients"
     stat_pairs = [
         (p.stats["grad"], p.stats["grad_clipped"])
         for p in pieces
@@ -225,8 +234,8 @@ def applied_coef_of(
                 math.nan,
                 "gradients",
             )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        pre = math.fsum(a.sum_sq for a, _ in stat_pairs)
-        post = math.fsum(b.sum_sq for _, b in stat_pairs)
+        pre = safe_fsum(a.sum_sq for a, _ in stat_pairs)
+        post = safe_fsum(b.sum_sq for _, b in stat_pairs)
         if pre > 0:
             return math.sqrt(post / pre), "gradients"
     clip = step.ranks[rank].clip
@@ -457,7 +466,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     for piece in cover:
         if "grad" in piece.stats:
             own_sq.setdefault(piece.rank, []).append(piece.stats["grad"].sum_sq)
-    total_sq = math.fsum(v for values in own_sq.values() for v in values)
+    total_sq = safe_fsum(v for values in own_sq.values() for v in values)
     norms = _RankSetNorms(by_rank, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     further = _FurtherCandidates(step, all_pieces, norms, norm_type)
@@ -505,7 +514,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 detail = bounded.detail(hypothesis, detail)
             if num_calls > 1:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
-        rank_sq = math.fsum(own_sq.get(rank, ()))
+        rank_sq = safe_fsum(own_sq.get(rank, ()))
         ranks[rank] = RankDiagnosis(
             rank=rank,
             local_norm=norms.norm((rank,), False)[0],
@@ -722,7 +731,7 @@ def _scaled_term(stats: TensorStats, norm_type: float, scale: float) -> float | 
     term = stats_term(stats, norm_type)
     if term is None or scale == 1.0:
         return term
-    return term / scale if is_inf_norm(norm_type) else term / scale**norm_type
+    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
 
 
 def _call_scale(dump_clip: ClipRecord | None, call: int) -> float:

@@ -9,9 +9,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .measure import PieceMeasurement
+from .engine.measure import PieceMeasurement
 from .model import StepDump
-from .norms import is_inf_norm, norm_from_total, relative_difference
+from .norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from .ranksets import compact_ranks
 
 PARAM_GROUP = "param_group"
@@ -190,12 +190,12 @@ def _averaged(name: str, members: tuple[int, ...], local_norm: Callable[[int], f
     return [
         Extra(
             hypothesis=f"{AVERAGED}:{name}",
-            value=math.fsum(values) / len(values),
+            value=safe_fsum(values) / len(values),
             description=f"the mean of the local norms of {shown}, instead of the root of their summed squares",
         ),
         Extra(
             hypothesis=f"{AVERAGED}:{name}",
-            value=math.sqrt(math.fsum(v * v for v in values) / len(values)),
+            value=math.sqrt(safe_fsum(v * v for v in values) / len(values)),
             description=f"the root of the mean of the squared local norms of {shown}, instead of their sum",
         ),
     ]
@@ -228,10 +228,8 @@ def _term(norm: float | None, norm_type: float) -> float | None:
         return None
     if is_inf_norm(norm_type) or not math.isfinite(norm):
         return norm
-    return float(norm**norm_type)
+    return power(norm, norm_type)
 
 
 def _combine(terms: list[float], norm_type: float) -> float:
-    if is_inf_norm(norm_type):
-        return max(terms, default=0.0)
-    return norm_from_total(math.fsum(terms), norm_type)
+    return norm_of_terms(terms, norm_type)

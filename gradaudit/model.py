@@ -32,7 +32,7 @@ def numel_of(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Box:
     """An N-D block of a parameter: `param[o0:o0+s0, o1:o1+s1, ...]` (DTensor Shard, tensor parallel)."""
 
@@ -57,7 +57,7 @@ class Box:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FlatRange:
     """Elements `[start, stop)` of the row-major flattened parameter (FSDP1 FlatParameter shards, ZeRO)."""
 
@@ -80,7 +80,7 @@ class FlatRange:
 Region = Box | FlatRange
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TensorStats:
     """Summary of one dumped tensor, in float64, enough for norms and agreement checks without values.
 
@@ -103,7 +103,7 @@ class TensorStats:
         return self.num_nan + self.num_posinf + self.num_neginf
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParamInfo:
     """A logical parameter as the whole model sees it."""
 
@@ -120,7 +120,7 @@ class ParamInfo:
         return numel_of(self.global_shape)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Piece:
     """One local piece of a logical parameter on one rank.
 
@@ -307,6 +307,9 @@ class StepDump:
     inconsistencies: tuple[Inconsistency, ...] = ()
     warnings: tuple[str, ...] = ()
     """Things the loader skipped (stray files), to be shown to the user."""
+    unreadable_ranks: Mapping[int, str] = field(default_factory=dict)
+    """Ranks whose file could not be read, with the reason (only with --allow-incomplete-ranks;
+    each is also in `missing_ranks`)."""
 
     @property
     def ranks_present(self) -> tuple[int, ...]:

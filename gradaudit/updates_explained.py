@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .model import Piece, StepDump
 
 if TYPE_CHECKING:
-    import torch
-
     from .checks.base import AuditOptions
     from .dumpfile import TensorReader
-    from .measure import StepMeasurements
+    from .engine.measure import StepMeasurements
 
 DERIVED_KEY = "updates_explained"
 """Where audit_step leaves the result for the checks (StepMeasurements.derived)."""
@@ -53,34 +53,31 @@ class UpdateJudgement:
 def judge_elements(
     *,
     param: str,
-    ours_after: torch.Tensor,
-    ref_before: torch.Tensor,
-    ref_after: torch.Tensor,
-    ref_grad: torch.Tensor,
+    ours_after: np.ndarray,
+    ref_before: np.ndarray,
+    ref_after: np.ndarray,
+    ref_grad: np.ndarray,
     base_tolerance: float,
     gradient_tolerance: float,
 ) -> UpdateJudgement:
-    """The rule above on float64 tensors of one parameter (same shapes)."""
-    import torch
-
-    error = (ours_after - ref_after).abs()
-    update = (ref_after - ref_before).abs()
-    grad = ref_grad.abs()
-    max_update = float(update.max()) if update.numel() else 0.0
-    near_zero = grad <= gradient_tolerance
-    sensitivity = torch.where(near_zero, torch.zeros_like(update), update / grad.clamp_min(1e-300))
-    allowed = base_tolerance + torch.where(
-        near_zero, torch.full_like(update, 2 * max_update), sensitivity * gradient_tolerance
-    )
-    finite = torch.isfinite(error)
+    """The rule above on float64 arrays of one parameter (same shapes)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        error = np.abs(ours_after - ref_after)
+        update = np.abs(ref_after - ref_before)
+        grad = np.abs(ref_grad)
+        max_update = float(update.max()) if update.size else 0.0
+        near_zero = grad <= gradient_tolerance
+        sensitivity = np.where(near_zero, 0.0, update / np.maximum(grad, 1e-300))
+        allowed = base_tolerance + np.where(near_zero, 2 * max_update, sensitivity * gradient_tolerance)
+    finite = np.isfinite(error)
     explained = bool(finite.all()) and bool((error <= allowed).all())
     needed = (error > base_tolerance + sensitivity * gradient_tolerance) & near_zero
     return UpdateJudgement(
         param=param,
         explained=explained,
-        max_abs_error=float(error.max()) if error.numel() else 0.0,
+        max_abs_error=float(error.max()) if error.size else 0.0,
         base_tolerance=base_tolerance,
-        num_elements=int(error.numel()),
+        num_elements=int(error.size),
         num_near_zero_gradient=int(needed.sum()),
         gradient_tolerance=gradient_tolerance,
         max_update=max_update,
@@ -96,7 +93,7 @@ def explain_update_errors(
 ) -> Mapping[str, UpdateJudgement]:
     """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
     from .checks.reference import compare, tolerances
-    from .reference import _assemble_dense
+    from .engine.reference import _assemble_dense
 
     found: dict[str, UpdateJudgement] = {}
     for name, pm in m.params.items():
@@ -121,7 +118,7 @@ def explain_update_errors(
             continue
         dense = {k: _assemble_dense(reader, shape, ref_pieces, k) for k in needed}
         ours_after = _assemble_dense(reader, shape, ours, "param_after")
-        if bool(ours_after.isnan().any()) and not bool(dense["param_after"].isnan().any()):
+        if bool(np.isnan(ours_after).any()) and not bool(np.isnan(dense["param_after"]).any()):
             continue  # our pieces do not cover the parameter: leave it to GA603
         rtol, atol = tolerances(after.dtype, options)
         grtol, gatol = tolerances(grad.dtype, options)
@@ -149,7 +146,7 @@ def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
 
 
 def _scale(step: StepDump, kind: str) -> float:
-    from .measure import SCALED_KINDS, dumped_gradient_scale
+    from .engine.measure import SCALED_KINDS, dumped_gradient_scale
 
     if kind not in SCALED_KINDS or not step.ranks_present:
         return 1.0

@@ -4,5 +4,5 @@ __version__ = "0.1.0"
 
 FORMAT_NAME = "gradaudit-dump"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
 FORMAT_VERSION = f"{FORMAT_MAJOR}.{FORMAT_MINOR}"

@@ -55,3 +55,11 @@ def test_fast_stats_writer_gives_the_same_dumps_as_the_project_writer(tmp_path):
         slow = load_rank_file(written)
         assert dataclasses.replace(fast, path="") == dataclasses.replace(slow, path="")
         assert fast.num_bytes == slow.num_bytes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_numpy_floor_reads_the_safetensors_files_itself_and_finds_the_true_norm(tmp_path, dtype):
+    import floor_numpy
+
+    layout = layouts.write_dense_dump(tmp_path / dtype, num_elements=70_000, num_ranks=3, dtype=dtype)
+    assert floor_numpy.main(str(layout.directory)) == pytest.approx(layout.true_norm, rel=1e-12)

@@ -13,9 +13,9 @@ import gradaudit
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.build import box, write_rank
 from gradaudit.dumpfile.header import read_header
+from gradaudit.engine.tensorstats import stats_of_tensor
 from gradaudit.errors import DumpFormatError
 from gradaudit.model import ClipCall, ClipRecord
-from gradaudit.tensorstats import stats_of_tensor
 
 
 def _two_call_clip() -> ClipRecord:

@@ -19,7 +19,7 @@ HEAVY = (
     "pydantic",
     "safetensors",
     "gradaudit.capture",
-    "gradaudit.measure",
+    "gradaudit.engine.measure",
     "gradaudit.model",
 )
 

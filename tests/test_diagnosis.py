@@ -8,7 +8,7 @@ from builders import box, check, clip, codes, flat, sharded_rows, tensor_with_no
 
 from gradaudit.diagnosis import diagnose_step
 from gradaudit.dumpfile import TensorReader, load_step
-from gradaudit.measure import measure_step
+from gradaudit.engine.measure import measure_step
 from gradaudit.model import ClipRecord, Topology
 
 

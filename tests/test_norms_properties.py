@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from gradaudit.checks.sweep import coverage, region_boxes
 from gradaudit.diagnosis import disjoint_cover, norm_of_pieces
-from gradaudit.measure import PieceMeasurement
+from gradaudit.engine.measure import PieceMeasurement
+from gradaudit.engine.tensorstats import stats_of_tensor
 from gradaudit.model import Box, FlatRange
 from gradaudit.norms import expected_clip_coef
-from gradaudit.tensorstats import stats_of_tensor
 
 NORM_TYPES = (1.0, 2.0, 3.5, math.inf)
 

@@ -3,7 +3,7 @@ tolerance is allowed; anything larger is not."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from gradaudit.updates_explained import judge_elements
 
@@ -24,8 +24,8 @@ def _judge(ours_after, grad, after, before):
 
 def test_an_sgd_difference_within_lr_times_the_gradient_tolerance_is_explained():
     before, grad = (
-        torch.zeros(4, dtype=torch.float64),
-        torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64),
+        np.zeros(4),
+        np.array([1.0, -2.0, 0.5, 3.0]),
     )
     after = before - LR * grad
     judged = _judge(after + 0.5 * LR * 1e-6, grad, after, before)
@@ -34,18 +34,18 @@ def test_an_sgd_difference_within_lr_times_the_gradient_tolerance_is_explained()
 
 def test_an_sgd_difference_beyond_what_the_gradient_tolerance_allows_is_not_explained():
     before, grad = (
-        torch.zeros(4, dtype=torch.float64),
-        torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64),
+        np.zeros(4),
+        np.array([1.0, -2.0, 0.5, 3.0]),
     )
     after = before - LR * grad
     assert not _judge(after + 1e-3, grad, after, before).explained
 
 
 def test_adam_noise_on_a_near_zero_gradient_is_explained_up_to_the_step_size():
-    before = torch.zeros(3, dtype=torch.float64)
-    grad = torch.tensor([1.0, 1e-11, -2.0], dtype=torch.float64)
-    after = before - LR * torch.tensor([1.0, 0.001, -1.0], dtype=torch.float64)  # Adam: about lr per element
-    ours = after.clone()
+    before = np.zeros(3)
+    grad = np.array([1.0, 1e-11, -2.0])
+    after = before - LR * np.array([1.0, 0.001, -1.0])  # Adam: about lr per element
+    ours = after.copy()
     ours[1] = before[1] + LR * 0.5  # the noise went the other way
     judged = _judge(ours, grad, after, before)
     assert judged.explained and judged.num_near_zero_gradient == 1

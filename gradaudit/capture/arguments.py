@@ -47,13 +47,14 @@ def check_max_norm(max_norm: Any) -> float:
 
 
 def check_norm_type(norm_type: Any) -> float:
+    from ..norms import check_norm_type as valid_norm_type  # the reader's rule too
+
     try:
-        value = float(norm_type)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value > 0:
-        raise CaptureError(f"norm_type must be positive or 'inf' (as in clip_grad_norm_), got {norm_type!r}")
-    return value
+        return valid_norm_type(norm_type)
+    except ValueError:
+        raise CaptureError(
+            f"norm_type must be positive or 'inf' (as in clip_grad_norm_), got {norm_type!r}"
+        ) from None
 
 
 def norm_results(result: Any) -> tuple[Any, Any]:

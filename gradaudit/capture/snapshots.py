@@ -59,7 +59,7 @@ class Snapshots:
         can touch the tensors again (the one taken as the context exits)."""
         import torch
 
-        from ..tensorstats import stats_of_tensor
+        from ..engine.tensorstats import stats_of_tensor
 
         self.kinds_taken.add(kind)
         with torch.no_grad():

@@ -11,7 +11,7 @@ from ..ranksets import compact_ranks
 from ..report import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
-    from ..measure import StepMeasurements
+    from ..engine.measure import StepMeasurements
     from ..model import StepDump
 
 
@@ -25,6 +25,8 @@ class AuditOptions:
     """Relative tolerance for the reference comparison (GA602/GA603); None: chosen by dtype."""
     atol: float | None = None
     """Absolute tolerance for the reference comparison; None: chosen by dtype."""
+    allow_incomplete_ranks: bool = False
+    """An unreadable rank file becomes a missing rank with its reason instead of stopping the audit."""
 
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import FlatRange, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
 from .sweep import coverage, region_boxes
@@ -17,6 +17,10 @@ def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
                 f"{len(step.missing_ranks)} of {step.world_size} ranks have no file in {step.directory} "
                 f"({ranks_named(step.missing_ranks)}); the other ranks are audited and the checks that "
                 "need the missing ranks say they could not decide"
+                + "".join(
+                    f"; rank {rank}'s file is unreadable: {reason}"
+                    for rank, reason in sorted(step.unreadable_ranks.items())
+                )
             ),
             ranks=step.missing_ranks,
             evidence={"world_size": step.world_size, "num_missing": len(step.missing_ranks)},

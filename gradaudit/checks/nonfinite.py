@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 

@@ -13,8 +13,8 @@ from ..diagnosis import (
     StepDiagnosis,
     diagnose_step,
 )
+from ..engine.measure import StepMeasurements
 from ..hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
-from ..measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..diagnosis import diagnose_step
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 

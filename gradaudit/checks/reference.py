@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from ..diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
-from ..measure import ReferenceError, StepMeasurements
+from ..engine.measure import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
 from ..report import ParamComparison

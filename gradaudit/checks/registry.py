@@ -16,7 +16,7 @@ from .base import AuditOptions, CheckFn, CheckResult, CheckSpec
 from .explanations import EXPLANATIONS
 
 if TYPE_CHECKING:
-    from ..measure import StepMeasurements
+    from ..engine.measure import StepMeasurements
     from ..model import StepDump
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 from ..diagnosis import norm_of_pieces, step_cover
-from ..measure import StepMeasurements
+from ..engine.measure import StepMeasurements
 from ..model import StepDump
+from ..norms import safe_fsum
 from .base import AuditOptions, CheckResult, Hit, Skip, num
 
 
@@ -24,7 +25,7 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
             )
         )
     partial = len(cover) < len(everything)
-    update_norm = math.sqrt(math.fsum(p.update_sum_sq for p in cover if p.update_sum_sq is not None))
+    update_norm = math.sqrt(safe_fsum(p.update_sum_sq for p in cover if p.update_sum_sq is not None))
     clipped = all("grad_clipped" in p.stats for p in cover)
     grad_norm = norm_of_pieces(cover, 2.0, "grad_clipped" if clipped else "grad")
     if grad_norm is None or not math.isfinite(grad_norm) or not math.isfinite(update_norm):

@@ -138,7 +138,7 @@ def write_rank(
 ) -> Path:
     """Write one rank's file into `step_dir`. `params` maps names to global shapes (dtype taken
     from the first piece of each), or is a list of ParamInfo."""
-    from ..tensorstats import stats_of_tensor
+    from ..engine.tensorstats import stats_of_tensor
 
     if isinstance(params, Mapping):
         dtypes = {}

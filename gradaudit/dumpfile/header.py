@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ..errors import DumpFormatError
+from ..errors import DumpFormatError, GradauditError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """A header larger than this is refused before it is read (the same cap as safetensors itself)."""
@@ -103,6 +103,27 @@ def parse_json(text: str) -> Any:
     return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=no_duplicates)
 
 
+class OpenFileLimitError(GradauditError):
+    """The process ran out of file descriptors: a limit of this machine, not a defect of the file."""
+
+    def __init__(self, path: object) -> None:
+        self.path = str(path)
+        super().__init__(
+            f"{self.path}: cannot be opened: this process reached its limit of {open_file_limit()} open "
+            "files (not a problem of the file); raise it with `ulimit -n` and re-run"
+        )
+
+
+def open_file_limit() -> int | str:
+    """The soft limit on open files, or "unknown"."""
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return "unknown"
+
+
 def os_problem(exc: OSError) -> str:
     """What an OSError means for a dump file, in words."""
     if exc.errno == errno.ELOOP:
@@ -121,6 +142,8 @@ def open_regular_file(path: str) -> BinaryIO:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise OpenFileLimitError(path) from None
         raise DumpFormatError(path, os_problem(exc)) from None
     except ValueError:  # an embedded NUL byte
         raise DumpFormatError(path, "is not a valid path") from None
@@ -204,7 +227,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def validate_tensors(raw: RawHeader) -> Header:
-    """Check every tensor entry: known dtype, sane shape, data inside the file and of the right size."""
+    """Check every tensor entry: known dtype, sane shape, data inside the file and of the right size,
+    and the data section laid out as the safetensors library demands (see `_check_layout`)."""
     path = raw.path
     tensors: dict[str, TensorEntry] = {}
     data_size = raw.file_size - raw.data_start
@@ -246,7 +270,36 @@ def validate_tensors(raw: RawHeader) -> Header:
         tensors[key] = TensorEntry(
             dtype=name, shape=tuple(shape), begin=raw.data_start + offsets[0], end=raw.data_start + offsets[1]
         )
+    _check_layout(path, tensors, raw.data_start, data_size)
     return Header(metadata=raw.metadata, tensors=tensors, file_size=raw.file_size)
+
+
+def _check_layout(path: str, tensors: Mapping[str, TensorEntry], data_start: int, data_size: int) -> None:
+    """The tensors' bytes tile the data section exactly, as the safetensors library requires: the
+    first starts where the header ends, each next one where the previous ended, the last at the end
+    of the file. So no two tensors share bytes and no junk hides between or after them."""
+    expected = data_start
+    for key, entry in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if entry.begin < expected:
+            raise DumpFormatError(
+                path,
+                f"tensor {shown(key)} overlaps the bytes of another tensor (data_offsets start at "
+                f"{entry.begin - data_start}, before {expected - data_start})",
+                "not a standard safetensors file; re-write it with the safetensors library",
+            )
+        if entry.begin > expected:
+            raise DumpFormatError(
+                path,
+                f"{entry.begin - expected} bytes before tensor {shown(key)} belong to no tensor",
+                "not a standard safetensors file; re-write it with the safetensors library",
+            )
+        expected = entry.end
+    if expected != data_start + data_size:
+        raise DumpFormatError(
+            path,
+            f"the last {data_start + data_size - expected} bytes of the file belong to no tensor",
+            "not a standard safetensors file; re-write it with the safetensors library",
+        )
 
 
 def read_header(path: str) -> Header:

@@ -6,25 +6,25 @@ import contextlib
 import dataclasses
 import errno
 import gc
-import math
 import os
 import re
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import Any, BinaryIO
 
-from ..errors import DumpFormatError, StepFolderError
+from ..errors import DumpFormatError, GradauditError, StepFolderError
 from ..model import Inconsistency, RankDump, StepDump
+from .columnar import ParamsCache
 from .header import (
-    ITEMSIZES,
     Header,
-    TensorEntry,
+    OpenFileLimitError,
     clipped,
     open_regular_file,
     os_problem,
     parse_json,
+    read_exactly,
     read_raw_header_from,
     shown,
     validate_tensors,
@@ -32,22 +32,22 @@ from .header import (
 from .schema import METADATA_KEY, decode_rank
 from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
 
-if TYPE_CHECKING:
-    import torch
-
 _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
 _RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
 
 
-def load_rank_file(path: str | os.PathLike) -> RankDump:
-    """Read and validate one rank file's header; no tensor data is read."""
+def load_rank_file(path: str | os.PathLike, *, params_cache: ParamsCache | None = None) -> RankDump:
+    """Read and validate one rank file's header; no tensor data is read (format-1.1 columns are
+    metadata, and are read). `params_cache` shares decoded parameter tables between the ranks."""
     path = str(path)
     with open_regular_file(path) as handle:
-        dump, _ = _load_rank_from(handle, path)
+        dump, _ = _load_rank_from(handle, path, params_cache)
     return dump
 
 
-def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
+def _load_rank_from(
+    handle: BinaryIO, path: str, params_cache: ParamsCache | None = None
+) -> tuple[RankDump, Header]:
     raw = read_raw_header_from(handle, path)
     text = raw.metadata.get(METADATA_KEY)
     if text is None:
@@ -62,9 +62,39 @@ def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
     except (ValueError, RecursionError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({clipped(first_line)})") from None
-    dump = decode_rank(doc, path, num_bytes=header.file_size)
+    arrays = _read_columns(handle, path, header) if isinstance(doc, dict) and "columnar" in doc else None
+    dump = decode_rank(doc, path, num_bytes=header.file_size, arrays=arrays, params_cache=params_cache)
     _check_tensors_against_header(dump, header)
     return dump, header
+
+
+def _read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
+    """The format-1.1 column tensors of a file as numpy arrays (their sizes were checked against
+    the file by validate_tensors, so nothing here allocates more than the file holds)."""
+    import numpy as np
+
+    from .columnar import PREFIX
+
+    dtypes = {"int64": np.int64, "float64": np.float64, "uint8": np.uint8}
+    arrays: dict[str, Any] = {}
+    for key, entry in header.tensors.items():
+        if not key.startswith(PREFIX):
+            continue
+        if entry.dtype not in dtypes:
+            raise DumpFormatError(
+                path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
+            )
+        try:
+            handle.seek(entry.begin)
+            raw = read_exactly(handle, entry.end - entry.begin)
+        except OSError as exc:
+            raise DumpFormatError(path, os_problem(exc)) from None
+        if len(raw) != entry.end - entry.begin:
+            raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
+        arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
+            entry.shape
+        )
+    return arrays
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
@@ -98,6 +128,14 @@ def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
         else:
             warnings.append(f"{entry}: ignored, not a rank file (*{RANK_FILE_SUFFIX})")
     return files, warnings
+
+
+def _listing_problem(directory: Path, exc: OSError) -> GradauditError:
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return OpenFileLimitError(directory)
+    return StepFolderError(
+        f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
+    )
 
 
 def _folder_problem(directory: Path) -> str | None:
@@ -137,12 +175,15 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_step(directory: str | os.PathLike) -> StepDump:
+def load_step(directory: str | os.PathLike, *, allow_incomplete: bool = False) -> StepDump:
     """Load the headers of every rank file in a step folder into one StepDump.
 
     Files from different steps, runs or world sizes in one folder are refused (DumpFormatError):
     the writer never mixes them, so such a folder was assembled by hand, and any finding computed
-    across them would describe no real step.
+    across them would describe no real step. A file that cannot be read stops the load, unless
+    `allow_incomplete`: then a file named for its rank becomes a missing rank with its reason
+    (`StepDump.unreadable_ranks`), any other a warning. Running out of file descriptors is never
+    taken for a broken file.
     """
     directory = Path(directory)
     problem = _folder_problem(directory)
@@ -151,17 +192,27 @@ def load_step(directory: str | os.PathLike) -> StepDump:
     try:
         files, warnings = rank_files(directory)
     except OSError as exc:
-        raise StepFolderError(
-            f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
-        ) from None
+        raise _listing_problem(directory, exc) from None
     if not files:
         raise StepFolderError(
             f"{directory}: holds no rank files (*{RANK_FILE_SUFFIX}); is this a step_<N> dump folder?"
         )
     ranks: dict[int, RankDump] = {}
+    unreadable: dict[int, str] = {}
+    params_cache: ParamsCache = {}
     with gc_paused():
         for path in files:
-            dump = load_rank_file(path)
+            try:
+                dump = load_rank_file(path, params_cache=params_cache)
+            except DumpFormatError as exc:
+                if not allow_incomplete:
+                    raise
+                named = _RANK_FILE.match(path.name)
+                reason = exc.problem + (f" ({exc.hint})" if exc.hint else "")
+                if named:
+                    unreadable[int(named.group(1))] = reason
+                warnings.append(f"{path}: unreadable, audited as a missing rank: {reason}")
+                continue
             if dump.rank in ranks:
                 raise DumpFormatError(
                     path,
@@ -172,8 +223,20 @@ def load_step(directory: str | os.PathLike) -> StepDump:
             if named and int(named.group(1)) != dump.rank:
                 warnings.append(f"{path}: named for rank {int(named.group(1))} but holds rank {dump.rank}")
             ranks[dump.rank] = dump
+        if not ranks:
+            raise StepFolderError(
+                f"{directory}: none of its {len(files)} rank files can be read ({warnings[-1]})"
+            )
         refuse_mixed_runs(ranks)
-        return assemble_step(str(directory), ranks, warnings=tuple(warnings))
+        step = assemble_step(str(directory), ranks, warnings=tuple(warnings))
+    if not unreadable:
+        return step
+    unreadable = {r: why for r, why in unreadable.items() if r not in step.ranks}
+    world_size = max([step.world_size, *(r + 1 for r in unreadable)])
+    missing = tuple(r for r in range(world_size) if r not in step.ranks)
+    return dataclasses.replace(
+        step, world_size=world_size, missing_ranks=missing, unreadable_ranks=dict(sorted(unreadable.items()))
+    )
 
 
 _RUN_IDENTITY: tuple[tuple[str, Callable[[RankDump], object]], ...] = (
@@ -296,116 +359,8 @@ def find_step_dirs(directory: str | os.PathLike) -> list[Path]:
     try:
         entries = list(directory.iterdir())
     except OSError as exc:
-        raise StepFolderError(
-            f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
-        ) from None
+        raise _listing_problem(directory, exc) from None
     if any(e.name.endswith(RANK_FILE_SUFFIX) for e in entries):
         return [directory]
     steps = sorted((int(m.group(1)), e) for e in entries if (m := _STEP_DIR.match(e.name)))
     return [e for _, e in steps] or [directory]
-
-
-class TensorReader:
-    """Reads dumped tensors lazily, one at a time or by chunks of rows, from the rank files of a step.
-
-    Reads are plain bounded file reads, not a memory map: a file truncated or rewritten after it was
-    loaded gives a DumpFormatError naming it (a memory map would kill the process with SIGBUS).
-    Each file's header is validated again when it is first opened; given the `step` it was loaded
-    as, the reader also refuses a file whose pieces changed since.
-    """
-
-    def __init__(self, step: StepDump | None = None) -> None:
-        self._expected = {d.path: d for d in step.ranks.values()} if step is not None else {}
-        self._files: dict[str, tuple[BinaryIO, Header]] = {}
-
-    def _open(self, path: str) -> tuple[BinaryIO, Header]:
-        opened = self._files.get(path)
-        if opened is None:
-            handle = open_regular_file(path)
-            try:
-                dump, header = _load_rank_from(handle, path)
-                expected = self._expected.get(path)
-                if expected is not None and (
-                    dump.pieces != expected.pieces or dump.num_bytes != expected.num_bytes
-                ):
-                    raise DumpFormatError(
-                        path,
-                        "changed on disk after it was loaded",
-                        "let the dump finish before checking it, then re-run",
-                    )
-            except BaseException:
-                handle.close()
-                raise
-            opened = self._files[path] = (handle, header)
-        return opened
-
-    def _entry(self, path: str, key: str) -> tuple[BinaryIO, TensorEntry]:
-        handle, header = self._open(path)
-        entry = header.tensors.get(key)
-        if entry is None:
-            raise DumpFormatError(path, f"has no tensor {shown(key)}")
-        return handle, entry
-
-    def _read(
-        self, path: str, key: str, handle: BinaryIO, entry: TensorEntry, first: int, count: int
-    ) -> torch.Tensor:
-        """Elements [first, first + count) of the flattened tensor, as a 1-D tensor."""
-        import torch
-
-        dtype = getattr(torch, entry.dtype)
-        itemsize = ITEMSIZES[entry.dtype]
-        offset, num_bytes = entry.begin + first * itemsize, count * itemsize
-        buffer = torch.empty(num_bytes, dtype=torch.uint8)
-        view = memoryview(buffer.numpy())
-        done = 0
-        try:
-            handle.seek(offset)
-            while done < num_bytes:
-                got = handle.readinto(view[done:])
-                if not got:
-                    raise DumpFormatError(
-                        path,
-                        f"tensor {shown(key)} is cut short at byte {offset + done}",
-                        "the file was truncated or rewritten after it was checked",
-                    )
-                done += got
-        except OSError as exc:
-            raise DumpFormatError(path, os_problem(exc)) from None
-        return buffer.view(dtype)
-
-    def read(self, path: str, key: str) -> torch.Tensor:
-        handle, entry = self._entry(path, key)
-        return self._read(path, key, handle, entry, 0, math.prod(entry.shape)).reshape(entry.shape)
-
-    def chunks(self, path: str, key: str, max_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
-        """The tensor flattened row-major, in consecutive 1-D chunks of whole rows of at most about
-        `max_elements` (an empty tensor gives one empty chunk)."""
-        handle, entry = self._entry(path, key)
-        numel = math.prod(entry.shape)
-        if numel == 0 or len(entry.shape) == 0:
-            yield self._read(path, key, handle, entry, 0, numel)
-            return
-        row = numel // entry.shape[0]
-        rows_per_chunk = max(1, max_elements // row)
-        for start in range(0, entry.shape[0], rows_per_chunk):
-            stop = min(start + rows_per_chunk, entry.shape[0])
-            yield self._read(path, key, handle, entry, start * row, (stop - start) * row)
-
-    def read_range(self, path: str, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of the tensor flattened row-major, reading only those bytes."""
-        handle, entry = self._entry(path, key)
-        numel = math.prod(entry.shape)
-        if not 0 <= start <= stop <= numel:
-            raise ValueError(f"range [{start}, {stop}) is outside tensor {key!r} of {numel} elements")
-        return self._read(path, key, handle, entry, start, stop - start)
-
-    def close(self) -> None:
-        for handle, _ in self._files.values():
-            handle.close()
-        self._files.clear()
-
-    def __enter__(self) -> TensorReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

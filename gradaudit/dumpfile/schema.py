@@ -697,8 +697,16 @@ def check_format_version(doc: Mapping[str, Any], path: str) -> None:
         raise DumpFormatError(path, f"uses unknown dump format {version}")
 
 
-def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
-    """Validate and convert one file's JSON document; unknown keys are ignored."""
+def decode_rank(
+    doc: Any,
+    path: str,
+    *,
+    num_bytes: int = 0,
+    arrays: Mapping[str, Any] | None = None,
+    params_cache: dict | None = None,
+) -> RankDump:
+    """Validate and convert one file's JSON document; unknown keys are ignored. `arrays` holds the
+    file's format-1.1 columns (numpy arrays by tensor key) when its document has a "columnar" entry."""
     r = _Reader(path)
     doc = r.obj(doc, "(root)")
     check_format_version(doc, path)
@@ -707,6 +715,13 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
     if rank >= world_size:
         raise r.fail("rank", f"rank {rank} is outside world size {world_size}")
     params: dict[str, ParamInfo] = {}
+    columnar = doc.get("columnar")
+    if isinstance(columnar, dict) and columnar.get("params") == "columns":
+        from .columnar import params_from_columns
+
+        if r.get(doc, "params", "", r.list_):
+            raise r.fail("params", "must be empty when the parameters are stored as columns")
+        params = {info.name: info for info in params_from_columns(arrays or {}, path, params_cache)}
     for i, raw in enumerate(r.get(doc, "params", "", r.list_)):
         info = _quick_param(raw)
         if info is None:
@@ -721,10 +736,17 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
             raise r.fail(f"params[{i}]", f"parameter {shown(info.name)} is listed twice")
         params[info.name] = info
     numels: dict[str, int] = {}
-    pieces = tuple(
-        _quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params)
-        for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
-    )
+    if "columnar" in doc:
+        from .columnar import from_columns
+
+        if r.get(doc, "pieces", "", r.list_):
+            raise r.fail("pieces", "must be empty when the pieces are stored as columns")
+        pieces = from_columns(doc["columnar"], arrays or {}, tuple(params.values()), path)
+    else:
+        pieces = tuple(
+            _quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params)
+            for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
+        )
     aliases = {
         r.str_(k, "aliases"): r.str_(v, f"aliases.{k}")
         for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()

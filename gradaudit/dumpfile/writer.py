@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import GradauditError
 from ..model import RankDump
+from .columnar import to_columns
 from .schema import METADATA_KEY, encode_rank
 
 if TYPE_CHECKING:
@@ -79,7 +80,17 @@ def write_rank_file(
             keys[kind] = key
         pieces.append(dataclasses.replace(piece, tensors=keys))
     dump = dataclasses.replace(dump, pieces=tuple(pieces))
-    metadata = {METADATA_KEY: json.dumps(encode_rank(dump), sort_keys=True, allow_nan=False)}
+    document = encode_rank(dump)
+    columns = None if payload else to_columns(dump)
+    if columns is not None:  # format 1.1: stats-only pieces as binary columns (see columnar.py)
+        import torch
+
+        document["columnar"], arrays = columns
+        document["pieces"] = []
+        if document["columnar"]["params"] == "columns":
+            document["params"] = []
+        payload = {key: torch.from_numpy(array.copy()) for key, array in arrays.items()}
+    metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
 
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / rank_file_name(dump.rank)

@@ -230,8 +230,8 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
     if reason or report.global_norm is None or report.max_norm is None:
         console.print(_line((f"no norm chart: {reason}", "dim")))
         return
-    total = report.global_norm**2
-    threshold = report.max_norm**2
+    total = report.global_norm * report.global_norm  # inf, not OverflowError, past float64
+    threshold = report.max_norm * report.max_norm
     console.print(
         _line(
             ("Share of the squared global norm", "bold"),

@@ -518,7 +518,7 @@ CORPUS: tuple[Case, ...] = (
     Case(
         "an unknown major format version",
         _metadata(_set("format_version", "2.0")),
-        r"uses dump format 2\.0, newer than the 1\.0 this gradaudit reads \(upgrade gradaudit",
+        r"uses dump format 2\.0, newer than the 1\.\d+ this gradaudit reads \(upgrade gradaudit",
     ),
     Case(
         "an unreadable format version",

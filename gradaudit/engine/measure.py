@@ -4,7 +4,8 @@ The unit of work is one logical parameter: all its pieces on all present ranks. 
 reads them by chunks (never more than a few pieces' chunks in memory) and returns a frozen
 `ParamMeasurement`; `measure_step` spreads parameters over worker threads, optionally a subset, and
 measurements of disjoint subsets `merge` into the same result as one pass (so parameters can be
-split among processes: see scaleout.py). The inner loop over chunks is streamstats.ChunkKernel.
+split among processes: see scaleout.py). The inner loop over chunks is kernel.ChunkKernel; all of
+it is numpy, so that checking a dump never imports torch.
 """
 
 from __future__ import annotations
@@ -14,25 +15,28 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from .model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
-from .reference import ReferenceSource, compare_regions, compare_values, covers
-from .streamstats import KERNEL_CHUNK_ELEMENTS, ChunkKernel, single_threaded_torch
+from ..model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
+from ..norms import divide_by_power
 
 if TYPE_CHECKING:
-    import torch
+    import numpy as np
 
-    from .dumpfile import TensorReader
+    from .kernel import ChunkKernel
+    from .reader import TensorReader
+    from .reference import ReferenceSource
 
 COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
 """Tensor kinds compared against an unsharded reference."""
 
 Progress = Callable[[int, int], None]
 
-CHUNK_ELEMENTS = KERNEL_CHUNK_ELEMENTS
-"""Elements read and reduced at a time per tensor (see streamstats: the float64 buffer stays in cache)."""
+CHUNK_ELEMENTS = 1 << 16
+"""Elements read and reduced at a time per tensor: kernel.KERNEL_CHUNK_ELEMENTS (the float64 buffer
+stays in cache). numpy and the kernel load on first measurement, so that the checks (and `explain`)
+can import this module's value classes cheaply."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PieceMeasurement:
     """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
 
@@ -172,6 +176,26 @@ class StepMeasurements:
             yield from pm.pieces
 
 
+def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
+    """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
+    squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    notes = []
+    for piece in m.pieces:
+        stats = piece.stats.get("grad")
+        if stats is None or stats.num_nonfinite or not stats.numel:
+            continue
+        for what, value in (("squares", stats.sum_sq), (f"|x|^{stats.norm_type:g}", stats.sum_pow)):
+            if math.isinf(value):
+                notes.append(
+                    f"{piece.param} on rank {piece.rank}: the sum of {what} of its finite gradient values "
+                    f"(max |x| {stats.max_abs:.6g}) exceeds float64, so norms that include it are reported as inf"
+                )
+                break
+    if len(notes) > limit:
+        notes = notes[:limit] + [f"and {len(notes) - limit} more pieces whose sums exceed float64"]
+    return tuple(notes)
+
+
 SCALED_KINDS = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
 
@@ -193,13 +217,15 @@ def dumped_gradient_scale(dump: RankDump) -> float:
 
 
 def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
+    """The statistics of the gradient divided by `scale`; a sum whose quotient is beyond float64
+    becomes inf or 0 (as the float64 sum of the unscaled values would), never an exception."""
     if scale == 1.0:
         return stats
     p = stats.norm_type
     return replace(
         stats,
-        sum_pow=stats.sum_pow / scale if math.isinf(p) else stats.sum_pow / scale**p,
-        sum_sq=stats.sum_sq / scale**2,
+        sum_pow=stats.sum_pow / scale if math.isinf(p) else divide_by_power(stats.sum_pow, scale, p),
+        sum_sq=divide_by_power(stats.sum_sq, scale, 2.0),
         max_abs=stats.max_abs / scale,
         fingerprint=tuple(v / scale for v in stats.fingerprint),
     )
@@ -208,23 +234,22 @@ def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
 # ---------------------------------------------------------------- reading helpers
 
 
-def _read_flat(reader: TensorReader, path: str, key: str, start: int, stop: int) -> torch.Tensor:
-    """Elements [start, stop) of the row-major flattened tensor, reading only those."""
-    return reader.read_range(path, key, start, stop)
-
-
 def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
     for start in range(0, numel, chunk):
         yield start, min(numel, start + chunk)
 
 
 def _piece_flat(
-    reader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
-) -> torch.Tensor:
-    import torch
+    reader: TensorReader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
+) -> np.ndarray:
+    """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
+    import numpy as np
 
-    values = _read_flat(reader, path, piece.tensors[kind], start, stop).to(torch.float64)
-    return values / scale if scale != 1.0 and kind in SCALED_KINDS else values
+    values = reader.float64(path, piece.tensors[kind], start, stop)
+    if scale != 1.0 and kind in SCALED_KINDS:
+        with np.errstate(all="ignore"):
+            values /= scale
+    return values
 
 
 # ---------------------------------------------------------------- one parameter
@@ -252,8 +277,9 @@ def _measure_piece(
         stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
     if len(stats) > 1:
         stats = dict(sorted(stats.items()))
-    if dot_pre_post is not None and scale != 1.0:
-        dot_pre_post, dot_pre_pre = dot_pre_post / scale**2, dot_pre_pre / scale**2
+    if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
+        dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
+        dot_pre_pre = divide_by_power(dot_pre_pre, scale, 2.0)
     return PieceMeasurement(
         rank=rank,
         index=piece.index,
@@ -277,6 +303,8 @@ def _compare_replicas(
     chunk: int,
 ) -> ReplicaSet:
     """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
+    from .reference import compare_values
+
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
     base_rank, base_path, base = copies[0]
     base_stats = measured[(base_rank, base.index)].stats.get("grad")
@@ -345,6 +373,8 @@ def _compare_with_reference(
     chunk: int,
     scale: float,
 ) -> ReferenceError:
+    from .reference import compare_regions
+
     max_err, max_ref, mismatches, compared = compare_regions(
         lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
     )
@@ -373,7 +403,7 @@ def _merge_errors(errors: list[ReferenceError]) -> ReferenceError:
 
 
 def _dtype_looseness(dtype: str) -> float:
-    from .norms import norm_rtol
+    from ..norms import norm_rtol
 
     return norm_rtol([dtype])
 
@@ -401,6 +431,8 @@ def measure_param(
     if held is None:
         held = pieces_by_param(step).get(name, [])
     if kernel is None:
+        from .kernel import ChunkKernel
+
         kernel = ChunkKernel(chunk_elements)
     by_layout: dict[tuple, list] = {}
     for rank, path, piece in held:
@@ -491,6 +523,8 @@ def _measure_reference(
     reference: StepDump,
     kernel,
 ):
+    from .reference import ReferenceSource, covers
+
     info, ref_info = infos
     if ref_info is None:
         return (), (), (f"{name}: not in the reference dump",)
@@ -544,8 +578,9 @@ def measure_step(
 
     Parameters with tensor data are spread over `workers` threads (default: the usable cores), the
     largest first; each thread reads with its own TensorReader and buffers, so memory is a few chunks
-    per thread whatever the size of the dump. torch ops release the GIL, and torch runs single-threaded
-    meanwhile, so the result is the same bits for any number of workers. `progress(done, total)` is
+    per thread whatever the size of the dump. numpy's reductions release the GIL, and each parameter
+    is reduced by one thread in a fixed chunk order, so the result is the same bits for any number
+    of workers. `progress(done, total)` is
     called after each parameter, from the calling thread.
     """
     if norm_type is None:
@@ -576,17 +611,16 @@ def measure_step(
         )
 
     cost = bytes_to_read(step, reference)
-    with single_threaded_torch():
-        results = _measure_all(
-            names,
-            cost,
-            measure,
-            reader,
-            step,
-            workers=available_workers() if workers is None else workers,
-            chunk_elements=chunk_elements,
-            progress=progress,
-        )
+    results = _measure_all(
+        names,
+        cost,
+        measure,
+        reader,
+        step,
+        workers=available_workers() if workers is None else workers,
+        chunk_elements=chunk_elements,
+        progress=progress,
+    )
     reference_only = ()
     if reference is not None:
         reference_only = tuple(sorted(set(reference_infos) - set(known)))
@@ -601,7 +635,7 @@ def measure_step(
 
 def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
     """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
-    from .dumpfile.header import SAFETENSORS_DTYPES
+    from ..dumpfile.header import SAFETENSORS_DTYPES
 
     itemsize = dict(SAFETENSORS_DTYPES.values())
     cost = dict.fromkeys(step.params, 0)
@@ -619,7 +653,7 @@ def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elem
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from .dumpfile import TensorReader
+    from .reader import TensorReader
 
     results: dict[str, ParamMeasurement] = {}
     done = 0
@@ -630,6 +664,8 @@ def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elem
         done += 1
         if progress is not None:
             progress(done, len(names))
+
+    from .kernel import ChunkKernel
 
     kernel = ChunkKernel(chunk_elements)
     to_read = sorted((n for n in names if cost[n] > 0), key=lambda n: (-cost[n], n))

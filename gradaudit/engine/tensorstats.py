@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .model import TensorStats
+from ..model import TensorStats
 
 if TYPE_CHECKING:
     import torch

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import GradauditError, UsageError
+from ..errors import GradauditError, UsageError
 
 if TYPE_CHECKING:
+    from ..model import StepDump
     from .measure import StepMeasurements
-    from .model import StepDump
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a process waits for the others at one exchange before giving up (a process that died

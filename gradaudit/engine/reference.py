@@ -1,4 +1,4 @@
-"""Reading an unsharded reference step region by region, and comparing values with it (shell side)."""
+"""Reading an unsharded reference step region by region, and comparing values with it (numpy)."""
 
 from __future__ import annotations
 
@@ -6,31 +6,29 @@ import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from .model import Box, FlatRange, Piece, Region, numel_of
+import numpy as np
+
+from ..model import Box, FlatRange, Piece, Region, numel_of
 
 if TYPE_CHECKING:
-    import torch
-
-    from .dumpfile import TensorReader
+    from .reader import TensorReader
 
 
-def compare_values(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, int]:
+def compare_values(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:
     """(max |ours - ref| over elements finite in both, max |ref| over its finite elements, count of
     elements where one is finite and the other not, or both nonfinite but not the same value)."""
-    import torch
-
-    ours_finite, ref_finite = torch.isfinite(ours), torch.isfinite(ref)
-    if bool(ours_finite.all()) and bool(ref_finite.all()):
-        if ours.numel() == 0:
-            return 0.0, 0.0, 0
-        return float((ours - ref).abs().max()), float(ref.abs().max()), 0
-    both = ours_finite & ref_finite
-    zero = torch.zeros((), dtype=ours.dtype)
-    diff = torch.where(both, ours - ref, zero).abs()
-    ref_abs = torch.where(ref_finite, ref, zero).abs()
-    same_nonfinite = ~ours_finite & ~ref_finite & ((ours == ref) | (torch.isnan(ours) & torch.isnan(ref)))
-    mismatch = int((~both & ~same_nonfinite).sum())
-    return float(diff.max()), float(ref_abs.max()), mismatch
+    if ours.size == 0:
+        return 0.0, 0.0, 0
+    with np.errstate(all="ignore"):
+        ours_finite, ref_finite = np.isfinite(ours), np.isfinite(ref)
+        if ours_finite.all() and ref_finite.all():
+            return float(np.abs(ours - ref).max()), float(np.abs(ref).max()), 0
+        both = ours_finite & ref_finite
+        diff = np.abs(np.where(both, ours - ref, 0.0))
+        ref_abs = np.abs(np.where(ref_finite, ref, 0.0))
+        same_nonfinite = ~ours_finite & ~ref_finite & ((ours == ref) | (np.isnan(ours) & np.isnan(ref)))
+        mismatch = int(np.count_nonzero(~both & ~same_nonfinite))
+        return float(diff.max()), float(ref_abs.max()), mismatch
 
 
 class ReferenceSource:
@@ -54,7 +52,7 @@ class ReferenceSource:
         self.kind = kind
         self.scale = scale
         self.whole: tuple[str, Piece] | None = None
-        self.dense = None
+        self.dense: np.ndarray | None = None
         with_values = [(path, piece) for path, piece in pieces if kind in piece.tensors]
         for path, piece in with_values:
             if is_whole(piece.regions, self.global_shape):
@@ -62,23 +60,23 @@ class ReferenceSource:
                 return
         self.dense = _assemble_dense(reader, self.global_shape, with_values, kind)
 
-    def flat(self, start: int, stop: int) -> torch.Tensor:
+    def flat(self, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of the row-major flattened parameter."""
-        import torch
-
         if self.whole is not None:
             path, piece = self.whole
-            values = self.reader.read_range(path, piece.tensors[self.kind], start, stop).to(torch.float64)
+            values = self.reader.float64(path, piece.tensors[self.kind], start, stop)
         else:
+            assert self.dense is not None
             values = self.dense.reshape(-1)[start:stop]
         return values / self.scale if self.scale != 1.0 else values
 
-    def box(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def box(self, offsets: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
         """The box's elements, row-major: the whole rows that hold it are read, then cut."""
         if len(shape) == 0:
             return self.flat(0, 1)
         index = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=False))
         if self.whole is None:
+            assert self.dense is not None
             values = self.dense[index].reshape(-1)
             return values / self.scale if self.scale != 1.0 else values
         inner = numel_of(self.global_shape[1:])
@@ -102,14 +100,13 @@ def covers(pieces: list[tuple[str, Piece]], global_shape: tuple[int, ...]) -> bo
 
 
 def _assemble_dense(
-    reader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: str
-) -> torch.Tensor:
-    import torch
-
-    dense = torch.full((numel_of(global_shape),), math.nan, dtype=torch.float64)
-    flat_index = torch.arange(numel_of(global_shape)).reshape(global_shape)
+    reader: TensorReader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: str
+) -> np.ndarray:
+    dense = np.full((numel_of(global_shape),), math.nan, dtype=np.float64)
+    flat_index = np.arange(numel_of(global_shape)).reshape(global_shape)
     for path, piece in pieces:
-        values = reader.read(path, piece.tensors[kind]).to(torch.float64).reshape(-1)
+        key = piece.tensors[kind]
+        values = reader.float64(path, key, 0, math.prod(reader.entry(path, key).shape))
         offset = 0
         for region in piece.regions:
             if isinstance(region, FlatRange):
@@ -145,7 +142,7 @@ def region_windows(region: Region, chunk: int, row_elements: int = 0) -> Iterato
 
 
 def compare_regions(
-    read_ours: Callable[[int, int], torch.Tensor],
+    read_ours: Callable[[int, int], np.ndarray],
     regions: tuple[Region, ...],
     source: ReferenceSource,
     chunk: int,

@@ -1,4 +1,4 @@
-"""The check's chunk kernel gives the statistics of the reference accumulator, in any dtype and chunking."""
+"""The check's numpy chunk kernel gives the statistics of the capture side's torch accumulator, in any dtype and chunking."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from builders import FIXED, flat
 
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.build import write_rank
+from gradaudit.engine.kernel import ChunkKernel
+from gradaudit.engine.tensorstats import stats_of_tensor
 from gradaudit.model import ClipRecord
-from gradaudit.streamstats import ChunkKernel
-from gradaudit.tensorstats import stats_of_tensor
 
 
 @pytest.mark.parametrize(
@@ -81,3 +81,10 @@ def test_fingerprints_are_computed_only_when_asked_for_and_then_equal_the_accumu
     want = stats_of_tensor(values, 2.0).fingerprint
     assert len(stats["grad"].fingerprint) == len(want) > 0
     assert stats["grad"].fingerprint == pytest.approx(want, rel=1e-9)
+
+
+def test_the_measurement_chunk_is_the_kernel_chunk():
+    from gradaudit.engine.kernel import KERNEL_CHUNK_ELEMENTS
+    from gradaudit.engine.measure import CHUNK_ELEMENTS
+
+    assert CHUNK_ELEMENTS == KERNEL_CHUNK_ELEMENTS

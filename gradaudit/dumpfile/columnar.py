@@ -1,0 +1,393 @@
+"""Dump format 1.1: the pieces of a stats-only rank file as binary columns (safetensors arrays).
+
+A many-rank stats dump is millions of small pieces; as JSON each costs about 550 header bytes and a
+dict to decode. In 1.1 a rank file whose pieces all hold statistics only (no tensor values) and
+one region each stores them as arrays beside an empty JSON "pieces" list, described by the
+document's "columnar" entry (see docs/FORMAT.md):
+
+    __gradaudit__.pieces        I64 [n, 4]   param index, replica group index (-1: none),
+                                             first coordinate in __gradaudit__.coords, ndim
+                                             (0: a flat range [start, stop), k: a k-D box)
+    __gradaudit__.coords        I64 [c]      start, stop  |  offsets..., shape...
+    __gradaudit__.stats.KIND    F64 [n, 3+f] sum_pow, sum_sq, max_abs, fingerprint...
+    __gradaudit__.counts.KIND   I64 [n, 3]   num_nan, num_posinf, num_neginf
+
+The parameter table goes beside them as columns too (an empty JSON "params" list):
+
+    __gradaudit__.params.names  U8  [b]      the names, UTF-8, one after the other
+    __gradaudit__.params.meta   I64 [m, 3]   end of the name in .names, ndim, dtype code
+                                             (the index in model.FLOAT_DTYPES)
+    __gradaudit__.params.dims   I64 [d]      the global shapes, one after the other
+
+Every rank of a step writes the same table, so the loader decodes it once per step (a cache keyed
+by its bytes) and all ranks share one tuple of ParamInfo.
+
+`to_columns` gives None for a dump it cannot store losslessly (then the JSON form is written);
+`from_columns` validates every column against the parameter table before building any piece.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import DumpFormatError
+from ..model import FLOAT_DTYPES, Box, FlatRange, ParamInfo, Piece, RankDump, Region, TensorStats
+
+PREFIX = "__gradaudit__."
+PIECES, COORDS = PREFIX + "pieces", PREFIX + "coords"
+NAMES, META, DIMS = PREFIX + "params.names", PREFIX + "params.meta", PREFIX + "params.dims"
+MAX_FINGERPRINT = 64
+MAX_DIMS = 64
+MAX_ELEMENTS = 2**53
+
+ParamsCache = dict[bytes, tuple[ParamInfo, ...]]
+Fail = Callable[[str], DumpFormatError]
+"""Decoded parameter tables by their bytes, shared by the ranks of one load."""
+
+
+def params_to_columns(params: Sequence[ParamInfo]) -> dict[str, np.ndarray] | None:
+    if not params or any(p.dtype not in FLOAT_DTYPES for p in params):
+        return None
+    names = [p.name.encode("utf-8") for p in params]
+    ends = np.cumsum([len(n) for n in names], dtype=np.int64)
+    meta = np.stack(
+        [
+            ends,
+            np.array([len(p.global_shape) for p in params], dtype=np.int64),
+            np.array([FLOAT_DTYPES.index(p.dtype) for p in params], dtype=np.int64),
+        ],
+        axis=1,
+    )
+    return {
+        NAMES: np.frombuffer(b"".join(names), dtype=np.uint8).copy(),
+        META: meta,
+        DIMS: np.array([d for p in params for d in p.global_shape], dtype=np.int64),
+    }
+
+
+def params_from_columns(
+    arrays: Mapping[str, np.ndarray], path: str, cache: ParamsCache | None
+) -> tuple[ParamInfo, ...]:
+    """The parameter table stored as columns; decoded once per distinct table when `cache` is given."""
+
+    def fail(problem: str) -> DumpFormatError:
+        return DumpFormatError(
+            path, f"columnar parameters: {problem}", "the file is not a valid gradaudit dump"
+        )
+
+    names, meta, dims = arrays.get(NAMES), arrays.get(META), arrays.get(DIMS)
+    if names is None or meta is None or dims is None:
+        raise fail("a parameter column is missing")
+    if (
+        names.dtype != np.uint8
+        or names.ndim != 1
+        or meta.dtype != np.int64
+        or meta.ndim != 2
+        or meta.shape[1] != 3
+    ):
+        raise fail("a parameter column has the wrong dtype or shape")
+    if dims.dtype != np.int64 or dims.ndim != 1:
+        raise fail("a parameter column has the wrong dtype or shape")
+    key = names.tobytes() + meta.tobytes() + dims.tobytes()
+    if cache is not None and key in cache:
+        return cache[key]
+    ends, ndims, codes = meta[:, 0], meta[:, 1], meta[:, 2]
+    if meta.shape[0] == 0:
+        raise fail("the table is empty")
+    if (np.diff(ends, prepend=0) < 0).any() or int(ends[-1]) != names.size:
+        raise fail("name offsets do not cover the names")
+    if ((ndims < 0) | (ndims > MAX_DIMS)).any() or int(ndims.sum()) != dims.size or (dims < 0).any():
+        raise fail("shapes do not match their dimension counts")
+    if ((codes < 0) | (codes >= len(FLOAT_DTYPES))).any():
+        raise fail("a dtype code is not one of model.FLOAT_DTYPES")
+    raw = names.tobytes()
+    dims_list, infos, seen = dims.tolist(), [], set()
+    start_name, start_dim = 0, 0
+    for end, ndim, code in meta.tolist():
+        try:
+            name = raw[start_name:end].decode("utf-8")
+        except UnicodeDecodeError:
+            raise fail(f"the name ending at byte {end} is not UTF-8") from None
+        shape = tuple(dims_list[start_dim : start_dim + ndim])
+        start_name, start_dim = end, start_dim + ndim
+        if name in seen:
+            raise fail(f"parameter {name!r:.60} is listed twice")
+        if math.prod(shape) > MAX_ELEMENTS:
+            raise fail(f"parameter {name!r:.60} claims more elements than any real tensor")
+        seen.add(name)
+        infos.append(ParamInfo(name=name, global_shape=shape, dtype=FLOAT_DTYPES[code]))
+    result = tuple(infos)
+    if cache is not None:
+        cache[key] = result
+    return result
+
+
+def stats_key(kind: str) -> str:
+    return f"{PREFIX}stats.{kind}"
+
+
+def counts_key(kind: str) -> str:
+    return f"{PREFIX}counts.{kind}"
+
+
+def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, or None when any piece
+    would not come back equal from the columns (tensors, several regions, a local name, a dtype
+    other than its parameter's, differing norm types or fingerprint lengths)."""
+    pieces = dump.pieces
+    if not pieces:
+        return None
+    params = {info.name: i for i, info in enumerate(dump.params)}
+    kinds = sorted(pieces[0].stats)
+    first = pieces[0].stats[kinds[0]] if kinds else None
+    if first is None:
+        return None
+    groups = sorted({p.replica_group for p in pieces if p.replica_group is not None})
+    group_index = {g: i for i, g in enumerate(groups)}
+    fp_len = len(first.fingerprint)
+    rows: list[list[int]] = []
+    coords: list[int] = []
+    stats: dict[str, list[list[float]]] = {kind: [] for kind in kinds}
+    counts: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+    for position, piece in enumerate(pieces):
+        if (
+            piece.index != position
+            or piece.tensors
+            or sorted(piece.stats) != kinds
+            or len(piece.regions) != 1
+            or piece.param not in params
+            or piece.local_name is not None
+            or piece.dtype != dump.params[params[piece.param]].dtype
+        ):
+            return None
+        region = piece.regions[0]
+        if isinstance(region, FlatRange):
+            ndim, values = 0, [region.start, region.stop]
+        else:
+            ndim, values = len(region.shape), [*region.offsets, *region.shape]
+            if ndim == 0:
+                return None
+        group = -1 if piece.replica_group is None else group_index[piece.replica_group]
+        rows.append([params[piece.param], group, len(coords), ndim])
+        coords.extend(values)
+        for kind in kinds:
+            s = piece.stats[kind]
+            if s.norm_type != first.norm_type and not (
+                math.isnan(s.norm_type) and math.isnan(first.norm_type)
+            ):
+                return None
+            if len(s.fingerprint) != fp_len or s.numel != piece.numel:
+                return None
+            stats[kind].append([s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint])
+            counts[kind].append([s.num_nan, s.num_posinf, s.num_neginf])
+    rebuilt = _pieces_from(
+        np.array(rows, dtype=np.int64),
+        np.array(coords, dtype=np.int64),
+        dump.params,
+        groups,
+        {k: np.array(v, dtype=np.float64).reshape(len(pieces), 3 + fp_len) for k, v in stats.items()},
+        {k: np.array(v, dtype=np.int64).reshape(len(pieces), 3) for k, v in counts.items()},
+        first.norm_type,
+    )
+    if rebuilt != tuple(pieces):
+        return None
+    arrays: dict[str, np.ndarray] = {
+        PIECES: np.array(rows, dtype=np.int64).reshape(-1, 4),
+        COORDS: np.array(coords, dtype=np.int64),
+    }
+    for kind in kinds:
+        arrays[stats_key(kind)] = np.array(stats[kind], dtype=np.float64).reshape(len(pieces), 3 + fp_len)
+        arrays[counts_key(kind)] = np.array(counts[kind], dtype=np.int64).reshape(len(pieces), 3)
+    param_columns = params_to_columns(dump.params)
+    if param_columns is not None:
+        arrays.update(param_columns)
+    descriptor = {
+        "params": "columns" if param_columns is not None else "json",
+        "num_pieces": len(pieces),
+        "kinds": kinds,
+        "norm_type": "inf" if math.isinf(first.norm_type) else first.norm_type,
+        "fingerprint_length": fp_len,
+        "replica_groups": groups,
+    }
+    return descriptor, arrays
+
+
+def from_columns(
+    descriptor: Any, arrays: Mapping[str, np.ndarray], params: Sequence[ParamInfo], path: str
+) -> tuple[Piece, ...]:
+    """The pieces the columns describe, after checking every column (DumpFormatError naming `path`)."""
+
+    def fail(problem: str) -> DumpFormatError:
+        return DumpFormatError(path, f"columnar pieces: {problem}", "the file is not a valid gradaudit dump")
+
+    if not isinstance(descriptor, dict):
+        raise fail("the 'columnar' entry is not an object")
+    n, kinds, fp_len = (
+        descriptor.get("num_pieces"),
+        descriptor.get("kinds"),
+        descriptor.get("fingerprint_length"),
+    )
+    groups, norm_type = descriptor.get("replica_groups", []), descriptor.get("norm_type")
+    if not (type(n) is int and n > 0 and type(fp_len) is int and 0 <= fp_len <= MAX_FINGERPRINT):
+        raise fail("num_pieces or fingerprint_length is not a valid count")
+    if not (
+        isinstance(kinds, list)
+        and kinds
+        and all(k in ("grad", "grad_clipped", "param_before", "param_after") for k in kinds)
+    ):
+        raise fail(f"kinds {kinds!r:.80} are not tensor kinds")
+    if not (isinstance(groups, list) and all(isinstance(g, str) for g in groups)):
+        raise fail("replica_groups is not a list of names")
+    norm_type = math.inf if norm_type == "inf" else norm_type
+    if not (isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool) and norm_type > 0):
+        raise fail(f"norm_type {norm_type!r:.40} is not positive")
+    expected: dict[str, tuple[Any, tuple[int, ...] | None]] = {
+        PIECES: (np.int64, (n, 4)),
+        COORDS: (np.int64, None),
+    }
+    for kind in kinds:
+        expected[stats_key(kind)] = (np.float64, (n, 3 + fp_len))
+        expected[counts_key(kind)] = (np.int64, (n, 3))
+    for key, (dtype, shape) in expected.items():
+        array = arrays.get(key)
+        if array is None:
+            raise fail(f"tensor {key} is missing")
+        if (
+            array.dtype != dtype
+            or (shape is not None and array.shape != shape)
+            or (shape is None and array.ndim != 1)
+        ):
+            raise fail(f"tensor {key} has dtype {array.dtype} and shape {list(array.shape)}")
+    for key in arrays:
+        if key not in expected and key not in (NAMES, META, DIMS):
+            raise fail(f"tensor {key} is not one the 'columnar' entry describes")
+    rows, coords = arrays[PIECES], arrays[COORDS]
+    _check_rows(rows, coords, params, len(groups), fail)
+    for kind in kinds:
+        values, counted = arrays[stats_key(kind)], arrays[counts_key(kind)]
+        if np.isnan(values[:, :3]).any() or (values[:, :3] < 0).any():
+            raise fail(f"{kind} sums and max |x| must be non-negative numbers")
+        if (counted < 0).any():
+            raise fail(f"{kind} nonfinite counts must be non-negative")
+    return _pieces_from(
+        rows,
+        coords,
+        params,
+        groups,
+        {k: arrays[stats_key(k)] for k in kinds},
+        {k: arrays[counts_key(k)] for k in kinds},
+        float(norm_type),
+        fail=fail,
+    )
+
+
+def _check_rows(
+    rows: np.ndarray, coords: np.ndarray, params: Sequence[ParamInfo], num_groups: int, fail: Fail
+) -> None:
+    if len(params) == 0:
+        raise fail("the file lists no parameters")
+    param, group, first, ndim = rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3]
+    if ((param < 0) | (param >= len(params))).any():
+        raise fail("a parameter index is outside the parameter list")
+    if ((group < -1) | (group >= num_groups)).any():
+        raise fail("a replica group index is outside replica_groups")
+    dims = np.array([len(p.global_shape) for p in params], dtype=np.int64)[param]
+    flat = ndim == 0
+    if ((~flat) & (ndim != dims)).any():
+        raise fail("a box has another number of dimensions than its parameter")
+    width = np.where(flat, 2, 2 * ndim)
+    expected_first = np.concatenate(([0], np.cumsum(width)[:-1]))
+    if (first != expected_first).any() or int(width.sum()) != coords.size:
+        raise fail("coordinates are not laid out piece after piece")
+
+
+def _check_extents(
+    rows: np.ndarray,
+    coords: np.ndarray,
+    params: Sequence[ParamInfo],
+    counts: Mapping[str, np.ndarray],
+    fail: Fail,
+) -> None:
+    """Flat ranges inside their parameter and nonfinite counts within each piece's elements, for
+    all pieces at once (boxes are checked one by one as they are built: they are few)."""
+    param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
+    flat = np.flatnonzero(ndim == 0)
+    start, stop = coords[first[flat]], coords[first[flat] + 1]
+    limit = np.array([p.numel for p in params], dtype=np.int64)[param[flat]]
+    bad = (start < 0) | (start > stop) | (stop > limit)
+    if bad.any():
+        i = int(flat[np.argmax(bad)])
+        raise fail(
+            f"piece {i}: range [{coords[first[i]]}, {coords[first[i] + 1]}) is outside {params[param[i]].name!r:.60}"
+        )
+    numel = stop - start
+    for kind, counted in counts.items():
+        over = counted[flat].sum(axis=1) > numel
+        if over.any():
+            raise fail(f"piece {int(flat[np.argmax(over)])}: more nonfinite {kind} values than elements")
+
+
+def _pieces_from(
+    rows: np.ndarray,
+    coords: np.ndarray,
+    params: Sequence[ParamInfo],
+    groups: Sequence[str],
+    stats: Mapping[str, np.ndarray],
+    counts: Mapping[str, np.ndarray],
+    norm_type: float,
+    *,
+    fail: Fail | None = None,
+) -> tuple[Piece, ...]:
+    if fail is not None:
+        _check_extents(rows, coords, params, counts, fail)
+    coords_list = coords.tolist()
+    stats_lists = [(k, v.tolist(), counts[k].tolist()) for k, v in stats.items()]
+    pieces = []
+    for index, (param_index, group, first, ndim) in enumerate(rows.tolist()):
+        info = params[param_index]
+        region: Region
+        if ndim == 0:
+            start, stop = coords_list[first], coords_list[first + 1]
+            region, local_shape, numel = FlatRange(start=start, stop=stop), (stop - start,), stop - start
+        else:
+            offsets = tuple(coords_list[first : first + ndim])
+            shape = tuple(coords_list[first + ndim : first + 2 * ndim])
+            if fail is not None and not all(
+                o >= 0 and s >= 0 and o + s <= d
+                for o, s, d in zip(offsets, shape, info.global_shape, strict=True)
+            ):
+                raise fail(f"piece {index}: box {list(offsets)} + {list(shape)} is outside {info.name!r:.60}")
+            region, local_shape, numel = Box(offsets=offsets, shape=shape), shape, math.prod(shape)
+            if fail is not None and any(sum(c[index]) > numel for _, _, c in stats_lists):
+                raise fail(f"piece {index}: more nonfinite values than elements")
+        piece_stats = {}
+        for kind, values, counted in stats_lists:
+            sum_pow, sum_sq, max_abs, *fingerprint = values[index]
+            nan, posinf, neginf = counted[index]
+            piece_stats[kind] = TensorStats(
+                numel=numel,
+                norm_type=norm_type,
+                sum_pow=sum_pow,
+                sum_sq=sum_sq,
+                max_abs=max_abs,
+                num_nan=nan,
+                num_posinf=posinf,
+                num_neginf=neginf,
+                fingerprint=tuple(fingerprint),
+            )
+        pieces.append(
+            Piece(
+                index=index,
+                param=info.name,
+                regions=(region,),
+                local_shape=local_shape,
+                dtype=info.dtype,
+                replica_group=None if group < 0 else groups[group],
+                stats=piece_stats,
+            )
+        )
+    return tuple(pieces)
