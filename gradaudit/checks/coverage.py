@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from ..dumpfile.header import shown
+from ..errors import StepFolderError
 from ..measure import StepMeasurements
 from ..model import FlatRange, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
-from .sweep import coverage, region_boxes
+from .sweep import CoverageTooIntricate, coverage, region_boxes
 
 
 def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -77,7 +79,13 @@ def _all_coverage(step: StepDump) -> dict:
     layouts = layouts_by_param(step)
     found = {}
     for name, info in step.params.items():
-        result, ranks = _param_coverage(info.global_shape, layouts[name])
+        try:
+            result, ranks = _param_coverage(info.global_shape, layouts[name])
+        except CoverageTooIntricate as exc:
+            raise StepFolderError(
+                f"{step.directory}: the pieces of parameter {shown(name)} cannot be checked for overlaps and "
+                f"gaps: {exc}"
+            ) from None
         found[name] = (info, result, ranks, sorted({r for rs in layouts[name].values() for r in rs}))
     return found
 
