@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import GradauditError
+from ..errors import DumpFormatError, GradauditError
 from ..model import RankDump
-from .schema import METADATA_KEY, encode_rank
+from .schema import METADATA_KEY, decode_rank, encode_rank
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +31,10 @@ def rank_file_name(rank: int) -> str:
 def tensor_key(param: str, kind: str, piece_index: int) -> str:
     """The safetensors key of one tensor: it names the parameter and what the tensor is."""
     return f"{param}::{kind}::{piece_index}"
+
+
+class UnreadableDumpError(GradauditError):
+    """The dump about to be written breaks a rule of the format (the reader's own checks say which)."""
 
 
 class DumpExistsError(GradauditError):
@@ -79,10 +83,17 @@ def write_rank_file(
             keys[kind] = key
         pieces.append(dataclasses.replace(piece, tensors=keys))
     dump = dataclasses.replace(dump, pieces=tuple(pieces))
-    metadata = {METADATA_KEY: json.dumps(encode_rank(dump), sort_keys=True, allow_nan=False)}
+    final = directory / rank_file_name(dump.rank)
+    text = json.dumps(encode_rank(dump), sort_keys=True, allow_nan=False)
+    try:
+        decode_rank(json.loads(text), str(final))
+    except DumpFormatError as exc:
+        raise UnreadableDumpError(
+            f"{final}: not written, because gradaudit's reader would refuse it: {exc.problem}"
+        ) from None
+    metadata = {METADATA_KEY: text}
 
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / rank_file_name(dump.rank)
     if final.exists() and not overwrite:
         raise DumpExistsError(
             f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
