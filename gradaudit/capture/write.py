@@ -34,6 +34,8 @@ def build_rank_dump(
     infos: dict[str, ParamInfo] = {}
     pieces, tensors = [], {}
     for source_index, local in enumerate(snapshots.pieces):
+        if local.param in snapshots.not_captured:
+            continue
         failed = source_index in snapshots.failed
         kinds = snapshots.kinds_of(source_index)
         if failed or kinds:
@@ -77,6 +79,7 @@ def build_rank_dump(
         topology=topology,
         clip=clip,
         data=data,
+        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
     )
     return dump, tensors
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..dumpfile.header import shown
+from ..dumpfile.header import clipped, shown
 from ..errors import StepFolderError
 from ..measure import StepMeasurements
 from ..model import FlatRange, StepDump, numel_of
@@ -130,3 +130,20 @@ def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
                 )
             )
     return tuple(hits)
+
+
+def parameters_not_captured(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    left_out: dict[str, tuple[str, list[int]]] = {}
+    for rank in step.ranks_present:
+        for param in step.ranks[rank].not_captured:
+            left_out.setdefault(param.name, (param.reason, []))[1].append(rank)
+    if not left_out:
+        return ()
+    named = "; ".join(
+        f"{name} on {ranks_named(ranks)}: {clipped(reason)}"
+        for name, (reason, ranks) in sorted(left_out.items())[:10]
+    )
+    more = f" (and {len(left_out) - 10} more)" if len(left_out) > 10 else ""
+    return Skip(
+        reason=f"{len(left_out)} parameter(s) were not captured, so every norm here leaves them out: {named}{more}"
+    )

@@ -21,6 +21,7 @@ from ..model import (
     DataRecord,
     FlatRange,
     MeshInfo,
+    NotCapturedParam,
     ParamInfo,
     Piece,
     RankDump,
@@ -163,7 +164,14 @@ def encode_rank(dump: RankDump) -> dict:
             "loss": encode_float(dump.data.loss),
             "loss_reduction": dump.data.loss_reduction,
         },
-    }
+    } | _encode_not_captured(dump.not_captured)
+
+
+def _encode_not_captured(params: tuple[NotCapturedParam, ...]) -> dict[str, Any]:
+    """Only when some parameter was left out, so that other files keep their bytes."""
+    if not params:
+        return {}
+    return {"not_captured": [{"name": p.name, "reason": p.reason} for p in params]}
 
 
 # ---------------------------------------------------------------- decoding
@@ -731,4 +739,20 @@ def decode_rank(doc: Any, path: str, *, num_bytes: int = 0) -> RankDump:
             loss_reduction=reduction,
         ),
         num_bytes=num_bytes,
+        not_captured=_decode_not_captured(r, doc.get("not_captured")),
     )
+
+
+def _decode_not_captured(r: _Reader, raw: Any) -> tuple[NotCapturedParam, ...]:
+    if raw is None:
+        return ()
+    found = []
+    for i, entry in enumerate(r.list_(raw, "not_captured", limit=1_000_000)):
+        where = f"not_captured[{i}]"
+        obj = r.obj(entry, where)
+        found.append(
+            NotCapturedParam(
+                name=r.get(obj, "name", where, r.str_), reason=r.get(obj, "reason", where, r.str_)
+            )
+        )
+    return tuple(found)
