@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
+"""2: rank lists in JSON are runs [first, last], so a claimed world of 2^20 ranks stays a few lines."""
 
 Number = int | float
 

@@ -377,7 +377,7 @@ def test_missing_ranks_are_called_out_in_every_human_format():
     report = missing_rank_report(step=1300)
     assert "missing ranks: 3" in terminal_render.render_report(report)
     assert "**Missing ranks:** 3" in markdown_render.render_report(report)
-    assert json.loads(json_render.render_report(report))["missing_ranks"] == [3]
+    assert json.loads(json_render.render_report(report))["missing_ranks"] == [[3, 3]]
 
 
 def test_json_report_has_the_stable_keys_and_severity_strings():
@@ -423,7 +423,7 @@ def test_multi_step_json_holds_the_summary_and_every_complete_step():
     data = json.loads(json_render.render_multi(multi_report()))
     assert [s["step"] for s in data["summary"]] == [1100, 1200, 1300]
     assert data["steps"][1] == json_render.report_to_dict(seed_report())
-    assert data["directory"] == "./run" and data["report_version"] == 1
+    assert data["directory"] == "./run" and data["report_version"] == 2
 
 
 # ---------------------------------------------------------------- nonfinite numbers

@@ -21,6 +21,7 @@ from .header import (
     ITEMSIZES,
     Header,
     TensorEntry,
+    check_density,
     clipped,
     open_regular_file,
     os_problem,
@@ -30,7 +31,7 @@ from .header import (
     validate_tensors,
 )
 from .schema import METADATA_KEY, decode_rank
-from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
+from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX, is_temporary
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,7 @@ def _load_rank_from(handle: BinaryIO, path: str) -> tuple[RankDump, Header]:
             "is it a model checkpoint? point gradaudit at a step_<N> dump folder",
         )
     header = validate_tensors(raw)
+    check_density(text, path, "gradaudit metadata")
     try:
         doc = parse_json(text)
     except (ValueError, RecursionError) as exc:
@@ -92,12 +94,25 @@ def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
     files, warnings = [], []
     for entry in sorted(directory.iterdir()):
         if entry.name.startswith("."):
+            if is_temporary(entry.name):
+                warnings.append(_temporary_warning(entry))
             continue
         if entry.name.endswith(RANK_FILE_SUFFIX):
             files.append(entry)
         else:
             warnings.append(f"{entry}: ignored, not a rank file (*{RANK_FILE_SUFFIX})")
     return files, warnings
+
+
+def _temporary_warning(entry: Path) -> str:
+    try:
+        size = f"{entry.lstat().st_size:,} bytes"
+    except OSError:
+        size = "size unknown"
+    return (
+        f"{entry}: ignored, an unfinished temporary file ({size}) of a writer that was killed or is still "
+        "writing; delete it once no job writes to this folder"
+    )
 
 
 def _folder_problem(directory: Path) -> str | None:

@@ -44,6 +44,9 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_INT = 2**63 - 1
 """Counters (step, tokens, element counts) must fit in a signed 64-bit integer."""
 
+MAX_CLIP_CALLS = 10_000
+"""Clip calls before one optimizer step: one per microbatch at the very most."""
+
 _MAX_LIST = 10_000_000
 """The most entries any list in the metadata may hold unless a field says otherwise."""
 
@@ -626,7 +629,8 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
     opt_float = lambda o, key, where: r.get(o, key, where, r.float_, optional=True)  # noqa: E731
     opt_bool = lambda o, key, where: r.get(o, key, where, r.bool_, optional=True)  # noqa: E731
     calls = []
-    for i, call_raw in enumerate(r.get(obj, "calls", "clip", r.list_, default=[])):
+    calls_raw = r.get(obj, "calls", "clip", lambda v, w: r.list_(v, w, limit=MAX_CLIP_CALLS), default=[])
+    for i, call_raw in enumerate(calls_raw):
         where = f"clip.calls[{i}]"
         call = r.obj(call_raw, where)
         calls.append(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,9 +102,12 @@ def write_rank_file(
             f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
             "choose another output folder or delete it first"
         )
-    temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    _remove_stale_temporaries(directory, final.name)
+    temporary = directory / temporary_name(final.name)
     try:
+        mode = _mode_the_umask_gives(temporary)
         save_file(payload, str(temporary), metadata=metadata)
+        os.chmod(temporary, mode)  # safetensors writes 0600; a dump is for sharing, as the umask says
         if overwrite:
             os.replace(temporary, final)
         else:
@@ -110,6 +116,53 @@ def write_rank_file(
         if temporary.exists():
             temporary.unlink()
     return final
+
+
+TEMPORARY_MARK = ".tmp-"
+"""A rank file being written is `.<rank file name>.tmp-<host>-<pid>` until it is complete."""
+
+
+def temporary_name(final_name: str) -> str:
+    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())[:64]
+    return f".{final_name}{TEMPORARY_MARK}{host}-{os.getpid()}"
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of the writer's temporaries (complete or not)."""
+    return name.startswith(".rank_") and TEMPORARY_MARK in name
+
+
+def _remove_stale_temporaries(directory: Path, final_name: str) -> None:
+    """Remove this rank's temporaries that a writer on this host left when it was killed mid-write."""
+    prefix = temporary_name(final_name).rsplit("-", 1)[0] + "-"
+    try:
+        names = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(directory / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def _mode_the_umask_gives(path: Path) -> int:
+    """Create `path` empty as a plain open() would (0666 less the umask) and return its mode."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:

@@ -116,7 +116,8 @@ def edit_header(path: Path, edit: Callable[[dict], None]) -> None:
 
 
 def deeply_nested(depth: int) -> str:
-    return "[" * depth + "]" * depth
+    """Lists in lists, spaced out so that the JSON is no denser than a real dump (one list per 16 bytes)."""
+    return ("[" + " " * 15) * depth + "]" * depth
 
 
 # ------------------------------------------------------------------ the corpus
