@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..dumpfile.schema import MAX_INT
@@ -101,7 +101,7 @@ def norm_results(result: Any) -> tuple[Any, Any]:
     return result, None
 
 
-def clip_arguments(fn: Callable, args, kwargs) -> tuple[Any, Any]:
+def clip_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """max_norm and norm_type as passed to a clipping function that names them so, else None."""
     try:
         signature = inspect.signature(fn)

@@ -34,6 +34,9 @@ from ..model import Box, FlatRange, Region
 BoxTuple = tuple[tuple[int, ...], tuple[int, ...], Hashable]
 """(offsets, sizes, tag): one box and what it belongs to."""
 
+_Counts = tuple[int, int, set[Hashable]]
+"""(gap elements, extra copies, tags of the boxes in an overlap)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Coverage:
@@ -41,7 +44,7 @@ class Coverage:
     """Elements no box holds."""
     num_overlap_elements: int
     """Extra copies: an element held by n boxes counts n - 1."""
-    overlapping_tags: frozenset
+    overlapping_tags: frozenset[Hashable]
     """Tags of the boxes involved in any overlap."""
 
 
@@ -62,7 +65,7 @@ def flat_range_boxes(
     first_row, first_in = divmod(start, inner)
     last_row, last_in = divmod(stop, inner)
 
-    def within(row: int, a: int, b: int) -> list:
+    def within(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         return [((row,) + o, (1,) + s) for o, s in flat_range_boxes(a, b, shape[1:])]
 
     if first_row == last_row:
@@ -157,7 +160,7 @@ MAX_SLABS_NAMED = 32
 """In two dimensions, the boxes of at most this many overlapping slabs are named (counts stay exact)."""
 
 
-def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Budget) -> tuple[int, int, set]:
+def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Budget) -> _Counts:
     budget.spend(len(boxes) + 1)
     remaining = len(shape) - dim
     if remaining == 1:
@@ -174,8 +177,8 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Bud
         | {boxes[i][0][dim] + boxes[i][1][dim] for i in order}
     )
     gap = overlap = 0
-    tags: set = set()
-    memo: dict[frozenset, tuple[int, int, set]] = {}
+    tags: set[Hashable] = set()
+    memo: dict[frozenset[int], _Counts] = {}
     active: dict[int, None] = {}
     ends: list[tuple[int, int]] = []
     next_start = 0
@@ -207,11 +210,11 @@ def _events(boxes: list[BoxTuple], dim: int) -> list[tuple[int, int, int]]:
     return sorted(found)
 
 
-def _sweep_1d(boxes: list[BoxTuple], extent: int, dim: int) -> tuple[int, int, set]:
+def _sweep_1d(boxes: list[BoxTuple], extent: int, dim: int) -> _Counts:
     """Intervals along the last dimension: a count of open intervals; each box is named at most once."""
     gap = overlap = count = previous = 0
     untagged: dict[int, None] = {}
-    tags: set = set()
+    tags: set[Hashable] = set()
     events = _events(boxes, dim)
     for k, (position, delta, i) in enumerate(events):
         span = position - previous
@@ -270,7 +273,7 @@ DENSE_SWEEP_BUDGET = 200_000_000
 every row position (fast in practice); above it, the segment tree keeps every box at O(log k)."""
 
 
-def _sweep_2d(boxes: list[BoxTuple], rows: int, cols: int, dim: int, budget: _Budget) -> tuple[int, int, set]:
+def _sweep_2d(boxes: list[BoxTuple], rows: int, cols: int, dim: int, budget: _Budget) -> _Counts:
     """Rectangles: sweep the rows; overlap = (sum of active widths - covered column length) per row slab."""
     if not boxes:
         return rows * cols, 0, set()
@@ -282,7 +285,7 @@ def _sweep_2d(boxes: list[BoxTuple], rows: int, cols: int, dim: int, budget: _Bu
     return _sweep_2d_tree(boxes, rows, cols, dim)
 
 
-def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tuple[int, int, set]:
+def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _Counts:
     """The rectangle sweep with the column counts kept as a difference array, summed by numpy at each row
     position: O(k log k + positions x segments) in C, with a few numpy calls per row position."""
     import numpy as np
@@ -308,7 +311,7 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tu
     difference = np.zeros(len(cuts), dtype=np.int64)
     counts = np.zeros(len(cuts) - 1, dtype=np.int64)
     gap = overlap = widths = previous = named_slabs = 0
-    tags: set = set()
+    tags: set[Hashable] = set()
     for a, b in zip(starts.tolist(), stops.tolist(), strict=False):
         here = int(position[a])
         span = here - previous
@@ -328,14 +331,14 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tu
     return gap + (rows - previous) * cols, overlap, tags
 
 
-def _sweep_2d_tree(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tuple[int, int, set]:
+def _sweep_2d_tree(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _Counts:
     """The rectangle sweep with the covered column length in a segment tree: O(log k) per box."""
     cuts = sorted({0, cols} | {b[0][dim + 1] for b in boxes} | {b[0][dim + 1] + b[1][dim + 1] for b in boxes})
     where = {x: i for i, x in enumerate(cuts)}
     tree = _CoveredLength(cuts)
     gap = overlap = widths = previous = named_slabs = 0
     active: dict[int, None] = {}
-    tags: set = set()
+    tags: set[Hashable] = set()
     for position, delta, i in _events(boxes, dim):
         span = position - previous
         if span:
@@ -356,7 +359,7 @@ def _sweep_2d_tree(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> tup
     return gap + (rows - previous) * cols, overlap, tags
 
 
-def _intricate(boxes: list[BoxTuple], shape: tuple[int, ...]) -> tuple[int, int, set]:
+def _intricate(boxes: list[BoxTuple], shape: tuple[int, ...]) -> _Counts:
     """Exact coverage of boxes in general position (see the module docstring), or CoverageTooIntricate."""
     import numpy as np
 
@@ -496,7 +499,7 @@ def _without_slabs(
     thin_hi = cell_hi.copy()
     thin_hi[axis] = squeezed(cell_hi[axis : axis + 1])[0]
     other = math.prod((cell_hi - cell_lo).tolist()) // int(cell_hi[axis] - cell_lo[axis])
-    return covered * other + _union(lo, hi, cell_lo, thin_hi, budget)
+    return int(covered * other) + _union(lo, hi, cell_lo, thin_hi, budget)
 
 
 def _dense_union(lo: Any, hi: Any, cuts: list[Any]) -> int:
