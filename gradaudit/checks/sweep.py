@@ -146,9 +146,15 @@ class _OverBudget(Exception):
 
 
 class _Budget:
-    def __init__(self, limit: int | None) -> None:
+    """Work allowed and spent, and the sizes below which `_union` counts densely or by exclusion."""
+
+    def __init__(
+        self, limit: int | None, *, dense_cells: int = DENSE_CELLS, exclusion_boxes: int = MAX_EXCLUSION_BOXES
+    ) -> None:
         self.limit = limit
         self.spent = 0
+        self.dense_cells = dense_cells
+        self.exclusion_boxes = exclusion_boxes
 
     def spend(self, units: int) -> None:
         self.spent += units
@@ -453,10 +459,10 @@ def _union(lo: Any, hi: Any, cell_lo: Any, cell_hi: Any, budget: _Budget) -> int
         for d in range(ndim)
     ]
     entries = math.prod(len(c) for c in cuts)
-    if entries <= DENSE_CELLS:
+    if entries <= budget.dense_cells:
         budget.spend(entries * ndim // 8 + (k + 1000) * 2**ndim)
         return _dense_union(lo, hi, cuts)
-    if k <= MAX_EXCLUSION_BOXES:
+    if k <= budget.exclusion_boxes:
         return _exclusion_union(lo.tolist(), hi.tolist(), budget)
     axis = max(range(ndim), key=lambda d: len(cuts[d]))
     middle = cuts[axis][len(cuts[axis]) // 2]

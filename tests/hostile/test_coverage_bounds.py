@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaudit.checks.sweep import coverage
+from gradaudit.checks.sweep import _Budget, _union, coverage
 
 from .cli import no_hang, run_cli
 from .corpus import edit_metadata, rank_path, write_valid_step
@@ -165,3 +165,22 @@ def test_boxes_no_sharding_produces_are_refused_in_bounded_time_with_one_line(tm
     assert outcome.code == 2 and outcome.stdout == ""
     assert len(outcome.stderr_lines) == 1
     assert str(step_dir) in outcome.stderr and "'w'" in outcome.stderr and "10 dimensions" in outcome.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    case=_small_nd_cases(), dense_cells=st.sampled_from([0, 64]), exclusion_boxes=st.sampled_from([0, 3, 14])
+)
+def test_every_way_of_measuring_a_union_agrees_with_a_count_of_every_element(
+    case, dense_cells, exclusion_boxes
+):
+    """Small cases are counted densely at once; these force the cuts, slab removal and inclusion-exclusion."""
+    shape, boxes = case
+    if not boxes:
+        return
+    lo = np.array([b[0] for b in boxes], dtype=np.int64)
+    hi = lo + np.array([b[1] for b in boxes], dtype=np.int64)
+    budget = _Budget(None, dense_cells=dense_cells, exclusion_boxes=exclusion_boxes)
+    union = _union(lo, hi, np.zeros(len(shape), dtype=np.int64), np.array(shape, dtype=np.int64), budget)
+    gap, _, _ = _brute_force(shape, boxes)
+    assert union == math.prod(shape) - gap
