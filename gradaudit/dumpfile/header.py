@@ -89,8 +89,8 @@ def _reject_constant(name: str) -> Any:
 
 BYTES_PER_CONTAINER = 8
 """JSON text may hold at most one list or object per this many bytes (dumps gradaudit writes hold about
-one per 20): parsed, a list or object costs 56-72 bytes however little text it took, so this keeps the
-memory of a parsed header within about 10 times its size."""
+one per 20 to 40): parsed, a list or object costs 56-72 bytes however little text it took, so this
+keeps the memory of a parsed header within about 16 times its size (docs/SECURITY.md)."""
 
 
 def check_density(text: str, path: str, what: str) -> None:
