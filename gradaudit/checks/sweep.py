@@ -381,7 +381,7 @@ def _intricate(boxes: list[BoxTuple], shape: tuple[int, ...]) -> _Counts:
     sum_volume = sum(math.prod(b[1]) for b in boxes)
     try:
         budget.spend(k * k * ndim // 64)
-        first, second = _intersecting_pairs(lo, hi)
+        first, second = _intersecting_pairs(lo, hi, budget)
         involved = np.zeros(k, dtype=bool)
         involved[first] = involved[second] = True
         union = sum(math.prod(b[1]) for b, hit in zip(boxes, involved.tolist(), strict=True) if not hit)
@@ -397,8 +397,9 @@ def _intricate(boxes: list[BoxTuple], shape: tuple[int, ...]) -> _Counts:
     return total - union, sum_volume - union, tags
 
 
-def _intersecting_pairs(lo: Any, hi: Any) -> tuple[Any, Any]:
-    """(i, j) with i < j for every two boxes that share an element, compared in blocks of rows."""
+def _intersecting_pairs(lo: Any, hi: Any, budget: _Budget) -> tuple[Any, Any]:
+    """(i, j) with i < j for every two boxes that share an element, compared in blocks of rows; each
+    pair kept costs 4 units, so the budget also bounds their memory (at most 10 million pairs)."""
     import numpy as np
 
     k = len(lo)
@@ -410,6 +411,7 @@ def _intersecting_pairs(lo: Any, hi: Any) -> tuple[Any, Any]:
         i, j = np.nonzero(meets)
         i += start
         keep = i < j
+        budget.spend(4 * int(keep.sum()))
         firsts.append(i[keep])
         seconds.append(j[keep])
     return np.concatenate(firsts), np.concatenate(seconds)
