@@ -252,6 +252,14 @@ class DataRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NotCapturedParam:
+    """A parameter this rank holds but did not capture (a sparse gradient, a dtype gradaudit cannot read)."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class RankDump:
     """One rank's file: who wrote it, what it holds and what the training code believed."""
 
@@ -272,6 +280,8 @@ class RankDump:
     clip: ClipRecord | None = None
     data: DataRecord = field(default_factory=DataRecord)
     num_bytes: int = 0
+    not_captured: tuple[NotCapturedParam, ...] = ()
+    """Parameters left out of this file, with why; their gradients are in no norm gradaudit computes."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size):

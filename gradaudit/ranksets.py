@@ -18,3 +18,14 @@ def compact_ranks(ranks: Iterable[int]) -> str:
             runs.append(str(rank))
         last = rank
     return ", ".join(runs)
+
+
+def rank_runs(ranks: Iterable[int]) -> list[list[int]]:
+    """Sorted ranks as inclusive runs: (0, 1, 2, 3, 7, 9, 10) -> [[0, 3], [7, 7], [9, 10]]."""
+    runs: list[list[int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return runs

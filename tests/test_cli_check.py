@@ -97,6 +97,7 @@ def test_explain_prints_the_sections_and_all_lists_every_code(capsys):
     for heading in ("What it checks", "Why it matters", "Example", "How to fix it"):
         assert heading in out
     code, out, _ = run("explain", "--all", capsys=capsys)
+
     assert code == 0 and len([line for line in out.splitlines() if line.startswith("GA")]) == len(CHECKS)
     assert run("explain", "GA999", capsys=capsys)[0] == 2
 

@@ -40,7 +40,7 @@ def test_with_allow_incomplete_ranks_a_truncated_file_is_a_missing_rank_with_its
     code, out, err = _run(capsys, "check", str(step_dir), "--allow-incomplete-ranks", "--format", "json")
     assert code == 1, err
     report = json.loads(out)
-    assert report["missing_ranks"] == [1]
+    assert report["missing_ranks"] == [[1, 1]]
     assert [row["rank"] for row in report["ranks"]] == [0, 2]
     ga100 = [f for f in report["findings"] if f["code"] == "GA100"]
     assert len(ga100) == 1 and "rank 1's file is unreadable" in ga100[0]["message"]

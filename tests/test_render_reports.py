@@ -405,7 +405,7 @@ def test_missing_ranks_are_called_out_in_every_human_format():
     report = missing_rank_report(step=1300)
     assert "missing ranks: 3" in terminal_render.render_report(report)
     assert "**Missing ranks:** 3" in markdown_render.render_report(report)
-    assert json.loads(json_render.render_report(report))["missing_ranks"] == [3]
+    assert json.loads(json_render.render_report(report))["missing_ranks"] == [[3, 3]]
 
 
 def test_json_report_has_the_stable_keys_and_severity_strings():

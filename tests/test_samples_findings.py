@@ -78,7 +78,7 @@ def test_replicas_double_counted_under_hsdp_inflate_the_norm_by_the_square_root_
 def test_clip_per_microbatch_records_one_clip_call_per_microbatch(capsys):
     report = check_json(capsys, step_dir("clip_per_microbatch"))
     (finding,) = [f for f in report["findings"] if f["code"] == "GA501"]
-    assert finding["ranks"] == [0, 1]
+    assert finding["ranks"] == [[0, 1]]
     assert finding["evidence"]["num_calls"] == 2
 
 

@@ -57,7 +57,7 @@ def test_local_clip_gradients_match_the_reference_but_clipped_gradients_and_next
 def test_nonfinite_shard_is_named_with_its_rank_parameter_and_counts(capsys):
     report = check_json(capsys, step_dir("nonfinite_shard"))
     (finding,) = [f for f in report["findings"] if f["code"] == "GA401"]
-    assert finding["ranks"] == [1] and finding["params"] == ["fc1.weight"]
+    assert finding["ranks"] == [[1, 1]] and finding["params"] == ["fc1.weight"]
     assert "1 nan, 1 +inf" in finding["message"]
     rows = {row["rank"]: row["nonfinite"] for row in report["ranks"]}
     assert rows[0] == {"nan": 0, "posinf": 0, "neginf": 0}

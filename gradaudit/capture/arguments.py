@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..dumpfile.schema import MAX_INT
 from ..errors import CaptureError
 
 MODES = ("full", "stats")
@@ -28,9 +29,43 @@ def rank_and_world_size() -> tuple[int, int]:
 
 
 def check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CaptureError(f"step must be a non-negative int (the optimizer step number), got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_INT:
+        raise CaptureError(
+            f"step must be a non-negative int below 2**63 (the optimizer step number), got {step!r}"
+        )
     return step
+
+
+def check_run_id(run_id: Any) -> str | None:
+    """An integer job id is meant as its decimal string; anything else but a string is a mistake."""
+    if run_id is None or isinstance(run_id, str):
+        return run_id
+    if isinstance(run_id, int) and not isinstance(run_id, bool):
+        return str(run_id)
+    raise CaptureError(
+        f"run_id must be a string (or an integer job id), got {type(run_id).__name__} {run_id!r}"
+    )
+
+
+def check_tokens(tokens: Any) -> int | None:
+    """A token count: a whole number from 0 to 2**63 - 1, as an int, a float or a one-element tensor."""
+    if tokens is None:
+        return None
+    number = opt_float(tokens)
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+        count = tokens
+    elif number is not None and math.isfinite(number) and number == int(number):
+        count = int(number)
+    else:
+        raise CaptureError(f"tokens must be a whole number of tokens, got {_shown(tokens)}")
+    if not 0 <= count <= MAX_INT:
+        raise CaptureError(f"tokens must be between 0 and 2**63 - 1, got {_shown(tokens)}")
+    return count
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_max_norm(max_norm: Any) -> float:
@@ -67,7 +102,7 @@ def norm_results(result: Any) -> tuple[Any, Any]:
     return result, None
 
 
-def clip_arguments(fn: Callable, args, kwargs) -> tuple[Any, Any]:
+def clip_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """max_norm and norm_type as passed to a clipping function that names them so, else None."""
     try:
         signature = inspect.signature(fn)

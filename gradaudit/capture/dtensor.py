@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..model import Box
 from .errors import UnsupportedParameter
@@ -31,7 +31,8 @@ def dtensor_pieces(
     A local shard is contiguous in every dimension for Shard and for the _StridedShard FSDP2 puts
     over tensor parallel; a non-contiguous one is still described exactly, as several pieces.
     """
-    mesh, placements = param.device_mesh, tuple(param.placements)
+    dtensor: Any = param  # a DTensor: torch's stubs type it as a plain Tensor
+    mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
     if any(p.is_partial() for p in placements):
         raise UnsupportedParameter(
             f"parameter {name!r} is a DTensor with a Partial placement {placements}; its local values are "
@@ -61,7 +62,7 @@ def dtensor_pieces(
                 regions=(Box(offsets=offsets, shape=shape),),
                 local_shape=shape,
                 grad=_grad_of(name, param, placements, select),
-                value=lambda p=param, s=select: s(p.to_local().detach()),
+                value=_value_of(dtensor, select),
                 replica_group=replica_group,
                 local_name=local_name,
             )
@@ -69,8 +70,19 @@ def dtensor_pieces(
     return pieces
 
 
-def _grad_of(name: str, param, placements, select) -> Callable[[], torch.Tensor | None]:
-    def grad():
+def _value_of(
+    param: Any, select: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[], torch.Tensor | None]:
+    def value() -> torch.Tensor | None:
+        return select(param.to_local().detach())
+
+    return value
+
+
+def _grad_of(
+    name: str, param: Any, placements: tuple[Any, ...], select: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[], torch.Tensor | None]:
+    def grad() -> torch.Tensor | None:
         g = param.grad
         if g is None:
             return None
@@ -87,7 +99,9 @@ def _grad_of(name: str, param, placements, select) -> Callable[[], torch.Tensor 
     return grad
 
 
-def _selector(local_starts, shape, local_shape) -> Callable[[torch.Tensor], torch.Tensor]:
+def _selector(
+    local_starts: tuple[int, ...], shape: tuple[int, ...], local_shape: tuple[int, ...]
+) -> Callable[[torch.Tensor], torch.Tensor]:
     whole = all(s == 0 for s in local_starts) and tuple(shape) == tuple(local_shape)
 
     def select(local: torch.Tensor) -> torch.Tensor:
@@ -106,14 +120,17 @@ def _selector(local_starts, shape, local_shape) -> Callable[[torch.Tensor], torc
 
 
 def _with_local_starts(dim_runs: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
-    out, local = [], 0
+    out: list[tuple[tuple[int, int], int]] = []
+    local = 0
     for start, stop in dim_runs:
         out.append(((start, stop), local))
         local += stop - start
     return out
 
 
-def _local_runs(global_shape, mesh, placements, coordinate) -> list[list[tuple[int, int]]]:
+def _local_runs(
+    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coordinate: Sequence[int]
+) -> list[list[tuple[int, int]]]:
     """For each tensor dim, the global index runs [start, stop) this rank's local shard holds, in order."""
     indices = _local_indices(global_shape, mesh, placements, coordinate)
     runs = []
@@ -123,7 +140,9 @@ def _local_runs(global_shape, mesh, placements, coordinate) -> list[list[tuple[i
     return runs
 
 
-def _local_indices(global_shape, mesh, placements, coordinate) -> dict[int, list[int]]:
+def _local_indices(
+    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coordinate: Sequence[int]
+) -> dict[int, list[int]]:
     """Global indices held along each sharded dim, computed the way DTensor itself does."""
     from torch.distributed.tensor import Shard
 
@@ -134,7 +153,7 @@ def _local_indices(global_shape, mesh, placements, coordinate) -> dict[int, list
         return _contiguous_indices(global_shape, mesh, placements)
     shard_types = (Shard, _StridedShard)
     local_shape = list(global_shape)
-    offsets: dict = {}
+    offsets: dict[int, Any] = {}
     for mesh_dim, placement in enumerate(placements):
         if not isinstance(placement, shard_types):
             continue
@@ -156,7 +175,9 @@ def _local_indices(global_shape, mesh, placements, coordinate) -> dict[int, list
     }
 
 
-def _contiguous_indices(global_shape, mesh, placements) -> dict[int, list[int]]:
+def _contiguous_indices(
+    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+) -> dict[int, list[int]]:
     """Fallback through the public helper (first offset only), valid for contiguous local shards."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

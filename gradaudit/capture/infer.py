@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -58,9 +59,9 @@ def infer_ownership(
 
     fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
     if fsdp1 is not None:
-        pieces = [_aliased(p, alias_of) for p in fsdp1]
+        flat = [_aliased(p, alias_of) for p in fsdp1]
         return Ownership(
-            pieces=tuple(pieces) + tuple(explicit), topology=topology.build(), aliases=_local_aliases(pieces)
+            pieces=tuple(flat) + tuple(explicit), topology=topology.build(), aliases=_local_aliases(flat)
         )
 
     explicit_names = {p.local_name or p.param for p in explicit}
@@ -74,9 +75,7 @@ def infer_ownership(
                 pieces,
                 on_unsupported,
                 logical,
-                lambda logical=logical, param=param: dtensor_pieces(
-                    *_names(logical, alias_of), param, topology
-                ),
+                functools.partial(_dtensor_pieces, logical, param, alias_of, topology),
             )
         else:
             plain.append((logical, fqn, param))
@@ -87,7 +86,21 @@ def infer_ownership(
     return Ownership(pieces=tuple(pieces), topology=topology.build(), aliases=_local_aliases(pieces))
 
 
-def _plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported) -> list[LocalPiece]:
+def _dtensor_pieces(
+    logical: str, param: torch.Tensor, alias_of: Mapping[str, str], topology: TopologyBuilder
+) -> list[LocalPiece]:
+    return dtensor_pieces(*_names(logical, alias_of), param, topology)
+
+
+def _plain_pieces(
+    model: torch.nn.Module,
+    plain: Sequence[tuple[str, str, torch.Tensor]],
+    topology: TopologyBuilder,
+    world_size: int,
+    groups: Mapping[str, tuple[tuple[int, ...], ...]],
+    alias_of: Mapping[str, str],
+    on_unsupported: Callable[[str, Exception], None],
+) -> list[LocalPiece]:
     """Pieces of the plain-tensor parameters: replicas over the data-parallel (or mesh, or world)
     group, or Megatron tensor-parallel partitions replicated over the data-parallel group."""
     dp_group = _data_parallel_group(model, topology, groups)
@@ -118,8 +131,12 @@ def _plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsup
                 f"alias; pass aliases={{{logical!r}: <logical name>}} or it is counted as a parameter of its own",
             )
         group = dp_group if is_megatron_sharded(param) else replicated_group
-        make = lambda logical=logical, param=param, group=group: plain_pieces(  # noqa: E731
-            *_names(logical, alias_of), param, replica_group=group, tensor_parallel=tensor_parallel
+        make = functools.partial(
+            plain_pieces,
+            *_names(logical, alias_of),
+            param,
+            replica_group=group,
+            tensor_parallel=tensor_parallel,
         )
         _extend(pieces, on_unsupported, logical, make)
     return pieces
@@ -143,7 +160,12 @@ def megatron_expert_pieces(
     )
 
 
-def _extend(pieces: list, on_unsupported, name: str, make: Callable[[], list[LocalPiece]]) -> None:
+def _extend(
+    pieces: list[LocalPiece],
+    on_unsupported: Callable[[str, Exception], None],
+    name: str,
+    make: Callable[[], list[LocalPiece]],
+) -> None:
     try:
         pieces.extend(make())
     except CaptureError:
@@ -169,7 +191,7 @@ def _local_aliases(pieces: Sequence[LocalPiece]) -> dict[str, str]:
     return {p.local_name: p.param for p in pieces if p.local_name and p.local_name != p.param}
 
 
-def _check_aliases(aliases: Mapping[str, str], params) -> None:
+def _check_aliases(aliases: Mapping[str, str], params: Sequence[tuple[str, str, torch.nn.Parameter]]) -> None:
     known = {logical for logical, _, _ in params} | {fqn for _, fqn, _ in params}
     for key, value in aliases.items():
         if not isinstance(key, str) or not isinstance(value, str) or not value:
@@ -184,7 +206,9 @@ def _check_aliases(aliases: Mapping[str, str], params) -> None:
             )
 
 
-def _fsdp1_pieces(model, topology: TopologyBuilder, exclude: frozenset[str]) -> list[LocalPiece] | None:
+def _fsdp1_pieces(
+    model: torch.nn.Module, topology: TopologyBuilder, exclude: frozenset[str]
+) -> list[LocalPiece] | None:
     try:
         from . import fsdp1
     except ImportError:
@@ -197,7 +221,9 @@ def _fsdp1_pieces(model, topology: TopologyBuilder, exclude: frozenset[str]) -> 
     return list(pieces)
 
 
-def _data_parallel_group(model, topology: TopologyBuilder, groups) -> str | None:
+def _data_parallel_group(
+    model: torch.nn.Module, topology: TopologyBuilder, groups: Mapping[str, tuple[tuple[int, ...], ...]]
+) -> str | None:
     """The group DDP replicates over (named after a matching user group), else the user's 'dp' group."""
     for module in model.modules():
         if is_ddp(module):
@@ -213,7 +239,9 @@ def _data_parallel_group(model, topology: TopologyBuilder, groups) -> str | None
     return DATA_PARALLEL_GROUP_NAME if DATA_PARALLEL_GROUP_NAME in groups else None
 
 
-def _tensor_parallel_rank(topology: TopologyBuilder, groups) -> TensorParallelRank | None:
+def _tensor_parallel_rank(
+    topology: TopologyBuilder, groups: Mapping[str, tuple[tuple[int, ...], ...]]
+) -> TensorParallelRank | None:
     for name in TENSOR_PARALLEL_GROUP_NAMES:
         if name in groups:
             ranks = topology.my_ranks(name)
@@ -226,7 +254,13 @@ def _tensor_parallel_rank(topology: TopologyBuilder, groups) -> TensorParallelRa
     return None
 
 
-def _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel) -> str | None:
+def _plain_replica_group(
+    topology: TopologyBuilder,
+    world_size: int,
+    groups: Mapping[str, tuple[tuple[int, ...], ...]],
+    dp_group: str | None,
+    tensor_parallel: TensorParallelRank | None,
+) -> str | None:
     """The group a plain (unsharded) parameter is replicated over on this rank."""
     if tensor_parallel is not None:
         if dp_group is None:

@@ -27,7 +27,7 @@ def logical_name(model: torch.nn.Module, fqn: str) -> str:
     """
     parts = fqn.split(".")
     kept = []
-    module = model
+    module: object = model
     for part in parts[:-1]:
         wrapper = part in WRAPPER_ATTRIBUTES or (part == "module" and is_ddp(module))
         if not wrapper:

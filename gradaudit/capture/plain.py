@@ -65,16 +65,23 @@ def plain_pieces(
             regions=(Box(offsets=tuple(offsets), shape=local_shape),),
             local_shape=local_shape,
             grad=_grad_of(param),
-            value=lambda p=param: p.detach(),
+            value=_value_of(param),
             replica_group=replica_group,
             local_name=local_name,
         )
     ]
 
 
-def _grad_of(param) -> Callable[[], torch.Tensor | None]:
-    def grad():
+def _grad_of(param: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+    def grad() -> torch.Tensor | None:
         g = param.grad
         return None if g is None else g.detach()
 
     return grad
+
+
+def _value_of(param: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+    def value() -> torch.Tensor | None:
+        return param.detach()
+
+    return value

@@ -15,7 +15,9 @@ from .arguments import (
     MODES,
     check_max_norm,
     check_norm_type,
+    check_run_id,
     check_step,
+    check_tokens,
     clip_arguments,
     norm_results,
     opt_float,
@@ -79,7 +81,7 @@ class AuditStep:
         self.mode = mode
         self.full_params = tuple(full_params)
         self.strict = strict
-        self.run_id = run_id
+        self.run_id = check_run_id(run_id)
         self.rank, self.world_size = rank_and_world_size()
         self._groups = normalize_groups(groups, world_size=self.world_size)
         self._aliases = dict(aliases or {})
@@ -253,7 +255,7 @@ class AuditStep:
             "reported_norm": reported_norm,
             "clip_coef": clip_coef,
             "loss": loss,
-            "tokens": tokens,
+            "tokens": check_tokens(tokens),
             "loss_reduction": loss_reduction,
         }
         self._logged.update({k: v for k, v in given.items() if v is not None})

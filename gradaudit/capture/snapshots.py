@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..model import TensorStats
+from ..model import NotCapturedParam, TensorStats
 from .names import matches_any
 from .ownership import LocalPiece
+from .supported import screen_pieces, sparse_reason, warn_not_captured
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +36,9 @@ class Snapshots:
         full_params: Sequence[str],
         on_error: Callable[[str, Exception], None],
     ) -> None:
-        self.pieces = tuple(pieces)
+        self.pieces, screened_out = screen_pieces(pieces, norm_type)
+        self.not_captured: dict[str, NotCapturedParam] = {p.name: p for p in screened_out}
+        """Parameters left out, by name: screened out here, or found holding a sparse gradient."""
         self.norm_type = norm_type
         self.on_error = on_error
         self.values: dict[tuple[int, str], torch.Tensor] = {}
@@ -62,9 +65,10 @@ class Snapshots:
         from ..engine.tensorstats import stats_of_tensor
 
         self.kinds_taken.add(kind)
+        sparse: list[NotCapturedParam] = []
         with torch.no_grad():
             for index, piece in enumerate(self.pieces):
-                if index in self.failed:
+                if index in self.failed or piece.param in self.not_captured:
                     continue
                 if kind not in GRAD_KINDS and not self._keep_values[index]:
                     continue
@@ -73,6 +77,11 @@ class Snapshots:
                     self.values.pop((index, kind), None)
                     self.stats.pop((index, kind), None)
                     if tensor is None:
+                        continue
+                    reason = sparse_reason(tensor)
+                    if reason is not None:
+                        self._leave_out(piece.param, reason)
+                        sparse.append(self.not_captured[piece.param])
                         continue
                     if self._keep_values[index]:
                         self.values[(index, kind)] = tensor.detach().clone() if copy else tensor.detach()
@@ -84,6 +93,16 @@ class Snapshots:
                         return
                     self.failed.add(index)
                     self.on_error(piece.param, exc)
+        warn_not_captured(sparse)
+
+    def _leave_out(self, param: str, reason: str) -> None:
+        """Forget whatever was taken of `param`'s pieces: a parameter is captured whole or not at all."""
+        self.not_captured[param] = NotCapturedParam(name=param, reason=reason)
+        for index, piece in enumerate(self.pieces):
+            if piece.param == param:
+                for kind in list(self.kinds_taken):
+                    self.values.pop((index, kind), None)
+                    self.stats.pop((index, kind), None)
 
     def abandon(self, reason: str) -> None:
         """Give every copy back at once (the training step needs the memory more than the dump)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -33,8 +34,11 @@ def build_rank_dump(
 ) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
     """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
     infos: dict[str, ParamInfo] = {}
-    pieces, tensors = [], {}
+    pieces: list[Piece] = []
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
     for source_index, local in enumerate(snapshots.pieces):
+        if local.param in snapshots.not_captured:
+            continue
         failed = source_index in snapshots.failed
         kinds = snapshots.kinds_of(source_index)
         if failed or kinds:
@@ -79,11 +83,14 @@ def build_rank_dump(
         topology=topology,
         clip=clip,
         data=data,
+        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
     )
     return dump, tensors
 
 
-def write_dump(out_dir, dump: RankDump, tensors) -> Path:
+def write_dump(
+    out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, str], torch.Tensor]
+) -> Path:
     """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
     return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import cast
+
+from ..dumpfile.header import clipped, shown
 from ..engine.measure import StepMeasurements
-from ..model import FlatRange, StepDump, numel_of
+from ..errors import StepFolderError
+from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
-from .sweep import coverage, region_boxes
+from .sweep import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 
 
 def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -47,22 +51,36 @@ def metadata_disagreement(step: StepDump, m: StepMeasurements, options: AuditOpt
     return tuple(hits)
 
 
-def layouts_by_param(step: StepDump) -> dict[str, dict[tuple, list[int]]]:
+Layouts = dict[tuple[Region, ...], list[int]]
+"""A parameter's distinct layouts (the regions of one piece) -> the ranks holding them."""
+
+ParamCoverage = tuple[ParamInfo, Coverage, list[int], list[int]]
+"""(the parameter, its coverage, ranks in overlaps, ranks holding it)."""
+
+
+def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     """Parameter -> its distinct layouts (replicas merged) -> the ranks holding them, in one pass."""
-    found: dict[str, dict[tuple, list[int]]] = {name: {} for name in step.params}
+    found: dict[str, Layouts] = {name: {} for name in step.params}
     for rank in step.ranks_present:
         for piece in step.ranks[rank].pieces:
             found.setdefault(piece.param, {}).setdefault(piece.regions, []).append(rank)
     return found
 
 
-def _param_coverage(shape: tuple[int, ...], holders: dict[tuple, list[int]]):
+def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
     layouts = list(holders)
-    if all(isinstance(region, FlatRange) for regions in layouts for region in regions):
+    boxes: list[BoxTuple]
+    flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
+    if len(flat) == sum(len(regions) for regions in layouts):
         # Flat ranges are intervals of the flattened parameter: a 1-D sweep, O(k log k). Cut into boxes
         # of a 2-D parameter they would cost the rectangle sweep rows x columns (quadratic in k).
         shape = (numel_of(shape),)
-        boxes = [((r.start,), (r.numel,), tag) for tag, regions in enumerate(layouts) for r in regions]
+        boxes = [
+            ((r.start,), (r.numel,), tag)
+            for tag, regions in enumerate(layouts)
+            for r in regions
+            if isinstance(r, FlatRange)
+        ]
     else:
         boxes = [
             (offsets, sizes, tag)
@@ -71,24 +89,35 @@ def _param_coverage(shape: tuple[int, ...], holders: dict[tuple, list[int]]):
             for offsets, sizes in region_boxes(region, shape)
         ]
     result = coverage(boxes, shape)
-    ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[tag]]})
+    ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[cast(int, tag)]]})
     return result, ranks
 
 
-def _all_coverage(step: StepDump) -> dict:
+def _coverage_of(step: StepDump, m: StepMeasurements) -> dict[str, ParamCoverage]:
+    """Every parameter's coverage, computed once for the checks that share it."""
+    return cast(dict[str, ParamCoverage], m.derived("coverage", step, lambda: _all_coverage(step)))
+
+
+def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
     """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
     the measurements (the ownership map is metadata), so it also runs on headers alone."""
     layouts = layouts_by_param(step)
-    found = {}
+    found: dict[str, ParamCoverage] = {}
     for name, info in step.params.items():
-        result, ranks = _param_coverage(info.global_shape, layouts[name])
+        try:
+            result, ranks = _param_coverage(info.global_shape, layouts[name])
+        except CoverageTooIntricate as exc:
+            raise StepFolderError(
+                f"{step.directory}: the pieces of parameter {shown(name)} cannot be checked for overlaps and "
+                f"gaps: {exc}"
+            ) from None
         found[name] = (info, result, ranks, sorted({r for rs in layouts[name].values() for r in rs}))
     return found
 
 
 def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     hits = []
-    for name, (info, result, ranks, _) in m.derived("coverage", step, lambda: _all_coverage(step)).items():
+    for name, (info, result, ranks, _) in _coverage_of(step, m).items():
         if result.num_overlap_elements:
             hits.append(
                 Hit(
@@ -112,7 +141,7 @@ def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
             "the elements they held cannot be located"
         )
     hits = []
-    for name, (info, result, _, holders) in m.derived("coverage", step, lambda: _all_coverage(step)).items():
+    for name, (info, result, _, holders) in _coverage_of(step, m).items():
         if result.num_gap_elements:
             hits.append(
                 Hit(
@@ -126,3 +155,20 @@ def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
                 )
             )
     return tuple(hits)
+
+
+def parameters_not_captured(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+    left_out: dict[str, tuple[str, list[int]]] = {}
+    for rank in step.ranks_present:
+        for param in step.ranks[rank].not_captured:
+            left_out.setdefault(param.name, (param.reason, []))[1].append(rank)
+    if not left_out:
+        return ()
+    named = "; ".join(
+        f"{name} on {ranks_named(ranks)}: {clipped(reason)}"
+        for name, (reason, ranks) in sorted(left_out.items())[:10]
+    )
+    more = f" (and {len(left_out) - 10} more)" if len(left_out) > 10 else ""
+    return Skip(
+        reason=f"{len(left_out)} parameter(s) were not captured, so every norm here leaves them out: {named}{more}"
+    )

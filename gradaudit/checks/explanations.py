@@ -41,6 +41,17 @@ EXPLANATIONS: dict[str, Explanation] = {
         "one row short.",
         fix="Dump every rank and every parameter that has a gradient; check the offsets of the last shard.",
     ),
+    "GA104": Explanation(
+        what="Every parameter with a gradient was captured. The capture leaves out a parameter it cannot "
+        "store (a sparse gradient, a dtype the format does not hold, a complex gradient under a norm other "
+        "than 2) and lists it in the dump; this check then says it could not decide, naming them.",
+        why="A parameter left out is in no norm gradaudit recomputes, while the training code's norm "
+        "included it: the true norm and every verdict built on it describe the other parameters only.",
+        example="An nn.Embedding(sparse=True) whose gradient is a sparse COO tensor: the dump holds every "
+        "other parameter and lists the embedding as 'sparse gradient (sparse_coo)'.",
+        fix="Audit with a dense gradient for that parameter (sparse=False for one step), or accept that the "
+        "report covers the other parameters only.",
+    ),
     "GA201": Explanation(
         what="Each rank's reported norm (or the norm its coefficient implies) against the norm of its own pieces only.",
         why="A norm that is never reduced across ranks is smaller than the global one: every shard can be under "

@@ -69,6 +69,7 @@ _TABLE = (
     ("GA101", ERROR, "ranks disagree on run metadata", coverage.metadata_disagreement),
     ("GA102", ERROR, "ownership overlap", coverage.ownership_overlap),
     ("GA103", ERROR, "ownership gap", coverage.ownership_gap),
+    ("GA104", WARNING, "parameters the capture left out", coverage.parameters_not_captured),
     ("GA201", ERROR, "clipping used a local norm", norm.local_norm),
     ("GA202", ERROR, "norm counts replicated gradients more than once", norm.double_counted),
     ("GA203", ERROR, "norm reduced over the wrong process group", norm.wrong_group),
@@ -124,7 +125,7 @@ _TABLE = (
     ),
 )
 
-DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA303", "GA604", "GA701")
+DECIDED_WITHOUT_MISSING_RANKS = ("GA100", "GA101", "GA104", "GA303", "GA604", "GA701")
 """Checks whose clean result stands with ranks missing (the others then say they could not decide)."""
 
 CHECKS: tuple[CheckSpec, ...] = tuple(

@@ -135,9 +135,11 @@ def write_rank(
     created_at: str | None = None,
     norm_type: float | None = None,
     overwrite: bool = False,
+    columnar: bool = True,
 ) -> Path:
     """Write one rank's file into `step_dir`. `params` maps names to global shapes (dtype taken
-    from the first piece of each), or is a list of ParamInfo."""
+    from the first piece of each), or is a list of ParamInfo. `columnar=False` keeps stats-only
+    pieces in the JSON header (format 1.0's form) instead of binary columns."""
     from ..engine.tensorstats import stats_of_tensor
 
     if isinstance(params, Mapping):
@@ -195,7 +197,7 @@ def write_rank(
         clip=clip,
         data=data or DataRecord(),
     )
-    return write_rank_file(step_dir, dump, payload, overwrite=overwrite)
+    return write_rank_file(step_dir, dump, payload, overwrite=overwrite, columnar=columnar)
 
 
 def _torch_version() -> str:

@@ -87,6 +87,24 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"JSON constant {name} is not allowed")
 
 
+BYTES_PER_CONTAINER = 8
+"""JSON text may hold at most one list or object per this many bytes (dumps gradaudit writes hold about
+one per 20 to 40): parsed, a list or object costs 56-72 bytes however little text it took, so this
+keeps the memory of a parsed header within about 16 times its size (docs/SECURITY.md)."""
+
+
+def check_density(text: str, path: str, what: str) -> None:
+    """Refuse JSON text that would expand in memory far more than any dump (`what` names the part)."""
+    containers = text.count("{") + text.count("[")
+    if containers > len(text) // BYTES_PER_CONTAINER + 1024:
+        raise DumpFormatError(
+            path,
+            f"{what} holds {containers:,} lists and objects in {len(text):,} bytes, more than one per "
+            f"{BYTES_PER_CONTAINER} bytes",
+            "no gradaudit dump is that dense; the file is not a valid gradaudit dump",
+        )
+
+
 def parse_json(text: str) -> Any:
     """Strict JSON: no NaN/Infinity tokens, no duplicate keys silently merged."""
 
@@ -204,6 +222,7 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
         raise DumpFormatError(
             path, "header is not UTF-8 text", "the file is not a safetensors file"
         ) from None
+    check_density(text, path, "header")
     try:
         doc = parse_json(text.rstrip(" "))
     except (ValueError, RecursionError) as exc:

@@ -20,6 +20,7 @@ from .columnar import ParamsCache
 from .header import (
     Header,
     OpenFileLimitError,
+    check_density,
     clipped,
     open_regular_file,
     os_problem,
@@ -30,7 +31,7 @@ from .header import (
     validate_tensors,
 )
 from .schema import METADATA_KEY, decode_rank
-from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
+from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX, is_temporary
 
 _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
 _RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
@@ -57,6 +58,7 @@ def _load_rank_from(
             "is it a model checkpoint? point gradaudit at a step_<N> dump folder",
         )
     header = validate_tensors(raw)
+    check_density(text, path, "gradaudit metadata")
     try:
         doc = parse_json(text)
     except (ValueError, RecursionError) as exc:
@@ -122,6 +124,8 @@ def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
     files, warnings = [], []
     for entry in sorted(directory.iterdir()):
         if entry.name.startswith("."):
+            if is_temporary(entry.name):
+                warnings.append(_temporary_warning(entry))
             continue
         if entry.name.endswith(RANK_FILE_SUFFIX):
             files.append(entry)
@@ -135,6 +139,17 @@ def _listing_problem(directory: Path, exc: OSError) -> GradauditError:
         return OpenFileLimitError(directory)
     return StepFolderError(
         f"{directory}: cannot be listed ({exc.strerror or exc}); check the folder's permissions"
+    )
+
+
+def _temporary_warning(entry: Path) -> str:
+    try:
+        size = f"{entry.lstat().st_size:,} bytes"
+    except OSError:
+        size = "size unknown"
+    return (
+        f"{entry}: ignored, an unfinished temporary file ({size}) of a writer that was killed or is still "
+        "writing; delete it once no job writes to this folder"
     )
 
 

@@ -21,6 +21,7 @@ from ..model import (
     DataRecord,
     FlatRange,
     MeshInfo,
+    NotCapturedParam,
     ParamInfo,
     Piece,
     RankDump,
@@ -42,6 +43,9 @@ MAX_WORLD_SIZE = 1 << 20
 
 MAX_INT = 2**63 - 1
 """Counters (step, tokens, element counts) must fit in a signed 64-bit integer."""
+
+MAX_CLIP_CALLS = 10_000
+"""Clip calls before one optimizer step: one per microbatch at the very most."""
 
 _MAX_LIST = 10_000_000
 """The most entries any list in the metadata may hold unless a field says otherwise."""
@@ -165,7 +169,14 @@ def encode_rank(dump: RankDump) -> dict:
             "loss": encode_float(dump.data.loss),
             "loss_reduction": dump.data.loss_reduction,
         },
-    }
+    } | _encode_not_captured(dump.not_captured)
+
+
+def _encode_not_captured(params: tuple[NotCapturedParam, ...]) -> dict[str, Any]:
+    """Only when some parameter was left out, so that other files keep their bytes."""
+    if not params:
+        return {}
+    return {"not_captured": [{"name": p.name, "reason": p.reason} for p in params]}
 
 
 # ---------------------------------------------------------------- decoding
@@ -645,7 +656,8 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
     opt_float = lambda o, key, where: r.get(o, key, where, r.float_, optional=True)  # noqa: E731
     opt_bool = lambda o, key, where: r.get(o, key, where, r.bool_, optional=True)  # noqa: E731
     calls = []
-    for i, call_raw in enumerate(r.get(obj, "calls", "clip", r.list_, default=[])):
+    calls_raw = r.get(obj, "calls", "clip", lambda v, w: r.list_(v, w, limit=MAX_CLIP_CALLS), default=[])
+    for i, call_raw in enumerate(calls_raw):
         where = f"clip.calls[{i}]"
         call = r.obj(call_raw, where)
         calls.append(
@@ -780,4 +792,20 @@ def decode_rank(
             loss_reduction=reduction,
         ),
         num_bytes=num_bytes,
+        not_captured=_decode_not_captured(r, doc.get("not_captured")),
     )
+
+
+def _decode_not_captured(r: _Reader, raw: Any) -> tuple[NotCapturedParam, ...]:
+    if raw is None:
+        return ()
+    found = []
+    for i, entry in enumerate(r.list_(raw, "not_captured", limit=1_000_000)):
+        where = f"not_captured[{i}]"
+        obj = r.obj(entry, where)
+        found.append(
+            NotCapturedParam(
+                name=r.get(obj, "name", where, r.str_), reason=r.get(obj, "reason", where, r.str_)
+            )
+        )
+    return tuple(found)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import socket
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import GradauditError
+from ..errors import DumpFormatError, GradauditError
 from ..model import RankDump
 from .columnar import to_columns
-from .schema import METADATA_KEY, encode_rank
+from .schema import METADATA_KEY, decode_rank, encode_rank
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +37,10 @@ def tensor_key(param: str, kind: str, piece_index: int) -> str:
     return f"{param}::{kind}::{piece_index}"
 
 
+class UnreadableDumpError(GradauditError):
+    """The dump about to be written breaks a rule of the format (the reader's own checks say which)."""
+
+
 class DumpExistsError(GradauditError):
     """A dump for this rank and step is already there; gradaudit never overwrites one silently."""
 
@@ -44,6 +51,7 @@ def write_rank_file(
     tensors: Mapping[tuple[int, str], torch.Tensor],
     *,
     overwrite: bool = False,
+    columnar: bool = True,
 ) -> Path:
     """Write `dump` and its tensors (keyed by (piece index, kind)) to `directory/rank_NNNNN.safetensors`.
 
@@ -80,8 +88,15 @@ def write_rank_file(
             keys[kind] = key
         pieces.append(dataclasses.replace(piece, tensors=keys))
     dump = dataclasses.replace(dump, pieces=tuple(pieces))
+    final = directory / rank_file_name(dump.rank)
     document = encode_rank(dump)
-    columns = None if payload else to_columns(dump)
+    try:
+        decode_rank(json.loads(json.dumps(document, allow_nan=False)), str(final))
+    except DumpFormatError as exc:
+        raise UnreadableDumpError(
+            f"{final}: not written, because gradaudit's reader would refuse it: {exc.problem}"
+        ) from None
+    columns = None if payload or not columnar else to_columns(dump)
     if columns is not None:  # format 1.1: stats-only pieces as binary columns (see columnar.py)
         import torch
 
@@ -93,15 +108,17 @@ def write_rank_file(
     metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
 
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / rank_file_name(dump.rank)
     if final.exists() and not overwrite:
         raise DumpExistsError(
             f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
             "choose another output folder or delete it first"
         )
-    temporary = directory / f".{final.name}.tmp-{os.getpid()}"
+    _remove_stale_temporaries(directory, final.name)
+    temporary = directory / temporary_name(final.name)
     try:
+        mode = _mode_the_umask_gives(temporary)
         save_file(payload, str(temporary), metadata=metadata)
+        os.chmod(temporary, mode)  # safetensors writes 0600; a dump is for sharing, as the umask says
         if overwrite:
             os.replace(temporary, final)
         else:
@@ -110,6 +127,53 @@ def write_rank_file(
         if temporary.exists():
             temporary.unlink()
     return final
+
+
+TEMPORARY_MARK = ".tmp-"
+"""A rank file being written is `.<rank file name>.tmp-<host>-<pid>` until it is complete."""
+
+
+def temporary_name(final_name: str) -> str:
+    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())[:64]
+    return f".{final_name}{TEMPORARY_MARK}{host}-{os.getpid()}"
+
+
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of the writer's temporaries (complete or not)."""
+    return name.startswith(".rank_") and TEMPORARY_MARK in name
+
+
+def _remove_stale_temporaries(directory: Path, final_name: str) -> None:
+    """Remove this rank's temporaries that a writer on this host left when it was killed mid-write."""
+    prefix = temporary_name(final_name).rsplit("-", 1)[0] + "-"
+    try:
+        names = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix) :]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(directory / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def _mode_the_umask_gives(path: Path) -> int:
+    """Create `path` empty as a plain open() would (0666 less the umask) and return its mode."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
 
 
 def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:

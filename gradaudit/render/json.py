@@ -1,13 +1,16 @@
 """JSON rendering of a report: stable keys, strings for nonfinite numbers, complete (nothing abbreviated).
 
 The shape is the report schema (`gradaudit/report_schema.json`, described in docs/REPORT.md); change both
-together and bump `REPORT_VERSION`."""
+together and bump `REPORT_VERSION`.
+Rank lists are runs of consecutive ranks, [first, last] inclusive: complete, and as long as the number
+of runs rather than the claimed world size."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from ..ranksets import rank_runs
 from ..report import (
     Environment,
     Finding,
@@ -46,7 +49,7 @@ def _finding_to_dict(finding: Finding) -> dict[str, Any]:
         "severity": finding.severity.value,
         "title": finding.title,
         "message": finding.message,
-        "ranks": list(finding.ranks),
+        "ranks": rank_runs(finding.ranks),
         "params": list(finding.params),
         "evidence": {str(key): json_number(value) for key, value in finding.evidence.items()},
     }
@@ -91,8 +94,8 @@ def report_to_dict(report: Report) -> dict[str, Any]:
         "report_version": report.report_version,
         "step": report.step,
         "world_size": report.world_size,
-        "ranks_present": list(report.ranks_present),
-        "missing_ranks": list(report.missing_ranks),
+        "ranks_present": rank_runs(report.ranks_present),
+        "missing_ranks": rank_runs(report.missing_ranks),
         "norm_type": json_number(report.norm_type),
         "max_norm": json_number(report.max_norm),
         "global_norm": json_number(report.global_norm),

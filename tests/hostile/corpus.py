@@ -52,6 +52,7 @@ def write_valid_step(
             run_id=run_id,
             host="host-a",
             created_at="2026-01-01T00:00:00+00:00",
+            columnar=False,  # the corpus edits the JSON piece list
         )
     return step_dir
 
@@ -116,7 +117,8 @@ def edit_header(path: Path, edit: Callable[[dict], None]) -> None:
 
 
 def deeply_nested(depth: int) -> str:
-    return "[" * depth + "]" * depth
+    """Lists in lists, spaced out so that the JSON is no denser than a real dump (one list per 16 bytes)."""
+    return ("[" + " " * 15) * depth + "]" * depth
 
 
 # ------------------------------------------------------------------ the corpus
