@@ -132,7 +132,7 @@ def verdict(
     return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
 
 
-def _ranks(ranks) -> str:
+def _ranks(ranks: Iterable[int]) -> str:
     from .checks.base import ranks_named
 
     return ranks_named(ranks)

@@ -4,13 +4,23 @@ and the match of each rank's reported norm against them (pure: works on measurem
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from .engine.measure import PieceMeasurement, StepMeasurements
-from .hypotheses import ParamGroup, averaged_candidates, group_candidates, overflow_candidates, param_groups
+from .hypotheses import (
+    Extra,
+    NormOf,
+    ParamGroup,
+    averaged_candidates,
+    group_candidates,
+    overflow_candidates,
+    param_groups,
+)
 from .model import ClipRecord, StepDump, TensorStats
 from .norms import (
     CLIP_EPS,
@@ -76,7 +86,7 @@ _RANK_AND_INDEX = operator.attrgetter("rank", "index")
 
 def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]:
     """One piece per layout: replicas count once, through their lowest-rank copy."""
-    chosen: dict[tuple, PieceMeasurement] = {}
+    chosen: dict[tuple[Any, ...], PieceMeasurement] = {}
     for piece in sorted(pieces, key=_RANK_AND_INDEX):
         chosen.setdefault(piece.layout_key, piece)
     return list(chosen.values())
@@ -84,7 +94,9 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
 
 def step_cover(m: StepMeasurements) -> tuple[PieceMeasurement, ...]:
     """`disjoint_cover` of all the step's pieces, computed once for the diagnosis and every check."""
-    return m.derived("disjoint_cover", None, lambda: tuple(disjoint_cover(m.pieces)))
+    cover = m.derived("disjoint_cover", None, lambda: tuple(disjoint_cover(m.pieces)))
+    assert isinstance(cover, tuple)  # what the lambda returns; `derived` is typed for any value
+    return cover
 
 
 def has_replicas(pieces: Iterable[PieceMeasurement]) -> bool:
@@ -218,7 +230,8 @@ def applied_coef_of(
     step: StepDump, rank: int, pieces: list[PieceMeasurement], max_norm: float | None
 ) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
-    pre_post = [(p.dot_pre_post, p.dot_pre_pre) for p in pieces if p.dot_pre_post is not None]
+    # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
+    pre_post = [(p.dot_pre_post, cast(float, p.dot_pre_pre)) for p in pieces if p.dot_pre_post is not None]
     if pre_post:
         denominator = safe_fsum(b for _, b in pre_post)
         if denominator > 0:
@@ -256,11 +269,11 @@ class _RankSetNorms:
 
     def __init__(self, by_rank: Mapping[int, list[PieceMeasurement]], norm_type: float) -> None:
         self.norm_type = norm_type
-        layout_ids: dict[tuple, int] = {}
+        layout_ids: dict[tuple[Any, ...], int] = {}
         self.entries: dict[int, list[tuple[int, float | None, bool, bool]]] = {}
         by_index = operator.attrgetter("index")
         for rank, pieces in by_rank.items():
-            rows = []
+            rows: list[tuple[int, float | None, bool, bool]] = []
             for piece in sorted(pieces, key=by_index):
                 stats = piece.stats.get("grad")
                 if stats is None:
@@ -278,7 +291,7 @@ class _RankSetNorms:
                     )
                 )
             self.entries[rank] = rows
-        self._cache: dict[tuple, tuple[float | None, bool]] = {}
+        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
     def norm(
         self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None
@@ -291,7 +304,8 @@ class _RankSetNorms:
         key = (order, dedupe)
         if key not in self._cache:
             seen: set[int] = set()
-            terms, has_nan, has_inf, repeated, unknown = [], False, False, False, False
+            terms: list[float] = []
+            has_nan, has_inf, repeated, unknown = False, False, False, False
             for rank in key[0]:
                 for layout, term, nan, inf in self.entries.get(rank, ()):
                     if layout in seen:
@@ -299,8 +313,10 @@ class _RankSetNorms:
                         if dedupe:
                             continue
                     seen.add(layout)
-                    unknown |= term is None
-                    terms.append(term)
+                    if term is None:
+                        unknown = True
+                    else:
+                        terms.append(term)
                     has_nan |= nan
                     has_inf |= inf
             if unknown:
@@ -325,7 +341,7 @@ def _candidates(
 ) -> tuple[Candidate, ...]:
     all_ranks = tuple(step.ranks_present)
     found: list[Candidate] = []
-    signatures: set = set()
+    signatures: set[tuple[frozenset[int], bool]] = set()
 
     def add(
         hypothesis: str, ranks: tuple[int, ...], dedupe: bool, description: str, value: float | None
@@ -410,9 +426,9 @@ def _decide(
     reported: Match | None, implied: Match | None, coef_is_one: bool = False
 ) -> tuple[str | None, bool, str]:
     """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
-    if reported is None and implied is None:
-        return None, False, "no reported norm and no applied coefficient below 1 to match"
     if implied is None:
+        if reported is None:
+            return None, False, "no reported norm and no applied coefficient below 1 to match"
         detail = _describe(reported)
         if coef_is_one and reported.hypothesis != CORRECT:
             detail += "; its applied coefficient 1 (no scaling) is what clipping by this norm gives"
@@ -441,7 +457,9 @@ def _describe(match: Match) -> str:
 
 def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     """The true global norm, the expected coefficient, and every present rank's diagnosis."""
-    return m.derived("diagnosis", step, lambda: _diagnose(step, m))
+    diagnosis = m.derived("diagnosis", step, lambda: _diagnose(step, m))
+    assert isinstance(diagnosis, StepDiagnosis)  # what the lambda returns; `derived` is typed for any value
+    return diagnosis
 
 
 def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
@@ -504,7 +522,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 candidates,
                 rtol,
                 bounded,
-                lambda rank=rank: further.for_rank(rank, true_norm),
+                functools.partial(further.for_rank, rank, true_norm),
             )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
@@ -562,7 +580,7 @@ class _FurtherCandidates:
     ) -> None:
         self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
-        self._averaged: dict = {}
+        self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
 
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
         if self._groups is None:
@@ -592,7 +610,7 @@ class _FurtherCandidates:
         )
 
 
-def _norm_fn(norms: _RankSetNorms):
+def _norm_fn(norms: _RankSetNorms) -> NormOf:
     return lambda ranks, dedupe: norms.norm(ranks, dedupe)[0]
 
 
@@ -614,7 +632,7 @@ def _moment(step: StepDump, norm_type: float, rtol: float) -> tuple[int, tuple[C
     """(most clip calls on a rank, true norm before each call, whether the dumped pre- and post-clip
     gradients are of different moments, when the dumped pre-clip gradient was taken)."""
     num_calls = max(
-        (len(step.ranks[r].clip.calls) for r in step.ranks_present if step.ranks[r].clip is not None),
+        (len(clip.calls) for clip in (step.ranks[r].clip for r in step.ranks_present) if clip is not None),
         default=0,
     )
     if num_calls <= 1:
@@ -641,7 +659,7 @@ def _match_both(
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
 
     def both(tried: tuple[Candidate, ...]) -> tuple[Match | None, Match | None]:
-        found = []
+        found: list[Match | None] = []
         for observed, what in (
             (reported, "reported norm"),
             (implied, "norm implied by the applied coefficient"),
@@ -752,7 +770,7 @@ def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm
     num_calls = max((len(p.call_stats) for r in step.ranks_present for p in step.ranks[r].pieces), default=0)
     found = []
     for call in range(num_calls):
-        chosen: dict[tuple, float] = {}
+        chosen: dict[tuple[Any, ...], float] = {}
         terms: list[float] = []
         has_nan = has_inf = unknown = differ = False
         for rank in step.ranks_present:

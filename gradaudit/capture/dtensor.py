@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from ..model import Box
 from .errors import UnsupportedParameter
@@ -13,9 +13,12 @@ from .topology import TopologyBuilder
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
 
-def is_dtensor(tensor: object) -> bool:
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch < 2.4 kept it under _tensor; such versions are not supported
@@ -31,7 +34,7 @@ def dtensor_pieces(
     A local shard is contiguous in every dimension for Shard and for the _StridedShard FSDP2 puts
     over tensor parallel; a non-contiguous one is still described exactly, as several pieces.
     """
-    dtensor: Any = param  # a DTensor: torch's stubs type it as a plain Tensor
+    dtensor = cast("DTensor", param)
     mesh, placements = dtensor.device_mesh, tuple(dtensor.placements)
     if any(p.is_partial() for p in placements):
         raise UnsupportedParameter(
@@ -48,7 +51,7 @@ def dtensor_pieces(
     replica_group = topology.replica_group_of(mesh, [i for i, p in enumerate(placements) if p.is_replicate()])
     local_shape = tuple(sum(stop - start for start, stop in dim_runs) for dim_runs in runs)
     dtype = str(param.dtype).removeprefix("torch.")
-    pieces = []
+    pieces: list[LocalPiece] = []
     for combo in itertools.product(*(_with_local_starts(dim_runs) for dim_runs in runs)):
         offsets = tuple(start for (start, _stop), _local in combo)
         shape = tuple(stop - start for (start, stop), _local in combo)
@@ -61,7 +64,7 @@ def dtensor_pieces(
                 dtype=dtype,
                 regions=(Box(offsets=offsets, shape=shape),),
                 local_shape=shape,
-                grad=_grad_of(name, param, placements, select),
+                grad=_grad_of(name, dtensor, placements, select),
                 value=_value_of(dtensor, select),
                 replica_group=replica_group,
                 local_name=local_name,
@@ -71,7 +74,7 @@ def dtensor_pieces(
 
 
 def _value_of(
-    param: Any, select: Callable[[torch.Tensor], torch.Tensor]
+    param: DTensor, select: Callable[[torch.Tensor], torch.Tensor]
 ) -> Callable[[], torch.Tensor | None]:
     def value() -> torch.Tensor | None:
         return select(param.to_local().detach())
@@ -80,7 +83,10 @@ def _value_of(
 
 
 def _grad_of(
-    name: str, param: Any, placements: tuple[Any, ...], select: Callable[[torch.Tensor], torch.Tensor]
+    name: str,
+    param: DTensor,
+    placements: tuple[Placement, ...],
+    select: Callable[[torch.Tensor], torch.Tensor],
 ) -> Callable[[], torch.Tensor | None]:
     def grad() -> torch.Tensor | None:
         g = param.grad
@@ -100,7 +106,7 @@ def _grad_of(
 
 
 def _selector(
-    local_starts: tuple[int, ...], shape: tuple[int, ...], local_shape: tuple[int, ...]
+    local_starts: Sequence[int], shape: Sequence[int], local_shape: Sequence[int]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     whole = all(s == 0 for s in local_starts) and tuple(shape) == tuple(local_shape)
 
@@ -129,11 +135,14 @@ def _with_local_starts(dim_runs: list[tuple[int, int]]) -> list[tuple[tuple[int,
 
 
 def _local_runs(
-    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coordinate: Sequence[int]
+    global_shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    coordinate: Sequence[int],
 ) -> list[list[tuple[int, int]]]:
     """For each tensor dim, the global index runs [start, stop) this rank's local shard holds, in order."""
     indices = _local_indices(global_shape, mesh, placements, coordinate)
-    runs = []
+    runs: list[list[tuple[int, int]]] = []
     for dim, size in enumerate(global_shape):
         index = indices.get(dim)
         runs.append([(0, size)] if index is None else _runs_of(index))
@@ -141,7 +150,10 @@ def _local_runs(
 
 
 def _local_indices(
-    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], coordinate: Sequence[int]
+    global_shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    coordinate: Sequence[int],
 ) -> dict[int, list[int]]:
     """Global indices held along each sharded dim, computed the way DTensor itself does."""
     from torch.distributed.tensor import Shard
@@ -153,7 +165,7 @@ def _local_indices(
         return _contiguous_indices(global_shape, mesh, placements)
     shard_types = (Shard, _StridedShard)
     local_shape = list(global_shape)
-    offsets: dict[int, Any] = {}
+    offsets: dict[int, Any] = {}  # a private API: an index tensor (or None) per sharded dim
     for mesh_dim, placement in enumerate(placements):
         if not isinstance(placement, shard_types):
             continue
@@ -176,7 +188,7 @@ def _local_indices(
 
 
 def _contiguous_indices(
-    global_shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
+    global_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]
 ) -> dict[int, list[int]]:
     """Fallback through the public helper (first offset only), valid for contiguous local shards."""
     from torch.distributed.tensor import Shard

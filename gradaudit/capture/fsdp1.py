@@ -290,7 +290,7 @@ def _grad_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], torc
     use_orig_params=True, else the matching slice of the FlatParameter's sharded `.grad`."""
 
     def read() -> torch.Tensor | None:
-        flat_grad = unit.flat_param.grad
+        flat_grad: torch.Tensor | None = unit.flat_param.grad
         _check_grad_is_sharded(unit, flat_grad, name)
         if unit.use_orig_params:
             grad = _orig_param(unit, shard, name).grad
@@ -324,7 +324,7 @@ def _value_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], tor
 
 
 def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> torch.Tensor:
-    params = getattr(unit.flat_param, "_params", None)
+    params: list[torch.Tensor] | None = getattr(unit.flat_param, "_params", None)
     if params is None or len(params) <= shard.index:
         raise CaptureError(
             f"cannot find the original parameter {name} of an FSDP1 "
@@ -336,7 +336,11 @@ def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> torch.Tensor:
 def _sharded_flat_param(unit: _Unit) -> torch.Tensor | None:
     """The FlatParameter's local shard: itself when resharded, else its saved `_local_shard`."""
     sharded_numel = _numel(unit.flat_param._sharded_size)
-    for candidate in (unit.flat_param, getattr(unit.flat_param, "_local_shard", None)):
+    candidates: tuple[torch.Tensor | None, ...] = (
+        unit.flat_param,
+        getattr(unit.flat_param, "_local_shard", None),
+    )
+    for candidate in candidates:
         if candidate is not None and candidate.numel() == sharded_numel:
             return candidate
     return None

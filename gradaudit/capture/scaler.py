@@ -6,6 +6,7 @@ every read is defensive and an unreadable field is reported as unknown (None), n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -13,7 +14,7 @@ class ScalerWatch:
     def __init__(self, scaler: Any, optimizer: Any) -> None:
         self.scaler = scaler
         self.optimizer = optimizer
-        self._states = None
+        self._states: Mapping[int, dict[str, Any]] | None = None
 
     @property
     def active(self) -> bool:
@@ -47,7 +48,7 @@ class ScalerWatch:
             return None
         return any(float(v.sum()) > 0 for v in per_device.values())
 
-    def _state(self, states) -> dict | None:
+    def _state(self, states: Mapping[int, dict[str, Any]] | None) -> dict[str, Any] | None:
         if not self.active or self.optimizer is None or states is None:
             return None
         # .get, not [ ]: the dict is a defaultdict and must not grow an entry because we looked

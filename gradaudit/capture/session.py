@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
-from ..model import ClipCall, ClipRecord, DataRecord
+from ..model import ClipCall, ClipRecord, DataRecord, TensorStats, Topology
 from .arguments import (
     MODES,
     check_max_norm,
@@ -35,7 +35,10 @@ from .warn import warn_once
 from .write import build_rank_dump, write_dump
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import torch
+    from torch.utils.hooks import RemovableHandle
 
 
 class AuditStep:
@@ -48,7 +51,7 @@ class AuditStep:
     def __init__(
         self,
         model: torch.nn.Module,
-        out_dir: str | os.PathLike,
+        out_dir: str | os.PathLike[str],
         *,
         step: int,
         max_norm: float | None = None,
@@ -88,11 +91,11 @@ class AuditStep:
         self._explicit = tuple(ownership or ())
         self._ownership: Ownership | None = None
         self._snapshots: Snapshots | None = None
-        self._calls: list[dict] = []
-        self._call_stats: list[dict] = []
+        self._calls: list[dict[str, Any]] = []
+        self._call_stats: list[dict[int, TensorStats]] = []
         """Per finished clip call: piece index -> TensorStats of its gradient just before that call."""
         self._logged: dict[str, Any] = {}
-        self._hooks: list = []
+        self._hooks: list[RemovableHandle] = []
         self._active = False
         self._begun = False
         self._ended = False
@@ -103,7 +106,7 @@ class AuditStep:
         self._loss_scale: float | None = None
         self._norm_mesh: tuple[tuple[int, ...], str] | None = None
         """(ranks, name) of the mesh a DTensor norm returned by the clipping function was reduced over."""
-        self.path = None
+        self.path: Path | None = None
         """Where the rank file was written (None until the context exits, or when writing failed)."""
 
     # -- begin and end (the context manager is built on them) ---------------------------------
@@ -187,7 +190,12 @@ class AuditStep:
         """False when the capture could not start: the step then runs exactly as without gradaudit."""
         return self._snapshots is not None
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is not None:
             self.cancel()  # the step itself failed: its exception matters, not a half-recorded dump
         else:
@@ -195,7 +203,7 @@ class AuditStep:
 
     # -- what training code calls -------------------------------------------------------------
 
-    def clip(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def clip(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call `fn(*args, **kwargs)` and return what it returns, recording gradients around it."""
         if not self._active:
             raise CaptureError(
@@ -262,17 +270,30 @@ class AuditStep:
 
     # -- recording ----------------------------------------------------------------------------
 
-    def _before_clip(self, call: dict, first: bool) -> None:
+    def _taken(self) -> Snapshots:
+        """The snapshots of a recording audit (only called while `_recording`)."""
+        snapshots = self._snapshots
+        assert snapshots is not None
+        return snapshots
+
+    def _before_clip(self, call: dict[str, Any], first: bool) -> None:
         if not first:
             # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
             # (the common case) no statistics beyond the dump's own are ever computed.
-            self._call_stats.append(grad_stats_of_snapshot(self._snapshots))
-        self._snapshots.take("grad")
+            self._call_stats.append(grad_stats_of_snapshot(self._taken()))
+        self._taken().take("grad")
         call["unscaled"] = self._scaler.unscaled()
         call["loss_scale"] = self._scaler.scale()
         self._scaler.hold()
 
-    def _after_clip(self, call: dict, fn, args, kwargs, result) -> None:
+    def _after_clip(
+        self,
+        call: dict[str, Any],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: Any,
+    ) -> None:
         if call["reported_local"] is not None:
             mesh = result.device_mesh
             self._norm_mesh = (
@@ -281,19 +302,19 @@ class AuditStep:
             )
         call["max_norm"], call["norm_type"] = clip_arguments(fn, args, kwargs)
         self._calls.append(call)
-        self._snapshots.take("grad_clipped")
+        self._taken().take("grad_clipped")
 
     def before_optimizer_step(self) -> None:
         """Record the parameters the optimizer step starts from (and, when clipping did not go through
         `audit.clip`, the gradients it steps with). The `optimizer=` hooks call this; a framework whose
         closure runs inside `optimizer.step()` calls it itself once the gradients are final."""
 
-        def record():
+        def record() -> None:
             self._stepped = True
             self._scaler.hold()
             if not self._calls:
-                self._snapshots.take("grad_clipped")
-            self._snapshots.take("param_before")
+                self._taken().take("grad_clipped")
+            self._taken().take("param_before")
 
         if self._recording:
             self._guard("capture", record)
@@ -301,16 +322,16 @@ class AuditStep:
     def after_optimizer_step(self) -> None:
         """Record the parameters after the optimizer step (the `optimizer=` hooks call this)."""
         if self._recording:
-            self._guard("capture", lambda: self._snapshots.take("param_after"))
+            self._guard("capture", lambda: self._taken().take("param_after"))
 
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.before_optimizer_step()
 
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.after_optimizer_step()
 
     def _finish(self) -> None:
-        snapshots = self._snapshots
+        snapshots = self._taken()
         if not snapshots.has("grad") and not snapshots.has("grad_clipped"):
             snapshots.take("grad", copy=False)  # written below, before training resumes
         if snapshots.abandoned is not None:
@@ -333,7 +354,7 @@ class AuditStep:
             step=self.step,
             mode=self.mode,
             topology=self._topology(),
-            aliases=self._ownership.aliases,
+            aliases=self._owned().aliases,
             clip=self._clip_record(),
             data=DataRecord(
                 tokens=opt_int(self._logged.get("tokens")),
@@ -357,8 +378,14 @@ class AuditStep:
         self._loss_scale = self._scaler.scale()
         self._scaler.hold()
 
-    def _topology(self):
-        topology = self._ownership.topology
+    def _owned(self) -> Ownership:
+        """The ownership a recording audit inferred at its start (only called while `_recording`)."""
+        ownership = self._ownership
+        assert ownership is not None
+        return ownership
+
+    def _topology(self) -> Topology:
+        topology = self._owned().topology
         if self._norm_mesh is not None:
             ranks, name = self._norm_mesh
             topology = with_norm_group(topology, ranks, rank=self.rank, default=name)
@@ -422,7 +449,7 @@ class AuditStep:
             )
 
 
-def audit_step(model, out_dir, **kwargs) -> AuditStep:
+def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs: Any) -> AuditStep:
     """Record one training step on this rank; the dump is written to out_dir/step_<step>/ on exit.
 
         with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, optimizer=opt) as audit:
@@ -449,7 +476,7 @@ def audit_step(model, out_dir, **kwargs) -> AuditStep:
     return AuditStep(model, out_dir, **kwargs)
 
 
-def begin_audit(model, out_dir, **kwargs) -> AuditStep:
+def begin_audit(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs: Any) -> AuditStep:
     """Begin recording one training step now; `audit.end()` writes the dump (the begin/end form of
     `audit_step`, for callback frameworks where one hook opens the audit and a later one closes it).
 
@@ -464,8 +491,8 @@ def begin_audit(model, out_dir, **kwargs) -> AuditStep:
 
 
 def dump(
-    model,
-    out_dir,
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike[str],
     *,
     step: int,
     reported_norm: Any = None,
@@ -474,7 +501,7 @@ def dump(
     tokens: Any = None,
     loss_reduction: str | None = None,
     **kwargs: Any,
-):
+) -> Path | None:
     """Write this rank's current gradients and the given metadata now (for step hooks and callbacks).
 
     Takes the arguments of `audit_step` and of `AuditStep.record`; returns the path written, or None.

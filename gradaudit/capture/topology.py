@@ -62,7 +62,7 @@ class TopologyBuilder:
         self.rank = rank
         self.world_size = world_size
         self._groups: dict[str, set[tuple[int, ...]]] = {}
-        self._meshes: dict[tuple, MeshInfo] = {}
+        self._meshes: dict[tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]], MeshInfo] = {}
         if world_size > 1:
             self.add_group(WORLD, [tuple(range(world_size))])
 

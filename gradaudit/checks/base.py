@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -100,12 +100,12 @@ class CheckSpec:
         ]
 
 
-def ranks_text(ranks) -> str:
+def ranks_text(ranks: Iterable[int]) -> str:
     """Ranks as compact text: "0-3, 6"."""
     return compact_ranks(ranks) or "none"
 
 
-def ranks_named(ranks) -> str:
+def ranks_named(ranks: Iterable[int]) -> str:
     """ "rank 3" or "ranks 0-3, 6"."""
     ranks = sorted(set(ranks))
     if not ranks:

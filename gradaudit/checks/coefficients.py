@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import diagnose_step
+from ..diagnosis import RankDiagnosis, StepDiagnosis, diagnose_step
 from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from ..norms import relative_difference
@@ -15,7 +15,7 @@ MIXED_MOMENTS = (
     "the clipped one from after the last: no coefficient is derived across the two moments"
 )
 
-SOURCE_TEXT = {
+SOURCE_TEXT: dict[str | None, str] = {
     "gradients": "measured from the pre- and post-clip gradients",
     "reported": "as reported",
     "reported_norm": "derived from the reported norm",
@@ -122,17 +122,17 @@ def coefficient_vs_expected(step: StepDump, m: StepMeasurements, options: AuditO
     )
 
 
-def _close(a: float, b: float | None, rtol: float) -> bool:
-    return b is not None and relative_difference(a, b) <= rtol
+def _close(a: float | None, b: float | None, rtol: float) -> bool:
+    return a is not None and b is not None and relative_difference(a, b) <= rtol
 
 
-def _expected_of(diagnosis, d) -> tuple[float | None, ...]:
+def _expected_of(diagnosis: StepDiagnosis, d: RankDiagnosis) -> tuple[float | None, ...]:
     """The coefficients a rank may rightly have applied: the step's expected one, or (when its copies
     of replicated pieces drifted, GA601) the one its own copies give."""
     return (diagnosis.expected_coef, d.expected_coef)
 
 
-def _expected_text(diagnosis, d) -> str:
+def _expected_text(diagnosis: StepDiagnosis, d: RankDiagnosis) -> str:
     if d.expected_coef is None or _close(d.expected_coef, diagnosis.expected_coef, diagnosis.rtol):
         return ""
     return (
@@ -141,10 +141,14 @@ def _expected_text(diagnosis, d) -> str:
     )
 
 
-def _above_bound(diagnosis, known) -> CheckResult:
+def _above_bound(diagnosis: StepDiagnosis, known: list[RankDiagnosis]) -> CheckResult:
     """With ranks missing: a coefficient above what the lower bound on the true norm allows is wrong."""
     bound, limit = diagnosis.norm_lower_bound, diagnosis.coef_upper_bound
-    wrong = [d for d in known if limit is not None and d.applied_coef > limit * (1 + diagnosis.rtol)]
+    wrong = [
+        d
+        for d in known
+        if limit is not None and d.applied_coef is not None and d.applied_coef > limit * (1 + diagnosis.rtol)
+    ]
     if not wrong:
         return ()
     alike: dict[tuple[str, str | None], list[int]] = {}

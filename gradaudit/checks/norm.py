@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import overload
+
 from ..diagnosis import (
     CORRECT,
     DOUBLE_COUNTED,
@@ -22,6 +25,10 @@ MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
 
 
+@overload
+def base_hypothesis(hypothesis: str) -> tuple[str, bool]: ...
+@overload
+def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]: ...
 def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]:
     """("local_only", True) for "loss_scaled:local_only": the mistake, and whether the loss scale was in it."""
     if hypothesis is not None and hypothesis.startswith(LOSS_SCALED + ":"):
@@ -51,7 +58,7 @@ def diagnosis_or_skip(step: StepDump, m: StepMeasurements) -> StepDiagnosis | Sk
     return diagnosis
 
 
-def _ranks_with(diagnosis: StepDiagnosis, wanted) -> list[RankDiagnosis]:
+def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[str], bool]) -> list[RankDiagnosis]:
     return [
         d
         for d in diagnosis.ranks.values()
@@ -133,7 +140,7 @@ def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     ranks = _ranks_with(diagnosis, lambda h: h.startswith(WRONG_GROUP + ":"))
     by_group: dict[str, list[RankDiagnosis]] = {}
     for d in ranks:
-        by_group.setdefault(base_hypothesis(d.hypothesis)[0].split(":", 1)[1], []).append(d)
+        by_group.setdefault(_hypothesis_of(d).split(":", 1)[1], []).append(d)
     hits = []
     for group, members in sorted(by_group.items()):
         hit = _hit(diagnosis, members, f"clipping reduced the norm over process group {group!r} only")
@@ -141,7 +148,16 @@ def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     return tuple(hits)
 
 
-def _by_hypothesis(step: StepDump, m: StepMeasurements, prefix: str, lead) -> CheckResult:
+def _hypothesis_of(d: RankDiagnosis) -> str:
+    """The base hypothesis of a rank `_ranks_with` chose (such a rank has one)."""
+    hypothesis = base_hypothesis(d.hypothesis)[0]
+    assert hypothesis is not None
+    return hypothesis
+
+
+def _by_hypothesis(
+    step: StepDump, m: StepMeasurements, prefix: str, lead: Callable[[str], str]
+) -> CheckResult:
     """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix)."""
     diagnosis = diagnosis_or_skip(step, m)
     if isinstance(diagnosis, Skip):
@@ -149,7 +165,7 @@ def _by_hypothesis(step: StepDump, m: StepMeasurements, prefix: str, lead) -> Ch
     ranks = _ranks_with(diagnosis, lambda h: h.startswith(prefix + ":"))
     by_what: dict[str, list[RankDiagnosis]] = {}
     for d in ranks:
-        by_what.setdefault(base_hypothesis(d.hypothesis)[0].split(":", 1)[1], []).append(d)
+        by_what.setdefault(_hypothesis_of(d).split(":", 1)[1], []).append(d)
     hits = []
     for what, members in sorted(by_what.items()):
         hit = _hit(diagnosis, members, lead(what))
@@ -224,6 +240,7 @@ def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     if not ranks:
         return ()
     first = ranks[0]
+    assert first.reported_match is not None  # a logging bug is a reported norm that matched
     message = (
         f"wrong reported norm but right applied coefficient on {ranks_named(d.rank for d in ranks)}: "
         f"rank {first.rank} reported {num(first.reported_norm)} ({first.reported_match.hypothesis}) while the true "

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 from .norm import base_hypothesis
+
+if TYPE_CHECKING:
+    from ..diagnosis import CallNorm
 
 MAX_CALLS_IN_MESSAGE = 8
 
@@ -13,7 +19,7 @@ MAX_CALLS_IN_MESSAGE = 8
 def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     from ..diagnosis import diagnose_step
 
-    calls = {r: step.ranks[r].clip.calls for r in step.ranks_present if step.ranks[r].clip is not None}
+    calls = {r: clip.calls for r in step.ranks_present if (clip := step.ranks[r].clip) is not None}
     if not any(calls.values()):
         return Skip(reason="no rank recorded its individual clip calls")
     repeated = {r: c for r, c in calls.items() if len(c) > 1}
@@ -48,7 +54,7 @@ def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOp
     )
 
 
-def _call_norms_text(call_norms, max_norm: float | None) -> str:
+def _call_norms_text(call_norms: Sequence[CallNorm], max_norm: float | None) -> str:
     parts = []
     for c in call_norms:
         text = f"{num(c.norm)} before call {c.call}"
@@ -109,7 +115,7 @@ def uneven_token_means(step: StepDump, m: StepMeasurements, options: AuditOption
     records = {r: step.ranks[r].data for r in step.ranks_present if step.ranks[r].data.tokens is not None}
     if len(records) < 2:
         return Skip(reason="fewer than two ranks recorded their token counts")
-    means = {r: d.tokens for r, d in records.items() if d.loss_reduction == "mean"}
+    means = {r: d.tokens for r, d in records.items() if d.loss_reduction == "mean" and d.tokens is not None}
     if len(set(means.values())) <= 1:
         return ()
     low, high = min(means.values()), max(means.values())

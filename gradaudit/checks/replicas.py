@@ -24,11 +24,12 @@ def replica_tolerance(rs: ReplicaSet) -> float:
 def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
     """(rank, how far it is from the base copy) for every copy beyond tolerance."""
     tol = replica_tolerance(rs)
-    found = []
+    found: list[tuple[int, float]] = []
     for copy in rs.copies:
         if rs.by_values:
-            if copy.num_nonfinite_mismatch or (copy.max_abs_diff or 0.0) > tol:
-                found.append((copy.rank, math.inf if copy.num_nonfinite_mismatch else copy.max_abs_diff))
+            diff = copy.max_abs_diff or 0.0
+            if copy.num_nonfinite_mismatch or diff > tol:
+                found.append((copy.rank, math.inf if copy.num_nonfinite_mismatch else diff))
         elif copy.fingerprint_delta is not None and copy.fingerprint_delta > tol:
             found.append((copy.rank, copy.fingerprint_delta))
     return found

@@ -12,8 +12,14 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+    from multiprocessing.queues import SimpleQueue
 
 DEFAULT_TIMEOUT_S = 120.0
 """Wall-clock limit for all ranks together; a demo step takes seconds, so this only catches hangs."""
@@ -50,7 +56,8 @@ def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def run_ranks(target: str, *, world_size: int, out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -66,17 +73,18 @@ def run_single(target: str, *, out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT
     _run(_single_main, (target, str(out_dir)), 1, timeout_s)
 
 
-def _start_method() -> str:
+def _context() -> ForkServerContext | SpawnContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-        return "forkserver"
-    return "spawn"
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        return context
+    return multiprocessing.get_context("spawn")
 
 
-def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
+def _run(entry: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float) -> None:
     """Start `entry(index, *args)` in `nprocs` processes; stop them all as soon as one fails."""
-    context = multiprocessing.get_context(_start_method())
-    errors = context.SimpleQueue()
+    context = _context()
+    errors: SimpleQueue[tuple[int, str]] = context.SimpleQueue()
     processes = [
         context.Process(target=_guarded, args=(entry, index, args, errors), daemon=True)
         for index in range(nprocs)
@@ -107,7 +115,9 @@ def _run(entry, args: tuple, nprocs: int, timeout_s: float) -> None:
             process.join(5)
 
 
-def _guarded(entry, index: int, args: tuple, errors) -> None:
+def _guarded(
+    entry: Callable[..., None], index: int, args: tuple[Any, ...], errors: SimpleQueue[tuple[int, str]]
+) -> None:
     try:
         entry(index, *args)
     except BaseException:  # noqa: BLE001  reported to the parent, then re-raised as an exit
@@ -115,9 +125,10 @@ def _guarded(entry, index: int, args: tuple, errors) -> None:
         raise SystemExit(1) from None
 
 
-def _resolve(target: str):
+def _resolve(target: str) -> Callable[..., None]:
     module_name, _, function_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), function_name)
+    function: Callable[..., None] = getattr(importlib.import_module(module_name), function_name)
+    return function
 
 
 def _prepare_child() -> None:

@@ -5,14 +5,20 @@ Imported only inside a demo run (it imports torch at the top).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import STEP
+from .registry import STEP as STEP  # re-exported for the scenarios
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 MODEL_SEED = 1234
 DATA_SEED = 5678
@@ -29,7 +35,8 @@ class TinyMLP(nn.Module):
         self.fc2 = nn.Linear(d_hidden, d_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
+        out: torch.Tensor = self.fc2(torch.tanh(self.fc1(x)))
+        return out
 
 
 class TinyTPBlock(nn.Module):
@@ -43,7 +50,8 @@ class TinyTPBlock(nn.Module):
         self.norm = nn.LayerNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.fc2(torch.tanh(self.fc1(x))))
+        out: torch.Tensor = self.norm(self.fc2(torch.tanh(self.fc1(x))))
+        return out
 
 
 VOCAB = 16
@@ -84,7 +92,7 @@ class TinyLM(nn.Module):
         return self
 
 
-def seeded(factory: Callable[[], nn.Module]) -> nn.Module:
+def seeded(factory: Callable[[], ModuleT]) -> ModuleT:
     """The same initial weights on every rank and in the reference."""
     torch.manual_seed(MODEL_SEED)
     return factory()
@@ -175,7 +183,7 @@ def sum_of_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
 
-def shard_each_layer(model: nn.Module, mesh) -> nn.Module:
+def shard_each_layer(model: ModuleT, mesh: DeviceMesh) -> ModuleT:
     """FSDP2 as usually applied: one fully_shard unit per child module that has parameters, then the root."""
     from torch.distributed.fsdp import fully_shard
 
@@ -186,7 +194,7 @@ def shard_each_layer(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def local_grads(parameters) -> list[torch.Tensor]:
+def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """Each parameter's gradient as this rank holds it: the local shard of a DTensor, else the tensor."""
     from torch.distributed.tensor import DTensor
 

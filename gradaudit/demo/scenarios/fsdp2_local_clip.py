@@ -3,6 +3,7 @@ no rank clips, while the norm of the whole gradient is above it (the seed note's
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ TARGET_SCALE = 1.5
 """Targets this large put the four shard norms between 0.48 and 0.93, and the whole gradient's near 1.37."""
 
 
-def clip_local_shards(parameters, max_norm: float) -> torch.Tensor:
+def clip_local_shards(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The mistake: the norm of this rank's shards only, with no all-reduce across the shards."""
     grads = local_grads(parameters)
     total_norm = sum_of_squares(grads).sqrt()

@@ -3,6 +3,7 @@ replicate axis holds copies of the same shards, so each is counted once per repl
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from ..toy import (
 MAX_NORM = 0.5
 
 
-def clip_with_world_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_with_world_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The mistake: sums of squares all-reduced over every rank, replicas included."""
     grads = local_grads(parameters)
     total_sq = sum_of_squares(grads)

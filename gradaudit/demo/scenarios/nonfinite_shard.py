@@ -5,6 +5,7 @@ clipping spreads the nan to every rank's gradients and weights."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -14,13 +15,16 @@ import gradaudit
 from ..launch import RankContext
 from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd, shard_each_layer
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 MAX_NORM = 0.5
 FAULTY_RANK = 1
 
 
 def corrupt_shard(model: TinyMLP) -> None:
     """Simulated fault: two elements of this rank's fc1.weight gradient shard become inf and nan."""
-    shard = model.fc1.weight.grad.to_local()
+    shard = cast("DTensor", model.fc1.weight.grad).to_local()
     shard[0, 0] = float("inf")
     shard[1, 2] = float("nan")
 

@@ -6,6 +6,7 @@ first stage (declared with `aliases=`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -28,11 +29,14 @@ from ..toy import (
     token_batch,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 MAX_NORM = 0.5
 NUM_STAGES = 2
 
 
-def _pipeline_step(model, stage: int, peer: int, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+def _pipeline_step(model: TinyLM, stage: int, peer: int, tokens: torch.Tensor, targets: torch.Tensor) -> None:
     """Forward and backward of one microbatch through both stages, activations sent point to point."""
     if stage == 0:
         hidden = model(tokens)
@@ -45,13 +49,16 @@ def _pipeline_step(model, stage: int, peer: int, tokens: torch.Tensor, targets: 
         dist.recv(hidden, src=peer)
         hidden.requires_grad_()
         cross_entropy(model, hidden, targets).backward()
+        assert hidden.grad is not None  # filled by the backward above
         dist.send(hidden.grad.contiguous(), dst=peer)
 
 
 def train_rank(ctx: RankContext) -> None:
     num_dp = ctx.world_size // NUM_STAGES
     mesh = init_device_mesh("cpu", (NUM_STAGES, num_dp), mesh_dim_names=("pp", "dp"))
-    stage, dp_index = mesh.get_coordinate()
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # every rank is in the mesh
+    stage, dp_index = coordinate
     peer = ctx.rank + num_dp if stage == 0 else ctx.rank - num_dp
     model = shard_each_layer(seeded(lambda: TinyLM(tie_head=False)).keep_stage(stage), mesh["dp"])
     tokens, targets = rows_of(token_batch(), dp_index, num_dp)
@@ -70,7 +77,7 @@ def train_rank(ctx: RankContext) -> None:
     ) as audit:
         _pipeline_step(model, stage, peer, tokens, targets)
         # The first and last stage add up their parts of the tied weight's gradient (correct).
-        dist.all_reduce(tied.grad.to_local(), group=mesh.get_group("pp"))
+        dist.all_reduce(cast("DTensor", tied.grad).to_local(), group=mesh.get_group("pp"))
         # The mistake: each stage clips by the norm of its own parameters.
         audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
         optimizer.step()

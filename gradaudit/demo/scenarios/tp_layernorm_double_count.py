@@ -4,6 +4,7 @@ bias are replicated, so they are counted once per rank."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,9 @@ from ..toy import (
 MAX_NORM = 0.5
 
 
-def clip_with_tp_group_norm(parameters, max_norm: float, group) -> torch.Tensor:
+def clip_with_tp_group_norm(
+    parameters: Iterable[torch.Tensor], max_norm: float, group: dist.ProcessGroup
+) -> torch.Tensor:
     """The mistake: every local gradient summed over the group, including the replicated ones."""
     grads = local_grads(parameters)
     total_sq = sum_of_squares(grads)
@@ -40,7 +43,7 @@ def clip_with_tp_group_norm(parameters, max_norm: float, group) -> torch.Tensor:
     return total_norm
 
 
-def _batch():
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return regression_batch(d_in=8, d_out=8)
 
 
