@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from .model import Box, FlatRange, StepDump
+from .model import Box, FlatRange, Piece, Region, StepDump
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +39,7 @@ class Inventory:
         return sum(n for _, n in self.bytes_by_rank)
 
 
-def _region_text(region) -> str:
+def _region_text(region: Region) -> str:
     if isinstance(region, Box):
         return (
             "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(region.offsets, region.shape, strict=False)) + "]"
@@ -48,7 +49,7 @@ def _region_text(region) -> str:
 
 
 def build_inventory(step: StepDump) -> Inventory:
-    pieces_by_param: dict[str, list] = {}
+    pieces_by_param: dict[str, list[tuple[int, Piece]]] = {}
     for rank in step.ranks_present:
         for piece in step.ranks[rank].pieces:
             pieces_by_param.setdefault(piece.param, []).append((rank, piece))
@@ -101,7 +102,7 @@ def build_inventory(step: StepDump) -> Inventory:
     )
 
 
-def inventory_to_json(inv: Inventory) -> dict:
+def inventory_to_json(inv: Inventory) -> dict[str, Any]:
     return {
         "directory": inv.directory,
         "step": inv.step,

@@ -168,7 +168,7 @@ class Piece:
         return numel_of(self.local_shape)
 
     @property
-    def layout_key(self) -> tuple:
+    def layout_key(self) -> tuple[str, tuple[Region, ...]]:
         """Pieces with equal layout keys hold the same elements: replicas of each other."""
         return (self.param, self.regions)
 

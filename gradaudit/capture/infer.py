@@ -12,7 +12,7 @@ from ..errors import CaptureError
 from ..model import Topology
 from .dtensor import dtensor_pieces, is_dtensor
 from .errors import UnsupportedParameter
-from .experts import expert_rank, global_expert_name, is_megatron_expert
+from .experts import ExpertRank, expert_rank, global_expert_name, is_megatron_expert
 from .names import is_ddp, named_logical_parameters
 from .ownership import LocalPiece
 from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces
@@ -143,13 +143,19 @@ def _plain_pieces(
 
 
 def megatron_expert_pieces(
-    logical, param, experts, alias_of, tensor_parallel, problem=None
+    logical: str,
+    param: torch.Tensor,
+    experts: ExpertRank | None,
+    alias_of: Mapping[str, str],
+    tensor_parallel: TensorParallelRank | None,
+    problem: Exception | None = None,
 ) -> list[LocalPiece]:
     """A Megatron-style expert: a whole parameter (or its tensor-parallel partition) of one global expert,
     replicated over the expert-data-parallel group."""
     if problem is not None:
         raise problem
     name = global_expert_name(logical, experts)
+    assert experts is not None  # global_expert_name refuses None
     target, local_name = _names(logical, alias_of)
     return plain_pieces(
         name if target == logical else target,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import FrameType
 
 
 class CaptureWarning(UserWarning):
@@ -25,7 +26,8 @@ def _caller_stacklevel() -> int:
     import sys
 
     package = __name__.split(".")[0] + "."
-    frame, level = sys._getframe(2), 2
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(package):
         frame, level = frame.f_back, level + 1
     return level

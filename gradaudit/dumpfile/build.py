@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from ..model import (
     TENSOR_KINDS,
@@ -34,6 +34,7 @@ from .writer import write_rank_file
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +71,21 @@ class PieceSpec:
         return str(next(iter(self.tensors.values())).dtype).removeprefix("torch.")
 
 
-def _tensors(grad, grad_clipped, param_before, param_after) -> dict:
+class PieceOptions(TypedDict, total=False):
+    """The optional fields of a PieceSpec that `box`, `whole` and `flat` pass through."""
+
+    local_name: str | None
+    replica_group: str | None
+    stats_only: bool
+    call_stats: Sequence[TensorStats | torch.Tensor]
+
+
+def _tensors(
+    grad: torch.Tensor | None,
+    grad_clipped: torch.Tensor | None,
+    param_before: torch.Tensor | None,
+    param_after: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
     given = {
         "grad": grad,
         "grad_clipped": grad_clipped,
@@ -83,12 +98,12 @@ def _tensors(grad, grad_clipped, param_before, param_after) -> dict:
 def box(
     param: str,
     offsets: Sequence[int],
-    grad=None,
+    grad: torch.Tensor | None = None,
     *,
-    grad_clipped=None,
-    param_before=None,
-    param_after=None,
-    **kw,
+    grad_clipped: torch.Tensor | None = None,
+    param_before: torch.Tensor | None = None,
+    param_after: torch.Tensor | None = None,
+    **kw: Unpack[PieceOptions],
 ) -> PieceSpec:
     """A piece that is the N-D block of `param` starting at `offsets`, shaped like its tensors."""
     tensors = _tensors(grad, grad_clipped, param_before, param_after)
@@ -96,11 +111,17 @@ def box(
     return PieceSpec(param=param, regions=(Box(offsets=tuple(offsets), shape=shape),), tensors=tensors, **kw)
 
 
-def whole(param: str, grad=None, **kw) -> PieceSpec:
+def whole(
+    param: str,
+    grad: torch.Tensor | None = None,
+    *,
+    grad_clipped: torch.Tensor | None = None,
+    param_before: torch.Tensor | None = None,
+    param_after: torch.Tensor | None = None,
+    **kw: Unpack[PieceOptions],
+) -> PieceSpec:
     """A piece holding all of `param` (a replica, or an unsharded parameter)."""
-    tensors = _tensors(
-        grad, kw.pop("grad_clipped", None), kw.pop("param_before", None), kw.pop("param_after", None)
-    )
+    tensors = _tensors(grad, grad_clipped, param_before, param_after)
     shape = tuple(next(iter(tensors.values())).shape)
     return PieceSpec(
         param=param, regions=(Box(offsets=(0,) * len(shape), shape=shape),), tensors=tensors, **kw
@@ -108,7 +129,14 @@ def whole(param: str, grad=None, **kw) -> PieceSpec:
 
 
 def flat(
-    param: str, start: int, grad=None, *, grad_clipped=None, param_before=None, param_after=None, **kw
+    param: str,
+    start: int,
+    grad: torch.Tensor | None = None,
+    *,
+    grad_clipped: torch.Tensor | None = None,
+    param_before: torch.Tensor | None = None,
+    param_after: torch.Tensor | None = None,
+    **kw: Unpack[PieceOptions],
 ) -> PieceSpec:
     """A 1-D piece holding elements [start, start + numel) of the flattened `param`."""
     tensors = _tensors(grad, grad_clipped, param_before, param_after)
@@ -119,7 +147,7 @@ def flat(
 
 
 def write_rank(
-    step_dir: str | os.PathLike,
+    step_dir: str | os.PathLike[str],
     *,
     rank: int,
     world_size: int,
@@ -143,7 +171,7 @@ def write_rank(
     from ..engine.tensorstats import stats_of_tensor
 
     if isinstance(params, Mapping):
-        dtypes = {}
+        dtypes: dict[str, str] = {}
         for spec in pieces:
             dtypes.setdefault(spec.param, spec.dtype)
         infos = tuple(

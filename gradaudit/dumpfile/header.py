@@ -108,7 +108,7 @@ def check_density(text: str, path: str, what: str) -> None:
 def parse_json(text: str) -> Any:
     """Strict JSON: no NaN/Infinity tokens, no duplicate keys silently merged."""
 
-    def no_duplicates(pairs: list) -> dict:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out = dict(pairs)  # in C: this hook runs for every object of a header of thousands
         if len(out) != len(pairs):
             seen = set()

@@ -37,7 +37,7 @@ _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
 _RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
 
 
-def load_rank_file(path: str | os.PathLike, *, params_cache: ParamsCache | None = None) -> RankDump:
+def load_rank_file(path: str | os.PathLike[str], *, params_cache: ParamsCache | None = None) -> RankDump:
     """Read and validate one rank file's header; no tensor data is read (format-1.1 columns are
     metadata, and are read). `params_cache` shares decoded parameter tables between the ranks."""
     path = str(path)
@@ -190,7 +190,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_step(directory: str | os.PathLike, *, allow_incomplete: bool = False) -> StepDump:
+def load_step(directory: str | os.PathLike[str], *, allow_incomplete: bool = False) -> StepDump:
     """Load the headers of every rank file in a step folder into one StepDump.
 
     Files from different steps, runs or world sizes in one folder are refused (DumpFormatError):
@@ -286,7 +286,7 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
     step = steps.most_common(1)[0][0]
     inconsistencies = []
 
-    def compare(what: str, value_of) -> None:
+    def compare(what: str, value_of: Callable[[RankDump], object]) -> None:
         values = {rank: value_of(d) for rank, d in sorted(ranks.items())}
         present = {r: v for r, v in values.items() if v is not None}
         if len(set(present.values())) > 1:
@@ -320,7 +320,7 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
 
 def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
     """Parameters whose global shape or dtype differs between ranks, in one pass over all params."""
-    seen: dict[str, dict[int, tuple]] = {}
+    seen: dict[str, dict[int, tuple[tuple[int, ...], str]]] = {}
     for rank, dump in sorted(ranks.items()):
         for info in dump.params:
             seen.setdefault(info.name, {})[rank] = (tuple(info.global_shape), info.dtype)
@@ -337,7 +337,9 @@ def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
     return found
 
 
-def merge_groups(ranks: dict[int, RankDump]) -> tuple[dict, list[Inconsistency]]:
+def merge_groups(
+    ranks: dict[int, RankDump],
+) -> tuple[dict[str, tuple[tuple[int, ...], ...]], list[Inconsistency]]:
     """Union of every rank's view of each named group (a rank may know only its own rank list).
 
     Two rank lists of one group that share a rank but differ are a contradiction (GA101 evidence).
@@ -347,9 +349,9 @@ def merge_groups(ranks: dict[int, RankDump]) -> tuple[dict, list[Inconsistency]]
         for name, lists in dump.topology.groups.items():
             merged.setdefault(name, set()).update(tuple(sorted(set(g))) for g in lists)
     conflicts = []
-    for name, lists in sorted(merged.items()):
+    for name, rank_lists in sorted(merged.items()):
         owner: dict[int, tuple[int, ...]] = {}
-        for members in sorted(lists):
+        for members in sorted(rank_lists):
             for member in members:
                 if member in owner and owner[member] != members:
                     conflicts.append(
@@ -359,10 +361,10 @@ def merge_groups(ranks: dict[int, RankDump]) -> tuple[dict, list[Inconsistency]]
                         )
                     )
                 owner.setdefault(member, members)
-    return {name: tuple(sorted(lists)) for name, lists in sorted(merged.items())}, conflicts
+    return {name: tuple(sorted(rank_lists)) for name, rank_lists in sorted(merged.items())}, conflicts
 
 
-def find_step_dirs(directory: str | os.PathLike) -> list[Path]:
+def find_step_dirs(directory: str | os.PathLike[str]) -> list[Path]:
     """The step folders to check: the folder itself if it holds rank files, else its step_<N> children by N.
 
     A step_<N> entry that is not a usable folder (a broken link, a link loop) is still returned, so

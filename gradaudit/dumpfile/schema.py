@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from ..errors import DumpFormatError
 from ..model import (
@@ -32,6 +32,9 @@ from ..model import (
 from ..version import FORMAT_MAJOR, FORMAT_NAME, FORMAT_VERSION
 from .header import clipped, shown
 
+if TYPE_CHECKING:
+    from .columnar import ParamsCache
+
 METADATA_KEY = "gradaudit"
 """The key of the safetensors `__metadata__` entry that holds our JSON document."""
 
@@ -49,6 +52,9 @@ MAX_CLIP_CALLS = 10_000
 
 _MAX_LIST = 10_000_000
 """The most entries any list in the metadata may hold unless a field says otherwise."""
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
 
 _VERSION = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9}){0,2}")
 
@@ -68,13 +74,13 @@ def encode_float(value: float | None) -> float | str | None:
     return value
 
 
-def _encode_region(region: Region) -> dict:
+def _encode_region(region: Region) -> dict[str, Any]:
     if isinstance(region, Box):
         return {"box": {"offsets": list(region.offsets), "shape": list(region.shape)}}
     return {"range": [region.start, region.stop]}
 
 
-def _encode_stats(stats: TensorStats) -> dict:
+def _encode_stats(stats: TensorStats) -> dict[str, Any]:
     return {
         "numel": stats.numel,
         "norm_type": encode_float(stats.norm_type),
@@ -88,7 +94,7 @@ def _encode_stats(stats: TensorStats) -> dict:
     }
 
 
-def _encode_piece(piece: Piece) -> dict:
+def _encode_piece(piece: Piece) -> dict[str, Any]:
     out: dict[str, Any] = {
         "param": piece.param,
         "regions": [_encode_region(r) for r in piece.regions],
@@ -108,7 +114,7 @@ def _encode_piece(piece: Piece) -> dict:
     return out
 
 
-def _encode_clip(clip: ClipRecord) -> dict:
+def _encode_clip(clip: ClipRecord) -> dict[str, Any]:
     return {
         "max_norm": encode_float(clip.max_norm),
         "norm_type": encode_float(clip.norm_type),
@@ -132,7 +138,7 @@ def _encode_clip(clip: ClipRecord) -> dict:
     }
 
 
-def encode_rank(dump: RankDump) -> dict:
+def encode_rank(dump: RankDump) -> dict[str, Any]:
     """The JSON document for one rank's file (the `path` and `num_bytes` fields are not stored)."""
     topo = dump.topology
     return {
@@ -195,24 +201,43 @@ class _Reader:
             "the file is not a valid gradaudit dump",
         )
 
-    def obj(self, value: Any, where: str) -> Mapping[str, Any]:
+    def obj(self, value: Any, where: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(where, f"expected an object, got {_kind(value)}")
         return value
+
+    @overload
+    def get(self, obj: Mapping[str, Any], key: str, where: str, conv: Callable[[Any, str], _T]) -> _T: ...
+
+    @overload
+    def get(
+        self, obj: Mapping[str, Any], key: str, where: str, conv: Callable[[Any, str], _T], *, default: _D
+    ) -> _T | _D: ...
+
+    @overload
+    def get(
+        self,
+        obj: Mapping[str, Any],
+        key: str,
+        where: str,
+        conv: Callable[[Any, str], _T],
+        *,
+        optional: Literal[True],
+    ) -> _T | None: ...
 
     def get(
         self,
         obj: Mapping[str, Any],
         key: str,
         where: str,
-        conv: Callable,
+        conv: Callable[[Any, str], _T],
         *,
         default: Any = ...,
-        optional=False,
-    ):
+        optional: bool = False,
+    ) -> _T | None:
         if key not in obj or (optional and obj[key] is None):
             if default is not ...:
-                return default
+                return cast("_T", default)
             if optional:
                 return None
             raise self.fail(f"{where}.{key}" if where else key, "missing")
@@ -268,7 +293,7 @@ class _Reader:
             raise self.fail(where, f"claims {math.prod(dims)} elements, more than any real tensor")
         return dims
 
-    def list_(self, value: Any, where: str, limit: int = _MAX_LIST) -> list:
+    def list_(self, value: Any, where: str, limit: int = _MAX_LIST) -> list[Any]:
         if not isinstance(value, list):
             raise self.fail(where, f"expected a list, got {_kind(value)}")
         if len(value) > limit:
@@ -315,7 +340,10 @@ def _decode_region(r: _Reader, raw: Any, where: str) -> Region:
 
 def _decode_stats(r: _Reader, raw: Any, where: str) -> TensorStats:
     obj = r.obj(raw, where)
-    count = lambda key: r.get(obj, key, where, r.int_, default=0)  # noqa: E731
+
+    def count(key: str) -> int:
+        return r.get(obj, key, where, r.int_, default=0)
+
     stats = TensorStats(
         numel=r.get(obj, "numel", where, r.int_),
         norm_type=r.get(obj, "norm_type", where, r.pos_float),
@@ -524,7 +552,7 @@ _MAX_CALLS = 10_000
 """The most clip calls one step may record statistics for."""
 
 _NO_ENTRIES: Mapping[str, Any] = {}
-_NO_VALUES: list = []
+_NO_VALUES: list[Any] = []
 """The defaults of absent keys in the quick decoders (read only, never returned)."""
 
 
@@ -653,8 +681,13 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
     if raw is None:
         return None
     obj = r.obj(raw, "clip")
-    opt_float = lambda o, key, where: r.get(o, key, where, r.float_, optional=True)  # noqa: E731
-    opt_bool = lambda o, key, where: r.get(o, key, where, r.bool_, optional=True)  # noqa: E731
+
+    def opt_float(o: Mapping[str, Any], key: str, where: str) -> float | None:
+        return r.get(o, key, where, r.float_, optional=True)
+
+    def opt_bool(o: Mapping[str, Any], key: str, where: str) -> bool | None:
+        return r.get(o, key, where, r.bool_, optional=True)
+
     calls = []
     calls_raw = r.get(obj, "calls", "clip", lambda v, w: r.list_(v, w, limit=MAX_CLIP_CALLS), default=[])
     for i, call_raw in enumerate(calls_raw):
@@ -715,7 +748,7 @@ def decode_rank(
     *,
     num_bytes: int = 0,
     arrays: Mapping[str, Any] | None = None,
-    params_cache: dict | None = None,
+    params_cache: ParamsCache | None = None,
 ) -> RankDump:
     """Validate and convert one file's JSON document; unknown keys are ignored. `arrays` holds the
     file's format-1.1 columns (numpy arrays by tensor key) when its document has a "columnar" entry."""

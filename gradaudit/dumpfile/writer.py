@@ -24,7 +24,7 @@ STEP_DIR_PREFIX = "step_"
 RANK_FILE_SUFFIX = ".safetensors"
 
 
-def step_dir(out_dir: str | os.PathLike, step: int) -> Path:
+def step_dir(out_dir: str | os.PathLike[str], step: int) -> Path:
     return Path(out_dir) / f"{STEP_DIR_PREFIX}{step}"
 
 
@@ -46,7 +46,7 @@ class DumpExistsError(GradauditError):
 
 
 def write_rank_file(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     dump: RankDump,
     tensors: Mapping[tuple[int, str], torch.Tensor],
     *,

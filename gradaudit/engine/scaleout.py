@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from ..errors import GradauditError, UsageError
 if TYPE_CHECKING:
     from ..model import StepDump
     from .measure import StepMeasurements
+    from .reader import TensorReader
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a process waits for the others at one exchange before giving up (a process that died
@@ -122,14 +123,17 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
 
     from .measure import available_workers, bytes_to_read, measure_step
 
-    def measure(step: StepDump, reader, *, params=None, **kwargs) -> StepMeasurements:
+    def measure(
+        step: StepDump, reader: TensorReader, *, params: Iterable[str] | None = None, **kwargs: Any
+    ) -> StepMeasurements:
         costs = bytes_to_read(step, kwargs.get("reference"))
         if params is not None:
             costs = {name: costs.get(name, 0) for name in params}
         mine = share_of(costs, exchange.env.rank, exchange.env.world_size)
         kwargs.setdefault("workers", max(1, available_workers() // exchange.env.local_world_size))
         partial = measure_step(step, reader, params=mine, **kwargs)
-        return reduce(lambda a, b: a.merge(b), exchange.gather(partial))
+        gathered: list[StepMeasurements] = exchange.gather(partial)
+        return reduce(lambda a, b: a.merge(b), gathered)
 
     return measure
 

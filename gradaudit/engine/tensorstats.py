@@ -17,7 +17,7 @@ _GOLDEN = 0x9E3779B1
 FINGERPRINT_PERIOD = 1 << 12
 """The fingerprint weight of element i is w[i mod 4096]: a matrix product per chunk, not a hash per element."""
 
-_weight_tables: dict = {}
+_weight_tables: dict[str, torch.Tensor] = {}
 _scratch = threading.local()
 
 
@@ -40,7 +40,7 @@ def _widened(flat: torch.Tensor) -> torch.Tensor:
     return buffer[: flat.numel()].copy_(flat)
 
 
-def fingerprint_weights(device) -> torch.Tensor:
+def fingerprint_weights(device: torch.device | str) -> torch.Tensor:
     """w[j] = ((j * 2654435761) mod 2^32) * 2^-31 - 1 for j < 4096, float64, cached per device."""
     import torch
 
@@ -65,12 +65,12 @@ class StatsAccumulator:
     def __init__(self, norm_type: float) -> None:
         self.norm_type = float(norm_type)
         self.numel = 0
-        self._sum_pow = []
-        self._sum_sq = []
-        self._max_abs = []
+        self._sum_pow: list[torch.Tensor] = []
+        self._sum_sq: list[torch.Tensor] = []
+        self._max_abs: list[torch.Tensor] = []
         self._counts = [0, 0, 0]
-        self._fp_sum = []
-        self._fp_proj = []
+        self._fp_sum: list[torch.Tensor] = []
+        self._fp_proj: list[torch.Tensor] = []
 
     def add(self, chunk: torch.Tensor) -> None:
         import torch
@@ -125,7 +125,10 @@ class StatsAccumulator:
         return result
 
     def result(self) -> TensorStats:
-        total = lambda parts: math.fsum(float(v) for v in parts)  # noqa: E731
+
+        def total(parts: Iterable[torch.Tensor]) -> float:
+            return math.fsum(float(v) for v in parts)
+
         max_abs = max((float(v) for v in self._max_abs), default=0.0)
         sum_pow = max_abs if math.isinf(self.norm_type) else total(self._sum_pow)
         return TensorStats(
