@@ -1,7 +1,7 @@
 """The one table of checks: code, severity, title, explanation and the function that runs it.
 
 The check modules are named here but imported only when a check first runs, so that `gradaudit explain`
-reads this table without loading the measuring code (see `_CheckModule`).
+reads this table without loading the measuring code (see `deferred`).
 """
 
 from __future__ import annotations
@@ -35,93 +35,87 @@ class DeferredCheck:
         return self.resolve()(step, m, options)
 
 
-class _CheckModule:
-    """Stands for a check module in the table: `norm.local_norm` is a DeferredCheck of `checks.norm`."""
+def deferred(target: str) -> DeferredCheck:
+    """The check `module.function` of this package, imported on its first call."""
+    module, function = target.split(".")
+    return DeferredCheck(module=module, function=function)
 
-    def __init__(self, module: str) -> None:
-        self._module = module
-
-    def __getattr__(self, function: str) -> DeferredCheck:
-        if function.startswith("_"):
-            raise AttributeError(function)
-        return DeferredCheck(module=self._module, function=function)
-
-
-coefficients, coverage, nonfinite, norm, postclip, procedure, reference, replicas, updates = (
-    _CheckModule(name)
-    for name in (
-        "coefficients",
-        "coverage",
-        "nonfinite",
-        "norm",
-        "postclip",
-        "procedure",
-        "reference",
-        "replicas",
-        "updates",
-    )
-)
 
 ERROR, WARNING, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 
 _TABLE = (
-    ("GA100", ERROR, "ranks missing from the step folder", coverage.missing_ranks),
-    ("GA101", ERROR, "ranks disagree on run metadata", coverage.metadata_disagreement),
-    ("GA102", ERROR, "ownership overlap", coverage.ownership_overlap),
-    ("GA103", ERROR, "ownership gap", coverage.ownership_gap),
-    ("GA104", WARNING, "parameters the capture left out", coverage.parameters_not_captured),
-    ("GA201", ERROR, "clipping used a local norm", norm.local_norm),
-    ("GA202", ERROR, "norm counts replicated gradients more than once", norm.double_counted),
-    ("GA203", ERROR, "norm reduced over the wrong process group", norm.wrong_group),
-    ("GA204", ERROR, "norm matches no known mistake", norm.unexplained),
-    ("GA205", WARNING, "reported norm is wrong but clipping used the right one", norm.logging_bug),
-    ("GA206", WARNING, "clipping was not checked", norm.not_checked),
-    ("GA207", ERROR, "norm accounts one group of parameters wrongly", norm.param_group_mistake),
-    ("GA208", ERROR, "norm averages per-rank norms instead of summing squares", norm.averaged_norms),
-    ("GA209", ERROR, "norm overflowed in its working precision", norm.overflowed),
-    ("GA301", ERROR, "ranks applied different clip coefficients", coefficients.coefficients_differ),
+    ("GA100", ERROR, "ranks missing from the step folder", deferred("coverage.missing_ranks")),
+    ("GA101", ERROR, "ranks disagree on run metadata", deferred("coverage.metadata_disagreement")),
+    ("GA102", ERROR, "ownership overlap", deferred("coverage.ownership_overlap")),
+    ("GA103", ERROR, "ownership gap", deferred("coverage.ownership_gap")),
+    ("GA104", WARNING, "parameters the capture left out", deferred("coverage.parameters_not_captured")),
+    ("GA201", ERROR, "clipping used a local norm", deferred("norm.local_norm")),
+    ("GA202", ERROR, "norm counts replicated gradients more than once", deferred("norm.double_counted")),
+    ("GA203", ERROR, "norm reduced over the wrong process group", deferred("norm.wrong_group")),
+    ("GA204", ERROR, "norm matches no known mistake", deferred("norm.unexplained")),
+    (
+        "GA205",
+        WARNING,
+        "reported norm is wrong but clipping used the right one",
+        deferred("norm.logging_bug"),
+    ),
+    ("GA206", WARNING, "clipping was not checked", deferred("norm.not_checked")),
+    ("GA207", ERROR, "norm accounts one group of parameters wrongly", deferred("norm.param_group_mistake")),
+    (
+        "GA208",
+        ERROR,
+        "norm averages per-rank norms instead of summing squares",
+        deferred("norm.averaged_norms"),
+    ),
+    ("GA209", ERROR, "norm overflowed in its working precision", deferred("norm.overflowed")),
+    (
+        "GA301",
+        ERROR,
+        "ranks applied different clip coefficients",
+        deferred("coefficients.coefficients_differ"),
+    ),
     (
         "GA302",
         ERROR,
         "applied coefficient differs from the expected one",
-        coefficients.coefficient_vs_expected,
+        deferred("coefficients.coefficient_vs_expected"),
     ),
-    ("GA303", ERROR, "post-clip global norm exceeds max_norm", coefficients.post_clip_norm),
-    ("GA401", ERROR, "nonfinite gradient values", nonfinite.nonfinite_gradients),
-    ("GA402", ERROR, "ranks disagree on nonfinite or skipped step", nonfinite.skip_disagreement),
+    ("GA303", ERROR, "post-clip global norm exceeds max_norm", deferred("coefficients.post_clip_norm")),
+    ("GA401", ERROR, "nonfinite gradient values", deferred("nonfinite.nonfinite_gradients")),
+    ("GA402", ERROR, "ranks disagree on nonfinite or skipped step", deferred("nonfinite.skip_disagreement")),
     (
         "GA501",
         ERROR,
         "clipping ran more than once before one optimizer step",
-        procedure.clipped_more_than_once,
+        deferred("procedure.clipped_more_than_once"),
     ),
     (
         "GA502",
         ERROR,
         "clipping ran on scaled gradients (before GradScaler.unscale_)",
-        procedure.clipped_scaled_gradients,
+        deferred("procedure.clipped_scaled_gradients"),
     ),
-    ("GA503", ERROR, "gradients were captured after clipping", postclip.captured_after_clipping),
-    ("GA601", ERROR, "pieces that should be replicas differ", replicas.replicas_differ),
-    ("GA602", ERROR, "gradients differ from the unsharded reference", reference.gradients_differ),
+    ("GA503", ERROR, "gradients were captured after clipping", deferred("postclip.captured_after_clipping")),
+    ("GA601", ERROR, "pieces that should be replicas differ", deferred("replicas.replicas_differ")),
+    ("GA602", ERROR, "gradients differ from the unsharded reference", deferred("reference.gradients_differ")),
     (
         "GA603",
         ERROR,
         "clipped gradients or next weights differ from the unsharded reference",
-        reference.clipped_or_next_weights_differ,
+        deferred("reference.clipped_or_next_weights_differ"),
     ),
     (
         "GA604",
         INFO,
         "next weights differ only as the optimizer's normalisation of agreeing gradients explains",
-        reference.updates_explained_by_optimizer,
+        deferred("reference.updates_explained_by_optimizer"),
     ),
-    ("GA701", INFO, "update norm vs gradient norm", updates.update_vs_gradient),
+    ("GA701", INFO, "update norm vs gradient norm", deferred("updates.update_vs_gradient")),
     (
         "GA702",
         WARNING,
         "ranks averaged their own loss over different token counts",
-        procedure.uneven_token_means,
+        deferred("procedure.uneven_token_means"),
     ),
 )
 
