@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
-from ..model import ClipCall, ClipRecord, DataRecord
+from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam
 from .arguments import (
     MODES,
     check_max_norm,
@@ -156,6 +156,7 @@ class AuditStep:
         return self.begin()
 
     def _start(self) -> None:
+        uninferred: dict[str, NotCapturedParam] = {}
         ownership = infer_ownership(
             self.model,
             rank=self.rank,
@@ -163,7 +164,7 @@ class AuditStep:
             groups=self._groups,
             aliases=self._aliases,
             explicit=self._explicit,
-            on_unsupported=self._unsupported,
+            on_unsupported=functools.partial(self._uninferred, uninferred),
         )
         snapshots = Snapshots(
             ownership.pieces,
@@ -171,6 +172,7 @@ class AuditStep:
             norm_type=self.norm_type,
             full_params=self.full_params,
             on_error=self._unsupported,
+            left_out=tuple(uninferred.values()),
         )
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -403,6 +405,12 @@ class AuditStep:
             f"param:{type(exc).__name__}",
             f"gradaudit: rank {self.rank} leaves out parameter {param!r} (and any other with the same problem): {exc}",
         )
+
+    def _uninferred(self, left_out: dict[str, NotCapturedParam], param: str, exc: Exception) -> None:
+        """A parameter whose ownership cannot be inferred: warned about, and listed in the dump as not
+        captured (GA104), so the report says its gradient is in no norm rather than omitting it silently."""
+        self._unsupported(param, exc)
+        left_out.setdefault(param, NotCapturedParam(name=param, reason=f"ownership not inferred: {exc}"))
 
     def _guard(self, what: str, action: Callable[[], None]) -> None:
         """Run a capture or write action; a failure warns once (or raises when strict), never breaks training."""
