@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from .model import Box, FlatRange, StepDump
+from .model import Box, FlatRange, Piece, Region, StepDump
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +17,15 @@ class ParamHolding:
     """"replicated", "sharded" or "sharded+replicated", with the replica group when named."""
     holders: tuple[tuple[int, str], ...]
     """(rank, what that rank holds) for every piece, by rank."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeftOut:
+    """A parameter some ranks did not capture (GA104), with why."""
+
+    name: str
+    reason: str
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,13 +42,15 @@ class Inventory:
     params: tuple[ParamHolding, ...]
     bytes_by_rank: tuple[tuple[int, int], ...]
     warnings: tuple[str, ...] = ()
+    not_captured: tuple[LeftOut, ...] = ()
+    """Parameters left out of the dump, one entry per (name, reason), sorted by name."""
 
     @property
     def total_bytes(self) -> int:
         return sum(n for _, n in self.bytes_by_rank)
 
 
-def _region_text(region) -> str:
+def _region_text(region: Region) -> str:
     if isinstance(region, Box):
         return (
             "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(region.offsets, region.shape, strict=False)) + "]"
@@ -48,7 +60,7 @@ def _region_text(region) -> str:
 
 
 def build_inventory(step: StepDump) -> Inventory:
-    pieces_by_param: dict[str, list] = {}
+    pieces_by_param: dict[str, list[tuple[int, Piece]]] = {}
     for rank in step.ranks_present:
         for piece in step.ranks[rank].pieces:
             pieces_by_param.setdefault(piece.param, []).append((rank, piece))
@@ -98,10 +110,22 @@ def build_inventory(step: StepDump) -> Inventory:
         params=tuple(params),
         bytes_by_rank=tuple((r, step.ranks[r].num_bytes) for r in step.ranks_present),
         warnings=step.warnings,
+        not_captured=_left_out(step),
     )
 
 
-def inventory_to_json(inv: Inventory) -> dict:
+def _left_out(step: StepDump) -> tuple[LeftOut, ...]:
+    ranks_of: dict[tuple[str, str], list[int]] = {}
+    for rank in step.ranks_present:
+        for param in step.ranks[rank].not_captured:
+            ranks_of.setdefault((param.name, param.reason), []).append(rank)
+    return tuple(
+        LeftOut(name=name, reason=reason, ranks=tuple(ranks))
+        for (name, reason), ranks in sorted(ranks_of.items())
+    )
+
+
+def inventory_to_json(inv: Inventory) -> dict[str, Any]:
     return {
         "directory": inv.directory,
         "step": inv.step,
@@ -122,4 +146,7 @@ def inventory_to_json(inv: Inventory) -> dict:
         ],
         "bytes": {"total": inv.total_bytes, "by_rank": {str(r): n for r, n in inv.bytes_by_rank}},
         "warnings": list(inv.warnings),
+        "not_captured": [
+            {"name": p.name, "reason": p.reason, "ranks": list(p.ranks)} for p in inv.not_captured
+        ],
     }

@@ -1,8 +1,9 @@
 """A parameter whose ownership the capture cannot infer is listed as not captured, so the report names
-it under GA104 instead of leaving it out silently (issue 12 item 5)."""
+it under GA104 and `show` lists it, instead of leaving it out silently (issue 12 item 5)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,10 @@ from gradaudit.capture.warn import CaptureWarning, forget_warnings
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile import load_step
 from gradaudit.errors import CaptureError
+from gradaudit.render.inventory import MAX_LISTED
 
 from .cli import run_cli
+from .corpus import edit_metadata, rank_path, write_valid_step
 
 MAX_NORM = 0.5
 
@@ -69,3 +72,28 @@ def test_strict_mode_refuses_a_parameter_whose_ownership_is_not_inferred(tmp_pat
         with gradaudit.audit_step(model, tmp_path, step=3, max_norm=MAX_NORM, strict=True):
             pass
     assert not list(Path(tmp_path).rglob("*.safetensors"))
+
+
+def test_show_lists_the_parameters_not_captured_with_their_ranks_and_reasons(tmp_path, capsys):
+    step_dir = _one_step(_model_with_a_tensor_parallel_weight(), tmp_path)
+    outcome = run_cli(capsys, "show", str(step_dir))
+    assert outcome.code == 0, outcome.stderr
+    lines = outcome.stdout.splitlines()
+    heading = lines.index("not captured (1; their gradients are in no norm, GA104):")
+    assert lines[heading + 1].startswith("  0.weight on rank 0: ownership not inferred: parameter '0.weight'")
+    as_json = json.loads(run_cli(capsys, "show", str(step_dir), "--format", "json").stdout)
+    ((entry),) = as_json["not_captured"]
+    assert entry["name"] == "0.weight" and entry["ranks"] == [0] and "tensor-parallel" in entry["reason"]
+
+
+def test_show_names_every_rank_that_left_a_parameter_out_and_caps_the_terminal_list(tmp_path, capsys):
+    step_dir = write_valid_step(tmp_path / "step_7")
+    left_out = [{"name": f"emb{i}.weight", "reason": "sparse gradient"} for i in range(MAX_LISTED + 3)]
+    for rank in (0, 1):
+        edit_metadata(rank_path(step_dir, rank), lambda doc: doc.__setitem__("not_captured", left_out))
+    text = run_cli(capsys, "show", str(step_dir)).stdout
+    assert "  emb0.weight on ranks 0-1: sparse gradient" in text
+    assert "(and 3 more; --format json lists them all)" in text
+    as_json = json.loads(run_cli(capsys, "show", str(step_dir), "--format", "json").stdout)
+    assert len(as_json["not_captured"]) == MAX_LISTED + 3
+    assert as_json["not_captured"][0] == {"name": "emb0.weight", "reason": "sparse gradient", "ranks": [0, 1]}
