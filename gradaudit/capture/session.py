@@ -285,6 +285,13 @@ class AuditStep:
         self._calls.append(call)
         self._snapshots.take("grad_clipped")
 
+    def take_gradients(self, *, clipped: bool) -> None:
+        """Record the gradients as they are now: before clipping (clipped=False) or as the optimizer will
+        step with them (clipped=True). For clipping done in user code that no call can wrap, e.g. ZeRO
+        gradients clipped by hand between DeepSpeed's `engine.backward` and `engine.step`."""
+        if self._recording:
+            self._guard("capture", lambda: self._snapshots.take("grad_clipped" if clipped else "grad"))
+
     def before_optimizer_step(self) -> None:
         """Record the parameters the optimizer step starts from (and, when clipping did not go through
         `audit.clip`, the gradients it steps with). The `optimizer=` hooks call this; a framework whose
