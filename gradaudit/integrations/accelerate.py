@@ -13,7 +13,9 @@
 
 Every call of `accelerator.clip_grad_norm_` is recorded: the audit of a selected step opens at that
 step's first clip call (a clip call on a micro-batch that does not sync is recorded too, so clipping
-every micro-batch shows up as GA501) and is written right after the optimizer really steps.
+every micro-batch shows up as GA501) and is written right after the optimizer really steps. With fp16
+and a GradScaler the audit records the scaler and unscales the gradients (`accelerator.unscale_gradients`)
+just before each recorded clip call, as Accelerate's `clip_grad_norm_` itself does first.
 """
 
 from __future__ import annotations
@@ -99,7 +101,27 @@ class AccelerateAudit:
             ).begin()
         if self.audit is None:
             return self._original_clip(parameters, max_norm, norm_type)
-        return self.audit.clip(self._original_clip, parameters, max_norm, norm_type=norm_type)
+        if getattr(self.accelerator, "scaler", None) is None:
+            return self.audit.clip(self._original_clip, parameters, max_norm, norm_type=norm_type)
+        # fp16 with a GradScaler: Accelerate unscales inside clip_grad_norm_, after the audit would have
+        # recorded the gradients. Unscale first (what Accelerate's own first line does), so the pre-clip
+        # gradients are the unscaled ones the norm is taken of and the call records unscaled=True.
+        self.accelerator.unscale_gradients()
+        return self.audit.clip(self._clip_unscaled, parameters, max_norm, norm_type=norm_type)
+
+    def _clip_unscaled(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        """Accelerate's clip_grad_norm_ on gradients already unscaled (a second unscale_ would raise)."""
+        accelerator = self.accelerator
+        had_own = "unscale_gradients" in vars(accelerator)
+        original = vars(accelerator).get("unscale_gradients")
+        accelerator.unscale_gradients = lambda optimizer=None: None
+        try:
+            return self._original_clip(parameters, max_norm, norm_type)
+        finally:
+            if had_own:
+                accelerator.unscale_gradients = original
+            else:
+                del accelerator.unscale_gradients
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.audit is not None:
