@@ -60,6 +60,10 @@ class DeepSpeedAudit:
         engine.backward = self._backward
 
     def remove(self) -> None:
+        """Uninstall: restore `engine.step` and `engine.backward`; an audit left open writes nothing."""
+        if self._by_hand is not None:
+            self._by_hand[0].cancel()
+            self._by_hand = None
         vars(self.engine).pop("step", None)
         vars(self.engine).pop("backward", None)
 
