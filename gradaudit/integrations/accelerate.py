@@ -20,8 +20,9 @@ just before each recorded clip call, as Accelerate's `clip_grad_norm_` itself do
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,27 +102,8 @@ class AccelerateAudit:
             ).begin()
         if self.audit is None:
             return self._original_clip(parameters, max_norm, norm_type)
-        if getattr(self.accelerator, "scaler", None) is None:
+        with unscaled_first(self.accelerator):
             return self.audit.clip(self._original_clip, parameters, max_norm, norm_type=norm_type)
-        # fp16 with a GradScaler: Accelerate unscales inside clip_grad_norm_, after the audit would have
-        # recorded the gradients. Unscale first (what Accelerate's own first line does), so the pre-clip
-        # gradients are the unscaled ones the norm is taken of and the call records unscaled=True.
-        self.accelerator.unscale_gradients()
-        return self.audit.clip(self._clip_unscaled, parameters, max_norm, norm_type=norm_type)
-
-    def _clip_unscaled(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        """Accelerate's clip_grad_norm_ on gradients already unscaled (a second unscale_ would raise)."""
-        accelerator = self.accelerator
-        had_own = "unscale_gradients" in vars(accelerator)
-        original = vars(accelerator).get("unscale_gradients")
-        accelerator.unscale_gradients = lambda optimizer=None: None
-        try:
-            return self._original_clip(parameters, max_norm, norm_type)
-        finally:
-            if had_own:
-                accelerator.unscale_gradients = original
-            else:
-                del accelerator.unscale_gradients
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.audit is not None:
@@ -135,3 +117,28 @@ class AccelerateAudit:
             path = audit.end()
             if path is not None:
                 self.paths.append(path)
+
+
+@contextlib.contextmanager
+def unscaled_first(accelerator: Any) -> Iterator[None]:
+    """Run Accelerate's fp16 unscale now and skip the one its clip_grad_norm_ runs first.
+
+    Accelerate unscales inside `clip_grad_norm_`, after an audit wrapped around the call would have
+    recorded the gradients (still multiplied by the loss scale). Unscaling before the audit records
+    them gives the gradients the norm is taken of, and the call records unscaled=True. The second
+    unscale is skipped: GradScaler.unscale_ raises when called twice before update(). Without a
+    scaler (no fp16) this does nothing."""
+    if getattr(accelerator, "scaler", None) is None:
+        yield
+        return
+    accelerator.unscale_gradients()
+    own = vars(accelerator)
+    had_own, original = "unscale_gradients" in own, own.get("unscale_gradients")
+    accelerator.unscale_gradients = lambda optimizer=None: None
+    try:
+        yield
+    finally:
+        if had_own:
+            accelerator.unscale_gradients = original
+        else:
+            del accelerator.unscale_gradients
