@@ -20,6 +20,15 @@ class ParamHolding:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LeftOut:
+    """A parameter some ranks did not capture (GA104), with why."""
+
+    name: str
+    reason: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Inventory:
     directory: str
     step: int
@@ -33,6 +42,8 @@ class Inventory:
     params: tuple[ParamHolding, ...]
     bytes_by_rank: tuple[tuple[int, int], ...]
     warnings: tuple[str, ...] = ()
+    not_captured: tuple[LeftOut, ...] = ()
+    """Parameters left out of the dump, one entry per (name, reason), sorted by name."""
 
     @property
     def total_bytes(self) -> int:
@@ -99,6 +110,18 @@ def build_inventory(step: StepDump) -> Inventory:
         params=tuple(params),
         bytes_by_rank=tuple((r, step.ranks[r].num_bytes) for r in step.ranks_present),
         warnings=step.warnings,
+        not_captured=_left_out(step),
+    )
+
+
+def _left_out(step: StepDump) -> tuple[LeftOut, ...]:
+    ranks_of: dict[tuple[str, str], list[int]] = {}
+    for rank in step.ranks_present:
+        for param in step.ranks[rank].not_captured:
+            ranks_of.setdefault((param.name, param.reason), []).append(rank)
+    return tuple(
+        LeftOut(name=name, reason=reason, ranks=tuple(ranks))
+        for (name, reason), ranks in sorted(ranks_of.items())
     )
 
 
@@ -123,4 +146,7 @@ def inventory_to_json(inv: Inventory) -> dict[str, Any]:
         ],
         "bytes": {"total": inv.total_bytes, "by_rank": {str(r): n for r, n in inv.bytes_by_rank}},
         "warnings": list(inv.warnings),
+        "not_captured": [
+            {"name": p.name, "reason": p.reason, "ranks": list(p.ranks)} for p in inv.not_captured
+        ],
     }

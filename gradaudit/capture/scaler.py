@@ -49,7 +49,11 @@ class ScalerWatch:
         return any(float(v.sum()) > 0 for v in per_device.values())
 
     def _state(self, states: Mapping[int, dict[str, Any]] | None) -> dict[str, Any] | None:
-        if not self.active or self.optimizer is None or states is None:
+        if not self.active or states is None:
             return None
+        if self.optimizer is None:
+            # No optimizer given (a framework that hooks its optimizer itself, e.g. AccelerateAudit):
+            # a scaler that tracks exactly one optimizer can only mean that one.
+            return next(iter(states.values())) if len(states) == 1 else None
         # .get, not [ ]: the dict is a defaultdict and must not grow an entry because we looked
         return states.get(id(self.optimizer))

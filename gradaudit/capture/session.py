@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
-from ..model import ClipCall, ClipRecord, DataRecord, TensorStats, Topology
+from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam, TensorStats, Topology
 from .arguments import (
     MODES,
     check_max_norm,
@@ -159,6 +159,7 @@ class AuditStep:
         return self.begin()
 
     def _start(self) -> None:
+        uninferred: dict[str, NotCapturedParam] = {}
         ownership = infer_ownership(
             self.model,
             rank=self.rank,
@@ -166,7 +167,7 @@ class AuditStep:
             groups=self._groups,
             aliases=self._aliases,
             explicit=self._explicit,
-            on_unsupported=self._unsupported,
+            on_unsupported=functools.partial(self._uninferred, uninferred),
         )
         snapshots = Snapshots(
             ownership.pieces,
@@ -174,6 +175,7 @@ class AuditStep:
             norm_type=self.norm_type,
             full_params=self.full_params,
             on_error=self._unsupported,
+            left_out=tuple(uninferred.values()),
         )
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -304,6 +306,13 @@ class AuditStep:
         self._calls.append(call)
         self._taken().take("grad_clipped")
 
+    def take_gradients(self, *, clipped: bool) -> None:
+        """Record the gradients as they are now: before clipping (clipped=False) or as the optimizer will
+        step with them (clipped=True). For clipping done in user code that no call can wrap, e.g. ZeRO
+        gradients clipped by hand between DeepSpeed's `engine.backward` and `engine.step`."""
+        if self._recording:
+            self._guard("capture", lambda: self._taken().take("grad_clipped" if clipped else "grad"))
+
     def before_optimizer_step(self) -> None:
         """Record the parameters the optimizer step starts from (and, when clipping did not go through
         `audit.clip`, the gradients it steps with). The `optimizer=` hooks call this; a framework whose
@@ -430,6 +439,12 @@ class AuditStep:
             f"param:{type(exc).__name__}",
             f"gradaudit: rank {self.rank} leaves out parameter {param!r} (and any other with the same problem): {exc}",
         )
+
+    def _uninferred(self, left_out: dict[str, NotCapturedParam], param: str, exc: Exception) -> None:
+        """A parameter whose ownership cannot be inferred: warned about, and listed in the dump as not
+        captured (GA104), so the report says its gradient is in no norm rather than omitting it silently."""
+        self._unsupported(param, exc)
+        left_out.setdefault(param, NotCapturedParam(name=param, reason=f"ownership not inferred: {exc}"))
 
     def _guard(self, what: str, action: Callable[[], None]) -> None:
         """Run a capture or write action; a failure warns once (or raises when strict), never breaks training."""

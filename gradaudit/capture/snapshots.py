@@ -35,10 +35,12 @@ class Snapshots:
         norm_type: float,
         full_params: Sequence[str],
         on_error: Callable[[str, Exception], None],
+        left_out: Sequence[NotCapturedParam] = (),
     ) -> None:
         self.pieces, screened_out = screen_pieces(pieces, norm_type)
-        self.not_captured: dict[str, NotCapturedParam] = {p.name: p for p in screened_out}
-        """Parameters left out, by name: screened out here, or found holding a sparse gradient."""
+        self.not_captured: dict[str, NotCapturedParam] = {p.name: p for p in (*left_out, *screened_out)}
+        """Parameters left out, by name: given (ownership inference refused them), screened out here,
+        or found holding a sparse gradient."""
         self.norm_type = norm_type
         self.on_error = on_error
         self.values: dict[tuple[int, str], torch.Tensor] = {}

@@ -13,13 +13,16 @@
 
 Every call of `accelerator.clip_grad_norm_` is recorded: the audit of a selected step opens at that
 step's first clip call (a clip call on a micro-batch that does not sync is recorded too, so clipping
-every micro-batch shows up as GA501) and is written right after the optimizer really steps.
+every micro-batch shows up as GA501) and is written right after the optimizer really steps. With fp16
+and a GradScaler the audit records the scaler and unscales the gradients (`accelerator.unscale_gradients`)
+just before each recorded clip call, as Accelerate's `clip_grad_norm_` itself does first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +102,8 @@ class AccelerateAudit:
             ).begin()
         if self.audit is None:
             return self._original_clip(parameters, max_norm, norm_type)
-        return self.audit.clip(self._original_clip, parameters, max_norm, norm_type=norm_type)
+        with unscaled_first(self.accelerator):
+            return self.audit.clip(self._original_clip, parameters, max_norm, norm_type=norm_type)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.audit is not None:
@@ -113,3 +117,28 @@ class AccelerateAudit:
             path = audit.end()
             if path is not None:
                 self.paths.append(path)
+
+
+@contextlib.contextmanager
+def unscaled_first(accelerator: Any) -> Iterator[None]:
+    """Run Accelerate's fp16 unscale now and skip the one its clip_grad_norm_ runs first.
+
+    Accelerate unscales inside `clip_grad_norm_`, after an audit wrapped around the call would have
+    recorded the gradients (still multiplied by the loss scale). Unscaling before the audit records
+    them gives the gradients the norm is taken of, and the call records unscaled=True. The second
+    unscale is skipped: GradScaler.unscale_ raises when called twice before update(). Without a
+    scaler (no fp16) this does nothing."""
+    if getattr(accelerator, "scaler", None) is None:
+        yield
+        return
+    accelerator.unscale_gradients()
+    own = vars(accelerator)
+    had_own, original = "unscale_gradients" in own, own.get("unscale_gradients")
+    accelerator.unscale_gradients = lambda optimizer=None: None
+    try:
+        yield
+    finally:
+        if had_own:
+            accelerator.unscale_gradients = original
+        else:
+            del accelerator.unscale_gradients

@@ -12,6 +12,12 @@ of every parameter's gradient as a flat range of that parameter (ZeRO-1/2: the p
 of the rank's optimizer partition; ZeRO-3: its `ds_tensor` partition), and after it the norm DeepSpeed
 clipped with (`engine.get_global_grad_norm()`). The clipped gradients and the parameters are not
 captured: ZeRO frees the gradient partitions inside the step.
+
+With `gradient_clipping: 0` in the config and clipping done by hand between `engine.backward` and
+`engine.step` (e.g. through `deepspeed.utils.safe_get_local_grad` / `safe_set_local_grad`), pass the
+norm you clip to as `max_norm=`: the audit then records this rank's partitions after the boundary
+backward and again just before `engine.step`, and the checker judges the coefficient your code
+applied on each rank.
 """
 
 from __future__ import annotations
@@ -37,36 +43,68 @@ class DeepSpeedAudit:
         *,
         steps: Iterable[int] | int | None = None,
         every: int | None = None,
+        max_norm: float | None = None,
         **audit_kwargs: Any,
     ) -> None:
         self.engine = engine
         self.out_dir = out_dir
         self.selection = select_steps(steps, every)
+        self.max_norm = max_norm
+        """The norm clipped to by hand (DeepSpeed's own gradient_clipping is 0); None when DeepSpeed clips."""
         self.audit_kwargs = audit_kwargs
         self.paths: list[Path] = []
+        self._by_hand: tuple[AuditStep, list[bool]] | None = None
         self._original = engine.step
+        self._original_backward = engine.backward
         engine.step = self._step
+        engine.backward = self._backward
 
     def remove(self) -> None:
+        """Uninstall: restore `engine.step` and `engine.backward`; an audit left open writes nothing."""
+        if self._by_hand is not None:
+            self._by_hand[0].cancel()
+            self._by_hand = None
         vars(self.engine).pop("step", None)
+        vars(self.engine).pop("backward", None)
 
-    def _step(self, *args: Any, **kwargs: Any) -> Any:
+    def _boundary_step(self) -> int | None:
+        """The optimizer step this micro-batch completes, when it is a boundary and one to audit."""
+        step = int(self.engine.global_steps) + 1
+        wanted = self.engine.is_gradient_accumulation_boundary() and self.selection.wants(step)
+        return step if wanted else None
+
+    def _open(self, step: int, max_norm: float) -> tuple[AuditStep, list[bool]]:
         import torch
 
-        engine = self.engine
-        step = int(engine.global_steps) + 1
-        max_norm = float(engine.gradient_clipping() or 0.0)
-        if not engine.is_gradient_accumulation_boundary() or max_norm <= 0 or not self.selection.wants(step):
-            return self._original(*args, **kwargs)
         readable = [True]
         audit = AuditStep(
             torch.nn.Module(),  # nothing to infer: every piece is described below
             self.out_dir,
             step=step,
             max_norm=max_norm,
-            ownership=zero_pieces(engine, readable),
+            ownership=zero_pieces(self.engine, readable),
             **self.audit_kwargs,
         ).begin()
+        return audit, readable
+
+    def _backward(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._original_backward(*args, **kwargs)
+        clips_itself = float(self.engine.gradient_clipping() or 0.0) > 0
+        step = self._boundary_step()
+        if self.max_norm is not None and not clips_itself and step is not None and self._by_hand is None:
+            self._by_hand = self._open(step, float(self.max_norm))
+            self._by_hand[0].take_gradients(clipped=False)
+        return result
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._by_hand is not None:
+            return self._step_clipped_by_hand(*args, **kwargs)
+        engine = self.engine
+        max_norm = float(engine.gradient_clipping() or 0.0)
+        step = self._boundary_step()
+        if step is None or max_norm <= 0:
+            return self._original(*args, **kwargs)
+        audit, readable = self._open(step, max_norm)
 
         def step_then_close(*args: Any, **kwargs: Any) -> Any:
             result = self._original(*args, **kwargs)
@@ -75,6 +113,21 @@ class DeepSpeedAudit:
 
         result = audit.clip(step_then_close, *args, **kwargs)
         audit.record(reported_norm=engine.get_global_grad_norm())
+        path = audit.end()
+        if path is not None:
+            self.paths.append(path)
+        return result
+
+    def _step_clipped_by_hand(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._by_hand is not None
+        (audit, readable), self._by_hand = self._by_hand, None
+        audit.take_gradients(clipped=True)
+        try:
+            result = self._original(*args, **kwargs)
+        except BaseException:
+            audit.cancel()
+            raise
+        readable[0] = False
         path = audit.end()
         if path is not None:
             self.paths.append(path)

@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..capture.session import AuditStep
 from ..capture.warn import warn_once
+from .accelerate import unscaled_first
 from .steps import select_steps
 
 CLIP_EPS = 1e-6
@@ -92,10 +93,21 @@ class GradAuditCallback(TrainerCallback):
         ).begin()
         # Trainer._clip_grad_norm covers every path the Trainer clips by (Accelerate's clip_grad_norm_,
         # its mixed-mesh norm); Trainers without it clip through Accelerate.
-        if callable(getattr(trainer, "_clip_grad_norm", None)):
-            self.audit.intercept_clip(trainer, "_clip_grad_norm")
-        else:
-            self.audit.intercept_clip(accelerator, "clip_grad_norm_")
+        owner, name = (
+            (trainer, "_clip_grad_norm")
+            if callable(getattr(trainer, "_clip_grad_norm", None))
+            else (accelerator, "clip_grad_norm_")
+        )
+        self.audit.intercept_clip(owner, name)
+        if getattr(accelerator, "scaler", None) is not None:
+            # fp16: unscale before the audit records the gradients (end() restores the attribute).
+            routed = getattr(owner, name)
+
+            def clip(*args: Any, **kwargs: Any) -> Any:
+                with unscaled_first(accelerator):
+                    return routed(*args, **kwargs)
+
+            setattr(owner, name, clip)
         self._count_batches(trainer)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -8,6 +8,9 @@ from ..inventory import Inventory
 from ..ranksets import compact_ranks
 from .text import rich_safe
 
+MAX_LISTED = 20
+"""Parameters not captured listed on the terminal; the JSON form lists every one."""
+
 
 def _human_bytes(n: int) -> str:
     size = float(n)
@@ -56,6 +59,14 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
             holders,
         )
     console.print(table)
+    if inv.not_captured:
+        console.print(f"not captured ({len(inv.not_captured)}; their gradients are in no norm, GA104):")
+        for left_out in inv.not_captured[:MAX_LISTED]:
+            held = left_out.ranks
+            where = f"rank {held[0]}" if len(held) == 1 else f"ranks {compact_ranks(held)}"
+            console.print(f"  {rich_safe(left_out.name)} on {where}: {rich_safe(left_out.reason)}")
+        if len(inv.not_captured) > MAX_LISTED:
+            console.print(f"  (and {len(inv.not_captured) - MAX_LISTED} more; --format json lists them all)")
     for warning in inv.warnings:
         console.print(f"warning: {rich_safe(warning)}")
     return out.getvalue()

@@ -97,3 +97,24 @@ def hf_trainer_runs(rank: int, world_size: int, out_root: str) -> dict:
     trainer.add_callback(DumpAfterClipping())
     trainer.train()
     return results
+
+
+def hf_trainer_fp16_run(rank: int, world_size: int, out_root: str) -> list[str]:
+    """fp16 with a GradScaler. Accelerate creates its scaler only off CPU (accelerator.py: fp16 and
+    `self.device.type != "cpu"`), so a real CPU GradScaler is installed on the Trainer's Accelerator
+    before train() prepares the optimizer; the scaling, unscaling and stepping are Accelerate's own."""
+    from transformers import Trainer
+
+    from gradaudit.integrations.transformers import GradAuditCallback
+
+    callback = GradAuditCallback(os.path.join(out_root, "hf_fp16"), steps=[2], strict=True)
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=_args(os.path.join(out_root, "trainer_fp16"), fp16=True),
+        train_dataset=TokenData(),
+    )
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer.add_callback(callback)
+    trainer.train()
+    return [str(p) for p in callback.paths]

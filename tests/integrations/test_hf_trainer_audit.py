@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from hf_workers import hf_trainer_runs
+from hf_workers import hf_trainer_fp16_run, hf_trainer_runs
 from launcher import run_ranks
 from reassemble import audit_report, error_codes, load, norm_of, reassemble
 
@@ -58,3 +58,16 @@ def test_stats_mode_every_second_step_audits_clean_with_the_same_norm(runs):
     full = load(out_root / "hf_ddp_ok" / "step_2")
     assert step.clip.reported_norm == pytest.approx(full.clip.reported_norm, rel=1e-6)
     assert error_codes(audit_report(out_root / "hf_ddp_stats" / "step_2")) == set()
+
+
+def test_with_fp16_and_a_grad_scaler_the_callback_records_unscaled_gradients_and_audits_clean(
+    tmp_path, monkeypatch_module
+):
+    results = run_ranks(hf_trainer_fp16_run, 2, (str(tmp_path),), timeout_s=300)
+    assert [len(paths) for paths in results] == [1, 1]
+    step_path = tmp_path / "hf_fp16" / "step_2"
+    step = load(step_path)
+    assert all(d.clip.loss_scale is not None and d.clip.unscaled_before_clip for d in step.ranks.values())
+    (call,) = step.clip.calls
+    assert call.reported_norm == pytest.approx(norm_of(reassemble(step, "grad")), rel=1e-4)
+    assert error_codes(audit_report(step_path)) == set()
