@@ -296,6 +296,21 @@ def _measure_piece(
     )
 
 
+def _stats_only(rank: int, piece: Piece) -> PieceMeasurement:
+    """What _measure_piece gives for a piece with at most one kind of statistics, nothing to read
+    and no loss scale to divide by, without its branches."""
+    return PieceMeasurement(
+        rank=rank,
+        index=piece.index,
+        param=piece.param,
+        regions=piece.regions,
+        dtype=piece.dtype,
+        numel=piece.numel,
+        replica_group=piece.replica_group,
+        stats=piece.stats,
+    )
+
+
 def _compare_replicas(
     reader,
     copies: list[tuple[int, str, Piece]],
@@ -438,19 +453,22 @@ def measure_param(
     for rank, path, piece in held:
         by_layout.setdefault(piece.layout_key, []).append((rank, path, piece))
     fingerprinted = _needing_fingerprints(by_layout)
-    measured = {
-        (rank, piece.index): _measure_piece(
-            reader,
-            kernel,
-            rank,
-            path,
-            piece,
-            norm_type,
-            _scale_of(step, rank, scales),
-            fingerprint=(rank, piece.index) in fingerprinted,
-        )
-        for rank, path, piece in held
-    }
+    measured = {}
+    for rank, path, piece in held:
+        scale = _scale_of(step, rank, scales)
+        if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
+            measured[rank, piece.index] = _stats_only(rank, piece)  # most pieces of a many-rank dump
+        else:
+            measured[rank, piece.index] = _measure_piece(
+                reader,
+                kernel,
+                rank,
+                path,
+                piece,
+                norm_type,
+                scale,
+                fingerprint=(rank, piece.index) in fingerprinted,
+            )
     replica_sets = tuple(
         _compare_replicas(reader, copies, measured, chunk_elements)
         for _, copies in sorted(by_layout.items(), key=lambda kv: min((r, p.index) for r, _, p in kv[1]))
