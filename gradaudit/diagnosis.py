@@ -54,16 +54,23 @@ def norm_of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: s
     were taken for another norm type and cannot give this one.
     """
     terms, has_nan, has_inf = [], False, False
+    inf_norm = is_inf_norm(norm_type)
     for piece in pieces:
         stats = piece.stats.get(kind)
         if stats is None:
             continue
-        term = stats_term(stats, norm_type)
-        if term is None:
+        if inf_norm:  # stats_term, inlined: this runs once per piece of the step
+            term = stats.max_abs
+        elif stats.norm_type == norm_type:
+            term = stats.sum_pow
+        elif norm_type == 2.0:
+            term = stats.sum_sq
+        else:
             return None
         terms.append(term)
-        has_nan |= stats.num_nan > 0
-        has_inf |= (stats.num_posinf + stats.num_neginf) > 0
+        if stats.num_nan or stats.num_posinf or stats.num_neginf:
+            has_nan |= stats.num_nan > 0
+            has_inf |= (stats.num_posinf + stats.num_neginf) > 0
     if has_nan:
         return math.nan
     if has_inf:
@@ -250,17 +257,25 @@ def applied_coef_of(
 class _RankSetNorms:
     """Norms of the pieces of any set of ranks, with replicas counted once or per copy, from one index.
 
-    Layouts are numbered once so that sets of ranks are combined with integer lookups, and every
-    rank set is computed once per step (groups are shared by their members).
+    Layouts are numbered once, and each rank's pieces become arrays (layout, term, flags), so that a
+    set of ranks is combined with array operations (the set of every rank is every piece of the
+    step), and every rank set is computed once per step (groups are shared by their members).
     """
 
+    _UNKNOWN, _NAN, _INF = 1, 2, 4
+
     def __init__(self, by_rank: Mapping[int, list[PieceMeasurement]], norm_type: float) -> None:
+        import numpy as np
+
         self.norm_type = norm_type
         layout_ids: dict[tuple, int] = {}
-        self.entries: dict[int, list[tuple[int, float | None, bool, bool]]] = {}
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         by_index = operator.attrgetter("index")
+        inf_norm = is_inf_norm(norm_type)
         for rank, pieces in by_rank.items():
-            rows = []
+            layouts: list[int] = []
+            terms: list[float] = []
+            flags: list[int] = []
             for piece in sorted(pieces, key=by_index):
                 stats = piece.stats.get("grad")
                 if stats is None:
@@ -269,15 +284,22 @@ class _RankSetNorms:
                 layout = layout_ids.get(key)
                 if layout is None:
                     layout = layout_ids[key] = len(layout_ids)
-                rows.append(
-                    (
-                        layout,
-                        stats_term(stats, norm_type),
-                        stats.num_nan > 0,
-                        stats.num_posinf + stats.num_neginf > 0,
-                    )
+                layouts.append(layout)
+                if inf_norm:
+                    term: float | None = stats.max_abs
+                elif stats.norm_type == norm_type:
+                    term = stats.sum_pow
+                else:
+                    term = stats.sum_sq if norm_type == 2.0 else None
+                terms.append(math.nan if term is None else term)
+                flags.append(
+                    (term is None) | (stats.num_nan > 0) << 1 | (stats.num_posinf + stats.num_neginf > 0) << 2
                 )
-            self.entries[rank] = rows
+            self._rows[rank] = (
+                np.array(layouts, dtype=np.int64),
+                np.array(terms, dtype=np.float64),
+                np.array(flags, dtype=np.int64),
+            )
         self._cache: dict[tuple, tuple[float | None, bool]] = {}
 
     def norm(
@@ -285,33 +307,40 @@ class _RankSetNorms:
     ) -> tuple[float | None, bool]:
         """(norm, whether any layout appears more than once among these ranks); with `first`, that
         rank's copies of replicated pieces are the ones counted."""
+        import numpy as np
+
         order = tuple(sorted(ranks))
         if first is not None:
             order = (first,) + tuple(r for r in order if r != first)
         key = (order, dedupe)
         if key not in self._cache:
-            seen: set[int] = set()
-            terms, has_nan, has_inf, repeated, unknown = [], False, False, False, False
-            for rank in key[0]:
-                for layout, term, nan, inf in self.entries.get(rank, ()):
-                    if layout in seen:
-                        repeated = True
-                        if dedupe:
-                            continue
-                    seen.add(layout)
-                    unknown |= term is None
-                    terms.append(term)
-                    has_nan |= nan
-                    has_inf |= inf
-            if unknown:
-                value = None
-            elif has_nan:
-                value = math.nan
-            elif has_inf:
-                value = math.inf
+            parts = [self._rows[rank] for rank in order if rank in self._rows]
+            if len(parts) == 1:
+                layouts, terms, flags = parts[0]
+            elif parts:
+                layouts, terms, flags = (np.concatenate([part[i] for part in parts]) for i in range(3))
             else:
-                value = norm_of_terms(terms, self.norm_type)
-            self._cache[key] = (value, repeated)
+                layouts, terms, flags = (
+                    np.zeros(0, dtype=np.int64),
+                    np.zeros(0),
+                    np.zeros(0, dtype=np.int64),
+                )
+            distinct, first_seen = np.unique(layouts, return_index=True)
+            repeated = distinct.size < layouts.size
+            if dedupe and repeated:  # each layout through its first copy in `order`
+                keep = np.sort(first_seen)
+                terms, flags = terms[keep], flags[keep]
+            found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
+            value: float | None
+            if found & self._UNKNOWN:
+                value = None
+            elif found & self._NAN:
+                value = math.nan
+            elif found & self._INF:
+                value = math.inf
+            else:  # norm_of_terms sums exactly (fsum) or takes the max: the order does not matter
+                value = norm_of_terms(terms.tolist(), self.norm_type)
+            self._cache[key] = (value, bool(repeated))
         return self._cache[key]
 
 

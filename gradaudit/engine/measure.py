@@ -180,9 +180,12 @@ def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
     notes = []
+    inf = math.inf
     for piece in m.pieces:
         stats = piece.stats.get("grad")
-        if stats is None or stats.num_nonfinite or not stats.numel:
+        if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
+            continue
+        if stats.num_nonfinite or not stats.numel:
             continue
         for what, value in (("squares", stats.sum_sq), (f"|x|^{stats.norm_type:g}", stats.sum_pow)):
             if math.isinf(value):
@@ -469,10 +472,10 @@ def measure_param(
                 scale,
                 fingerprint=(rank, piece.index) in fingerprinted,
             )
+    replicated = [copies for copies in by_layout.values() if len(copies) > 1]
     replica_sets = tuple(
         _compare_replicas(reader, copies, measured, chunk_elements)
-        for _, copies in sorted(by_layout.items(), key=lambda kv: min((r, p.index) for r, _, p in kv[1]))
-        if len(copies) > 1
+        for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
     )
     reference_pieces, reference_errors, notes = (), (), ()
     if reference is not None:
