@@ -386,7 +386,7 @@ _new = object.__new__
 _set = object.__setattr__
 _NO_TENSORS: Mapping[str, str] = {}
 """Shared by every columnar piece (they hold no tensors; nothing mutates a frozen piece's mapping),
-rather than one empty dict per piece: 64 bytes times millions. A plain dict, so pieces pickle."""
+rather than one empty dict per piece: 64 bytes times millions. A plain dict, so pieces serialise as before."""
 
 
 def _flat_range(start: int, stop: int) -> FlatRange:

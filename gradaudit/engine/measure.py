@@ -308,7 +308,7 @@ def _stats_only(rank: int, piece: Piece) -> PieceMeasurement:
         param=piece.param,
         regions=piece.regions,
         dtype=piece.dtype,
-        numel=piece.numel,
+        numel=math.prod(piece.local_shape),
         replica_group=piece.replica_group,
         stats=piece.stats,
     )
@@ -453,12 +453,18 @@ def measure_param(
 
         kernel = ChunkKernel(chunk_elements)
     by_layout: dict[tuple, list] = {}
-    for rank, path, piece in held:
-        by_layout.setdefault(piece.layout_key, []).append((rank, path, piece))
-    fingerprinted = _needing_fingerprints(by_layout)
+    with_values = False
+    for entry in held:
+        piece = entry[2]
+        by_layout.setdefault(piece.layout_key, []).append(entry)
+        with_values = with_values or bool(piece.tensors)
+    fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
     measured = {}
+    rank_scales: dict[int, float] = {}
     for rank, path, piece in held:
-        scale = _scale_of(step, rank, scales)
+        scale = rank_scales.get(rank)
+        if scale is None:
+            scale = rank_scales[rank] = _scale_of(step, rank, scales)
         if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
             measured[rank, piece.index] = _stats_only(rank, piece)  # most pieces of a many-rank dump
         else:
