@@ -131,3 +131,28 @@ def test_the_coverage_sweep_of_many_overlapping_strips_and_rows_is_not_quadratic
     result = coverage(columns + rows, (2 * k, k))
     assert result.num_overlap_elements == k * k and result.num_gap_elements == 0
     assert time.perf_counter() - started < 5.0
+
+
+def test_the_array_path_for_disjoint_flat_ranges_agrees_with_the_sweep():
+    import random
+
+    from gradaudit.checks.coverage import _disjoint_flat_ranges, _param_coverage
+    from gradaudit.model import FlatRange
+
+    rng = random.Random(7)
+    for trial in range(300):
+        numel = rng.randint(0, 60)
+        cuts = sorted(rng.randint(0, numel) for _ in range(rng.randint(0, 8)))
+        ranges = [(a, b) for a, b in zip([0, *cuts], [*cuts, numel], strict=True) if rng.random() < 0.8]
+        if trial % 3 == 0 and numel:  # some layouts overlap
+            a = rng.randint(0, numel - 1)
+            ranges.append((a, rng.randint(a, numel)))
+        holders = {(FlatRange(start=a, stop=b),): [i] for i, (a, b) in enumerate(dict.fromkeys(ranges))}
+        shape = (numel,) if trial % 2 else (1, numel)
+        fast = _disjoint_flat_ranges(shape, list(holders))
+        swept = coverage([((a,), (b - a,), i) for i, (a, b) in enumerate(dict.fromkeys(ranges))], (numel,))
+        if fast is None:
+            assert swept.num_overlap_elements > 0
+        else:
+            assert fast == swept
+        assert _param_coverage(shape, holders)[0].num_gap_elements == swept.num_gap_elements

@@ -67,8 +67,30 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     return found
 
 
+def _disjoint_flat_ranges(shape: tuple[int, ...], layouts: list[tuple[Region, ...]]) -> Coverage | None:
+    """The coverage of single flat ranges none of which overlap another (a clean FSDP/ZeRO layout,
+    the common case of a many-rank dump), from sorted arrays; None when that is not the case."""
+    if any(len(regions) != 1 or type(regions[0]) is not FlatRange for regions in layouts):
+        return None
+    import numpy as np
+
+    flats = cast(list[FlatRange], [regions[0] for regions in layouts])
+    bounds = np.array([(f.start, f.stop) for f in flats], dtype=np.int64).reshape(-1, 2)
+    bounds = bounds[bounds[:, 1] > bounds[:, 0]]
+    bounds = bounds[np.argsort(bounds[:, 0], kind="stable")]
+    if (bounds[1:, 0] < bounds[:-1, 1]).any():
+        return None  # overlaps: the sweep names them
+    covered = int((bounds[:, 1] - bounds[:, 0]).sum())
+    return Coverage(
+        num_gap_elements=numel_of(shape) - covered, num_overlap_elements=0, overlapping_tags=frozenset()
+    )
+
+
 def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
     layouts = list(holders)
+    disjoint = _disjoint_flat_ranges(shape, layouts)
+    if disjoint is not None:
+        return disjoint, []
     boxes: list[BoxTuple]
     flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
     if len(flat) == sum(len(regions) for regions in layouts):
