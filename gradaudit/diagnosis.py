@@ -8,7 +8,7 @@ import math
 import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from .engine.measure import PieceMeasurement, StepMeasurements
 from .hypotheses import ParamGroup, averaged_candidates, group_candidates, overflow_candidates, param_groups
@@ -24,6 +24,9 @@ from .norms import (
     safe_fsum,
 )
 from .ranksets import compact_ranks
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
@@ -127,6 +130,7 @@ class StepColumns:
                 else:
                     unknown = ~own
         self.term = np.array(term, dtype=np.float64)
+        self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
         self.term[unknown] = math.nan
         self.counts = np.array(
             [(0, 0, 0) if g is None else (g.num_nan, g.num_posinf, g.num_neginf) for g in grads],
@@ -138,15 +142,48 @@ class StepColumns:
             | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int64) << 2
         )
         self.by_rank_order = np.lexsort((self.index, self.rank))
+        self._cover: np.ndarray | None = None
         """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
 
-    def cover(self) -> tuple[PieceMeasurement, ...]:
-        """disjoint_cover(m.pieces): each layout through its lowest (rank, index) piece, in that order."""
+    def cover_positions(self) -> np.ndarray:
+        """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
         import numpy as np
 
-        order = self.by_rank_order
-        _, first = np.unique(self.layout[order], return_index=True)
-        return tuple(self.pieces[i] for i in order[np.sort(first)].tolist())
+        if self._cover is None:
+            order = self.by_rank_order
+            _, first = np.unique(self.layout[order], return_index=True)
+            self._cover = order[np.sort(first)]
+        return self._cover
+
+    def cover(self) -> tuple[PieceMeasurement, ...]:
+        return tuple(self.pieces[i] for i in self.cover_positions().tolist())
+
+    def by_rank(self) -> dict[int, list[PieceMeasurement]]:
+        """Rank -> its pieces, in `m.pieces` order."""
+        import numpy as np
+
+        order = np.argsort(self.rank, kind="stable")
+        ranks = self.rank[order]
+        distinct, starts = np.unique(ranks, return_index=True)
+        bounds = [*starts.tolist(), ranks.size]
+        pieces, positions = self.pieces, order.tolist()
+        return {
+            rank: [pieces[i] for i in positions[bounds[k] : bounds[k + 1]]]
+            for k, rank in enumerate(distinct.tolist())
+        }
+
+    def cover_sum_sq_by_rank(self) -> dict[int, list[float]]:
+        """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
+        import numpy as np
+
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        ranks, values = self.rank[chosen], self.sum_sq[chosen]
+        order = np.argsort(ranks, kind="stable")
+        distinct, starts = np.unique(ranks[order], return_index=True)
+        bounds = [*starts.tolist(), order.size]
+        listed = values[order].tolist()
+        return {rank: listed[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
 
     def grad_counts_by_rank(self) -> dict[int, tuple[int, int, int]]:
         """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
@@ -561,10 +598,9 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     norm_type = m.norm_type
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
-    all_pieces = list(m.pieces)
-    by_rank: dict[int, list[PieceMeasurement]] = {}
-    for piece in all_pieces:
-        by_rank.setdefault(piece.rank, []).append(piece)
+    columns = step_columns(m)
+    all_pieces = list(columns.pieces)
+    by_rank = columns.by_rank()
     cover = step_cover(m)
     true_norm, note, lower_bound = _true_norm(step, cover, norm_type)
     post_clip = None
@@ -575,12 +611,9 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
     loss_scale = loss_scale_of(step)
     num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
-    own_sq: dict[int, list[float]] = {}
-    for piece in cover:
-        if "grad" in piece.stats:
-            own_sq.setdefault(piece.rank, []).append(piece.stats["grad"].sum_sq)
+    own_sq = columns.cover_sum_sq_by_rank()
     total_sq = safe_fsum(v for values in own_sq.values() for v in values)
-    norms = _RankSetNorms.of_step(step_columns(m), norm_type)
+    norms = _RankSetNorms.of_step(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     further = _FurtherCandidates(step, all_pieces, norms, norm_type)
     ranks = {}
