@@ -185,6 +185,12 @@ class StepColumns:
         listed = values[order].tolist()
         return {rank: listed[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
 
+    def with_nonfinite_grad(self) -> list[PieceMeasurement]:
+        """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
+        import numpy as np
+
+        return [self.pieces[i] for i in np.flatnonzero(self.counts.any(axis=1)).tolist()]
+
     def grad_counts_by_rank(self) -> dict[int, tuple[int, int, int]]:
         """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
         import numpy as np

@@ -11,6 +11,7 @@ it is numpy, so that checking a dump never imports torch.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -200,6 +201,7 @@ def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
 
 
 SCALED_KINDS = ("grad", "grad_clipped")
+_RANK_AND_INDEX = operator.attrgetter("rank", "index")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
 
 
@@ -453,32 +455,35 @@ def measure_param(
 
         kernel = ChunkKernel(chunk_elements)
     by_layout: dict[tuple, list] = {}
-    with_values = False
-    for entry in held:
-        piece = entry[2]
-        by_layout.setdefault(piece.layout_key, []).append(entry)
-        with_values = with_values or bool(piece.tensors)
+    if reference is not None or len({entry[2].layout_key for entry in held}) < len(held):
+        for entry in held:  # replicas (or a reference to pair with): group the pieces by layout
+            by_layout.setdefault(entry[2].layout_key, []).append(entry)
+    with_values = any(entry[2].tensors for entry in held)
     fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
-    measured = {}
+    measured_pieces = []
     rank_scales: dict[int, float] = {}
     for rank, path, piece in held:
         scale = rank_scales.get(rank)
         if scale is None:
             scale = rank_scales[rank] = _scale_of(step, rank, scales)
         if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
-            measured[rank, piece.index] = _stats_only(rank, piece)  # most pieces of a many-rank dump
+            measured_pieces.append(_stats_only(rank, piece))  # most pieces of a many-rank dump
         else:
-            measured[rank, piece.index] = _measure_piece(
-                reader,
-                kernel,
-                rank,
-                path,
-                piece,
-                norm_type,
-                scale,
-                fingerprint=(rank, piece.index) in fingerprinted,
+            measured_pieces.append(
+                _measure_piece(
+                    reader,
+                    kernel,
+                    rank,
+                    path,
+                    piece,
+                    norm_type,
+                    scale,
+                    fingerprint=(rank, piece.index) in fingerprinted,
+                )
             )
+    measured_pieces.sort(key=_RANK_AND_INDEX)
     replicated = [copies for copies in by_layout.values() if len(copies) > 1]
+    measured = {(pm.rank, pm.index): pm for pm in measured_pieces} if replicated else {}
     replica_sets = tuple(
         _compare_replicas(reader, copies, measured, chunk_elements)
         for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
@@ -504,7 +509,7 @@ def measure_param(
     return ParamMeasurement(
         param=name,
         norm_type=norm_type,
-        pieces=tuple(measured[k] for k in sorted(measured)),
+        pieces=tuple(measured_pieces),
         replica_sets=replica_sets,
         reference_pieces=reference_pieces,
         reference_errors=reference_errors,
