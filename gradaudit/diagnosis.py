@@ -112,7 +112,7 @@ class StepColumns:
         norm_type = m.norm_type
         pieces = self.pieces = tuple(m.pieces)
         # One comprehension per column: several times cheaper per piece than one loop of appends.
-        ids: dict[tuple, int] = {}
+        ids: dict[tuple[object, ...], int] = {}
         self.layout = np.array([ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64)
         self.rank = np.array([p.rank for p in pieces], dtype=np.int64)
         self.index = np.array([p.index for p in pieces], dtype=np.int64)
@@ -126,16 +126,18 @@ class StepColumns:
             term = [0.0 if g is None else g.sum_pow for g in grads]
             if not own.all():
                 if norm_type == 2.0:
-                    term = [t if o else g.sum_sq for t, o, g in zip(term, own.tolist(), grads, strict=True)]
+                    term = [
+                        t if o or g is None else g.sum_sq
+                        for t, o, g in zip(term, own.tolist(), grads, strict=True)
+                    ]
                 else:
                     unknown = ~own
         self.term = np.array(term, dtype=np.float64)
         self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
         self.term[unknown] = math.nan
-        self.counts = np.array(
-            [(0, 0, 0) if g is None else (g.num_nan, g.num_posinf, g.num_neginf) for g in grads],
-            dtype=np.int64,
-        ).reshape(-1, 3)
+        self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
+        for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
+            self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
         self.flags = (
             unknown.astype(np.int64)
             | (self.counts[:, 0] > 0).astype(np.int64) << 1

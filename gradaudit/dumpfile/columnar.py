@@ -369,8 +369,11 @@ def _pieces_from(
         for kind, values, counted in stats_lists:
             row = values[index]
             nan, posinf, neginf = counted[index]
+            sum_pow, sum_sq = row[0], row[1]
+            if sum_pow == sum_sq and sum_pow:  # the L2 norm's two sums: one float object (24 bytes a piece)
+                sum_pow = sum_sq
             piece_stats[kind] = _tensor_stats(
-                numel, norm_type, row[0], row[1], row[2], nan, posinf, neginf, tuple(row[3:])
+                numel, norm_type, sum_pow, sum_sq, row[2], nan, posinf, neginf, tuple(row[3:])
             )
         pieces.append(
             _piece(index, info.name, (region,), local_shape, info.dtype, group_names[group], piece_stats)

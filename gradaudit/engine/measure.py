@@ -635,7 +635,7 @@ def measure_step(
             norm_type=norm_type,
             reference=reference,
             chunk_elements=chunk_elements,
-            held=held.get(name, []),
+            held=held.pop(name, []),  # dropped once measured: a tuple per piece of the step
             reference_held=None if reference_held is None else reference_held.get(name, []),
             infos=(known[name], reference_infos.get(name)),
             scales=scales,
