@@ -109,7 +109,7 @@ class StepColumns:
     def __init__(self, m: StepMeasurements) -> None:
         import numpy as np
 
-        norm_type = m.norm_type
+        norm_type = self.norm_type = m.norm_type
         pieces = self.pieces = tuple(m.pieces)
         # One comprehension per column: several times cheaper per piece than one loop of appends.
         ids: dict[tuple[object, ...], int] = {}
@@ -156,6 +156,22 @@ class StepColumns:
             _, first = np.unique(self.layout[order], return_index=True)
             self._cover = order[np.sort(first)]
         return self._cover
+
+    def cover_norm(self) -> float | None:
+        """norm_of_pieces(cover) of the gradients: None when a piece's stats cannot give this norm
+        type, nan when any holds a nan, inf when any an infinity."""
+        import numpy as np
+
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        found = int(np.bitwise_or.reduce(self.flags[chosen])) if chosen.size else 0
+        if found & self.UNKNOWN:
+            return None
+        if found & self.NAN:
+            return math.nan
+        if found & self.INF:
+            return math.inf
+        return norm_of_terms(self.term[chosen].tolist(), self.norm_type)
 
     def cover(self) -> tuple[PieceMeasurement, ...]:
         return tuple(self.pieces[i] for i in self.cover_positions().tolist())
@@ -610,7 +626,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     all_pieces = list(columns.pieces)
     by_rank = columns.by_rank()
     cover = step_cover(m)
-    true_norm, note, lower_bound = _true_norm(step, cover, norm_type)
+    true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
     post_clip = None
     known = true_norm is not None or lower_bound is not None
     if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and known:
@@ -751,11 +767,12 @@ def _norm_fn(norms: _RankSetNorms):
 
 
 def _true_norm(
-    step: StepDump, cover: Iterable[PieceMeasurement], norm_type: float
+    step: StepDump, cover: Iterable[PieceMeasurement], norm_type: float, columns: StepColumns | None = None
 ) -> tuple[float | None, str, float | None]:
-    """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are missing)."""
+    """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are
+    missing); `columns`, when given, are the step's, and `cover` their cover."""
     cover = list(cover)
-    value = norm_of_pieces(cover, norm_type)
+    value = norm_of_pieces(cover, norm_type) if columns is None else columns.cover_norm()
     if value is None:
         return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
     if step.missing_ranks and not _covers_every_param(step, cover):
