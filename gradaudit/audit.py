@@ -13,7 +13,7 @@ from pathlib import Path
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
-from .diagnosis import StepDiagnosis, diagnose_step
+from .diagnosis import StepDiagnosis, diagnose_step, step_columns
 from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
 from .model import StepDump
@@ -139,14 +139,8 @@ def _ranks(ranks: Iterable[int]) -> str:
 
 
 def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
-    counts = {rank: [0, 0, 0] for rank in step.ranks_present}
-    for piece in m.pieces:
-        stats = piece.stats.get("grad")
-        if stats is not None:
-            entry = counts[piece.rank]
-            entry[0] += stats.num_nan
-            entry[1] += stats.num_posinf
-            entry[2] += stats.num_neginf
+    by_rank = step_columns(m).grad_counts_by_rank()
+    counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
     rows = []
     for rank in step.ranks_present:
         d = diagnosis.ranks[rank]

@@ -131,3 +131,60 @@ def test_the_coverage_sweep_of_many_overlapping_strips_and_rows_is_not_quadratic
     result = coverage(columns + rows, (2 * k, k))
     assert result.num_overlap_elements == k * k and result.num_gap_elements == 0
     assert time.perf_counter() - started < 5.0
+
+
+def test_the_array_path_for_disjoint_flat_ranges_agrees_with_the_sweep():
+    import random
+
+    from gradaudit.checks.coverage import _disjoint_flat_ranges, _param_coverage
+    from gradaudit.model import FlatRange
+
+    rng = random.Random(7)
+    for trial in range(300):
+        numel = rng.randint(0, 60)
+        cuts = sorted(rng.randint(0, numel) for _ in range(rng.randint(0, 8)))
+        ranges = [(a, b) for a, b in zip([0, *cuts], [*cuts, numel], strict=True) if rng.random() < 0.8]
+        if trial % 3 == 0 and numel:  # some layouts overlap
+            a = rng.randint(0, numel - 1)
+            ranges.append((a, rng.randint(a, numel)))
+        holders = {(FlatRange(start=a, stop=b),): [i] for i, (a, b) in enumerate(dict.fromkeys(ranges))}
+        shape = (numel,) if trial % 2 else (1, numel)
+        fast = _disjoint_flat_ranges(shape, list(holders))
+        swept = coverage([((a,), (b - a,), i) for i, (a, b) in enumerate(dict.fromkeys(ranges))], (numel,))
+        if fast is None:
+            assert swept.num_overlap_elements > 0
+        else:
+            assert fast == swept
+        assert _param_coverage(shape, holders)[0].num_gap_elements == swept.num_gap_elements
+
+
+def test_the_array_path_over_a_whole_parameter_merges_replicas_and_agrees_with_the_sweep():
+    import random
+
+    from gradaudit.checks.coverage import _flat_param_coverage, _param_coverage
+    from gradaudit.model import FlatRange, ParamInfo
+
+    rng = random.Random(11)
+    for trial in range(300):
+        numel = rng.randint(0, 50)
+        cuts = sorted(rng.randint(0, numel) for _ in range(rng.randint(0, 6)))
+        ranges = [(a, b) for a, b in zip([0, *cuts], [*cuts, numel], strict=True) if rng.random() < 0.85]
+        if trial % 4 == 0 and numel:
+            a = rng.randint(0, numel - 1)
+            ranges.append((a, rng.randint(a, numel)))
+        held = [(a, b, rank) for rank, (a, b) in enumerate(ranges)]
+        held += [(a, b, rank + 100) for a, b, rank in held if rng.random() < 0.3]  # replicas
+        info = ParamInfo(name="w", global_shape=(numel,), dtype="float32")
+        holders: dict = {}
+        for a, b, rank in held:
+            holders.setdefault((FlatRange(start=a, stop=b),), []).append(rank)
+        fast = _flat_param_coverage(
+            info, ([a for a, _, _ in held], [b for _, b, _ in held], [r for _, _, r in held])
+        )
+        layouts = list(holders)
+        swept = coverage([((r.start,), (r.numel,), tag) for tag, (r,) in enumerate(layouts)], (numel,))
+        if fast is None:
+            assert swept.num_overlap_elements > 0
+            assert _param_coverage(info.global_shape, holders)[0] == swept
+        else:
+            assert fast[1:] == (swept, [], sorted({r for _, _, r in held}))

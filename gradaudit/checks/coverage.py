@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from ..dumpfile.header import clipped, shown
 from ..engine.measure import StepMeasurements
@@ -10,6 +10,9 @@ from ..errors import StepFolderError
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
 from .sweep import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -67,8 +70,23 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     return found
 
 
+def _disjoint_flat_ranges(shape: tuple[int, ...], layouts: list[tuple[Region, ...]]) -> Coverage | None:
+    """The coverage of single flat ranges none of which overlap another (a clean FSDP/ZeRO layout,
+    the common case of a many-rank dump), from sorted arrays; None when that is not the case."""
+    if any(len(regions) != 1 or type(regions[0]) is not FlatRange for regions in layouts):
+        return None
+    import numpy as np
+
+    flats = cast(list[FlatRange], [regions[0] for regions in layouts])
+    bounds = np.array([(f.start, f.stop) for f in flats], dtype=np.int64).reshape(-1, 2)
+    return _disjoint_bounds(bounds, numel_of(shape))
+
+
 def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
     layouts = list(holders)
+    disjoint = _disjoint_flat_ranges(shape, layouts)
+    if disjoint is not None:
+        return disjoint, []
     boxes: list[BoxTuple]
     flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
     if len(flat) == sum(len(regions) for regions in layouts):
@@ -95,15 +113,22 @@ def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage,
 
 def _coverage_of(step: StepDump, m: StepMeasurements) -> dict[str, ParamCoverage]:
     """Every parameter's coverage, computed once for the checks that share it."""
-    return cast(dict[str, ParamCoverage], m.derived("coverage", step, lambda: _all_coverage(step)))
+    return m.derived("coverage", step, lambda: _all_coverage(step))
 
 
 def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
     """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
     the measurements (the ownership map is metadata), so it also runs on headers alone."""
-    layouts = layouts_by_param(step)
+    flat = _flat_pieces_by_param(step)
+    layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
     for name, info in step.params.items():
+        fast = _flat_param_coverage(info, flat.get(name, ([], [], [])))
+        if fast is not None:
+            found[name] = fast
+            continue
+        if layouts is None:
+            layouts = layouts_by_param(step)
         try:
             result, ranks = _param_coverage(info.global_shape, layouts[name])
         except CoverageTooIntricate as exc:
@@ -113,6 +138,60 @@ def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
             ) from None
         found[name] = (info, result, ranks, sorted({r for rs in layouts[name].values() for r in rs}))
     return found
+
+
+FlatPieces = tuple[list[int], list[int], list[int]] | None
+"""A parameter's pieces as (starts, stops, ranks) when each is one flat range, else None."""
+
+
+def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
+    """Every parameter's pieces as three lists of integers (no object per piece), in one pass."""
+    found: dict[str, FlatPieces] = {}
+    for rank in step.ranks_present:
+        for piece in step.ranks[rank].pieces:
+            regions, param = piece.regions, piece.param
+            if param in found:
+                entry = found[param]
+                if entry is None:
+                    continue
+            else:
+                entry = found[param] = ([], [], [])
+            if len(regions) != 1 or type(regions[0]) is not FlatRange:
+                found[param] = None
+                continue
+            region = regions[0]
+            entry[0].append(region.start)
+            entry[1].append(region.stop)
+            entry[2].append(rank)
+    return found
+
+
+def _flat_param_coverage(info: ParamInfo, pieces: FlatPieces) -> ParamCoverage | None:
+    """The coverage of a parameter held as flat ranges that overlap nowhere (identical ranges are
+    replicas, one layout): the common case of a many-rank FSDP/ZeRO dump, from arrays; None when
+    another case (the sweep names the overlaps)."""
+    if pieces is None:
+        return None
+    import numpy as np
+
+    starts, stops, ranks = pieces
+    bounds = np.unique(np.array([starts, stops], dtype=np.int64).reshape(2, -1).T, axis=0)
+    result = _disjoint_bounds(bounds, numel_of(info.global_shape))
+    if result is None:
+        return None
+    return info, result, [], sorted(set(ranks))
+
+
+def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
+    """Coverage of [start, stop) rows of `bounds` (distinct layouts) when none overlaps another."""
+    import numpy as np
+
+    bounds = bounds[bounds[:, 1] > bounds[:, 0]]
+    bounds = bounds[np.argsort(bounds[:, 0], kind="stable")]
+    if (bounds[1:, 0] < bounds[:-1, 1]).any():
+        return None  # overlaps: the sweep names them
+    covered = int((bounds[:, 1] - bounds[:, 0]).sum())
+    return Coverage(num_gap_elements=numel - covered, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
 def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..diagnosis import step_columns
 from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named
@@ -11,7 +12,7 @@ MAX_ENTRIES_IN_MESSAGE = 8
 
 def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     counts: dict[tuple[int, str], list[int]] = {}
-    for piece in m.pieces:
+    for piece in step_columns(m).with_nonfinite_grad():
         stats = piece.stats.get("grad")
         if stats is None or not stats.num_nonfinite:
             continue

@@ -180,6 +180,10 @@ def gc_paused() -> Iterator[None]:
     every collection of the oldest generation walks all of them again: 3.9 s of the 17 s of a
     stats-only check of 128 ranks went to collections that freed nothing. What is built here holds
     no reference cycles, so nothing accumulates meanwhile.
+
+    On the way out, what was built is moved to the oldest generation (`gc.freeze` then
+    `gc.unfreeze`, which only relinks lists): left in the youngest, the first collection after
+    re-enabling walks all of it (1.1 s of a 512-rank check), and the next generation's again.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -187,6 +191,8 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 

@@ -11,9 +11,10 @@ it is numpy, so that checking a dump never imports torch.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
 from ..norms import divide_by_power
@@ -34,6 +35,9 @@ CHUNK_ELEMENTS = 1 << 16
 """Elements read and reduced at a time per tensor: kernel.KERNEL_CHUNK_ELEMENTS (the float64 buffer
 stays in cache). numpy and the kernel load on first measurement, so that the checks (and `explain`)
 can import this module's value classes cheaply."""
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +63,7 @@ class PieceMeasurement:
     before GradScaler.unscale_); every gradient number here is already divided by it."""
 
     @property
-    def layout_key(self) -> tuple:
+    def layout_key(self) -> tuple[object, ...]:
         return (self.param, self.regions)
 
 
@@ -134,16 +138,17 @@ class StepMeasurements:
     reference_step: int | None = None
     reference_only_params: tuple[str, ...] = ()
     """Parameters the reference holds and the checked dump does not."""
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    _memo: dict[str, tuple[object, Any]] = field(default_factory=dict, compare=False, repr=False)
     """Values derived purely from these measurements and a step, computed once for all checks."""
 
-    def derived(self, key: str, step: object, compute: Callable[[], object]) -> object:
+    def derived(self, key: str, step: object, compute: Callable[[], _T]) -> _T:
         """`compute()`, remembered for this `step` object: the checks share one diagnosis."""
         entry = self._memo.get(key)
         if entry is None or entry[0] is not step:
             entry = (step, compute())
             self._memo[key] = entry
-        return entry[1]
+        value: _T = entry[1]
+        return value
 
     def merge(self, other: StepMeasurements) -> StepMeasurements:
         """Combine measurements of disjoint parameter subsets of the same step."""
@@ -180,9 +185,12 @@ def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
     notes = []
+    inf = math.inf
     for piece in m.pieces:
         stats = piece.stats.get("grad")
-        if stats is None or stats.num_nonfinite or not stats.numel:
+        if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
+            continue
+        if stats.num_nonfinite or not stats.numel:
             continue
         for what, value in (("squares", stats.sum_sq), (f"|x|^{stats.norm_type:g}", stats.sum_pow)):
             if math.isinf(value):
@@ -197,6 +205,7 @@ def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
 
 
 SCALED_KINDS = ("grad", "grad_clipped")
+_RANK_AND_INDEX = operator.attrgetter("rank", "index")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
 
 
@@ -256,7 +265,7 @@ def _piece_flat(
 
 
 def _measure_piece(
-    reader,
+    reader: TensorReader,
     kernel: ChunkKernel,
     rank: int,
     path: str,
@@ -272,7 +281,7 @@ def _measure_piece(
         )
         stats = {**piece.stats, **read}  # values measured here win over stored summaries
     else:  # stats-only: nothing to read (the common case of many-rank dumps: kept cheap)
-        stats, dot_pre_post, dot_pre_pre, update_sum_sq = piece.stats, None, None, None
+        stats, dot_pre_post, dot_pre_pre, update_sum_sq = dict(piece.stats), None, None, None
     if scale != 1.0:
         stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
     if len(stats) > 1:
@@ -296,8 +305,23 @@ def _measure_piece(
     )
 
 
+def _stats_only(rank: int, piece: Piece) -> PieceMeasurement:
+    """What _measure_piece gives for a piece with at most one kind of statistics, nothing to read
+    and no loss scale to divide by, without its branches."""
+    return PieceMeasurement(
+        rank=rank,
+        index=piece.index,
+        param=piece.param,
+        regions=piece.regions,
+        dtype=piece.dtype,
+        numel=math.prod(piece.local_shape),
+        replica_group=piece.replica_group,
+        stats=piece.stats,
+    )
+
+
 def _compare_replicas(
-    reader,
+    reader: TensorReader,
     copies: list[tuple[int, str, Piece]],
     measured: Mapping[tuple[int, int], PieceMeasurement],
     chunk: int,
@@ -364,7 +388,7 @@ def _compare_replicas(
 
 
 def _compare_with_reference(
-    reader,
+    reader: TensorReader,
     param: str,
     rank_path: str,
     piece: Piece,
@@ -434,29 +458,43 @@ def measure_param(
         from .kernel import ChunkKernel
 
         kernel = ChunkKernel(chunk_elements)
-    by_layout: dict[tuple, list] = {}
+    by_layout: dict[tuple[object, ...], list[tuple[int, str, Piece]]] = {}
+    if reference is not None or len({entry[2].layout_key for entry in held}) < len(held):
+        for entry in held:  # replicas (or a reference to pair with): group the pieces by layout
+            by_layout.setdefault(entry[2].layout_key, []).append(entry)
+    with_values = any(entry[2].tensors for entry in held)
+    fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
+    measured_pieces = []
+    rank_scales: dict[int, float] = {}
     for rank, path, piece in held:
-        by_layout.setdefault(piece.layout_key, []).append((rank, path, piece))
-    fingerprinted = _needing_fingerprints(by_layout)
-    measured = {
-        (rank, piece.index): _measure_piece(
-            reader,
-            kernel,
-            rank,
-            path,
-            piece,
-            norm_type,
-            _scale_of(step, rank, scales),
-            fingerprint=(rank, piece.index) in fingerprinted,
-        )
-        for rank, path, piece in held
-    }
+        scale = rank_scales.get(rank)
+        if scale is None:
+            scale = rank_scales[rank] = _scale_of(step, rank, scales)
+        if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
+            measured_pieces.append(_stats_only(rank, piece))  # most pieces of a many-rank dump
+        else:
+            measured_pieces.append(
+                _measure_piece(
+                    reader,
+                    kernel,
+                    rank,
+                    path,
+                    piece,
+                    norm_type,
+                    scale,
+                    fingerprint=(rank, piece.index) in fingerprinted,
+                )
+            )
+    measured_pieces.sort(key=_RANK_AND_INDEX)
+    replicated = [copies for copies in by_layout.values() if len(copies) > 1]
+    measured = {(pm.rank, pm.index): pm for pm in measured_pieces} if replicated else {}
     replica_sets = tuple(
         _compare_replicas(reader, copies, measured, chunk_elements)
-        for _, copies in sorted(by_layout.items(), key=lambda kv: min((r, p.index) for r, _, p in kv[1]))
-        if len(copies) > 1
+        for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
     )
-    reference_pieces, reference_errors, notes = (), (), ()
+    reference_pieces: tuple[PieceMeasurement, ...] = ()
+    reference_errors: tuple[ReferenceError, ...] = ()
+    notes: tuple[str, ...] = ()
     if reference is not None:
         if reference_held is None:
             reference_held = pieces_by_param(reference).get(name, [])
@@ -477,7 +515,7 @@ def measure_param(
     return ParamMeasurement(
         param=name,
         norm_type=norm_type,
-        pieces=tuple(measured[k] for k in sorted(measured)),
+        pieces=tuple(measured_pieces),
         replica_sets=replica_sets,
         reference_pieces=reference_pieces,
         reference_errors=reference_errors,
@@ -485,7 +523,9 @@ def measure_param(
     )
 
 
-def _needing_fingerprints(by_layout: Mapping[tuple, list]) -> set[tuple[int, int]]:
+def _needing_fingerprints(
+    by_layout: Mapping[tuple[object, ...], list[tuple[int, str, Piece]]],
+) -> set[tuple[int, int]]:
     """(rank, piece index) of the pieces with values whose replica set also holds stats-only copies:
     those are compared by fingerprint, so theirs must be computed (it costs several passes)."""
     wanted = set()
@@ -511,18 +551,18 @@ def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> 
 
 
 def _measure_reference(
-    name,
-    reader,
-    infos,
-    ref_held,
-    by_layout,
+    name: str,
+    reader: TensorReader,
+    infos: tuple[ParamInfo | None, ParamInfo | None],
+    ref_held: list[tuple[int, str, Piece]],
+    by_layout: Mapping[tuple[object, ...], list[tuple[int, str, Piece]]],
     *,
     norm_type: float,
     chunk: int,
-    scale_of,
+    scale_of: Callable[[int], float],
     reference: StepDump,
-    kernel,
-):
+    kernel: ChunkKernel,
+) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceError, ...], tuple[str, ...]]:
     from .reference import ReferenceSource, covers
 
     info, ref_info = infos
@@ -603,7 +643,7 @@ def measure_step(
             norm_type=norm_type,
             reference=reference,
             chunk_elements=chunk_elements,
-            held=held.get(name, []),
+            held=held.pop(name, []),  # dropped once measured: a tuple per piece of the step
             reference_held=None if reference_held is None else reference_held.get(name, []),
             infos=(known[name], reference_infos.get(name)),
             scales=scales,
@@ -621,7 +661,7 @@ def measure_step(
         chunk_elements=chunk_elements,
         progress=progress,
     )
-    reference_only = ()
+    reference_only: tuple[str, ...] = ()
     if reference is not None:
         reference_only = tuple(sorted(set(reference_infos) - set(known)))
     return StepMeasurements(
@@ -640,14 +680,26 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
     itemsize = dict(SAFETENSORS_DTYPES.values())
     cost = dict.fromkeys(step.params, 0)
     for dump in (step, reference):
-        for rank in () if dump is None else dump.ranks_present:
+        if dump is None:
+            continue
+        for rank in dump.ranks_present:
             for piece in dump.ranks[rank].pieces:
                 if piece.tensors and piece.param in cost:
                     cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
     return cost
 
 
-def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elements: int, progress) -> dict:
+def _measure_all(
+    names: list[str],
+    cost: Mapping[str, int],
+    measure: Callable[[str, TensorReader, ChunkKernel], ParamMeasurement],
+    reader: TensorReader,
+    step: StepDump,
+    *,
+    workers: int,
+    chunk_elements: int,
+    progress: Progress | None,
+) -> dict[str, ParamMeasurement]:
     """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
     would only contend for the GIL. The others go to the worker threads, largest first."""
     import threading
@@ -677,7 +729,7 @@ def _measure_all(names, cost, measure, reader, step, *, workers: int, chunk_elem
         if cost[name] == 0:
             finished(name, measure(name, reader, kernel))
     local = threading.local()
-    opened: list = []
+    opened: list[TensorReader] = []
     lock = threading.Lock()
 
     def in_worker(name: str) -> ParamMeasurement:
