@@ -134,18 +134,13 @@ def double_counted(step: StepDump, m: StepMeasurements, options: AuditOptions) -
 
 
 def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(step, m)
-    if isinstance(diagnosis, Skip):
-        return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h.startswith(WRONG_GROUP + ":"))
-    by_group: dict[str, list[RankDiagnosis]] = {}
-    for d in ranks:
-        by_group.setdefault(_hypothesis_of(d).split(":", 1)[1], []).append(d)
-    hits = []
-    for group, members in sorted(by_group.items()):
-        hit = _hit(diagnosis, members, f"clipping reduced the norm over process group {group!r} only")
-        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, "group": group}))
-    return tuple(hits)
+    return _by_hypothesis(
+        step,
+        m,
+        WRONG_GROUP,
+        lambda group: f"clipping reduced the norm over process group {group!r} only",
+        evidence_key="group",
+    )
 
 
 def _hypothesis_of(d: RankDiagnosis) -> str:
@@ -156,9 +151,15 @@ def _hypothesis_of(d: RankDiagnosis) -> str:
 
 
 def _by_hypothesis(
-    step: StepDump, m: StepMeasurements, prefix: str, lead: Callable[[str], str]
+    step: StepDump,
+    m: StepMeasurements,
+    prefix: str,
+    lead: Callable[[str], str],
+    *,
+    evidence_key: str = "hypothesis",
 ) -> CheckResult:
-    """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix)."""
+    """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix,
+    also given as evidence under `evidence_key`)."""
     diagnosis = diagnosis_or_skip(step, m)
     if isinstance(diagnosis, Skip):
         return diagnosis
@@ -169,7 +170,7 @@ def _by_hypothesis(
     hits = []
     for what, members in sorted(by_what.items()):
         hit = _hit(diagnosis, members, lead(what))
-        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, "hypothesis": what}))
+        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, evidence_key: what}))
     return tuple(hits)
 
 
