@@ -13,7 +13,8 @@ from pathlib import Path
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
-from .diagnosis import StepDiagnosis, diagnose_step, step_columns
+from .diagnosis import StepDiagnosis, diagnose_step
+from .engine.columns import step_columns
 from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
 from .model import StepDump

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..diagnosis import step_columns
+from ..engine.columns import step_columns
 from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named

@@ -1,0 +1,122 @@
+"""Every measured piece of a step as numpy columns, so that the diagnosis and the per-rank rows of a
+many-rank step ask their questions of arrays instead of walking the pieces once per question."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..norms import is_inf_norm, norm_of_terms
+from .measure import PieceMeasurement, StepMeasurements
+
+
+class StepColumns:
+    """Every measured piece of a step as columns (in `m.pieces` order), from one pass over the pieces:
+    what the diagnosis and the per-rank rows need for all pieces at once, as arrays, so that a
+    many-rank step is not walked piece by piece once per question."""
+
+    UNKNOWN, NAN, INF = 1, 2, 4
+    """Bits of `flags`: the stats cannot give this norm type's term, a nan, an infinity."""
+
+    def __init__(self, m: StepMeasurements) -> None:
+        norm_type = self.norm_type = m.norm_type
+        pieces = self.pieces = tuple(m.pieces)
+        # One comprehension per column: several times cheaper per piece than one loop of appends.
+        ids: dict[tuple[object, ...], int] = {}
+        self.layout = np.array([ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64)
+        self.rank = np.array([p.rank for p in pieces], dtype=np.int64)
+        self.index = np.array([p.index for p in pieces], dtype=np.int64)
+        grads = [p.stats.get("grad") for p in pieces]
+        self.has_grad = np.array([g is not None for g in grads], dtype=bool)
+        unknown = np.zeros(len(pieces), dtype=bool)
+        if is_inf_norm(norm_type):  # stats_term, column by column
+            term = [0.0 if g is None else g.max_abs for g in grads]
+        else:
+            own = np.array([g is None or g.norm_type == norm_type for g in grads], dtype=bool)
+            term = [0.0 if g is None else g.sum_pow for g in grads]
+            if not own.all():
+                if norm_type == 2.0:
+                    term = [
+                        t if o or g is None else g.sum_sq
+                        for t, o, g in zip(term, own.tolist(), grads, strict=True)
+                    ]
+                else:
+                    unknown = ~own
+        self.term = np.array(term, dtype=np.float64)
+        self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
+        self.term[unknown] = math.nan
+        self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
+        for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
+            self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
+        self.flags = (
+            unknown.astype(np.int64)
+            | (self.counts[:, 0] > 0).astype(np.int64) << 1
+            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int64) << 2
+        )
+        self.by_rank_order = np.lexsort((self.index, self.rank))
+        self._cover: np.ndarray | None = None
+        """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
+
+    def cover_positions(self) -> np.ndarray:
+        """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
+        if self._cover is None:
+            order = self.by_rank_order
+            _, first = np.unique(self.layout[order], return_index=True)
+            self._cover = order[np.sort(first)]
+        return self._cover
+
+    def cover_norm(self) -> float | None:
+        """norm_of_pieces(cover) of the gradients: None when a piece's stats cannot give this norm
+        type, nan when any holds a nan, inf when any an infinity."""
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        found = int(np.bitwise_or.reduce(self.flags[chosen])) if chosen.size else 0
+        if found & self.UNKNOWN:
+            return None
+        if found & self.NAN:
+            return math.nan
+        if found & self.INF:
+            return math.inf
+        return norm_of_terms(self.term[chosen].tolist(), self.norm_type)
+
+    def cover(self) -> tuple[PieceMeasurement, ...]:
+        return tuple(self.pieces[i] for i in self.cover_positions().tolist())
+
+    def by_rank(self) -> dict[int, list[PieceMeasurement]]:
+        """Rank -> its pieces, in `m.pieces` order."""
+        order = np.argsort(self.rank, kind="stable")
+        ranks = self.rank[order]
+        distinct, starts = np.unique(ranks, return_index=True)
+        bounds = [*starts.tolist(), ranks.size]
+        pieces, positions = self.pieces, order.tolist()
+        return {
+            rank: [pieces[i] for i in positions[bounds[k] : bounds[k + 1]]]
+            for k, rank in enumerate(distinct.tolist())
+        }
+
+    def cover_sum_sq_by_rank(self) -> dict[int, list[float]]:
+        """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        ranks, values = self.rank[chosen], self.sum_sq[chosen]
+        order = np.argsort(ranks, kind="stable")
+        distinct, starts = np.unique(ranks[order], return_index=True)
+        bounds = [*starts.tolist(), order.size]
+        listed = values[order].tolist()
+        return {rank: listed[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
+
+    def with_nonfinite_grad(self) -> list[PieceMeasurement]:
+        """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
+        return [self.pieces[i] for i in np.flatnonzero(self.counts.any(axis=1)).tolist()]
+
+    def grad_counts_by_rank(self) -> dict[int, tuple[int, int, int]]:
+        """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
+        ranks, inverse = np.unique(self.rank, return_inverse=True)
+        totals = np.zeros((ranks.size, 3), dtype=np.int64)
+        np.add.at(totals, inverse, self.counts)
+        return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
+
+
+def step_columns(m: StepMeasurements) -> StepColumns:
+    return m.derived("step_columns", None, lambda: StepColumns(m))
