@@ -21,7 +21,8 @@ def test_columnar_pieces_equal_the_tuple_the_json_form_of_the_same_rank_gives(tm
     columnar, json_form = _both_forms(tmp_path)
     pieces, expected = columnar.pieces, json_form.pieces
     assert isinstance(pieces, ColumnarPieces) and isinstance(expected, tuple)
-    assert pieces == expected and expected == pieces and not (pieces != expected)
+    assert pieces == expected and expected == pieces
+    assert (pieces != expected) is False
     assert tuple(pieces) == expected and list(pieces) == list(expected)
     assert [pieces[i] for i in range(len(pieces))] == list(expected)
     assert pieces[-1] == expected[-1] and pieces[1:] == expected[1:]
