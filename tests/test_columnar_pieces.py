@@ -62,3 +62,48 @@ def test_a_box_with_more_nonfinite_values_than_elements_is_refused_naming_the_pi
     _rewrite_columns(path, lambda a, d: a[counts_key("grad")].__setitem__((0, 1), 10**6))
     with pytest.raises(DumpFormatError, match="piece 0: more nonfinite values than elements"):
         load_rank_file(path)
+
+
+def _step_in_both_forms(tmp_path, world_size=2):
+    from gradaudit.dumpfile import load_step
+
+    for rank in range(world_size):
+        _stats_step(tmp_path / "v11", rank=rank, world_size=world_size)
+        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+    return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
+
+
+def test_measuring_columnar_ranks_gives_the_measurements_of_their_json_form(tmp_path):
+    from gradaudit.engine.measure import measure_step
+    from gradaudit.engine.reader import TensorReader
+    from gradaudit.engine.table import TablePieces
+
+    json_step, columnar_step = _step_in_both_forms(tmp_path)
+    with TensorReader(json_step) as reader:
+        expected = measure_step(json_step, reader, workers=1)
+    with TensorReader(columnar_step) as reader:
+        measured = measure_step(columnar_step, reader, workers=1)
+    assert all(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
+    assert measured.params["norm"].replica_sets  # the replicated whole piece, compared by fingerprint
+    for name, pm in expected.params.items():
+        ours = measured.params[name]
+        assert tuple(ours.pieces) == tuple(pm.pieces), name
+        assert ours.replica_sets == pm.replica_sets, name
+    assert measured == expected
+    with TensorReader(columnar_step) as reader:
+        part = measure_step(columnar_step, reader, params=["emb"], workers=1)
+    assert tuple(part.params["emb"].pieces) == tuple(expected.params["emb"].pieces)
+
+
+def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
+    import pickle
+
+    from gradaudit.engine.measure import measure_step
+    from gradaudit.engine.reader import TensorReader
+
+    _, columnar_step = _step_in_both_forms(tmp_path)
+    with TensorReader(columnar_step) as reader:
+        measured = measure_step(columnar_step, reader, workers=1)
+    back = pickle.loads(pickle.dumps(measured))
+    assert back == measured
+    assert isinstance(back.params["emb"].pieces, tuple)
