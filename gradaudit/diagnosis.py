@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,7 +22,7 @@ from .hypotheses import (
     overflow_candidates,
     param_groups,
 )
-from .model import ClipRecord, StepDump, TensorStats
+from .model import ClipRecord, Piece, RankDump, StepDump, TensorStats
 from .norms import (
     CLIP_EPS,
     divide_by_power,
@@ -103,7 +103,7 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
     return list(chosen.values())
 
 
-def step_cover(m: StepMeasurements) -> tuple[PieceMeasurement, ...]:
+def step_cover(m: StepMeasurements) -> Sequence[PieceMeasurement]:
     """`disjoint_cover` of all the step's pieces, computed once for the diagnosis and every check."""
     return m.derived("disjoint_cover", None, lambda: step_columns(m).cover())
 
@@ -236,9 +236,13 @@ def reported_norm_of(step: StepDump, rank: int) -> float | None:
 
 
 def applied_coef_of(
-    step: StepDump, rank: int, pieces: list[PieceMeasurement], max_norm: float | None
+    step: StepDump, rank: int, pieces: Sequence[PieceMeasurement], max_norm: float | None
 ) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
+    from .engine.table import TablePieces
+
+    if isinstance(pieces, TablePieces) and "grad_clipped" not in pieces.table.kinds:
+        pieces = ()  # statistics of the gradient before clipping only: they give no coefficient
     # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
     pre_post = [(p.dot_pre_post, cast(float, p.dot_pre_pre)) for p in pieces if p.dot_pre_post is not None]
     if pre_post:
@@ -511,23 +515,22 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
     columns = step_columns(m)
-    all_pieces = list(columns.pieces)
     by_rank = columns.by_rank()
     cover = step_cover(m)
     true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
     post_clip = None
     known = true_norm is not None or lower_bound is not None
-    if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and known:
+    if columns.cover_all_have("grad_clipped") and cover and known:
         post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
     expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
-    rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
+    rtol = max(norm_rtol(set(columns.dtypes)), MIN_RTOL)
     loss_scale = loss_scale_of(step)
     num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq = columns.cover_sum_sq_by_rank()
     total_sq = safe_fsum(v for values in own_sq.values() for v in values)
     norms = _RankSetNorms.of_step(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
-    further = _FurtherCandidates(step, all_pieces, norms, norm_type)
+    further = _FurtherCandidates(step, columns.pieces, norms, norm_type, columns.dtypes)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
@@ -616,9 +619,15 @@ class _FurtherCandidates:
     """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
 
     def __init__(
-        self, step: StepDump, pieces: list[PieceMeasurement], norms: _RankSetNorms, norm_type: float
+        self,
+        step: StepDump,
+        pieces: Sequence[PieceMeasurement],
+        norms: _RankSetNorms,
+        norm_type: float,
+        dtypes: Iterable[str],
     ) -> None:
         self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
+        self.dtypes = sorted(dtypes)
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
         self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
 
@@ -644,7 +653,7 @@ class _FurtherCandidates:
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
-        extras += overflow_candidates(true_norm, self.norm_type, sorted({p.dtype for p in self.pieces}))
+        extras += overflow_candidates(true_norm, self.norm_type, self.dtypes)
         return tuple(
             Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
         )
@@ -659,7 +668,8 @@ def _true_norm(
 ) -> tuple[float | None, str, float | None]:
     """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are
     missing); `columns`, when given, are the step's, and `cover` their cover."""
-    cover = list(cover)
+    if columns is None:
+        cover = list(cover)
     value = norm_of_pieces(cover, norm_type) if columns is None else columns.cover_norm()
     if value is None:
         return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
@@ -808,7 +818,10 @@ def _call_scale(dump_clip: ClipRecord | None, call: int) -> float:
 def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm, ...]:
     """The true global norm before each clip call, from the pieces' per-call statistics: replicas
     count once through their lowest-rank copy (copies that differ at a call are noted)."""
-    num_calls = max((len(p.call_stats) for r in step.ranks_present for p in step.ranks[r].pieces), default=0)
+    num_calls = max(
+        (len(p.call_stats) for r in step.ranks_present for p in _pieces_with_call_stats(step.ranks[r])),
+        default=0,
+    )
     found = []
     for call in range(num_calls):
         chosen: dict[tuple[Any, ...], float] = {}
@@ -843,6 +856,13 @@ def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm
             value = norm_of_terms(terms, norm_type)
         found.append(CallNorm(call=call + 1, norm=value, replicas_differ=differ))
     return tuple(found)
+
+
+def _pieces_with_call_stats(dump: RankDump) -> Sequence[Piece]:
+    """The rank's pieces, or none for format-1.1 columns (they hold no per-call statistics)."""
+    from .dumpfile.columnar import ColumnarPieces
+
+    return () if isinstance(dump.pieces, ColumnarPieces) else dump.pieces
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hostile.cli import run_cli
 from test_format_1_1 import _rewrite_columns, _stats_step, _write_json_1_0
 
 from gradaudit.dumpfile import load_rank_file
@@ -107,3 +110,107 @@ def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
     back = pickle.loads(pickle.dumps(measured))
     assert back == measured
     assert isinstance(back.params["emb"].pieces, tuple)
+
+
+def _random_step(tmp_path, seed: int, world_size: int = 4):
+    """Ranks holding random flat ranges and boxes (some the same on several ranks: replicas), some
+    with nonfinite values, as columns (v11) and as JSON (v10)."""
+    import math
+    import random
+
+    import torch
+    from builders import FIXED
+
+    from gradaudit.dumpfile import load_step
+    from gradaudit.dumpfile.build import box, flat, write_rank
+    from gradaudit.model import ClipRecord
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shared = [("f", rng.randrange(0, 40), rng.randrange(1, 9)), ("b", (rng.randrange(0, 4), 0), (4, 6))]
+    for rank in range(world_size):
+        pieces = []
+        for _ in range(rng.randrange(1, 5)):
+            if rng.random() < 0.5:
+                start, size = rng.randrange(0, 40), rng.randrange(1, 9)
+                if rng.random() < 0.4:
+                    _, start, size = shared[0]
+                grad = torch.randn(size, generator=gen)
+                if rng.random() < 0.2:
+                    grad[0] = math.inf
+                pieces.append(flat("f", start, grad=grad, stats_only=True))
+            else:
+                offsets, shape = (
+                    (rng.randrange(0, 5), rng.randrange(0, 3)),
+                    (rng.randrange(1, 4), rng.randrange(1, 4)),
+                )
+                if rng.random() < 0.4:
+                    _, offsets, shape = shared[1]
+                grad = torch.randn(*shape, generator=gen)
+                if rng.random() < 0.2:
+                    grad[0, 0] = math.nan
+                pieces.append(box("b", offsets, grad=grad, stats_only=True, replica_group="dp"))
+        write_rank(
+            tmp_path / "v11",
+            rank=rank,
+            world_size=world_size,
+            step=1,
+            params={"f": (48,), "b": (8, 6)},
+            pieces=pieces,
+            clip=ClipRecord(max_norm=1.0, reported_norm=3.0),
+            **FIXED,
+        )
+        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+    return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layouts(tmp_path, capsys, seed):
+    import numpy as np
+
+    from gradaudit.engine.columns import StepColumns
+    from gradaudit.engine.measure import measure_step, overflow_notes
+    from gradaudit.engine.reader import TensorReader
+    from gradaudit.engine.table import TablePieces
+
+    json_step, columnar_step = _random_step(tmp_path, seed)
+    measured = []
+    for step in (json_step, columnar_step):
+        with TensorReader(step) as reader:
+            measured.append(measure_step(step, reader, workers=1))
+    expected, ours = measured
+    assert ours == expected
+    assert [pm.replica_sets for pm in ours.params.values()] == [
+        pm.replica_sets for pm in expected.params.values()
+    ]
+    a, b = StepColumns(expected), StepColumns(ours)
+    assert isinstance(b.pieces, TablePieces) and not isinstance(a.pieces, TablePieces)
+    for name in (
+        "rank",
+        "index",
+        "has_grad",
+        "term",
+        "sum_sq",
+        "sum_pow",
+        "counts",
+        "flags",
+        "by_rank_order",
+    ):
+        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+    same = a.layout[:, None] == a.layout[None, :]
+    assert np.array_equal(same, b.layout[:, None] == b.layout[None, :])
+    assert np.array_equal(a.cover_positions(), b.cover_positions())
+    assert a.cover() == tuple(b.cover()) and a.dtypes == b.dtypes
+    assert {r: list(p) for r, p in a.by_rank().items()} == {r: list(p) for r, p in b.by_rank().items()}
+    assert a.with_nonfinite_grad() == b.with_nonfinite_grad()
+    assert a.cover_all_have("grad_clipped") == b.cover_all_have("grad_clipped")
+    assert a.cover_with_updates() == b.cover_with_updates() == []
+    assert overflow_notes(expected) == overflow_notes(ours)
+    reports = []
+    for version in ("v10", "v11"):
+        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
+        assert outcome.code in (0, 1), outcome.stderr
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]

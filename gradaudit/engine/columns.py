@@ -4,11 +4,13 @@ many-rank step ask their questions of arrays instead of walking the pieces once 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..norms import is_inf_norm, norm_of_terms
 from .measure import PieceMeasurement, StepMeasurements
+from .table import PieceTable, TablePieces
 
 
 class StepColumns:
@@ -20,15 +22,34 @@ class StepColumns:
     """Bits of `flags`: the stats cannot give this norm type's term, a nan, an infinity."""
 
     def __init__(self, m: StepMeasurements) -> None:
-        norm_type = self.norm_type = m.norm_type
-        pieces = self.pieces = tuple(m.pieces)
+        self.norm_type = m.norm_type
+        table, positions = _table_positions(m)
+        if table is not None and positions is not None:
+            self._from_table(table, positions)
+        else:
+            self._from_objects(tuple(m.pieces))
+        self.flags = (
+            self.unknown.astype(np.int64)
+            | (self.counts[:, 0] > 0).astype(np.int64) << 1
+            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int64) << 2
+        )
+        self.by_rank_order = np.lexsort((self.index, self.rank))
+        self._cover: np.ndarray | None = None
+        """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
+
+    def _from_objects(self, pieces: tuple[PieceMeasurement, ...]) -> None:
+        norm_type = self.norm_type
+        self.pieces: Sequence[PieceMeasurement] = pieces
         # One comprehension per column: several times cheaper per piece than one loop of appends.
         ids: dict[tuple[object, ...], int] = {}
         self.layout = np.array([ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64)
         self.rank = np.array([p.rank for p in pieces], dtype=np.int64)
         self.index = np.array([p.index for p in pieces], dtype=np.int64)
+        self.dtypes = frozenset(p.dtype for p in pieces)
         grads = [p.stats.get("grad") for p in pieces]
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
+        self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
+        self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
         unknown = np.zeros(len(pieces), dtype=bool)
         if is_inf_norm(norm_type):  # stats_term, column by column
             term = [0.0 if g is None else g.max_abs for g in grads]
@@ -43,20 +64,44 @@ class StepColumns:
                     ]
                 else:
                     unknown = ~own
+        self.unknown = unknown
         self.term = np.array(term, dtype=np.float64)
+        self.sum_pow = np.array([0.0 if g is None else g.sum_pow for g in grads], dtype=np.float64)
         self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
         self.term[unknown] = math.nan
         self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
         for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
             self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
-        self.flags = (
-            unknown.astype(np.int64)
-            | (self.counts[:, 0] > 0).astype(np.int64) << 1
-            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int64) << 2
-        )
-        self.by_rank_order = np.lexsort((self.index, self.rank))
-        self._cover: np.ndarray | None = None
-        """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
+
+    def _from_table(self, table: PieceTable, positions: np.ndarray) -> None:
+        """The same columns from a PieceTable's arrays (stats-only pieces: no products, no updates)."""
+        norm_type, n = self.norm_type, positions.size
+        self.pieces = table.pieces(positions)
+        self.layout = table.layout[positions]
+        self.rank = table.rank[positions].astype(np.int64)
+        self.index = table.index[positions].astype(np.int64)
+        self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[positions]).tolist())
+        self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
+        self.has_update = np.zeros(n, dtype=bool)
+        self.unknown = np.zeros(n, dtype=bool)
+        if "grad" not in table.kinds:
+            self.has_grad = np.zeros(n, dtype=bool)
+            self.term, self.sum_pow, self.sum_sq = np.zeros(n), np.zeros(n), np.zeros(n)
+            self.counts = np.zeros((n, 3), dtype=np.int64)
+            return
+        self.has_grad = np.ones(n, dtype=bool)
+        self.sum_pow = table.kind_column("grad", 0)[positions]
+        self.sum_sq = table.kind_column("grad", 1)[positions]
+        self.counts = table.kind_counts("grad")[positions]
+        if is_inf_norm(norm_type):
+            self.term = table.kind_column("grad", 2)[positions]
+        elif table.norm_type == norm_type:
+            self.term = self.sum_pow
+        elif norm_type == 2.0:
+            self.term = self.sum_sq
+        else:
+            self.unknown = np.ones(n, dtype=bool)
+            self.term = np.full(n, math.nan)
 
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
@@ -80,20 +125,51 @@ class StepColumns:
             return math.inf
         return norm_of_terms(self.term[chosen].tolist(), self.norm_type)
 
-    def cover(self) -> tuple[PieceMeasurement, ...]:
-        return tuple(self.pieces[i] for i in self.cover_positions().tolist())
+    def cover(self) -> Sequence[PieceMeasurement]:
+        return self._subset(self.cover_positions())
 
-    def by_rank(self) -> dict[int, list[PieceMeasurement]]:
-        """Rank -> its pieces, in `m.pieces` order."""
+    def _subset(self, chosen: np.ndarray) -> Sequence[PieceMeasurement]:
+        """The pieces at these positions: a TablePieces of the same table, or a tuple."""
+        pieces = self.pieces
+        if isinstance(pieces, TablePieces):
+            return pieces.table.pieces(pieces.positions[chosen])
+        return tuple(pieces[i] for i in chosen.tolist())
+
+    def by_rank(self) -> dict[int, Sequence[PieceMeasurement]]:
+        """Rank -> its pieces, in `m.pieces` order (built when iterated, for a table's pieces)."""
         order = np.argsort(self.rank, kind="stable")
         ranks = self.rank[order]
         distinct, starts = np.unique(ranks, return_index=True)
         bounds = [*starts.tolist(), ranks.size]
+        if isinstance(self.pieces, TablePieces):
+            return {
+                rank: self._subset(order[bounds[k] : bounds[k + 1]])
+                for k, rank in enumerate(distinct.tolist())
+            }
         pieces, positions = self.pieces, order.tolist()
         return {
             rank: [pieces[i] for i in positions[bounds[k] : bounds[k + 1]]]
             for k, rank in enumerate(distinct.tolist())
         }
+
+    def cover_all_have(self, kind: str) -> bool:
+        """Whether every cover piece with a gradient also holds `kind` ("grad_clipped")."""
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        column = self.has_clipped if kind == "grad_clipped" else None
+        if column is None:
+            return all(kind in self.pieces[i].stats for i in chosen.tolist())
+        return bool(column[chosen].all())
+
+    def cover_with_updates(self) -> list[PieceMeasurement]:
+        """The cover's pieces that hold an update (parameters dumped before and after the step)."""
+        chosen = self.cover_positions()
+        return list(self._subset(chosen[self.has_update[chosen]]))
+
+    def overflowing_grad(self) -> list[PieceMeasurement]:
+        """The pieces whose gradient sum of squares or of |x|^p is inf, in `m.pieces` order."""
+        chosen = np.flatnonzero(self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow)))
+        return list(self._subset(chosen))
 
     def cover_sum_sq_by_rank(self) -> dict[int, list[float]]:
         """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
@@ -108,7 +184,7 @@ class StepColumns:
 
     def with_nonfinite_grad(self) -> list[PieceMeasurement]:
         """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
-        return [self.pieces[i] for i in np.flatnonzero(self.counts.any(axis=1)).tolist()]
+        return list(self._subset(np.flatnonzero(self.counts.any(axis=1))))
 
     def grad_counts_by_rank(self) -> dict[int, tuple[int, int, int]]:
         """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
@@ -116,6 +192,22 @@ class StepColumns:
         totals = np.zeros((ranks.size, 3), dtype=np.int64)
         np.add.at(totals, inverse, self.counts)
         return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
+
+
+def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray | None]:
+    """The table every parameter's pieces are in and their positions, in `m.pieces` order; None
+    when some pieces are objects (or in another table)."""
+    table, parts = None, []
+    for pm in m.params.values():
+        pieces = pm.pieces
+        if isinstance(pieces, TablePieces) and (table is None or pieces.table is table):
+            table = pieces.table
+            parts.append(pieces.positions)
+        elif len(pieces):
+            return None, None
+    if table is None:
+        return None, None
+    return table, np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def step_columns(m: StepMeasurements) -> StepColumns:

@@ -186,9 +186,11 @@ class StepMeasurements:
 def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    from .columns import step_columns
+
     notes = []
     inf = math.inf
-    for piece in m.pieces:
+    for piece in step_columns(m).overflowing_grad():
         stats = piece.stats.get("grad")
         if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
             continue
