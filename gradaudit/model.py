@@ -331,9 +331,14 @@ class StepDump:
         """Every logical parameter named by any rank, first by rank order (computed once: a
         many-rank step names millions of parameters; read only)."""
         found: dict[str, ParamInfo] = {}
+        last: tuple[ParamInfo, ...] | None = None
         for rank in self.ranks_present:
-            for info in self.ranks[rank].params:
+            params = self.ranks[rank].params
+            if last is not None and (params is last or params == last):
+                continue  # the previous rank's table again (the common case): nothing new
+            for info in params:
                 found.setdefault(info.name, info)
+            last = params
         return dict(sorted(found.items()))
 
     @property

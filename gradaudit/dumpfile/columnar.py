@@ -296,7 +296,7 @@ def _check_rows(
         raise fail("a parameter index is outside the parameter list")
     if ((group < -1) | (group >= num_groups)).any():
         raise fail("a replica group index is outside replica_groups")
-    dims = np.array([len(p.global_shape) for p in params], dtype=np.int64)[param]
+    dims = _param_columns(params)[0][param]
     flat = ndim == 0
     if ((~flat) & (ndim != dims)).any():
         raise fail("a box has another number of dimensions than its parameter")
@@ -304,6 +304,22 @@ def _check_rows(
     expected_first = np.concatenate(([0], np.cumsum(width)[:-1]))
     if (first != expected_first).any() or int(width.sum()) != coords.size:
         raise fail("coordinates are not laid out piece after piece")
+
+
+_last_params: tuple[Sequence[ParamInfo], tuple[np.ndarray, np.ndarray]] = ((), (np.zeros(0), np.zeros(0)))
+
+
+def _param_columns(params: Sequence[ParamInfo]) -> tuple[np.ndarray, np.ndarray]:
+    """(ndim, numel) of each parameter, kept for the next rank (the ranks of a step share a table)."""
+    global _last_params
+    known, columns = _last_params
+    if not (known is params or known == params):
+        columns = (
+            np.array([len(p.global_shape) for p in params], dtype=np.int64),
+            np.array([p.numel for p in params], dtype=np.int64),
+        )
+        _last_params = (params, columns)
+    return columns
 
 
 def _check_extents(
@@ -318,7 +334,7 @@ def _check_extents(
     param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
     flat = np.flatnonzero(ndim == 0)
     start, stop = coords[first[flat]], coords[first[flat] + 1]
-    limit = np.array([p.numel for p in params], dtype=np.int64)[param[flat]]
+    limit = _param_columns(params)[1][param[flat]]
     bad = (start < 0) | (start > stop) | (stop > limit)
     if bad.any():
         i = int(flat[np.argmax(bad)])
