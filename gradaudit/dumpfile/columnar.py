@@ -449,6 +449,16 @@ class ColumnarPieces(Sequence[Piece]):
             out[chosen, 2 : 2 + w] = coords[first[chosen, None] + np.arange(w)]
         return out
 
+    def layout_column(self, column: int, width: int) -> np.ndarray:
+        """Column `column` of `layout(width)` alone."""
+        rows = self.rows
+        if column < 2:
+            return rows[:, 0] if column == 0 else rows[:, 3]
+        first, ndim = rows[:, 2], rows[:, 3]
+        span = np.where(ndim == 0, 2, 2 * ndim)
+        inside = column - 2 < span
+        return np.where(inside, self.coords[np.where(inside, first + column - 2, 0)], -1)
+
     @property
     def layout_width(self) -> int:
         return max(2, 2 * int(self.rows[:, 3].max())) if len(self.rows) else 2

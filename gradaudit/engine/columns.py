@@ -29,9 +29,9 @@ class StepColumns:
         else:
             self._from_objects(tuple(m.pieces))
         self.flags = (
-            self.unknown.astype(np.int64)
-            | (self.counts[:, 0] > 0).astype(np.int64) << 1
-            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int64) << 2
+            self.unknown.astype(np.int8)
+            | (self.counts[:, 0] > 0).astype(np.int8) << 1
+            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
         )
         self.by_rank_order = np.lexsort((self.index, self.rank))
         self._cover: np.ndarray | None = None
@@ -42,9 +42,11 @@ class StepColumns:
         self.pieces: Sequence[PieceMeasurement] = pieces
         # One comprehension per column: several times cheaper per piece than one loop of appends.
         ids: dict[tuple[object, ...], int] = {}
-        self.layout = np.array([ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64)
-        self.rank = np.array([p.rank for p in pieces], dtype=np.int64)
-        self.index = np.array([p.index for p in pieces], dtype=np.int64)
+        self.layout: np.ndarray = np.array(
+            [ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64
+        )
+        self.rank: np.ndarray = np.array([p.rank for p in pieces], dtype=np.int64)
+        self.index: np.ndarray = np.array([p.index for p in pieces], dtype=np.int64)
         self.dtypes = frozenset(p.dtype for p in pieces)
         grads = [p.stats.get("grad") for p in pieces]
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
@@ -73,14 +75,18 @@ class StepColumns:
         for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
             self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
 
-    def _from_table(self, table: PieceTable, positions: np.ndarray) -> None:
+    def _from_table(self, table: PieceTable, positions: np.ndarray | range) -> None:
         """The same columns from a PieceTable's arrays (stats-only pieces: no products, no updates)."""
-        norm_type, n = self.norm_type, positions.size
+        norm_type, n = self.norm_type, len(positions)
         self.pieces = table.pieces(positions)
-        self.layout = table.layout[positions]
-        self.rank = table.rank[positions].astype(np.int64)
-        self.index = table.index[positions].astype(np.int64)
-        self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[positions]).tolist())
+        if isinstance(positions, range):
+            chosen: slice | np.ndarray = slice(positions.start, positions.stop)
+        else:
+            chosen = positions
+        self.layout = table.layout[chosen]
+        self.rank = table.rank[chosen]
+        self.index = table.index[chosen]
+        self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
         self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
         self.has_update = np.zeros(n, dtype=bool)
         self.unknown = np.zeros(n, dtype=bool)
@@ -90,11 +96,11 @@ class StepColumns:
             self.counts = np.zeros((n, 3), dtype=np.int64)
             return
         self.has_grad = np.ones(n, dtype=bool)
-        self.sum_pow = table.kind_column("grad", 0)[positions]
-        self.sum_sq = table.kind_column("grad", 1)[positions]
-        self.counts = table.kind_counts("grad")[positions]
+        self.sum_pow = table.kind_column("grad", 0)[chosen]
+        self.sum_sq = table.kind_column("grad", 1)[chosen]
+        self.counts = table.kind_counts("grad")[chosen]
         if is_inf_norm(norm_type):
-            self.term = table.kind_column("grad", 2)[positions]
+            self.term = table.kind_column("grad", 2)[chosen]
         elif table.norm_type == norm_type:
             self.term = self.sum_pow
         elif norm_type == 2.0:
@@ -132,7 +138,8 @@ class StepColumns:
         """The pieces at these positions: a TablePieces of the same table, or a tuple."""
         pieces = self.pieces
         if isinstance(pieces, TablePieces):
-            return pieces.table.pieces(pieces.positions[chosen])
+            span = pieces.span
+            return pieces.table.pieces(chosen + span.start if span is not None else pieces.positions[chosen])
         return tuple(pieces[i] for i in chosen.tolist())
 
     def by_rank(self) -> dict[int, Sequence[PieceMeasurement]]:
@@ -194,7 +201,7 @@ class StepColumns:
         return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
-def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray | None]:
+def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray | range | None]:
     """The table every parameter's pieces are in and their positions, in `m.pieces` order; None
     when some pieces are objects (or in another table)."""
     table, parts = None, []
@@ -202,12 +209,16 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
         pieces = pm.pieces
         if isinstance(pieces, TablePieces) and (table is None or pieces.table is table):
             table = pieces.table
-            parts.append(pieces.positions)
+            parts.append(pieces)
         elif len(pieces):
             return None, None
     if table is None:
         return None, None
-    return table, np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    spans = [p.span for p in parts]
+    ends = [0] + [s.stop for s in spans if s is not None]
+    if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
+        return table, range(ends[-1])  # every parameter's pieces, one after the other
+    return table, np.concatenate([p.positions for p in parts])
 
 
 def step_columns(m: StepMeasurements) -> StepColumns:

@@ -689,8 +689,11 @@ def _measure_from_table(
 ) -> ParamMeasurement:
     """What measure_param gives for a parameter whose pieces are all in `table` (stats only): the
     pieces stay in the table; objects are built only for the copies of replicated layouts."""
+    import numpy as np
+
     positions = table.param_positions(name)
-    replicated = positions[table.copies[table.layout[positions]] > 1]
+    layouts = table.layout[positions.start : positions.stop]
+    replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
     replica_sets: tuple[ReplicaSet, ...] = ()
     if replicated.size:
         by_layout: dict[int, list[tuple[int, str, Piece]]] = {}

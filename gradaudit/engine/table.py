@@ -9,7 +9,7 @@ index and layout of every piece; a PieceMeasurement is built only for the pieces
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
 import numpy as np
@@ -22,9 +22,9 @@ _BATCH = 1024
 
 
 class PieceTable:
-    """Every piece of the chosen parameters on the step's format-1.1 ranks, "rank-major" (by rank,
-    then piece index, as the ranks' columns are concatenated): position `p` is piece
-    `index[p]` of rank `rank[p]`. `order` lists the positions by parameter (then rank and index)."""
+    """Every piece of the chosen parameters on the step's format-1.1 ranks, by parameter (in the
+    order of `names`), then rank, then piece index: position `p` is piece `index[p]` of rank
+    `rank[p]`, and a parameter's pieces are the positions `bounds[name]`."""
 
     def __init__(
         self,
@@ -35,84 +35,94 @@ class PieceTable:
         self.sources = tuple(sources)
         self.kinds = tuple(sorted(sources[0][2].kinds))
         self.norm_type = sources[0][2].norm_type
+        self._source_of = {rank: k for k, (rank, _, _) in enumerate(sources)}
         ids = ParamIds(names)
-        per_source = [ids.of(pieces) for _, _, pieces in sources]
+        per_source = [ids.of(pieces).astype(np.int32) for _, _, pieces in sources]
         self.names = list(ids.ids)
         keep = np.zeros(len(self.names), dtype=bool)
         keep[[ids.ids[name] for name in wanted]] = True
-        self._chosen = [np.flatnonzero(keep[param]) for param in per_source]
-        """Per source, the local indices of the pieces kept."""
-        sizes = np.array([c.size for c in self._chosen], dtype=np.int64)
-        self.offsets = np.concatenate(([0], np.cumsum(sizes)))
-        self.size = int(self.offsets[-1])
-        self.param = np.concatenate([p[c] for p, c in zip(per_source, self._chosen, strict=True)]).astype(
-            np.int32
+        self._chosen: list[np.ndarray | None] = []
+        """Per source, the local indices of the pieces kept (None: all)."""
+        for param in per_source:
+            kept = keep[param]
+            self._chosen.append(None if kept.all() else np.flatnonzero(kept))
+        sizes = np.array(
+            [_count(c, p) for c, p in zip(self._chosen, per_source, strict=True)], dtype=np.int64
         )
-        self.rank = np.repeat(np.array([rank for rank, _, _ in sources], dtype=np.int32), sizes)
-        self.index = np.concatenate(self._chosen).astype(np.int32)
+        self.size = int(sizes.sum())
+        param = np.concatenate([_take(p, c) for p, c in zip(per_source, self._chosen, strict=True)])
+        self._order = np.argsort(param, kind="stable")
+        """Rank-major position (the ranks' columns one after the other) of each position."""
+        self.param = param[self._order]
+        del param
+        self.rank = np.repeat(np.array([rank for rank, _, _ in sources], dtype=np.int32), sizes)[self._order]
+        self.index = np.concatenate(
+            [
+                np.arange(len(p), dtype=np.int32) if c is None else c.astype(np.int32)
+                for p, c in zip(per_source, self._chosen, strict=True)
+            ]
+        )[self._order]
+        del per_source
         dtypes: dict[str, int] = {}
         codes: list[np.ndarray] = []
         seen: tuple[object, np.ndarray] = ((), np.zeros(0, dtype=np.int16))
-        for (_, _, pieces), c in zip(sources, self._chosen, strict=True):
+        for _, _, pieces in sources:
             if not (seen[0] is pieces.params or seen[0] == pieces.params):
                 table = [dtypes.setdefault(p.dtype, len(dtypes)) for p in pieces.params]
                 seen = (pieces.params, np.array(table, dtype=np.int16))
-            codes.append(seen[1][pieces.rows[c, 0]])
-        self.dtype = np.concatenate(codes)
+            codes.append(seen[1])
+        self.dtype = self._gather(lambda k, pieces: codes[k][pieces.rows[:, 0]])
         self.dtype_names = list(dtypes)
-        self.order = np.argsort(self.param, kind="stable")
-        bounds = np.searchsorted(self.param[self.order], np.arange(len(self.names) + 1))
+        bounds = np.searchsorted(self.param, np.arange(len(self.names) + 1))
         self.bounds = {name: (int(bounds[i]), int(bounds[i + 1])) for i, name in enumerate(self.names)}
         self.layout = self._layouts()
         self.copies = np.bincount(self.layout) if self.size else np.zeros(0, dtype=np.int64)
         """Pieces holding each layout: more than one are replicas."""
 
+    def _gather(self, column: Callable[[int, ColumnarPieces], np.ndarray]) -> np.ndarray:
+        """`column(k, pieces)` of every source `k`, rows kept only, in position order."""
+        parts = [_take(column(k, pieces), self._chosen[k]) for k, (_, _, pieces) in enumerate(self.sources)]
+        if not parts:
+            return np.zeros(0)
+        return np.concatenate(parts)[self._order]
+
     def _layouts(self) -> np.ndarray:
         """A number per position, equal exactly when the pieces' layout keys are."""
-        width = max(pieces.layout_width for _, _, pieces in self.sources)
-        rows = np.concatenate(
-            [pieces.layout(width)[c] for (_, _, pieces), c in zip(self.sources, self._chosen, strict=True)]
-        )
-        rows[:, 0] = self.param
-        if not len(rows):
+        if not self.size:
             return np.zeros(0, dtype=np.int64)
-        order = np.lexsort(rows.T[::-1])
-        ordered = rows[order]
-        starts = np.ones(len(rows), dtype=bool)
-        starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
-        layout = np.empty(len(rows), dtype=np.int64)
+        width = max(pieces.layout_width for _, _, pieces in self.sources)
+        keys = [self.param] + [self._gather(_layout_column(column, width)) for column in range(1, 2 + width)]
+        order = np.lexsort(keys[::-1])
+        starts = np.zeros(self.size, dtype=bool)
+        starts[0] = True
+        for key in keys:
+            ordered = key[order]
+            starts[1:] |= ordered[1:] != ordered[:-1]
+        del keys
+        layout = np.empty(self.size, dtype=np.int64)
         layout[order] = np.cumsum(starts) - 1
         return layout
 
     def kind_column(self, kind: str, column: int) -> np.ndarray:
         """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs)."""
-        return np.concatenate(
-            [
-                pieces.stats[kind][c, column]
-                for (_, _, pieces), c in zip(self.sources, self._chosen, strict=True)
-            ]
-        )
+        return self._gather(lambda _, pieces: pieces.stats[kind][:, column])
 
     def kind_counts(self, kind: str) -> np.ndarray:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
-        return np.concatenate(
-            [pieces.counts[kind][c] for (_, _, pieces), c in zip(self.sources, self._chosen, strict=True)]
-        )
+        return self._gather(lambda _, pieces: pieces.counts[kind])
 
-    def param_positions(self, name: str) -> np.ndarray:
-        start, stop = self.bounds.get(name, (0, 0))
-        return self.order[start:stop]
+    def param_positions(self, name: str) -> range:
+        return range(*self.bounds.get(name, (0, 0)))
 
     def entries(self, positions: Sequence[int] | np.ndarray) -> list[tuple[int, str, Piece]]:
         """(rank, file path, piece) at each position, the piece built from its rank's columns."""
         positions = np.asarray(positions, dtype=np.int64)
-        source = np.searchsorted(self.offsets, positions, side="right") - 1
+        ranks, indices = self.rank[positions], self.index[positions]
         found: list[tuple[int, str, Piece] | None] = [None] * positions.size
-        for k in np.unique(source).tolist():
-            at = np.flatnonzero(source == k)
-            rank, path, pieces = self.sources[k]
-            local = self._chosen[k][positions[at] - self.offsets[k]]
-            for i, piece in zip(at.tolist(), pieces.build(local.tolist()), strict=True):
+        for rank in np.unique(ranks).tolist():
+            at = np.flatnonzero(ranks == rank)
+            _, path, pieces = self.sources[self._source_of[rank]]
+            for i, piece in zip(at.tolist(), pieces.build(indices[at].tolist()), strict=True):
                 found[i] = (rank, path, piece)
         return [entry for entry in found if entry is not None]
 
@@ -132,8 +142,20 @@ class PieceTable:
             for rank, _, piece in self.entries(positions)
         ]
 
-    def pieces(self, positions: np.ndarray) -> TablePieces:
+    def pieces(self, positions: np.ndarray | range) -> TablePieces:
         return TablePieces(self, positions)
+
+
+def _layout_column(column: int, width: int) -> Callable[[int, ColumnarPieces], np.ndarray]:
+    return lambda _, pieces: pieces.layout_column(column, width)
+
+
+def _take(array: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
+    return array if chosen is None else array[chosen]
+
+
+def _count(chosen: np.ndarray | None, param: np.ndarray) -> int:
+    return len(param) if chosen is None else int(chosen.size)
 
 
 def piece_table(step: StepDump, names: Iterable[str]) -> PieceTable | None:
@@ -164,16 +186,29 @@ def piece_table(step: StepDump, names: Iterable[str]) -> PieceTable | None:
 
 
 class TablePieces(Sequence[PieceMeasurement]):
-    """Measurements of some positions of a PieceTable, built when indexed or iterated (not kept);
-    equal to any sequence of equal measurements, and pickled as a tuple of them."""
+    """Measurements of some positions of a PieceTable (a range, or an array of positions), built
+    when indexed or iterated (not kept); equal to any sequence of equal measurements, and pickled
+    as a tuple of them."""
 
-    __slots__ = ("positions", "table")
+    __slots__ = ("_positions", "table")
 
-    def __init__(self, table: PieceTable, positions: np.ndarray) -> None:
-        self.table, self.positions = table, positions
+    def __init__(self, table: PieceTable, positions: np.ndarray | range) -> None:
+        self.table, self._positions = table, positions
+
+    @property
+    def positions(self) -> np.ndarray:
+        found = self._positions
+        if isinstance(found, range):
+            return np.arange(found.start, found.stop, dtype=np.int64)
+        return found
+
+    @property
+    def span(self) -> range | None:
+        """The positions when they are one range (a parameter's pieces), else None."""
+        return self._positions if isinstance(self._positions, range) else None
 
     def __len__(self) -> int:
-        return int(self.positions.size)
+        return len(self._positions)
 
     @overload
     def __getitem__(self, index: int) -> PieceMeasurement: ...
@@ -183,12 +218,12 @@ class TablePieces(Sequence[PieceMeasurement]):
 
     def __getitem__(self, index: int | slice) -> PieceMeasurement | TablePieces:
         if isinstance(index, slice):
-            return TablePieces(self.table, self.positions[index])
-        return self.table.measurements([int(self.positions[index])])[0]
+            return TablePieces(self.table, self._positions[index])
+        return self.table.measurements([int(self._positions[index])])[0]
 
     def __iter__(self) -> Iterator[PieceMeasurement]:
         for start in range(0, len(self), _BATCH):
-            yield from self.table.measurements(self.positions[start : start + _BATCH])
+            yield from self.table.measurements(self._positions[start : start + _BATCH])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TablePieces) and other.table is self.table:
