@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from .engine.columns import StepColumns, step_columns
+from .engine.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
 from .engine.measure import PieceMeasurement, StepMeasurements
 from .hypotheses import (
     Extra,
@@ -288,7 +288,9 @@ class _RankSetNorms:
 
         self.norm_type = norm_type
         layout_ids: dict[tuple[object, ...], int] = {}
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray] | np.ndarray] = {}
+        """Rank -> its (layouts, terms, flags), or its positions in `self._columns`."""
+        self._columns: StepColumns | None = None
         by_index = operator.attrgetter("index")
         inf_norm = is_inf_norm(norm_type)
         for rank, pieces in by_rank.items():
@@ -327,15 +329,23 @@ class _RankSetNorms:
         import numpy as np
 
         norms = cls({}, norm_type)
+        norms._columns = columns
         order = columns.by_rank_order
         order = order[columns.has_grad[order]]
         ranks = columns.rank[order]
         distinct, starts = np.unique(ranks, return_index=True)
         bounds = [*starts.tolist(), ranks.size]
         for i, rank in enumerate(distinct.tolist()):
-            rows = order[bounds[i] : bounds[i + 1]]
-            norms._rows[rank] = (columns.layout[rows], columns.term[rows], columns.flags[rows])
+            norms._rows[rank] = order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
         return norms
+
+    def _part(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        part = self._rows[rank]
+        if isinstance(part, tuple):
+            return part
+        columns = self._columns
+        assert columns is not None  # positions are stored only by of_step, with its columns
+        return columns.layout[part], columns.term[part], columns.flags[part]
 
     def norm(
         self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None
@@ -349,7 +359,7 @@ class _RankSetNorms:
             order = (first,) + tuple(r for r in order if r != first)
         key = (order, dedupe)
         if key not in self._cache:
-            parts = [self._rows[rank] for rank in order if rank in self._rows]
+            parts = [self._part(rank) for rank in order if rank in self._rows]
             if len(parts) == 1:
                 layouts, terms, flags = parts[0]
             elif parts:
@@ -374,7 +384,7 @@ class _RankSetNorms:
             elif found & self._INF:
                 value = math.inf
             else:  # norm_of_terms sums exactly (fsum) or takes the max: the order does not matter
-                value = norm_of_terms(terms.tolist(), self.norm_type)
+                value = norm_of_term_array(terms, self.norm_type)
             self._cache[key] = (value, bool(repeated))
         return self._cache[key]
 
@@ -527,7 +537,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     loss_scale = loss_scale_of(step)
     num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq = columns.cover_sum_sq_by_rank()
-    total_sq = safe_fsum(v for values in own_sq.values() for v in values)
+    total_sq = fsum_array(columns.cover_grad_sum_sq())
     norms = _RankSetNorms.of_step(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     further = _FurtherCandidates(step, columns.pieces, norms, norm_type, columns.dtypes)
@@ -575,7 +585,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 detail = bounded.detail(hypothesis, detail)
             if num_calls > 1:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
-        rank_sq = safe_fsum(own_sq.get(rank, ()))
+        rank_sq = fsum_array(own_sq[rank]) if rank in own_sq else 0.0
         ranks[rank] = RankDiagnosis(
             rank=rank,
             local_norm=norms.norm((rank,), False)[0],

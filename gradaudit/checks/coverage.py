@@ -122,8 +122,9 @@ def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
     flat = _flat_pieces_by_param(step)
     layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
+    holders: dict[bytes, list[int]] = {}
     for name, info in step.params.items():
-        fast = _flat_param_coverage(info, flat[name] if name in flat else _no_flat_pieces())
+        fast = _flat_param_coverage(info, flat[name] if name in flat else _no_flat_pieces(), holders)
         if fast is not None:
             found[name] = fast
             continue
@@ -203,7 +204,9 @@ def _no_flat_pieces() -> FlatPieces:
     return empty, empty, empty
 
 
-def _flat_param_coverage(info: ParamInfo, pieces: FlatPieces) -> ParamCoverage | None:
+def _flat_param_coverage(
+    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]] | None = None
+) -> ParamCoverage | None:
     """The coverage of a parameter held as flat ranges that overlap nowhere (identical ranges are
     replicas, one layout): the common case of a many-rank FSDP/ZeRO dump, from arrays; None when
     another case (the sweep names the overlaps)."""
@@ -216,7 +219,13 @@ def _flat_param_coverage(info: ParamInfo, pieces: FlatPieces) -> ParamCoverage |
     result = _disjoint_bounds(bounds, numel_of(info.global_shape))
     if result is None:
         return None
-    return info, result, [], np.unique(ranks).tolist()
+    distinct = np.unique(ranks)
+    if holders is None:
+        return info, result, [], distinct.tolist()
+    key = distinct.astype(np.int64).tobytes()
+    if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
+        holders[key] = distinct.tolist()
+    return info, result, [], holders[key]
 
 
 def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:

@@ -3,12 +3,13 @@ many-rank step ask their questions of arrays instead of walking the pieces once 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..norms import is_inf_norm, norm_of_terms
+from ..norms import is_inf_norm, norm_from_total
 from .measure import PieceMeasurement, StepMeasurements
 from .table import PieceTable, TablePieces
 
@@ -129,7 +130,7 @@ class StepColumns:
             return math.nan
         if found & self.INF:
             return math.inf
-        return norm_of_terms(self.term[chosen].tolist(), self.norm_type)
+        return norm_of_term_array(self.term[chosen], self.norm_type)
 
     def cover(self) -> Sequence[PieceMeasurement]:
         return self._subset(self.cover_positions())
@@ -139,7 +140,9 @@ class StepColumns:
         pieces = self.pieces
         if isinstance(pieces, TablePieces):
             span = pieces.span
-            return pieces.table.pieces(chosen + span.start if span is not None else pieces.positions[chosen])
+            if span is None:
+                return pieces.table.pieces(pieces.positions[chosen])
+            return pieces.table.pieces(chosen + span.start if span.start else chosen)
         return tuple(pieces[i] for i in chosen.tolist())
 
     def by_rank(self) -> dict[int, Sequence[PieceMeasurement]]:
@@ -178,7 +181,13 @@ class StepColumns:
         chosen = np.flatnonzero(self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow)))
         return list(self._subset(chosen))
 
-    def cover_sum_sq_by_rank(self) -> dict[int, list[float]]:
+    def cover_grad_sum_sq(self) -> np.ndarray:
+        """The gradient sums of squares of the cover's pieces that hold a gradient."""
+        chosen = self.cover_positions()
+        values: np.ndarray = self.sum_sq[chosen[self.has_grad[chosen]]]
+        return values
+
+    def cover_sum_sq_by_rank(self) -> dict[int, np.ndarray]:
         """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
         chosen = self.cover_positions()
         chosen = chosen[self.has_grad[chosen]]
@@ -186,8 +195,8 @@ class StepColumns:
         order = np.argsort(ranks, kind="stable")
         distinct, starts = np.unique(ranks[order], return_index=True)
         bounds = [*starts.tolist(), order.size]
-        listed = values[order].tolist()
-        return {rank: listed[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
+        ordered = values[order]
+        return {rank: ordered[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
 
     def with_nonfinite_grad(self) -> list[PieceMeasurement]:
         """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
@@ -223,3 +232,32 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
 
 def step_columns(m: StepMeasurements) -> StepColumns:
     return m.derived("step_columns", None, lambda: StepColumns(m))
+
+
+_CHUNK = 1 << 16
+
+
+def fsum_array(values: np.ndarray) -> float:
+    """norms.safe_fsum of an array's values, without a Python float per value held at once: one
+    math.fsum over the values chunk by chunk is the same exact sum."""
+    try:
+        return math.fsum(
+            itertools.chain.from_iterable(
+                values[i : i + _CHUNK].tolist() for i in range(0, values.size, _CHUNK)
+            )
+        )
+    except OverflowError:
+        return math.inf if int((values > 0).sum()) >= int((values < 0).sum()) else -math.inf
+    except ValueError:
+        return math.nan
+
+
+def norm_of_term_array(terms: np.ndarray, norm_type: float) -> float:
+    """norms.norm_of_terms of an array of terms holding no nan (the callers' flags rule those out)."""
+    if is_inf_norm(norm_type):
+        return norm_from_total(float(terms.max()) if terms.size else 0.0, norm_type)
+    total = fsum_array(terms)
+    if math.isinf(total) and total > 0 and bool(np.isfinite(terms).all()):
+        largest = float(terms.max())
+        return norm_from_total(largest, norm_type) * norm_from_total(fsum_array(terms / largest), norm_type)
+    return norm_from_total(total, norm_type)
