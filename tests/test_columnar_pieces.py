@@ -214,3 +214,24 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
         report.pop("command"), report.pop("warnings")
         reports.append(report)
     assert reports[0] == reports[1]
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+def test_norms_of_term_arrays_equal_norm_of_terms_of_their_floats(norm_type):
+    import random
+
+    import numpy as np
+
+    from gradaudit.engine.columns import _CHUNK, fsum_array, norm_of_term_array
+    from gradaudit.norms import norm_of_terms, safe_fsum
+
+    rng = random.Random(int(norm_type) if norm_type != float("inf") else 7)
+    cases = [[], [0.0], [1e308, 1e308], [float("inf"), 1.0], [1e-300] * 5]
+    for _ in range(40):
+        size = rng.choice([1, 5, 100, _CHUNK + 3])
+        scale = rng.choice([1.0, 1e-200, 1e300])
+        cases.append([rng.random() * scale for _ in range(size)])
+    for terms in cases:
+        array = np.array(terms, dtype=np.float64)
+        assert fsum_array(array) == safe_fsum(terms)
+        assert norm_of_term_array(array, norm_type) == norm_of_terms(terms, norm_type)
