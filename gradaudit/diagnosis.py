@@ -19,8 +19,8 @@ from .hypotheses import (
     ParamGroup,
     averaged_candidates,
     group_candidates,
+    groups_of,
     overflow_candidates,
-    param_groups,
 )
 from .model import ClipRecord, Piece, RankDump, StepDump, TensorStats
 from .norms import (
@@ -324,14 +324,18 @@ class _RankSetNorms:
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
     @classmethod
-    def of_step(cls, columns: StepColumns, norm_type: float) -> _RankSetNorms:
-        """The same as from every piece of the step grouped by rank, from its columns."""
+    def of_step(
+        cls, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None
+    ) -> _RankSetNorms:
+        """The same as from every piece of the step grouped by rank (those where `chosen`, when
+        given), from its columns."""
         import numpy as np
 
         norms = cls({}, norm_type)
         norms._columns = columns
         order = columns.by_rank_order
-        order = order[columns.has_grad[order]]
+        keep = columns.has_grad[order] if chosen is None else columns.has_grad[order] & chosen[order]
+        order = order[keep]
         ranks = columns.rank[order]
         distinct, starts = np.unique(ranks, return_index=True)
         bounds = [*starts.tolist(), ranks.size]
@@ -540,7 +544,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     total_sq = fsum_array(columns.cover_grad_sum_sq())
     norms = _RankSetNorms.of_step(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
-    further = _FurtherCandidates(step, columns.pieces, norms, norm_type, columns.dtypes)
+    further = _FurtherCandidates(step, columns, norms, norm_type)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
@@ -628,29 +632,23 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
 class _FurtherCandidates:
     """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
 
-    def __init__(
-        self,
-        step: StepDump,
-        pieces: Sequence[PieceMeasurement],
-        norms: _RankSetNorms,
-        norm_type: float,
-        dtypes: Iterable[str],
-    ) -> None:
-        self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
-        self.dtypes = sorted(dtypes)
+    def __init__(self, step: StepDump, columns: StepColumns, norms: _RankSetNorms, norm_type: float) -> None:
+        self.step, self.columns, self.norms, self.norm_type = step, columns, norms, norm_type
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
         self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
 
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
         if self._groups is None:
-            groups = param_groups(self.pieces)
+            import numpy as np
+
+            columns = self.columns
+            groups = groups_of(columns.param_signatures())
             per_group: dict[str, _RankSetNorms] = {}
+            ids = {name: i for i, name in enumerate(columns.param_names)}
             for group in groups:
-                by_rank: dict[int, list[PieceMeasurement]] = {}
-                for piece in self.pieces:
-                    if piece.param in group.params:
-                        by_rank.setdefault(piece.rank, []).append(piece)
-                per_group[group.label] = _RankSetNorms(by_rank, self.norm_type)
+                inside = np.zeros(len(columns.param_names), dtype=bool)
+                inside[[ids[name] for name in group.params]] = True
+                per_group[group.label] = _RankSetNorms.of_step(columns, self.norm_type, inside[columns.param])
             self._groups = (groups, per_group)
         return self._groups
 
@@ -663,7 +661,7 @@ class _FurtherCandidates:
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
-        extras += overflow_candidates(true_norm, self.norm_type, self.dtypes)
+        extras += overflow_candidates(true_norm, self.norm_type, sorted(self.columns.dtypes))
         return tuple(
             Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
         )

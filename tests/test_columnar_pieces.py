@@ -206,6 +206,10 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     assert a.cover_all_have("grad_clipped") == b.cover_all_have("grad_clipped")
     assert a.cover_with_updates() == b.cover_with_updates() == []
     assert overflow_notes(expected) == overflow_notes(ours)
+    from gradaudit.hypotheses import groups_of, param_groups
+
+    assert a.param_signatures() == b.param_signatures()
+    assert groups_of(b.param_signatures()) == param_groups(tuple(expected.pieces))
     reports = []
     for version in ("v10", "v11"):
         outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")

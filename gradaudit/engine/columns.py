@@ -49,6 +49,11 @@ class StepColumns:
         self.rank: np.ndarray = np.array([p.rank for p in pieces], dtype=np.int64)
         self.index: np.ndarray = np.array([p.index for p in pieces], dtype=np.int64)
         self.dtypes = frozenset(p.dtype for p in pieces)
+        names: dict[str, int] = {}
+        self.param: np.ndarray = np.array(
+            [names.setdefault(p.param, len(names)) for p in pieces], dtype=np.int64
+        )
+        self.param_names = list(names)
         grads = [p.stats.get("grad") for p in pieces]
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
@@ -85,6 +90,7 @@ class StepColumns:
         else:
             chosen = positions
         self.layout = table.layout[chosen]
+        self.param, self.param_names = table.param[chosen], table.names
         self.rank = table.rank[chosen]
         self.index = table.index[chosen]
         self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
@@ -180,6 +186,19 @@ class StepColumns:
         """The pieces whose gradient sum of squares or of |x|^p is inf, in `m.pieces` order."""
         chosen = np.flatnonzero(self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow)))
         return list(self._subset(chosen))
+
+    def param_signatures(self) -> dict[str, tuple[int, int]]:
+        """Parameter -> (ranks holding a piece of it, most pieces with one layout): what
+        hypotheses.param_groups counts, from the columns."""
+        if not self.rank.size:
+            return {}
+        pairs = np.unique(np.stack([self.param.astype(np.int64), self.rank.astype(np.int64)], axis=1), axis=0)
+        params, holders = np.unique(pairs[:, 0], return_counts=True)
+        copies = np.bincount(self.layout)[self.layout]
+        most = np.zeros(len(self.param_names), dtype=np.int64)
+        np.maximum.at(most, self.param, copies)
+        names = self.param_names
+        return {names[p]: (h, int(most[p])) for p, h in zip(params.tolist(), holders.tolist(), strict=True)}
 
     def cover_grad_sum_sq(self) -> np.ndarray:
         """The gradient sums of squares of the cover's pieces that hold a gradient."""
