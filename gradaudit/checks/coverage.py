@@ -215,7 +215,12 @@ def _flat_param_coverage(
     import numpy as np
 
     starts, stops, ranks = pieces
-    bounds = np.unique(np.stack([starts, stops], axis=1).astype(np.int64, copy=False), axis=0)
+    starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+    order = np.lexsort((stops, starts))  # the distinct (start, stop) rows, sorted: np.unique(axis=0)
+    starts, stops = starts[order], stops[order]
+    distinct = np.ones(starts.size, dtype=bool)
+    distinct[1:] = (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
+    bounds = np.stack([starts[distinct], stops[distinct]], axis=1)
     result = _disjoint_bounds(bounds, numel_of(info.global_shape))
     if result is None:
         return None

@@ -23,7 +23,8 @@ Every rank of a step writes the same table, so the loader decodes it once per st
 by its bytes) and all ranks share one tuple of ParamInfo.
 
 `to_columns` gives None for a dump it cannot store losslessly (then the JSON form is written);
-`from_columns` validates every column against the parameter table before building any piece.
+`from_columns` validates every column against the parameter table as a whole and keeps the pieces
+as columns (ColumnarPieces): a Piece object is built only when one is indexed or iterated.
 """
 
 from __future__ import annotations

@@ -225,7 +225,11 @@ class StepColumns:
         """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
         ranks, inverse = np.unique(self.rank, return_inverse=True)
         totals = np.zeros((ranks.size, 3), dtype=np.int64)
-        np.add.at(totals, inverse, self.counts)
+        for column in range(3):
+            if self.counts[:, column].any():
+                totals[:, column] = np.bincount(
+                    inverse, weights=self.counts[:, column], minlength=ranks.size
+                ).astype(np.int64)
         return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
