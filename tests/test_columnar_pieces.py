@@ -239,3 +239,67 @@ def test_norms_of_term_arrays_equal_norm_of_terms_of_their_floats(norm_type):
         array = np.array(terms, dtype=np.float64)
         assert fsum_array(array) == safe_fsum(terms)
         assert norm_of_term_array(array, norm_type) == norm_of_terms(terms, norm_type)
+
+
+def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_json_form(tmp_path, capsys):
+    import shutil
+
+    from gradaudit.dumpfile import load_step
+    from gradaudit.engine.measure import measure_step
+    from gradaudit.engine.reader import TensorReader
+    from gradaudit.engine.table import TablePieces
+
+    json_step, _ = _step_in_both_forms(tmp_path)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "v11" / "rank_00000.safetensors", mixed)
+    shutil.copy(tmp_path / "v10" / "rank_00001.safetensors", mixed)
+    step = load_step(mixed)
+    with TensorReader(step) as reader:
+        measured = measure_step(step, reader, workers=1)
+    with TensorReader(json_step) as reader:
+        expected = measure_step(json_step, reader, workers=1)
+    assert not any(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
+    assert measured == expected
+    reports = []
+    for directory in (tmp_path / "v10", mixed):
+        outcome = run_cli(capsys, "check", str(directory), "--format", "json")
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]
+
+
+def test_columnar_ranks_with_clipped_gradient_statistics_give_the_report_of_their_json_form(tmp_path, capsys):
+    import torch
+    from builders import FIXED
+
+    from gradaudit.dumpfile.build import flat, write_rank
+    from gradaudit.model import ClipRecord
+
+    gen = torch.Generator().manual_seed(3)
+    for rank in range(2):
+        grad = torch.randn(20, generator=gen)
+        write_rank(
+            tmp_path / "v11",
+            rank=rank,
+            world_size=2,
+            step=1,
+            params={"w": (40,)},
+            pieces=[flat("w", 20 * rank, grad=grad, grad_clipped=grad * 0.5, stats_only=True)],
+            clip=ClipRecord(max_norm=1.0, reported_norm=2.0, clip_coef=0.4),
+            **FIXED,
+        )
+        dump = load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
+        assert isinstance(dump.pieces, ColumnarPieces) and dump.pieces.kinds == ("grad", "grad_clipped")
+        _write_json_1_0(tmp_path / "v10", dump)
+    reports = []
+    for version in ("v10", "v11"):
+        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]
+    assert all(
+        row["applied_clip_coef"] == pytest.approx(0.5) for row in reports[1]["ranks"]
+    )  # from the stats
