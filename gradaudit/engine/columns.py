@@ -104,8 +104,16 @@ class StepColumns:
             return
         self.has_grad = np.ones(n, dtype=bool)
         self.sum_pow = table.kind_column("grad", 0)[chosen]
-        self.sum_sq = table.kind_column("grad", 1)[chosen]
-        self.counts = table.kind_counts("grad")[chosen]
+        # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
+        # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
+        same = table.all_sources(
+            lambda pieces: np.array_equal(pieces.stats["grad"][:, 0], pieces.stats["grad"][:, 1])
+        )
+        self.sum_sq = self.sum_pow if same else table.kind_column("grad", 1)[chosen]
+        if table.all_sources(lambda pieces: not pieces.counts["grad"].any()):
+            self.counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
+        else:
+            self.counts = table.kind_counts("grad")[chosen]
         if is_inf_norm(norm_type):
             self.term = table.kind_column("grad", 2)[chosen]
         elif table.norm_type == norm_type:

@@ -103,6 +103,10 @@ class PieceTable:
         layout[order] = np.cumsum(starts) - 1
         return layout
 
+    def all_sources(self, test: Callable[[ColumnarPieces], bool]) -> bool:
+        """Whether `test` holds for every rank's columns (all their pieces, kept or not)."""
+        return all(test(pieces) for _, _, pieces in self.sources)
+
     def kind_column(self, kind: str, column: int) -> np.ndarray:
         """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs)."""
         return self._gather(lambda _, pieces: pieces.stats[kind][:, column])
