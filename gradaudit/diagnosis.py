@@ -374,8 +374,11 @@ class _RankSetNorms:
                     np.zeros(0),
                     np.zeros(0, dtype=np.int64),
                 )
-            distinct, first_seen = np.unique(layouts, return_index=True)
-            repeated = distinct.size < layouts.size
+            if self._columns is not None and self._columns.distinct_layouts:
+                repeated = False  # no two pieces of the step share a layout
+            else:
+                distinct, first_seen = np.unique(layouts, return_index=True)
+                repeated = distinct.size < layouts.size
             if dedupe and repeated:  # each layout through its first copy in `order`
                 keep = np.sort(first_seen)
                 terms, flags = terms[keep], flags[keep]

@@ -303,3 +303,17 @@ def test_columnar_ranks_with_clipped_gradient_statistics_give_the_report_of_thei
     assert all(
         row["applied_clip_coef"] == pytest.approx(0.5) for row in reports[1]["ranks"]
     )  # from the stats
+
+
+def test_sorting_by_a_combined_key_orders_rows_as_lexsort_does():
+    import numpy as np
+
+    from gradaudit.engine.table import _sorting
+
+    rng = np.random.default_rng(5)
+    for high in (3, 1000, 2**40):
+        keys = [rng.integers(-1, high, size=500) for _ in range(4)]
+        keys[0] = rng.integers(0, 7, size=500)
+        order = _sorting(keys)
+        rows = np.stack(keys, axis=1)[order]
+        assert np.array_equal(rows, np.stack(keys, axis=1)[np.lexsort(keys[::-1])])

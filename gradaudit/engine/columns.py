@@ -35,6 +35,12 @@ class StepColumns:
             | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
         )
         self.by_rank_order = np.lexsort((self.index, self.rank))
+        self.distinct_layouts = (
+            bool(np.unique(self.layout).size == self.layout.size)
+            if table is None
+            else bool(table.copies.max(initial=0) <= 1)
+        )
+        """No two pieces share a layout (no replicas)."""
         self._cover: np.ndarray | None = None
         """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
 
@@ -128,8 +134,11 @@ class StepColumns:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
         if self._cover is None:
             order = self.by_rank_order
-            _, first = np.unique(self.layout[order], return_index=True)
-            self._cover = order[np.sort(first)]
+            if self.distinct_layouts:  # no replicas: every piece is its layout's only copy
+                self._cover = order
+            else:
+                _, first = np.unique(self.layout[order], return_index=True)
+                self._cover = order[np.sort(first)]
         return self._cover
 
     def cover_norm(self) -> float | None:

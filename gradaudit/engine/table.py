@@ -9,6 +9,7 @@ index and layout of every piece; a PieceMeasurement is built only for the pieces
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
@@ -92,7 +93,7 @@ class PieceTable:
             return np.zeros(0, dtype=np.int64)
         width = max(pieces.layout_width for _, _, pieces in self.sources)
         keys = [self.param] + [self._gather(_layout_column(column, width)) for column in range(1, 2 + width)]
-        order = np.lexsort(keys[::-1])
+        order = _sorting(keys)
         starts = np.zeros(self.size, dtype=bool)
         starts[0] = True
         for key in keys:
@@ -148,6 +149,19 @@ class PieceTable:
 
     def pieces(self, positions: np.ndarray | range) -> TablePieces:
         return TablePieces(self, positions)
+
+
+def _sorting(keys: list[np.ndarray]) -> np.ndarray:
+    """np.lexsort(keys[::-1]) (the first key primary): as one argsort of a combined key when the keys
+    are non-negative except -1 padding and their product of ranges fits in int64 (flat ranges), else lexsort."""
+    spans = [int(key.max()) + 2 for key in keys]
+    if all(int(key.min()) >= -1 for key in keys) and math.prod(spans) < 2**62:
+        combined = np.zeros(keys[0].size, dtype=np.int64)
+        for key, span in zip(keys, spans, strict=True):
+            combined *= span
+            combined += key + 1
+        return np.argsort(combined, kind="stable")
+    return np.lexsort(keys[::-1])
 
 
 def _layout_column(column: int, width: int) -> Callable[[int, ColumnarPieces], np.ndarray]:
