@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from .engine.columns import StepColumns, step_columns
+from .engine.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
 from .engine.measure import PieceMeasurement, StepMeasurements
 from .hypotheses import (
     Extra,
@@ -19,10 +19,10 @@ from .hypotheses import (
     ParamGroup,
     averaged_candidates,
     group_candidates,
+    groups_of,
     overflow_candidates,
-    param_groups,
 )
-from .model import ClipRecord, StepDump, TensorStats
+from .model import ClipRecord, Piece, RankDump, StepDump, TensorStats
 from .norms import (
     CLIP_EPS,
     divide_by_power,
@@ -103,7 +103,7 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
     return list(chosen.values())
 
 
-def step_cover(m: StepMeasurements) -> tuple[PieceMeasurement, ...]:
+def step_cover(m: StepMeasurements) -> Sequence[PieceMeasurement]:
     """`disjoint_cover` of all the step's pieces, computed once for the diagnosis and every check."""
     return m.derived("disjoint_cover", None, lambda: step_columns(m).cover())
 
@@ -236,9 +236,13 @@ def reported_norm_of(step: StepDump, rank: int) -> float | None:
 
 
 def applied_coef_of(
-    step: StepDump, rank: int, pieces: list[PieceMeasurement], max_norm: float | None
+    step: StepDump, rank: int, pieces: Sequence[PieceMeasurement], max_norm: float | None
 ) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
+    from .engine.table import TablePieces
+
+    if isinstance(pieces, TablePieces) and "grad_clipped" not in pieces.table.kinds:
+        pieces = ()  # statistics of the gradient before clipping only: they give no coefficient
     # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
     pre_post = [(p.dot_pre_post, cast(float, p.dot_pre_pre)) for p in pieces if p.dot_pre_post is not None]
     if pre_post:
@@ -284,7 +288,9 @@ class _RankSetNorms:
 
         self.norm_type = norm_type
         layout_ids: dict[tuple[object, ...], int] = {}
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray] | np.ndarray] = {}
+        """Rank -> its (layouts, terms, flags), or its positions in `self._columns`."""
+        self._columns: StepColumns | None = None
         by_index = operator.attrgetter("index")
         inf_norm = is_inf_norm(norm_type)
         for rank, pieces in by_rank.items():
@@ -318,20 +324,32 @@ class _RankSetNorms:
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
     @classmethod
-    def of_step(cls, columns: StepColumns, norm_type: float) -> _RankSetNorms:
-        """The same as from every piece of the step grouped by rank, from its columns."""
+    def of_step(
+        cls, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None
+    ) -> _RankSetNorms:
+        """The same as from every piece of the step grouped by rank (those where `chosen`, when
+        given), from its columns."""
         import numpy as np
 
         norms = cls({}, norm_type)
+        norms._columns = columns
         order = columns.by_rank_order
-        order = order[columns.has_grad[order]]
+        keep = columns.has_grad[order] if chosen is None else columns.has_grad[order] & chosen[order]
+        order = order[keep]
         ranks = columns.rank[order]
         distinct, starts = np.unique(ranks, return_index=True)
         bounds = [*starts.tolist(), ranks.size]
         for i, rank in enumerate(distinct.tolist()):
-            rows = order[bounds[i] : bounds[i + 1]]
-            norms._rows[rank] = (columns.layout[rows], columns.term[rows], columns.flags[rows])
+            norms._rows[rank] = order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
         return norms
+
+    def _part(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        part = self._rows[rank]
+        if isinstance(part, tuple):
+            return part
+        columns = self._columns
+        assert columns is not None  # positions are stored only by of_step, with its columns
+        return columns.layout[part], columns.term[part], columns.flags[part]
 
     def norm(
         self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None
@@ -345,7 +363,7 @@ class _RankSetNorms:
             order = (first,) + tuple(r for r in order if r != first)
         key = (order, dedupe)
         if key not in self._cache:
-            parts = [self._rows[rank] for rank in order if rank in self._rows]
+            parts = [self._part(rank) for rank in order if rank in self._rows]
             if len(parts) == 1:
                 layouts, terms, flags = parts[0]
             elif parts:
@@ -356,8 +374,11 @@ class _RankSetNorms:
                     np.zeros(0),
                     np.zeros(0, dtype=np.int64),
                 )
-            distinct, first_seen = np.unique(layouts, return_index=True)
-            repeated = distinct.size < layouts.size
+            if self._columns is not None and self._columns.distinct_layouts:
+                repeated = False  # no two pieces of the step share a layout
+            else:
+                distinct, first_seen = np.unique(layouts, return_index=True)
+                repeated = distinct.size < layouts.size
             if dedupe and repeated:  # each layout through its first copy in `order`
                 keep = np.sort(first_seen)
                 terms, flags = terms[keep], flags[keep]
@@ -370,7 +391,7 @@ class _RankSetNorms:
             elif found & self._INF:
                 value = math.inf
             else:  # norm_of_terms sums exactly (fsum) or takes the max: the order does not matter
-                value = norm_of_terms(terms.tolist(), self.norm_type)
+                value = norm_of_term_array(terms, self.norm_type)
             self._cache[key] = (value, bool(repeated))
         return self._cache[key]
 
@@ -511,23 +532,22 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
     columns = step_columns(m)
-    all_pieces = list(columns.pieces)
     by_rank = columns.by_rank()
     cover = step_cover(m)
     true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
     post_clip = None
     known = true_norm is not None or lower_bound is not None
-    if all("grad_clipped" in p.stats for p in cover if "grad" in p.stats) and cover and known:
+    if columns.cover_all_have("grad_clipped") and cover and known:
         post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
     expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
-    rtol = max(norm_rtol({p.dtype for p in all_pieces}), MIN_RTOL)
+    rtol = max(norm_rtol(set(columns.dtypes)), MIN_RTOL)
     loss_scale = loss_scale_of(step)
     num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq = columns.cover_sum_sq_by_rank()
-    total_sq = safe_fsum(v for values in own_sq.values() for v in values)
+    total_sq = fsum_array(columns.cover_grad_sum_sq())
     norms = _RankSetNorms.of_step(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
-    further = _FurtherCandidates(step, all_pieces, norms, norm_type)
+    further = _FurtherCandidates(step, columns, norms, norm_type)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
@@ -572,7 +592,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
                 detail = bounded.detail(hypothesis, detail)
             if num_calls > 1:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
-        rank_sq = safe_fsum(own_sq.get(rank, ()))
+        rank_sq = fsum_array(own_sq[rank]) if rank in own_sq else 0.0
         ranks[rank] = RankDiagnosis(
             rank=rank,
             local_norm=norms.norm((rank,), False)[0],
@@ -615,23 +635,23 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
 class _FurtherCandidates:
     """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
 
-    def __init__(
-        self, step: StepDump, pieces: list[PieceMeasurement], norms: _RankSetNorms, norm_type: float
-    ) -> None:
-        self.step, self.pieces, self.norms, self.norm_type = step, pieces, norms, norm_type
+    def __init__(self, step: StepDump, columns: StepColumns, norms: _RankSetNorms, norm_type: float) -> None:
+        self.step, self.columns, self.norms, self.norm_type = step, columns, norms, norm_type
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
         self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
 
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
         if self._groups is None:
-            groups = param_groups(self.pieces)
+            import numpy as np
+
+            columns = self.columns
+            groups = groups_of(columns.param_signatures())
             per_group: dict[str, _RankSetNorms] = {}
+            ids = {name: i for i, name in enumerate(columns.param_names)}
             for group in groups:
-                by_rank: dict[int, list[PieceMeasurement]] = {}
-                for piece in self.pieces:
-                    if piece.param in group.params:
-                        by_rank.setdefault(piece.rank, []).append(piece)
-                per_group[group.label] = _RankSetNorms(by_rank, self.norm_type)
+                inside = np.zeros(len(columns.param_names), dtype=bool)
+                inside[[ids[name] for name in group.params]] = True
+                per_group[group.label] = _RankSetNorms.of_step(columns, self.norm_type, inside[columns.param])
             self._groups = (groups, per_group)
         return self._groups
 
@@ -644,7 +664,7 @@ class _FurtherCandidates:
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
-        extras += overflow_candidates(true_norm, self.norm_type, sorted({p.dtype for p in self.pieces}))
+        extras += overflow_candidates(true_norm, self.norm_type, sorted(self.columns.dtypes))
         return tuple(
             Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
         )
@@ -659,7 +679,8 @@ def _true_norm(
 ) -> tuple[float | None, str, float | None]:
     """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are
     missing); `columns`, when given, are the step's, and `cover` their cover."""
-    cover = list(cover)
+    if columns is None:
+        cover = list(cover)
     value = norm_of_pieces(cover, norm_type) if columns is None else columns.cover_norm()
     if value is None:
         return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
@@ -808,7 +829,10 @@ def _call_scale(dump_clip: ClipRecord | None, call: int) -> float:
 def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm, ...]:
     """The true global norm before each clip call, from the pieces' per-call statistics: replicas
     count once through their lowest-rank copy (copies that differ at a call are noted)."""
-    num_calls = max((len(p.call_stats) for r in step.ranks_present for p in step.ranks[r].pieces), default=0)
+    num_calls = max(
+        (len(p.call_stats) for r in step.ranks_present for p in _pieces_with_call_stats(step.ranks[r])),
+        default=0,
+    )
     found = []
     for call in range(num_calls):
         chosen: dict[tuple[Any, ...], float] = {}
@@ -843,6 +867,13 @@ def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm
             value = norm_of_terms(terms, norm_type)
         found.append(CallNorm(call=call + 1, norm=value, replicas_differ=differ))
     return tuple(found)
+
+
+def _pieces_with_call_stats(dump: RankDump) -> Sequence[Piece]:
+    """The rank's pieces, or none for format-1.1 columns (they hold no per-call statistics)."""
+    from .dumpfile.columnar import ColumnarPieces
+
+    return () if isinstance(dump.pieces, ColumnarPieces) else dump.pieces
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:

@@ -57,9 +57,14 @@ def param_groups(pieces: Sequence[PieceMeasurement]) -> tuple[ParamGroup, ...]:
     most_copies: dict[str, int] = {}
     for (param, _), n in copies.items():
         most_copies[param] = max(most_copies.get(param, 0), n)
+    return groups_of({param: (len(ranks), most_copies[param]) for param, ranks in holders.items()})
+
+
+def groups_of(signatures: Mapping[str, tuple[int, int]]) -> tuple[ParamGroup, ...]:
+    """`param_groups` from each parameter's (number of ranks holding it, most copies of one layout)."""
     by_signature: dict[tuple[int, int], set[str]] = {}
-    for param, ranks in holders.items():
-        by_signature.setdefault((len(ranks), most_copies[param]), set()).add(param)
+    for param, signature in signatures.items():
+        by_signature.setdefault(signature, set()).add(param)
     if len(by_signature) < 2:
         return ()
     groups = []

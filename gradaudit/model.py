@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 TENSOR_KINDS = ("grad", "grad_clipped", "param_before", "param_after")
@@ -274,7 +274,8 @@ class RankDump:
     gradaudit_version: str = ""
     created_at: str = ""
     params: tuple[ParamInfo, ...] = ()
-    pieces: tuple[Piece, ...] = ()
+    pieces: Sequence[Piece] = ()
+    """A tuple, or for a format-1.1 stats file a dumpfile.columnar.ColumnarPieces (its columns)."""
     aliases: Mapping[str, str] = field(default_factory=dict)
     topology: Topology = field(default_factory=Topology)
     clip: ClipRecord | None = None
@@ -330,9 +331,14 @@ class StepDump:
         """Every logical parameter named by any rank, first by rank order (computed once: a
         many-rank step names millions of parameters; read only)."""
         found: dict[str, ParamInfo] = {}
+        last: tuple[ParamInfo, ...] | None = None
         for rank in self.ranks_present:
-            for info in self.ranks[rank].params:
+            params = self.ranks[rank].params
+            if last is not None and (params is last or params == last):
+                continue  # the previous rank's table again (the common case): nothing new
+            for info in params:
                 found.setdefault(info.name, info)
+            last = params
         return dict(sorted(found.items()))
 
     @property

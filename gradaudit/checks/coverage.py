@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from ..dumpfile.header import clipped, shown
 from ..engine.measure import StepMeasurements
@@ -122,8 +122,9 @@ def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
     flat = _flat_pieces_by_param(step)
     layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
+    holders: dict[bytes, list[int]] = {}
     for name, info in step.params.items():
-        fast = _flat_param_coverage(info, flat.get(name, ([], [], [])))
+        fast = _flat_param_coverage(info, flat[name] if name in flat else _no_flat_pieces(), holders)
         if fast is not None:
             found[name] = fast
             continue
@@ -140,33 +141,72 @@ def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
     return found
 
 
-FlatPieces = tuple[list[int], list[int], list[int]] | None
+FlatPieces: TypeAlias = "tuple[np.ndarray, np.ndarray, np.ndarray] | None"
 """A parameter's pieces as (starts, stops, ranks) when each is one flat range, else None."""
 
 
 def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
-    """Every parameter's pieces as three lists of integers (no object per piece), in one pass."""
-    found: dict[str, FlatPieces] = {}
+    """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank)."""
+    import numpy as np
+
+    from ..dumpfile.columnar import ColumnarPieces, ParamIds
+
+    ids = ParamIds(list(step.params))
+    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]] = []
     for rank in step.ranks_present:
-        for piece in step.ranks[rank].pieces:
-            regions, param = piece.regions, piece.param
-            if param in found:
-                entry = found[param]
-                if entry is None:
-                    continue
-            else:
-                entry = found[param] = ([], [], [])
-            if len(regions) != 1 or type(regions[0]) is not FlatRange:
-                found[param] = None
-                continue
-            region = regions[0]
-            entry[0].append(region.start)
-            entry[1].append(region.stop)
-            entry[2].append(rank)
+        pieces = step.ranks[rank].pieces
+        if isinstance(pieces, ColumnarPieces):
+            rows, coords = pieces.rows, pieces.coords
+            first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
+            columns.append((ids.of(pieces), coords[first], coords[first + 1], rows[:, 3] == 0, rank))
+            continue
+        params, starts, stops, flats = [], [], [], []
+        for piece in pieces:
+            regions = piece.regions
+            params.append(ids.ids.setdefault(piece.param, len(ids.ids)))
+            region = regions[0] if len(regions) == 1 else None
+            flats.append(type(region) is FlatRange)
+            starts.append(region.start if isinstance(region, FlatRange) else 0)
+            stops.append(region.stop if isinstance(region, FlatRange) else 0)
+        columns.append(
+            (
+                np.array(params, dtype=np.int64),
+                np.array(starts, dtype=np.int64),
+                np.array(stops, dtype=np.int64),
+                np.array(flats, dtype=bool),
+                rank,
+            )
+        )
+    if not columns:
+        return {}
+    param = np.concatenate([c[0] for c in columns])
+    start = np.concatenate([c[1] for c in columns])
+    stop = np.concatenate([c[2] for c in columns])
+    is_flat = np.concatenate([c[3] for c in columns])
+    ranks = np.concatenate([np.full(len(c[0]), c[4], dtype=np.int64) for c in columns])
+    order = np.argsort(param, kind="stable")
+    distinct, bounds = np.unique(param[order], return_index=True)
+    bounds = np.append(bounds, order.size)
+    names = list(ids.ids)
+    found: dict[str, FlatPieces] = {}
+    for k, param_id in enumerate(distinct.tolist()):
+        chosen = order[bounds[k] : bounds[k + 1]]
+        found[names[param_id]] = (
+            (start[chosen], stop[chosen], ranks[chosen]) if is_flat[chosen].all() else None
+        )
     return found
 
 
-def _flat_param_coverage(info: ParamInfo, pieces: FlatPieces) -> ParamCoverage | None:
+def _no_flat_pieces() -> FlatPieces:
+    import numpy as np
+
+    empty = np.zeros(0, dtype=np.int64)
+    return empty, empty, empty
+
+
+def _flat_param_coverage(
+    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]] | None = None
+) -> ParamCoverage | None:
     """The coverage of a parameter held as flat ranges that overlap nowhere (identical ranges are
     replicas, one layout): the common case of a many-rank FSDP/ZeRO dump, from arrays; None when
     another case (the sweep names the overlaps)."""
@@ -175,11 +215,22 @@ def _flat_param_coverage(info: ParamInfo, pieces: FlatPieces) -> ParamCoverage |
     import numpy as np
 
     starts, stops, ranks = pieces
-    bounds = np.unique(np.array([starts, stops], dtype=np.int64).reshape(2, -1).T, axis=0)
+    starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+    order = np.lexsort((stops, starts))  # the distinct (start, stop) rows, sorted: np.unique(axis=0)
+    starts, stops = starts[order], stops[order]
+    distinct = np.ones(starts.size, dtype=bool)
+    distinct[1:] = (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
+    bounds = np.stack([starts[distinct], stops[distinct]], axis=1)
     result = _disjoint_bounds(bounds, numel_of(info.global_shape))
     if result is None:
         return None
-    return info, result, [], sorted(set(ranks))
+    distinct = np.unique(ranks)
+    if holders is None:
+        return info, result, [], distinct.tolist()
+    key = distinct.astype(np.int64).tobytes()
+    if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
+        holders[key] = distinct.tolist()
+    return info, result, [], holders[key]
 
 
 def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from ..diagnosis import norm_of_pieces, step_cover
+from ..engine.columns import step_columns
 from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from ..norms import safe_fsum
@@ -13,7 +14,7 @@ from .base import AuditOptions, CheckResult, Hit, Skip, num
 
 def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
     everything = step_cover(m)
-    cover = [p for p in everything if p.update_sum_sq is not None]
+    cover = step_columns(m).cover_with_updates()
     if not cover:
         stats = any(step.ranks[r].mode == "stats" for r in step.ranks_present)
         return Skip(

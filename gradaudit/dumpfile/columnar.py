@@ -23,14 +23,16 @@ Every rank of a step writes the same table, so the loader decodes it once per st
 by its bytes) and all ranks share one tuple of ParamInfo.
 
 `to_columns` gives None for a dump it cannot store losslessly (then the JSON form is written);
-`from_columns` validates every column against the parameter table before building any piece.
+`from_columns` validates every column against the parameter table as a whole and keeps the pieces
+as columns (ColumnarPieces): a Piece object is built only when one is indexed or iterated.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 
@@ -218,8 +220,8 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
 
 def from_columns(
     descriptor: Any, arrays: Mapping[str, np.ndarray], params: Sequence[ParamInfo], path: str
-) -> tuple[Piece, ...]:
-    """The pieces the columns describe, after checking every column (DumpFormatError naming `path`)."""
+) -> Sequence[Piece]:
+    """The pieces the columns describe (a ColumnarPieces), after checking every column (DumpFormatError naming `path`)."""
 
     def fail(problem: str) -> DumpFormatError:
         return DumpFormatError(path, f"columnar pieces: {problem}", "the file is not a valid gradaudit dump")
@@ -295,7 +297,7 @@ def _check_rows(
         raise fail("a parameter index is outside the parameter list")
     if ((group < -1) | (group >= num_groups)).any():
         raise fail("a replica group index is outside replica_groups")
-    dims = np.array([len(p.global_shape) for p in params], dtype=np.int64)[param]
+    dims = _param_columns(params)[0][param]
     flat = ndim == 0
     if ((~flat) & (ndim != dims)).any():
         raise fail("a box has another number of dimensions than its parameter")
@@ -305,6 +307,22 @@ def _check_rows(
         raise fail("coordinates are not laid out piece after piece")
 
 
+_last_params: tuple[Sequence[ParamInfo], tuple[np.ndarray, np.ndarray]] = ((), (np.zeros(0), np.zeros(0)))
+
+
+def _param_columns(params: Sequence[ParamInfo]) -> tuple[np.ndarray, np.ndarray]:
+    """(ndim, numel) of each parameter, kept for the next rank (the ranks of a step share a table)."""
+    global _last_params
+    known, columns = _last_params
+    if not (known is params or known == params):
+        columns = (
+            np.array([len(p.global_shape) for p in params], dtype=np.int64),
+            np.array([p.numel for p in params], dtype=np.int64),
+        )
+        _last_params = (params, columns)
+    return columns
+
+
 def _check_extents(
     rows: np.ndarray,
     coords: np.ndarray,
@@ -312,12 +330,12 @@ def _check_extents(
     counts: Mapping[str, np.ndarray],
     fail: Fail,
 ) -> None:
-    """Flat ranges inside their parameter and nonfinite counts within each piece's elements, for
-    all pieces at once (boxes are checked one by one as they are built: they are few)."""
+    """Ranges and boxes inside their parameter and nonfinite counts within each piece's elements,
+    for all pieces at once."""
     param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
     flat = np.flatnonzero(ndim == 0)
     start, stop = coords[first[flat]], coords[first[flat] + 1]
-    limit = np.array([p.numel for p in params], dtype=np.int64)[param[flat]]
+    limit = _param_columns(params)[1][param[flat]]
     bad = (start < 0) | (start > stop) | (stop > limit)
     if bad.any():
         i = int(flat[np.argmax(bad)])
@@ -329,6 +347,196 @@ def _check_extents(
         over = counted[flat].sum(axis=1) > numel
         if over.any():
             raise fail(f"piece {int(flat[np.argmax(over)])}: more nonfinite {kind} values than elements")
+    boxes = np.flatnonzero(ndim != 0)
+    if boxes.size:
+        _check_boxes(boxes, rows, coords, params, counts, fail)
+
+
+def _check_boxes(
+    boxes: np.ndarray,
+    rows: np.ndarray,
+    coords: np.ndarray,
+    params: Sequence[ParamInfo],
+    counts: Mapping[str, np.ndarray],
+    fail: Fail,
+) -> None:
+    """Boxes inside their parameter and nonfinite counts within their elements; the first bad box
+    (by position) is named, outside before too many nonfinite values."""
+    outside = np.zeros(boxes.size, dtype=bool)
+    too_many = np.zeros(boxes.size, dtype=bool)
+    param, first, ndim = rows[boxes, 0], rows[boxes, 2], rows[boxes, 3]
+    for k in np.unique(ndim).tolist():
+        chosen = np.flatnonzero(ndim == k)
+        offsets = coords[first[chosen, None] + np.arange(k)]
+        shape = coords[first[chosen, None] + k + np.arange(k)]
+        limits = np.array(
+            [p.global_shape if len(p.global_shape) == k else (0,) * k for p in params], dtype=np.int64
+        )
+        dims = limits.reshape(len(params), k)[param[chosen]]
+        outside[chosen] = ((offsets < 0) | (shape < 0) | (offsets + shape > dims)).any(axis=1)
+        numel = np.prod(np.maximum(shape, 0), axis=1, dtype=np.int64)
+        for counted in counts.values():
+            too_many[chosen] |= counted[boxes[chosen]].sum(axis=1) > numel
+    bad = outside | too_many
+    if bad.any():
+        j = int(np.argmax(bad))
+        i = int(boxes[j])
+        if outside[j]:
+            k, at, info = int(rows[i, 3]), int(rows[i, 2]), params[int(rows[i, 0])]
+            offsets, shape = coords[at : at + k].tolist(), coords[at + k : at + 2 * k].tolist()
+            raise fail(f"piece {i}: box {offsets} + {shape} is outside {info.name!r:.60}")
+        raise fail(f"piece {i}: more nonfinite values than elements")
+
+
+class ColumnarPieces(Sequence[Piece]):
+    """A format-1.1 rank's pieces kept as its validated columns (read-only arrays): a Piece is built
+    each time one is indexed or iterated, and not kept. Equal to any sequence of equal pieces.
+
+    `rows`, `coords`, `stats` and `counts` are the file's columns (see the module docstring);
+    `numel` and `layout` (param index, ndim, then the coordinates padded with -1) are derived."""
+
+    __slots__ = ("_numel", "coords", "counts", "groups", "norm_type", "params", "rows", "stats")
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        coords: np.ndarray,
+        params: Sequence[ParamInfo],
+        groups: Sequence[str],
+        stats: Mapping[str, np.ndarray],
+        counts: Mapping[str, np.ndarray],
+        norm_type: float,
+    ) -> None:
+        self.rows, self.coords = _read_only(rows), _read_only(coords)
+        self.params, self.groups = tuple(params), tuple(groups)
+        self.stats = {k: _read_only(v) for k, v in stats.items()}
+        self.counts = {k: _read_only(counts[k]) for k in stats}
+        self.norm_type = norm_type
+        self._numel: np.ndarray | None = None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.stats)
+
+    @property
+    def fingerprint_length(self) -> int:
+        return int(next(iter(self.stats.values())).shape[1]) - 3
+
+    @property
+    def numel(self) -> np.ndarray:
+        """Elements of each piece."""
+        if self._numel is None:
+            rows, coords = self.rows, self.coords
+            first, ndim = rows[:, 2], rows[:, 3]
+            numel = np.zeros(len(rows), dtype=np.int64)
+            flat = ndim == 0
+            numel[flat] = coords[first[flat] + 1] - coords[first[flat]]
+            for k in np.unique(ndim[~flat]).tolist():
+                chosen = np.flatnonzero(ndim == k)
+                numel[chosen] = np.prod(coords[first[chosen, None] + k + np.arange(k)], axis=1)
+            self._numel = _read_only(numel)
+        return self._numel
+
+    def layout(self, width: int) -> np.ndarray:
+        """[n, 2 + width]: param index, ndim, then the region's coordinates padded with -1: rows are
+        equal exactly when the pieces' layout keys are (for the same parameter table)."""
+        rows, coords = self.rows, self.coords
+        out = np.full((len(rows), 2 + width), -1, dtype=np.int64)
+        out[:, 0], out[:, 1] = rows[:, 0], rows[:, 3]
+        first, ndim = rows[:, 2], rows[:, 3]
+        for k in np.unique(ndim).tolist():
+            chosen = np.flatnonzero(ndim == k)
+            w = 2 if k == 0 else 2 * k
+            out[chosen, 2 : 2 + w] = coords[first[chosen, None] + np.arange(w)]
+        return out
+
+    def layout_column(self, column: int, width: int) -> np.ndarray:
+        """Column `column` of `layout(width)` alone."""
+        rows = self.rows
+        if column < 2:
+            return rows[:, 0] if column == 0 else rows[:, 3]
+        first, ndim = rows[:, 2], rows[:, 3]
+        span = np.where(ndim == 0, 2, 2 * ndim)
+        inside = column - 2 < span
+        return np.where(inside, self.coords[np.where(inside, first + column - 2, 0)], -1)
+
+    @property
+    def layout_width(self) -> int:
+        return max(2, 2 * int(self.rows[:, 3].max())) if len(self.rows) else 2
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> Piece: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Piece, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Piece | tuple[Piece, ...]:
+        if isinstance(index, slice):
+            return tuple(self.build(range(len(self))[index]))
+        position = operator.index(index)
+        if position < 0:
+            position += len(self)
+        if not 0 <= position < len(self):
+            raise IndexError(f"piece index {index} out of range")
+        return self.build([position])[0]
+
+    def __iter__(self) -> Iterator[Piece]:
+        n = len(self)
+        for start in range(0, n, _BATCH):
+            yield from self.build(range(start, min(n, start + _BATCH)))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if (
+            isinstance(other, ColumnarPieces)
+            and len(self) == len(other)
+            and (
+                self.params == other.params
+                and self.groups == other.groups
+                and self.kinds == other.kinds
+                and self.norm_type == other.norm_type
+                and np.array_equal(self.rows, other.rows)
+                and np.array_equal(self.coords, other.coords)
+                and all(np.array_equal(self.stats[k], other.stats[k]) for k in self.kinds)
+                and all(np.array_equal(self.counts[k], other.counts[k]) for k in self.kinds)
+            )
+        ):
+            return True
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ColumnarPieces({len(self)} pieces)"
+
+    def build(self, positions: Iterable[int]) -> list[Piece]:
+        """The pieces at these positions, as objects."""
+        return _build_pieces(
+            self.rows,
+            self.coords,
+            self.params,
+            self.groups,
+            self.stats,
+            self.counts,
+            self.norm_type,
+            positions,
+        )
+
+
+_BATCH = 1024
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    if array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
 
 
 def _pieces_from(
@@ -341,34 +549,44 @@ def _pieces_from(
     norm_type: float,
     *,
     fail: Fail | None = None,
-) -> tuple[Piece, ...]:
+) -> ColumnarPieces:
     if fail is not None:
         _check_extents(rows, coords, params, counts, fail)
-    coords_list = coords.tolist()
-    stats_lists = [(k, v.tolist(), counts[k].tolist()) for k, v in stats.items()]
+    return ColumnarPieces(rows, coords, params, groups, stats, counts, norm_type)
+
+
+def _build_pieces(
+    rows: np.ndarray,
+    coords: np.ndarray,
+    params: Sequence[ParamInfo],
+    groups: Sequence[str],
+    stats: Mapping[str, np.ndarray],
+    counts: Mapping[str, np.ndarray],
+    norm_type: float,
+    positions: Iterable[int],
+) -> list[Piece]:
+    chosen = np.fromiter(positions, dtype=np.int64)
     group_names: list[str | None] = [*groups, None]  # index -1: no group
+    stats_rows = [
+        (kind, values[chosen].tolist(), counts[kind][chosen].tolist()) for kind, values in stats.items()
+    ]
     pieces = []
-    for index, (param_index, group, first, ndim) in enumerate(rows.tolist()):
+    for at, (index, (param_index, group, first, ndim)) in enumerate(
+        zip(chosen.tolist(), rows[chosen].tolist(), strict=True)
+    ):
         info = params[param_index]
         region: Region
         if ndim == 0:
-            start, stop = coords_list[first], coords_list[first + 1]
+            start, stop = coords[first : first + 2].tolist()
             region, local_shape, numel = _flat_range(start, stop), (stop - start,), stop - start
         else:
-            offsets = tuple(coords_list[first : first + ndim])
-            shape = tuple(coords_list[first + ndim : first + 2 * ndim])
-            if fail is not None and not all(
-                o >= 0 and s >= 0 and o + s <= d
-                for o, s, d in zip(offsets, shape, info.global_shape, strict=True)
-            ):
-                raise fail(f"piece {index}: box {list(offsets)} + {list(shape)} is outside {info.name!r:.60}")
+            values = coords[first : first + 2 * ndim].tolist()
+            offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
             region, local_shape, numel = Box(offsets=offsets, shape=shape), shape, math.prod(shape)
-            if fail is not None and any(sum(c[index]) > numel for _, _, c in stats_lists):
-                raise fail(f"piece {index}: more nonfinite values than elements")
         piece_stats = {}
-        for kind, values, counted in stats_lists:
-            row = values[index]
-            nan, posinf, neginf = counted[index]
+        for kind, kind_rows, kind_counts in stats_rows:
+            row = kind_rows[at]
+            nan, posinf, neginf = kind_counts[at]
             sum_pow, sum_sq = row[0], row[1]
             if sum_pow == sum_sq and sum_pow:  # the L2 norm's two sums: one float object (24 bytes a piece)
                 sum_pow = sum_sq
@@ -378,7 +596,7 @@ def _pieces_from(
         pieces.append(
             _piece(index, info.name, (region,), local_shape, info.dtype, group_names[group], piece_stats)
         )
-    return tuple(pieces)
+    return pieces
 
 
 # The columns were validated as a whole above (ranges inside their parameter, counts within each
@@ -444,3 +662,26 @@ def _piece(
     _set(piece, "stats", stats)
     _set(piece, "call_stats", ())
     return piece
+
+
+class ParamIds:
+    """Each ColumnarPieces' parameter indices as indices into one list of names shared by a step's
+    ranks (every rank of a step usually holds the same table: it is mapped once)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.ids = {name: i for i, name in enumerate(names)}
+        self._seen: list[tuple[tuple[ParamInfo, ...], np.ndarray]] = []
+
+    def of(self, pieces: ColumnarPieces) -> np.ndarray:
+        """The step-wide id of each piece's parameter."""
+        ids: np.ndarray = self.table(pieces.params)[pieces.rows[:, 0]]
+        return ids
+
+    def table(self, params: tuple[ParamInfo, ...]) -> np.ndarray:
+        for known, mapping in self._seen:
+            if known is params or known == params:
+                return mapping
+        ids = self.ids
+        mapping = np.array([ids.setdefault(p.name, len(ids)) for p in params], dtype=np.int64)
+        self._seen.append((params, mapping))
+        return mapping

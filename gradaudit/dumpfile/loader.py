@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError, StepFolderError
-from ..model import Inconsistency, RankDump, StepDump
+from ..model import Inconsistency, ParamInfo, RankDump, StepDump
 from .columnar import ParamsCache
 from .header import (
     Header,
@@ -100,6 +100,10 @@ def _read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
+    from .columnar import ColumnarPieces
+
+    if isinstance(dump.pieces, ColumnarPieces):  # statistics only: no piece names a tensor
+        return
     for piece in dump.pieces:
         for key in piece.tensors.values():
             entry = header.tensors.get(key)
@@ -325,21 +329,25 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
 
 
 def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
-    """Parameters whose global shape or dtype differs between ranks, in one pass over all params."""
-    seen: dict[str, dict[int, tuple[tuple[int, ...], str]]] = {}
+    """Parameters whose global shape or dtype differs between ranks. Ranks holding an equal
+    parameter table (consecutive ranks mostly share one) are looked at once."""
+    tables: list[tuple[tuple[ParamInfo, ...], list[int]]] = []
     for rank, dump in sorted(ranks.items()):
-        for info in dump.params:
-            seen.setdefault(info.name, {})[rank] = (tuple(info.global_shape), info.dtype)
+        if tables and (tables[-1][0] is dump.params or tables[-1][0] == dump.params):
+            tables[-1][1].append(rank)
+        else:
+            tables.append((dump.params, [rank]))
+    seen: dict[str, dict[int, tuple[tuple[int, ...], str]]] = {}
+    for table, (params, _) in enumerate(tables):
+        for info in params:
+            seen.setdefault(info.name, {})[table] = (tuple(info.global_shape), info.dtype)
     found = []
     for name in sorted(seen):
-        by_rank = seen[name]
+        by_table = seen[name]
         for what, index in (("shape", 0), ("dtype", 1)):
-            if len({v[index] for v in by_rank.values()}) > 1:
-                found.append(
-                    Inconsistency(
-                        what=f"{what} of {name}", values={r: str(v[index]) for r, v in by_rank.items()}
-                    )
-                )
+            if len({v[index] for v in by_table.values()}) > 1:
+                values = sorted((r, str(v[index])) for t, v in by_table.items() for r in tables[t][1])
+                found.append(Inconsistency(what=f"{what} of {name}", values=dict(values)))
     return found
 
 

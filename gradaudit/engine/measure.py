@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .kernel import ChunkKernel
     from .reader import TensorReader
     from .reference import ReferenceSource
+    from .table import PieceTable
 
 COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
 """Tensor kinds compared against an unsharded reference."""
@@ -119,7 +120,8 @@ class ReferenceError:
 class ParamMeasurement:
     param: str
     norm_type: float
-    pieces: tuple[PieceMeasurement, ...]
+    pieces: Sequence[PieceMeasurement]
+    """A tuple, or for format-1.1 stats-only pieces a table.TablePieces (built when iterated)."""
     replica_sets: tuple[ReplicaSet, ...] = ()
     reference_pieces: tuple[PieceMeasurement, ...] = ()
     """The reference dump's pieces of this parameter (their stats), when a reference was given."""
@@ -184,9 +186,11 @@ class StepMeasurements:
 def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    from .columns import step_columns
+
     notes = []
     inf = math.inf
-    for piece in m.pieces:
+    for piece in step_columns(m).overflowing_grad():
         stats = piece.stats.get("grad")
         if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
             continue
@@ -630,12 +634,19 @@ def measure_step(
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"parameters {unknown[:3]} are not in step {step.step}; pass names from step.params")
-    held = pieces_by_param(step)
+    table = None
+    if reference is None:
+        from .table import piece_table
+
+        table = piece_table(step, names)
+    held = pieces_by_param(step) if table is None else {}
     reference_held = None if reference is None else pieces_by_param(reference)
     reference_infos = {} if reference is None else reference.params
     scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
 
     def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
+        if table is not None:
+            return _measure_from_table(table, name, norm_type, worker_reader, chunk_elements)
         return measure_param(
             step,
             name,
@@ -673,8 +684,36 @@ def measure_step(
     )
 
 
+def _measure_from_table(
+    table: PieceTable, name: str, norm_type: float, reader: TensorReader, chunk: int
+) -> ParamMeasurement:
+    """What measure_param gives for a parameter whose pieces are all in `table` (stats only): the
+    pieces stay in the table; objects are built only for the copies of replicated layouts."""
+    import numpy as np
+
+    positions = table.param_positions(name)
+    layouts = table.layout[positions.start : positions.stop]
+    replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
+    replica_sets: tuple[ReplicaSet, ...] = ()
+    if replicated.size:
+        by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
+        for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
+            by_layout.setdefault(layout, []).append(entry)
+        lookup = {(pm.rank, pm.index): pm for pm in table.measurements(replicated)}
+        replica_sets = tuple(
+            _compare_replicas(reader, copies, lookup, chunk)
+            for copies in sorted(
+                by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p in copies)
+            )
+        )
+    return ParamMeasurement(
+        param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=replica_sets
+    )
+
+
 def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
     """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
+    from ..dumpfile.columnar import ColumnarPieces
     from ..dumpfile.header import SAFETENSORS_DTYPES
 
     itemsize = dict(SAFETENSORS_DTYPES.values())
@@ -683,7 +722,10 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
         if dump is None:
             continue
         for rank in dump.ranks_present:
-            for piece in dump.ranks[rank].pieces:
+            pieces = dump.ranks[rank].pieces
+            if isinstance(pieces, ColumnarPieces):  # statistics only: nothing to read
+                continue
+            for piece in pieces:
                 if piece.tensors and piece.param in cost:
                     cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
     return cost

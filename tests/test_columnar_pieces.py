@@ -1,0 +1,319 @@
+"""Format-1.1 pieces stay columns: a sequence that builds each Piece when asked, equal to the tuple."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hostile.cli import run_cli
+from test_format_1_1 import _rewrite_columns, _stats_step, _write_json_1_0
+
+from gradaudit.dumpfile import load_rank_file
+from gradaudit.dumpfile.columnar import ColumnarPieces, ParamIds, counts_key
+from gradaudit.errors import DumpFormatError
+
+
+def _both_forms(tmp_path, rank=1):
+    path = _stats_step(tmp_path / "v11", rank=rank, world_size=2)
+    columnar = load_rank_file(path)
+    _write_json_1_0(tmp_path / "v10", columnar)
+    return columnar, load_rank_file(tmp_path / "v10" / path.name)
+
+
+def test_columnar_pieces_equal_the_tuple_the_json_form_of_the_same_rank_gives(tmp_path):
+    columnar, json_form = _both_forms(tmp_path)
+    pieces, expected = columnar.pieces, json_form.pieces
+    assert isinstance(pieces, ColumnarPieces) and isinstance(expected, tuple)
+    assert pieces == expected and expected == pieces
+    assert (pieces != expected) is False
+    assert tuple(pieces) == expected and list(pieces) == list(expected)
+    assert [pieces[i] for i in range(len(pieces))] == list(expected)
+    assert pieces[-1] == expected[-1] and pieces[1:] == expected[1:]
+    assert load_rank_file(columnar.path).pieces == pieces
+    with pytest.raises(IndexError):
+        pieces[len(expected)]
+
+
+def test_columnar_pieces_differ_from_a_tuple_with_one_piece_changed(tmp_path):
+    import dataclasses
+
+    columnar, json_form = _both_forms(tmp_path)
+    changed = list(json_form.pieces)
+    changed[1] = dataclasses.replace(changed[1], replica_group="other")
+    assert columnar.pieces != tuple(changed)
+    assert columnar.pieces != json_form.pieces[:-1]
+
+
+def test_the_columns_of_columnar_pieces_are_read_only_and_give_sizes_and_layouts(tmp_path):
+    columnar, json_form = _both_forms(tmp_path)
+    pieces = columnar.pieces
+    assert isinstance(pieces, ColumnarPieces)
+    with pytest.raises(ValueError):
+        pieces.rows[0, 0] = 1
+    assert pieces.numel.tolist() == [p.numel for p in json_form.pieces]
+    layouts = pieces.layout(pieces.layout_width).tolist()
+    keys = [p.layout_key for p in json_form.pieces]
+    for i in range(len(keys)):
+        for j in range(len(keys)):
+            assert (layouts[i] == layouts[j]) == (keys[i] == keys[j])
+    ids = ParamIds(["emb", "layers.0.w", "norm"])
+    assert ids.of(pieces).tolist() == [1, 0, 2]
+
+
+def test_a_box_with_more_nonfinite_values_than_elements_is_refused_naming_the_piece(tmp_path):
+    path = _stats_step(tmp_path, world_size=1)
+    _rewrite_columns(path, lambda a, d: a[counts_key("grad")].__setitem__((0, 1), 10**6))
+    with pytest.raises(DumpFormatError, match="piece 0: more nonfinite values than elements"):
+        load_rank_file(path)
+
+
+def _step_in_both_forms(tmp_path, world_size=2):
+    from gradaudit.dumpfile import load_step
+
+    for rank in range(world_size):
+        _stats_step(tmp_path / "v11", rank=rank, world_size=world_size)
+        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+    return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
+
+
+def test_measuring_columnar_ranks_gives_the_measurements_of_their_json_form(tmp_path):
+    from gradaudit.engine.measure import measure_step
+    from gradaudit.engine.reader import TensorReader
+    from gradaudit.engine.table import TablePieces
+
+    json_step, columnar_step = _step_in_both_forms(tmp_path)
+    with TensorReader(json_step) as reader:
+        expected = measure_step(json_step, reader, workers=1)
+    with TensorReader(columnar_step) as reader:
+        measured = measure_step(columnar_step, reader, workers=1)
+    assert all(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
+    assert measured.params["norm"].replica_sets  # the replicated whole piece, compared by fingerprint
+    for name, pm in expected.params.items():
+        ours = measured.params[name]
+        assert tuple(ours.pieces) == tuple(pm.pieces), name
+        assert ours.replica_sets == pm.replica_sets, name
+    assert measured == expected
+    with TensorReader(columnar_step) as reader:
+        part = measure_step(columnar_step, reader, params=["emb"], workers=1)
+    assert tuple(part.params["emb"].pieces) == tuple(expected.params["emb"].pieces)
+
+
+def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
+    import pickle
+
+    from gradaudit.engine.measure import measure_step
+    from gradaudit.engine.reader import TensorReader
+
+    _, columnar_step = _step_in_both_forms(tmp_path)
+    with TensorReader(columnar_step) as reader:
+        measured = measure_step(columnar_step, reader, workers=1)
+    back = pickle.loads(pickle.dumps(measured))
+    assert back == measured
+    assert isinstance(back.params["emb"].pieces, tuple)
+
+
+def _random_step(tmp_path, seed: int, world_size: int = 4):
+    """Ranks holding random flat ranges and boxes (some the same on several ranks: replicas), some
+    with nonfinite values, as columns (v11) and as JSON (v10)."""
+    import math
+    import random
+
+    import torch
+    from builders import FIXED
+
+    from gradaudit.dumpfile import load_step
+    from gradaudit.dumpfile.build import box, flat, write_rank
+    from gradaudit.model import ClipRecord
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shared = [("f", rng.randrange(0, 40), rng.randrange(1, 9)), ("b", (rng.randrange(0, 4), 0), (4, 6))]
+    for rank in range(world_size):
+        pieces = []
+        for _ in range(rng.randrange(1, 5)):
+            if rng.random() < 0.5:
+                start, size = rng.randrange(0, 40), rng.randrange(1, 9)
+                if rng.random() < 0.4:
+                    _, start, size = shared[0]
+                grad = torch.randn(size, generator=gen)
+                if rng.random() < 0.2:
+                    grad[0] = math.inf
+                pieces.append(flat("f", start, grad=grad, stats_only=True))
+            else:
+                offsets, shape = (
+                    (rng.randrange(0, 5), rng.randrange(0, 3)),
+                    (rng.randrange(1, 4), rng.randrange(1, 4)),
+                )
+                if rng.random() < 0.4:
+                    _, offsets, shape = shared[1]
+                grad = torch.randn(*shape, generator=gen)
+                if rng.random() < 0.2:
+                    grad[0, 0] = math.nan
+                pieces.append(box("b", offsets, grad=grad, stats_only=True, replica_group="dp"))
+        write_rank(
+            tmp_path / "v11",
+            rank=rank,
+            world_size=world_size,
+            step=1,
+            params={"f": (48,), "b": (8, 6)},
+            pieces=pieces,
+            clip=ClipRecord(max_norm=1.0, reported_norm=3.0),
+            **FIXED,
+        )
+        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+    return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layouts(tmp_path, capsys, seed):
+    import numpy as np
+
+    from gradaudit.engine.columns import StepColumns
+    from gradaudit.engine.measure import measure_step, overflow_notes
+    from gradaudit.engine.reader import TensorReader
+    from gradaudit.engine.table import TablePieces
+
+    json_step, columnar_step = _random_step(tmp_path, seed)
+    measured = []
+    for step in (json_step, columnar_step):
+        with TensorReader(step) as reader:
+            measured.append(measure_step(step, reader, workers=1))
+    expected, ours = measured
+    assert ours == expected
+    assert [pm.replica_sets for pm in ours.params.values()] == [
+        pm.replica_sets for pm in expected.params.values()
+    ]
+    a, b = StepColumns(expected), StepColumns(ours)
+    assert isinstance(b.pieces, TablePieces) and not isinstance(a.pieces, TablePieces)
+    for name in (
+        "rank",
+        "index",
+        "has_grad",
+        "term",
+        "sum_sq",
+        "sum_pow",
+        "counts",
+        "flags",
+        "by_rank_order",
+    ):
+        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+    same = a.layout[:, None] == a.layout[None, :]
+    assert np.array_equal(same, b.layout[:, None] == b.layout[None, :])
+    assert np.array_equal(a.cover_positions(), b.cover_positions())
+    assert a.cover() == tuple(b.cover()) and a.dtypes == b.dtypes
+    assert {r: list(p) for r, p in a.by_rank().items()} == {r: list(p) for r, p in b.by_rank().items()}
+    assert a.with_nonfinite_grad() == b.with_nonfinite_grad()
+    assert a.cover_all_have("grad_clipped") == b.cover_all_have("grad_clipped")
+    assert a.cover_with_updates() == b.cover_with_updates() == []
+    assert overflow_notes(expected) == overflow_notes(ours)
+    from gradaudit.hypotheses import groups_of, param_groups
+
+    assert a.param_signatures() == b.param_signatures()
+    assert groups_of(b.param_signatures()) == param_groups(tuple(expected.pieces))
+    reports = []
+    for version in ("v10", "v11"):
+        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
+        assert outcome.code in (0, 1), outcome.stderr
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+def test_norms_of_term_arrays_equal_norm_of_terms_of_their_floats(norm_type):
+    import random
+
+    import numpy as np
+
+    from gradaudit.engine.columns import _CHUNK, fsum_array, norm_of_term_array
+    from gradaudit.norms import norm_of_terms, safe_fsum
+
+    rng = random.Random(int(norm_type) if norm_type != float("inf") else 7)
+    cases = [[], [0.0], [1e308, 1e308], [float("inf"), 1.0], [1e-300] * 5]
+    for _ in range(40):
+        size = rng.choice([1, 5, 100, _CHUNK + 3])
+        scale = rng.choice([1.0, 1e-200, 1e300])
+        cases.append([rng.random() * scale for _ in range(size)])
+    for terms in cases:
+        array = np.array(terms, dtype=np.float64)
+        assert fsum_array(array) == safe_fsum(terms)
+        assert norm_of_term_array(array, norm_type) == norm_of_terms(terms, norm_type)
+
+
+def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_json_form(tmp_path, capsys):
+    import shutil
+
+    from gradaudit.dumpfile import load_step
+    from gradaudit.engine.measure import measure_step
+    from gradaudit.engine.reader import TensorReader
+    from gradaudit.engine.table import TablePieces
+
+    json_step, _ = _step_in_both_forms(tmp_path)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(tmp_path / "v11" / "rank_00000.safetensors", mixed)
+    shutil.copy(tmp_path / "v10" / "rank_00001.safetensors", mixed)
+    step = load_step(mixed)
+    with TensorReader(step) as reader:
+        measured = measure_step(step, reader, workers=1)
+    with TensorReader(json_step) as reader:
+        expected = measure_step(json_step, reader, workers=1)
+    assert not any(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
+    assert measured == expected
+    reports = []
+    for directory in (tmp_path / "v10", mixed):
+        outcome = run_cli(capsys, "check", str(directory), "--format", "json")
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]
+
+
+def test_columnar_ranks_with_clipped_gradient_statistics_give_the_report_of_their_json_form(tmp_path, capsys):
+    import torch
+    from builders import FIXED
+
+    from gradaudit.dumpfile.build import flat, write_rank
+    from gradaudit.model import ClipRecord
+
+    gen = torch.Generator().manual_seed(3)
+    for rank in range(2):
+        grad = torch.randn(20, generator=gen)
+        write_rank(
+            tmp_path / "v11",
+            rank=rank,
+            world_size=2,
+            step=1,
+            params={"w": (40,)},
+            pieces=[flat("w", 20 * rank, grad=grad, grad_clipped=grad * 0.5, stats_only=True)],
+            clip=ClipRecord(max_norm=1.0, reported_norm=2.0, clip_coef=0.4),
+            **FIXED,
+        )
+        dump = load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
+        assert isinstance(dump.pieces, ColumnarPieces) and dump.pieces.kinds == ("grad", "grad_clipped")
+        _write_json_1_0(tmp_path / "v10", dump)
+    reports = []
+    for version in ("v10", "v11"):
+        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]
+    assert all(
+        row["applied_clip_coef"] == pytest.approx(0.5) for row in reports[1]["ranks"]
+    )  # from the stats
+
+
+def test_sorting_by_a_combined_key_orders_rows_as_lexsort_does():
+    import numpy as np
+
+    from gradaudit.engine.table import _sorting
+
+    rng = np.random.default_rng(5)
+    for high in (3, 1000, 2**40):
+        keys = [rng.integers(-1, high, size=500) for _ in range(4)]
+        keys[0] = rng.integers(0, 7, size=500)
+        order = _sorting(keys)
+        rows = np.stack(keys, axis=1)[order]
+        assert np.array_equal(rows, np.stack(keys, axis=1)[np.lexsort(keys[::-1])])
