@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -69,21 +68,17 @@ def projection(x: F64, offset: int) -> float:
     return result
 
 
-@dataclass
 class StatsSums:
     """Running float64 sums of one tensor's chunks (finite values only)."""
 
-    norm_type: float
-    fingerprint: bool = False
-    numel: int = 0
-    sum_sq: list[float] = field(default_factory=list)
-    sum_pow: list[float] = field(default_factory=list)
-    max_abs: float = 0.0
-    num_nan: int = 0
-    num_posinf: int = 0
-    num_neginf: int = 0
-    fp_sum: list[float] = field(default_factory=list)
-    fp_proj: list[float] = field(default_factory=list)
+    def __init__(self, norm_type: float, fingerprint: bool = False) -> None:
+        self.norm_type, self.fingerprint = norm_type, fingerprint
+        self.numel, self.num_nan, self.num_posinf, self.num_neginf = 0, 0, 0, 0
+        self.max_abs = 0.0
+        self.sum_sq: list[float] = []
+        self.sum_pow: list[float] = []
+        self.fp_sum: list[float] = []
+        self.fp_proj: list[float] = []
 
     def add(self, wide: F64, scratch: F64, narrow: np.ndarray | None = None) -> Mask | None:
         """Add one float64 chunk; nonfinite values in `wide` are zeroed in place. Returns the mask
