@@ -35,6 +35,8 @@ def run_timed_rss(command: list[str]) -> tuple[float, int, str]:
     # gradaudit's bytecode cached as an installed package has it (the floors' libraries have theirs
     # in site-packages): an inherited PYTHONDONTWRITEBYTECODE=1 would recompile it in every run.
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    # BLAS single-threaded for floors and subjects alike, as gradaudit's main makes it for itself.
+    env.update({"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
     out = process.stdout.read() if process.stdout else b""

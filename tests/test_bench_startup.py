@@ -30,7 +30,7 @@ def test_startup_bench_times_every_subject_and_prints_a_target_line_for_each_tar
     ], done.stdout
 
 
-def test_startup_subjects_read_gradaudit_from_a_bytecode_cache_as_an_installed_package_does(
+def test_startup_subjects_read_gradaudit_from_a_bytecode_cache_and_floors_get_gradaudits_blas_threads(
     monkeypatch,
 ) -> None:
     sys.path.insert(0, str(REPO / "bench"))
@@ -39,6 +39,8 @@ def test_startup_subjects_read_gradaudit_from_a_bytecode_cache_as_an_installed_p
     finally:
         sys.path.remove(str(REPO / "bench"))
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
     env = startup.subject_env()
     assert "PYTHONDONTWRITEBYTECODE" not in env
     assert env["PYTHONPATH"] == str(REPO)
+    assert env["OPENBLAS_NUM_THREADS"] == "1"
