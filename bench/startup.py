@@ -22,6 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 TOY_DUMP = "sample_dumps/fsdp2_local_clip/step_1"
 """The shipped 4-rank toy dump."""
 
+BLAS_SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""What gradaudit's `main` sets before numpy loads (cli._single_threaded_blas)."""
+
 FLOOR_CLI = "floor: import typer, rich.console"
 FLOOR_NUMPY_CLI = "floor: import numpy, typer, rich.console"
 TYPER_COERCION = "reference: the floor + typer's pydantic coercion"
@@ -56,8 +59,20 @@ TARGETS = (
 )
 
 
-def time_process(args: tuple[str, ...]) -> float:
+def subject_env() -> dict[str, str]:
+    """The environment of every subject: gradaudit from this checkout, with its bytecode cached as an
+    installed package has it (the floors' libraries have theirs in site-packages). Without this, a
+    PYTHONDONTWRITEBYTECODE=1 inherited from the shell recompiles every gradaudit module in every run.
+    BLAS is single-threaded for every subject, as gradaudit makes it for itself: otherwise the floor
+    alone pays for starting OpenBLAS's threads, which on a busy machine flatters the ratio."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update(BLAS_SINGLE_THREADED)
+    return env
+
+
+def time_process(args: tuple[str, ...]) -> float:
+    env = subject_env()
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

@@ -31,7 +31,6 @@ from .report import (
     StepSummary,
     TopologySummary,
 )
-from .updates_explained import DERIVED_KEY, explain_update_errors
 from .version import __version__
 
 Progress = Callable[[int, int], None]
@@ -253,6 +252,8 @@ def audit_step(
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
             if reference is not None:
+                from .updates_explained import DERIVED_KEY, explain_update_errors
+
                 m.derived(
                     DERIVED_KEY, step, lambda: explain_update_errors(step, reference, m, options, reader)
                 )

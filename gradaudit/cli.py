@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +63,8 @@ def show(
 
     inventory = build_inventory(load_step(directory))
     if format is ShowFormat.json:
+        import json
+
         _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True), None)
     else:
         from .render.inventory import render_inventory

@@ -28,3 +28,19 @@ def test_startup_bench_times_every_subject_and_prints_a_target_line_for_each_tar
         "check toy dump vs numpy+typer+rich floor",
         "check toy dump wall seconds (idle machine)",
     ], done.stdout
+
+
+def test_startup_subjects_read_gradaudit_from_a_bytecode_cache_and_floors_get_gradaudits_blas_threads(
+    monkeypatch,
+) -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import startup
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    env = startup.subject_env()
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["PYTHONPATH"] == str(REPO)
+    assert env["OPENBLAS_NUM_THREADS"] == "1"

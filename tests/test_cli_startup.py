@@ -74,6 +74,31 @@ def test_help_explain_and_import_load_neither_torch_nor_pydantic_nor_the_checker
 
 _LIGHT_CHECKS = {"gradaudit.checks.registry", "gradaudit.checks.base", "gradaudit.checks.explanations"}
 
+NOT_FOR_A_PLAIN_CHECK = (
+    "torch",
+    "safetensors",
+    "gradaudit.capture",
+    "gradaudit.demo",
+    "gradaudit.reference_run",
+    "gradaudit.inventory",
+    "gradaudit.updates_explained",
+    "gradaudit.engine.reference",
+    "gradaudit.engine.tensorstats",
+    "gradaudit.dumpfile.build",
+    "gradaudit.render.markdown",
+    "gradaudit.render.json",
+    "gradaudit.render.inventory",
+)
+"""What a terminal `check` of a dump without a reference has no use for: capture, the reference
+comparison and the other renderers load where they are first needed."""
+
+
+def test_a_terminal_check_of_the_toy_dump_loads_no_capture_reference_or_other_renderer() -> None:
+    modules = _modules_loaded_by(["check", "sample_dumps/fsdp2_local_clip/step_1", "--fail-on", "never"])
+    assert "gradaudit.checks.norm" in modules  # the probe did run the checks
+    loaded = sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in NOT_FOR_A_PLAIN_CHECK))
+    assert loaded == []
+
 
 def test_public_names_of_the_package_resolve_on_first_use() -> None:
     import gradaudit

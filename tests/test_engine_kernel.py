@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from builders import FIXED, flat
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.build import write_rank
-from gradaudit.engine.kernel import ChunkKernel
+from gradaudit.engine.kernel import ChunkKernel, StatsSums
 from gradaudit.engine.tensorstats import stats_of_tensor
 from gradaudit.model import ClipRecord
 
@@ -88,3 +91,24 @@ def test_the_measurement_chunk_is_the_kernel_chunk():
     from gradaudit.engine.measure import CHUNK_ELEMENTS
 
     assert CHUNK_ELEMENTS == KERNEL_CHUNK_ELEMENTS
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(["float16", "float32"]),
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=16), min_size=1, max_size=40),
+    chunk=st.integers(min_value=1, max_value=16),
+)
+def test_min_and_max_read_from_the_dumped_floats_give_the_statistics_of_the_widened_chunk(
+    dtype: str, values: list[float], chunk: int
+) -> None:
+    narrow_all = np.array(values, dtype=dtype)
+    from_narrow, from_wide = StatsSums(2.0), StatsSums(2.0)
+    for start in range(0, narrow_all.size, chunk):
+        narrow = narrow_all[start : start + chunk]
+        with np.errstate(all="ignore"):
+            from_narrow.add(narrow.astype(np.float64), np.empty(narrow.size), narrow)
+            from_wide.add(narrow.astype(np.float64), np.empty(narrow.size))
+    got, want = from_narrow.result(narrow_all.size), from_wide.result(narrow_all.size)
+    assert got == want
+    assert math.copysign(1.0, got.max_abs) == 1.0

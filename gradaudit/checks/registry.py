@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import textwrap
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..report import Finding, NotChecked, Severity
@@ -20,12 +19,13 @@ if TYPE_CHECKING:
     from ..model import StepDump
 
 
-@dataclass(frozen=True)
 class DeferredCheck:
     """`module.function` of this package, imported on its first call."""
 
-    module: str
-    function: str
+    __slots__ = ("function", "module")
+
+    def __init__(self, module: str, function: str) -> None:
+        self.module, self.function = module, function
 
     def resolve(self) -> CheckFn:
         fn: CheckFn = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,6 +38,9 @@ FINGERPRINT_PERIOD = 1 << 12
 _GOLDEN = 0x9E3779B1
 
 Mask = npt.NDArray[np.bool_]
+
+NARROW_FLOATS = frozenset({"float16", "float32"})
+"""Dumped dtypes that numpy reads as floats (bf16 and float8 it reads as integers)."""
 
 
 def fingerprint_weights() -> F64:
@@ -66,26 +68,23 @@ def projection(x: F64, offset: int) -> float:
     return result
 
 
-@dataclass
 class StatsSums:
     """Running float64 sums of one tensor's chunks (finite values only)."""
 
-    norm_type: float
-    fingerprint: bool = False
-    numel: int = 0
-    sum_sq: list[float] = field(default_factory=list)
-    sum_pow: list[float] = field(default_factory=list)
-    max_abs: float = 0.0
-    num_nan: int = 0
-    num_posinf: int = 0
-    num_neginf: int = 0
-    fp_sum: list[float] = field(default_factory=list)
-    fp_proj: list[float] = field(default_factory=list)
+    def __init__(self, norm_type: float, fingerprint: bool = False) -> None:
+        self.norm_type, self.fingerprint = norm_type, fingerprint
+        self.numel, self.num_nan, self.num_posinf, self.num_neginf = 0, 0, 0, 0
+        self.max_abs = 0.0
+        self.sum_sq: list[float] = []
+        self.sum_pow: list[float] = []
+        self.fp_sum: list[float] = []
+        self.fp_proj: list[float] = []
 
-    def add(self, wide: F64, scratch: F64) -> Mask | None:
+    def add(self, wide: F64, scratch: F64, narrow: np.ndarray | None = None) -> Mask | None:
         """Add one float64 chunk; nonfinite values in `wide` are zeroed in place. Returns the mask
         of finite values when some were not (for the pair sums), else None. `scratch` is a buffer
-        of wide's size that this may overwrite."""
+        of wide's size that this may overwrite. `narrow`, the same values as dumped (float16 or
+        float32), gives the same min and max from half or a quarter of the bytes."""
         finite_mask = None
         if wide.size == 0:
             return None
@@ -103,7 +102,8 @@ class StatsSums:
                 )
                 np.copyto(wide, 0.0, where=~finite)
                 sq = float(np.dot(wide, wide))
-        self.max_abs = max(self.max_abs, -float(wide.min()), float(wide.max()))
+        extremes = wide if finite_mask is not None or narrow is None else narrow
+        self.max_abs = max(self.max_abs, -float(extremes.min()), float(extremes.max()))
         self.sum_sq.append(sq)
         p = self.norm_type
         if p == 2.0:
@@ -181,6 +181,7 @@ class ChunkKernel:
         replicas with values are compared by value, so only a replica set that mixes values with
         stats-only copies needs it."""
         kinds = sorted(piece.tensors)
+        dtypes = {kind: reader.entry(path, piece.tensors[kind]).dtype for kind in kinds}
         numel = piece.numel
         sums = {kind: StatsSums(float(norm_type), fingerprint=fingerprint) for kind in kinds}
         pre_post = "grad" in piece.tensors and "grad_clipped" in piece.tensors
@@ -192,8 +193,10 @@ class ChunkKernel:
                 masks: dict[str, Mask | None] = {}
                 scratch = self.widener.buffer("scratch", stop - start)
                 for kind in kinds:
-                    wide[kind] = reader.wide(path, piece.tensors[kind], start, stop, self.widener, kind)
-                    masks[kind] = sums[kind].add(wide[kind], scratch)
+                    raw = reader.raw(path, piece.tensors[kind], start, stop, kind)
+                    wide[kind] = self.widener.widen(raw, dtypes[kind], kind)
+                    narrow = raw if dtypes[kind] in NARROW_FLOATS else None
+                    masks[kind] = sums[kind].add(wide[kind], scratch, narrow)
                 if pre_post:
                     ab, aa, _ = _finite_products(
                         wide["grad"], wide["grad_clipped"], masks["grad"], masks["grad_clipped"], scratch

@@ -744,9 +744,6 @@ def _measure_all(
 ) -> dict[str, ParamMeasurement]:
     """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
     would only contend for the GIL. The others go to the worker threads, largest first."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
     from .reader import TensorReader
 
     results: dict[str, ParamMeasurement] = {}
@@ -770,6 +767,9 @@ def _measure_all(
     for name in names:
         if cost[name] == 0:
             finished(name, measure(name, reader, kernel))
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     local = threading.local()
     opened: list[TensorReader] = []
     lock = threading.Lock()

@@ -14,7 +14,6 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
@@ -41,16 +40,13 @@ def default_max_open() -> int:
     return MAX_OPEN_FILES if isinstance(limit, str) or limit <= 0 else max(1, min(MAX_OPEN_FILES, limit // 8))
 
 
-@dataclass(frozen=True)
-class _Identity:
-    inode: int
-    size: int
-    mtime_ns: int
+_Identity = tuple[int, int, int]
+"""(inode, size, mtime_ns) of an open file."""
 
 
 def _identity(handle: BinaryIO) -> _Identity:
     info = os.fstat(handle.fileno())
-    return _Identity(inode=info.st_ino, size=info.st_size, mtime_ns=info.st_mtime_ns)
+    return info.st_ino, info.st_size, info.st_mtime_ns
 
 
 class TensorReader:
