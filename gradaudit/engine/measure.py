@@ -32,6 +32,10 @@ COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
 
 Progress = Callable[[int, int], None]
 
+PARALLEL_MIN_BYTES = 32 << 20
+"""Below this much tensor data a step is read by the calling thread alone: starting a pool costs
+more than the second core gives back (the 4-rank toy dump: 2.3 ms alone, 7 ms with two threads)."""
+
 CHUNK_ELEMENTS = 1 << 16
 """Elements read and reduced at a time per tensor: kernel.KERNEL_CHUNK_ELEMENTS (the float64 buffer
 stays in cache). numpy and the kernel load on first measurement, so that the checks (and `explain`)
@@ -620,11 +624,11 @@ def measure_step(
 ) -> StepMeasurements:
     """Measure the given parameters (all of the step's by default) of one step, parameter by parameter.
 
-    Parameters with tensor data are spread over `workers` threads (default: the usable cores), the
-    largest first; each thread reads with its own TensorReader and buffers, so memory is a few chunks
-    per thread whatever the size of the dump. numpy's reductions release the GIL, and each parameter
-    is reduced by one thread in a fixed chunk order, so the result is the same bits for any number
-    of workers. `progress(done, total)` is
+    Parameters with tensor data are spread over `workers` threads (default: the usable cores, or
+    one below PARALLEL_MIN_BYTES of tensor data), the largest first; each thread reads with its own
+    TensorReader and buffers, so memory is a few chunks per thread whatever the size of the dump.
+    numpy's reductions release the GIL, and each parameter is reduced by one thread in a fixed chunk
+    order, so the result is the same bits for any number of workers. `progress(done, total)` is
     called after each parameter, from the calling thread.
     """
     if norm_type is None:
@@ -668,7 +672,7 @@ def measure_step(
         measure,
         reader,
         step,
-        workers=available_workers() if workers is None else workers,
+        workers=_default_workers(cost) if workers is None else workers,
         chunk_elements=chunk_elements,
         progress=progress,
     )
@@ -797,6 +801,10 @@ def _measure_all(
         for worker_reader in opened:
             worker_reader.close()
     return results
+
+
+def _default_workers(cost: Mapping[str, int]) -> int:
+    return 1 if sum(cost.values()) < PARALLEL_MIN_BYTES else available_workers()
 
 
 def available_workers() -> int:
