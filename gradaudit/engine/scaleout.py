@@ -1,27 +1,33 @@
-"""Scale-out of the check on torch.distributed: under torchrun, each process measures a share of the
-parameters and the partial measurements are gathered with all_gather_object.
+"""Scale-out of the check on torch.distributed: under torchrun, each process loads a share of the
+rank files and measures a share of the parameters; the loaded ranks and the partial measurements
+are exchanged, so that every process holds the whole step and its measurements.
 
     torchrun --nproc-per-node 4 -m gradaudit check ./step_1200
 
-Every process loads the headers (cheap) and runs the checks on the gathered measurements, so every
-process reaches the same report and exit code; only rank 0 prints. The group is gloo (CPU), created
-here from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless the caller
-already initialised one. This module and the capture hook are the only ones that touch
-torch.distributed.
+Every process runs the checks across ranks (dumpfile.loader.load_step) and the audit on the whole
+step, so every process reaches the same report and exit code; only rank 0 prints. A rank file that
+cannot be read is passed on like a loaded one, so every process stops on the same file with the
+message a single process gives. The group is gloo (CPU), created here from torchrun's environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless the caller already initialised one. This
+module and the capture hook are the only ones that touch torch.distributed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import GradauditError, UsageError
+from ..errors import DumpFormatError, GradauditError, UsageError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..dumpfile.loader import LoadFiles, LoadOutcome
     from ..model import StepDump
     from .measure import StepMeasurements
     from .reader import TensorReader
@@ -85,7 +91,8 @@ def share_of(costs: Mapping[str, int], rank: int, world_size: int) -> list[str]:
 class Exchange:
     """All-gathers one picklable value per process; every exchange carries either a result or the
     error that stopped a process, so that one failing process stops all of them with its message
-    instead of leaving them waiting."""
+    instead of leaving them waiting. A process gets its own value back as it gave it (not a copy
+    through pickle): the values are read-only."""
 
     def __init__(self, env: LaunchEnv) -> None:
         self.env = env
@@ -102,11 +109,30 @@ class Exchange:
             self._all_gather((kind, f"{type(exc).__name__}: {exc}" if kind == "internal" else str(exc)))
 
     def _all_gather(self, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
+        """torch.distributed.all_gather_object, on the same wire (a size, then the padded pickles),
+        except that this process's own pickle is not read back."""
+        import torch
         import torch.distributed as dist
 
-        gathered: list[Any] = [None] * self.env.world_size
-        dist.all_gather_object(gathered, outcome)
-        return gathered
+        device = torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        blob = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(self.env.world_size)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine.numpy()[: len(blob)] = memoryview(blob)
+        del blob
+        buffers = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+        dist.all_gather(buffers, mine.to(device))
+        return [
+            outcome
+            if rank == self.env.rank
+            else pickle.loads(buffer[: int(sizes[rank].item())].cpu().numpy().data)
+            for rank, buffer in enumerate(buffers)
+        ]
 
     def _raise_failures(self, outcomes: Sequence[tuple[str, Any]]) -> None:
         for rank, (kind, payload) in enumerate(outcomes):
@@ -114,6 +140,57 @@ class Exchange:
                 raise ScaleOutError(f"process {rank} of the scaled-out check stopped: {payload}")
             if kind == "internal":
                 raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Unreadable:
+    """A DumpFormatError on the wire (the exception itself does not survive pickle)."""
+
+    path: str
+    problem: str
+    hint: str
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # loading it says why
+
+
+def load_share(exchange: Exchange) -> LoadFiles:
+    """A drop-in for `loader.load_rank_files` that loads this process's share of the files (split
+    by bytes) and returns what every process loaded, in the order of `paths`."""
+    from ..dumpfile.loader import load_rank_files
+
+    def load_files(paths: Sequence[Path], *, stop_at_error: bool = False) -> list[LoadOutcome]:
+        costs = {str(path): _file_bytes(path) for path in paths}
+        mine = set(share_of(costs, exchange.env.rank, exchange.env.world_size))
+        own = [path for path in paths if str(path) in mine]
+        loaded = {
+            str(path): _Unreadable(path=outcome.path, problem=outcome.problem, hint=outcome.hint)
+            if isinstance(outcome, DumpFormatError)
+            else outcome
+            for path, outcome in zip(own, load_rank_files(own, stop_at_error=stop_at_error), strict=True)
+            if outcome is not None
+        }
+        found: dict[str, Any] = {}
+        for part in exchange.gather(loaded):
+            found.update(part)
+        outcomes: list[LoadOutcome] = []
+        for path in paths:
+            if outcomes and isinstance(outcomes[-1], DumpFormatError | None) and stop_at_error:
+                outcomes.append(None)
+                continue
+            outcome = found.get(str(path))
+            if outcome is None:  # another process saw a different listing: load it here
+                outcome = load_rank_files([path])[0]
+            if isinstance(outcome, _Unreadable):
+                outcome = DumpFormatError(outcome.path, outcome.problem, outcome.hint)
+            outcomes.append(outcome)
+        return outcomes
+
+    return load_files
 
 
 def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
@@ -138,10 +215,19 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     return measure
 
 
+@dataclass(frozen=True, kw_only=True)
+class Shares:
+    """What the audit calls instead of loading and measuring alone (audit.audit_folder's arguments)."""
+
+    load_files: LoadFiles
+    measure: Callable[..., StepMeasurements]
+
+
 @contextlib.contextmanager
-def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., StepMeasurements] | None]:
-    """Under torchrun: join (or create) the gloo group and give the sharing measure function; a
-    failure in this process is passed on to the others. Without torchrun: None (measure alone)."""
+def scaled_out(env: LaunchEnv | None) -> Iterator[Shares | None]:
+    """Under torchrun: join (or create) the gloo group and give the sharing load and measure
+    functions; a failure in this process is passed on to the others. Without torchrun: None (load
+    and measure alone)."""
     if env is None:
         yield None
         return
@@ -152,7 +238,7 @@ def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., StepMeasurements
         dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=GROUP_TIMEOUT)
     exchange = Exchange(env)
     try:
-        yield measure_share(exchange)
+        yield Shares(load_files=load_share(exchange), measure=measure_share(exchange))
     except ScaleOutError:
         raise  # already known to every process
     except Exception as exc:
