@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DumpFormatError, GradauditError, UsageError
+from ..errors import DumpFormatError, GradauditError, StepFolderError, UsageError
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -183,8 +183,11 @@ def load_share(exchange: Exchange) -> LoadFiles:
                 outcomes.append(None)
                 continue
             outcome = found.get(str(path))
-            if outcome is None:  # another process saw a different listing: load it here
-                outcome = load_rank_files([path])[0]
+            if outcome is None:
+                raise StepFolderError(
+                    f"{path}: the processes of the scaled-out check saw different rank files "
+                    "(is a job still writing this step?); check it again once it is complete"
+                )
             if isinstance(outcome, _Unreadable):
                 outcome = DumpFormatError(outcome.path, outcome.problem, outcome.hint)
             outcomes.append(outcome)
