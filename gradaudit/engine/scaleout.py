@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,8 +90,7 @@ def share_of(costs: Mapping[str, int], rank: int, world_size: int) -> list[str]:
 class Exchange:
     """All-gathers one picklable value per process; every exchange carries either a result or the
     error that stopped a process, so that one failing process stops all of them with its message
-    instead of leaving them waiting. A process gets its own value back as it gave it (not a copy
-    through pickle): the values are read-only."""
+    instead of leaving them waiting."""
 
     def __init__(self, env: LaunchEnv) -> None:
         self.env = env
@@ -109,33 +107,11 @@ class Exchange:
             self._all_gather((kind, f"{type(exc).__name__}: {exc}" if kind == "internal" else str(exc)))
 
     def _all_gather(self, outcome: tuple[str, Any]) -> list[tuple[str, Any]]:
-        """torch.distributed.all_gather_object, on the same wire (a size, then the padded pickles),
-        except that this process's own pickle is not read back."""
-        import torch
         import torch.distributed as dist
 
-        device = torch.device("cpu")
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        blob = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-        sizes = [torch.zeros_like(size) for _ in range(self.env.world_size)]
-        dist.all_gather(sizes, size)
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine.numpy()[: len(blob)] = memoryview(blob)
-        del blob
-        buffers: list[Any] = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
-        dist.all_gather(buffers, mine.to(device))
-        del mine
-        outcomes = []
-        for rank, size in enumerate(sizes):
-            if rank == self.env.rank:
-                outcomes.append(outcome)
-            else:
-                outcomes.append(pickle.loads(buffers[rank][: int(size.item())].cpu().numpy().data))
-            buffers[rank] = None  # a whole share of the step: let it go before the next is read
-        return outcomes
+        gathered: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(gathered, outcome)
+        return gathered
 
     def _raise_failures(self, outcomes: Sequence[tuple[str, Any]]) -> None:
         for rank, (kind, payload) in enumerate(outcomes):
@@ -147,7 +123,7 @@ class Exchange:
 
 @dataclass(frozen=True, kw_only=True)
 class _Unreadable:
-    """A DumpFormatError on the wire (the exception itself does not survive pickle)."""
+    """A DumpFormatError on the wire (the exception itself cannot be rebuilt from its message alone)."""
 
     path: str
     problem: str
