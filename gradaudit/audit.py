@@ -9,6 +9,7 @@ import math
 import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
@@ -32,6 +33,9 @@ from .report import (
     TopologySummary,
 )
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .dumpfile.loader import LoadFiles
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
@@ -267,11 +271,12 @@ def audit_step_dir(
     *,
     progress: Progress | None = None,
     measure: Measure | None = None,
+    load_files: LoadFiles | None = None,
 ) -> Report:
     """Audit one step_<N> folder (with options.reference, against that reference step)."""
     from .dumpfile import load_step
 
-    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks)
+    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks, load_files=load_files)
     reference, warnings = _reference_for(step, options)
     return audit_step(
         step, options, reference=reference, progress=progress, warnings=warnings, measure=measure
@@ -323,15 +328,19 @@ def audit_folder(
     *,
     progress: Progress | None = None,
     measure: Measure | None = None,
+    load_files: LoadFiles | None = None,
 ) -> Report | MultiStepReport:
     """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
     from .dumpfile import find_step_dirs
 
     step_dirs = find_step_dirs(path)
     if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
-        return audit_step_dir(path, options, progress=progress, measure=measure)
+        return audit_step_dir(path, options, progress=progress, measure=measure, load_files=load_files)
     reports = [
-        (str(directory), audit_step_dir(directory, options, progress=progress, measure=measure))
+        (
+            str(directory),
+            audit_step_dir(directory, options, progress=progress, measure=measure, load_files=load_files),
+        )
         for directory in step_dirs
     ]
     return MultiStepReport(

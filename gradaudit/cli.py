@@ -129,13 +129,19 @@ def check(
     from .engine.scaleout import launch_env, scaled_out
     from .render.progress import check_progress
 
-    env = launch_env()  # under torchrun: parameters split among the processes, rank 0 prints
+    env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
     with (
-        scaled_out(env) as measure,
+        scaled_out(env) as shares,
         check_progress(enabled=printing and format is not OutputFormat.json) as progress,
     ):
-        result = audit_folder(directory, options, progress=progress, measure=measure)
+        result = audit_folder(
+            directory,
+            options,
+            progress=progress,
+            measure=None if shares is None else shares.measure,
+            load_files=None if shares is None else shares.load_files,
+        )
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
         _emit_report(result, format, output, fold=not all_ranks)

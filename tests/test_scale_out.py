@@ -6,16 +6,13 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from builders import FIXED, box, flat, whole
+from scaleout_support import launch, single_process
 
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
@@ -146,54 +143,11 @@ def test_the_torchrun_environment_is_recognised_and_one_process_is_not_a_scale_o
     assert launch_env({}) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args: list[str], world_size: int = 2) -> list[subprocess.CompletedProcess]:
-    """`python -m gradaudit ARGS` in `world_size` processes with the environment torchrun gives them."""
-    port = _free_port()
-    processes = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "gradaudit", *args],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=120)
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
-    return results
-
-
-def _single_process(args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    return subprocess.run(
-        [sys.executable, "-m", "gradaudit", *args], env=env, cwd=REPO, capture_output=True, timeout=120
-    )
-
-
 @pytest.mark.integration
 def test_two_processes_under_the_torchrun_environment_print_the_single_process_report(steps):
     args = ["check", str(steps), "--format", "json"]
-    single = _single_process(args)
-    rank0, rank1 = _launch(args)
+    single = single_process(args)
+    rank0, rank1 = launch(args)
     assert single.returncode == 1, single.stderr.decode()
     assert (rank0.returncode, rank1.returncode) == (single.returncode, single.returncode), (
         rank0.stderr.decode() + rank1.stderr.decode()
@@ -205,6 +159,6 @@ def test_two_processes_under_the_torchrun_environment_print_the_single_process_r
 @pytest.mark.integration
 def test_a_user_error_stops_every_process_with_exit_2(tmp_path):
     (tmp_path / "rank_00000.safetensors").write_bytes(b"not a dump")
-    for result in _launch(["check", str(tmp_path), "--format", "json"]):
+    for result in launch(["check", str(tmp_path), "--format", "json"]):
         assert result.returncode == 2, result.stderr.decode()
         assert result.stdout == b""

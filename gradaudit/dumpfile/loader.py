@@ -10,7 +10,7 @@ import os
 import re
 import stat
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -200,7 +200,33 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_step(directory: str | os.PathLike[str], *, allow_incomplete: bool = False) -> StepDump:
+LoadOutcome = RankDump | DumpFormatError | None
+"""A rank file loaded, the reason it cannot be, or None: not loaded (after an unreadable one)."""
+LoadFiles = Callable[..., list[LoadOutcome]]
+"""`load_rank_files` or a drop-in (the scale-out's, which shares the files among processes)."""
+
+
+def load_rank_files(paths: Sequence[Path], *, stop_at_error: bool = False) -> list[LoadOutcome]:
+    """Load each rank file in turn: its RankDump, or the DumpFormatError that says why it cannot be
+    read; with `stop_at_error`, None for the files after the first such one."""
+    outcomes: list[LoadOutcome] = []
+    params_cache: ParamsCache = {}
+    failed = False
+    for path in paths:
+        if failed and stop_at_error:
+            outcomes.append(None)
+            continue
+        try:
+            outcomes.append(load_rank_file(path, params_cache=params_cache))
+        except DumpFormatError as exc:
+            outcomes.append(exc)
+            failed = True
+    return outcomes
+
+
+def load_step(
+    directory: str | os.PathLike[str], *, allow_incomplete: bool = False, load_files: LoadFiles | None = None
+) -> StepDump:
     """Load the headers of every rank file in a step folder into one StepDump.
 
     Files from different steps, runs or world sizes in one folder are refused (DumpFormatError):
@@ -208,7 +234,8 @@ def load_step(directory: str | os.PathLike[str], *, allow_incomplete: bool = Fal
     across them would describe no real step. A file that cannot be read stops the load, unless
     `allow_incomplete`: then a file named for its rank becomes a missing rank with its reason
     (`StepDump.unreadable_ranks`), any other a warning. Running out of file descriptors is never
-    taken for a broken file.
+    taken for a broken file. `load_files` replaces `load_rank_files` (the checks across ranks
+    still run here, on every file of the folder).
     """
     directory = Path(directory)
     problem = _folder_problem(directory)
@@ -224,16 +251,15 @@ def load_step(directory: str | os.PathLike[str], *, allow_incomplete: bool = Fal
         )
     ranks: dict[int, RankDump] = {}
     unreadable: dict[int, str] = {}
-    params_cache: ParamsCache = {}
     with gc_paused():
-        for path in files:
-            try:
-                dump = load_rank_file(path, params_cache=params_cache)
-            except DumpFormatError as exc:
+        outcomes = (load_files or load_rank_files)(files, stop_at_error=not allow_incomplete)
+        for path, dump in zip(files, outcomes, strict=True):
+            assert dump is not None, "a file left unloaded before the first unreadable one"
+            if isinstance(dump, DumpFormatError):
                 if not allow_incomplete:
-                    raise
+                    raise dump
                 named = _RANK_FILE.match(path.name)
-                reason = exc.problem + (f" ({exc.hint})" if exc.hint else "")
+                reason = dump.problem + (f" ({dump.hint})" if dump.hint else "")
                 if named:
                     unreadable[int(named.group(1))] = reason
                 warnings.append(f"{path}: unreadable, audited as a missing rank: {reason}")

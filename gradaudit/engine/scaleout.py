@@ -1,13 +1,15 @@
-"""Scale-out of the check on torch.distributed: under torchrun, each process measures a share of the
-parameters and the partial measurements are gathered with all_gather_object.
+"""Scale-out of the check on torch.distributed: under torchrun, each process loads a share of the
+rank files and measures a share of the parameters; the loaded ranks and the partial measurements
+are exchanged, so that every process holds the whole step and its measurements.
 
     torchrun --nproc-per-node 4 -m gradaudit check ./step_1200
 
-Every process loads the headers (cheap) and runs the checks on the gathered measurements, so every
-process reaches the same report and exit code; only rank 0 prints. The group is gloo (CPU), created
-here from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless the caller
-already initialised one. This module and the capture hook are the only ones that touch
-torch.distributed.
+Every process runs the checks across ranks (dumpfile.loader.load_step) and the audit on the whole
+step, so every process reaches the same report and exit code; only rank 0 prints. A rank file that
+cannot be read is passed on like a loaded one, so every process stops on the same file with the
+message a single process gives. The group is gloo (CPU), created here from torchrun's environment
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless the caller already initialised one. This
+module and the capture hook are the only ones that touch torch.distributed.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import GradauditError, UsageError
+from ..errors import DumpFormatError, GradauditError, StepFolderError, UsageError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..dumpfile.loader import LoadFiles, LoadOutcome
     from ..model import StepDump
     from .measure import StepMeasurements
     from .reader import TensorReader
@@ -116,9 +121,67 @@ class Exchange:
                 raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Unreadable:
+    """A DumpFormatError on the wire (the exception itself cannot be rebuilt from its message alone)."""
+
+    path: str
+    problem: str
+    hint: str
+
+
+def _file_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # loading it says why
+
+
+def load_share(exchange: Exchange) -> LoadFiles:
+    """A drop-in for `loader.load_rank_files` that loads this process's share of the files (split
+    by bytes) and returns what every process loaded, in the order of `paths`."""
+    from ..dumpfile.loader import load_rank_files
+
+    def load_files(paths: Sequence[Path], *, stop_at_error: bool = False) -> list[LoadOutcome]:
+        costs = {str(path): _file_bytes(path) for path in paths}
+        mine = set(share_of(costs, exchange.env.rank, exchange.env.world_size))
+        own = [path for path in paths if str(path) in mine]
+        loaded = {
+            str(path): _Unreadable(path=outcome.path, problem=outcome.problem, hint=outcome.hint)
+            if isinstance(outcome, DumpFormatError)
+            else outcome
+            for path, outcome in zip(own, load_rank_files(own, stop_at_error=stop_at_error), strict=True)
+            if outcome is not None
+        }
+        found: dict[str, Any] = {}
+        for part in exchange.gather(loaded):
+            found.update(part)
+        outcomes: list[LoadOutcome] = []
+        for path in paths:
+            if outcomes and isinstance(outcomes[-1], DumpFormatError | None) and stop_at_error:
+                outcomes.append(None)
+                continue
+            outcome = found.get(str(path))
+            if outcome is None:
+                raise StepFolderError(
+                    f"{path}: the processes of the scaled-out check saw different rank files "
+                    "(is a job still writing this step?); check it again once it is complete"
+                )
+            if isinstance(outcome, _Unreadable):
+                outcome = DumpFormatError(outcome.path, outcome.problem, outcome.hint)
+            outcomes.append(outcome)
+        return outcomes
+
+    return load_files
+
+
 def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     """A drop-in for `measure.measure_step` that measures this process's share of the parameters
-    and returns the merged measurements of all processes."""
+    and returns the merged measurements of all processes.
+
+    A stats-only step (and no reference) has no tensor data to read: every process measures all of
+    it, as sending the per-piece measurements costs more than computing them (a 512-rank stats
+    dump: the exchange took a third of each process's time)."""
     from functools import reduce
 
     from .measure import available_workers, bytes_to_read, measure_step
@@ -126,11 +189,13 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     def measure(
         step: StepDump, reader: TensorReader, *, params: Iterable[str] | None = None, **kwargs: Any
     ) -> StepMeasurements:
+        kwargs.setdefault("workers", max(1, available_workers() // exchange.env.local_world_size))
+        if kwargs.get("reference") is None and all(d.mode == "stats" for d in step.ranks.values()):
+            return measure_step(step, reader, params=params, **kwargs)
         costs = bytes_to_read(step, kwargs.get("reference"))
         if params is not None:
             costs = {name: costs.get(name, 0) for name in params}
         mine = share_of(costs, exchange.env.rank, exchange.env.world_size)
-        kwargs.setdefault("workers", max(1, available_workers() // exchange.env.local_world_size))
         partial = measure_step(step, reader, params=mine, **kwargs)
         gathered: list[StepMeasurements] = exchange.gather(partial)
         return reduce(lambda a, b: a.merge(b), gathered)
@@ -138,10 +203,19 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     return measure
 
 
+@dataclass(frozen=True, kw_only=True)
+class Shares:
+    """What the audit calls instead of loading and measuring alone (audit.audit_folder's arguments)."""
+
+    load_files: LoadFiles
+    measure: Callable[..., StepMeasurements]
+
+
 @contextlib.contextmanager
-def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., StepMeasurements] | None]:
-    """Under torchrun: join (or create) the gloo group and give the sharing measure function; a
-    failure in this process is passed on to the others. Without torchrun: None (measure alone)."""
+def scaled_out(env: LaunchEnv | None) -> Iterator[Shares | None]:
+    """Under torchrun: join (or create) the gloo group and give the sharing load and measure
+    functions; a failure in this process is passed on to the others. Without torchrun: None (load
+    and measure alone)."""
     if env is None:
         yield None
         return
@@ -152,7 +226,7 @@ def scaled_out(env: LaunchEnv | None) -> Iterator[Callable[..., StepMeasurements
         dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size, timeout=GROUP_TIMEOUT)
     exchange = Exchange(env)
     try:
-        yield measure_share(exchange)
+        yield Shares(load_files=load_share(exchange), measure=measure_share(exchange))
     except ScaleOutError:
         raise  # already known to every process
     except Exception as exc:
