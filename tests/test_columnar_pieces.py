@@ -60,6 +60,17 @@ def test_the_columns_of_columnar_pieces_are_read_only_and_give_sizes_and_layouts
     assert ids.of(pieces).tolist() == [1, 0, 2]
 
 
+def test_columnar_pieces_stay_read_only_and_equal_through_a_pickle(tmp_path):
+    import pickle
+
+    columnar, _ = _both_forms(tmp_path)
+    back = pickle.loads(pickle.dumps(columnar.pieces))
+    assert isinstance(back, ColumnarPieces) and back == columnar.pieces
+    for array in (back.rows, back.coords, *back.stats.values(), *back.counts.values()):
+        with pytest.raises(ValueError):
+            array[0] = 1
+
+
 def test_a_box_with_more_nonfinite_values_than_elements_is_refused_naming_the_piece(tmp_path):
     path = _stats_step(tmp_path, world_size=1)
     _rewrite_columns(path, lambda a, d: a[counts_key("grad")].__setitem__((0, 1), 10**6))

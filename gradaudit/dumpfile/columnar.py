@@ -414,6 +414,14 @@ class ColumnarPieces(Sequence[Piece]):
         self.norm_type = norm_type
         self._numel: np.ndarray | None = None
 
+    def __reduce__(self) -> tuple[type[ColumnarPieces], tuple[Any, ...]]:
+        """Through __init__, so that the columns are read-only again on the other side of a pickle
+        (the scaled-out check sends loaded ranks between processes)."""
+        return (
+            ColumnarPieces,
+            (self.rows, self.coords, self.params, self.groups, self.stats, self.counts, self.norm_type),
+        )
+
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(self.stats)
