@@ -415,8 +415,8 @@ class ColumnarPieces(Sequence[Piece]):
         self._numel: np.ndarray | None = None
 
     def __reduce__(self) -> tuple[type[ColumnarPieces], tuple[Any, ...]]:
-        """Through __init__, so that the columns are read-only again on the other side of a pickle
-        (the scaled-out check sends loaded ranks between processes)."""
+        """Rebuilt through __init__, so that the columns are read-only again after the scaled-out
+        check has sent loaded ranks to another process."""
         return (
             ColumnarPieces,
             (self.rows, self.coords, self.params, self.groups, self.stats, self.counts, self.norm_type),
