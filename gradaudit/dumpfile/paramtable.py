@@ -121,7 +121,7 @@ class SharedTables:
                 '{"file": "params_<16 hex>.safetensors", "sha256": <its 64 hex digits>}',
                 "the file is not a valid gradaudit dump",
             )
-        table_path = str(Path(rank_path).parent / reference["file"])
+        table_path = os.path.join(os.path.dirname(rank_path), reference["file"])
         self.referenced.add(reference["file"])
         if table_path not in self._read:
             self._read[table_path] = _read_table(table_path)
