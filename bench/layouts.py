@@ -256,9 +256,9 @@ def write_stats_dump(directory: Path, *, num_ranks: int, num_params: int = 800, 
 
     Statistics are synthesized (there are no values) and consistent: the clip record's reported norm
     is the norm they add up to. Rank 0 is written by the project's writer (`write_rank_file`: format
-    1.1, pieces and parameters as binary columns); the other ranks reuse rank 0's document and
-    columns with their own ranges, statistics and rank number patched in (`patched_columns`), which
-    is what lets 4096 files be written in seconds. tests/test_bench_smoke.py checks that both paths
+    1.1, pieces as binary columns, the parameter table in the step's shared table file); the other
+    ranks reuse rank 0's document (naming that table) and columns with their own ranges, statistics
+    and rank number patched in (`patched_columns`), which is what lets 4096 files be written in seconds. tests/test_bench_smoke.py checks that both paths
     give identical dumps.
     """
     import json
