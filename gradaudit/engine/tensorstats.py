@@ -35,12 +35,12 @@ def chunk_elements_for(device: torch.device) -> int:
 
 def fingerprint_weights(device: torch.device | str) -> torch.Tensor:
     """w[j] = ((j * 2654435761) mod 2^32) * 2^-31 - 1 for j < 4096, float64, cached per device."""
-    return _weight_table(device)[:, 0]
+    return _weight_table(device)[0]
 
 
 def _weight_table(device: torch.device | str) -> torch.Tensor:
-    """(4096, 2) float64: the fingerprint weights beside a column of ones, so that one product of a
-    chunk's column sums gives both sum x*w and sum x."""
+    """(2, 4096) float64: the fingerprint weights over a row of ones, so that one matrix-vector product
+    with a chunk's column sums gives both sum x*w and sum x."""
     import torch
 
     key = str(device)
@@ -48,7 +48,7 @@ def _weight_table(device: torch.device | str) -> torch.Tensor:
     if table is None:
         index = torch.arange(FINGERPRINT_PERIOD, dtype=torch.int64)
         weights = ((index * _GOLDEN) % (1 << 32)).to(torch.float64) * (2.0 / (1 << 32)) - 1.0
-        table = torch.stack([weights, torch.ones_like(weights)], dim=1)
+        table = torch.stack([weights, torch.ones_like(weights)])
         table = _weight_tables[key] = table.to(device)
     return table
 
@@ -84,12 +84,13 @@ def _padded(flat: torch.Tensor, phase: int) -> tuple[torch.Tensor, _Scratch]:
     length = -(-stop // FINGERPRINT_PERIOD) * FINGERPRINT_PERIOD
     scratch = _scratch_for(flat.device, length)
     buffer = scratch.buffer
+    x = buffer[:length]
     if phase:
         buffer[:phase].zero_()
     if length > stop:
         buffer[stop:length].zero_()
-    buffer[phase:stop].copy_(flat)
-    return buffer[:length], scratch
+    (x[phase:stop] if phase or length > stop else x).copy_(flat)
+    return x, scratch
 
 
 class StatsAccumulator:
@@ -142,8 +143,8 @@ class StatsAccumulator:
         import torch
 
         rows = x.view(-1, FINGERPRINT_PERIOD)
-        column_sums = scratch.ones[: rows.shape[0]] @ rows
-        sums = [torch.dot(x, x).reshape(1), column_sums @ scratch.table]
+        column_sums = x if rows.shape[0] == 1 else torch.mv(rows.t(), scratch.ones[: rows.shape[0]])
+        sums = [torch.dot(x, x).reshape(1), torch.mv(scratch.table, column_sums)]
         p = self.norm_type
         if p == 1.0:
             sums.append(x.abs().sum().reshape(1))
@@ -170,8 +171,11 @@ class StatsAccumulator:
         max_abs = 0.0
         counts = [0, 0, 0]
         if self._chunks:
-            sums = torch.cat(self._sums)
-            values = torch.cat([sums, torch.stack(self._extremes).to(sums.dtype)]).tolist()
+            if self._chunks[0][1].device.type == "cpu":  # no transfer to save: skip the concatenation
+                values = [v for t in self._sums for v in t.tolist()] + [float(t) for t in self._extremes]
+            else:
+                sums = torch.cat(self._sums)
+                values = torch.cat([sums, torch.stack(self._extremes).to(sums.dtype)]).tolist()
             extremes = values[len(self._chunks) * width :]
             for i, (offset, flat) in enumerate(self._chunks):
                 low, high = extremes[2 * i], extremes[2 * i + 1]
@@ -212,5 +216,13 @@ def stats_of_chunks(chunks: Iterable[torch.Tensor], norm_type: float) -> TensorS
 
 def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int | None = None) -> TensorStats:
     flat = tensor.detach().reshape(-1)
-    step = chunk_elements or chunk_elements_for(flat.device)
-    return stats_of_chunks((flat[i : i + step] for i in range(0, flat.numel(), step)), norm_type)
+    step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
+    acc = StatsAccumulator(norm_type)
+    numel = flat.numel()
+    if numel <= step:
+        if numel:
+            acc._add(flat)
+    else:
+        for start in range(0, numel, step):
+            acc._add(flat[start : start + step])
+    return acc.result()
