@@ -100,8 +100,9 @@ class StatsAccumulator:
     fingerprint is (sum x, sum x*w) with a fixed pseudo-random weight w per element position, so
     two replicas agree on it and two different tensors almost never do.
 
-    Each chunk is reduced by one widening copy and three reductions of that copy (sum of squares,
-    column sums against the weight table, min and max), all queued on the tensor's device; `result()`
+    Each chunk costs a min and max on its own dtype, one widening copy into a cached float64 buffer,
+    and two BLAS reductions of that copy (the sum of squares; the column sums over fingerprint
+    periods, then their product with the weight table), all queued on the tensor's device; `result()`
     copies them to the host once. A chunk whose min or max is not finite is reduced again with its
     nonfinite values counted and masked, so the chunks passed to `add` must stay unchanged until
     `result()`.
