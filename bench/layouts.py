@@ -256,14 +256,15 @@ def write_stats_dump(directory: Path, *, num_ranks: int, num_params: int = 800, 
 
     Statistics are synthesized (there are no values) and consistent: the clip record's reported norm
     is the norm they add up to. Rank 0 is written by the project's writer (`write_rank_file`: format
-    1.1, pieces and parameters as binary columns); the other ranks reuse rank 0's document and
-    columns with their own ranges, statistics and rank number patched in (`patched_columns`), which
-    is what lets 4096 files be written in seconds. tests/test_bench_smoke.py checks that both paths
+    1.1, pieces as binary columns, the parameter table in the step's shared table file); the other
+    ranks reuse rank 0's document (naming that table) and columns with their own ranges, statistics
+    and rank number patched in (`patched_columns`), which is what lets 4096 files be written in seconds. tests/test_bench_smoke.py checks that both paths
     give identical dumps.
     """
     import json
 
     from gradaudit.dumpfile.columnar import to_columns
+    from gradaudit.dumpfile.paramtable import TABLE_COLUMNS
     from gradaudit.dumpfile.schema import METADATA_KEY
     from gradaudit.dumpfile.writer import write_rank_file
 
@@ -277,12 +278,13 @@ def write_stats_dump(directory: Path, *, num_ranks: int, num_params: int = 800, 
         document = json.loads(handle.metadata()[METADATA_KEY])
     columns = to_columns(layout.dump(0))
     assert columns is not None
+    shared = isinstance(document["columnar"]["params"], dict)  # the table is in its own file
     for rank in range(1, num_ranks):
-        sizes.append(
-            _write_columns(
-                directory, rank, dict(document, rank=rank), layout.patched_columns(columns[1], rank)
-            )
-        )
+        arrays = layout.patched_columns(columns[1], rank)
+        if shared:
+            arrays = {k: v for k, v in arrays.items() if k not in TABLE_COLUMNS}
+        sizes.append(_write_columns(directory, rank, dict(document, rank=rank), arrays))
+    sizes.extend(p.stat().st_size for p in directory.glob("params_*.safetensors"))
     return StatsLayout(
         directory=directory,
         num_ranks=num_ranks,

@@ -264,6 +264,8 @@ def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_j
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     shutil.copy(tmp_path / "v11" / "rank_00000.safetensors", mixed)
+    for table in (tmp_path / "v11").glob("params_*.safetensors"):
+        shutil.copy(table, mixed)
     shutil.copy(tmp_path / "v10" / "rank_00001.safetensors", mixed)
     step = load_step(mixed)
     with TensorReader(step) as reader:

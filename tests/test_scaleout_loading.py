@@ -26,10 +26,11 @@ OWN = {0: 6, 3: 2}
 """Unsharded parameters held by one rank only (more pieces: a larger file in a stats dump too)."""
 
 
-def write_dump(directory: Path, *, stats_only: bool, local_clip: bool) -> Path:
+def write_dump(directory: Path, *, stats_only: bool, local_clip: bool, own_tables: bool = False) -> Path:
     """5 ranks: `w` split by rows, unevenly; a bias replicated on every rank (compared by value, or
     by fingerprint in a stats dump); a few whole parameters on ranks 0 and 3. With `local_clip`
-    every rank reports the norm of what it holds."""
+    every rank reports the norm of what it holds; with `own_tables` each rank lists only the
+    parameters it holds (three distinct parameter tables in a stats dump)."""
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(sum(ROWS.values()), 50, generator=gen) * 1e-2
     bias = torch.randn(50, generator=gen) * 1e-2
@@ -39,12 +40,13 @@ def write_dump(directory: Path, *, stats_only: bool, local_clip: bool) -> Path:
     start = 0
     for rank, rows in ROWS.items():
         local = [w[start : start + rows].flatten(), bias, *(g for (r, _), g in own.items() if r == rank)]
+        held = {f"own_{r}_{i}" for r, i in own if r == rank}
         write_rank(
             directory,
             rank=rank,
             world_size=len(ROWS),
             step=7,
-            params=params,
+            params={n: s for n, s in params.items() if not own_tables or n in ("w", "bias") or n in held},
             pieces=[
                 box("w", (start, 0), grad=w[start : start + rows], stats_only=stats_only),
                 whole("bias", grad=bias, replica_group="dp", stats_only=stats_only),
@@ -85,12 +87,12 @@ def test_a_step_loaded_in_shares_and_pickled_across_is_the_step_loaded_whole(tmp
     directory = write_dump(tmp_path / "step_7", stats_only=stats_only, local_clip=True)
     assert len({p.stat().st_size for p in directory.iterdir()}) > 1
 
-    def load_in_two_shares(paths, *, stop_at_error=False):
+    def load_in_two_shares(paths, *, stop_at_error=False, tables=None):
         costs = {str(p): p.stat().st_size for p in paths}
         loaded = {}
         for rank in range(2):
             mine = [p for p in paths if str(p) in share_of(costs, rank, 2)]
-            outcomes = load_rank_files(mine, stop_at_error=stop_at_error)
+            outcomes = load_rank_files(mine, stop_at_error=stop_at_error, tables=tables)
             loaded.update(pickle.loads(pickle.dumps(dict(zip(map(str, mine), outcomes, strict=True)))))
         return [loaded[str(p)] for p in paths]
 
@@ -130,6 +132,20 @@ def test_every_process_reaches_the_single_process_report_and_exit_code(
         assert result.returncode == single.returncode, result.stderr.decode()
     assert results[0].stdout == single.stdout
     assert all(result.stdout == b"" for result in results[1:])
+
+
+@pytest.mark.integration
+def test_tables_named_only_by_another_process_share_are_not_called_unreferenced(tmp_path):
+    directory = write_dump(tmp_path / "step_7", stats_only=True, local_clip=False, own_tables=True)
+    assert len(list(directory.glob("params_*.safetensors"))) == 3
+    (directory / "params_0123456789abcdef.safetensors").write_bytes(b"left over")
+    args = ["check", str(directory), "--format", "json"]
+    single = single_process(args)
+    assert single.returncode == 0, single.stderr.decode()
+    assert single.stdout.count(b"params_") == 1  # only the stray one is warned about
+    results = launch(args)
+    assert [r.returncode for r in results] == [0, 0], results[1].stderr.decode()
+    assert results[0].stdout == single.stdout
 
 
 def _last_line(result: subprocess.CompletedProcess) -> str:

@@ -164,10 +164,12 @@ def write_rank(
     norm_type: float | None = None,
     overwrite: bool = False,
     columnar: bool = True,
+    share_params: bool = True,
 ) -> Path:
     """Write one rank's file into `step_dir`. `params` maps names to global shapes (dtype taken
     from the first piece of each), or is a list of ParamInfo. `columnar=False` keeps stats-only
-    pieces in the JSON header (format 1.0's form) instead of binary columns."""
+    pieces in the JSON header (format 1.0's form) instead of binary columns; `share_params=False`
+    keeps a columnar file's parameter table in the file instead of the step's shared table file."""
     from ..engine.tensorstats import stats_of_tensor
 
     if isinstance(params, Mapping):
@@ -225,7 +227,9 @@ def write_rank(
         clip=clip,
         data=data or DataRecord(),
     )
-    return write_rank_file(step_dir, dump, payload, overwrite=overwrite, columnar=columnar)
+    return write_rank_file(
+        step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params
+    )
 
 
 def _torch_version() -> str:

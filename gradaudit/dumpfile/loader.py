@@ -30,6 +30,7 @@ from .header import (
     shown,
     validate_tensors,
 )
+from .paramtable import SharedTables, is_table_file, resolve_shared, unreferenced_tables
 from .schema import METADATA_KEY, decode_rank
 from .writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX, is_temporary
 
@@ -37,17 +38,26 @@ _STEP_DIR = re.compile(rf"^{STEP_DIR_PREFIX}(\d+)$")
 _RANK_FILE = re.compile(rf"^rank_(\d+){re.escape(RANK_FILE_SUFFIX)}$")
 
 
-def load_rank_file(path: str | os.PathLike[str], *, params_cache: ParamsCache | None = None) -> RankDump:
+def load_rank_file(
+    path: str | os.PathLike[str],
+    *,
+    params_cache: ParamsCache | None = None,
+    tables: SharedTables | None = None,
+) -> RankDump:
     """Read and validate one rank file's header; no tensor data is read (format-1.1 columns are
-    metadata, and are read). `params_cache` shares decoded parameter tables between the ranks."""
+    metadata, and are read). `params_cache` shares decoded parameter tables between the ranks,
+    `tables` the shared table files they name (each read once)."""
     path = str(path)
     with open_regular_file(path) as handle:
-        dump, _ = _load_rank_from(handle, path, params_cache)
+        dump, _ = _load_rank_from(handle, path, params_cache, tables)
     return dump
 
 
 def _load_rank_from(
-    handle: BinaryIO, path: str, params_cache: ParamsCache | None = None
+    handle: BinaryIO,
+    path: str,
+    params_cache: ParamsCache | None = None,
+    tables: SharedTables | None = None,
 ) -> tuple[RankDump, Header]:
     raw = read_raw_header_from(handle, path)
     text = raw.metadata.get(METADATA_KEY)
@@ -65,6 +75,12 @@ def _load_rank_from(
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({clipped(first_line)})") from None
     arrays = _read_columns(handle, path, header) if isinstance(doc, dict) and "columnar" in doc else None
+    if (
+        arrays is not None
+        and isinstance(doc["columnar"], dict)
+        and isinstance(doc["columnar"].get("params"), dict)
+    ):
+        arrays = resolve_shared(doc, arrays, path, tables or SharedTables())
     dump = decode_rank(doc, path, num_bytes=header.file_size, arrays=arrays, params_cache=params_cache)
     _check_tensors_against_header(dump, header)
     return dump, header
@@ -131,6 +147,8 @@ def rank_files(directory: Path) -> tuple[list[Path], list[str]]:
             if is_temporary(entry.name):
                 warnings.append(_temporary_warning(entry))
             continue
+        if is_table_file(entry.name):
+            continue  # a shared parameter table (paramtable.py), read through the rank files naming it
         if entry.name.endswith(RANK_FILE_SUFFIX):
             files.append(entry)
         else:
@@ -206,18 +224,22 @@ LoadFiles = Callable[..., list[LoadOutcome]]
 """`load_rank_files` or a drop-in (the scale-out's, which shares the files among processes)."""
 
 
-def load_rank_files(paths: Sequence[Path], *, stop_at_error: bool = False) -> list[LoadOutcome]:
+def load_rank_files(
+    paths: Sequence[Path], *, stop_at_error: bool = False, tables: SharedTables | None = None
+) -> list[LoadOutcome]:
     """Load each rank file in turn: its RankDump, or the DumpFormatError that says why it cannot be
-    read; with `stop_at_error`, None for the files after the first such one."""
+    read; with `stop_at_error`, None for the files after the first such one. The shared parameter
+    tables read go into `tables` (the folder's unreferenced ones are warned about from it)."""
     outcomes: list[LoadOutcome] = []
     params_cache: ParamsCache = {}
+    tables = SharedTables() if tables is None else tables
     failed = False
     for path in paths:
         if failed and stop_at_error:
             outcomes.append(None)
             continue
         try:
-            outcomes.append(load_rank_file(path, params_cache=params_cache))
+            outcomes.append(load_rank_file(path, params_cache=params_cache, tables=tables))
         except DumpFormatError as exc:
             outcomes.append(exc)
             failed = True
@@ -251,8 +273,9 @@ def load_step(
         )
     ranks: dict[int, RankDump] = {}
     unreadable: dict[int, str] = {}
+    tables = SharedTables()
     with gc_paused():
-        outcomes = (load_files or load_rank_files)(files, stop_at_error=not allow_incomplete)
+        outcomes = (load_files or load_rank_files)(files, stop_at_error=not allow_incomplete, tables=tables)
         for path, dump in zip(files, outcomes, strict=True):
             assert dump is not None, "a file left unloaded before the first unreadable one"
             if isinstance(dump, DumpFormatError):
@@ -278,6 +301,7 @@ def load_step(
             raise StepFolderError(
                 f"{directory}: none of its {len(files)} rank files can be read ({warnings[-1]})"
             )
+        warnings.extend(unreferenced_tables(directory, tables))
         refuse_mixed_runs(ranks)
         step = assemble_step(str(directory), ranks, warnings=tuple(warnings))
     if not unreadable:

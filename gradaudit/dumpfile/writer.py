@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING
 from ..errors import DumpFormatError, GradauditError
 from ..model import RankDump
 from .columnar import to_columns
+from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
 from .schema import METADATA_KEY, decode_rank, encode_rank
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 STEP_DIR_PREFIX = "step_"
@@ -52,11 +54,14 @@ def write_rank_file(
     *,
     overwrite: bool = False,
     columnar: bool = True,
+    share_params: bool = True,
 ) -> Path:
     """Write `dump` and its tensors (keyed by (piece index, kind)) to `directory/rank_NNNNN.safetensors`.
 
     The file appears under its final name only when complete (written to a temporary name, then
-    linked), and an existing file is never replaced unless `overwrite` is set.
+    linked), and an existing file is never replaced unless `overwrite` is set. A format-1.1 file's
+    parameter table goes into the step's shared table file when `share_params` and that file can be
+    created or already holds the same table (paramtable.py); otherwise into the rank file.
     Returns the path written.
     """
     from safetensors.torch import save_file
@@ -97,15 +102,12 @@ def write_rank_file(
             f"{final}: not written, because gradaudit's reader would refuse it: {exc.problem}"
         ) from None
     columns = None if payload or not columnar else to_columns(dump)
+    arrays: dict[str, np.ndarray] = {}
     if columns is not None:  # format 1.1: stats-only pieces as binary columns (see columnar.py)
-        import torch
-
         document["columnar"], arrays = columns
         document["pieces"] = []
         if document["columnar"]["params"] == "columns":
             document["params"] = []
-        payload = {key: torch.from_numpy(array.copy()) for key, array in arrays.items()}
-    metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
 
     directory.mkdir(parents=True, exist_ok=True)
     if final.exists() and not overwrite:
@@ -114,6 +116,17 @@ def write_rank_file(
             "choose another output folder or delete it first"
         )
     _remove_stale_temporaries(directory, final.name)
+    if share_params and columns is not None and document["columnar"]["params"] == "columns":
+        data = table_file_bytes(arrays)
+        reference = table_reference(data)
+        if publish_table(directory, reference["file"], data, directory / temporary_name(reference["file"])):
+            document["columnar"] = {**document["columnar"], "params": reference}
+            arrays = {key: value for key, value in arrays.items() if key not in TABLE_COLUMNS}
+    if columns is not None:
+        import torch
+
+        payload = {key: torch.from_numpy(array.copy()) for key, array in arrays.items()}
+    metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
     temporary = directory / temporary_name(final.name)
     try:
         mode = _mode_the_umask_gives(temporary)
@@ -139,8 +152,9 @@ def temporary_name(final_name: str) -> str:
 
 
 def is_temporary(name: str) -> bool:
-    """Whether a file name is one of the writer's temporaries (complete or not)."""
-    return name.startswith(".rank_") and TEMPORARY_MARK in name
+    """Whether a file name is one of the writer's temporaries (complete or not), of a rank file or a
+    shared parameter table."""
+    return name.startswith((".rank_", ".params_")) and TEMPORARY_MARK in name
 
 
 def _remove_stale_temporaries(directory: Path, final_name: str) -> None:

@@ -141,21 +141,27 @@ def load_share(exchange: Exchange) -> LoadFiles:
     """A drop-in for `loader.load_rank_files` that loads this process's share of the files (split
     by bytes) and returns what every process loaded, in the order of `paths`."""
     from ..dumpfile.loader import load_rank_files
+    from ..dumpfile.paramtable import SharedTables
 
-    def load_files(paths: Sequence[Path], *, stop_at_error: bool = False) -> list[LoadOutcome]:
+    def load_files(
+        paths: Sequence[Path], *, stop_at_error: bool = False, tables: SharedTables | None = None
+    ) -> list[LoadOutcome]:
+        tables = SharedTables() if tables is None else tables
         costs = {str(path): _file_bytes(path) for path in paths}
         mine = set(share_of(costs, exchange.env.rank, exchange.env.world_size))
         own = [path for path in paths if str(path) in mine]
+        outcomes_of_own = load_rank_files(own, stop_at_error=stop_at_error, tables=tables)
         loaded = {
             str(path): _Unreadable(path=outcome.path, problem=outcome.problem, hint=outcome.hint)
             if isinstance(outcome, DumpFormatError)
             else outcome
-            for path, outcome in zip(own, load_rank_files(own, stop_at_error=stop_at_error), strict=True)
+            for path, outcome in zip(own, outcomes_of_own, strict=True)
             if outcome is not None
         }
         found: dict[str, Any] = {}
-        for part in exchange.gather(loaded):
+        for part, referenced in exchange.gather((loaded, sorted(tables.referenced))):
             found.update(part)
+            tables.referenced.update(referenced)  # the folder's unreferenced tables are judged on all
         outcomes: list[LoadOutcome] = []
         for path in paths:
             if outcomes and isinstance(outcomes[-1], DumpFormatError | None) and stop_at_error:
