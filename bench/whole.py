@@ -249,7 +249,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small dumps (a minute), for a smoke run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the dumps here and reuse them")
-    parser.add_argument("--full", action="store_true", help="the stats ladder up to 4096 ranks (long)")
+    parser.add_argument("--full", action="store_true", help="the stats ladder in steps of 2x, 128 to 4096 ranks")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gradaudit-whole-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -261,7 +261,7 @@ def main() -> int:
         dense_section(workdir, 0.125 if args.quick else 1.0, max(3, args.repeats - 2))
         one_param_section(workdir, 64 if args.quick else 512, max(3, args.repeats - 2))
         capture_section((16 if args.quick else 52) << 20, 5)
-        ladder = (32, 128) if args.quick else (128, 512, 1024, 2048, 4096) if args.full else (128, 512)
+        ladder = (32, 128) if args.quick else (128, 512, 1024, 2048, 4096) if args.full else (256, 1024, 4096)
         stats_section(workdir, ladder)
     finally:
         if args.workdir is None:
