@@ -313,9 +313,9 @@ def _measure_piece(
     )
 
 
-def _stats_only(rank: int, piece: Piece) -> PieceMeasurement:
-    """What _measure_piece gives for a piece with at most one kind of statistics, nothing to read
-    and no loss scale to divide by, without its branches."""
+def stats_only_measurement(rank: int, piece: Piece) -> PieceMeasurement:
+    """What _measure_piece gives for a piece with statistics only, nothing to read and no loss scale
+    to divide by, without its branches."""
     return PieceMeasurement(
         rank=rank,
         index=piece.index,
@@ -324,7 +324,7 @@ def _stats_only(rank: int, piece: Piece) -> PieceMeasurement:
         dtype=piece.dtype,
         numel=math.prod(piece.local_shape),
         replica_group=piece.replica_group,
-        stats=piece.stats,
+        stats=dict(sorted(piece.stats.items())) if len(piece.stats) > 1 else piece.stats,
     )
 
 
@@ -479,7 +479,7 @@ def measure_param(
         if scale is None:
             scale = rank_scales[rank] = _scale_of(step, rank, scales)
         if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
-            measured_pieces.append(_stats_only(rank, piece))  # most pieces of a many-rank dump
+            measured_pieces.append(stats_only_measurement(rank, piece))  # most pieces of a many-rank dump
         else:
             measured_pieces.append(
                 _measure_piece(

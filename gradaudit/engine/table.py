@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, StepDump
-from .measure import PieceMeasurement, dumped_gradient_scale
+from .measure import PieceMeasurement, dumped_gradient_scale, stats_only_measurement
 
 _BATCH = 1024
 
@@ -133,19 +133,7 @@ class PieceTable:
 
     def measurements(self, positions: Sequence[int] | np.ndarray) -> list[PieceMeasurement]:
         """The PieceMeasurement of each position, as _measure_piece gives for a stats-only piece."""
-        return [
-            PieceMeasurement(
-                rank=rank,
-                index=piece.index,
-                param=piece.param,
-                regions=piece.regions,
-                dtype=piece.dtype,
-                numel=piece.numel,
-                replica_group=piece.replica_group,
-                stats=dict(sorted(piece.stats.items())) if len(piece.stats) > 1 else piece.stats,
-            )
-            for rank, _, piece in self.entries(positions)
-        ]
+        return [stats_only_measurement(rank, piece) for rank, _, piece in self.entries(positions)]
 
     def pieces(self, positions: np.ndarray | range) -> TablePieces:
         return TablePieces(self, positions)
