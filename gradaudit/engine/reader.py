@@ -20,7 +20,7 @@ import numpy as np
 
 from ..dumpfile.header import Header, TensorEntry, open_regular_file, os_problem, shown
 from ..errors import DumpFormatError
-from .dtypes import STORAGE, Widener
+from .dtypes import STORAGE
 
 if TYPE_CHECKING:
     import torch
@@ -141,12 +141,6 @@ class TensorReader:
         except OSError as exc:
             raise DumpFormatError(path, os_problem(exc)) from None
         return buffer.view(storage)
-
-    def wide(self, path: str, key: str, start: int, stop: int, widener: Widener, slot: str) -> np.ndarray:
-        """Elements [start, stop) as float64, in `widener`'s buffer `slot` (valid until its next use)."""
-        entry = self.entry(path, key)
-        with np.errstate(invalid="ignore"):
-            return widener.widen(self.raw(path, key, start, stop, slot), entry.dtype, slot)
 
     def float64(self, path: str, key: str, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) as a new float64 array."""
