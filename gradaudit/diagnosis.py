@@ -396,29 +396,55 @@ class _RankSetNorms:
         return self._cache[key]
 
 
+class _StepWide:
+    """What the candidates of every rank share, computed once per step: the set of all ranks, their
+    norm with every replica counted, and each process group's members, sorted (a many-rank step
+    would otherwise build and sort them again for every rank)."""
+
+    def __init__(self, step: StepDump, norms: _RankSetNorms) -> None:
+        self.all_ranks = tuple(step.ranks_present)
+        self.everyone = frozenset(self.all_ranks)
+        self.double, self.repeated = norms.norm(self.all_ranks, False)
+        self._world = frozenset(range(step.world_size))
+        self._missing = frozenset(step.missing_ranks)
+        self._groups: dict[int, tuple[tuple[int, ...], frozenset[int]] | None] = {}
+
+    def group(self, members: tuple[int, ...] | None) -> tuple[tuple[int, ...], frozenset[int]] | None:
+        """(sorted members, their set) of a group to try as a wrong reduction group: None when the
+        group is absent, has a missing member, or is the whole world."""
+        if members is None:
+            return None
+        key = id(members)  # the topology's own tuple: the same object for every rank of the group
+        if key not in self._groups:
+            found = frozenset(members)
+            usable = members and not (found & self._missing) and found != self._world
+            self._groups[key] = (tuple(sorted(members)), found) if usable else None
+        return self._groups[key]
+
+
 def _candidates(
     step: StepDump,
     rank: int,
     norms: _RankSetNorms,
     true_norm: float | None,
     loss_scale: float | None,
-    rank_true: float | None = None,
+    rank_true: float | None,
+    shared: _StepWide,
 ) -> tuple[Candidate, ...]:
-    all_ranks = tuple(step.ranks_present)
     found: list[Candidate] = []
     signatures: set[tuple[frozenset[int], bool]] = set()
 
     def add(
-        hypothesis: str, ranks: tuple[int, ...], dedupe: bool, description: str, value: float | None
+        hypothesis: str, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
     ) -> None:
-        signature = (frozenset(ranks), dedupe)
+        signature = (ranks, dedupe)
         if signature in signatures or value is None:
             return
         signatures.add(signature)
         found.append(Candidate(hypothesis=hypothesis, value=value, description=description))
 
     if true_norm is not None:
-        add(CORRECT, all_ranks, True, "every logical element counted once", true_norm)
+        add(CORRECT, shared.everyone, True, "every logical element counted once", true_norm)
         if rank_true is not None and relative_difference(rank_true, true_norm) > 0:
             found.append(
                 Candidate(
@@ -427,24 +453,30 @@ def _candidates(
                     description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
                 )
             )
-    add(LOCAL_ONLY, (rank,), False, f"rank {rank}'s own pieces only", norms.norm((rank,), False)[0])
-    double, repeated = norms.norm(all_ranks, False)
-    if not step.missing_ranks and repeated:
-        add(DOUBLE_COUNTED, all_ranks, False, "all ranks' pieces, every replica counted", double)
+    add(
+        LOCAL_ONLY,
+        frozenset((rank,)),
+        False,
+        f"rank {rank}'s own pieces only",
+        norms.norm((rank,), False)[0],
+    )
+    if not step.missing_ranks and shared.repeated:
+        add(DOUBLE_COUNTED, shared.everyone, False, "all ranks' pieces, every replica counted", shared.double)
     groups = sorted(
         ((name, step.topology.group_of(name, rank)) for name in step.topology.groups),
         key=lambda g: (len(g[1] or ()), g[0]),
     )
-    for name, members in groups:
-        if not members or any(m in step.missing_ranks for m in members):
+    for name, listed in groups:
+        group = shared.group(listed)
+        if group is None:
             continue
-        members = tuple(sorted(members))
-        if set(members) == set(range(step.world_size)) or members == (rank,):
+        members, member_set = group
+        if members == (rank,):
             continue
         once, repeated = norms.norm(members, True)
         add(
             f"{WRONG_GROUP}:{name}",
-            members,
+            member_set,
             True,
             f"ranks {list(members)} of group {name}, replicas once",
             once,
@@ -453,7 +485,7 @@ def _candidates(
             every = norms.norm(members, False)[0]
             add(
                 f"{WRONG_GROUP}:{name}",
-                members,
+                member_set,
                 False,
                 f"ranks {list(members)} of group {name}, every replica counted",
                 every,
@@ -548,13 +580,14 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     norms = _RankSetNorms.of_step(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     further = _FurtherCandidates(step, columns, norms, norm_type)
+    shared = _StepWide(step, norms)
     ranks = {}
     for rank in step.ranks_present:
         own = by_rank.get(rank, [])
         rank_true = true_norm
         if true_norm is not None and rank in drifted:
-            rank_true = norms.norm(tuple(step.ranks_present), True, first=rank)[0]
-        candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true)
+            rank_true = norms.norm(shared.all_ranks, True, first=rank)[0]
+        candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true, shared)
         rank_clip = step.ranks[rank].clip
         num_calls = len(rank_clip.calls) if rank_clip is not None else 0
         reported = reported_norm_of(step, rank)

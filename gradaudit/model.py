@@ -201,10 +201,19 @@ class Topology:
     norm_group: str | None = None
 
     def group_of(self, name: str, rank: int) -> tuple[int, ...] | None:
-        for ranks in self.groups.get(name, ()):
-            if rank in ranks:
-                return ranks
-        return None
+        """The first rank list of group `name` that holds `rank`."""
+        return self._rank_lists.get(name, {}).get(rank)
+
+    @functools.cached_property
+    def _rank_lists(self) -> dict[str, dict[int, tuple[int, ...]]]:
+        """Group name -> rank -> its first rank list (built once: asked for every rank of a many-rank step)."""
+        index: dict[str, dict[int, tuple[int, ...]]] = {}
+        for name, lists in self.groups.items():
+            by_rank = index[name] = {}
+            for ranks in lists:
+                for rank in ranks:
+                    by_rank.setdefault(rank, ranks)
+        return index
 
 
 @dataclass(frozen=True, kw_only=True)
