@@ -331,8 +331,9 @@ class StepDump:
     """Ranks whose file could not be read, with the reason (only with --allow-incomplete-ranks;
     each is also in `missing_ranks`)."""
 
-    @property
+    @functools.cached_property
     def ranks_present(self) -> tuple[int, ...]:
+        """The ranks with a file, ascending (computed once: asked for every rank of a many-rank step)."""
         return tuple(sorted(self.ranks))
 
     @functools.cached_property
