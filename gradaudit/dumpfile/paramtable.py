@@ -15,7 +15,6 @@ folders are gathered later, all end with one file per distinct table.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 from collections.abc import Mapping
@@ -44,9 +43,15 @@ def table_file_bytes(columns: Mapping[str, np.ndarray]) -> bytes:
     return save({key: columns[key] for key in TABLE_COLUMNS}, metadata={TABLE_METADATA_KEY: "1.1"})
 
 
+def _sha256(data: bytes) -> str:
+    import hashlib  # a check of a step without shared tables never hashes
+
+    return hashlib.sha256(data).hexdigest()
+
+
 def table_reference(data: bytes) -> dict[str, str]:
     """The "params" entry of a rank file whose table is `data` (a table file's bytes)."""
-    digest = hashlib.sha256(data).hexdigest()
+    digest = _sha256(data)
     return {"file": f"params_{digest[:16]}.safetensors", "sha256": digest}
 
 
@@ -163,7 +168,7 @@ def _read_table(path: str) -> tuple[str, dict[str, Any]] | tuple[str, str]:
                 return "", "does not hold exactly the three __gradaudit__.params.* columns"
             columns = _read_columns(handle, path, header)
             handle.seek(0)
-            digest = hashlib.sha256(read_exactly(handle, header.file_size)).hexdigest()
+            digest = _sha256(read_exactly(handle, header.file_size))
     except DumpFormatError as exc:
         return "", f"is corrupt ({exc.problem})"
     except OSError as exc:
