@@ -249,7 +249,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small dumps (a minute), for a smoke run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=None, help="keep the dumps here and reuse them")
-    parser.add_argument("--full", action="store_true", help="the stats ladder in steps of 2x, 128 to 4096 ranks")
+    parser.add_argument(
+        "--full", action="store_true", help="the stats ladder in steps of 2x, 128 to 4096 ranks"
+    )
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="gradaudit-whole-"))
     workdir.mkdir(parents=True, exist_ok=True)
