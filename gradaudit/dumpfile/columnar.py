@@ -525,16 +525,40 @@ class ColumnarPieces(Sequence[Piece]):
 
     def build(self, positions: Iterable[int]) -> list[Piece]:
         """The pieces at these positions, as objects."""
-        return _build_pieces(
-            self.rows,
-            self.coords,
-            self.params,
-            self.groups,
-            self.stats,
-            self.counts,
-            self.norm_type,
-            positions,
-        )
+        params, coords, counts, norm_type = self.params, self.coords, self.counts, self.norm_type
+        chosen = np.fromiter(positions, dtype=np.int64)
+        group_names: list[str | None] = [*self.groups, None]  # index -1: no group
+        stats_rows = [
+            (kind, values[chosen].tolist(), counts[kind][chosen].tolist())
+            for kind, values in self.stats.items()
+        ]
+        pieces = []
+        for at, (index, (param_index, group, first, ndim)) in enumerate(
+            zip(chosen.tolist(), self.rows[chosen].tolist(), strict=True)
+        ):
+            info = params[param_index]
+            region: Region
+            if ndim == 0:
+                start, stop = coords[first : first + 2].tolist()
+                region, local_shape, numel = _flat_range(start, stop), (stop - start,), stop - start
+            else:
+                values = coords[first : first + 2 * ndim].tolist()
+                offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
+                region, local_shape, numel = Box(offsets=offsets, shape=shape), shape, math.prod(shape)
+            piece_stats = {}
+            for kind, kind_rows, kind_counts in stats_rows:
+                row = kind_rows[at]
+                nan, posinf, neginf = kind_counts[at]
+                sum_pow, sum_sq = row[0], row[1]
+                if sum_pow == sum_sq and sum_pow:  # the L2 norm's two sums: one float (24 B a piece)
+                    sum_pow = sum_sq
+                piece_stats[kind] = _tensor_stats(
+                    numel, norm_type, sum_pow, sum_sq, row[2], nan, posinf, neginf, tuple(row[3:])
+                )
+            pieces.append(
+                _piece(index, info.name, (region,), local_shape, info.dtype, group_names[group], piece_stats)
+            )
+        return pieces
 
 
 _BATCH = 1024
@@ -561,50 +585,6 @@ def _pieces_from(
     if fail is not None:
         _check_extents(rows, coords, params, counts, fail)
     return ColumnarPieces(rows, coords, params, groups, stats, counts, norm_type)
-
-
-def _build_pieces(
-    rows: np.ndarray,
-    coords: np.ndarray,
-    params: Sequence[ParamInfo],
-    groups: Sequence[str],
-    stats: Mapping[str, np.ndarray],
-    counts: Mapping[str, np.ndarray],
-    norm_type: float,
-    positions: Iterable[int],
-) -> list[Piece]:
-    chosen = np.fromiter(positions, dtype=np.int64)
-    group_names: list[str | None] = [*groups, None]  # index -1: no group
-    stats_rows = [
-        (kind, values[chosen].tolist(), counts[kind][chosen].tolist()) for kind, values in stats.items()
-    ]
-    pieces = []
-    for at, (index, (param_index, group, first, ndim)) in enumerate(
-        zip(chosen.tolist(), rows[chosen].tolist(), strict=True)
-    ):
-        info = params[param_index]
-        region: Region
-        if ndim == 0:
-            start, stop = coords[first : first + 2].tolist()
-            region, local_shape, numel = _flat_range(start, stop), (stop - start,), stop - start
-        else:
-            values = coords[first : first + 2 * ndim].tolist()
-            offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
-            region, local_shape, numel = Box(offsets=offsets, shape=shape), shape, math.prod(shape)
-        piece_stats = {}
-        for kind, kind_rows, kind_counts in stats_rows:
-            row = kind_rows[at]
-            nan, posinf, neginf = kind_counts[at]
-            sum_pow, sum_sq = row[0], row[1]
-            if sum_pow == sum_sq and sum_pow:  # the L2 norm's two sums: one float object (24 bytes a piece)
-                sum_pow = sum_sq
-            piece_stats[kind] = _tensor_stats(
-                numel, norm_type, sum_pow, sum_sq, row[2], nan, posinf, neginf, tuple(row[3:])
-            )
-        pieces.append(
-            _piece(index, info.name, (region,), local_shape, info.dtype, group_names[group], piece_stats)
-        )
-    return pieces
 
 
 # The columns were validated as a whole above (ranges inside their parameter, counts within each
