@@ -330,3 +330,41 @@ def test_sorting_by_a_combined_key_orders_rows_as_lexsort_does():
         order = _sorting(keys)
         rows = np.stack(keys, axis=1)[order]
         assert np.array_equal(rows, np.stack(keys, axis=1)[np.lexsort(keys[::-1])])
+
+
+def test_an_hsdp_stats_step_with_one_drifted_replica_reports_ga601_as_its_json_form(tmp_path, capsys):
+    """Every piece replicated (2 shards x 3 replicas): the table compares the copies on its columns."""
+    import torch
+    from builders import FIXED
+
+    from gradaudit.dumpfile.build import flat, write_rank
+    from gradaudit.model import ClipRecord, Topology
+
+    gen = torch.Generator().manual_seed(3)
+    shards = [torch.randn(6, generator=gen) for _ in range(2)]
+    groups = {"replicate": ((0, 2, 4), (1, 3, 5)), "shard": ((0, 1), (2, 3), (4, 5))}
+    for rank in range(6):
+        grad = shards[rank % 2].clone()
+        if rank == 5:
+            grad[2] += 1e-3  # one copy drifted
+        write_rank(
+            tmp_path / "v11",
+            rank=rank,
+            world_size=6,
+            step=1,
+            params={"w": (12,)},
+            pieces=[flat("w", 6 * (rank % 2), grad=grad, stats_only=True, replica_group="replicate")],
+            clip=ClipRecord(max_norm=10.0, reported_norm=float(torch.cat(shards).double().norm())),
+            topology=Topology(groups=groups),
+            **FIXED,
+        )
+        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+    reports = []
+    for directory in (tmp_path / "v10", tmp_path / "v11"):
+        outcome = run_cli(capsys, "check", str(directory), "--format", "json")
+        report = json.loads(outcome.stdout)
+        report.pop("command"), report.pop("warnings")
+        reports.append(report)
+    assert reports[0] == reports[1]
+    assert [f["code"] for f in reports[1]["findings"]].count("GA601") == 1
+    assert "5" in json.dumps([f for f in reports[1]["findings"] if f["code"] == "GA601"])

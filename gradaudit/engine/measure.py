@@ -692,14 +692,14 @@ def _measure_from_table(
     table: PieceTable, name: str, norm_type: float, reader: TensorReader, chunk: int
 ) -> ParamMeasurement:
     """What measure_param gives for a parameter whose pieces are all in `table` (stats only): the
-    pieces stay in the table; objects are built only for the copies of replicated layouts."""
+    pieces stay in the table; replicas are compared on the table's columns."""
     import numpy as np
 
     positions = table.param_positions(name)
     layouts = table.layout[positions.start : positions.stop]
     replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
-    replica_sets: tuple[ReplicaSet, ...] = ()
-    if replicated.size:
+    replica_sets = table.replica_sets(replicated)
+    if replica_sets is None and replicated.size:
         by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
         for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
             by_layout.setdefault(layout, []).append(entry)
@@ -711,7 +711,7 @@ def _measure_from_table(
             )
         )
     return ParamMeasurement(
-        param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=replica_sets
+        param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=replica_sets or ()
     )
 
 

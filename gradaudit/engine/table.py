@@ -9,6 +9,7 @@ index and layout of every piece; a PieceMeasurement is built only for the pieces
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
@@ -17,7 +18,13 @@ import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, StepDump
-from .measure import PieceMeasurement, dumped_gradient_scale, stats_only_measurement
+from .measure import (
+    PieceMeasurement,
+    ReplicaCopy,
+    ReplicaSet,
+    dumped_gradient_scale,
+    stats_only_measurement,
+)
 
 _BATCH = 1024
 
@@ -134,6 +141,61 @@ class PieceTable:
     def measurements(self, positions: Sequence[int] | np.ndarray) -> list[PieceMeasurement]:
         """The PieceMeasurement of each position, as _measure_piece gives for a stats-only piece."""
         return [stats_only_measurement(rank, piece) for rank, _, piece in self.entries(positions)]
+
+    @functools.cached_property
+    def _grad_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """sum_sq, max_abs, fingerprint [n, f] and nonfinite count of every position's gradient
+        (gathered once, when the step has replicas to compare)."""
+        stats = self._gather(lambda _, pieces: pieces.stats["grad"])
+        counts = self._gather(lambda _, pieces: pieces.counts["grad"]).sum(axis=1)
+        return stats[:, 1], stats[:, 2], stats[:, 3:], counts
+
+    def replica_sets(self, positions: np.ndarray) -> tuple[ReplicaSet, ...] | None:
+        """The replica sets of these replicated positions compared by fingerprint, as
+        measure._compare_replicas gives them for stats-only copies, from the columns: objects only
+        for each set's base piece and its copies' results. None when the pieces hold no gradient
+        statistics (the object path then says so per copy)."""
+        if "grad" not in self.kinds or not positions.size:
+            return None
+        layout, rank, index = self.layout[positions], self.rank[positions], self.index[positions]
+        order = np.lexsort((index, rank, layout))
+        positions, layout, rank, index = positions[order], layout[order], rank[order], index[order]
+        starts = np.flatnonzero(np.concatenate(([True], layout[1:] != layout[:-1])))
+        sizes = np.diff(np.append(starts, positions.size))
+        base = positions[np.repeat(starts, sizes)]
+        sum_sq, max_abs, fingerprint, nonfinite = self._grad_columns
+        delta = np.abs(np.sqrt(sum_sq[positions]) - np.sqrt(sum_sq[base]))
+        delta = np.maximum(delta, np.abs(max_abs[positions] - max_abs[base]))
+        if fingerprint.shape[1]:
+            delta = np.maximum(delta, np.abs(fingerprint[positions] - fingerprint[base]).max(axis=1))
+        delta[nonfinite[positions] != nonfinite[base]] = math.inf
+        bases = positions[starts]
+        # one object per set, for its regions, dtype and size
+        built = {(r, piece.index): piece for r, _, piece in self.entries(bases)}
+        deltas, ranks, indices = delta.tolist(), rank.tolist(), index.tolist()
+        base_sum_sq, base_max_abs = sum_sq[bases].tolist(), max_abs[bases].tolist()
+        sets = []
+        for k in np.lexsort((index[starts], rank[starts])).tolist():
+            start, stop = int(starts[k]), int(starts[k] + sizes[k])
+            piece = built[(ranks[start], indices[start])]
+            sets.append(
+                ReplicaSet(
+                    param=piece.param,
+                    regions=piece.regions,
+                    dtype=piece.dtype,
+                    base_rank=ranks[start],
+                    base_index=indices[start],
+                    base_max_abs=base_max_abs[k],
+                    base_sum_sq=base_sum_sq[k],
+                    numel=piece.numel,
+                    copies=tuple(
+                        ReplicaCopy(rank=ranks[i], index=indices[i], fingerprint_delta=deltas[i])
+                        for i in range(start + 1, stop)
+                    ),
+                    by_values=False,
+                )
+            )
+        return tuple(sets)
 
     def pieces(self, positions: np.ndarray | range) -> TablePieces:
         return TablePieces(self, positions)
