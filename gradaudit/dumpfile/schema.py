@@ -631,6 +631,22 @@ def _region_text(region: Region) -> str:
     return f"flat range [{region.start}, {region.stop})"
 
 
+def _plain_ranks(values: Any, world_size: int, limit: int) -> tuple[int, ...] | None:
+    """`values` as a tuple when it is a non-empty list of at most `limit` ints in [0, world_size),
+    checked at C speed: every rank's file lists the groups of every rank, so checking them one value
+    at a time grew with the square of the world size. None sends the list to the checks that name
+    the bad entry."""
+    if (
+        isinstance(values, list)
+        and 0 < len(values) <= limit
+        and set(map(type, values)) == {int}
+        and min(values) >= 0
+        and max(values) < world_size
+    ):
+        return tuple(values)
+    return None
+
+
 def _decode_groups(
     r: _Reader, raw: Any, where: str, world_size: int
 ) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -638,6 +654,10 @@ def _decode_groups(
     for name, lists in r.obj(raw, where).items():
         rank_lists = []
         for i, ranks in enumerate(r.list_(lists, f"{where}.{name}", limit=1_000_000)):
+            plain = _plain_ranks(ranks, world_size, 1_000_000)
+            if plain is not None:
+                rank_lists.append(plain)
+                continue
             members = tuple(
                 r.int_(v, f"{where}.{name}[{i}][{j}]")
                 for j, v in enumerate(r.list_(ranks, f"{where}.{name}[{i}]", limit=1_000_000))
@@ -660,7 +680,7 @@ def _decode_topology(r: _Reader, raw: Any, world_size: int) -> Topology:
             r.str_(v, f"topology.mesh.axis_names[{i}]")
             for i, v in enumerate(r.get(m, "axis_names", "topology.mesh", r.list_))
         )
-        ranks = tuple(
+        ranks = _plain_ranks(m.get("ranks"), world_size, _MAX_LIST) or tuple(
             r.int_(v, f"topology.mesh.ranks[{i}]", maximum=world_size - 1)
             for i, v in enumerate(r.get(m, "ranks", "topology.mesh", r.list_))
         )

@@ -17,7 +17,7 @@ from typing import overload
 import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
-from ..model import Piece, StepDump
+from ..model import Piece, Region, StepDump
 from .measure import (
     PieceMeasurement,
     ReplicaCopy,
@@ -131,8 +131,11 @@ class PieceTable:
         positions = np.asarray(positions, dtype=np.int64)
         ranks, indices = self.rank[positions], self.index[positions]
         found: list[tuple[int, str, Piece] | None] = [None] * positions.size
-        for rank in np.unique(ranks).tolist():
-            at = np.flatnonzero(ranks == rank)
+        by_rank = np.argsort(ranks, kind="stable")
+        distinct, starts = np.unique(ranks[by_rank], return_index=True)
+        bounds = [*starts.tolist(), positions.size]
+        for k, rank in enumerate(distinct.tolist()):
+            at = by_rank[bounds[k] : bounds[k + 1]]
             _, path, pieces = self.sources[self._source_of[rank]]
             for i, piece in zip(at.tolist(), pieces.build(indices[at].tolist()), strict=True):
                 found[i] = (rank, path, piece)
@@ -149,6 +152,20 @@ class PieceTable:
         stats = self._gather(lambda _, pieces: pieces.stats["grad"])
         counts = self._gather(lambda _, pieces: pieces.counts["grad"]).sum(axis=1)
         return stats[:, 1], stats[:, 2], stats[:, 3:], counts
+
+    @functools.cached_property
+    def _set_bases(self) -> dict[int, tuple[str, tuple[Region, ...], str, int]]:
+        """Layout -> (param, regions, dtype, numel) of its lowest (rank, index) copy, for every
+        replicated layout of the step: built at once, one call per rank, and only these kept."""
+        replicated = np.flatnonzero(self.copies[self.layout] > 1)
+        layout = self.layout[replicated]
+        order = np.lexsort((self.index[replicated], self.rank[replicated], layout))
+        ordered = layout[order]
+        bases = replicated[order][np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+        return {
+            layout_id: (piece.param, piece.regions, piece.dtype, piece.numel)
+            for layout_id, (_, _, piece) in zip(self.layout[bases].tolist(), self.entries(bases), strict=True)
+        }
 
     def replica_sets(self, positions: np.ndarray) -> tuple[ReplicaSet, ...] | None:
         """The replica sets of these replicated positions compared by fingerprint, as
@@ -170,24 +187,23 @@ class PieceTable:
             delta = np.maximum(delta, np.abs(fingerprint[positions] - fingerprint[base]).max(axis=1))
         delta[nonfinite[positions] != nonfinite[base]] = math.inf
         bases = positions[starts]
-        # one object per set, for its regions, dtype and size
-        built = {(r, piece.index): piece for r, _, piece in self.entries(bases)}
-        deltas, ranks, indices = delta.tolist(), rank.tolist(), index.tolist()
+        described = self._set_bases
+        deltas, ranks, indices, layouts = delta.tolist(), rank.tolist(), index.tolist(), layout.tolist()
         base_sum_sq, base_max_abs = sum_sq[bases].tolist(), max_abs[bases].tolist()
         sets = []
         for k in np.lexsort((index[starts], rank[starts])).tolist():
             start, stop = int(starts[k]), int(starts[k] + sizes[k])
-            piece = built[(ranks[start], indices[start])]
+            param, regions, dtype, numel = described[layouts[start]]
             sets.append(
                 ReplicaSet(
-                    param=piece.param,
-                    regions=piece.regions,
-                    dtype=piece.dtype,
+                    param=param,
+                    regions=regions,
+                    dtype=dtype,
                     base_rank=ranks[start],
                     base_index=indices[start],
                     base_max_abs=base_max_abs[k],
                     base_sum_sq=base_sum_sq[k],
-                    numel=piece.numel,
+                    numel=numel,
                     copies=tuple(
                         ReplicaCopy(rank=ranks[i], index=indices[i], fingerprint_delta=deltas[i])
                         for i in range(start + 1, stop)
