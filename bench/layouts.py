@@ -436,3 +436,40 @@ def _write_document(directory: Path, rank: int, doc: dict) -> int:
     path = directory / rank_file_name(rank)
     save_file({}, str(path), metadata={METADATA_KEY: json.dumps(doc, sort_keys=True, allow_nan=False)})
     return path.stat().st_size
+
+
+def write_replicated_stats_dump(
+    directory: Path, *, num_shards: int, num_replicas: int, num_params: int = 800
+) -> None:
+    """HSDP's layout as a stats-only dump: the stats layout of `num_shards` ranks copied onto
+    `num_replicas` replica groups (rank r holds what shard r % num_shards holds), every piece in the
+    replica group `dp_replicate`, and both process groups (replicate, shard) listed in every file, as
+    capture records them. Written rank by rank with the project's writer."""
+    import dataclasses
+
+    from gradaudit.dumpfile.writer import write_rank_file
+    from gradaudit.model import Topology
+
+    layout = _stats_rank_dumps(num_ranks=num_shards, num_params=num_params, seed=0)
+    world = num_shards * num_replicas
+    groups = {
+        "dp_replicate": tuple(
+            tuple(s + num_shards * k for k in range(num_replicas)) for s in range(num_shards)
+        ),
+        "dp_shard": tuple(tuple(range(k * num_shards, (k + 1) * num_shards)) for k in range(num_replicas)),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = [layout.dump(s) for s in range(num_shards)]
+    for rank in range(world):
+        shard = shards[rank % num_shards]
+        write_rank_file(
+            directory,
+            dataclasses.replace(
+                shard,
+                rank=rank,
+                world_size=world,
+                pieces=tuple(dataclasses.replace(p, replica_group="dp_replicate") for p in shard.pieces),
+                topology=Topology(groups=groups),
+            ),
+            {},
+        )

@@ -104,6 +104,10 @@ def build(kind: str, directory: Path, size: float) -> None:
         import layouts
 
         layouts.write_stats_dump(directory, num_ranks=int(size))
+    elif kind == "hsdp":
+        import layouts
+
+        layouts.write_replicated_stats_dump(directory, num_shards=int(size) // 8, num_replicas=8)
     elif kind == "dense":
         import layouts
 
@@ -190,6 +194,23 @@ def stats_section(workdir: Path, ladder: tuple[int, ...]) -> None:
     )
 
 
+def replicas_section(workdir: Path, ranks: int) -> None:
+    """Every piece replicated (HSDP: shards x 8 replicas, groups in every file) against the flat
+    stats dump of as many ranks, both whole `check` processes, in turn."""
+    print(f"== replicas: {ranks} ranks as {ranks // 8} shards x 8 replicas vs flat-sharded over {ranks}")
+    flat, replicated = workdir / f"stats-{ranks}", workdir / f"hsdp-{ranks}"
+    build_in_child("stats", flat, ranks)
+    build_in_child("hsdp", replicated, ranks)
+    seconds = {}
+    for name, directory in (("flat", flat), ("replicated", replicated)):
+        _warm(directory)
+        seconds[name], peak, _ = run_timed_rss(
+            [PY, "-m", "gradaudit", "check", str(directory), "--format", "json"]
+        )
+        print(f"  {name:10s} gradaudit check {seconds[name]:7.2f} s   peak RSS {peak / MIB:6.0f} MiB")
+    print(f"RATIO replicated/flat check time, {ranks} ranks = {seconds['replicated'] / seconds['flat']:.2f}")
+
+
 CAPTURE_SCRIPT = """
 import statistics, time, torch
 torch.set_num_threads(1)
@@ -265,6 +286,7 @@ def main() -> int:
         capture_section((16 if args.quick else 52) << 20, 5)
         ladder = (32, 128) if args.quick else (128, 512, 1024, 2048, 4096) if args.full else (256, 1024, 4096)
         stats_section(workdir, ladder)
+        replicas_section(workdir, 128 if args.quick else 1024)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
