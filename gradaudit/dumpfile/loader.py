@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError, StepFolderError
-from ..model import Inconsistency, ParamInfo, RankDump, StepDump
+from ..model import Inconsistency, ParamInfo, RankDump, StepDump, Topology
 from .columnar import ParamsCache
 from .header import (
     Header,
@@ -232,6 +232,7 @@ def load_rank_files(
     tables read go into `tables` (the folder's unreferenced ones are warned about from it)."""
     outcomes: list[LoadOutcome] = []
     params_cache: ParamsCache = {}
+    topologies: list[Topology] = []
     tables = SharedTables() if tables is None else tables
     failed = False
     for path in paths:
@@ -239,11 +240,25 @@ def load_rank_files(
             outcomes.append(None)
             continue
         try:
-            outcomes.append(load_rank_file(path, params_cache=params_cache, tables=tables))
+            dump = load_rank_file(path, params_cache=params_cache, tables=tables)
         except DumpFormatError as exc:
             outcomes.append(exc)
             failed = True
+            continue
+        outcomes.append(_with_shared_topology(dump, topologies))
     return outcomes
+
+
+def _with_shared_topology(dump: RankDump, seen: list[Topology]) -> RankDump:
+    """`dump` holding the very Topology of an earlier rank when the two are equal. Every rank's file
+    lists the groups of every rank, so a copy per rank grows with the square of the world size
+    (about 1 GiB of rank tuples for an HSDP step of 4096 ranks)."""
+    for topology in seen:
+        if topology == dump.topology:
+            return dataclasses.replace(dump, topology=topology)
+    if len(seen) < 8:  # the distinct topologies of one step are few (one, or one per pipeline stage)
+        seen.append(dump.topology)
+    return dump
 
 
 def load_step(
@@ -363,10 +378,11 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
     inconsistencies.extend(conflicts)
     inconsistencies.extend(_param_disagreements(ranks))
     missing = tuple(r for r in range(world_size) if r not in ranks)
-    ranks = {
-        rank: dataclasses.replace(d, topology=dataclasses.replace(d.topology, groups=merged_groups))
-        for rank, d in ranks.items()
-    }
+    merged: dict[int, Topology] = {}  # by the id of the rank's own (shared where equal, see load_rank_files)
+    for d in ranks.values():
+        if id(d.topology) not in merged:
+            merged[id(d.topology)] = dataclasses.replace(d.topology, groups=merged_groups)
+    ranks = {rank: dataclasses.replace(d, topology=merged[id(d.topology)]) for rank, d in ranks.items()}
     return StepDump(
         directory=directory,
         step=step,

@@ -72,7 +72,7 @@ class PieceMeasurement:
         return (self.param, self.regions)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicaCopy:
     """One copy of a replica set compared with the set's base (lowest-rank) copy."""
 
@@ -86,7 +86,7 @@ class ReplicaCopy:
     """Largest difference of the fingerprint components (stats mode)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ReplicaSet:
     """Pieces with one layout (same parameter, same regions) held on several ranks."""
 
