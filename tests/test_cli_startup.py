@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from import_probe import matching, modules_gradaudit_imports
 
 from gradaudit.checks.registry import CHECKS, DeferredCheck
 
-REPO = Path(__file__).resolve().parents[1]
 HEAVY = (
     "torch",
     "numpy",
@@ -23,40 +17,6 @@ HEAVY = (
     "gradaudit.model",
 )
 
-_PROBE = """
-import json, sys
-argv = json.loads(sys.argv[1])
-if argv is None:
-    import gradaudit
-else:
-    from gradaudit.cli import main
-    try:
-        main(argv)
-    except SystemExit as exc:
-        assert exc.code == 0, exc.code
-sys.stdout.flush()
-sys.stderr.write("\\nMODULES " + json.dumps(sorted(sys.modules)) + "\\n")
-"""
-
-
-def _modules_loaded_by(argv: list[str] | None) -> set[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(argv)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-        check=True,
-    )
-    line = next(line for line in done.stderr.splitlines() if line.startswith("MODULES "))
-    return set(json.loads(line.removeprefix("MODULES ")))
-
-
-def _heavy(modules: set[str]) -> list[str]:
-    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
-
 
 @pytest.mark.parametrize(
     "argv",
@@ -66,8 +26,9 @@ def _heavy(modules: set[str]) -> list[str]:
 def test_help_explain_and_import_load_neither_torch_nor_pydantic_nor_the_checkers(
     argv: list[str] | None,
 ) -> None:
-    modules = _modules_loaded_by(argv)
-    assert _heavy(modules) == []
+    code, modules = modules_gradaudit_imports(argv)
+    assert code == 0
+    assert matching(modules, HEAVY) == []
     check_modules = sorted(m for m in modules if m.startswith("gradaudit.checks.") and m not in _LIGHT_CHECKS)
     assert check_modules == []
 
@@ -97,10 +58,12 @@ are read without a thread pool, and only shared parameter tables are hashed."""
 
 
 def test_a_terminal_check_of_the_toy_dump_loads_no_capture_reference_or_other_renderer() -> None:
-    modules = _modules_loaded_by(["check", "sample_dumps/fsdp2_local_clip/step_1", "--fail-on", "never"])
+    code, modules = modules_gradaudit_imports(
+        ["check", "sample_dumps/fsdp2_local_clip/step_1", "--fail-on", "never"]
+    )
+    assert code == 0
     assert "gradaudit.checks.norm" in modules  # the probe did run the checks
-    loaded = sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in NOT_FOR_A_PLAIN_CHECK))
-    assert loaded == []
+    assert matching(modules, NOT_FOR_A_PLAIN_CHECK) == []
 
 
 def test_public_names_of_the_package_resolve_on_first_use() -> None:
