@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["AuditStep", "__version__", "audit_step", "begin_audit", "dump", "run_reference"]
+__all__ = ["AuditStep", "Guard", "__version__", "audit_step", "begin_audit", "dump", "guard", "run_reference"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,6 +15,10 @@ def __getattr__(name: str) -> Any:
         from .capture import session
 
         return getattr(session, name)
+    if name in ("guard", "Guard"):
+        from .live import guard as guard_module
+
+        return getattr(guard_module, name)
     if name == "run_reference":
         from .reference_run import run_reference
 

@@ -236,7 +236,17 @@ def build_report(
         topology=_topology(step),
         reference=reference_comparisons(m, options),
         command=command,
-        warnings=tuple(step.warnings) + tuple(warnings),
+        warnings=tuple(step.warnings) + tuple(warnings) + _trigger_notes(step),
+    )
+
+
+def _trigger_notes(step: StepDump) -> tuple[str, ...]:
+    """A dump gradaudit.guard wrote on its own says so: its pieces are ownership groups, not parameters."""
+    if not any(step.ranks[r].trigger == "guard" for r in step.ranks_present):
+        return ()
+    return (
+        f"guard-triggered: gradaudit.guard wrote step {step.step} when it found its clipping wrong; each "
+        "piece is one rank's ownership group (its shards, or what it holds of a replicated group), not a parameter",
     )
 
 

@@ -292,6 +292,9 @@ class RankDump:
     num_bytes: int = 0
     not_captured: tuple[NotCapturedParam, ...] = ()
     """Parameters left out of this file, with why; their gradients are in no norm gradaudit computes."""
+    trigger: str | None = None
+    """What wrote this file unasked: "guard" for a step `gradaudit.guard` found wrong (its pieces are
+    the rank's ownership groups); None for a capture the training code asked for."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size):

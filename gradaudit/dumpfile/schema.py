@@ -175,14 +175,16 @@ def encode_rank(dump: RankDump) -> dict[str, Any]:
             "loss": encode_float(dump.data.loss),
             "loss_reduction": dump.data.loss_reduction,
         },
-    } | _encode_not_captured(dump.not_captured)
+    } | _encode_not_captured(dump.not_captured, dump.trigger)
 
 
-def _encode_not_captured(params: tuple[NotCapturedParam, ...]) -> dict[str, Any]:
-    """Only when some parameter was left out, so that other files keep their bytes."""
+def _encode_not_captured(params: tuple[NotCapturedParam, ...], trigger: str | None = None) -> dict[str, Any]:
+    """Only when some parameter was left out (or, `trigger`, a guard wrote the file), so that other
+    files keep their bytes."""
+    extra: dict[str, Any] = {"trigger": trigger} if trigger else {}
     if not params:
-        return {}
-    return {"not_captured": [{"name": p.name, "reason": p.reason} for p in params]}
+        return extra
+    return {"not_captured": [{"name": p.name, "reason": p.reason} for p in params]} | extra
 
 
 # ---------------------------------------------------------------- decoding
@@ -846,6 +848,7 @@ def decode_rank(
         ),
         num_bytes=num_bytes,
         not_captured=_decode_not_captured(r, doc.get("not_captured")),
+        trigger=r.get(doc, "trigger", "", r.str_, optional=True),
     )
 
 

@@ -1,0 +1,235 @@
+"""The boundary between the guard and the analysis: the per-rank summary every rank gathered, turned
+into the analysis' input, so that the guard's verdict and `gradaudit check` come from one diagnosis.
+
+Until the analysis takes per-group norms directly, the summary becomes what loading a stats-mode
+dump gives: one `RankDump` per rank whose pieces are the rank's ownership groups, each a one-element
+piece whose value is the group's norm, and the existing measure -> diagnose -> checks pipeline runs on
+it. Replicas of a group hold the same layout, so every accounting the diagnosis tries (local, every
+replica, the wrong group, replicas once) gives the same number it would from the real pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..model import (
+    ClipCall,
+    ClipRecord,
+    FlatRange,
+    ParamInfo,
+    Piece,
+    RankDump,
+    StepDump,
+    TensorStats,
+    Topology,
+)
+
+if TYPE_CHECKING:
+    from ..report import Report
+
+SHARDED = "sharded"
+"""The name of the group of pieces no other rank holds a replica of."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnershipGroup:
+    """Pieces owned alike: each rank's own shards, or the pieces replicated over one process group."""
+
+    name: str
+    replica_group: str | None
+    """The process group the pieces are replicated over; None for pieces held by one rank only."""
+    dtype: str = "float32"
+
+    @property
+    def param(self) -> str:
+        """The name the group has in the analysis and its reports."""
+        if self.replica_group is None:
+            return "<sharded pieces>"
+        return f"<pieces replicated over {self.replica_group}>"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallSummary:
+    """One clip call on one rank: what it returned and the gradient just before it."""
+
+    reported_norm: float | None
+    max_norm: float | None = None
+    norm_type: float | None = None
+    coef: float | None = None
+    """The coefficient this call applied, measured on a fixed sample of elements before and after it."""
+    terms: tuple[float, ...] = ()
+    """Per ownership group: sum |g|^p of the gradient just before this call (max |g| for the inf-norm)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSummary:
+    """What one rank measured of one step (every number of it travelled in one gathered vector)."""
+
+    rank: int
+    terms: tuple[float, ...]
+    """Per ownership group: sum |g|^p of the gradient before the last clip call (at the optimizer step
+    when no clip call was made)."""
+    held: tuple[bool, ...]
+    """Per ownership group: whether this rank holds pieces of it."""
+    num_nan: tuple[int, ...] = ()
+    """Per ownership group: pieces holding a nan (not elements: the norm shows a nan, not how many)."""
+    num_inf: tuple[int, ...] = ()
+    applied_coef: float | None = None
+    """The coefficient between `terms`' moment and the optimizer step, from the fixed sample."""
+    calls: tuple[CallSummary, ...] = ()
+    num_calls: int = 0
+    """Every clip call of the step (only the first few are in `calls`)."""
+    topology: Topology = field(default_factory=Topology)
+
+    def __post_init__(self) -> None:
+        if len(self.held) != len(self.terms):
+            raise ValueError(f"rank {self.rank}: {len(self.terms)} group terms for {len(self.held)} groups")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveStep:
+    """One checked step of every rank, as the guard gathered it."""
+
+    step: int
+    world_size: int
+    max_norm: float
+    norm_type: float
+    groups: tuple[OwnershipGroup, ...]
+    ranks: Mapping[int, RankSummary]
+    run_id: str | None = None
+    directory: str = ""
+    """Where the step's dump is (or would be) written; the reports name it."""
+
+
+def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
+    """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
+    layouts = _layouts(live)
+    params = tuple(
+        ParamInfo(name=g.param, global_shape=(len(layouts[i]),), dtype=g.dtype)
+        for i, g in enumerate(live.groups)
+        if layouts[i]
+    )
+    dumps = {}
+    for rank, summary in sorted(live.ranks.items()):
+        pieces: list[Piece] = []
+        for i, group in enumerate(live.groups):
+            if not summary.held[i]:
+                continue
+            position = layouts[i][_class_of(live, group, summary)]
+            pieces.append(
+                Piece(
+                    index=len(pieces),
+                    param=group.param,
+                    regions=(FlatRange(start=position, stop=position + 1),),
+                    local_shape=(1,),
+                    dtype=group.dtype,
+                    replica_group=group.replica_group,
+                    stats=_stats_of(summary, i, live.norm_type),
+                    call_stats=_call_stats(summary, i, live.norm_type),
+                )
+            )
+        dumps[rank] = RankDump(
+            path="",
+            rank=rank,
+            world_size=live.world_size,
+            step=live.step,
+            mode="stats",
+            run_id=live.run_id,
+            params=tuple(p for p in params if any(piece.param == p.name for piece in pieces)),
+            pieces=tuple(pieces),
+            topology=summary.topology,
+            clip=_clip_record(live, summary),
+        )
+    return dumps
+
+
+def step_dump(live: LiveStep) -> StepDump:
+    """The live step as the loader would give it after reading `rank_dumps(live)`."""
+    from ..dumpfile.loader import assemble_step
+
+    return assemble_step(live.directory, rank_dumps(live))
+
+
+def _class_of(live: LiveStep, group: OwnershipGroup, summary: RankSummary) -> tuple[int, ...]:
+    """The ranks whose pieces of `group` are replicas of this rank's: the replica group's rank list."""
+    if group.replica_group is None:
+        return (summary.rank,)
+    members = summary.topology.group_of(group.replica_group, summary.rank)
+    return members if members else (summary.rank,)
+
+
+def _layouts(live: LiveStep) -> list[dict[tuple[int, ...], int]]:
+    """Per group: each replica class -> its element in the group's one-dimensional parameter."""
+    found = []
+    for i, group in enumerate(live.groups):
+        classes = {_class_of(live, group, s) for s in live.ranks.values() if s.held[i]}
+        found.append({members: n for n, members in enumerate(sorted(classes))})
+    return found
+
+
+def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: int = 0) -> TensorStats:
+    """Statistics of one element whose magnitude is the group's norm: sum |x|^p is the group's term."""
+    magnitude = term
+    if not math.isinf(norm_type):
+        magnitude = term ** (1.0 / norm_type) if term > 0 else 0.0
+    return TensorStats(
+        numel=1,
+        norm_type=norm_type,
+        sum_pow=magnitude if math.isinf(norm_type) else term,
+        sum_sq=magnitude * magnitude,
+        max_abs=magnitude,
+        num_nan=num_nan,
+        num_posinf=num_inf,
+    )
+
+
+def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[str, TensorStats]:
+    num_nan = summary.num_nan[i] if summary.num_nan else 0
+    num_inf = summary.num_inf[i] if summary.num_inf else 0
+    term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
+    stats = {"grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)}
+    coef = summary.applied_coef
+    if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
+        # The sample gives the coefficient; the clipped gradient is the same elements scaled by it.
+        scaled = term * abs(coef) ** norm_type if not math.isinf(norm_type) else term * abs(coef)
+        stats["grad_clipped"] = _one_element(scaled, norm_type)
+    return stats
+
+
+def _call_stats(summary: RankSummary, i: int, norm_type: float) -> tuple[TensorStats, ...]:
+    if len(summary.calls) < 2:
+        return ()
+    return tuple(
+        _one_element(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0, norm_type)
+        for c in summary.calls
+    )
+
+
+def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
+    calls = tuple(
+        ClipCall(reported_norm=c.reported_norm, max_norm=c.max_norm, norm_type=c.norm_type)
+        for c in summary.calls
+    )
+    return ClipRecord(
+        max_norm=live.max_norm,
+        norm_type=live.norm_type,
+        reported_norm=calls[-1].reported_norm if calls else None,
+        calls=calls,
+    )
+
+
+def report_of(live: LiveStep) -> Report:
+    """The report `gradaudit check` gives for the live step: the same measure, diagnosis and checks."""
+    from ..audit import build_report
+    from ..checks.base import AuditOptions
+    from ..engine.measure import measure_step
+    from ..engine.reader import TensorReader
+
+    step = step_dump(live)
+    with TensorReader(step) as reader:
+        measurements = measure_step(step, reader, workers=1)
+    command = f"gradaudit check {live.directory}" if live.directory else ""
+    return build_report(step, measurements, AuditOptions(), command=command)

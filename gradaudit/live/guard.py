@@ -1,0 +1,514 @@
+"""`gradaudit.guard`: check every step's clipping while training runs, with one all-gather per checked
+step, and dump the step that goes wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CaptureError, GradauditError
+from ..model import Topology
+from ..version import __version__
+from .analysis_input import LiveStep, RankSummary, rank_dumps, report_of
+from .clipcalls import ClipWatch
+from .summary import (
+    FAILED,
+    CallRecord,
+    LocalSummary,
+    VectorLayout,
+    coefficient,
+    failed_vector,
+    group_key,
+    ownership_groups,
+    pack,
+)
+from .trend import TREND_FILE, TrendLine, trend_line
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from ..capture.session import AuditStep
+    from ..report import Report
+
+ON_ANOMALY = ("warn", "raise")
+TRIGGER = "guard"
+"""The dump metadata's `trigger` for a step the guard wrote on an anomaly."""
+
+
+class GuardAnomaly(GradauditError):
+    """The guard found the clipping of a step wrong (on_anomaly="raise"); raised on every rank alike."""
+
+    def __init__(self, message: str, *, step: int, codes: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.codes = codes
+
+
+class GuardWarning(UserWarning):
+    """One anomaly the guard found (on_anomaly="warn"), or the guard switching itself off."""
+
+
+class Guard:
+    """Checks the clipping of every `every`-th optimizer step until `remove()`; see `gradaudit.guard`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_norm: float,
+        optimizer: Any,
+        out_dir: str | os.PathLike[str],
+        norm_type: float | str = 2.0,
+        groups: Mapping[str, Any] | None = None,
+        aliases: Mapping[str, str] | None = None,
+        every: int = 1,
+        on_anomaly: str = "warn",
+        max_dumps: int = 3,
+        cooldown: int = 100,
+        late: bool | None = None,
+        first_step: int = 1,
+        run_id: str | None = None,
+        capture_next: bool = True,
+    ) -> None:
+        from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
+        from ..capture.optimizers import hookable_optimizer
+        from ..capture.topology import normalize_groups
+
+        self.max_norm = check_max_norm(max_norm)
+        self.norm_type = check_norm_type(norm_type)
+        if on_anomaly not in ON_ANOMALY:
+            raise CaptureError(f"on_anomaly must be 'warn' or 'raise', got {on_anomaly!r}")
+        for name, value, least in (
+            ("every", every, 1),
+            ("max_dumps", max_dumps, 0),
+            ("cooldown", cooldown, 0),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise CaptureError(f"{name} must be an integer of at least {least}, got {value!r}")
+        self.optimizer = hookable_optimizer(optimizer)
+        if self.optimizer is None:
+            raise CaptureError(
+                "gradaudit.guard needs optimizer= (the optimizer whose step ends each training step)"
+            )
+        self.model = model
+        self.out_dir = Path(out_dir)
+        self.every = every
+        self.on_anomaly = on_anomaly
+        self.max_dumps = max_dumps
+        self.cooldown = cooldown
+        self.run_id = check_run_id(run_id)
+        self.capture_next = capture_next
+        self.rank, self.world_size = rank_and_world_size()
+        self._groups = normalize_groups(groups, world_size=self.world_size)
+        self._aliases = dict(aliases or {})
+        self.step = first_step
+        """The optimizer step now under way (counted by the optimizer's step hook)."""
+        self.anomalies: list[tuple[int, tuple[str, ...]]] = []
+        """(step, codes) of every anomaly found so far."""
+        self.dumps: list[Path] = []
+        self.active = False
+        self._late = late
+        self._hooks: list[RemovableHandle] = []
+        self._watch = ClipWatch(self._around_clip)
+        self._calls: list[CallRecord] = []
+        self._num_calls = 0
+        self._pending: tuple[int, Any, Any] | None = None
+        self._last_dump_step: int | None = None
+        self._capture: AuditStep | None = None
+        self._capture_step: int | None = None
+        self._trend_file: Any = None
+        self._attach()
+
+    # -- attaching and removing -----------------------------------------------------------------
+
+    def _attach(self) -> None:
+        from ..capture.infer import infer_ownership
+        from ..capture.warn import warn_once
+
+        def unsupported(param: str, exc: Exception) -> None:
+            warn_once(
+                f"guard:{param}", f"gradaudit guard: parameter {param!r} is left out of every check: {exc}"
+            )
+
+        ownership = infer_ownership(
+            self.model,
+            rank=self.rank,
+            world_size=self.world_size,
+            groups=self._groups,
+            aliases=self._aliases,
+            on_unsupported=unsupported,
+        )
+        keys = [group_key(p) for p in ownership.pieces]
+        dtypes = {group_key(p): p.dtype for p in ownership.pieces}
+        every_rank = self._exchange_once((sorted(set(keys)), dtypes, ownership.topology))
+        dtype_of: dict[str, str] = {}
+        for _, rank_dtypes, _ in every_rank:
+            for key, dtype in rank_dtypes.items():
+                dtype_of.setdefault(key, dtype)
+        self.groups = ownership_groups([k for rank_keys, _, _ in every_rank for k in rank_keys], dtype_of)
+        position = {g.name: i for i, g in enumerate(self.groups)}
+        self._held = [tuple(g.name in rank_keys for g in self.groups) for rank_keys, _, _ in every_rank]
+        self._topologies: list[Topology] = [topology for _, _, topology in every_rank]
+        self.layout = VectorLayout(num_groups=len(self.groups))
+        self._summary = LocalSummary(
+            ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type
+        )
+        self._device = _device_of(self.model)
+        if self._late is None:
+            self._late = self._device.type != "cpu"
+        self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
+        self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
+        self._watch.install()
+        self.active = True
+
+    def _exchange_once(self, mine: Any) -> list[Any]:
+        """Every rank's ownership groups and topology, once when the guard is attached."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return [mine]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return gathered
+
+    def remove(self) -> None:
+        """Stop checking (after reading a verdict still pending); the model and optimizer are left as they were."""
+        try:
+            if self.active and self._pending is not None:
+                self._read_pending()
+        finally:
+            self._switch_off()
+            if self._trend_file is not None:
+                self._trend_file.close()
+                self._trend_file = None
+
+    def _switch_off(self) -> None:
+        self.active = False
+        self._watch.uninstall()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self._capture is not None:
+            self._capture.cancel()
+            self._capture = None
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self._pending = None  # the training failed: its exception matters, not the last verdict
+        self.remove()
+
+    # -- inside the step ------------------------------------------------------------------------
+
+    @property
+    def _checked(self) -> bool:
+        return self.active and (self.step % self.every == 0)
+
+    def _around_clip(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        capture = self._capture
+        if not self._checked:
+            return capture.clip(fn, *args, **kwargs) if capture is not None else fn(*args, **kwargs)
+        before = self._safely(lambda: (self._summary.terms(), self._summary.sample()))
+        result = capture.clip(fn, *args, **kwargs) if capture is not None else fn(*args, **kwargs)
+        if before is not None and self.active:
+            self._safely(lambda: self._record_call(before, fn, args, kwargs, result))
+        return result
+
+    def _record_call(
+        self, before: tuple[Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
+    ) -> None:
+        from ..capture.arguments import clip_arguments, norm_results
+
+        terms, sample = before
+        max_norm, norm_type = clip_arguments(fn, args, kwargs)
+        record = CallRecord(
+            terms=terms,
+            reported=norm_results(result)[0],
+            max_norm=max_norm,
+            norm_type=norm_type,
+            coef=coefficient(sample, self._summary.sample()),
+            before=sample,
+        )
+        self._num_calls += 1
+        if len(self._calls) < self.layout.max_calls:
+            self._calls.append(record)
+        else:
+            self._calls[-1] = record
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._pending is not None:
+            self._read_pending()  # a GuardAnomaly raised here stops every rank before this step
+        if self._checked:
+            vector = self._safely(self._vector)
+            if vector is None and self.active:
+                vector = failed_vector(self.layout, self._device)
+            if vector is not None:
+                self._gather(vector)
+        if self._capture is not None:
+            self._capture.before_optimizer_step()
+
+    def _vector(self) -> Any:
+        if self._calls:
+            last = self._calls[-1]
+            terms, applied = last.terms, coefficient(last.before, self._summary.sample())
+        else:
+            terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
+        return pack(
+            self.layout,
+            device=self._device,
+            terms=terms,
+            applied_coef=applied,
+            calls=self._calls,
+            num_calls=self._num_calls,
+        )
+
+    def _gather(self, vector: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        try:
+            if self.world_size > 1:
+                gathered = torch.empty(
+                    self.world_size * vector.numel(), dtype=vector.dtype, device=vector.device
+                )
+                dist.all_gather_into_tensor(gathered, vector)
+            else:
+                gathered = vector
+            if self._late:
+                host = gathered.to("cpu", non_blocking=True)
+                event = None
+                if gathered.device.type == "cuda":
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record()
+                self._pending = (self.step, host, event)
+            else:
+                self._pending = (self.step, gathered, None)
+                self._read_pending()
+        except GuardAnomaly:
+            raise
+        except Exception as exc:  # noqa: BLE001  a failing collective switches the guard off, not training
+            self._fail(exc)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        capture = self._capture
+        if capture is not None:
+            self._capture = None
+            self._safely(lambda: _end_capture(capture))
+        self._calls, self._num_calls = [], 0
+        self.step += 1
+        if self._capture_step is not None and self.active:
+            self._safely(self._begin_capture)
+
+    # -- the verdict -----------------------------------------------------------------------------
+
+    def _read_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, gathered, event = pending
+        if event is not None:
+            event.synchronize()
+        rows = gathered.cpu().numpy().reshape(self.world_size, self.layout.size)
+        if (rows[:, 0] == FAILED).any():
+            failed = [r for r in range(self.world_size) if rows[r, 0] == FAILED]
+            self._warn(f"gradaudit guard: rank(s) {failed} could not measure step {step}; the guard is off")
+            self._switch_off()
+            return
+        report = self._safely(lambda: self._report(step, rows))
+        if report is not None:
+            self._judge(step, report)
+
+    def live_step(self, step: int, rows: Any) -> LiveStep:
+        ranks: dict[int, RankSummary] = {
+            rank: self.layout.unpack(
+                rows[rank], rank=rank, held=self._held[rank], topology=self._topologies[rank]
+            )
+            for rank in range(self.world_size)
+        }
+        return LiveStep(
+            step=step,
+            world_size=self.world_size,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            groups=self.groups,
+            ranks=ranks,
+            run_id=self.run_id,
+            directory=str(self.out_dir / f"step_{step}"),
+        )
+
+    def _report(self, step: int, rows: Any) -> tuple[LiveStep, Report]:
+        live = self.live_step(step, rows)
+        return live, report_of(live)
+
+    def _judge(self, step: int, found: tuple[LiveStep, Report]) -> None:
+        from ..report import Severity
+
+        live, report = found
+        errors = [f for f in report.findings if f.severity is Severity.ERROR]
+        codes = tuple(dict.fromkeys(f.code for f in errors))
+        line = trend_line(report, codes)
+        if self.rank == 0:
+            self._safely(lambda: self._append_trend(line))
+        if not errors:
+            return
+        self.anomalies.append((step, codes))
+        dumped = self._safely(lambda: self._dump(live, step, codes))
+        messages = [f"gradaudit guard: step {step}: {f.code} {f.message}{_numbers(line)}" for f in errors]
+        where = f"; its dump: gradaudit check {live.directory}" if dumped else ""
+        if self.on_anomaly == "raise":
+            self._pending = None
+            raise GuardAnomaly("; ".join(messages) + where, step=step, codes=codes)
+        for message in messages:
+            self._warn(message + where)
+
+    def _append_trend(self, line: TrendLine) -> None:
+        if self._trend_file is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._trend_file = open(self.out_dir / TREND_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self._trend_file.write(json.dumps(line.to_json(), sort_keys=True) + "\n")
+        self._trend_file.flush()
+
+    def _dump(self, live: LiveStep, step: int, codes: tuple[str, ...]) -> bool:
+        """Write this rank's file of the step, and arm a full capture of the next; False when the
+        dump budget or the cooldown says no."""
+        import dataclasses
+
+        from ..dumpfile.writer import write_rank_file
+
+        if len(self.dumps) >= self.max_dumps:
+            return False
+        if self._last_dump_step is not None and step - self._last_dump_step < self.cooldown:
+            return False
+        self._last_dump_step = step
+        dump = dataclasses.replace(
+            rank_dumps(live)[self.rank],
+            host=socket.gethostname(),
+            torch_version=_torch_version(),
+            gradaudit_version=__version__,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            trigger=TRIGGER,
+        )
+        self.dumps.append(write_rank_file(live.directory, dump, {}))
+        if self.capture_next:
+            self._capture_step = self.step + 1  # late or not, the verdict is read before this step ends
+        return True
+
+    def _begin_capture(self) -> None:
+        from ..capture.session import AuditStep
+
+        step, self._capture_step = self._capture_step, None
+        if step is None or step != self.step:
+            return
+        self._capture = AuditStep(
+            self.model,
+            self.out_dir / "full",
+            step=step,
+            max_norm=self.max_norm,
+            norm_type=self.norm_type,
+            groups=self._groups or None,
+            aliases=self._aliases or None,
+            run_id=self.run_id,
+        ).begin()
+
+    # -- failures ----------------------------------------------------------------------------------
+
+    def _safely(self, action: Callable[[], Any]) -> Any:
+        """Run a step of the guard's own work; a failure warns once and switches the guard off."""
+        try:
+            return action()
+        except GuardAnomaly:
+            raise
+        except Exception as exc:  # noqa: BLE001  the guard must never break training
+            self._fail(exc)
+            return None
+
+    def _fail(self, exc: Exception) -> None:
+        if not self.active:
+            return
+        self._warn(
+            f"gradaudit guard: rank {self.rank} failed at step {self.step} and switches off; training goes on "
+            f"without it ({type(exc).__name__}: {exc})"
+        )
+        self._switch_off()
+
+    def _warn(self, message: str) -> None:
+        import warnings
+
+        warnings.warn(message, GuardWarning, stacklevel=2)
+
+
+def _end_capture(capture: AuditStep) -> None:
+    capture.after_optimizer_step()
+    capture.end()
+
+
+def _numbers(line: TrendLine) -> str:
+    parts = []
+    if line.true_norm is not None:
+        parts.append(f"true norm {line.true_norm:.6g}")
+    if line.reported_norm is not None:
+        parts.append(f"reported {line.reported_norm:.6g}")
+    if line.expected_coef is not None:
+        parts.append(f"expected coefficient {line.expected_coef:.6g}")
+    if line.min_coef is not None and line.max_coef is not None:
+        parts.append(f"applied {line.min_coef:.6g}..{line.max_coef:.6g}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _device_of(model: Any) -> Any:
+    import torch
+
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        return local.device
+    return torch.device("cpu")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def guard(model: torch.nn.Module, **kwargs: Any) -> Guard:
+    """Check the clipping of every training step from now on; attach once, before the loop.
+
+        gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir="audit")
+        for batch in loader:
+            loss(model(batch)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); opt.zero_grad()
+
+    The guard sees every clip call (torch.nn.utils.clip_grad_norm_ and FSDP1's) and the optimizer step
+    by itself. Per checked step each rank sums its gradients' norms per ownership group on their
+    device, and one all-gather of a small float64 vector gives every rank the same verdict, reached by
+    the analysis `gradaudit check` runs. A step whose clipping is wrong is named in a warning (or a
+    GuardAnomaly on every rank with on_anomaly="raise"), written as a dump `gradaudit check` reads, and
+    the next step is captured in full under out_dir/full/. Rank 0 appends one line per checked step to
+    out_dir/guard_trend.jsonl.
+
+    Keyword arguments: max_norm (required), norm_type (2.0), optimizer (required), out_dir (required),
+      groups, aliases: as `audit_step` takes them; every (1): check every N-th step; on_anomaly
+      ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
+      steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
+      no host sync; first_step (1): the number of the first optimizer step; capture_next (True).
+    Returns the Guard: `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
+    """
+    for name in ("max_norm", "optimizer", "out_dir"):
+        if name not in kwargs:
+            raise CaptureError(
+                f"gradaudit.guard needs {name}=; e.g. gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir='audit')"
+            )
+    return Guard(model, **kwargs)

@@ -1,0 +1,249 @@
+"""What each rank measures of a checked step, on the gradients' device and without copying them, and
+the fixed-size float64 vector it travels in (one all-gather per checked step).
+
+The per-piece norms come from one `torch._foreach_norm` in the gradients' own dtype (asking it for
+float64 makes a float64 copy of every gradient first, 18x the time on CPU); their p-th powers are
+summed per ownership group in float64. The applied coefficient is measured on a fixed sample of
+elements (a few per piece, read before and after a clip call), so no second pass is made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .analysis_input import SHARDED, CallSummary, OwnershipGroup, RankSummary
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from ..capture.ownership import LocalPiece
+    from ..model import Topology
+
+MAX_CALLS = 4
+"""Clip calls per step whose numbers travel; later ones are counted, and overwrite the last slot."""
+SAMPLE_PIECES = 16
+"""The largest pieces of a rank each give SAMPLE_PER_PIECE elements to the coefficient's sample."""
+SAMPLE_PER_PIECE = 8
+
+OK, FAILED = 1.0, -1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class VectorLayout:
+    """Where each number of a rank's summary lies in the gathered vector (the same on every rank)."""
+
+    num_groups: int
+    max_calls: int = MAX_CALLS
+
+    @property
+    def call_size(self) -> int:
+        return 4 + self.num_groups
+
+    @property
+    def size(self) -> int:
+        return 3 + 3 * self.num_groups + self.max_calls * self.call_size
+
+    def call_offset(self, call: int) -> int:
+        return 3 + 3 * self.num_groups + call * self.call_size
+
+    def unpack(
+        self, row: np.ndarray, *, rank: int, held: tuple[bool, ...], topology: Topology
+    ) -> RankSummary:
+        """One rank's summary from its row of the gathered matrix (status must be OK)."""
+        g = self.num_groups
+        num_calls = int(row[1])
+        calls = []
+        for k in range(min(num_calls, self.max_calls)):
+            at = self.call_offset(k)
+            calls.append(
+                CallSummary(
+                    reported_norm=_number(row[at]),
+                    max_norm=_number(row[at + 1]),
+                    norm_type=_number(row[at + 2]),
+                    coef=_number(row[at + 3]),
+                    terms=tuple(float(x) for x in row[at + 4 : at + 4 + g]),
+                )
+            )
+        return RankSummary(
+            rank=rank,
+            terms=tuple(float(x) for x in row[3 : 3 + g]),
+            held=held,
+            num_nan=tuple(int(x) for x in row[3 + g : 3 + 2 * g]),
+            num_inf=tuple(int(x) for x in row[3 + 2 * g : 3 + 3 * g]),
+            applied_coef=_number(row[2]),
+            calls=tuple(calls),
+            num_calls=num_calls,
+            topology=topology,
+        )
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else float(value)
+
+
+def group_key(piece: LocalPiece) -> str:
+    """The ownership group of a piece: the process group it is replicated over, or sharded."""
+    return piece.replica_group if piece.replica_group is not None else SHARDED
+
+
+def ownership_groups(keys: Sequence[str], dtype_of: dict[str, str]) -> tuple[OwnershipGroup, ...]:
+    """The groups of the union of every rank's group keys, in a fixed order."""
+    return tuple(
+        OwnershipGroup(
+            name=key,
+            replica_group=None if key == SHARDED else key,
+            dtype=dtype_of.get(key, "float32"),
+        )
+        for key in sorted(set(keys))
+    )
+
+
+class LocalSummary:
+    """This rank's measurements of its pieces, as device tensors (nothing here waits for the device)."""
+
+    def __init__(
+        self, pieces: Sequence[LocalPiece], group_index: Sequence[int], layout: VectorLayout, norm_type: float
+    ) -> None:
+        self.pieces = tuple(pieces)
+        self.group_index = tuple(group_index)
+        self.layout = layout
+        self.norm_type = norm_type
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        largest = sorted(range(len(self.pieces)), key=lambda i: (-math.prod(self.pieces[i].local_shape), i))
+        self._sampled = tuple(i for i in largest if math.prod(self.pieces[i].local_shape) > 0)[:SAMPLE_PIECES]
+        self._sample_index: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        grads, present = [], []
+        for i, piece in enumerate(self.pieces):
+            grad = piece.grad()
+            if grad is not None:
+                grads.append(grad)
+                present.append(i)
+        return grads, tuple(present)
+
+    def terms(self) -> torch.Tensor | None:
+        """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
+        the gradients' device; None when no piece has a gradient."""
+        import torch
+
+        grads, present = self._grads()
+        if not grads:
+            return None
+        device = grads[0].device
+        norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads, self.norm_type)])
+        index = self._index_cache.get(present)
+        if index is None:
+            index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
+            self._index_cache[present] = index
+        g = self.layout.num_groups
+        out = torch.zeros(3 * g, dtype=torch.float64, device=device)
+        if math.isinf(self.norm_type):
+            out[:g].scatter_reduce_(0, index, norms.nan_to_num(0.0, 0.0, 0.0), "amax")
+        else:
+            out[:g].index_add_(0, index, norms.nan_to_num(0.0, 0.0, 0.0).pow(self.norm_type))
+        out[g : 2 * g].index_add_(0, index, norms.isnan().to(torch.float64))
+        out[2 * g :].index_add_(0, index, norms.isinf().to(torch.float64))
+        return out
+
+    def sample(self) -> torch.Tensor | None:
+        """A fixed sample of this rank's gradient elements (float64, a few per large piece)."""
+        import torch
+
+        taken = []
+        for i in self._sampled:
+            grad = self.pieces[i].grad()
+            if grad is None or not grad.is_contiguous():
+                continue
+            key = (i, str(grad.device))
+            index = self._sample_index.get(key)
+            if index is None:
+                numel = grad.numel()
+                count = min(SAMPLE_PER_PIECE, numel)
+                index = torch.linspace(0, numel - 1, count, device=grad.device).round().to(torch.int64)
+                self._sample_index[key] = index
+            taken.append(grad.reshape(-1).index_select(0, index).to(torch.float64))
+        return torch.cat(taken) if taken else None
+
+
+def coefficient(before: torch.Tensor | None, after: torch.Tensor | None) -> torch.Tensor | float:
+    """The least-squares factor between two samples of the same elements (nan when unknown)."""
+    import torch
+
+    if before is None or after is None or before.shape != after.shape:
+        return math.nan
+    denominator = torch.dot(before, before)
+    return torch.where(denominator > 0, torch.dot(after, before) / denominator, math.nan)
+
+
+@dataclass
+class CallRecord:
+    """One clip call of the step being checked, its numbers still on the device."""
+
+    terms: Any
+    reported: Any
+    max_norm: Any
+    norm_type: Any
+    coef: Any
+    before: Any
+
+
+def pack(
+    layout: VectorLayout,
+    *,
+    device: Any,
+    terms: Any,
+    applied_coef: Any,
+    calls: Sequence[CallRecord],
+    num_calls: int,
+) -> torch.Tensor:
+    """This rank's vector; device tensors are copied in on the device (no host sync)."""
+    import torch
+
+    vector = torch.full((layout.size,), math.nan, dtype=torch.float64, device=device)
+    g = layout.num_groups
+    vector[0] = OK
+    vector[1] = float(num_calls)
+    _put(vector, 2, applied_coef)
+    if terms is not None:
+        vector[3 : 3 + 3 * g].copy_(terms)
+    else:
+        vector[3 : 3 + 3 * g].zero_()
+    for k, call in enumerate(calls[: layout.max_calls]):
+        at = layout.call_offset(k)
+        _put(vector, at, call.reported)
+        _put(vector, at + 1, call.max_norm)
+        _put(vector, at + 2, call.norm_type)
+        _put(vector, at + 3, call.coef)
+        if call.terms is not None:
+            vector[at + 4 : at + 4 + g].copy_(call.terms[:g])
+        else:
+            vector[at + 4 : at + 4 + g].zero_()
+    return vector
+
+
+def failed_vector(layout: VectorLayout, device: Any) -> torch.Tensor:
+    """The vector of a rank whose measuring failed: it still takes part, and every rank turns off."""
+    import torch
+
+    vector = torch.full((layout.size,), math.nan, dtype=torch.float64, device=device)
+    vector[0] = FAILED
+    return vector
+
+
+def _put(vector: torch.Tensor, at: int, value: Any) -> None:
+    import torch
+
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        vector[at : at + 1].copy_(value.detach().reshape(-1)[:1])
+    else:
+        try:
+            vector[at] = float(value)
+        except (TypeError, ValueError):
+            return
