@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
-from ..engine.measure import ReferenceError, StepMeasurements
+from ..analysis.diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
+from ..measure.measure import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
-from ..report import ParamComparison
+from ..report.model import ParamComparison
 from .base import AuditOptions, CheckResult, Hit, Skip, count, num
 
 REFERENCE_TOLERANCE_BY_DTYPE = {
@@ -187,7 +187,7 @@ def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options:
         return Skip(
             reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
         )
-    from ..updates_explained import judgements
+    from ..analysis.updates import judgements
 
     hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
     explained = frozenset(name for name, j in judgements(step, m).items() if j.explained)
@@ -201,7 +201,7 @@ def updates_explained_by_optimizer(step: StepDump, m: StepMeasurements, options:
     """GA604: next-weights differences that the optimizer's normalisation of agreeing gradients explains."""
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
-    from ..updates_explained import judgements
+    from ..analysis.updates import judgements
 
     explained = sorted((j for j in judgements(step, m).values() if j.explained), key=lambda j: j.param)
     if not explained:

@@ -22,8 +22,8 @@ from ..norms import divide_by_power
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..dumpfile.reader import TensorReader
     from .kernel import ChunkKernel
-    from .reader import TensorReader
     from .reference import ReferenceSource
     from .table import PieceTable
 
@@ -748,7 +748,7 @@ def _measure_all(
 ) -> dict[str, ParamMeasurement]:
     """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
     would only contend for the GIL. The others go to the worker threads, largest first."""
-    from .reader import TensorReader
+    from ..dumpfile.reader import TensorReader
 
     results: dict[str, ParamMeasurement] = {}
     done = 0

@@ -11,7 +11,7 @@ import numpy as np
 from ..model import Box, FlatRange, Piece, Region, numel_of
 
 if TYPE_CHECKING:
-    from .reader import TensorReader
+    from ..dumpfile.reader import TensorReader
 
 
 def compare_values(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .model import Piece, StepDump
+from ..model import Piece, StepDump
 
 if TYPE_CHECKING:
-    from .checks.base import AuditOptions
-    from .dumpfile import TensorReader
-    from .engine.measure import StepMeasurements
+    from ..checks.base import AuditOptions
+    from ..dumpfile import TensorReader
+    from ..measure.measure import StepMeasurements
 
 DERIVED_KEY = "updates_explained"
 """Where audit_step leaves the result for the checks (StepMeasurements.derived)."""
@@ -92,8 +92,8 @@ def explain_update_errors(
     reader: TensorReader,
 ) -> Mapping[str, UpdateJudgement]:
     """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
-    from .checks.reference import compare, tolerances
-    from .engine.reference import _assemble_dense
+    from ..checks.reference import compare, tolerances
+    from ..measure.reference import _assemble_dense
 
     found: dict[str, UpdateJudgement] = {}
     for name, pm in m.params.items():
@@ -146,7 +146,7 @@ def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
 
 
 def _scale(step: StepDump, kind: str) -> float:
-    from .engine.measure import SCALED_KINDS, dumped_gradient_scale
+    from ..measure.measure import SCALED_KINDS, dumped_gradient_scale
 
     if kind not in SCALED_KINDS or not step.ranks_present:
         return 1.0
