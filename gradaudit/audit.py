@@ -17,7 +17,8 @@ from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
 from .errors import StepFolderError
 from .measure.columns import step_columns
-from .measure.measure import StepMeasurements, measure_step, overflow_notes
+from .measure.measure import measure_step, overflow_notes
+from .measure.measurements import StepMeasurements
 from .model import StepDump
 from .report.model import (
     Environment,
@@ -259,7 +260,11 @@ def audit_step(
                 from .analysis.updates import DERIVED_KEY, explain_update_errors
 
                 m.derived(
-                    DERIVED_KEY, step, lambda: explain_update_errors(step, reference, m, options, reader)
+                    DERIVED_KEY,
+                    step,
+                    lambda: explain_update_errors(
+                        step, reference, m, reader, rtol=options.rtol, atol=options.atol
+                    ),
                 )
         warnings = tuple(warnings) + overflow_notes(m)
         return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from .dumpfile.loader import LoadFiles, LoadOutcome
     from .dumpfile.reader import TensorReader
-    from .measure.measure import StepMeasurements
+    from .measure.measurements import StepMeasurements
     from .model import StepDump
 
 GROUP_TIMEOUT = timedelta(minutes=10)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gradaudit.analysis.diagnosis import disjoint_cover, norm_of_pieces
 from gradaudit.analysis.geometry import coverage, region_boxes
 from gradaudit.capture.tensorstats import stats_of_tensor
-from gradaudit.measure.measure import PieceMeasurement
+from gradaudit.measure.measurements import PieceMeasurement
 from gradaudit.model import Box, FlatRange
 from gradaudit.norms import expected_clip_coef
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from ..measure.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
-from ..measure.measure import PieceMeasurement, StepMeasurements
+from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import ClipRecord, Piece, RankDump, StepDump, TensorStats
 from ..norms import (
     CLIP_EPS,

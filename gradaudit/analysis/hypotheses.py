@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..measure.measure import PieceMeasurement
+from ..measure.measurements import PieceMeasurement
 from ..model import StepDump
 from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from ..ranksets import compact_ranks

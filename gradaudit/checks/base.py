@@ -11,7 +11,7 @@ from ..ranksets import compact_ranks
 from ..report.model import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
-    from ..measure.measure import StepMeasurements
+    from ..measure.measurements import StepMeasurements
     from ..model import StepDump
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis, diagnose_step
-from ..measure.measure import StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import relative_difference
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named

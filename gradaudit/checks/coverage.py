@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 from ..dumpfile.header import clipped, shown
 from ..errors import StepFolderError
-from ..measure.measure import StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..measure.columns import step_columns
-from ..measure.measure import StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 

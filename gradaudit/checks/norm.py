@@ -17,7 +17,7 @@ from ..analysis.diagnosis import (
     diagnose_step,
 )
 from ..analysis.hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
-from ..measure.measure import StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 

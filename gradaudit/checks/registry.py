@@ -15,7 +15,7 @@ from .base import AuditOptions, CheckFn, CheckResult, CheckSpec
 from .explanations import EXPLANATIONS
 
 if TYPE_CHECKING:
-    from ..measure.measure import StepMeasurements
+    from ..measure.measurements import StepMeasurements
     from ..model import StepDump
 
 

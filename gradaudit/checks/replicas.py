@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..measure.measure import ReplicaSet, StepMeasurements
+from ..measure.measurements import ReplicaSet, StepMeasurements
 from ..model import StepDump
 from ..norms import norm_rtol
 from .base import AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named

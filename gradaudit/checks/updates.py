@@ -6,7 +6,7 @@ import math
 
 from ..analysis.diagnosis import norm_of_pieces, step_cover
 from ..measure.columns import step_columns
-from ..measure.measure import StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import safe_fsum
 from .base import AuditOptions, CheckResult, Hit, Skip, num
