@@ -106,7 +106,7 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     alone (building the StepDump is not timed)."""
     from gradaudit.checks.base import AuditOptions
     from gradaudit.checks.coverage import ownership_gap, ownership_overlap
-    from gradaudit.engine.measure import StepMeasurements
+    from gradaudit.measure.measurements import StepMeasurements
 
     step = _coverage_step(layout, num_pieces, num_ranks)
     start = time.perf_counter()

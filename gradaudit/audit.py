@@ -11,15 +11,16 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .analysis.diagnosis import StepDiagnosis, diagnose_step
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
-from .diagnosis import StepDiagnosis, diagnose_step
-from .engine.columns import step_columns
-from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
+from .measure.columns import step_columns
+from .measure.measure import measure_step, overflow_notes
+from .measure.measurements import StepMeasurements
 from .model import StepDump
-from .report import (
+from .report.model import (
     Environment,
     Finding,
     MeshShape,
@@ -266,10 +267,14 @@ def audit_step(
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
             if reference is not None:
-                from .updates_explained import DERIVED_KEY, explain_update_errors
+                from .analysis.updates import DERIVED_KEY, explain_update_errors
 
                 m.derived(
-                    DERIVED_KEY, step, lambda: explain_update_errors(step, reference, m, options, reader)
+                    DERIVED_KEY,
+                    step,
+                    lambda: explain_update_errors(
+                        step, reference, m, reader, rtol=options.rtol, atol=options.atol
+                    ),
                 )
         warnings = tuple(warnings) + overflow_notes(m)
         return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)

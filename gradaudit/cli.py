@@ -13,7 +13,7 @@ import typer
 from .errors import GradauditError
 
 if TYPE_CHECKING:
-    from .report import MultiStepReport, Report
+    from .report.model import MultiStepReport, Report
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -59,7 +59,7 @@ def show(
 ) -> None:
     """List what a step folder holds: ranks, topology, parameters and who holds which part."""
     from .dumpfile import load_step
-    from .inventory import build_inventory, inventory_to_json
+    from .report.inventory import build_inventory, inventory_to_json
 
     inventory = build_inventory(load_step(directory))
     if format is ShowFormat.json:
@@ -113,7 +113,7 @@ def check(
     from .audit import audit_folder
     from .checks.base import AuditOptions
     from .errors import UsageError
-    from .report import MultiStepReport
+    from .report.model import MultiStepReport
 
     if output is not None:
         _refuse_output_path(output, [directory] + ([reference] if reference is not None else []))
@@ -126,8 +126,8 @@ def check(
         )
     except ValueError as exc:
         raise UsageError(f"{exc}; pass --rtol/--atol as non-negative numbers") from None
-    from .engine.scaleout import launch_env, scaled_out
-    from .render.progress import check_progress
+    from .progress import check_progress
+    from .scaleout import launch_env, scaled_out
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
@@ -181,7 +181,7 @@ def _emit_report(
 
 
 def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: bool, to_file: bool) -> str:
-    from .report import MultiStepReport
+    from .report.model import MultiStepReport
 
     if format is OutputFormat.json:
         from .render import json as json_renderer
@@ -205,7 +205,7 @@ def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: boo
 
 
 def _fails(reports: Sequence[Report], fail_on: FailOn) -> bool:
-    from .report import Severity
+    from .report.model import Severity
 
     if fail_on is FailOn.never:
         return False

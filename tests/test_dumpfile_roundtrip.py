@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+from gradaudit.capture.build import box, flat, whole, write_rank
 from gradaudit.dumpfile import TensorReader, load_step
-from gradaudit.dumpfile.build import box, flat, whole, write_rank
 from gradaudit.dumpfile.header import read_header
 from gradaudit.errors import DumpFormatError
 from gradaudit.model import ClipCall, ClipRecord, DataRecord, FlatRange, MeshInfo, Topology

@@ -20,7 +20,7 @@ from gradaudit.render.numbers import (
     reference_worst_first,
 )
 from gradaudit.render.text import join_limited, markdown_code_block, markdown_escape, printable, rich_safe
-from gradaudit.report import NonfiniteCounts, ParamComparison
+from gradaudit.report.model import NonfiniteCounts, ParamComparison
 
 
 @pytest.mark.parametrize(

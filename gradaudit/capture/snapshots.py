@@ -64,7 +64,7 @@ class Snapshots:
         can touch the tensors again (the one taken as the context exits)."""
         import torch
 
-        from ..engine.tensorstats import stats_of_tensor
+        from .tensorstats import stats_of_tensor
 
         self.kinds_taken.add(kind)
         sparse: list[NotCapturedParam] = []

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ranksets import compact_ranks
-from ..report import Finding, NotChecked, Severity
+from ..report.model import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
-    from ..engine.measure import StepMeasurements
+    from ..measure.measurements import StepMeasurements
     from ..model import StepDump
 
 

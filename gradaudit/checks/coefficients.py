@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import RankDiagnosis, StepDiagnosis, diagnose_step
-from ..engine.measure import StepMeasurements
+from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis, diagnose_step
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import relative_difference
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named

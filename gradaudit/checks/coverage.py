@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeAlias, cast
 
+from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 from ..dumpfile.header import clipped, shown
-from ..engine.measure import StepMeasurements
 from ..errors import StepFolderError
+from ..measure.measurements import StepMeasurements
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
-from .sweep import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 
 if TYPE_CHECKING:
     import numpy as np

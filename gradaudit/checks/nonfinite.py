@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..engine.columns import step_columns
-from ..engine.measure import StepMeasurements
+from ..measure.columns import step_columns
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import overload
 
-from ..diagnosis import (
+from ..analysis.diagnosis import (
     CORRECT,
     DOUBLE_COUNTED,
     LOCAL_ONLY,
@@ -16,8 +16,8 @@ from ..diagnosis import (
     StepDiagnosis,
     diagnose_step,
 )
-from ..engine.measure import StepMeasurements
-from ..hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
+from ..analysis.hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 

@@ -5,19 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..engine.measure import StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 from .norm import base_hypothesis
 
 if TYPE_CHECKING:
-    from ..diagnosis import CallNorm
+    from ..analysis.diagnosis import CallNorm
 
 MAX_CALLS_IN_MESSAGE = 8
 
 
 def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    from ..diagnosis import diagnose_step
+    from ..analysis.diagnosis import diagnose_step
 
     calls = {r: clip.calls for r in step.ranks_present if (clip := step.ranks[r].clip) is not None}
     if not any(calls.values()):
@@ -67,7 +67,7 @@ def _call_norms_text(call_norms: Sequence[CallNorm], max_norm: float | None) -> 
 
 
 def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    from ..diagnosis import diagnose_step, loss_scale_of
+    from ..analysis.diagnosis import diagnose_step, loss_scale_of
 
     scale = loss_scale_of(step)
     if scale is None:

@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
-from ..engine.measure import ReferenceError, StepMeasurements
+from ..analysis.diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
+from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
+from ..measure.measurements import ReferenceError, StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference
-from ..report import ParamComparison
+from ..report.model import ParamComparison
 from .base import AuditOptions, CheckResult, Hit, Skip, count, num
-
-REFERENCE_TOLERANCE_BY_DTYPE = {
-    "float64": (1e-9, 1e-12),
-    "float32": (1e-4, 1e-8),
-    "float16": (5e-3, 1e-5),
-    "bfloat16": (2e-2, 1e-5),
-    "float8_e4m3fn": (1e-1, 1e-3),
-    "float8_e5m2": (2e-1, 1e-3),
-}
-"""(rtol, atol) by the dumped dtype: a sharded run sums in another order than the unsharded one."""
 
 MAX_PARAMS_IN_MESSAGE = 5
 
 
 def tolerances(dtype: str, options: AuditOptions) -> tuple[float, float]:
-    rtol, atol = REFERENCE_TOLERANCE_BY_DTYPE.get(dtype, REFERENCE_TOLERANCE_BY_DTYPE["float32"])
-    return (rtol if options.rtol is None else options.rtol, atol if options.atol is None else options.atol)
+    return reference_tolerances(dtype, options.rtol, options.atol)
 
 
 def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
@@ -43,9 +33,7 @@ def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
     )
     if error.num_nonfinite_mismatch:
         rel = math.inf
-    within = (
-        error.num_nonfinite_mismatch == 0 and error.max_abs_error <= atol + rtol * error.max_abs_reference
-    )
+    within = within_reference_tolerance(error, rtol, atol)
     return ParamComparison(
         param=error.param,
         kind=error.kind,
@@ -187,7 +175,7 @@ def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options:
         return Skip(
             reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
         )
-    from ..updates_explained import judgements
+    from ..analysis.updates import judgements
 
     hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
     explained = frozenset(name for name, j in judgements(step, m).items() if j.explained)
@@ -201,7 +189,7 @@ def updates_explained_by_optimizer(step: StepDump, m: StepMeasurements, options:
     """GA604: next-weights differences that the optimizer's normalisation of agreeing gradients explains."""
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
-    from ..updates_explained import judgements
+    from ..analysis.updates import judgements
 
     explained = sorted((j for j in judgements(step, m).values() if j.explained), key=lambda j: j.param)
     if not explained:

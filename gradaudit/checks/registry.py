@@ -10,12 +10,12 @@ import importlib
 import textwrap
 from typing import TYPE_CHECKING
 
-from ..report import Finding, NotChecked, Severity
+from ..report.model import Finding, NotChecked, Severity
 from .base import AuditOptions, CheckFn, CheckResult, CheckSpec
 from .explanations import EXPLANATIONS
 
 if TYPE_CHECKING:
-    from ..engine.measure import StepMeasurements
+    from ..measure.measurements import StepMeasurements
     from ..model import StepDump
 
 

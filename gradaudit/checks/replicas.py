@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..engine.measure import ReplicaSet, StepMeasurements
+from ..measure.measurements import ReplicaSet, StepMeasurements
 from ..model import StepDump
 from ..norms import norm_rtol
 from .base import AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
@@ -36,7 +36,7 @@ def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
 
 
 def replicas_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    from ..diagnosis import diagnose_step
+    from ..analysis.diagnosis import diagnose_step
 
     if step.clip is not None and diagnose_step(step, m).mixed_moments:
         return Skip(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..diagnosis import norm_of_pieces, step_cover
-from ..engine.columns import step_columns
-from ..engine.measure import StepMeasurements
+from ..analysis.diagnosis import norm_of_pieces, step_cover
+from ..measure.columns import step_columns
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import safe_fsum
 from .base import AuditOptions, CheckResult, Hit, Skip, num

@@ -150,8 +150,14 @@ def _hint(name: str) -> str:
 
 def _read_table(path: str) -> tuple[str, dict[str, Any]] | tuple[str, str]:
     """(SHA-256 of the file, its columns), or ("", what is wrong with it)."""
-    from .header import open_regular_file, os_problem, read_exactly, read_raw_header_from, validate_tensors
-    from .loader import _read_columns
+    from .header import (
+        open_regular_file,
+        os_problem,
+        read_columns,
+        read_exactly,
+        read_raw_header_from,
+        validate_tensors,
+    )
 
     try:
         handle = open_regular_file(path)
@@ -166,7 +172,7 @@ def _read_table(path: str) -> tuple[str, dict[str, Any]] | tuple[str, str]:
             header = validate_tensors(raw)
             if set(header.tensors) != set(TABLE_COLUMNS):
                 return "", "does not hold exactly the three __gradaudit__.params.* columns"
-            columns = _read_columns(handle, path, header)
+            columns = read_columns(handle, path, header)
             handle.seek(0)
             digest = _sha256(read_exactly(handle, header.file_size))
     except DumpFormatError as exc:

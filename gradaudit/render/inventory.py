@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from ..inventory import Inventory
 from ..ranksets import compact_ranks
+from ..report.inventory import Inventory
 from .text import rich_safe
 
 MAX_LISTED = 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..report import Finding, MultiStepReport, Report, Severity
+from ..report.model import Finding, MultiStepReport, Report, Severity
 from .fold import fmt_groups, fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_groups,

@@ -8,7 +8,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 
 from ..ranksets import compact_ranks
-from ..report import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
+from ..report.model import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
 
 SIGNIFICANT_DIGITS = 6
 MISSING = "-"

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from ..report import Finding, MultiStepReport, RankRow, Report, Severity
+from ..report.model import Finding, MultiStepReport, RankRow, Report, Severity
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_groups,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradaudit.dumpfile.build import whole, write_rank
+from gradaudit.capture.build import whole, write_rank
 from gradaudit.dumpfile.writer import temporary_name
 from gradaudit.model import ClipRecord
 

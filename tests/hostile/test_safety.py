@@ -71,7 +71,7 @@ HOSTILE_NAMES = (
 
 def _write_hostile_step(root: Path) -> Path:
     """Every parameter has a nan gradient, so that `check` names each one in a finding (GA401)."""
-    from gradaudit.dumpfile.build import whole, write_rank
+    from gradaudit.capture.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
     step_dir = root / "step_1"
@@ -137,7 +137,7 @@ def _explode(*args, **kwargs):
 
 def test_an_internal_error_is_exit_3_with_one_line_and_a_debug_hint(tmp_path, capsys, monkeypatch):
     step_dir = write_valid_step(tmp_path / "step_7")
-    monkeypatch.setattr("gradaudit.inventory.build_inventory", _explode)
+    monkeypatch.setattr("gradaudit.report.inventory.build_inventory", _explode)
     outcome = run_cli(capsys, "show", str(step_dir))
     assert outcome.code == 3
     assert len(outcome.stderr_lines) == 1 and "Traceback" not in outcome.stderr
@@ -148,7 +148,7 @@ def test_an_internal_error_is_exit_3_with_one_line_and_a_debug_hint(tmp_path, ca
 
 def test_debug_prints_the_traceback_of_an_internal_error(tmp_path, capsys, monkeypatch):
     step_dir = write_valid_step(tmp_path / "step_7")
-    monkeypatch.setattr("gradaudit.inventory.build_inventory", _explode)
+    monkeypatch.setattr("gradaudit.report.inventory.build_inventory", _explode)
     outcome = run_cli(capsys, "--debug", "show", str(step_dir))
     assert outcome.code == 3
     assert "Traceback (most recent call last)" in outcome.stderr
@@ -265,7 +265,7 @@ def test_chunks_of_a_tensor_claiming_1e15_rows_of_nothing_end_at_once(tmp_path):
 
 
 def test_chunks_and_whole_reads_agree_for_every_float_dtype(tmp_path):
-    from gradaudit.dumpfile.build import whole, write_rank
+    from gradaudit.capture.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
     dtypes = (

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..norms import is_inf_norm, norm_from_total
-from .measure import PieceMeasurement, StepMeasurements
+from .measurements import PieceMeasurement, StepMeasurements
 from .table import PieceTable, TablePieces
 
 

@@ -11,19 +11,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from .engine.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
-from .engine.measure import PieceMeasurement, StepMeasurements
-from .hypotheses import (
-    Extra,
-    NormOf,
-    ParamGroup,
-    averaged_candidates,
-    group_candidates,
-    groups_of,
-    overflow_candidates,
-)
-from .model import ClipRecord, Piece, RankDump, StepDump, TensorStats
-from .norms import (
+from ..measure.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
+from ..measure.measurements import PieceMeasurement, StepMeasurements
+from ..model import ClipRecord, Piece, RankDump, StepDump, TensorStats
+from ..norms import (
     CLIP_EPS,
     divide_by_power,
     expected_clip_coef,
@@ -33,7 +24,16 @@ from .norms import (
     relative_difference,
     safe_fsum,
 )
-from .ranksets import compact_ranks
+from ..ranksets import compact_ranks
+from .hypotheses import (
+    Extra,
+    NormOf,
+    ParamGroup,
+    averaged_candidates,
+    group_candidates,
+    groups_of,
+    overflow_candidates,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -239,7 +239,7 @@ def applied_coef_of(
     step: StepDump, rank: int, pieces: Sequence[PieceMeasurement], max_norm: float | None
 ) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
-    from .engine.table import TablePieces
+    from ..measure.table import TablePieces
 
     if isinstance(pieces, TablePieces) and "grad_clipped" not in pieces.table.kinds:
         pieces = ()  # statistics of the gradient before clipping only: they give no coefficient
@@ -904,7 +904,7 @@ def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm
 
 def _pieces_with_call_stats(dump: RankDump) -> Sequence[Piece]:
     """The rank's pieces, or none for format-1.1 columns (they hold no per-call statistics)."""
-    from .dumpfile.columnar import ColumnarPieces
+    from ..dumpfile.columnar import ColumnarPieces
 
     return () if isinstance(dump.pieces, ColumnarPieces) else dump.pieces
 
