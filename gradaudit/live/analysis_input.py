@@ -28,7 +28,7 @@ from ..model import (
 )
 
 if TYPE_CHECKING:
-    from ..report import Report
+    from ..report.model import Report
 
 SHARDED = "sharded"
 """The name of the group of pieces no other rank holds a replica of."""
@@ -225,8 +225,8 @@ def report_of(live: LiveStep) -> Report:
     """The report `gradaudit check` gives for the live step: the same measure, diagnosis and checks."""
     from ..audit import build_report
     from ..checks.base import AuditOptions
-    from ..engine.measure import measure_step
-    from ..engine.reader import TensorReader
+    from ..dumpfile.reader import TensorReader
+    from ..measure.measure import measure_step
 
     step = step_dump(live)
     with TensorReader(step) as reader:

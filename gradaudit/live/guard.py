@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from ..capture.session import AuditStep
-    from ..report import Report
+    from ..report.model import Report
 
 ON_ANOMALY = ("warn", "raise")
 TRIGGER = "guard"
@@ -226,6 +226,11 @@ class Guard:
             self._safely(lambda: self._record_call(before, fn, args, kwargs, result))
         return result
 
+    def clip(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call a clipping function the guard does not see by itself (your own) and return what it
+        returns; the guard records it as a clip call of the step."""
+        return self._around_clip(fn, args, kwargs)
+
     def _record_call(
         self, before: tuple[Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
     ) -> None:
@@ -353,7 +358,7 @@ class Guard:
         return live, report_of(live)
 
     def _judge(self, step: int, found: tuple[LiveStep, Report]) -> None:
-        from ..report import Severity
+        from ..report.model import Severity
 
         live, report = found
         errors = [f for f in report.findings if f.severity is Severity.ERROR]

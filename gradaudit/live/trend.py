@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import StepFolderError
 
 if TYPE_CHECKING:
-    from ..report import Report
+    from ..report.model import Report
 
 TREND_FILE = "guard_trend.jsonl"
 MAX_TREND_LINES = 1_000_000
