@@ -288,7 +288,9 @@ class Guard:
                 gathered = torch.empty(
                     self.world_size * vector.numel(), dtype=vector.dtype, device=vector.device
                 )
-                dist.all_gather_into_tensor(gathered, vector)
+                # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
+                gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                gather_single(gathered, vector)
             else:
                 gathered = vector
             if self._late:

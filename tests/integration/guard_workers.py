@@ -1,0 +1,129 @@
+"""Worker code for the guard on 2 gloo ranks: a few training steps of TinyNet under DDP or FSDP2 with
+gradaudit.guard attached once before the loop, correct or with a deliberate clipping mistake."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from models import MAX_NORM, batch, loss_of, rows, tiny_net
+
+import gradaudit
+from gradaudit.live.guard import GuardAnomaly
+
+NUM_STEPS = 4
+
+
+def _wrapped(stack: str, world_size: int) -> torch.nn.Module:
+    model = tiny_net()
+    if stack == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    for module in (model.fc1, model.fc2, model.norm, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def clip_local_shards(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The FSDP2 mistake made with torch's own function: clip the local shards (their norm is local)."""
+    shards = []
+    for param in model.parameters():
+        if param.grad is None:
+            continue
+        local = param.to_local().detach() if hasattr(param, "to_local") else param.detach()
+        local.grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        shards.append(local)
+    return torch.nn.utils.clip_grad_norm_(shards, max_norm)
+
+
+def train(
+    rank: int, world_size: int, out_dir: str, stack: str, mistake_at: tuple[int, ...], options: dict
+) -> dict:
+    """NUM_STEPS steps; at the steps in `mistake_at` the clip goes local (the others clip correctly)."""
+    model = _wrapped(stack, world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = batch()
+    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    raised = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, **options)
+        try:
+            for step in range(1, options.get("num_steps", NUM_STEPS) + 1):
+                opt.zero_grad()
+                loss_of(model(x * step), y).backward()
+                if step in mistake_at:
+                    clip_local_shards(model, MAX_NORM)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                opt.step()
+        except GuardAnomaly as exc:
+            raised = {"step": exc.step, "codes": list(exc.codes), "at_step": step}
+        finally:
+            guard.remove()
+    return {
+        "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
+        "dumps": [str(p) for p in guard.dumps],
+        "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+        "raised": raised,
+    }
+
+
+def count_collectives(rank: int, world_size: int, out_dir: str, stack: str) -> dict:
+    """Python-level collectives issued inside optimizer steps with and without the guard."""
+    counted = {"n": 0}
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_gather_object",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "reduce",
+        "barrier",
+    )
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counted["n"] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    def steps(model, opt, count):
+        x, y = batch()
+        x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+        before = counted["n"]
+        for _ in range(count):
+            opt.zero_grad()
+            loss_of(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+        return counted["n"] - before
+
+    model = _wrapped(stack, world_size)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        without = steps(model, opt, 3)
+        guard = gradaudit.guard(
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=os.path.join(out_dir, "count")
+        )
+        with_guard = steps(model, opt, 3)
+        guard.remove()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"without": without, "with": with_guard, "anomalies": guard.anomalies}

@@ -1,0 +1,83 @@
+"""gradaudit.guard on 2 gloo ranks: correct DDP and FSDP2 runs are never flagged, a local clip is
+named at its step with the code `gradaudit check` gives for the dump the guard wrote, "raise" raises on
+every rank, and a checked step costs one collective."""
+
+from __future__ import annotations
+
+import json
+
+import guard_workers
+import pytest
+from launcher import run_ranks
+
+from gradaudit.audit import audit_folder
+from gradaudit.checks.base import AuditOptions
+
+pytestmark = pytest.mark.integration
+
+WORLD_SIZE = 2
+
+
+def _train(tmp_path, stack, mistake_at=(), **options):
+    out = tmp_path / stack
+    results = run_ranks(
+        guard_workers.train, WORLD_SIZE, (str(out), stack, tuple(mistake_at), options), timeout_s=120
+    )
+    trend = [json.loads(line) for line in (out / "guard_trend.jsonl").read_text().splitlines()]
+    return out, results, trend
+
+
+@pytest.mark.parametrize("stack", ["ddp", "fsdp2"])
+def test_correct_runs_are_never_flagged(tmp_path, stack):
+    _, results, trend = _train(tmp_path, stack)
+    for result in results:
+        assert result["anomalies"] == [] and result["warnings"] == [] and result["dumps"] == []
+    assert [line["step"] for line in trend] == [1, 2, 3, 4]
+    assert all(line["verdict"] == "ok" for line in trend)
+    for line in trend:  # every step clips (the norm is above max_norm): the norms agree
+        assert line["true_norm"] > 0.1
+        assert line["reported_norm"] == pytest.approx(line["true_norm"], rel=1e-5)
+        assert line["coef_spread"] <= 1e-6 * line["max_coef"]  # float32 rounding of the sampled elements
+
+
+def test_a_local_clip_under_fsdp2_is_named_at_its_first_step_with_the_code_check_gives(tmp_path):
+    out, results, trend = _train(tmp_path, "fsdp2", mistake_at=(1, 2, 3, 4))
+    for result in results:
+        assert result["anomalies"][0][0] == 1
+        assert "GA201" in result["anomalies"][0][1]
+        assert any(w.startswith("gradaudit guard: step 1: GA201") for w in result["warnings"])
+    assert trend[0]["verdict"] == "anomaly" and "GA201" in trend[0]["codes"]
+    report = audit_folder(out / "step_1", AuditOptions())
+    codes = sorted({f.code for f in report.findings if f.severity.name == "ERROR"})
+    assert codes == sorted(results[0]["anomalies"][0][1])
+    assert any(w.startswith("guard-triggered") for w in report.warnings)
+    assert (out / "full" / "step_2").is_dir()  # the next step was captured in full
+    full = audit_folder(out / "full" / "step_2", AuditOptions())
+    assert "GA201" in {f.code for f in full.findings}
+    # the default cooldown: one dump for a mistake that persists
+    assert [len(r["dumps"]) for r in results] == [1, 1]
+
+
+def test_an_intermittent_local_clip_is_caught_at_its_step_only(tmp_path):
+    _, results, trend = _train(tmp_path, "fsdp2", mistake_at=(3,))
+    for result in results:
+        assert [step for step, _ in result["anomalies"]] == [3]
+    assert [line["verdict"] for line in trend] == ["ok", "ok", "anomaly", "ok"]
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_raise_raises_the_same_error_on_every_rank(tmp_path, late):
+    _, results, _ = _train(tmp_path, "fsdp2", mistake_at=(2,), on_anomaly="raise", late=late)
+    raised = [r["raised"] for r in results]
+    assert raised[0] == raised[1]
+    assert raised[0]["step"] == 2 and "GA201" in raised[0]["codes"]
+    # read one step late, the verdict of step 2 stops the optimizer step of step 3
+    assert raised[0]["at_step"] == (3 if late else 2)
+
+
+@pytest.mark.parametrize("stack", ["ddp", "fsdp2"])
+def test_a_checked_step_issues_one_collective(tmp_path, stack):
+    results = run_ranks(guard_workers.count_collectives, WORLD_SIZE, (str(tmp_path), stack), timeout_s=120)
+    for result in results:
+        assert result["anomalies"] == []
+        assert result["with"] - result["without"] == 3  # one all-gather per checked step, nothing else
