@@ -131,6 +131,8 @@ def check(
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
+    if _guard_trend_first(directory, show=printing and format is OutputFormat.terminal and output is None):
+        return
     with (
         scaled_out(env) as shares,
         check_progress(enabled=printing and format is not OutputFormat.json) as progress,
@@ -147,6 +149,24 @@ def check(
         _emit_report(result, format, output, fold=not all_ranks)
     if _fails(reports, fail_on):
         raise SystemExit(EXIT_FINDINGS)
+
+
+def _guard_trend_first(directory: Path, *, show: bool) -> bool:
+    """Print the guard's trend of a run folder (failing steps first); True when that is all the
+    folder holds (a guarded run with no anomaly has no step to audit)."""
+    from .live.trend import TREND_FILE, read_trend, trend_text
+
+    path = directory / TREND_FILE
+    if not path.is_file():
+        return False
+    lines = read_trend(path)
+    if show:
+        sys.stdout.write(trend_text(lines) + "\n\n")
+    if any(directory.glob("step_*")):
+        return False
+    if any(not line.ok for line in lines):
+        raise SystemExit(EXIT_FINDINGS)
+    return True
 
 
 def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
