@@ -125,6 +125,7 @@ class Guard:
         self._capture: AuditStep | None = None
         self._capture_step: int | None = None
         self._trend_file: Any = None
+        self._paused = False
         self._attach()
 
     # -- attaching and removing -----------------------------------------------------------------
@@ -164,10 +165,34 @@ class Guard:
         self._device = _device_of(self.model)
         if self._late is None:
             self._late = self._device.type != "cpu"
+        self._install()
+        self.active = True
+
+    def pause(self) -> None:
+        """Take the guard's hooks off until `resume()`: the steps in between run as without it (every
+        rank must pause and resume at the same steps, or the ranks' collectives would not match)."""
+        if not self.active:
+            return
+        if self._pending is not None:
+            self._read_pending()
+        self._watch.uninstall()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._paused = True
+
+    def resume(self) -> None:
+        """Put the hooks back after `pause()`; the guard's step count goes on from the paused steps."""
+        if not self._paused or not self.active:
+            return
+        self._paused = False
+        self._install()
+
+    def _install(self) -> None:
+        assert self.optimizer is not None  # checked in __init__
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self._watch.install()
-        self.active = True
 
     def _exchange_once(self, mine: Any) -> list[Any]:
         """Every rank's ownership groups and topology, once when the guard is attached."""

@@ -1,0 +1,204 @@
+"""The guard's cost in a realistic step: a transformer of >= 30M parameters, >= 1024 tokens per rank,
+2 gloo ranks under DDP and FSDP2, AdamW, torch's clip_grad_norm_.
+
+    python bench/guard.py                 # the figures of bench/RESULTS.md (a few minutes)
+    python bench/guard.py --tiny          # a smoke run of every section
+
+Within one run, steps without the guard (paused: no hook), checked by the guard, and with the guard
+attached but the step not checked (every=2) alternate, so the three medians share the machine's load. The
+guard's own measuring (its per-group norms and the coefficient's samples, what it adds to a step
+besides its one all-gather and the verdict) is timed against one `torch._foreach_norm` over the same
+local gradients, the reference the stack's own clip computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+VOCAB = 8192
+"""Full size: vocab 8192, width 512, 8 layers of FFN 2048: 33.6M parameters."""
+
+
+def _model(*, width: int, layers: int, vocab: int) -> torch.nn.Module:
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, width)
+            self.layers = torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(width, 8, 4 * width, dropout=0.0, batch_first=True)
+                for _ in range(layers)
+            )
+            self.head = torch.nn.Linear(width, vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed(tokens)
+            for layer in self.layers:
+                hidden = layer(hidden)
+            return self.head(hidden)
+
+    torch.manual_seed(0)
+    return LM()
+
+
+def _wrap(model: torch.nn.Module, stack: str, world_size: int) -> torch.nn.Module:
+    if stack == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    for layer in model.layers:  # type: ignore[union-attr]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        for p in model.parameters()
+        if p.grad is not None
+    ]
+
+
+def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        import gradaudit
+
+        out = Path(config["out_dir"]) / config["stack"]
+        model = _wrap(_model(**config["model"]), config["stack"], world_size)
+        params = sum(p.numel() for p in model.parameters()) * (
+            world_size if config["stack"] == "fsdp2" else 1
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(rank)
+        seq, batch = config["seq"], config["batch"]
+        times: dict[str, list[float]] = {"none": [], "guard": [], "attached": []}
+        own, reference = [], []
+
+        def step() -> float:
+            tokens = torch.randint(0, config["model"]["vocab"], (batch, seq + 1), generator=gen)
+            dist.barrier()
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            )
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            return time.perf_counter() - start
+
+        guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out, every=2, first_step=0)
+        for _ in range(config["warmup"]):  # the guard's first verdict imports the analysis
+            step()
+        for _ in range(config["rounds"]):
+            guard.pause()
+            times["none"].append(step())
+            guard.resume()
+            times["guard"].append(step())  # even step: checked
+            times["attached"].append(step())  # odd step: not checked (every=2)
+            times["guard"].append(step())
+            # the guard's own measuring on the final gradients, against the stack's own norm pass
+            grads = _local_grads(model)
+            start = time.perf_counter()
+            torch._foreach_norm(grads, 2.0)
+            reference.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            guard._summary.terms()
+            guard._summary.sample()
+            guard._summary.sample()
+            own.append(time.perf_counter() - start)
+            guard.pause()
+            times["none"].append(step())
+            guard.resume()
+            times["attached"].append(step())
+        anomalies = list(guard.anomalies)
+        guard.remove()
+        assert not anomalies, f"a correct run was flagged: {anomalies}"
+        results[rank] = {
+            "params": params,
+            "tokens": batch * seq,
+            "times": times,
+            "own": own,
+            "reference": reference,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_stack(stack: str, config: dict) -> dict:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_worker, args=(2, port, {**config, "stack": stack}, results), nprocs=2, join=True)
+    return dict(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: a small model, two rounds")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--stacks", default="ddp,fsdp2")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        config = {
+            "model": {"width": 32, "layers": 1, "vocab": 64},
+            "seq": 16,
+            "batch": 2,
+            "rounds": 2,
+            "warmup": 1,
+        }
+    else:
+        config = {
+            "model": {"width": 512, "layers": 8, "vocab": VOCAB},
+            "seq": 512,
+            "batch": 2,
+            "rounds": args.rounds,
+            "warmup": 2,
+        }
+    with tempfile.TemporaryDirectory() as out_dir:
+        config["out_dir"] = out_dir
+        for stack in args.stacks.split(","):
+            results = _run_stack(stack, config)
+            first = results[0]
+            print(
+                f"== {stack}: {first['params'] / 1e6:.1f}M parameters, {first['tokens']} tokens per rank, 2 gloo ranks"
+            )
+            for rank in sorted(results):
+                r = results[rank]
+                none, guard, attached = (
+                    statistics.median(r["times"][k]) for k in ("none", "guard", "attached")
+                )
+                own, ref = statistics.median(r["own"]), statistics.median(r["reference"])
+                print(
+                    f"rank {rank}: step median without {none:.3f} s, guard checking {guard:.3f} s, "
+                    f"attached unchecked {attached:.3f} s; measuring {own * 1e3:.2f} ms vs _foreach_norm {ref * 1e3:.2f} ms"
+                )
+                print(f"RATIO {stack} rank {rank} step guard/none = {guard / none:.4f}")
+                print(f"RATIO {stack} rank {rank} step attached/none = {attached / none:.4f}")
+                print(f"RATIO {stack} rank {rank} measuring/_foreach_norm = {own / ref:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
