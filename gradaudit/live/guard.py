@@ -77,6 +77,7 @@ class Guard:
         first_step: int = 1,
         run_id: str | None = None,
         capture_next: bool = True,
+        on_verdict: Callable[[TrendLine], None] | None = None,
     ) -> None:
         from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
         from ..capture.optimizers import hookable_optimizer
@@ -106,6 +107,9 @@ class Guard:
         self.cooldown = cooldown
         self.run_id = check_run_id(run_id)
         self.capture_next = capture_next
+        self.on_verdict = on_verdict
+        self.last: TrendLine | None = None
+        """The latest checked step's line of the trend (every rank has it)."""
         self.rank, self.world_size = rank_and_world_size()
         self._groups = normalize_groups(groups, world_size=self.world_size)
         self._aliases = dict(aliases or {})
@@ -280,12 +284,6 @@ class Guard:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._pending is not None:
             self._read_pending()  # a GuardAnomaly raised here stops every rank before this step
-        if self._checked:
-            vector = self._safely(self._vector)
-            if vector is None and self.active:
-                vector = failed_vector(self.layout, self._device)
-            if vector is not None:
-                self._gather(vector)
         if self._capture is not None:
             self._capture.before_optimizer_step()
 
@@ -334,6 +332,21 @@ class Guard:
             self._fail(exc)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # The summary is sent after the step, not before: a closure (Lightning, LBFGS) runs the backward
+        # and the clip inside optimizer.step(); optimizers leave the gradients as they were.
+        if self._checked:
+            vector = self._safely(self._vector)
+            if vector is None and self.active:
+                vector = failed_vector(self.layout, self._device)
+            if vector is not None:
+                try:
+                    self._gather(vector)
+                except GuardAnomaly:
+                    self._end_step()
+                    raise
+        self._end_step()
+
+    def _end_step(self) -> None:
         capture = self._capture
         if capture is not None:
             self._capture = None
@@ -390,9 +403,11 @@ class Guard:
         live, report = found
         errors = [f for f in report.findings if f.severity is Severity.ERROR]
         codes = tuple(dict.fromkeys(f.code for f in errors))
-        line = trend_line(report, codes)
+        line = self.last = trend_line(report, codes)
         if self.rank == 0:
             self._safely(lambda: self._append_trend(line))
+        if self.on_verdict is not None:
+            self._safely(lambda: self.on_verdict(line) if self.on_verdict is not None else None)
         if not errors:
             return
         self.anomalies.append((step, codes))
@@ -535,7 +550,8 @@ def guard(model: torch.nn.Module, **kwargs: Any) -> Guard:
       groups, aliases: as `audit_step` takes them; every (1): check every N-th step; on_anomaly
       ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
       steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
-      no host sync; first_step (1): the number of the first optimizer step; capture_next (True).
+      no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
+      on_verdict: called on every rank with each checked step's TrendLine (to log the true norm).
     Returns the Guard: `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
     for name in ("max_norm", "optimizer", "out_dir"):

@@ -1,0 +1,73 @@
+"""Lightning: the guard as one callback; every optimizer step's clipping is checked while `fit` runs.
+
+    trainer = L.Trainer(strategy="ddp", gradient_clip_val=1.0, callbacks=[GuardCallback("audit")])
+
+The guard is attached when training starts (to the LightningModule and the Trainer's optimizer) and
+removed when it ends. It sees Lightning's own clip (`torch.nn.utils.clip_grad_norm_`) and any clip call
+of the user's hooks (`on_after_backward`, `configure_gradient_clipping`, `training_step`), so a clip
+per micro-batch under `accumulate_grad_batches` is GA501. The true norm and its ratio to the reported
+one are logged through `pl_module.log` as `gradaudit/true_norm` and `gradaudit/reported_over_true`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from ..live.guard import Guard
+
+
+class GuardCallback(Callback):
+    """`gradaudit.guard` for a Lightning Trainer; keywords go to the guard (every, on_anomaly, ...).
+    `max_norm` defaults to the Trainer's `gradient_clip_val`."""
+
+    def __init__(
+        self, out_dir: str | os.PathLike[str], *, max_norm: float | None = None, **guard_kwargs: Any
+    ) -> None:
+        self.out_dir = out_dir
+        self.max_norm = max_norm
+        self.guard_kwargs = guard_kwargs
+        self.guard: Guard | None = None
+        self._logged_step: int | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        max_norm = self.max_norm if self.max_norm is not None else trainer.gradient_clip_val
+        if not max_norm:
+            from ..errors import CaptureError
+
+            raise CaptureError(
+                "GuardCallback needs the max_norm clipping should use: set Trainer(gradient_clip_val=...) "
+                "or pass GuardCallback(..., max_norm=...)"
+            )
+        self.guard = Guard(
+            pl_module,
+            max_norm=float(max_norm),
+            optimizer=trainer.optimizers[0],
+            out_dir=self.out_dir,
+            first_step=trainer.global_step + 1,
+            **self.guard_kwargs,
+        )
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        line = None if self.guard is None else self.guard.last
+        if line is None or line.step == self._logged_step or line.true_norm is None:
+            return
+        self._logged_step = line.step
+        pl_module.log("gradaudit/true_norm", line.true_norm, rank_zero_only=True)
+        if line.reported_norm is not None and line.true_norm > 0:
+            pl_module.log(
+                "gradaudit/reported_over_true", line.reported_norm / line.true_norm, rank_zero_only=True
+            )
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is not None:
+            self.guard.remove()  # kept: its anomalies, dumps and last line stay readable
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.guard is not None:
+            self.guard._pending = None  # the training failed: its exception matters, not the last verdict
+            self.guard.remove()

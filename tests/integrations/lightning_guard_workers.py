@@ -1,0 +1,76 @@
+"""Rank workers for the guard under Lightning on 2 gloo ranks: DDP, 2 micro-batches per optimizer step,
+Lightning's own clip, and optionally a user's own clip in `on_after_backward` (every micro-batch)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from models import MAX_NORM, batch, loss_of, rows, tiny_net
+
+NUM_STEPS = 3
+
+
+def _module(clip_in_hook: bool):
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_net()
+
+        def training_step(self, data, index):
+            x, y = data
+            return loss_of(self.net(x), y)
+
+        def on_after_backward(self) -> None:
+            if clip_in_hook:  # the mistake: a clip of each micro-batch's partial gradient
+                torch.nn.utils.clip_grad_norm_(self.parameters(), MAX_NORM)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    return Module()
+
+
+def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from gradaudit.integrations.lightning_guard import GuardCallback
+
+    x, y = batch()
+    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    micro = [(rows(x, i, 2), rows(y, i, 2)) for i in range(2)]
+    results = {}
+    for name, clip_in_hook in (("ok", False), ("hook_clip", True)):
+        callback = GuardCallback(os.path.join(out_root, name))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            strategy=DDPStrategy(),
+            max_steps=NUM_STEPS,
+            gradient_clip_val=MAX_NORM,
+            gradient_clip_algorithm="norm",
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            accumulate_grad_batches=2,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = torch.utils.data.DataLoader(micro * NUM_STEPS, batch_size=None)
+            trainer.fit(_module(clip_in_hook), loader)
+        guard = callback.guard
+        results[name] = {
+            "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
+            "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+            "logged": {
+                k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradaudit/")
+            },
+        }
+    return results
