@@ -251,10 +251,13 @@ def audit_step(
 ) -> Report:
     from .dumpfile import TensorReader
     from .dumpfile.loader import gc_paused
+    from .leftout import checked_params
 
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
-            m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
+            m = (measure or measure_step)(
+                step, reader, reference=reference, progress=progress, params=checked_params(step)
+            )
             if reference is not None:
                 from .updates_explained import DERIVED_KEY, explain_update_errors
 
