@@ -47,6 +47,7 @@ CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209",
 CAUSES_FIRST = (
     "GA101",
     "GA503",
+    "GA504",
     "GA501",
     "GA401",
     "GA102",

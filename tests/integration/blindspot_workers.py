@@ -1,5 +1,6 @@
 """Worker code for the diagnosis' blind spots on 2 gloo ranks: a correct DTensor sequence-parallel step
-(its LayerNorm gradients are pending partial sums), in full and stats mode."""
+(its LayerNorm gradients are pending partial sums), and DDP steps clipped by a hand-written clip before
+the recorded one, in full and stats mode."""
 
 from __future__ import annotations
 
@@ -84,9 +85,50 @@ def sequence_parallel(rank: int, world_size: int, out_root: str) -> dict:
     return results
 
 
+DDP_MAX_NORM = 0.05
+
+
+def ddp_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def ddp_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(4, 4, generator=gen), torch.randn(4, 2, generator=gen)
+
+
+def hand_clip(params, max_norm: float) -> torch.Tensor:
+    """A correct clip of DDP's (replicated) gradients that no interception knows: the code's own."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+def clipped_before_the_recorded_call(rank: int, world_size: int, out_root: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = {}
+    for name, mode in (("unrecorded_clip", "full"), ("unrecorded_clip_stats", "stats")):
+        model = DistributedDataParallel(ddp_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ) as audit:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            first = hand_clip(list(model.parameters()), DDP_MAX_NORM)
+            audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), DDP_MAX_NORM)
+            opt.step()
+        results[name] = {"first_norm": float(first)}
+    return results
+
+
 def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every scenario: process start-up dominates the cost of these tests."""
     results = {}
-    for scenario in (sequence_parallel,):
+    for scenario in (sequence_parallel, clipped_before_the_recorded_call):
         results.update(scenario(rank, world_size, out_root))
     return results

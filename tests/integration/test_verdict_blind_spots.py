@@ -36,3 +36,12 @@ def test_a_correct_sequence_parallel_step_is_clean_and_its_norm_is_torchs(runs, 
     assert math.isclose(report.global_norm, returned, rel_tol=1e-5)
     assert [f.code for f in report.findings if f.severity.value != "info"] == []
     assert "Clipping used the true global norm" in report.verdict
+
+
+@pytest.mark.parametrize("scenario", ["unrecorded_clip", "unrecorded_clip_stats"])
+def test_gradients_clipped_before_the_recorded_call_are_an_error_not_a_pass(runs, scenario):
+    report, per_rank = _report(runs, scenario)
+    assert per_rank[0]["first_norm"] > 2 * blindspot_workers.DDP_MAX_NORM  # the hand clip did clip
+    assert "GA504" in {f.code for f in report.findings if f.severity.value == "error"}
+    assert "GA504" in report.verdict and "clipped before the recorded clip call" in report.verdict
+    assert math.isclose(report.global_norm, blindspot_workers.DDP_MAX_NORM, rel_tol=1e-5)
