@@ -48,6 +48,7 @@ CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209",
 CAUSES_FIRST = (
     "GA101",
     "GA503",
+    "GA504",
     "GA501",
     "GA401",
     "GA102",
@@ -262,10 +263,13 @@ def audit_step(
 ) -> Report:
     from .dumpfile import TensorReader
     from .dumpfile.loader import gc_paused
+    from .leftout import checked_params
 
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
-            m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
+            m = (measure or measure_step)(
+                step, reader, reference=reference, progress=progress, params=checked_params(step)
+            )
             if reference is not None:
                 from .analysis.updates import DERIVED_KEY, explain_update_errors
 

@@ -141,6 +141,11 @@ class Piece:
     call_stats: tuple[TensorStats, ...] = ()
     """When the step made two or more clip calls: statistics of this piece's gradient just before each
     call, in call order (one per `ClipRecord.calls` entry; an absent gradient as zeros). Else empty."""
+    partial_group: str | None = None
+    """When the gradients are a pending partial sum (a DTensor `Partial("sum")` gradient of a
+    replicated parameter, as under sequence parallel): the group over which they sum. The gradient of
+    the piece's elements is the sum of the pieces of this layout on the ranks of this rank's list in
+    that group; each piece alone is no part of any norm."""
 
     def __post_init__(self) -> None:
         if self.call_stats:

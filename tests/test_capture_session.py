@@ -125,12 +125,21 @@ def test_grad_scaler_reports_a_skipped_step_when_gradients_overflow(tmp_path):
     assert clip.found_inf is True and clip.step_skipped is True
 
 
+def _hand_clip(params, max_norm: float) -> torch.Tensor:
+    """A clip no interception knows: the training code's own norm and scaling."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
 def test_clipping_outside_audit_clip_is_seen_through_the_optimizer_hook(tmp_path):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with gradaudit.audit_step(model, tmp_path, step=8, max_norm=MAX_NORM, optimizer=opt) as audit:
         backward(model)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = _hand_clip(list(model.parameters()), MAX_NORM)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         audit.record(reported_norm=norm, clip_coef=MAX_NORM / (float(norm) + 1e-6))
@@ -140,6 +149,35 @@ def test_clipping_outside_audit_clip_is_seen_through_the_optimizer_hook(tmp_path
     for name, grad in grads.items():
         assert torch.equal(read(step, 0, name, "grad_clipped"), grad)
     assert not any(p.has("grad") for p in step.ranks[0].pieces)
+
+
+@pytest.mark.parametrize("api", ["clip_grad_norm_", "split", "imported_by_name"])
+def test_a_torch_clip_made_without_audit_clip_is_recorded_and_left_as_it_was(tmp_path, api):
+    from torch.nn.utils.clip_grad import clip_grad_norm_ as imported_before_the_audit
+
+    def clip(params):
+        if api == "split":
+            total = torch.nn.utils.get_total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total)
+            return total
+        fn = imported_before_the_audit if api == "imported_by_name" else torch.nn.utils.clip_grad_norm_
+        return fn(params, MAX_NORM)
+
+    without = make_model()
+    backward(without)
+    expected_norm = clip(list(without.parameters()))
+    model = make_model()
+    with gradaudit.audit_step(model, tmp_path, step=8, max_norm=MAX_NORM):
+        backward(model)
+        norm = clip(list(model.parameters()))
+    assert torch.equal(norm, expected_norm)  # the clip's result and gradients are its own
+    for p, q in zip(model.parameters(), without.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    step = load_step(tmp_path / "step_8")
+    [call] = step.clip.calls
+    assert call.reported_norm == pytest.approx(float(norm)) and call.max_norm == MAX_NORM
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # restored
+    assert not hasattr(torch.nn.utils.clip_grad_norm_, "__gradaudit_intercepted__")
 
 
 def test_dump_writes_current_gradients_and_metadata_in_one_call(tmp_path):

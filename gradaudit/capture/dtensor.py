@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 from ..model import Box
 from .errors import UnsupportedParameter
 from .ownership import LocalPiece
-from .topology import TopologyBuilder
+from .topology import TopologyBuilder, axis_names
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,7 @@ def dtensor_pieces(
                 value=_value_of(dtensor, select),
                 replica_group=replica_group,
                 local_name=local_name,
+                grad_partial=_partial_of(name, dtensor, placements) if replica_group else None,
             )
         )
     return pieces
@@ -93,16 +94,57 @@ def _grad_of(
         if g is None:
             return None
         if is_dtensor(g):
-            if tuple(g.placements) != placements:
-                raise UnsupportedParameter(
-                    f"the gradient of {name!r} has placements {tuple(g.placements)}, its parameter {placements}; "
-                    "gradaudit reads gradients laid out like their parameters (call it after the gradient "
-                    "reduction, or pass the pieces with ownership=)"
-                )
+            partial_axes(name, tuple(g.placements), placements)  # refuses any other layout
             g = g.to_local()
         return select(g.detach())
 
     return grad
+
+
+def _partial_of(name: str, param: DTensor, placements: tuple[Placement, ...]) -> Callable[[], str | None]:
+    """The group the gradient of `param` is a pending sum over, as it is when called (None: not partial).
+
+    Under sequence parallel, torch 2.13 leaves the gradient of a replicated LayerNorm weight as
+    Partial(sum) over the tensor-parallel axis: each rank holds its sequence shard's contribution, and
+    torch's clip_grad_norm_ and optimizers reduce it when they read it. Its mesh axes are groups of
+    the topology already (TopologyBuilder.add_mesh records every axis)."""
+    names = axis_names(param.device_mesh)
+
+    def partial() -> str | None:
+        g = param.grad
+        if g is None or not is_dtensor(g):
+            return None
+        axes = partial_axes(name, tuple(g.placements), placements)
+        if not axes:
+            return None
+        if len(axes) > 1:
+            raise UnsupportedParameter(
+                f"the gradient of {name!r} is a partial sum over several mesh axes {[names[a] for a in axes]}; "
+                "gradaudit records partial sums over one axis (pass its pieces with ownership=)"
+            )
+        return names[axes[0]]
+
+    return partial
+
+
+def partial_axes(name: str, grad: tuple[Placement, ...], param: tuple[Placement, ...]) -> tuple[int, ...]:
+    """The mesh axes along which a gradient laid out as `grad` is a pending sum for a parameter laid
+    out as `param`; any other difference of layout is refused."""
+    if grad == param:
+        return ()
+    axes = []
+    for axis, (g, p) in enumerate(zip(grad, param, strict=True)):
+        if g == p:
+            continue
+        if p.is_replicate() and g.is_partial() and getattr(g, "reduce_op", "sum") == "sum":
+            axes.append(axis)
+            continue
+        raise UnsupportedParameter(
+            f"the gradient of {name!r} has placements {grad}, its parameter {param}; gradaudit reads "
+            "gradients laid out like their parameters, or pending sums (Partial('sum')) of replicated ones "
+            "(call it after the gradient reduction, or pass the pieces with ownership=)"
+        )
+    return tuple(axes)
 
 
 def _selector(

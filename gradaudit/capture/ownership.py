@@ -34,3 +34,7 @@ class LocalPiece:
     """Name of the process group over which this piece is replicated, when it is."""
     local_name: str | None = None
     """This rank's own name for the parameter, when it differs from `param` (aliases)."""
+    grad_partial: Callable[[], str | None] | None = None
+    """For a gradient that may be a pending partial sum (a DTensor `Partial("sum")` gradient of a
+    replicated parameter): the group it sums over, as the gradient is at the moment of the call (None
+    when it is not partial). The dump then records the piece as partial (`Piece.partial_group`)."""

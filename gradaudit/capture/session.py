@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
 from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam, TensorStats, Topology
+from . import intercept
 from .arguments import (
     MODES,
     check_max_norm,
@@ -100,6 +101,8 @@ class AuditStep:
         self._begun = False
         self._ended = False
         self._patched: list[tuple[Any, str, bool, Any]] = []
+        self._interception: intercept.Handle | None = None
+        """While the audit is open: the route of every clip call in the process to this audit."""
         self._stepped = False
         # GradScaler keys its state by the torch optimizer it steps (the one behind a wrapper).
         self._scaler = ScalerWatch(scaler, self.optimizer if self.optimizer is not None else optimizer)
@@ -126,7 +129,23 @@ class AuditStep:
             self._remove_hooks()  # strict mode raised: leave nothing registered behind
             raise
         self._active = True
+        self._guard("capture", self._intercept_clips)
         return self
+
+    def _intercept_clips(self) -> None:
+        self._interception = intercept.install(self._intercepted)
+
+    def _intercepted(self, call: intercept.InterceptedCall) -> Any:
+        """Record a clip call the training code made without audit.clip; return its own result."""
+        outcome: list[Any] = []
+
+        @functools.wraps(call.fn)
+        def made(*args: Any, **kwargs: Any) -> Any:
+            outcome.append(call())
+            return call.reported_norm(outcome[0])
+
+        self._record_clip(made, call.args, call.kwargs)
+        return outcome[0]
 
     def end(self) -> Path | None:
         """Stop recording and write this rank's file; returns its path (None when nothing was written).
@@ -147,6 +166,9 @@ class AuditStep:
         if not self._begun:
             raise CaptureError(f"this audit of step {self.step} was never begun; call begin() first")
         self._active = False
+        if self._interception is not None:
+            self._interception.remove()
+            self._interception = None
         self._remove_hooks()
         for owner, name, had_own, original in reversed(self._patched):
             if had_own:
@@ -212,6 +234,14 @@ class AuditStep:
                 "audit.clip() was called outside its audit; call it inside `with gradaudit.audit_step(...)`, "
                 "or between audit.begin() and audit.end()"
             )
+        if intercept.inside():
+            return fn(
+                *args, **kwargs
+            )  # part of a clip call being recorded (torch's clip inside a framework's)
+        with intercept.outermost():
+            return self._record_clip(fn, args, kwargs)
+
+    def _record_clip(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         first = not self._calls
         call: dict[str, Any] = {"reported": None, "reported_local": None}
         if self._recording:

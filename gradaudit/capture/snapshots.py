@@ -46,6 +46,9 @@ class Snapshots:
         self.values: dict[tuple[int, str], torch.Tensor] = {}
         self.stats: dict[tuple[int, str], TensorStats] = {}
         self.failed: set[int] = set()
+        self.partial: dict[int, str | None] = {}
+        """Piece index -> the group its gradients are a pending sum over (None: not partial), as read
+        by the first gradient snapshot; every later one must agree."""
         self.kinds_taken: set[str] = set()
         self.abandoned: str | None = None
         """Why nothing of this step will be written (the copies ran out of memory), else None."""
@@ -81,11 +84,13 @@ class Snapshots:
                     if tensor is None:
                         continue
                     reason = sparse_reason(tensor)
+                    if reason is None and kind in GRAD_KINDS and piece.grad_partial is not None:
+                        reason = self._note_partial(index, piece.grad_partial())
                     if reason is not None:
                         self._leave_out(piece.param, reason)
                         sparse.append(self.not_captured[piece.param])
                         continue
-                    if self._keep_values[index]:
+                    if self._keep_values[index] or self.partial.get(index):
                         self.values[(index, kind)] = tensor.detach().clone() if copy else tensor.detach()
                     if self._keep_stats and kind in GRAD_KINDS:
                         self.stats[(index, kind)] = stats_of_tensor(tensor, self.norm_type)
@@ -93,9 +98,29 @@ class Snapshots:
                     if _is_out_of_memory(exc):
                         self.abandon(f"copying the tensors ran out of memory ({exc})")
                         return
-                    self.failed.add(index)
+                    # Left out whole and said why (GA104): a piece missing from the dump would read as
+                    # an ownership gap, or shrink the true norm, instead.
                     self.on_error(piece.param, exc)
+                    self._leave_out(piece.param, f"its {kind.replace('_', ' ')} could not be read: {exc}")
         warn_not_captured(sparse)
+
+    def _note_partial(self, index: int, group: str | None) -> str | None:
+        """Record whether piece `index`'s gradient is a pending partial sum; the reason to leave its
+        parameter out when it changed between snapshots (a sum reduced in between, in place)."""
+        if index not in self.partial:
+            self.partial[index] = group
+            return None
+        before = self.partial[index]
+        if before == group:
+            return None
+
+        def what(partial: str | None) -> str:
+            return "a reduced gradient" if partial is None else f"a partial sum over {partial}"
+
+        return (
+            f"its gradient was {what(before)} before clipping and {what(group)} after; gradaudit cannot "
+            "tell which sum each holds"
+        )
 
     def _leave_out(self, param: str, reason: str) -> None:
         """Forget whatever was taken of `param`'s pieces: a parameter is captured whole or not at all."""

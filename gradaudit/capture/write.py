@@ -64,6 +64,7 @@ def build_rank_dump(
                 replica_group=local.replica_group,
                 stats=stats,
                 call_stats=(call_stats or {}).get(source_index, ()),
+                partial_group=snapshots.partial.get(source_index),
             )
         )
     dump = RankDump(

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 from ..dumpfile.header import clipped, shown
 from ..errors import StepFolderError
+from ..leftout import left_out_params
 from ..measure.measurements import StepMeasurements
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
 from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
@@ -123,7 +124,10 @@ def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
     layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
     holders: dict[bytes, list[int]] = {}
+    left_out = left_out_params(step)  # not checked (GA104): part of them is in no rank's file
     for name, info in step.params.items():
+        if name in left_out:
+            continue
         fast = _flat_param_coverage(info, flat[name] if name in flat else _no_flat_pieces(), holders)
         if fast is not None:
             found[name] = fast

@@ -210,6 +210,19 @@ EXPLANATIONS: dict[str, Explanation] = {
         "framework's callback from gradaudit.integrations; call dump() only where the gradients are not yet clipped "
         "(after the last backward, before the clip call).",
     ),
+    "GA504": Explanation(
+        what="Whether the gradients the recorded clip call saw were clipped already: one clip call per rank was "
+        "recorded, the true global norm just before it is max_norm itself (to the rounding of the gradients' "
+        "dtype), and the call then scaled nothing (coefficient 1).",
+        why="A clip leaves gradients whose norm is max_norm. When another clip ran first, the recorded call sees "
+        "them, computes max_norm and does nothing, and every check of it passes while the clip that mattered, "
+        "its norm and its coefficient, went unseen: it may have used a local norm, or run per microbatch.",
+        example="A training_step override calls a hand-written clip on each microbatch, then HF Trainer's own "
+        "clip (recorded) logs grad_norm 1.0 with max_norm 1.0 on every step.",
+        fix="Clip once per optimizer step, after the last backward, through audit.clip or a function gradaudit "
+        "records (torch.nn.utils.clip_grad_norm_, clip_grads_with_norm_, FSDP's, Accelerate's); remove the "
+        "earlier clip.",
+    ),
     "GA601": Explanation(
         what="Copies of one piece on several ranks (replicas: equal parameter and regions) hold the same values, "
         "within the dtype's tolerance (or the same fingerprint in stats-only dumps).",

@@ -96,6 +96,12 @@ _TABLE = (
         deferred("procedure.clipped_scaled_gradients"),
     ),
     ("GA503", ERROR, "gradients were captured after clipping", deferred("postclip.captured_after_clipping")),
+    (
+        "GA504",
+        ERROR,
+        "gradients were clipped before the recorded clip call",
+        deferred("unrecorded.clipped_before_the_recorded_call"),
+    ),
     ("GA601", ERROR, "pieces that should be replicas differ", deferred("replicas.replicas_differ")),
     ("GA602", ERROR, "gradients differ from the unsharded reference", deferred("reference.gradients_differ")),
     (

@@ -163,6 +163,7 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
             or len(piece.regions) != 1
             or piece.param not in params
             or piece.local_name is not None
+            or piece.partial_group is not None
             or piece.dtype != dump.params[params[piece.param]].dtype
         ):
             return None
@@ -649,6 +650,7 @@ def _piece(
     _set(piece, "tensors", _NO_TENSORS)
     _set(piece, "stats", stats)
     _set(piece, "call_stats", ())
+    _set(piece, "partial_group", None)
     return piece
 
 

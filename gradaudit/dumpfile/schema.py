@@ -111,6 +111,8 @@ def _encode_piece(piece: Piece) -> dict[str, Any]:
         out["stats"] = {k: _encode_stats(v) for k, v in sorted(piece.stats.items())}
     if piece.call_stats:
         out["call_stats"] = [_encode_stats(v) for v in piece.call_stats]
+    if piece.partial_group is not None:
+        out["partial_group"] = piece.partial_group
     return out
 
 
@@ -511,6 +513,9 @@ def _quick_piece(
         replica_group is not None and type(replica_group) is not str
     ):
         return None
+    partial_group = get("partial_group")
+    if partial_group is not None and type(partial_group) is not str:
+        return None
     tensors_raw, stats_raw = get("tensors", _NO_ENTRIES), get("stats", _NO_ENTRIES)
     if type(tensors_raw) is not dict or type(stats_raw) is not dict:
         return None
@@ -547,6 +552,7 @@ def _quick_piece(
         tensors=tensors,
         stats=stats,
         call_stats=tuple(call_stats),
+        partial_group=partial_group,
     )
 
 
@@ -624,6 +630,7 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
         tensors=tensors,
         stats=stats,
         call_stats=call_stats,
+        partial_group=r.get(obj, "partial_group", where, r.str_, optional=True),
     )
 
 

@@ -3,8 +3,8 @@
     trainer = Trainer(gradient_clip_val=1.0, gradient_clip_algorithm="norm", strategy="ddp",
                       callbacks=[GradAuditCallback("audit", steps=[100])])
 
-At `on_before_optimizer_step` of a selected step (the gradients are final, not yet clipped) the
-callback begins an audit and routes the module's `configure_gradient_clipping` hook through
+At the first micro-batch of a selected step (`on_train_batch_start`) the callback begins an audit, so
+that every clip call made during the step is recorded, and routes the module's `configure_gradient_clipping` hook through
 `audit.clip`, so the dump holds the gradients before and after Lightning (or the user's override)
 clipped. Lightning's `clip_gradients` returns None; the norm it clipped with is read from the
 `torch.nn.utils.clip_grad_norm_` (or FSDP `clip_grad_norm_`) call made inside the hook. The audit is
@@ -48,8 +48,19 @@ class GradAuditCallback(Callback):
         self.paths: list[Path] = []
         """Rank files written so far on this rank."""
         self._restore: list[tuple[Any, str, bool, Any]] = []
+        self._stepping = False
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Begin at the first micro-batch of a selected step, so that a clip made in a hook of the step
+        (`on_after_backward`, `training_step`) is recorded too (GA501), not only Lightning's."""
+        if batch_idx % max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1)) == 0:
+            self._begin(trainer, pl_module)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._begin(trainer, pl_module)
+        self._stepping = self.audit is not None  # the audit ends after this batch (the optimizer step's)
+
+    def _begin(self, trainer: Any, pl_module: Any) -> None:
         step = trainer.global_step + 1
         if self.audit is not None or not self.selection.wants(step):
             return
@@ -94,6 +105,9 @@ class GradAuditCallback(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not self._stepping:
+            return  # a micro-batch before the step's last: the audit stays open
+        self._stepping = False
         audit, self.audit = self.audit, None
         self._unpatch()
         if audit is None:
@@ -105,6 +119,7 @@ class GradAuditCallback(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._unpatch()
+        self._stepping = False
         if self.audit is not None:
             self.audit.cancel()
             self.audit = None

@@ -298,6 +298,11 @@ def measure_param(
         from .kernel import ChunkKernel
 
         kernel = ChunkKernel(chunk_elements)
+    partial: list[tuple[int, str, Piece]] = []
+    if any(entry[2].partial_group is not None for entry in held):
+        from .partials import split_partial
+
+        held, partial = split_partial(held)
     by_layout: dict[tuple[object, ...], list[tuple[int, str, Piece]]] = {}
     if reference is not None or len({entry[2].layout_key for entry in held}) < len(held):
         for entry in held:  # replicas (or a reference to pair with): group the pieces by layout
@@ -325,6 +330,21 @@ def measure_param(
                     fingerprint=(rank, piece.index) in fingerprinted,
                 )
             )
+    if partial:
+        from .partials import measure_partial_sums
+
+        measured_pieces.extend(
+            measure_partial_sums(
+                step,
+                partial,
+                norm_type,
+                measure_one=lambda e: _measure_piece(
+                    reader, kernel, e[0], e[1], e[2], norm_type, _scale_of(step, e[0], scales)
+                ),
+                reader=reader,
+                scale_of=lambda rank: _scale_of(step, rank, scales),
+            )
+        )
     measured_pieces.sort(key=_RANK_AND_INDEX)
     replicated = [copies for copies in by_layout.values() if len(copies) > 1]
     measured = {(pm.rank, pm.index): pm for pm in measured_pieces} if replicated else {}

@@ -96,6 +96,34 @@ def hf_trainer_runs(rank: int, world_size: int, out_root: str) -> dict:
     )
     trainer.add_callback(DumpAfterClipping())
     trainer.train()
+
+    class ClipEveryMicroBatch(Trainer):
+        """The mistake: a training_step override that clips each micro-batch's partial gradient too."""
+
+        use_accelerator = False
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.use_accelerator:
+                self.accelerator.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.args.max_grad_norm)
+            return loss
+
+    for name, use_accelerator in (
+        ("hf_clip_per_micro_batch", False),
+        ("hf_accelerator_clip_per_micro_batch", True),
+    ):
+        callback = GradAuditCallback(os.path.join(out_root, name), steps=[2], strict=True)
+        trainer = ClipEveryMicroBatch(
+            model=tiny_llama(),
+            args=_args(os.path.join(out_root, f"trainer_{name}")),
+            train_dataset=TokenData(),
+        )
+        trainer.use_accelerator = use_accelerator
+        trainer.add_callback(callback)
+        trainer.train()
+        results[name] = [str(p) for p in callback.paths]
     return results
 
 

@@ -10,7 +10,7 @@ from models import MAX_NORM, batch, loss_of, rows, tiny_net
 NUM_STEPS = 2
 
 
-def _lightning_module(shard: bool, local_clip: bool):
+def _lightning_module(shard: bool, local_clip: bool, hook_clip: bool = False):
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -34,6 +34,10 @@ def _lightning_module(shard: bool, local_clip: bool):
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def on_after_backward(self) -> None:
+            if hook_clip:  # the mistake: each micro-batch's partial gradient is clipped too
+                torch.nn.utils.clip_grad_norm_(self.parameters(), MAX_NORM)
 
         def configure_gradient_clipping(
             self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
@@ -68,6 +72,7 @@ def lightning_runs(rank: int, world_size: int, out_root: str) -> dict:
 
     runs = {
         "lightning_ddp_ok": (lambda: DDPStrategy(), False, False),
+        "lightning_ddp_accumulate_hook_clip": (lambda: DDPStrategy(), False, False),
         "lightning_ddp_accumulate_ok": (lambda: DDPStrategy(), False, False),
         "lightning_fsdp2_ok": (
             lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
@@ -99,6 +104,7 @@ def lightning_runs(rank: int, world_size: int, out_root: str) -> dict:
             use_distributed_sampler=False,
             accumulate_grad_batches=accumulate,
         )
-        trainer.fit(_lightning_module(shard, local_clip), _loader(rank, world_size, accumulate))
+        module = _lightning_module(shard, local_clip, hook_clip="hook_clip" in name)
+        trainer.fit(module, _loader(rank, world_size, accumulate))
         results[name] = [str(p) for p in callback.paths]
     return results

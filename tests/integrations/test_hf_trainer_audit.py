@@ -50,6 +50,18 @@ def test_a_dump_from_on_pre_optimizer_step_after_the_trainer_clipped_is_named_ga
     assert "GA503" in error_codes(report)
 
 
+@pytest.mark.parametrize("scenario", ["hf_clip_per_micro_batch", "hf_accelerator_clip_per_micro_batch"])
+def test_a_clip_per_micro_batch_in_a_training_step_override_is_named_ga501(runs, scenario):
+    out_root, _ = runs
+    step_path = out_root / scenario / "step_2"
+    report = audit_report(step_path)
+    assert "GA501" in error_codes(report) and "GA501" in report.verdict
+    assert [len(d.clip.calls) for d in load(step_path).ranks.values()] == [
+        3,
+        3,
+    ]  # 2 micro-batches + the Trainer's
+
+
 def test_stats_mode_every_second_step_audits_clean_with_the_same_norm(runs):
     out_root, results = runs
     assert [len(r["hf_ddp_stats"]) for r in results] == [1, 1]

@@ -41,3 +41,14 @@ def test_lightnings_own_norm_clipping_audits_clean_with_the_norm_it_clipped_with
 def test_a_local_norm_clip_in_configure_gradient_clipping_under_fsdp2_is_named_ga201(runs):
     out_root, _ = runs
     assert "GA201" in error_codes(audit_report(out_root / "lightning_fsdp2_local_clip" / "step_2"))
+
+
+def test_a_clip_per_micro_batch_in_on_after_backward_is_named_ga501(runs):
+    out_root, _ = runs
+    step_path = out_root / "lightning_ddp_accumulate_hook_clip" / "step_2"
+    report = audit_report(step_path)
+    assert "GA501" in error_codes(report) and "GA501" in report.verdict
+    assert [len(d.clip.calls) for d in load(step_path).ranks.values()] == [
+        3,
+        3,
+    ]  # 2 micro-batches + Lightning's

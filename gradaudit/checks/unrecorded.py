@@ -1,0 +1,55 @@
+"""GA504: the gradients the recorded clip call saw were clipped already, by a call the audit did not see."""
+
+from __future__ import annotations
+
+import math
+
+from ..measure.measurements import StepMeasurements
+from ..model import StepDump
+from .base import AuditOptions, CheckResult, Hit, num, ranks_named
+
+
+def clipped_before_the_recorded_call(
+    step: StepDump, m: StepMeasurements, options: AuditOptions
+) -> CheckResult:
+    """One recorded clip call per rank, whose gradients' true global norm is max_norm itself (to the
+    rounding of their dtype: what a clip leaves behind) and which then scaled nothing.
+
+    Every clip call made through a known function is recorded (capture/intercept.py), so this is a
+    clip of the training code's own, or one imported from a framework gradaudit does not know. With
+    two or more recorded calls the earlier ones explain such gradients (GA501 reports them)."""
+    from ..analysis.diagnosis import diagnose_step
+
+    clips = {r: c for r in step.ranks_present if (c := step.ranks[r].clip) is not None}
+    if not any(c.calls for c in clips.values()):
+        return ()  # GA503 checks dumps taken after clipping
+    if any(len(c.calls) > 1 for c in clips.values()):
+        return ()  # the earlier recorded calls clipped these gradients (GA501)
+    diagnosis = diagnose_step(step, m)
+    max_norm, true_norm = diagnosis.max_norm, diagnosis.true_norm
+    if max_norm is None or true_norm is None or not math.isfinite(true_norm):
+        return ()  # GA206 and GA401 say why clipping could not be checked
+    if abs(true_norm - max_norm) > diagnosis.rtol * max_norm:
+        return ()
+    idle = {
+        r: d.applied_coef
+        for r, d in diagnosis.ranks.items()
+        if d.applied_coef is not None and abs(d.applied_coef - 1.0) <= diagnosis.rtol
+    }
+    if len(idle) < len(diagnosis.ranks) and any(d.applied_coef is not None for d in diagnosis.ranks.values()):
+        return ()  # the recorded call scaled the gradients: it clipped them itself
+    ranks = tuple(sorted(idle or diagnosis.ranks))
+    coef = num(idle[ranks[0]]) if idle else "1, by the norm they reported"
+    return (
+        Hit(
+            message=(
+                f"the gradients the recorded clip call saw had global norm {num(true_norm)}, max_norm {num(max_norm)} "
+                f"itself, and the call then scaled nothing ({ranks_named(ranks)} applied coefficient {coef}): they "
+                "were clipped before the recorded call, by a clip the audit did not see, so the norm that clip "
+                "used and its coefficient are not checked. Clip once, through audit.clip or a function gradaudit "
+                "records (torch.nn.utils.clip_grad_norm_, the framework's own)"
+            ),
+            ranks=ranks,
+            evidence={"true_norm": true_norm, "max_norm": max_norm, "rtol": diagnosis.rtol},
+        ),
+    )

@@ -1,0 +1,47 @@
+"""Blind spots of the diagnosis on 2 gloo ranks: steps whose verdict used to be wrong although the
+numbers were all there (issue 19)."""
+
+from __future__ import annotations
+
+import math
+
+import blindspot_workers
+import pytest
+from launcher import run_ranks
+from reassemble import audit_report
+
+pytestmark = pytest.mark.integration
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_root = tmp_path_factory.mktemp("blind_spots")
+    results = run_ranks(blindspot_workers.all_blind_spots, WORLD_SIZE, (str(out_root),), timeout_s=180)
+    return out_root, results
+
+
+def _report(runs, scenario):
+    out_root, results = runs
+    return audit_report(out_root / scenario / "step_1"), [r[scenario] for r in results]
+
+
+@pytest.mark.parametrize("scenario", ["sp_ok", "sp_ok_stats"])
+def test_a_correct_sequence_parallel_step_is_clean_and_its_norm_is_torchs(runs, scenario):
+    report, per_rank = _report(runs, scenario)
+    assert all(r["norm_grad"] == "(Partial(sum),)" for r in per_rank)  # what the step is about
+    returned = per_rank[0]["returned_norm"]
+    assert math.isclose(returned, blindspot_workers.single_process_sequence_norm(), rel_tol=1e-5)
+    assert math.isclose(report.global_norm, returned, rel_tol=1e-5)
+    assert [f.code for f in report.findings if f.severity.value != "info"] == []
+    assert "Clipping used the true global norm" in report.verdict
+
+
+@pytest.mark.parametrize("scenario", ["unrecorded_clip", "unrecorded_clip_stats"])
+def test_gradients_clipped_before_the_recorded_call_are_an_error_not_a_pass(runs, scenario):
+    report, per_rank = _report(runs, scenario)
+    assert per_rank[0]["first_norm"] > 2 * blindspot_workers.DDP_MAX_NORM  # the hand clip did clip
+    assert "GA504" in {f.code for f in report.findings if f.severity.value == "error"}
+    assert "GA504" in report.verdict and "clipped before the recorded clip call" in report.verdict
+    assert math.isclose(report.global_norm, blindspot_workers.DDP_MAX_NORM, rel_tol=1e-5)
