@@ -5,7 +5,8 @@
     python bench/guard.py --tiny          # a smoke run of every section
 
 Within one run, steps without the guard (paused: no hook), checked by the guard, and with the guard
-attached but the step not checked (every=2) alternate, so the three medians share the machine's load. The
+attached but the step not checked come in a shuffled order each round (the same on both ranks), so the
+three medians share the machine's load and no kind keeps a place in the round. The
 guard's own measuring (its per-group norms and the coefficient's samples, what it adds to a step
 besides its one all-gather and the verdict) is timed against one `torch._foreach_norm` over the same
 local gradients, the reference the stack's own clip computes.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import statistics
 import sys
@@ -106,16 +108,20 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
             opt.step()
             return time.perf_counter() - start
 
-        guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out, every=2, first_step=0)
+        guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out)
         for _ in range(config["warmup"]):  # the guard's first verdict imports the analysis
             step()
+        never = 1 << 60  # every=never: attached, but no step is checked
+        order = random.Random(0)  # the same order on both ranks: they step together
         for _ in range(config["rounds"]):
-            guard.pause()
-            times["none"].append(step())
-            guard.resume()
-            times["guard"].append(step())  # even step: checked
-            times["attached"].append(step())  # odd step: not checked (every=2)
-            times["guard"].append(step())
+            kinds = ["none", "guard", "attached"] * 2
+            order.shuffle(kinds)  # no kind keeps a place in the round (load varies with time)
+            for kind in kinds:
+                if kind == "none":
+                    guard.pause()
+                guard.every = 1 if kind == "guard" else never
+                times[kind].append(step())
+                guard.resume()
             # the guard's own measuring on the final gradients, against the stack's own norm pass
             grads = _local_grads(model)
             start = time.perf_counter()
@@ -126,10 +132,6 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
             guard._summary.sample()
             guard._summary.sample()
             own.append(time.perf_counter() - start)
-            guard.pause()
-            times["none"].append(step())
-            guard.resume()
-            times["attached"].append(step())
         anomalies = list(guard.anomalies)
         guard.remove()
         assert not anomalies, f"a correct run was flagged: {anomalies}"

@@ -15,7 +15,6 @@ from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
 from .analysis_input import LiveStep, RankSummary, rank_dumps, report_of
-from .clipcalls import ClipWatch
 from .summary import (
     FAILED,
     CallRecord,
@@ -121,7 +120,7 @@ class Guard:
         self.active = False
         self._late = late
         self._hooks: list[RemovableHandle] = []
-        self._watch = ClipWatch(self._around_clip)
+        self._interception: Any = None
         self._calls: list[CallRecord] = []
         self._num_calls = 0
         self._pending: tuple[int, Any, Any] | None = None
@@ -179,7 +178,7 @@ class Guard:
             return
         if self._pending is not None:
             self._read_pending()
-        self._watch.uninstall()
+        self._uninstall()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -196,7 +195,14 @@ class Guard:
         assert self.optimizer is not None  # checked in __init__
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
-        self._watch.install()
+        from ..capture import intercept
+
+        self._interception = intercept.install(self._intercepted)
+
+    def _uninstall(self) -> None:
+        if self._interception is not None:
+            self._interception.remove()
+            self._interception = None
 
     def _exchange_once(self, mine: Any) -> list[Any]:
         """Every rank's ownership groups and topology, once when the guard is attached."""
@@ -221,7 +227,7 @@ class Guard:
 
     def _switch_off(self) -> None:
         self.active = False
-        self._watch.uninstall()
+        self._uninstall()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -243,22 +249,48 @@ class Guard:
 
     @property
     def _checked(self) -> bool:
-        return self.active and (self.step % self.every == 0)
+        # A step captured in full is not checked live: the capture's own route sees its clip calls
+        # (the newest route gets them), and `gradaudit check` of its dump says what went wrong.
+        return self.active and self._capture is None and self.step % self.every == 0
 
-    def _around_clip(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        capture = self._capture
+    def _intercepted(self, call: Any) -> Any:
+        """Every clip call in the process (capture/intercept.py): measured around, made once."""
+        made: list[Any] = []
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            made.append(call())
+            return call.reported_norm(made[0])
+
+        self._measured(make, call.args, call.kwargs, fn_for_arguments=call.fn)
+        return made[0]
+
+    def _measured(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        fn_for_arguments: Callable[..., Any] | None = None,
+    ) -> Any:
+        """Call fn; on a checked step, record the gradient's group norms and sample around the call.
+        `fn` returns the norm the call clipped with."""
         if not self._checked:
-            return capture.clip(fn, *args, **kwargs) if capture is not None else fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         before = self._safely(lambda: (self._summary.terms(), self._summary.sample()))
-        result = capture.clip(fn, *args, **kwargs) if capture is not None else fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
         if before is not None and self.active:
-            self._safely(lambda: self._record_call(before, fn, args, kwargs, result))
+            self._safely(lambda: self._record_call(before, fn_for_arguments or fn, args, kwargs, result))
         return result
 
     def clip(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call a clipping function the guard does not see by itself (your own) and return what it
-        returns; the guard records it as a clip call of the step."""
-        return self._around_clip(fn, args, kwargs)
+        """Call a clipping function the guard does not see by itself (your own, returning the norm it
+        clipped with) and return what it returns; the guard records it as a clip call of the step."""
+        from ..capture import intercept
+
+        if intercept.inside():
+            return fn(*args, **kwargs)
+        with intercept.outermost():
+            return self._measured(fn, args, kwargs)
 
     def _record_call(
         self, before: tuple[Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
