@@ -276,7 +276,7 @@ class Guard:
         `fn` returns the norm the call clipped with."""
         if not self._checked:
             return fn(*args, **kwargs)
-        before = self._safely(lambda: (self._summary.terms(), self._summary.sample()))
+        before = self._safely(self._before_call)
         result = fn(*args, **kwargs)
         if before is not None and self.active:
             self._safely(lambda: self._record_call(before, fn_for_arguments or fn, args, kwargs, result))
@@ -292,20 +292,25 @@ class Guard:
         with intercept.outermost():
             return self._measured(fn, args, kwargs)
 
+    def _before_call(self) -> tuple[Any, Any, Any]:
+        terms, sampled = self._summary.measure()
+        return terms, self._summary.sample(sampled), sampled
+
     def _record_call(
-        self, before: tuple[Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
+        self, before: tuple[Any, Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
     ) -> None:
         from ..capture.arguments import clip_arguments, norm_results
 
-        terms, sample = before
+        terms, sample, sampled = before
         max_norm, norm_type = clip_arguments(fn, args, kwargs)
         record = CallRecord(
             terms=terms,
             reported=norm_results(result)[0],
             max_norm=max_norm,
             norm_type=norm_type,
-            coef=coefficient(sample, self._summary.sample()),
+            coef=None,  # the step's coefficient is measured once, at the optimizer step (see _vector)
             before=sample,
+            sampled=sampled,
         )
         self._num_calls += 1
         if len(self._calls) < self.layout.max_calls:
@@ -322,7 +327,8 @@ class Guard:
     def _vector(self) -> Any:
         if self._calls:
             last = self._calls[-1]
-            terms, applied = last.terms, coefficient(last.before, self._summary.sample())
+            # the same gradient tensors the last call clipped in place, sampled again
+            terms, applied = last.terms, coefficient(last.before, self._summary.sample(last.sampled))
         else:
             terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
         return pack(

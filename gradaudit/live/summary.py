@@ -126,38 +126,52 @@ class LocalSummary:
                 present.append(i)
         return grads, tuple(present)
 
+    def measure(self) -> tuple[torch.Tensor | None, Sampled]:
+        """This rank's group terms now (see `terms`), and the sampled pieces' gradients, read once."""
+        grads, present = self._grads()
+        by_piece = dict(zip(present, grads, strict=True))
+        sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
+        return self._terms(grads, present), sampled
+
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
         the gradients' device; None when no piece has a gradient."""
+        return self._terms(*self._grads())
+
+    def _terms(self, grads: list[torch.Tensor], present: tuple[int, ...]) -> torch.Tensor | None:
         import torch
 
-        grads, present = self._grads()
         if not grads:
             return None
         device = grads[0].device
-        norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(grads, self.norm_type)])
+        norms = torch.stack(torch._foreach_norm(grads, self.norm_type)).to(torch.float64)
         index = self._index_cache.get(present)
         if index is None:
             index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
             self._index_cache[present] = index
         g = self.layout.num_groups
-        out = torch.zeros(3 * g, dtype=torch.float64, device=device)
+        finite = norms.nan_to_num(0.0, 0.0, 0.0)
+        power = finite if math.isinf(self.norm_type) else finite.pow(self.norm_type)
+        columns = torch.stack(
+            (power, norms.isnan().to(torch.float64), norms.isinf().to(torch.float64)), dim=1
+        )
+        out = torch.zeros((g, 3), dtype=torch.float64, device=device).index_add_(0, index, columns)
         if math.isinf(self.norm_type):
-            out[:g].scatter_reduce_(0, index, norms.nan_to_num(0.0, 0.0, 0.0), "amax")
-        else:
-            out[:g].index_add_(0, index, norms.nan_to_num(0.0, 0.0, 0.0).pow(self.norm_type))
-        out[g : 2 * g].index_add_(0, index, norms.isnan().to(torch.float64))
-        out[2 * g :].index_add_(0, index, norms.isinf().to(torch.float64))
-        return out
+            out[:, 0] = torch.zeros(g, dtype=torch.float64, device=device).scatter_reduce_(
+                0, index, finite, "amax"
+            )
+        return out.t().reshape(-1)  # [terms per group, nan pieces per group, inf pieces per group]
 
-    def sample(self) -> torch.Tensor | None:
-        """A fixed sample of this rank's gradient elements (float64, a few per large piece)."""
+    def sample(self, sampled: Sampled | None = None) -> torch.Tensor | None:
+        """A fixed sample of this rank's gradient elements (float64, a few per large piece), from the
+        gradients `measure` read (they are clipped in place, so they show the clip), or read now."""
         import torch
 
+        if sampled is None:
+            sampled = tuple((i, g) for i in self._sampled if (g := self.pieces[i].grad()) is not None)
         taken = []
-        for i in self._sampled:
-            grad = self.pieces[i].grad()
-            if grad is None or not grad.is_contiguous():
+        for i, grad in sampled:
+            if not grad.is_contiguous():
                 continue
             key = (i, str(grad.device))
             index = self._sample_index.get(key)
@@ -166,8 +180,16 @@ class LocalSummary:
                 count = min(SAMPLE_PER_PIECE, numel)
                 index = torch.linspace(0, numel - 1, count, device=grad.device).round().to(torch.int64)
                 self._sample_index[key] = index
-            taken.append(grad.reshape(-1).index_select(0, index).to(torch.float64))
-        return torch.cat(taken) if taken else None
+            taken.append(grad.reshape(-1).index_select(0, index))
+        if not taken:
+            return None
+        if len({t.dtype for t in taken}) > 1:
+            taken = [t.to(torch.float64) for t in taken]
+        return torch.cat(taken).to(torch.float64)
+
+
+Sampled = tuple[tuple[int, "torch.Tensor"], ...]
+"""(piece index, its gradient tensor) of the sampled pieces, as read at one moment."""
 
 
 def coefficient(before: torch.Tensor | None, after: torch.Tensor | None) -> torch.Tensor | float:
@@ -190,6 +212,7 @@ class CallRecord:
     norm_type: Any
     coef: Any
     before: Any
+    sampled: Any = ()
 
 
 def pack(
