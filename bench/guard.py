@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"rank {rank}: step median without {none:.3f} s, guard checking {guard:.3f} s, "
                     f"attached unchecked {attached:.3f} s; measuring {own * 1e3:.2f} ms vs _foreach_norm {ref * 1e3:.2f} ms"
                 )
+                for kind in ("none", "guard", "attached"):
+                    print(f"  {kind:>8}: " + " ".join(f"{t:.2f}" for t in r["times"][kind]))
                 print(f"RATIO {stack} rank {rank} step guard/none = {guard / none:.4f}")
                 print(f"RATIO {stack} rank {rank} step attached/none = {attached / none:.4f}")
                 print(f"RATIO {stack} rank {rank} measuring/_foreach_norm = {own / ref:.3f}")

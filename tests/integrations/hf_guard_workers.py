@@ -1,0 +1,41 @@
+"""Rank workers for the guard under HF Trainer on 2 gloo ranks: 2 micro-batches per optimizer step,
+the Trainer's own clip, and optionally a `training_step` override that also clips each micro-batch."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from hf_workers import MAX_GRAD_NORM, TokenData, _args, tiny_llama
+
+
+def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
+    from transformers import Trainer
+
+    from gradaudit.integrations.transformers_guard import GuardCallback
+
+    class ClippingTrainer(Trainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)  # the mistake
+            return loss
+
+    results = {}
+    for name, trainer_class in (("ok", Trainer), ("step_clip", ClippingTrainer)):
+        callback = GuardCallback(os.path.join(out_root, name))
+        trainer = trainer_class(
+            model=tiny_llama(),
+            args=_args(os.path.join(out_root, f"trainer_{name}")),
+            train_dataset=TokenData(),
+        )
+        trainer.add_callback(callback)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        assert callback.guard is not None
+        results[name] = {
+            "anomalies": [(step, list(codes)) for step, codes in callback.guard.anomalies],
+            "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+        }
+    return results

@@ -1,0 +1,22 @@
+"""The guard as one HF Trainer callback on 2 gloo ranks: the Trainer's own clip passes every step,
+and a `training_step` override clipping each micro-batch is GA501 from the first step."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_guard_workers import guarded_train
+from launcher import run_ranks
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_clip_per_micro_batch_in_training_step_is_caught_and_the_trainers_own_clip_passes(tmp_path):
+    results = run_ranks(guarded_train, 2, (str(tmp_path),), timeout_s=300)
+    for result in results:
+        assert result["ok"]["anomalies"] == [] and result["ok"]["warnings"] == []
+        assert [step for step, _ in result["step_clip"]["anomalies"]][:1] == [1]
+        assert all("GA501" in codes for _, codes in result["step_clip"]["anomalies"])
+    assert (tmp_path / "step_clip" / "step_1").is_dir()
