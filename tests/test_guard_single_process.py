@@ -1,0 +1,82 @@
+"""gradaudit.guard in one process (no process group): what it checks, how often, and that a failure of
+its own switches it off without breaking training."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import gradaudit
+from gradaudit.errors import CaptureError
+from gradaudit.live.guard import GuardAnomaly, GuardWarning
+from gradaudit.live.trend import TREND_FILE
+
+MAX_NORM = 0.1
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _steps(model, opt, count, *, clips=1):
+    for _ in range(count):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        for _ in range(clips):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+
+
+def _trend(out):
+    return [json.loads(line) for line in (out / TREND_FILE).read_text().splitlines()]
+
+
+def test_every_n_checks_only_every_nth_step(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, every=3) as guard:
+        _steps(model, opt, 7)
+    assert [line["step"] for line in _trend(tmp_path)] == [3, 6]
+    assert guard.anomalies == [] and not guard.active
+    assert not getattr(torch.nn.utils.clip_grad_norm_, "__gradaudit_intercepted__", False)  # removed
+
+
+def test_two_clip_calls_in_one_step_raise_ga501_with_the_step(tmp_path):
+    model, opt = _setup()
+    gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, on_anomaly="raise")
+    _steps(model, opt, 1)
+    with pytest.raises(GuardAnomaly, match=r"step 2: GA501") as raised:
+        _steps(model, opt, 1, clips=2)
+    assert raised.value.step == 2 and "GA501" in raised.value.codes
+
+
+def test_a_failure_inside_the_guard_warns_once_and_switches_it_off(tmp_path):
+    model, opt = _setup()
+    guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path)
+
+    def broken():
+        raise RuntimeError("summary exploded")
+
+    guard._summary.measure = broken  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(model, opt, 3)  # training goes on
+    ours = [w for w in caught if issubclass(w.category, GuardWarning)]
+    assert (
+        len(ours) == 1
+        and "switches off" in str(ours[0].message)
+        and "summary exploded" in str(ours[0].message)
+    )
+    assert not guard.active
+
+
+def test_the_guard_refuses_a_call_without_optimizer_or_out_dir(tmp_path):
+    model, _ = _setup()
+    with pytest.raises(CaptureError, match="optimizer="):
+        gradaudit.guard(model, max_norm=MAX_NORM, out_dir=tmp_path)
+    with pytest.raises(CaptureError, match="on_anomaly"):
+        gradaudit.guard(model, max_norm=MAX_NORM, optimizer=_setup()[1], out_dir=tmp_path, on_anomaly="log")
