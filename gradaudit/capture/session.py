@@ -352,7 +352,11 @@ class AuditStep:
             self._stepped = True
             self._scaler.hold()
             if not self._calls:
+                # No clip call was recorded: these are the gradients the step uses, and (unless
+                # take_gradients recorded them earlier) the only ones the audit sees at all.
                 self._taken().take("grad_clipped")
+                if not self._taken().has("grad"):
+                    self._taken().take("grad")
             self._taken().take("param_before")
 
         if self._recording:

@@ -223,6 +223,17 @@ EXPLANATIONS: dict[str, Explanation] = {
         "records (torch.nn.utils.clip_grad_norm_, clip_grads_with_norm_, FSDP's, Accelerate's); remove the "
         "earlier clip.",
     ),
+    "GA505": Explanation(
+        what="Whether a clip ran at all: max_norm was declared and the optimizer step was recorded, but no rank "
+        "recorded a clip call (every call of a known clip function made while the audit is open is recorded), "
+        "a reported norm or a coefficient. The headline's norm is then that of the gradients the step used.",
+        why="A clip that never runs leaves every step above max_norm unclipped: a refactor that moved the clip "
+        "behind a condition, a framework flag (max_grad_norm=0) or an early return loses it silently.",
+        example="with gradaudit.audit_step(model, 'audit', step=s, max_norm=1.0, optimizer=opt): backward and "
+        "opt.step(), no clip: the gradients had true norm 21.88, so the step should have been scaled by 0.0457.",
+        fix="Clip after the last backward and before the optimizer step; if your code clips by hand, record what "
+        "it computed with audit.record(reported_norm=..., clip_coef=...).",
+    ),
     "GA601": Explanation(
         what="Copies of one piece on several ranks (replicas: equal parameter and regions) hold the same values, "
         "within the dtype's tolerance (or the same fingerprint in stats-only dumps).",

@@ -102,6 +102,7 @@ _TABLE = (
         "gradients were clipped before the recorded clip call",
         deferred("unrecorded.clipped_before_the_recorded_call"),
     ),
+    ("GA505", ERROR, "no clip call although max_norm was declared", deferred("unrecorded.no_clip_call")),
     ("GA601", ERROR, "pieces that should be replicas differ", deferred("replicas.replicas_differ")),
     ("GA602", ERROR, "gradients differ from the unsharded reference", deferred("reference.gradients_differ")),
     (

@@ -126,9 +126,28 @@ def clipped_before_the_recorded_call(rank: int, world_size: int, out_root: str) 
     return results
 
 
+def no_clip_at_all(rank: int, world_size: int, out_root: str) -> dict:
+    """The README's pattern with the clip call forgotten: backward and the optimizer step inside the audit."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = {}
+    for name, mode in (("no_clip", "full"), ("no_clip_stats", "stats")):
+        model = DistributedDataParallel(ddp_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            used = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+            opt.step()
+        results[name] = {"used_norm": used}
+    return results
+
+
 def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every scenario: process start-up dominates the cost of these tests."""
     results = {}
-    for scenario in (sequence_parallel, clipped_before_the_recorded_call):
+    for scenario in (sequence_parallel, clipped_before_the_recorded_call, no_clip_at_all):
         results.update(scenario(rank, world_size, out_root))
     return results

@@ -45,3 +45,16 @@ def test_gradients_clipped_before_the_recorded_call_are_an_error_not_a_pass(runs
     assert "GA504" in {f.code for f in report.findings if f.severity.value == "error"}
     assert "GA504" in report.verdict and "clipped before the recorded clip call" in report.verdict
     assert math.isclose(report.global_norm, blindspot_workers.DDP_MAX_NORM, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("scenario", ["no_clip", "no_clip_stats"])
+def test_no_clip_call_with_max_norm_declared_is_named_with_the_norm_the_step_used(runs, scenario):
+    report, per_rank = _report(runs, scenario)
+    used = per_rank[0]["used_norm"]
+    assert used > blindspot_workers.DDP_MAX_NORM
+    assert math.isclose(report.global_norm, used, rel_tol=1e-5)  # was 0: no gradient "before clipping"
+    assert report.verdict.startswith(f"True global L2 norm {used:.6g}")
+    assert "GA505" in report.verdict and "no clip call although max_norm was declared" in report.verdict
+    assert math.isclose(
+        report.expected_clip_coef, blindspot_workers.DDP_MAX_NORM / (used + 1e-6), rel_tol=1e-5
+    )
