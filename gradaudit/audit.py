@@ -47,6 +47,7 @@ CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209",
 CAUSES_FIRST = (
     "GA101",
     "GA503",
+    "GA506",
     "GA504",
     "GA505",
     "GA501",
@@ -147,18 +148,23 @@ def _ranks(ranks: Iterable[int]) -> str:
 def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
     by_rank = step_columns(m).grad_counts_by_rank()
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
+    from .checks.valueclip import gate
+
+    by_value = gate(step, m) is not None  # element-wise clipping applies no coefficient to report
     rows = []
     for rank in step.ranks_present:
         d = diagnosis.ranks[rank]
         detail = d.detail + (" (logging bug: see GA205)" if d.logging_bug else "")
+        if by_value:
+            detail = "clipped element-wise (GA506): no norm or coefficient to match"
         rows.append(
             RankRow(
                 rank=rank,
                 local_norm=math.nan if d.local_norm is None else d.local_norm,
                 reported_norm=d.reported_norm,
-                applied_clip_coef=d.applied_coef,
-                applied_coef_source=d.coef_source,
-                diagnosis=d.hypothesis,
+                applied_clip_coef=None if by_value else d.applied_coef,
+                applied_coef_source=None if by_value else d.coef_source,
+                diagnosis=None if by_value else d.hypothesis,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
                 nonfinite=NonfiniteCounts(

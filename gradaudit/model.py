@@ -232,6 +232,9 @@ class ClipCall:
     unscaled: bool | None = None
     """True when GradScaler.unscale_ had run before this call; None when no scaler was given."""
     loss_scale: float | None = None
+    clip_value: float | None = None
+    """Set when the call clipped element-wise (`clip_grad_value_`): the value every gradient element was
+    clamped to [-clip_value, clip_value]. Such a call clips by no norm: it has no norm or coefficient."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -144,7 +144,8 @@ class AuditStep:
             outcome.append(call())
             return call.reported_norm(outcome[0])
 
-        self._record_clip(made, call.args, call.kwargs)
+        value = call.argument("clip_value") if call.target.kind == "value" else None
+        self._record_clip(made, call.args, call.kwargs, clip_value=value)
         return outcome[0]
 
     def end(self) -> Path | None:
@@ -241,9 +242,11 @@ class AuditStep:
         with intercept.outermost():
             return self._record_clip(fn, args, kwargs)
 
-    def _record_clip(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _record_clip(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clip_value: Any = None
+    ) -> Any:
         first = not self._calls
-        call: dict[str, Any] = {"reported": None, "reported_local": None}
+        call: dict[str, Any] = {"reported": None, "reported_local": None, "clip_value": clip_value}
         if self._recording:
             self._guard("capture", lambda: self._before_clip(call, first))
         result = fn(*args, **kwargs)
@@ -443,6 +446,7 @@ class AuditStep:
                 norm_type=opt_float(c["norm_type"]),
                 unscaled=c["unscaled"],
                 loss_scale=c["loss_scale"],
+                clip_value=opt_float(c["clip_value"]),
             )
             for c in self._calls
         )

@@ -234,6 +234,19 @@ EXPLANATIONS: dict[str, Explanation] = {
         fix="Clip after the last backward and before the optimizer step; if your code clips by hand, record what "
         "it computed with audit.record(reported_norm=..., clip_coef=...).",
     ),
+    "GA506": Explanation(
+        what="Whether the step clipped element-wise (torch.nn.utils.clip_grad_value_, Accelerate's "
+        "clip_grad_value_): from the recorded call, or from the clamp it leaves (after it every piece's largest "
+        "|element| is min(its own, v) for one v, and the norm shrank less than the largest element). The norm "
+        "and coefficient checks are then not checked: element-wise clipping has neither.",
+        why="Clipping by value is no norm clipping: it changes the gradient's direction and bounds no norm (n "
+        "elements may keep norm up to sqrt(n) times the value), so a run that declares max_norm and clips by "
+        "value does not do what it says, and any coefficient derived from it would be invented.",
+        example="clip_grad_value_(model.parameters(), 0.01) with max_norm 1.0 declared: elements beyond 0.01 are "
+        "cut to 0.01; the gradient's norm went from 21.9 to 0.84, a ratio no single coefficient applied.",
+        fix="Call clip_grad_norm_ (or your stack's norm clip) if norm clipping was meant; if clipping by value "
+        "is deliberate, audit the step without max_norm.",
+    ),
     "GA601": Explanation(
         what="Copies of one piece on several ranks (replicas: equal parameter and regions) hold the same values, "
         "within the dtype's tolerance (or the same fingerprint in stats-only dumps).",

@@ -103,6 +103,12 @@ _TABLE = (
         deferred("unrecorded.clipped_before_the_recorded_call"),
     ),
     ("GA505", ERROR, "no clip call although max_norm was declared", deferred("unrecorded.no_clip_call")),
+    (
+        "GA506",
+        ERROR,
+        "clipping was element-wise (clip by value), not by norm",
+        deferred("valueclip.clipped_by_value"),
+    ),
     ("GA601", ERROR, "pieces that should be replicas differ", deferred("replicas.replicas_differ")),
     ("GA602", ERROR, "gradients differ from the unsharded reference", deferred("reference.gradients_differ")),
     (
@@ -149,9 +155,15 @@ def run_checks(
     step: StepDump, m: StepMeasurements, options: AuditOptions
 ) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
     """Run every check; findings sorted by (severity, code, ranks, params), not-checked by code."""
+    from .valueclip import NORM_CLIPPING_CODES, gate
+
     findings: list[Finding] = []
     not_checked: list[NotChecked] = []
+    by_value = gate(step, m)
     for spec in CHECKS:
+        if by_value is not None and spec.code in NORM_CLIPPING_CODES:
+            not_checked.append(NotChecked(code=spec.code, title=spec.title, reason=by_value))
+            continue
         result = spec.apply(step, m, options)
         if isinstance(result, NotChecked):
             not_checked.append(result)

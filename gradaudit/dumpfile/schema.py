@@ -131,6 +131,7 @@ def _encode_clip(clip: ClipRecord) -> dict[str, Any]:
                 "unscaled": c.unscaled,
                 "loss_scale": encode_float(c.loss_scale),
             }
+            | ({} if c.clip_value is None else {"clip_value": encode_float(c.clip_value)})
             for c in clip.calls
         ],
         "loss_scale": encode_float(clip.loss_scale),
@@ -728,6 +729,7 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
                 norm_type=opt_float(call, "norm_type", where),
                 unscaled=opt_bool(call, "unscaled", where),
                 loss_scale=opt_float(call, "loss_scale", where),
+                clip_value=opt_float(call, "clip_value", where),
             )
         )
     max_norm = r.get(obj, "max_norm", "clip", r.pos_float)

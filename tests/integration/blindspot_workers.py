@@ -145,9 +145,39 @@ def no_clip_at_all(rank: int, world_size: int, out_root: str) -> dict:
     return results
 
 
+CLIP_VALUE = 0.01
+
+
+def clipped_by_value(rank: int, world_size: int, out_root: str) -> dict:
+    """clip_grad_value_ with max_norm declared: called directly (intercepted), and through audit.clip
+    (recorded as an unknown clip: recognised from the clamp it leaves)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = {}
+    for name, mode, through_audit in (
+        ("value_clip", "full", False),
+        ("value_clip_stats", "stats", False),
+        ("value_clip_via_audit", "stats", True),
+    ):
+        model = DistributedDataParallel(ddp_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ) as audit:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if through_audit:
+                audit.clip(torch.nn.utils.clip_grad_value_, model.parameters(), CLIP_VALUE)
+            else:
+                torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+            opt.step()
+        results[name] = {}
+    return results
+
+
 def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every scenario: process start-up dominates the cost of these tests."""
     results = {}
-    for scenario in (sequence_parallel, clipped_before_the_recorded_call, no_clip_at_all):
+    for scenario in (sequence_parallel, clipped_before_the_recorded_call, no_clip_at_all, clipped_by_value):
         results.update(scenario(rank, world_size, out_root))
     return results

@@ -58,3 +58,19 @@ def test_no_clip_call_with_max_norm_declared_is_named_with_the_norm_the_step_use
     assert math.isclose(
         report.expected_clip_coef, blindspot_workers.DDP_MAX_NORM / (used + 1e-6), rel_tol=1e-5
     )
+
+
+@pytest.mark.parametrize("scenario", ["value_clip", "value_clip_stats", "value_clip_via_audit"])
+def test_clip_by_value_is_named_as_element_wise_clipping_and_the_norm_checks_are_not_checked(runs, scenario):
+    report, _ = _report(runs, scenario)
+    assert "GA506" in report.verdict
+    [finding] = [f for f in report.findings if f.code == "GA506"]
+    assert finding.evidence["clip_value"] == pytest.approx(blindspot_workers.CLIP_VALUE)
+    recognised = (
+        "the clamp it left" if scenario == "value_clip_via_audit" else "the recorded clip_grad_value_ call"
+    )
+    assert finding.evidence["recognised"] == recognised
+    assert not {"GA204", "GA301", "GA302", "GA303"} & {
+        f.code for f in report.findings
+    }  # no invented coefficient
+    assert {"GA201", "GA302"} <= {n.code for n in report.not_checked}
