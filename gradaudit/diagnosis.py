@@ -18,6 +18,7 @@ from .hypotheses import (
     NormOf,
     ParamGroup,
     averaged_candidates,
+    every_copy_candidates,
     group_candidates,
     groups_of,
     overflow_candidates,
@@ -697,6 +698,7 @@ class _FurtherCandidates:
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
+        extras += every_copy_candidates(self.step, rank, _norm_fn(self.norms), self.norm_type)
         extras += overflow_candidates(true_norm, self.norm_type, sorted(self.columns.dtypes))
         return tuple(
             Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras

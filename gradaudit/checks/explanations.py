@@ -62,11 +62,15 @@ EXPLANATIONS: dict[str, Explanation] = {
         "FSDP.clip_grad_norm_ (FSDP1), or all-reduce the sum of |g|^p over the right group before taking the root.",
     ),
     "GA202": Explanation(
-        what="The reported norm against the norm of all ranks' pieces with every replica counted once per copy.",
+        what="The reported norm against the norm of all ranks' pieces with every replica counted once per copy, "
+        "and against each named group's norm counted once per member (every rank computed the group's full norm, "
+        "then the squares were summed over the group again: sqrt(group size) times it).",
         why="Replicated gradients (DDP/HSDP replicas, tensor-parallel LayerNorm and bias, tied embeddings on two "
         "pipeline stages) hold the same elements; summing every copy inflates the norm, so clipping is too strong.",
         example="HSDP with 2 replicas of a 2-way shard: a hand-rolled norm all-reduced over all 4 ranks is "
-        "sqrt(2) times the true norm.",
+        "sqrt(2) times the true norm. Under ZeRO-3, squares of safe_get_full_grad all-reduced over the world: "
+        "sqrt(world size) times it; pipeline stage norms all-reduced over the data-parallel group: each stage "
+        "counted once per data-parallel rank.",
         fix="Reduce the squared norm over the shard group only (each replica holds the same values), or divide "
         "replicated contributions by their replica count before the all-reduce.",
     ),

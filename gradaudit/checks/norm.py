@@ -17,7 +17,7 @@ from ..diagnosis import (
     diagnose_step,
 )
 from ..engine.measure import StepMeasurements
-from ..hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
+from ..hypotheses import AVERAGED, EVERY_COPY, OVERFLOW, PARAM_GROUP
 from ..model import StepDump
 from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
@@ -126,11 +126,22 @@ def double_counted(step: StepDump, m: StepMeasurements, options: AuditOptions) -
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == DOUBLE_COUNTED)
-    return (
+    replicas = (
         (_hit(diagnosis, ranks, "clipping used a norm that counts every replica of replicated gradients"),)
         if ranks
         else ()
     )
+    copies = _by_hypothesis(
+        step,
+        m,
+        EVERY_COPY,
+        lambda group: (
+            f"clipping used a norm that counts every copy: each rank of group {group!r} computed the group's "
+            "full norm and their squares were summed over the group again"
+        ),
+        evidence_key="group",
+    )
+    return replicas + (copies if isinstance(copies, tuple) else ())
 
 
 def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:

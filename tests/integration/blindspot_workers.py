@@ -175,9 +175,51 @@ def clipped_by_value(rank: int, world_size: int, out_root: str) -> dict:
     return results
 
 
+def full_squares_all_reduced(params, max_norm: float) -> torch.Tensor:
+    """The mistake: every rank sums the squares of the full gradients (full_tensor(), as ZeRO-3's
+    safe_get_full_grad gives them), then all-reduces the sum again: sqrt(world size) x the true norm."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = sum(g.full_tensor().double().pow(2).sum() for g in grads)
+    dist.all_reduce(total)
+    norm = total.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.to_local().mul_(coef)
+    return norm
+
+
+def every_copy_counted(rank: int, world_size: int, out_root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    results = {}
+    for name, mode in (("every_copy", "full"), ("every_copy_stats", "stats")):
+        model = ddp_net()
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ) as audit:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            norm = audit.clip(full_squares_all_reduced, list(model.parameters()), DDP_MAX_NORM)
+            opt.step()
+        results[name] = {"reported": float(norm)}
+    return results
+
+
 def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every scenario: process start-up dominates the cost of these tests."""
     results = {}
-    for scenario in (sequence_parallel, clipped_before_the_recorded_call, no_clip_at_all, clipped_by_value):
+    for scenario in (
+        sequence_parallel,
+        clipped_before_the_recorded_call,
+        no_clip_at_all,
+        clipped_by_value,
+        every_copy_counted,
+    ):
         results.update(scenario(rank, world_size, out_root))
     return results

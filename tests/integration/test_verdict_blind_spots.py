@@ -74,3 +74,13 @@ def test_clip_by_value_is_named_as_element_wise_clipping_and_the_norm_checks_are
         f.code for f in report.findings
     }  # no invented coefficient
     assert {"GA201", "GA302"} <= {n.code for n in report.not_checked}
+
+
+@pytest.mark.parametrize("scenario", ["every_copy", "every_copy_stats"])
+def test_squares_of_full_gradients_all_reduced_again_are_every_copy_counted_not_unexplained(runs, scenario):
+    report, per_rank = _report(runs, scenario)
+    assert math.isclose(per_rank[0]["reported"], math.sqrt(2) * report.global_norm, rel_tol=1e-5)
+    codes = {f.code for f in report.findings}
+    assert "GA202" in codes and "GA204" not in codes
+    [ga202] = [f for f in report.findings if f.code == "GA202"]
+    assert ga202.evidence["group"] in ("world", "dp_shard") and "every copy" in ga202.message
