@@ -292,6 +292,17 @@ EXPLANATIONS: dict[str, Explanation] = {
         fix="Nothing to fix when the gradients agree. To compare next weights tightly, use SGD for the audited "
         "step, or a larger Adam eps.",
     ),
+    "GA605": Explanation(
+        what="Copies of one replicated piece hold the same parameter values at the start of the optimizer step "
+        "(param_before, recorded with optimizer=; in stats mode for the parameters named in full_params=).",
+        why="Replicas that start a step with different weights have drifted apart earlier: the ranks train "
+        "different models from then on, while their gradients may still agree after the all-reduce, so no "
+        "gradient check sees it.",
+        example="Under DDP, step 7 clipped with a per-rank coefficient (GA301); the dump of step 8 holds weights "
+        "that differ between rank 0 and rank 1 by 3e-3 although both gradients agree.",
+        fix="Find the step where the ranks applied different coefficients or skipped differently (GA301, GA402) "
+        "and fix it; restart from a checkpoint written before it.",
+    ),
     "GA701": Explanation(
         what="The norm of the optimizer's update (parameters after minus before) next to the gradient norm.",
         why="Clipping bounds the gradient, not an adaptive optimizer's update: Adam's update is about lr per "

@@ -110,6 +110,12 @@ _TABLE = (
         deferred("valueclip.clipped_by_value"),
     ),
     ("GA601", ERROR, "pieces that should be replicas differ", deferred("replicas.replicas_differ")),
+    (
+        "GA605",
+        ERROR,
+        "replicas' weights differ at the start of the step",
+        deferred("replica_weights.replica_weights_differ"),
+    ),
     ("GA602", ERROR, "gradients differ from the unsharded reference", deferred("reference.gradients_differ")),
     (
         "GA603",

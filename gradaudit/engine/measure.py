@@ -84,6 +84,9 @@ class ReplicaCopy:
     """Elements where one is finite and the other not, or both infinite with different signs."""
     fingerprint_delta: float | None = None
     """Largest difference of the fingerprint components (stats mode)."""
+    param_max_abs_diff: float | None = None
+    """Largest |copy - base| of the parameter values the optimizer step started from (`param_before`),
+    when every copy has them: replicas whose weights drifted apart (None when not recorded)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,6 +104,8 @@ class ReplicaSet:
     copies: tuple[ReplicaCopy, ...]
     by_values: bool
     """True when the copies were compared value by value, False when only by fingerprints."""
+    param_base_max_abs: float | None = None
+    """max |param_before| of the base copy, when the copies' parameters were compared."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -381,6 +386,9 @@ def _compare_replicas(
                 if stats.num_nonfinite != base_stats.num_nonfinite:
                     delta = math.inf
             results.append(ReplicaCopy(rank=rank, index=piece.index, fingerprint_delta=delta))
+    param_base_max_abs = None
+    if all("param_before" in p.tensors for _, _, p in copies):
+        results, param_base_max_abs = _compare_replica_params(reader, copies, results, chunk)
     return ReplicaSet(
         param=base.param,
         regions=base.regions,
@@ -392,7 +400,35 @@ def _compare_replicas(
         numel=base.numel,
         copies=tuple(results),
         by_values=by_values,
+        param_base_max_abs=param_base_max_abs,
     )
+
+
+def _compare_replica_params(
+    reader: TensorReader, copies: list[tuple[int, str, Piece]], results: list[ReplicaCopy], chunk: int
+) -> tuple[list[ReplicaCopy], float]:
+    """The copies' results with the largest difference of their `param_before` from the base copy's."""
+    import numpy as np
+
+    from .reference import compare_values
+
+    _, base_path, base = copies[0]
+    others = copies[1:]
+    diffs = [0.0] * len(others)
+    base_max = 0.0
+    per_copy = max(1 << 16, chunk // max(1, len(copies)))
+    for start, stop in _flat_windows(base.numel, per_copy):
+        ref = _piece_flat(reader, base_path, base, "param_before", start, stop)
+        finite = ref[np.isfinite(ref)]
+        if finite.size:
+            base_max = max(base_max, float(np.abs(finite).max()))
+        for i, (_, path, piece) in enumerate(others):
+            diff, _, _ = compare_values(_piece_flat(reader, path, piece, "param_before", start, stop), ref)
+            diffs[i] = max(diffs[i], diff)
+    by_rank = {(r, p.index): d for (r, _, p), d in zip(others, diffs, strict=True)}
+    if not results:  # grads were compared by fingerprint with none to compare: start from the copies
+        results = [ReplicaCopy(rank=r, index=p.index) for r, _, p in others]
+    return [replace(c, param_max_abs_diff=by_rank.get((c.rank, c.index))) for c in results], base_max
 
 
 def _compare_with_reference(

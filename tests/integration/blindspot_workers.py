@@ -211,6 +211,37 @@ def every_copy_counted(rank: int, world_size: int, out_root: str) -> dict:
     return results
 
 
+def owned_norm_clip(params, max_norm: float) -> torch.Tensor:
+    """The mistake of a hand-sharded optimizer: each rank clips every gradient by the norm of the
+    parameters it owns (round-robin), so the ranks apply different coefficients to one update."""
+    import torch.distributed as dist
+
+    owned = params[dist.get_rank() :: dist.get_world_size()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in owned]))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return norm
+
+
+def weights_drift(rank: int, world_size: int, out_root: str) -> dict:
+    """Step 1 applies per-rank coefficients; step 2, clipped correctly, starts from weights that differ."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(ddp_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = ddp_batch(rank)
+    for step, clip in ((1, owned_norm_clip), (2, torch.nn.utils.clip_grad_norm_)):
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, "weights_drift"), step=step, max_norm=DDP_MAX_NORM, optimizer=opt
+        ) as audit:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            audit.clip(clip, list(model.parameters()), DDP_MAX_NORM)
+            opt.step()
+    return {}
+
+
 def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every scenario: process start-up dominates the cost of these tests."""
     results = {}
@@ -220,6 +251,7 @@ def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
         no_clip_at_all,
         clipped_by_value,
         every_copy_counted,
+        weights_drift,
     ):
         results.update(scenario(rank, world_size, out_root))
     return results

@@ -84,3 +84,13 @@ def test_squares_of_full_gradients_all_reduced_again_are_every_copy_counted_not_
     assert "GA202" in codes and "GA204" not in codes
     [ga202] = [f for f in report.findings if f.code == "GA202"]
     assert ga202.evidence["group"] in ("world", "dp_shard") and "every copy" in ga202.message
+
+
+def test_replicas_whose_weights_drifted_in_an_earlier_step_are_named_in_the_next(runs):
+    out_root, _ = runs
+    first = audit_report(out_root / "weights_drift" / "step_1")
+    assert "GA301" in {f.code for f in first.findings}  # the ranks applied different coefficients
+    report = audit_report(out_root / "weights_drift" / "step_2")
+    [drift] = [f for f in report.findings if f.code == "GA605"]
+    assert drift.severity.value == "error" and drift.ranks == (1,)
+    assert "GA601" not in {f.code for f in report.findings}  # DDP's all-reduce made the gradients agree
