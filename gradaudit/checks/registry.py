@@ -110,12 +110,6 @@ _TABLE = (
         deferred("valueclip.clipped_by_value"),
     ),
     ("GA601", ERROR, "pieces that should be replicas differ", deferred("replicas.replicas_differ")),
-    (
-        "GA605",
-        ERROR,
-        "replicas' weights differ at the start of the step",
-        deferred("replica_weights.replica_weights_differ"),
-    ),
     ("GA602", ERROR, "gradients differ from the unsharded reference", deferred("reference.gradients_differ")),
     (
         "GA603",
@@ -128,6 +122,12 @@ _TABLE = (
         INFO,
         "next weights differ only as the optimizer's normalisation of agreeing gradients explains",
         deferred("reference.updates_explained_by_optimizer"),
+    ),
+    (
+        "GA605",
+        ERROR,
+        "replicas' weights differ at the start of the step",
+        deferred("replica_weights.replica_weights_differ"),
     ),
     ("GA701", INFO, "update norm vs gradient norm", deferred("updates.update_vs_gradient")),
     (
