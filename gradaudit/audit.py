@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .analysis.diagnosis import StepDiagnosis, diagnose_step
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
-from .checks.registry import run_checks
+from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
 from .measure.columns import step_columns
 from .measure.measure import measure_step, overflow_notes
@@ -41,41 +41,6 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
-
-CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209", "GA302")
-"""The checks that must all have run before the verdict may call clipping right."""
-
-CAUSES_FIRST = (
-    "GA101",
-    "GA503",
-    "GA501",
-    "GA401",
-    "GA102",
-    "GA103",
-    "GA601",
-    "GA502",
-    "GA201",
-    "GA202",
-    "GA203",
-    "GA207",
-    "GA208",
-    "GA209",
-    "GA204",
-    "GA402",
-    "GA301",
-    "GA302",
-    "GA303",
-    "GA100",
-    "GA602",
-    "GA603",
-    "GA604",
-    "GA205",
-    "GA206",
-    "GA702",
-    "GA701",
-)
-"""Which finding the verdict names when there are several: a cause (a drifted replica, clipping on
-scaled gradients) before its consequences (different or wrong coefficients, reference mismatches)."""
 
 
 def norm_name(norm_type: float) -> str:

@@ -68,19 +68,29 @@ class Explanation:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckSpec:
+    """One finding code: everything gradaudit knows about it (a row of registry.CHECKS)."""
+
     code: str
+    """GAnnn; the family is the hundreds digit. Never reused."""
     severity: Severity
     title: str
-    explanation: Explanation
+    """One line, printed with every finding of this code and by `gradaudit explain --all`."""
     run: CheckFn
-    needs_all_ranks: bool = True
-    """A clean result is only a pass when every rank was there; with ranks missing it is "not checked"."""
+    """The check: (step, measurements, options) -> hits, or a Skip saying why it could not decide."""
+    verdict_rank: int
+    """Where this code stands when the verdict names one finding of several: lower first (causes
+    before their consequences). Distinct per code, spaced by 10 so a new code can go between two."""
+    explanation: Explanation
+    decided_with_ranks_missing: bool = False
+    """A clean result stands with ranks missing; otherwise it is "not checked" when ranks are missing."""
+    decides_clipping: bool = False
+    """The verdict calls clipping right only when every such check ran (none was "not checked")."""
 
     def apply(
         self, step: StepDump, measurements: StepMeasurements, options: AuditOptions
     ) -> list[Finding] | NotChecked:
         result = self.run(step, measurements, options)
-        if result == () and self.needs_all_ranks and step.missing_ranks:
+        if result == () and not self.decided_with_ranks_missing and step.missing_ranks:
             result = Skip(
                 reason=f"nothing found on the ranks present, but some are missing ({ranks_named(step.missing_ranks)})"
             )
