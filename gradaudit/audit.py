@@ -1,6 +1,10 @@
-"""Auditing a step folder (or a folder of steps): load, measure, run the checks, build the Report.
+"""Auditing a step folder (or a folder of steps), stage by stage:
 
-`build_report` is pure; `audit_step_dir` and `audit_folder` are the shell around it that reads files.
+    load_step (dumpfile) -> measure_step (measure) -> analyse (analysis) -> build_report (checks, report)
+
+`audit_step` assembles the stages for one loaded step; `analyse` and `build_report` are pure given
+their inputs (the update judgements read tensors, through the reader `audit_step` passes);
+`audit_step_dir` and `audit_folder` are the shell around them that finds and loads files.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .analysis.diagnosis import StepDiagnosis, diagnose_step
-from .checks.base import AuditOptions
+from .checks.base import AuditInputs, AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
-from .measure.columns import step_columns
+from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
 from .measure.measurements import StepMeasurements
 from .model import StepDump
@@ -37,6 +41,7 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .dumpfile.loader import LoadFiles
+    from .dumpfile.reader import TensorReader
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
@@ -108,8 +113,8 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ranks_named(ranks)
 
 
-def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
-    by_rank = step_columns(m).grad_counts_by_rank()
+def _rank_rows(step: StepDump, columns: StepColumns, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
+    by_rank = columns.grad_counts_by_rank()
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
     rows = []
     for rank in step.ranks_present:
@@ -173,17 +178,49 @@ def command_for(directory: str, options: AuditOptions) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def build_report(
+def analyse(
     step: StepDump,
     m: StepMeasurements,
+    *,
+    reference: StepDump | None = None,
+    reader: TensorReader | None = None,
+    options: AuditOptions,
+) -> AuditInputs:
+    """The analysis stage: what the measured numbers mean, once per step, for every check. With a
+    reference, the next weights that differ from it are judged through the optimizer, which reads
+    the tensors again through `reader` (required then)."""
+    from .checks.coverage import coverage_by_param
+
+    columns = StepColumns(m)
+    judgements = {}
+    if reference is not None:
+        from .analysis.updates import explain_update_errors
+
+        if reader is None:
+            raise ValueError("analyse: a reference needs the step's TensorReader to judge the next weights")
+        judgements = dict(
+            explain_update_errors(step, reference, m, reader, rtol=options.rtol, atol=options.atol)
+        )
+    return AuditInputs(
+        step=step,
+        measurements=m,
+        columns=columns,
+        diagnosis=diagnose_step(step, m, columns),
+        coverage=coverage_by_param(step),
+        update_judgements=judgements,
+    )
+
+
+def build_report(
+    inputs: AuditInputs,
     options: AuditOptions,
     *,
     command: str = "",
     warnings: tuple[str, ...] = (),
 ) -> Report:
-    """The Report of one measured step (pure)."""
-    findings, not_checked = run_checks(step, m, options)
-    diagnosis = diagnose_step(step, m)
+    """The check and report stages: every check on the analysed step, and the Report (pure)."""
+    findings, not_checked = run_checks(inputs, options)
+    step, m, diagnosis = inputs.step, inputs.measurements, inputs.diagnosis
     clip = step.clip
     return Report(
         step=step.step,
@@ -194,7 +231,7 @@ def build_report(
         max_norm=None if clip is None else clip.max_norm,
         global_norm=diagnosis.true_norm,
         expected_clip_coef=diagnosis.expected_coef,
-        ranks=_rank_rows(step, m, diagnosis),
+        ranks=_rank_rows(step, inputs.columns, diagnosis),
         findings=findings,
         not_checked=not_checked,
         verdict=verdict(diagnosis, findings, not_checked),
@@ -221,18 +258,9 @@ def audit_step(
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
-            if reference is not None:
-                from .analysis.updates import DERIVED_KEY, explain_update_errors
-
-                m.derived(
-                    DERIVED_KEY,
-                    step,
-                    lambda: explain_update_errors(
-                        step, reference, m, reader, rtol=options.rtol, atol=options.atol
-                    ),
-                )
-        warnings = tuple(warnings) + overflow_notes(m)
-        return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
+            inputs = analyse(step, m, reference=reference, reader=reader, options=options)
+        warnings = tuple(warnings) + overflow_notes(inputs.columns)
+        return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
 
 
 def audit_step_dir(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from ..measure.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
+from ..measure.columns import StepColumns, fsum_array, norm_of_term_array
 from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import ClipRecord, Piece, RankDump, StepDump, TensorStats
 from ..norms import (
@@ -101,11 +101,6 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
     for piece in sorted(pieces, key=_RANK_AND_INDEX):
         chosen.setdefault(piece.layout_key, piece)
     return list(chosen.values())
-
-
-def step_cover(m: StepMeasurements) -> Sequence[PieceMeasurement]:
-    """`disjoint_cover` of all the step's pieces, computed once for the diagnosis and every check."""
-    return m.derived("disjoint_cover", None, lambda: step_columns(m).cover())
 
 
 def has_replicas(pieces: Iterable[PieceMeasurement]) -> bool:
@@ -552,20 +547,16 @@ def _describe(match: Match) -> str:
     return text
 
 
-def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
-    """The true global norm, the expected coefficient, and every present rank's diagnosis."""
-    diagnosis = m.derived("diagnosis", step, lambda: _diagnose(step, m))
-    assert isinstance(diagnosis, StepDiagnosis)  # what the lambda returns; `derived` is typed for any value
-    return diagnosis
-
-
-def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
+def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:
+    """The true global norm, the expected coefficient, and every present rank's diagnosis
+    (`columns`: the measurements' StepColumns, when the caller has them already)."""
     norm_type = m.norm_type
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
-    columns = step_columns(m)
+    if columns is None:
+        columns = StepColumns(m)
     by_rank = columns.by_rank()
-    cover = step_cover(m)
+    cover = columns.cover()
     true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
     post_clip = None
     known = true_norm is not None or lower_bound is not None

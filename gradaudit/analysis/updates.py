@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     from ..dumpfile import TensorReader
     from ..measure.measurements import ReferenceError, StepMeasurements
 
-DERIVED_KEY = "updates_explained"
-"""Where audit_step leaves the result for the checks (StepMeasurements.derived)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class UpdateJudgement:
@@ -157,9 +154,3 @@ def _scale(step: StepDump, kind: str) -> float:
         return 1.0
     scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
     return scale if math.isfinite(scale) and scale > 0 else 1.0
-
-
-def judgements(step: StepDump, m: StepMeasurements) -> Mapping[str, UpdateJudgement]:
-    """What audit_step left for the checks ({} when it judged nothing)."""
-    empty: dict[str, UpdateJudgement] = {}
-    return m.derived(DERIVED_KEY, step, lambda: empty)

@@ -11,8 +11,12 @@ from ..ranksets import compact_ranks
 from ..report.model import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
+    from ..analysis.diagnosis import StepDiagnosis
+    from ..analysis.geometry import Coverage
+    from ..analysis.updates import UpdateJudgement
+    from ..measure.columns import StepColumns
     from ..measure.measurements import StepMeasurements
-    from ..model import StepDump
+    from ..model import ParamInfo, StepDump
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +40,24 @@ class AuditOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AuditInputs:
+    """What every check receives: the loaded step, what was read from its tensors, and what the
+    analysis made of it (audit.analyse builds it once per step; the checks only read it)."""
+
+    step: StepDump
+    measurements: StepMeasurements
+    columns: StepColumns
+    """The measured pieces as columns (one pass over the pieces, shared by the analysis and the checks)."""
+    diagnosis: StepDiagnosis
+    """The true global norm, the expected coefficient and each rank's diagnosis."""
+    coverage: Mapping[str, tuple[ParamInfo, Coverage, list[int], list[int]]]
+    """Parameter -> (its ParamInfo, overlaps and gaps of its pieces, ranks in overlaps, ranks holding it)."""
+    update_judgements: Mapping[str, UpdateJudgement]
+    """Parameters whose next weights differ from the reference while their gradients agree, judged
+    through the optimizer ({} without a reference): GA603 leaves out the explained ones, GA604 names them."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Hit:
     """One problem a check found; the registry adds its code, severity and title to make a Finding."""
 
@@ -53,7 +75,7 @@ class Skip:
 
 
 CheckResult = tuple[Hit, ...] | Skip
-CheckFn = Callable[["StepDump", "StepMeasurements", "AuditOptions"], CheckResult]
+CheckFn = Callable[["AuditInputs", "AuditOptions"], CheckResult]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,10 +108,9 @@ class CheckSpec:
     decides_clipping: bool = False
     """The verdict calls clipping right only when every such check ran (none was "not checked")."""
 
-    def apply(
-        self, step: StepDump, measurements: StepMeasurements, options: AuditOptions
-    ) -> list[Finding] | NotChecked:
-        result = self.run(step, measurements, options)
+    def apply(self, inputs: AuditInputs, options: AuditOptions) -> list[Finding] | NotChecked:
+        result = self.run(inputs, options)
+        step = inputs.step
         if result == () and not self.decided_with_ranks_missing and step.missing_ranks:
             result = Skip(
                 reason=f"nothing found on the ranks present, but some are missing ({ranks_named(step.missing_ranks)})"

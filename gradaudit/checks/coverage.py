@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 from ..dumpfile.header import clipped, shown
 from ..errors import StepFolderError
-from ..measure.measurements import StepMeasurements
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
-from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, ranks_named
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def missing_ranks(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     if not step.missing_ranks:
         return ()
     return (
@@ -35,7 +35,8 @@ def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
     )
 
 
-def metadata_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def metadata_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     hits = []
     for item in step.inconsistencies:
         by_value: dict[str, list[int]] = {}
@@ -111,12 +112,7 @@ def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage,
     return result, ranks
 
 
-def _coverage_of(step: StepDump, m: StepMeasurements) -> dict[str, ParamCoverage]:
-    """Every parameter's coverage, computed once for the checks that share it."""
-    return m.derived("coverage", step, lambda: _all_coverage(step))
-
-
-def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
+def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
     """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
     the measurements (the ownership map is metadata), so it also runs on headers alone."""
     flat = _flat_pieces_by_param(step)
@@ -245,9 +241,9 @@ def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
     return Coverage(num_gap_elements=numel - covered, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
-def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def ownership_overlap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     hits = []
-    for name, (info, result, ranks, _) in _coverage_of(step, m).items():
+    for name, (info, result, ranks, _) in inputs.coverage.items():
         if result.num_overlap_elements:
             hits.append(
                 Hit(
@@ -264,14 +260,15 @@ def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions
     return tuple(hits)
 
 
-def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def ownership_gap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     if step.missing_ranks:
         return Skip(
             reason=f"some ranks are missing ({ranks_named(step.missing_ranks)}); "
             "the elements they held cannot be located"
         )
     hits = []
-    for name, (info, result, _, holders) in _coverage_of(step, m).items():
+    for name, (info, result, _, holders) in inputs.coverage.items():
         if result.num_gap_elements:
             hits.append(
                 Hit(
@@ -287,7 +284,8 @@ def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
     return tuple(hits)
 
 
-def parameters_not_captured(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def parameters_not_captured(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     left_out: dict[str, tuple[str, list[int]]] = {}
     for rank in step.ranks_present:
         for param in step.ranks[rank].not_captured:

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import importlib
 import textwrap
-from typing import TYPE_CHECKING
 
 from ..report.model import Finding, NotChecked, Severity
-from .base import AuditOptions, CheckFn, CheckResult, CheckSpec, Explanation
-
-if TYPE_CHECKING:
-    from ..measure.measurements import StepMeasurements
-    from ..model import StepDump
+from .base import AuditInputs, AuditOptions, CheckFn, CheckResult, CheckSpec, Explanation
 
 
 class DeferredCheck:
@@ -31,8 +26,8 @@ class DeferredCheck:
         fn: CheckFn = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)
         return fn
 
-    def __call__(self, step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-        return self.resolve()(step, m, options)
+    def __call__(self, inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+        return self.resolve()(inputs, options)
 
 
 def deferred(target: str) -> DeferredCheck:
@@ -536,13 +531,13 @@ CLIPPING_CODES = tuple(spec.code for spec in CHECKS if spec.decides_clipping)
 
 
 def run_checks(
-    step: StepDump, m: StepMeasurements, options: AuditOptions
+    inputs: AuditInputs, options: AuditOptions
 ) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
     """Run every check; findings sorted by (severity, code, ranks, params), not-checked by code."""
     findings: list[Finding] = []
     not_checked: list[NotChecked] = []
     for spec in CHECKS:
-        result = spec.apply(step, m, options)
+        result = spec.apply(inputs, options)
         if isinstance(result, NotChecked):
             not_checked.append(result)
         else:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..dumpfile.reader import TensorReader
+    from .columns import StepColumns
     from .kernel import ChunkKernel
     from .reference import ReferenceSource
     from .table import PieceTable
@@ -52,14 +53,12 @@ CHUNK_ELEMENTS = 1 << 16
 stays in cache). numpy and the kernel load on first measurement."""
 
 
-def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
+def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
-    from .columns import step_columns
-
     notes = []
     inf = math.inf
-    for piece in step_columns(m).overflowing_grad():
+    for piece in columns.overflowing_grad():
         stats = piece.stats.get("grad")
         if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
             continue

@@ -5,16 +5,13 @@ the dumped gradients."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from ..model import Piece, RankDump, Region, TensorStats
 
 SCALED_KINDS = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,17 +113,6 @@ class StepMeasurements:
     reference_step: int | None = None
     reference_only_params: tuple[str, ...] = ()
     """Parameters the reference holds and the checked dump does not."""
-    _memo: dict[str, tuple[object, Any]] = field(default_factory=dict, compare=False, repr=False)
-    """Values derived purely from these measurements and a step, computed once for all checks."""
-
-    def derived(self, key: str, step: object, compute: Callable[[], _T]) -> _T:
-        """`compute()`, remembered for this `step` object: the checks share one diagnosis."""
-        entry = self._memo.get(key)
-        if entry is None or entry[0] is not step:
-            entry = (step, compute())
-            self._memo[key] = entry
-        value: _T = entry[1]
-        return value
 
     def merge(self, other: StepMeasurements) -> StepMeasurements:
         """Combine measurements of disjoint parameter subsets of the same step."""
