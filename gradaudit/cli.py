@@ -49,7 +49,9 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
-    output.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    from .reportfile import write_report_file
+
+    write_report_file(output, text if text.endswith("\n") else text + "\n")
 
 
 @app.command()
@@ -150,18 +152,9 @@ def check(
 
 
 def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
-    """The report may go anywhere the user names, except over a folder or into a dump being read."""
-    from .errors import UsageError
+    from .reportfile import refuse_output_path
 
-    if output.is_dir():
-        raise UsageError(f"{output}: --output names a folder; give a file name such as report.md")
-    target = output.resolve()
-    for folder in dump_dirs:
-        root = folder.resolve()
-        if target == root or root in target.parents:
-            raise UsageError(
-                f"{output}: --output lies inside the dump folder {folder}; write the report elsewhere"
-            )
+    refuse_output_path(output, dump_dirs)
 
 
 def _emit_report(
