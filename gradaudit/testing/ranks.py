@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext, SpawnContext
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
+    from types import TracebackType
 
 DEFAULT_TIMEOUT_S = 120.0
 GRACE_S = 5.0
@@ -264,13 +265,22 @@ def _rank_main(
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as exc:  # noqa: BLE001  the parent reports it; a rank must never die silently
         kind = type(exc)
+        text = "".join(traceback.format_exception(kind, exc, _from_user_code(exc.__traceback__)))
         results.put(
             (
                 rank,
                 "raised",
-                pickle.dumps((f"{kind.__module__}.{kind.__qualname__}", str(exc), traceback.format_exc())),
+                pickle.dumps((f"{kind.__module__}.{kind.__qualname__}", str(exc), text)),
             )
         )
+
+
+def _from_user_code(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without its leading frames in this package (the launcher's own calls)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(here):
+        tb = tb.tb_next
+    return tb
 
 
 def _prepare() -> None:
