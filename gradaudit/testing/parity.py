@@ -93,6 +93,7 @@ def check_clip_parity(
     folder); None: a temporary folder, deleted when the check passes and kept (named in the message)
     when it fails.
     """
+    __tracebackhide__ = True  # pytest shows the assertion, not this function's code
     mesh_axes = _mesh(mesh, world_size)
     axes = _data_axes(data_axes, mesh_axes)
     clips = _clips(clip)
@@ -275,54 +276,52 @@ def _judge(reports: Sequence[Report], references: Sequence[Report], *, max_norm:
             f"a wrong one; pass a max_norm below the norm (e.g. max_norm={smallest / 2:.3g}) or make the "
             "gradients larger"
         )
-    for reference in references:
-        serious = [f for f in reference.findings if _SEVERITY_RANK[f.severity.value] <= threshold]
-        if serious:
-            parts.append(_step_text(f"unsharded reference, step {reference.step}", reference, serious))
-    for report in reports:
+    audited = [(f"unsharded reference, step {r.step}", r) for r in references]
+    audited += [(f"step {r.step}", r) for r in reports]
+    shown_in_full = False
+    for title, report in audited:
         serious = [f for f in report.findings if _SEVERITY_RANK[f.severity.value] <= threshold]
         if serious:
-            parts.append(_step_text(f"step {report.step}", report, serious))
+            # Later steps start from the weights the first wrong step made: their findings are mostly its
+            # consequences, so only the first is spelled out.
+            parts.append(_step_text(title, report, serious, in_full=not shown_in_full))
+            shown_in_full = True
     if not parts:
         return ""
-    failing = sum(any(_SEVERITY_RANK[f.severity.value] <= threshold for f in r.findings) for r in reports)
+    num_failing = sum(any(_SEVERITY_RANK[f.severity.value] <= threshold for f in r.findings) for r in reports)
     world = reports[0].world_size
     head = (
         f"gradaudit: the sharded step on {world} ranks does not clip like the unsharded reference on "
-        f"{failing} of {len(reports)} steps"
-        if failing
+        f"{num_failing} of {len(reports)} steps"
+        if num_failing
         else f"gradaudit: clipping parity on {world} ranks is not established"
     )
     return head + "\n\n" + "\n\n".join(parts)
 
 
-def _step_text(title: str, report: Report, findings: Sequence[Finding]) -> str:
+def _step_text(title: str, report: Report, findings: Sequence[Finding], *, in_full: bool) -> str:
     lines = [f"{title}: ✗ {report.verdict}"]
+    if not in_full:
+        codes = sorted({f.code for f in findings})
+        return "\n".join(lines + [f"  findings: {', '.join(codes)}", f"  reproduce: {report.command}"])
     lines += [f"  {line}" for f in findings for line in _finding_lines(f)]
-    rows = [
-        f"rank {row.rank}: local norm {_num(row.local_norm)}, reported norm {_num(row.reported_norm)}, "
+    lines.append("  ranks:")
+    lines += [
+        f"    rank {row.rank}: local norm {_num(row.local_norm)}, reported norm {_num(row.reported_norm)}, "
         f"applied coefficient {_num(row.applied_clip_coef)}"
         + (f" ({row.diagnosis})" if row.diagnosis else "")
         for row in report.ranks
     ]
-    lines += ["  ranks:"] + [f"    {row}" for row in rows]
-    if report.command:
-        lines.append(f"  reproduce: {report.command}")
+    lines.append(f"  reproduce: {report.command}")
     return "\n".join(lines)
 
 
 def _finding_lines(finding: Finding) -> list[str]:
-    lines = [f"{finding.code} {finding.severity.value}: {finding.title}", f"    {finding.message}"]
-    if finding.ranks:
-        from ..ranksets import compact_ranks
-
-        lines.append(f"    ranks: {compact_ranks(finding.ranks)}")
+    lines = [f"{finding.code} {finding.severity.value}: {finding.message}"]
     if finding.params:
         shown = ", ".join(finding.params[:MAX_PARAMS_SHOWN])
         more = len(finding.params) - MAX_PARAMS_SHOWN
         lines.append(f"    parameters: {shown}" + (f" and {more} more" if more > 0 else ""))
-    if finding.evidence:
-        lines.append("    evidence: " + ", ".join(f"{k}={_num(v)}" for k, v in finding.evidence.items()))
     return lines
 
 
