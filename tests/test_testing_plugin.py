@@ -88,14 +88,15 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 HERE = Path(__file__).parent
 
 
 @pytest.mark.gradaudit_distributed(world_size=4, mesh={"dp": 2, "tp": 2})
 def test_the_body_runs_on_every_rank_in_one_group(gradaudit_rank, tmp_path):
+    import torch  # here: the test process itself never imports torch, only its ranks do
+    import torch.distributed as dist
+
     value = torch.tensor([float(gradaudit_rank.rank + 1)])
     dist.all_reduce(value)
     assert value.item() == 10.0
