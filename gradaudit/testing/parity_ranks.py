@@ -14,6 +14,10 @@ import gradaudit
 
 from ..errors import UsageError
 
+TORCH_CLIPS: tuple[Callable[..., Any], ...] = (torch.nn.utils.clip_grad_norm_,)
+"""Resolved when this module loads, before any audit begins: a binding that something else replaced
+meanwhile (a wrapper of its own) is left to whoever replaced it, not wrapped a second time."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParitySpec:
@@ -124,7 +128,7 @@ def audited_step(
         optimizer=optimizer,
         strict=True,
     ) as audit:
-        clips = spec.clip or (torch.nn.utils.clip_grad_norm_,)
+        clips = spec.clip or TORCH_CLIPS
         for owner, name in clip_sites(clips, step_fn):
             audit.intercept_clip(owner, name)
         returned = step_fn(model, batch, spec.max_norm)
