@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import pickle
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import pytest
@@ -196,30 +198,37 @@ def _rank_body(
 
 
 def _import_test_module(name: str, path: str | None) -> None:
-    """Import the test module from its file, with pytest's assertion rewriting (so a failed `assert`
-    on a rank shows its values), under the name pytest gave it; a plain import if that cannot be done."""
+    """Import the test module from its file under the name pytest gave it, with pytest's assertion
+    rewriting (so that a failed `assert` on a rank shows its values); a plain import where that cannot be."""
     if not name or name in sys.modules:
         return
-    if path is not None and path.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is not None:
-            try:
-                from _pytest.assertion.rewrite import rewrite_asserts
+    if path is None or not path.endswith(".py"):
+        importlib.import_module(name)
+        return
+    loader = _AssertRewritingLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None  # a .py path and a loader always give a spec
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
 
-                with open(path, "rb") as handle:
-                    source = handle.read()
-                tree = ast.parse(source, filename=path)
-                rewrite_asserts(tree, source, path)
-                code = compile(tree, path, "exec", dont_inherit=True)
-            except Exception:  # noqa: BLE001  pytest internals changed: assertions simply stay plain
-                code = None
-            if code is not None:
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module
-                try:
-                    exec(code, module.__dict__)
-                except BaseException:
-                    del sys.modules[name]
-                    raise
-                return
-    importlib.import_module(name)
+
+class _AssertRewritingLoader(importlib.machinery.SourceFileLoader):
+    """Compiles the test file as pytest does in its own process: with its asserts rewritten."""
+
+    def get_code(self, fullname: str) -> CodeType:
+        path = self.get_filename(fullname)
+        source = self.get_data(path)
+        tree = ast.parse(source, filename=path)
+        try:
+            from _pytest.assertion.rewrite import rewrite_asserts
+
+            rewrite_asserts(tree, source, path)
+        except Exception:  # noqa: BLE001  pytest's internals changed: the asserts simply stay plain
+            tree = ast.parse(source, filename=path)
+        code: CodeType = compile(tree, path, "exec", dont_inherit=True)
+        return code
