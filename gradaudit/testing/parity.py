@@ -22,7 +22,7 @@ from .ranks import DEFAULT_TIMEOUT_S, failure_text, launch, sendable
 if TYPE_CHECKING:
     import torch
 
-    from ..report import Finding, Report
+    from ..report.model import Finding, Report
     from .parity_ranks import ReferenceFacts
 
 LEARNING_RATE = 0.1
