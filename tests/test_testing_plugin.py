@@ -125,6 +125,11 @@ def test_rank_one_hangs(gradaudit_rank):
 
 def test_the_fixture_without_the_marker(gradaudit_rank):
     pass
+
+
+@pytest.mark.gradaudit_distributed(world_size=2)
+def test_a_fixture_that_cannot_reach_the_ranks(gradaudit_rank, capsys):
+    pass
 """
 
 
@@ -181,7 +186,7 @@ def test_a_marked_test_runs_on_every_rank_fails_once_with_each_crashed_rank_and_
 ):
     result = run_user_suite(pytester, monkeypatch, MARKER_TESTS)
     output = result.stdout.str()
-    result.assert_outcomes(passed=1, failed=2, skipped=1, errors=1)
+    result.assert_outcomes(passed=1, failed=3, skipped=1, errors=1)
     assert sorted(p.name for p in pytester.path.glob("ran_on_rank_*")) == [
         f"ran_on_rank_{r}" for r in range(4)
     ]
@@ -199,3 +204,9 @@ def test_a_marked_test_runs_on_every_rank_fails_once_with_each_crashed_rank_and_
     assert (
         "the gradaudit_rank fixture needs the test marked @pytest.mark.gradaudit_distributed(...)" in output
     )
+    unsendable = section(output, "test_a_fixture_that_cannot_reach_the_ranks")
+    assert (
+        "the value of fixture 'capsys' of test_user_suite.py::test_a_fixture_that_cannot_reach_the_ranks"
+        in unsendable
+    )
+    assert "use them inside the body instead" in unsendable and "Traceback" not in unsendable

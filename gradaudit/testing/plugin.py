@@ -93,18 +93,26 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if pyfuncitem.get_closest_marker(MARKER) is None:
         return None
     options = _options(pyfuncitem)
-    from .ranks import launch, sendable
+    from .ranks import NotSendableError, launch, sendable
 
-    fn = pyfuncitem.obj
     names = pyfuncitem._fixtureinfo.argnames
     values = {name: pyfuncitem.funcargs[name] for name in names if name != FIXTURE}
-    for name, value in values.items():
-        sendable(f"the value of fixture {name!r} of {pyfuncitem.nodeid}", value)
+    try:
+        for name, value in values.items():
+            sendable(
+                f"the value of fixture {name!r} of {pyfuncitem.nodeid}",
+                value,
+                "a marked test can ask only for fixtures whose values pickle (tmp_path does, capsys and "
+                "monkeypatch do not); use them inside the body instead",
+            )
+        fn_data = sendable(f"the test function {pyfuncitem.nodeid}", pyfuncitem.obj)
+    except NotSendableError as exc:
+        pytest.fail(str(exc), pytrace=False)
     module = pyfuncitem.module
     args = (
         getattr(module, "__name__", ""),
         getattr(module, "__file__", None),
-        sendable(f"the test function {pyfuncitem.nodeid}", fn),
+        fn_data,
         pickle.dumps(values),
         FIXTURE in names,
         options,

@@ -72,15 +72,19 @@ class RankOutcome:
     """The raised exception's formatted traceback, as the rank printed it."""
 
 
-def sendable(what: str, value: object) -> bytes:
+MODULE_LEVEL_HINT = (
+    "define it at module level in the test file or a package (not a lambda, a nested function or a local "
+    "class), and pass only picklable arguments"
+)
+
+
+def sendable(what: str, value: object, hint: str = MODULE_LEVEL_HINT) -> bytes:
     """`value` pickled, or NotSendableError naming `what` and how to make it sendable."""
     try:
         return pickle.dumps(value)
     except Exception as exc:  # noqa: BLE001  pickle raises several types; all mean the same here
         raise NotSendableError(
-            f"{what} cannot be sent to the rank processes ({type(exc).__name__}: {exc}); define it at module "
-            "level in the test file or a package (not a lambda, a nested function or a local class), and "
-            "pass only picklable arguments"
+            f"{what} cannot be sent to the rank processes ({type(exc).__name__}: {exc}); {hint}"
         ) from None
 
 
