@@ -24,6 +24,7 @@ from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
 from .measure.measurements import StepMeasurements
 from .model import StepDump
+from .norms import norm_name
 from .report.model import (
     Environment,
     Finding,
@@ -46,12 +47,6 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
-
-
-def norm_name(norm_type: float) -> str:
-    if math.isinf(norm_type):
-        return "inf-norm"
-    return f"L{norm_type:g} norm"
 
 
 def _fmt(value: float | None) -> str:
