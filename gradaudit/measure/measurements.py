@@ -77,7 +77,7 @@ class ReplicaSet:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReferenceError:
+class ReferenceDifference:
     """One parameter and tensor kind compared with the reference, element by element."""
 
     param: str
@@ -98,7 +98,7 @@ class ParamMeasurement:
     replica_sets: tuple[ReplicaSet, ...] = ()
     reference_pieces: tuple[PieceMeasurement, ...] = ()
     """The reference dump's pieces of this parameter (their stats), when a reference was given."""
-    reference_errors: tuple[ReferenceError, ...] = ()
+    reference_errors: tuple[ReferenceDifference, ...] = ()
     notes: tuple[str, ...] = ()
     """Why something about this parameter could not be measured (e.g. absent from the reference)."""
 
