@@ -103,15 +103,6 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
     return list(chosen.values())
 
 
-def has_replicas(pieces: Iterable[PieceMeasurement]) -> bool:
-    seen = set()
-    for piece in pieces:
-        if piece.layout_key in seen:
-            return True
-        seen.add(piece.layout_key)
-    return False
-
-
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """A norm some accounting (correct or mistaken) produces from this step's pieces."""

@@ -42,11 +42,6 @@ def fmt_coef(value: float | None) -> str:
     return text
 
 
-def fmt_norm_type(norm_type: float | None) -> str:
-    """2.0 -> "2", inf -> "inf", 3.5 -> "3.5"."""
-    return fmt_float(norm_type)
-
-
 def fmt_percent(fraction: float | None) -> str:
     """ "25.0%"; below 0.1% two significant digits ("0.0024%"), so that a large world's ranks do not
     all read 0.0%; exactly zero is "0.0%"."""
