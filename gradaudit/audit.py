@@ -2,8 +2,9 @@
 
     load_step (dumpfile) -> measure_step (measure) -> analyse (analysis) -> build_report (checks, report)
 
-`audit_step` assembles the stages for one loaded step; `analyse` and `build_report` are pure given
-their inputs (the update judgements read tensors, through the reader `audit_step` passes);
+`audit_step` assembles the stages for one loaded step (with a reference, `judge_updates` reads the
+tensors a second time, for the update judgements); `analyse` and `build_report` are pure given their
+inputs;
 `audit_step_dir` and `audit_folder` are the shell around them that finds and loads files.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
 from .measure.measurements import StepMeasurements
 from .model import StepDump
+from .norms import norm_name
 from .report.model import (
     Environment,
     Finding,
@@ -40,18 +42,13 @@ from .report.model import (
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
-
-
-def norm_name(norm_type: float) -> str:
-    if math.isinf(norm_type):
-        return "inf-norm"
-    return f"L{norm_type:g} norm"
 
 
 def _fmt(value: float | None) -> str:
@@ -178,36 +175,31 @@ def command_for(directory: str, options: AuditOptions) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def judge_updates(
+    step: StepDump, reference: StepDump, m: StepMeasurements, reader: TensorReader, options: AuditOptions
+) -> Mapping[str, UpdateJudgement]:
+    """The second, dense reading pass of a check with a reference: the next weights that differ from
+    the reference while the gradients agree, judged through the optimizer (GA603 and GA604 read it)."""
+    from .analysis.updates import explain_update_errors
+
+    return explain_update_errors(step, reference, m, reader, rtol=options.rtol, atol=options.atol)
+
+
 def analyse(
-    step: StepDump,
-    m: StepMeasurements,
-    *,
-    reference: StepDump | None = None,
-    reader: TensorReader | None = None,
-    options: AuditOptions,
+    step: StepDump, m: StepMeasurements, *, update_judgements: Mapping[str, UpdateJudgement]
 ) -> AuditInputs:
-    """The analysis stage: what the measured numbers mean, once per step, for every check. With a
-    reference, the next weights that differ from it are judged through the optimizer, which reads
-    the tensors again through `reader` (required then)."""
+    """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
+    `update_judgements`: judge_updates' result with a reference, {} without one."""
     from .checks.coverage import coverage_by_param
 
     columns = StepColumns(m)
-    judgements = {}
-    if reference is not None:
-        from .analysis.updates import explain_update_errors
-
-        if reader is None:
-            raise ValueError("analyse: a reference needs the step's TensorReader to judge the next weights")
-        judgements = dict(
-            explain_update_errors(step, reference, m, reader, rtol=options.rtol, atol=options.atol)
-        )
     return AuditInputs(
         step=step,
         measurements=m,
         columns=columns,
         diagnosis=diagnose_step(step, m, columns),
         coverage=coverage_by_param(step),
-        update_judgements=judgements,
+        update_judgements=update_judgements,
     )
 
 
@@ -258,7 +250,8 @@ def audit_step(
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
             m = (measure or measure_step)(step, reader, reference=reference, progress=progress)
-            inputs = analyse(step, m, reference=reference, reader=reader, options=options)
+            judgements = {} if reference is None else judge_updates(step, reference, m, reader, options)
+        inputs = analyse(step, m, update_judgements=judgements)
         warnings = tuple(warnings) + overflow_notes(inputs.columns)
         return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from builders import clip, whole, write_step
 
-from gradaudit.audit import analyse, audit_step_dir, build_report
+from gradaudit.audit import analyse, audit_step_dir, build_report, judge_updates
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.measure.measure import measure_step
@@ -52,16 +52,19 @@ def test_the_stages_called_one_by_one_give_the_report_of_the_whole_audit(dumps):
     step, reference = load_step(run), load_step(reference_dir)
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, reference=reference)
-        inputs = analyse(step, measured, reference=reference, reader=reader, options=options)
+        judgements = judge_updates(step, reference, measured, reader, options)
+    inputs = analyse(step, measured, update_judgements=judgements)
     assert set(inputs.update_judgements) == {"w"} and inputs.update_judgements["w"].explained
     direct = build_report(inputs, options, command=whole_audit.command, warnings=whole_audit.warnings)
     assert json.dumps(report_to_dict(direct)) == json.dumps(report_to_dict(whole_audit))
 
 
-def test_a_reference_without_a_reader_to_judge_the_next_weights_is_refused(dumps):
-    run, reference_dir = dumps
-    step, reference = load_step(run), load_step(reference_dir)
+def test_the_analysis_cannot_be_called_without_saying_what_the_update_judgements_are(dumps):
+    """The judgements are a required input: a caller cannot lose GA604 by forgetting them."""
+    run, _ = dumps
+    step = load_step(run)
     with TensorReader(step) as reader:
-        measured = measure_step(step, reader, reference=reference)
-    with pytest.raises(ValueError, match="TensorReader"):
-        analyse(step, measured, reference=reference, options=AuditOptions(reference=str(reference_dir)))
+        measured = measure_step(step, reader)
+    with pytest.raises(TypeError, match="update_judgements"):
+        analyse(step, measured)  # type: ignore[call-arg]
+    assert analyse(step, measured, update_judgements={}).update_judgements == {}

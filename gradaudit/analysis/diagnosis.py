@@ -103,22 +103,15 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
     return list(chosen.values())
 
 
-def has_replicas(pieces: Iterable[PieceMeasurement]) -> bool:
-    seen = set()
-    for piece in pieces:
-        if piece.layout_key in seen:
-            return True
-        seen.add(piece.layout_key)
-    return False
-
-
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """A norm some accounting (correct or mistaken) produces from this step's pieces."""
 
     hypothesis: str
+    """The accounting's name ("correct", "local_only", "wrong_group:tp", "loss_scaled:...")."""
     value: float
     description: str
+    """What it counts, in words, for the report."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,37 +132,54 @@ class Match:
 
 @dataclass(frozen=True, kw_only=True)
 class RankDiagnosis:
+    """Which norm one rank's clipping used, from its reported norm and its applied coefficient."""
+
     rank: int
     local_norm: float | None
+    """The norm of this rank's own pieces only."""
     reported_norm: float | None
+    """The norm the rank's training code reported (of its last clip call)."""
     applied_coef: float | None
+    """The clip coefficient the rank applied, measured or reported."""
     coef_source: str | None
+    """Where `applied_coef` comes from: "gradients", "reported" or "reported_norm"."""
     implied_norm: float | None
+    """The norm a coefficient below 1 was computed from (max_norm / coef - eps)."""
     candidates: tuple[Candidate, ...]
+    """Every norm an accounting (right or mistaken) gives for this rank, in order of plausibility."""
     reported_match: Match | None
     implied_match: Match | None
     hypothesis: str | None
     """What the clipping (or, with `logging_bug`, the logging) used; None when nothing to match."""
     detail: str
+    """One sentence saying what matched what, for the report's rank rows."""
     logging_bug: bool = False
+    """The reported norm is wrong but the applied coefficient matches the true norm (GA205)."""
     share_of_squared_norm: float = 0.0
+    """This rank's part of the squared true norm (its pieces in the disjoint cover)."""
     rtol: float = 1e-4
+    """The tolerance the matches used (by the dumped dtypes)."""
     true_norm: float | None = None
     """The true global norm as this rank's data gives it: its own copies of replicated pieces, which
     differ from the lowest rank's only when replicas drifted apart (GA601)."""
     expected_coef: float | None = None
+    """The coefficient clipping by `true_norm` gives."""
     num_clip_calls: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepDiagnosis:
+    """The analysis of one step's norm: the truth, and each present rank's diagnosis."""
+
     norm_type: float
     max_norm: float | None
     true_norm: float | None
+    """Every logical element counted once (replicas through the lowest rank); None when unknown."""
     true_norm_note: str
     """Why the true norm is unknown, or "" when known."""
     expected_coef: float | None
     loss_scale: float | None
+    """The AMP loss scale any rank recorded."""
     rtol: float
     ranks: Mapping[int, RankDiagnosis] = field(default_factory=dict)
     post_clip_norm: float | None = None

@@ -27,7 +27,7 @@ from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
     from ..dumpfile import TensorReader
-    from ..measure.measurements import ReferenceError, StepMeasurements
+    from ..measure.measurements import ReferenceDifference, StepMeasurements
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +132,7 @@ def explain_update_errors(
     return found
 
 
-def _within(error: ReferenceError, rtol: float | None, atol: float | None) -> bool:
+def _within(error: ReferenceDifference, rtol: float | None, atol: float | None) -> bool:
     return within_reference_tolerance(error, *reference_tolerances(error.dtype, rtol, atol))
 
 

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import overload
 
 from ..analysis.diagnosis import (
-    CORRECT,
     DOUBLE_COUNTED,
     LOCAL_ONLY,
     LOSS_SCALED,
@@ -255,10 +254,6 @@ def logging_bug(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
             },
         ),
     )
-
-
-def is_correct(hypothesis: str | None) -> bool:
-    return base_hypothesis(hypothesis)[0] == CORRECT
 
 
 def not_checked(inputs: AuditInputs, options: AuditOptions) -> CheckResult:

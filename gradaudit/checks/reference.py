@@ -11,7 +11,7 @@ import math
 
 from ..analysis.diagnosis import disjoint_cover, norm_of_pieces
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
-from ..measure.measurements import ReferenceError, StepMeasurements
+from ..measure.measurements import ReferenceDifference, StepMeasurements
 from ..norms import expected_clip_coef, relative_difference
 from ..report.model import ParamComparison
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num
@@ -23,7 +23,7 @@ def tolerances(dtype: str, options: AuditOptions) -> tuple[float, float]:
     return reference_tolerances(dtype, options.rtol, options.atol)
 
 
-def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
+def compare(error: ReferenceDifference, options: AuditOptions) -> ParamComparison:
     rtol, atol = tolerances(error.dtype, options)
     rel = (
         error.max_abs_error / error.max_abs_reference
@@ -44,7 +44,7 @@ def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
     )
 
 
-def _badness(error: ReferenceError, options: AuditOptions) -> float:
+def _badness(error: ReferenceDifference, options: AuditOptions) -> float:
     """The error as a multiple of what the tolerance allows."""
     if error.num_nonfinite_mismatch:
         return math.inf

@@ -41,8 +41,6 @@ SAFETENSORS_DTYPES = {
     "BOOL": ("bool", 1),
 }
 """Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
-DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
-ITEMSIZES = dict(SAFETENSORS_DTYPES.values())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from .measurements import (
     SCALED_KINDS,
     ParamMeasurement,
     PieceMeasurement,
-    ReferenceError,
+    ReferenceDifference,
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
@@ -235,13 +235,13 @@ def _compare_with_reference(
     kind: str,
     chunk: int,
     scale: float,
-) -> ReferenceError:
+) -> ReferenceDifference:
     from .reference import compare_regions
 
     max_err, max_ref, mismatches, compared = compare_regions(
         lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
     )
-    return ReferenceError(
+    return ReferenceDifference(
         param=param,
         kind=kind,
         dtype=piece.dtype,
@@ -252,9 +252,9 @@ def _compare_with_reference(
     )
 
 
-def _merge_errors(errors: list[ReferenceError]) -> ReferenceError:
+def _merge_errors(errors: list[ReferenceDifference]) -> ReferenceDifference:
     first = errors[0]
-    return ReferenceError(
+    return ReferenceDifference(
         param=first.param,
         kind=first.kind,
         dtype=max((e.dtype for e in errors), key=_dtype_looseness),
@@ -332,7 +332,7 @@ def measure_param(
         for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
     )
     reference_pieces: tuple[PieceMeasurement, ...] = ()
-    reference_errors: tuple[ReferenceError, ...] = ()
+    reference_errors: tuple[ReferenceDifference, ...] = ()
     notes: tuple[str, ...] = ()
     if reference is not None:
         if reference_held is None:
@@ -401,7 +401,7 @@ def _measure_reference(
     scale_of: Callable[[int], float],
     reference: StepDump,
     kernel: ChunkKernel,
-) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceError, ...], tuple[str, ...]]:
+) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceDifference, ...], tuple[str, ...]]:
     from .reference import ReferenceSource, covers
 
     info, ref_info = infos

@@ -42,18 +42,6 @@ def fmt_coef(value: float | None) -> str:
     return text
 
 
-def fmt_norm_type(norm_type: float | None) -> str:
-    """2.0 -> "2", inf -> "inf", 3.5 -> "3.5"."""
-    return fmt_float(norm_type)
-
-
-def norm_name(norm_type: float | None) -> str:
-    """ "L2 norm", "L1 norm", "Linf norm"; "norm" when unknown."""
-    if norm_type is None:
-        return "norm"
-    return f"L{fmt_norm_type(norm_type)} norm"
-
-
 def fmt_percent(fraction: float | None) -> str:
     """ "25.0%"; below 0.1% two significant digits ("0.0024%"), so that a large world's ranks do not
     all read 0.0%; exactly zero is "0.0%"."""
