@@ -86,6 +86,8 @@ class CheckSpec:
             )
         if isinstance(result, Skip):
             return NotChecked(code=self.code, title=self.title, reason=result.reason)
+        from .folding import fold_hits
+
         return [
             Finding(
                 code=self.code,
@@ -96,7 +98,7 @@ class CheckSpec:
                 params=tuple(sorted(set(hit.params))),
                 evidence=dict(sorted(hit.evidence.items())),
             )
-            for hit in result
+            for hit in fold_hits(result)
         ]
 
 
