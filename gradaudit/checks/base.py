@@ -1,9 +1,10 @@
-"""What every check shares: its options, its result type, and the spec it is registered with."""
+"""What every check receives and returns (options, inputs, hits, skips, the spec of a check), the
+folding of many findings of one code into one, and the small wording helpers the checks share."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -127,7 +128,7 @@ class CheckSpec:
                 params=tuple(sorted(set(hit.params))),
                 evidence=dict(sorted(hit.evidence.items())),
             )
-            for hit in result
+            for hit in fold_hits(result)
         ]
 
 
@@ -154,3 +155,37 @@ def num(value: float | None) -> str:
     if value is None:
         return "unknown"
     return f"{value:.6g}"
+
+
+MAX_FINDINGS_PER_CODE = 100
+"""Findings one check reports in full; the rest fold into one more. Rank lists fold into ranges
+already (render/fold.py folds the per-rank rows the same way for the human renderers)."""
+MAX_FOLDED_PARAMS_LISTED = 10
+"""Parameter names a folded finding lists (its evidence counts them all)."""
+
+
+def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
+    """`hits` unchanged when at most MAX_FINDINGS_PER_CODE, else the first MAX_FINDINGS_PER_CODE - 1
+    (in report order: ranks, then parameters, then message) and one hit standing for all the others:
+    their ranks (all of them), their first parameters, and counts of both in its evidence."""
+    if len(hits) <= MAX_FINDINGS_PER_CODE:
+        return tuple(hits)
+    ordered = sorted(
+        hits, key=lambda h: (tuple(sorted(set(h.ranks))), tuple(sorted(set(h.params))), h.message)
+    )
+    kept, rest = ordered[: MAX_FINDINGS_PER_CODE - 1], ordered[MAX_FINDINGS_PER_CODE - 1 :]
+    ranks = sorted({r for hit in rest for r in hit.ranks})
+    params = sorted({p for hit in rest for p in hit.params})
+    listed = params[:MAX_FOLDED_PARAMS_LISTED]
+    named = f" ({', '.join(listed)}{', …' if len(params) > len(listed) else ''})" if listed else ""
+    on_ranks = f" on {ranks_named(ranks)}" if ranks else ""
+    folded = Hit(
+        message=(
+            f"{count(len(rest), 'more finding')} of this code, folded into one: "
+            f"{count(len(params), 'parameter')}{named}{on_ranks}; the first of them: {rest[0].message}"
+        ),
+        ranks=tuple(ranks),
+        params=tuple(listed),
+        evidence={"folded_findings": len(rest), "folded_params": len(params)},
+    )
+    return (*kept, folded)

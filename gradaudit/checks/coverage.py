@@ -8,7 +8,16 @@ from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, covera
 from ..dumpfile.header import clipped, shown
 from ..errors import StepFolderError
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, ranks_named
+from .base import (
+    MAX_FINDINGS_PER_CODE,
+    MAX_FOLDED_PARAMS_LISTED,
+    AuditInputs,
+    AuditOptions,
+    CheckResult,
+    Hit,
+    Skip,
+    ranks_named,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -119,8 +128,12 @@ def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
     layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
     holders: dict[bytes, list[int]] = {}
+    unheld: list[int] = []
     for name, info in step.params.items():
-        fast = _flat_param_coverage(info, flat[name] if name in flat else _no_flat_pieces(), holders)
+        if name not in flat:  # held by no rank: all of it is a gap (most of a table listing 10^6)
+            found[name] = (info, _all_gap(info), unheld, unheld)
+            continue
+        fast = _flat_param_coverage(info, flat[name], holders)
         if fast is not None:
             found[name] = fast
             continue
@@ -193,11 +206,8 @@ def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
     return found
 
 
-def _no_flat_pieces() -> FlatPieces:
-    import numpy as np
-
-    empty = np.zeros(0, dtype=np.int64)
-    return empty, empty, empty
+def _all_gap(info: ParamInfo) -> Coverage:
+    return Coverage(num_gap_elements=info.numel, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
 def _flat_param_coverage(
@@ -267,21 +277,54 @@ def ownership_gap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
             reason=f"some ranks are missing ({ranks_named(step.missing_ranks)}); "
             "the elements they held cannot be located"
         )
-    hits = []
+    hits, unheld = [], []
     for name, (info, result, _, holders) in inputs.coverage.items():
-        if result.num_gap_elements:
-            hits.append(
-                Hit(
-                    message=(
-                        f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
-                        f"(held pieces are on {ranks_named(holders)}); their gradient is absent from every norm"
-                    ),
-                    ranks=tuple(holders),
-                    params=(name,),
-                    evidence={"num_gap_elements": result.num_gap_elements, "numel": info.numel},
-                )
+        if not result.num_gap_elements:
+            continue
+        if not holders:
+            unheld.append(info)
+            continue
+        hits.append(
+            Hit(
+                message=(
+                    f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
+                    f"(held pieces are on {ranks_named(holders)}); their gradient is absent from every norm"
+                ),
+                ranks=tuple(holders),
+                params=(name,),
+                evidence={"num_gap_elements": result.num_gap_elements, "numel": info.numel},
             )
-    return tuple(hits)
+        )
+    if len(hits) + len(unheld) > MAX_FINDINGS_PER_CODE:
+        # One finding for the parameters no rank holds any of, not one each: a table may list 10^6.
+        return (*hits, _unheld_params(unheld, len(step.params)))
+    return (*hits, *(_unheld_param(info) for info in unheld))
+
+
+def _unheld_param(info: ParamInfo) -> Hit:
+    return Hit(
+        message=(
+            f"{info.numel} of {info.numel} elements of {info.name} are held by no rank "
+            "(held pieces are on no rank); their gradient is absent from every norm"
+        ),
+        params=(info.name,),
+        evidence={"num_gap_elements": info.numel, "numel": info.numel},
+    )
+
+
+def _unheld_params(unheld: list[ParamInfo], num_params: int) -> Hit:
+    names = sorted(info.name for info in unheld)
+    listed = names[:MAX_FOLDED_PARAMS_LISTED]
+    more = ", …" if len(names) > len(listed) else ""
+    numel = sum(info.numel for info in unheld)
+    return Hit(
+        message=(
+            f"{len(unheld)} of the step's {num_params} parameters are held by no rank at all "
+            f"({', '.join(listed)}{more}; {numel} elements); their gradients are absent from every norm"
+        ),
+        params=tuple(listed),
+        evidence={"num_params": len(unheld), "num_gap_elements": numel, "numel": numel},
+    )
 
 
 def parameters_not_captured(inputs: AuditInputs, options: AuditOptions) -> CheckResult:

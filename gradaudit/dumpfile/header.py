@@ -42,6 +42,9 @@ SAFETENSORS_DTYPES = {
 }
 """Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
 
+DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
+"""The safetensors code of each dtype name, for the writer."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TensorEntry:

@@ -527,6 +527,10 @@ def _measure_from_table(
     import numpy as np
 
     positions = table.param_positions(name)
+    if positions.start == positions.stop:  # held by no rank (most of a table listing 10^6 parameters)
+        return ParamMeasurement(
+            param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=()
+        )
     layouts = table.layout[positions.start : positions.stop]
     replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
     replica_sets = table.replica_sets(replicated)
