@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..dumpfile.writer import DumpExistsError
 from ..errors import CaptureError
 from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam, TensorStats, Topology
+from ..warn import warn_once
 from . import intercept
 from .arguments import (
     MODES,
@@ -32,7 +33,6 @@ from .ownership import LocalPiece
 from .scaler import ScalerWatch
 from .snapshots import Snapshots
 from .topology import axis_names, normalize_groups, with_norm_group
-from .warn import warn_once
 from .write import build_rank_dump, write_dump
 
 if TYPE_CHECKING:

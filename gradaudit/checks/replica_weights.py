@@ -3,16 +3,16 @@ step after one whose ranks applied different coefficients shows."""
 
 from __future__ import annotations
 
-from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from ..norms import norm_rtol
-from .base import AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
 
 
-def replica_weights_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def replica_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step, m = inputs.step, inputs.measurements
     replicated = [rs for pm in m.params.values() for rs in pm.replica_sets]
     sets = [rs for rs in replicated if rs.param_base_max_abs is not None]
     if not sets:

@@ -5,28 +5,23 @@ from __future__ import annotations
 
 import math
 
-from ..engine.measure import StepMeasurements
-from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, num, ranks_named
 
 
-def clipped_before_the_recorded_call(
-    step: StepDump, m: StepMeasurements, options: AuditOptions
-) -> CheckResult:
+def clipped_before_the_recorded_call(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     """One recorded clip call per rank, whose gradients' true global norm is max_norm itself (to the
     rounding of their dtype: what a clip leaves behind) and which then scaled nothing.
 
     Every clip call made through a known function is recorded (capture/intercept.py), so this is a
     clip of the training code's own, or one imported from a framework gradaudit does not know. With
     two or more recorded calls the earlier ones explain such gradients (GA501 reports them)."""
-    from ..diagnosis import diagnose_step
-
+    step = inputs.step
     clips = {r: c for r in step.ranks_present if (c := step.ranks[r].clip) is not None}
     if not any(c.calls for c in clips.values()):
         return ()  # GA503 checks dumps taken after clipping
     if any(len(c.calls) > 1 for c in clips.values()):
         return ()  # the earlier recorded calls clipped these gradients (GA501)
-    diagnosis = diagnose_step(step, m)
+    diagnosis = inputs.diagnosis
     max_norm, true_norm = diagnosis.max_norm, diagnosis.true_norm
     if max_norm is None or true_norm is None or not math.isfinite(true_norm):
         return ()  # GA206 and GA401 say why clipping could not be checked
@@ -56,22 +51,21 @@ def clipped_before_the_recorded_call(
     )
 
 
-def no_clip_call(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def no_clip_call(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     """max_norm declared, the optimizer step observed, and no rank recorded a clip call, a norm or a
     coefficient: the gradients the step used were clipped by nothing the audit saw.
 
     Every clip call made through a known function while the audit was open is recorded, so either
     the training code never clipped or it clipped by hand without recording what it did
     (`audit.record(reported_norm=..., clip_coef=...)`, which this check then leaves to the others)."""
-    from ..diagnosis import diagnose_step
-
+    step = inputs.step
     clips = {r: c for r in step.ranks_present if (c := step.ranks[r].clip) is not None}
     if not clips or any(
         c.calls or c.reported_norm is not None or c.clip_coef is not None for c in clips.values()
     ):
         return ()
     stepped = tuple(r for r, c in clips.items() if c.step_skipped is False)
-    diagnosis = diagnose_step(step, m)
+    diagnosis = inputs.diagnosis
     max_norm, true_norm = diagnosis.max_norm, diagnosis.true_norm
     if not stepped or max_norm is None or true_norm is None or not math.isfinite(true_norm):
         return ()  # a dump() before the clip, or a skipped step: nothing says the step went unclipped

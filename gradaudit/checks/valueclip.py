@@ -1,19 +1,9 @@
 """GA506: element-wise clipping (clip by value) instead of norm clipping, and the norm checks it leaves
-without a question to answer.
-
-A `clip_grad_value_` call is recorded as such when it is intercepted (`ClipCall.clip_value`); one the
-audit did not see is recognised from the clamp it leaves: after it, every piece's largest |element| is
-min(its own before, v) for one v, at least one piece was cut to v, and its norm shrank less than its
-largest element did (a common scale factor shrinks both alike)."""
+without a question to answer (what was recognised is analysis.valueclip's, in `AuditInputs.value_clipping`)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-from ..engine.measure import StepMeasurements
-from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, num, ranks_named
 
 NORM_CLIPPING_CODES = (
     "GA201",
@@ -33,65 +23,10 @@ NORM_CLIPPING_CODES = (
 )
 """The checks of a norm and its coefficient: with element-wise clipping there is neither to check."""
 
-CLAMP_RTOL = 1e-6
-"""Elements clamped to v hold v itself in their dtype, so max |x| after the clamp is v to float rounding."""
 
-
-@dataclass(frozen=True, kw_only=True)
-class ValueClipping:
-    clip_value: float
-    ranks: tuple[int, ...]
-    recognised: str
-    """How it was recognised: "the recorded clip_grad_value_ call" or "the clamp it left"."""
-    only: bool = True
-    """No recorded call clipped by norm: the norm checks have nothing to check."""
-
-
-def value_clipping(step: StepDump, m: StepMeasurements) -> ValueClipping | None:
-    """The step's element-wise clipping, from its recorded calls or from the clamp it left; else None."""
-    values = {
-        rank: call.clip_value
-        for rank in step.ranks_present
-        if (clip := step.ranks[rank].clip) is not None
-        for call in clip.calls
-        if call.clip_value is not None
-    }
-    if values:
-        return ValueClipping(
-            clip_value=max(values.values()),
-            ranks=tuple(sorted(values)),
-            recognised="the recorded clip_grad_value_ call",
-        )
-    return _clamp(m)
-
-
-def _clamp(m: StepMeasurements) -> ValueClipping | None:
-    pairs = [
-        (piece.rank, piece.stats["grad"], piece.stats["grad_clipped"])
-        for piece in m.pieces
-        if "grad" in piece.stats and "grad_clipped" in piece.stats
-    ]
-    if not pairs:
-        return None
-    value = max(post.max_abs for _, _, post in pairs)
-    if not math.isfinite(value) or value <= 0:
-        return None
-    cut = []
-    for rank, pre, post in pairs:
-        if not math.isclose(post.max_abs, min(pre.max_abs, value), rel_tol=CLAMP_RTOL):
-            return None  # some piece was scaled otherwise: not one clamp
-        if pre.max_abs > value * (1 + 1e-4) and pre.sum_sq > 0:
-            shrink = value / pre.max_abs
-            if math.sqrt(post.sum_sq / pre.sum_sq) > shrink * (1 + 1e-4):
-                cut.append(rank)
-    if not cut:
-        return None
-    return ValueClipping(clip_value=value, ranks=tuple(sorted(set(cut))), recognised="the clamp it left")
-
-
-def gate(step: StepDump, m: StepMeasurements) -> str | None:
+def gate(inputs: AuditInputs) -> str | None:
     """Why the norm-clipping checks do not apply to this step (it clipped element-wise), or None."""
-    found = m.derived("value_clipping", step, lambda: value_clipping(step, m))
+    found = inputs.value_clipping
     if found is None or not found.only:
         return None
     return (
@@ -100,11 +35,11 @@ def gate(step: StepDump, m: StepMeasurements) -> str | None:
     )
 
 
-def clipped_by_value(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    found = m.derived("value_clipping", step, lambda: value_clipping(step, m))
+def clipped_by_value(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    found = inputs.value_clipping
     if found is None:
         return ()
-    clip = step.clip
+    clip = inputs.step.clip
     declared = "" if clip is None else f" although max_norm {num(clip.max_norm)} was declared"
     not_checked = (
         "Not checked therefore: which norm clipping used and the coefficient every rank applied (GA201-GA209, "

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..capture.arguments import norm_results, opt_float
 from ..capture.session import AuditStep
-from ..capture.warn import warn_once
+from ..warn import warn_once
 from .steps import select_steps
 
 

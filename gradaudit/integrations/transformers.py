@@ -22,7 +22,7 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 from ..capture.session import AuditStep
-from ..capture.warn import warn_once
+from ..warn import warn_once
 from .accelerate import unscaled_first
 from .steps import select_steps
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..report import Finding, MultiStepReport, Report, Severity
+from ..norms import norm_name
+from ..report.model import Finding, MultiStepReport, Report, Severity
 from .fold import fmt_groups, fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_groups,
@@ -14,7 +15,6 @@ from .numbers import (
     fmt_float,
     fmt_ratio,
     fmt_value,
-    norm_name,
     reference_worst_first,
 )
 from .text import clip_text, join_limited, markdown_code_block, markdown_escape

@@ -13,7 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from ..report import Finding, MultiStepReport, RankRow, Report, Severity
+from ..norms import norm_name
+from ..report.model import Finding, MultiStepReport, RankRow, Report, Severity
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_groups,
@@ -24,7 +25,6 @@ from .numbers import (
     fmt_ranks,
     fmt_ratio,
     fmt_value,
-    norm_name,
     reference_worst_first,
 )
 from .text import join_limited, printable

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, Region, StepDump
-from .measure import (
+from .measurements import (
     PieceMeasurement,
     ReplicaCopy,
     ReplicaSet,

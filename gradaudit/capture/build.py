@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from ..dumpfile.writer import write_rank_file
 from ..model import (
     TENSOR_KINDS,
     Box,
@@ -30,7 +31,6 @@ from ..model import (
     Topology,
 )
 from ..version import __version__
-from .writer import write_rank_file
 
 if TYPE_CHECKING:
     import torch
@@ -170,7 +170,7 @@ def write_rank(
     from the first piece of each), or is a list of ParamInfo. `columnar=False` keeps stats-only
     pieces in the JSON header (format 1.0's form) instead of binary columns; `share_params=False`
     keeps a columnar file's parameter table in the file instead of the step's shared table file."""
-    from ..engine.tensorstats import stats_of_tensor
+    from .tensorstats import stats_of_tensor
 
     if isinstance(params, Mapping):
         dtypes: dict[str, str] = {}

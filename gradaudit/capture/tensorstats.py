@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..model import TensorStats
@@ -206,13 +205,6 @@ class StatsAccumulator:
             num_neginf=counts[2],
             fingerprint=(fp_sum, fp_proj),
         )
-
-
-def stats_of_chunks(chunks: Iterable[torch.Tensor], norm_type: float) -> TensorStats:
-    acc = StatsAccumulator(norm_type)
-    for chunk in chunks:
-        acc.add(chunk)
-    return acc.result()
 
 
 def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int | None = None) -> TensorStats:

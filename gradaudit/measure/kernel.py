@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from ..dumpfile.dtypes import F64, Widener
 from ..model import TensorStats
 from ..norms import safe_fsum
-from .dtypes import F64, Widener
 
 if TYPE_CHECKING:
+    from ..dumpfile.reader import TensorReader
     from ..model import Piece
-    from .reader import TensorReader
 
 KERNEL_CHUNK_ELEMENTS = 1 << 16
 """64K elements (a 512 KiB float64 buffer): small enough that the several reductions of one chunk

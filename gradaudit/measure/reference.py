@@ -11,7 +11,7 @@ import numpy as np
 from ..model import Box, FlatRange, Piece, Region, numel_of
 
 if TYPE_CHECKING:
-    from .reader import TensorReader
+    from ..dumpfile.reader import TensorReader
 
 
 def compare_values(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:
@@ -58,7 +58,7 @@ class ReferenceSource:
             if is_whole(piece.regions, self.global_shape):
                 self.whole = (path, piece)
                 return
-        self.dense = _assemble_dense(reader, self.global_shape, with_values, kind)
+        self.dense = assemble_dense(reader, self.global_shape, with_values, kind)
 
     def flat(self, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of the row-major flattened parameter."""
@@ -99,7 +99,7 @@ def covers(pieces: list[tuple[str, Piece]], global_shape: tuple[int, ...]) -> bo
     return sum(sum(r.numel for r in regions) for regions in layouts) >= numel_of(global_shape)
 
 
-def _assemble_dense(
+def assemble_dense(
     reader: TensorReader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: str
 ) -> np.ndarray:
     dense = np.full((numel_of(global_shape),), math.nan, dtype=np.float64)

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DumpFormatError, GradauditError, StepFolderError, UsageError
+from .errors import DumpFormatError, GradauditError, StepFolderError, UsageError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from ..dumpfile.loader import LoadFiles, LoadOutcome
-    from ..model import StepDump
-    from .measure import StepMeasurements
-    from .reader import TensorReader
+    from .dumpfile.loader import LoadFiles, LoadOutcome
+    from .dumpfile.reader import TensorReader
+    from .measure.measurements import StepMeasurements
+    from .model import StepDump
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a process waits for the others at one exchange before giving up (a process that died
@@ -140,8 +140,8 @@ def _file_bytes(path: Path) -> int:
 def load_share(exchange: Exchange) -> LoadFiles:
     """A drop-in for `loader.load_rank_files` that loads this process's share of the files (split
     by bytes) and returns what every process loaded, in the order of `paths`."""
-    from ..dumpfile.loader import load_rank_files
-    from ..dumpfile.paramtable import SharedTables
+    from .dumpfile.loader import load_rank_files
+    from .dumpfile.paramtable import SharedTables
 
     def load_files(
         paths: Sequence[Path], *, stop_at_error: bool = False, tables: SharedTables | None = None
@@ -190,7 +190,7 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     dump: the exchange took a third of each process's time)."""
     from functools import reduce
 
-    from .measure import available_workers, bytes_to_read, measure_step
+    from .measure.measure import available_workers, bytes_to_read, measure_step
 
     def measure(
         step: StepDump, reader: TensorReader, *, params: Iterable[str] | None = None, **kwargs: Any

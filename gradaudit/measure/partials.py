@@ -21,8 +21,8 @@ from ..model import Piece, StepDump, TensorStats
 if TYPE_CHECKING:
     import numpy as np
 
-    from .measure import PieceMeasurement
-    from .reader import TensorReader
+    from ..dumpfile.reader import TensorReader
+    from .measurements import PieceMeasurement
 
 Entry = tuple[int, str, Piece]
 """(rank, file path, piece) as measure.pieces_by_param gives them."""

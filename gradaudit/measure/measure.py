@@ -12,18 +12,30 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from ..model import ParamInfo, Piece, RankDump, Region, StepDump, TensorStats
+from ..model import ParamInfo, Piece, StepDump, TensorStats
 from ..norms import divide_by_power
+from .measurements import (
+    SCALED_KINDS,
+    ParamMeasurement,
+    PieceMeasurement,
+    ReferenceDifference,
+    ReplicaCopy,
+    ReplicaSet,
+    StepMeasurements,
+    dumped_gradient_scale,
+    stats_only_measurement,
+)
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..dumpfile.reader import TensorReader
+    from .columns import StepColumns
     from .kernel import ChunkKernel
-    from .reader import TensorReader
     from .reference import ReferenceSource
     from .table import PieceTable
 
@@ -38,168 +50,15 @@ more than the second core gives back (the 4-rank toy dump: 2.3 ms alone, 7 ms wi
 
 CHUNK_ELEMENTS = 1 << 16
 """Elements read and reduced at a time per tensor: kernel.KERNEL_CHUNK_ELEMENTS (the float64 buffer
-stays in cache). numpy and the kernel load on first measurement, so that the checks (and `explain`)
-can import this module's value classes cheaply."""
+stays in cache). numpy and the kernel load on first measurement."""
 
 
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PieceMeasurement:
-    """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
-
-    rank: int
-    index: int
-    param: str
-    regions: tuple[Region, ...]
-    dtype: str
-    numel: int
-    replica_group: str | None = None
-    stats: Mapping[str, TensorStats] = field(default_factory=dict)
-    dot_pre_post: float | None = None
-    """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
-    dot_pre_pre: float | None = None
-    """sum(grad * grad) over the same elements as `dot_pre_post`."""
-    update_sum_sq: float | None = None
-    """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
-    value_scale: float = 1.0
-    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
-    before GradScaler.unscale_); every gradient number here is already divided by it."""
-
-    @property
-    def layout_key(self) -> tuple[object, ...]:
-        return (self.param, self.regions)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReplicaCopy:
-    """One copy of a replica set compared with the set's base (lowest-rank) copy."""
-
-    rank: int
-    index: int
-    max_abs_diff: float | None = None
-    """Largest |copy - base| over elements finite in both (None in stats mode)."""
-    num_nonfinite_mismatch: int | None = None
-    """Elements where one is finite and the other not, or both infinite with different signs."""
-    fingerprint_delta: float | None = None
-    """Largest difference of the fingerprint components (stats mode)."""
-    param_max_abs_diff: float | None = None
-    """Largest |copy - base| of the parameter values the optimizer step started from (`param_before`),
-    when every copy has them: replicas whose weights drifted apart (None when not recorded)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReplicaSet:
-    """Pieces with one layout (same parameter, same regions) held on several ranks."""
-
-    param: str
-    regions: tuple[Region, ...]
-    dtype: str
-    base_rank: int
-    base_index: int
-    base_max_abs: float
-    base_sum_sq: float
-    numel: int
-    copies: tuple[ReplicaCopy, ...]
-    by_values: bool
-    """True when the copies were compared value by value, False when only by fingerprints."""
-    param_base_max_abs: float | None = None
-    """max |param_before| of the base copy, when the copies' parameters were compared."""
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({self.base_rank, *(c.rank for c in self.copies)}))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReferenceError:
-    """One parameter and tensor kind compared with the reference, element by element."""
-
-    param: str
-    kind: str
-    dtype: str
-    numel_compared: int
-    max_abs_error: float
-    max_abs_reference: float
-    num_nonfinite_mismatch: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParamMeasurement:
-    param: str
-    norm_type: float
-    pieces: Sequence[PieceMeasurement]
-    """A tuple, or for format-1.1 stats-only pieces a table.TablePieces (built when iterated)."""
-    replica_sets: tuple[ReplicaSet, ...] = ()
-    reference_pieces: tuple[PieceMeasurement, ...] = ()
-    """The reference dump's pieces of this parameter (their stats), when a reference was given."""
-    reference_errors: tuple[ReferenceError, ...] = ()
-    notes: tuple[str, ...] = ()
-    """Why something about this parameter could not be measured (e.g. absent from the reference)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepMeasurements:
-    """Everything read from the tensors of one step; a pure value the checks work on."""
-
-    norm_type: float
-    params: Mapping[str, ParamMeasurement]
-    reference_given: bool = False
-    reference_step: int | None = None
-    reference_only_params: tuple[str, ...] = ()
-    """Parameters the reference holds and the checked dump does not."""
-    _memo: dict[str, tuple[object, Any]] = field(default_factory=dict, compare=False, repr=False)
-    """Values derived purely from these measurements and a step, computed once for all checks."""
-
-    def derived(self, key: str, step: object, compute: Callable[[], _T]) -> _T:
-        """`compute()`, remembered for this `step` object: the checks share one diagnosis."""
-        entry = self._memo.get(key)
-        if entry is None or entry[0] is not step:
-            entry = (step, compute())
-            self._memo[key] = entry
-        value: _T = entry[1]
-        return value
-
-    def merge(self, other: StepMeasurements) -> StepMeasurements:
-        """Combine measurements of disjoint parameter subsets of the same step."""
-        if self.norm_type != other.norm_type and not (
-            math.isnan(self.norm_type) and math.isnan(other.norm_type)
-        ):
-            raise ValueError(
-                f"cannot merge measurements of norm types {self.norm_type} and {other.norm_type}"
-            )
-        if self.reference_given != other.reference_given:
-            raise ValueError("cannot merge measurements with and without a reference")
-        overlap = set(self.params) & set(other.params)
-        if overlap:
-            raise ValueError(
-                f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
-            )
-        return StepMeasurements(
-            norm_type=self.norm_type,
-            params=dict(sorted({**self.params, **other.params}.items())),
-            reference_given=self.reference_given,
-            reference_step=self.reference_step,
-            reference_only_params=tuple(
-                sorted(set(self.reference_only_params) | set(other.reference_only_params))
-            ),
-        )
-
-    @property
-    def pieces(self) -> Iterator[PieceMeasurement]:
-        for pm in self.params.values():
-            yield from pm.pieces
-
-
-def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
+def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
-    from .columns import step_columns
-
     notes = []
     inf = math.inf
-    for piece in step_columns(m).overflowing_grad():
+    for piece in columns.overflowing_grad():
         stats = piece.stats.get("grad")
         if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
             continue
@@ -217,25 +76,7 @@ def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
     return tuple(notes)
 
 
-SCALED_KINDS = ("grad", "grad_clipped")
 _RANK_AND_INDEX = operator.attrgetter("rank", "index")
-"""Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
-
-
-def dumped_gradient_scale(dump: RankDump) -> float:
-    """How many times the true gradient the dumped gradients are: the loss scale when the rank's first
-    clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
-    clip = dump.clip
-    if clip is None:
-        return 1.0
-    first = clip.calls[0] if clip.calls else None
-    unscaled = (
-        first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
-    )
-    scale = first.loss_scale if first is not None and first.loss_scale is not None else clip.loss_scale
-    if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
-        return scale
-    return 1.0
 
 
 def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
@@ -315,21 +156,6 @@ def _measure_piece(
         dot_pre_pre=dot_pre_pre,
         update_sum_sq=update_sum_sq,
         value_scale=scale,
-    )
-
-
-def stats_only_measurement(rank: int, piece: Piece) -> PieceMeasurement:
-    """What _measure_piece gives for a piece with statistics only, nothing to read and no loss scale
-    to divide by, without its branches."""
-    return PieceMeasurement(
-        rank=rank,
-        index=piece.index,
-        param=piece.param,
-        regions=piece.regions,
-        dtype=piece.dtype,
-        numel=math.prod(piece.local_shape),
-        replica_group=piece.replica_group,
-        stats=dict(sorted(piece.stats.items())) if len(piece.stats) > 1 else piece.stats,
     )
 
 
@@ -440,13 +266,13 @@ def _compare_with_reference(
     kind: str,
     chunk: int,
     scale: float,
-) -> ReferenceError:
+) -> ReferenceDifference:
     from .reference import compare_regions
 
     max_err, max_ref, mismatches, compared = compare_regions(
         lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
     )
-    return ReferenceError(
+    return ReferenceDifference(
         param=param,
         kind=kind,
         dtype=piece.dtype,
@@ -457,9 +283,9 @@ def _compare_with_reference(
     )
 
 
-def _merge_errors(errors: list[ReferenceError]) -> ReferenceError:
+def _merge_errors(errors: list[ReferenceDifference]) -> ReferenceDifference:
     first = errors[0]
-    return ReferenceError(
+    return ReferenceDifference(
         param=first.param,
         kind=first.kind,
         dtype=max((e.dtype for e in errors), key=_dtype_looseness),
@@ -557,7 +383,7 @@ def measure_param(
         for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
     )
     reference_pieces: tuple[PieceMeasurement, ...] = ()
-    reference_errors: tuple[ReferenceError, ...] = ()
+    reference_errors: tuple[ReferenceDifference, ...] = ()
     notes: tuple[str, ...] = ()
     if reference is not None:
         if reference_held is None:
@@ -626,7 +452,7 @@ def _measure_reference(
     scale_of: Callable[[int], float],
     reference: StepDump,
     kernel: ChunkKernel,
-) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceError, ...], tuple[str, ...]]:
+) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceDifference, ...], tuple[str, ...]]:
     from .reference import ReferenceSource, covers
 
     info, ref_info = infos
@@ -752,6 +578,10 @@ def _measure_from_table(
     import numpy as np
 
     positions = table.param_positions(name)
+    if positions.start == positions.stop:  # held by no rank (most of a table listing 10^6 parameters)
+        return ParamMeasurement(
+            param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=()
+        )
     layouts = table.layout[positions.start : positions.stop]
     replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
     replica_sets = table.replica_sets(replicated)
@@ -804,7 +634,7 @@ def _measure_all(
 ) -> dict[str, ParamMeasurement]:
     """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
     would only contend for the GIL. The others go to the worker threads, largest first."""
-    from .reader import TensorReader
+    from ..dumpfile.reader import TensorReader
 
     results: dict[str, ParamMeasurement] = {}
     done = 0

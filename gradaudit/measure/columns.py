@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..norms import is_inf_norm, norm_from_total
-from .measure import PieceMeasurement, StepMeasurements
+from .measurements import PieceMeasurement, StepMeasurements
 from .table import PieceTable, TablePieces
 
 
@@ -268,10 +268,6 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
     if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
         return table, range(ends[-1])  # every parameter's pieces, one after the other
     return table, np.concatenate([p.positions for p in parts])
-
-
-def step_columns(m: StepMeasurements) -> StepColumns:
-    return m.derived("step_columns", None, lambda: StepColumns(m))
 
 
 _CHUNK = 1 << 16

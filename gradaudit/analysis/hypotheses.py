@@ -9,10 +9,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .engine.measure import PieceMeasurement
-from .model import StepDump
-from .norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
-from .ranksets import compact_ranks
+from ..measure.measurements import PieceMeasurement
+from ..model import StepDump
+from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
+from ..ranksets import compact_ranks
 
 PARAM_GROUP = "param_group"
 """Hypothesis prefix: "param_group:<label>:<how>", <how> one of dropped, every_copy, local, over:<group>."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .model import Box, FlatRange, Piece, Region, StepDump
+from ..model import Box, FlatRange, Piece, Region, StepDump
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from .errors import UsageError
+from ..errors import UsageError
 
 T = TypeVar("T")
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ..dumpfile.header import Header, TensorEntry, open_regular_file, os_problem, shown
 from ..errors import DumpFormatError
 from .dtypes import STORAGE
+from .header import Header, TensorEntry, open_regular_file, os_problem, shown
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +34,7 @@ reads side by side; fewer under a low limit on open files (see `default_max_open
 
 def default_max_open() -> int:
     """MAX_OPEN_FILES, or an eighth of the soft limit on open files when that is lower."""
-    from ..dumpfile.header import open_file_limit
+    from .header import open_file_limit
 
     limit = open_file_limit()
     return MAX_OPEN_FILES if isinstance(limit, str) or limit <= 0 else max(1, min(MAX_OPEN_FILES, limit // 8))
@@ -84,7 +84,7 @@ class TensorReader:
         return handle, self._headers[path][0]
 
     def _validate(self, handle: BinaryIO, path: str) -> Header:
-        from ..dumpfile.loader import _load_rank_from
+        from .loader import _load_rank_from
 
         dump, header = _load_rank_from(handle, path)
         expected = self._expected.get(path)

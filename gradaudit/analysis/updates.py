@@ -22,15 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .model import Piece, StepDump
+from ..model import Piece, StepDump
+from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
-    from .checks.base import AuditOptions
-    from .dumpfile import TensorReader
-    from .engine.measure import StepMeasurements
-
-DERIVED_KEY = "updates_explained"
-"""Where audit_step leaves the result for the checks (StepMeasurements.derived)."""
+    from ..dumpfile import TensorReader
+    from ..measure.measurements import ReferenceDifference, StepMeasurements
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,12 +85,13 @@ def explain_update_errors(
     step: StepDump,
     reference: StepDump,
     m: StepMeasurements,
-    options: AuditOptions,
     reader: TensorReader,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> Mapping[str, UpdateJudgement]:
     """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
-    from .checks.reference import compare, tolerances
-    from .engine.reference import _assemble_dense
+    from ..measure.reference import assemble_dense
 
     found: dict[str, UpdateJudgement] = {}
     for name, pm in m.params.items():
@@ -101,9 +99,9 @@ def explain_update_errors(
         after = by_kind.get("param_after")
         grad_kind = "grad_clipped" if "grad_clipped" in by_kind else "grad"
         grad = by_kind.get(grad_kind)
-        if after is None or grad is None or compare(after, options).within_tolerance:
+        if after is None or grad is None or _within(after, rtol, atol):
             continue
-        if not all(compare(e, options).within_tolerance for k, e in by_kind.items() if k != "param_after"):
+        if not all(_within(e, rtol, atol) for k, e in by_kind.items() if k != "param_after"):
             continue
         info = reference.params.get(name)
         if info is None:
@@ -116,22 +114,26 @@ def explain_update_errors(
             continue
         if not ours or not all("param_after" in p.tensors for _, p in ours):
             continue
-        dense = {k: _assemble_dense(reader, shape, ref_pieces, k) for k in needed}
-        ours_after = _assemble_dense(reader, shape, ours, "param_after")
+        dense = {k: assemble_dense(reader, shape, ref_pieces, k) for k in needed}
+        ours_after = assemble_dense(reader, shape, ours, "param_after")
         if bool(np.isnan(ours_after).any()) and not bool(np.isnan(dense["param_after"]).any()):
             continue  # our pieces do not cover the parameter: leave it to GA603
-        rtol, atol = tolerances(after.dtype, options)
-        grtol, gatol = tolerances(grad.dtype, options)
+        after_rtol, after_atol = reference_tolerances(after.dtype, rtol, atol)
+        grad_rtol, grad_atol = reference_tolerances(grad.dtype, rtol, atol)
         found[name] = judge_elements(
             param=name,
             ours_after=ours_after,
             ref_before=dense["param_before"],
             ref_after=dense["param_after"],
             ref_grad=dense[grad_kind] / _scale(reference, grad_kind),
-            base_tolerance=atol + rtol * after.max_abs_reference,
-            gradient_tolerance=gatol + grtol * grad.max_abs_reference,
+            base_tolerance=after_atol + after_rtol * after.max_abs_reference,
+            gradient_tolerance=grad_atol + grad_rtol * grad.max_abs_reference,
         )
     return found
+
+
+def _within(error: ReferenceDifference, rtol: float | None, atol: float | None) -> bool:
+    return within_reference_tolerance(error, *reference_tolerances(error.dtype, rtol, atol))
 
 
 def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
@@ -146,15 +148,9 @@ def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
 
 
 def _scale(step: StepDump, kind: str) -> float:
-    from .engine.measure import SCALED_KINDS, dumped_gradient_scale
+    from ..measure.measurements import SCALED_KINDS, dumped_gradient_scale
 
     if kind not in SCALED_KINDS or not step.ranks_present:
         return 1.0
     scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
     return scale if math.isfinite(scale) and scale > 0 else 1.0
-
-
-def judgements(step: StepDump, m: StepMeasurements) -> Mapping[str, UpdateJudgement]:
-    """What audit_step left for the checks ({} when it judged nothing)."""
-    empty: dict[str, UpdateJudgement] = {}
-    return m.derived(DERIVED_KEY, step, lambda: empty)
