@@ -18,6 +18,7 @@ from .diagnosis import StepDiagnosis, diagnose_step
 from .engine.columns import step_columns
 from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
+from .fixes import stack_of, with_fixes
 from .model import StepDump
 from .report import (
     Environment,
@@ -217,6 +218,7 @@ def build_report(
 ) -> Report:
     """The Report of one measured step (pure)."""
     findings, not_checked = run_checks(step, m, options)
+    findings = with_fixes(findings, stack_of(step))
     diagnosis = diagnose_step(step, m)
     clip = step.clip
     return Report(

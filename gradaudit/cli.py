@@ -40,8 +40,24 @@ class ShowFormat(str, enum.Enum):
     json = "json"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        _emit(_version_line(), None)
+        raise SystemExit(EXIT_OK)
+
+
+def _version_line() -> str:
+    from .version import FORMAT_VERSION, __version__
+
+    return f"gradaudit {__version__} (dump format {FORMAT_VERSION})"
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
     """Audit gradient clipping under sharded training from per-rank gradient dumps."""
 
 
@@ -314,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
     if debug:
         args.remove("--debug")
     try:
-        if args[:1] == ["explain"] and "--help" not in args:
+        if args == ["--version"]:
+            _emit(_version_line(), None)  # answered before typer loads its parsers
+        elif args[:1] == ["explain"] and "--help" not in args:
             # typer coerces every parameter, even the group's --help flag, through pydantic, which would
             # double the time `explain` takes to print a paragraph; its arguments need no parser.
             _explain(args[1:])

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from ..report import Finding, MultiStepReport, Report, Severity
 from .fold import fmt_groups, fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
-    diagnosis_groups,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
@@ -16,8 +15,9 @@ from .numbers import (
     fmt_value,
     norm_name,
     reference_worst_first,
+    unsaid_diagnosis_groups,
 )
-from .text import clip_text, join_limited, markdown_code_block, markdown_escape
+from .text import clip_sentences, clip_text, join_limited, markdown_code_block, markdown_escape
 
 MAX_CHARS = 20_000
 """A report must fit a ticket (GitHub refuses issue bodies over 65,536 characters) at any world size."""
@@ -306,7 +306,7 @@ def _rank_section(report: Report, *, fold: bool) -> str:
 
 
 def _diagnosis_details(report: Report) -> str:
-    groups = diagnosis_groups(report.ranks)
+    groups = unsaid_diagnosis_groups(report.ranks, report.findings)
     lines = [
         f"{fmt_ranks_labelled_short(ranks)}, {_md(diagnosis)}: {_md(detail, 300)}"
         for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]
@@ -320,7 +320,7 @@ def _finding_block(finding: Finding) -> str:
     lines = [
         f"### {_SYMBOL[finding.severity]} {finding.severity.value} {_md(finding.code)}: {_md(finding.title)}",
         "",
-        _md(finding.message, MAX_MESSAGE_CHARS),
+        _message(finding.message),
     ]
     facts = []
     if finding.ranks:
@@ -331,9 +331,18 @@ def _finding_block(finding: Finding) -> str:
         pairs = [f"{_md(str(k))} = {_evidence_value(v)}" for k, v in list(finding.evidence.items())[:16]]
         more = len(finding.evidence) - len(pairs)
         facts.append("evidence: " + ", ".join(pairs) + (f" (+{more} more)" if more > 0 else ""))
+    if finding.fix:
+        facts.append(f"**fix:** {_md(finding.fix, 2_000)} (more: `gradaudit explain {_md(finding.code)}`)")
     if facts:
         lines += ["", _bullets(facts)]
     return "\n".join(lines)
+
+
+def _message(message: str) -> str:
+    """A finding's message, cut between clauses when long (the JSON report has all of it)."""
+    return markdown_escape(
+        clip_sentences(message, MAX_MESSAGE_CHARS, rest="… (the JSON report has the rest)")
+    )
 
 
 def _evidence_value(value: object) -> str:
@@ -396,7 +405,7 @@ def _step_brief(report: Report) -> list[str]:
     blocks = [_verdict(report), _headline_table(report)]
     if report.missing_ranks:
         blocks.append(f"**Missing ranks:** {fmt_rank_set(report.missing_ranks, max_chars=200)}.")
-    items = [f"{_finding_line(f)}: {_md(f.message, MAX_MESSAGE_CHARS)}" for f in report.findings]
+    items = [f"{_finding_line(f)}: {_message(f.message)}" for f in report.findings]
     items += [f"**warning:** {_md(w, MAX_MESSAGE_CHARS)}" for w in report.warnings]
     if items:
         blocks.append(_bullets_within(items, FINDINGS_BRIEF_BUDGET))

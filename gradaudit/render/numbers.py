@@ -156,10 +156,25 @@ def reference_worst_first(comparisons: Sequence[ParamComparison]) -> list[ParamC
 def diagnosis_groups(rows: Sequence[RankRow]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(diagnosis, detail, ranks) for each distinct explanation, in order of first appearance.
 
-    Ranks usually share one explanation; saying it once keeps the per-rank table to one line a rank.
+    Ranks whose explanations differ only in their numbers share one sentence (`fold_sentences`), so
+    that the explanation is said once, with a rank range, however many ranks it covers.
     """
-    groups: dict[tuple[str, str], list[int]] = {}
+    from ..sentences import fold_sentences
+
+    by_diagnosis: dict[str, list[tuple[int, str]]] = {}
     for row in rows:
         if row.diagnosis_detail:
-            groups.setdefault((row.diagnosis or MISSING, row.diagnosis_detail), []).append(row.rank)
-    return [(diagnosis, detail, tuple(ranks)) for (diagnosis, detail), ranks in groups.items()]
+            by_diagnosis.setdefault(row.diagnosis or MISSING, []).append((row.rank, row.diagnosis_detail))
+    groups = [
+        (diagnosis, folded.text, folded.ranks)
+        for diagnosis, items in by_diagnosis.items()
+        for folded in fold_sentences(items)
+    ]
+    return sorted(groups, key=lambda g: min(g[2]))
+
+
+def unsaid_diagnosis_groups(
+    rows: Sequence[RankRow], findings: Sequence[Finding]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The `diagnosis_groups` whose sentence no finding's message already says (each is said once)."""
+    return [g for g in diagnosis_groups(rows) if not any(g[1] in f.message for f in findings)]

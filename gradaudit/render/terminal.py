@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Literal
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
 from .numbers import (
-    diagnosis_groups,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
@@ -26,6 +25,7 @@ from .numbers import (
     fmt_value,
     norm_name,
     reference_worst_first,
+    unsaid_diagnosis_groups,
 )
 from .text import join_limited, printable
 
@@ -203,11 +203,11 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
                 )
             )
         )
-    _print_diagnosis_details(console, report.ranks)
+    _print_diagnosis_details(console, report)
 
 
-def _print_diagnosis_details(console: Console, rows: Sequence[RankRow]) -> None:
-    groups = diagnosis_groups(rows)
+def _print_diagnosis_details(console: Console, report: Report) -> None:
+    groups = unsaid_diagnosis_groups(report.ranks, report.findings)
     for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]:
         console.print(
             _line(
@@ -334,6 +334,10 @@ def _finding_body(finding: Finding) -> Text:
             f"{printable(str(k))}={printable(fmt_value(v))}" for k, v in finding.evidence.items()
         )
         lines.append([(f"evidence: {pairs}", "dim")])
+    if finding.fix:
+        lines.append(
+            [("fix: ", "bold"), finding.fix, (f" (more: gradaudit explain {printable(finding.code)})", "dim")]
+        )
     return _lines(*lines)
 
 

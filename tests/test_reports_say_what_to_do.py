@@ -1,0 +1,136 @@
+"""Reports that say what to do (issue 20): a fix line per error and warning, each explanation said once,
+nothing cut mid-sentence, a step left unaffected said so, and `gradaudit --version`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from builders import check, clip, finding, flat, sharded_rows, tensor_with_norm, write_step
+from markdown_it import MarkdownIt
+
+from gradaudit.cli import main
+from gradaudit.fixes import fix_for
+from gradaudit.render import markdown as markdown_render
+from gradaudit.render import terminal as terminal_render
+from gradaudit.render.text import clip_sentences
+from gradaudit.sentences import fold_sentences
+from gradaudit.version import __version__
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _local_clip(
+    directory: Path, *, num_ranks: int = 4, shard_norm: float = 0.8, max_norm: float = 1.0
+) -> Path:
+    grads = [
+        tensor_with_norm(shard_norm * (1 + r / 10), (2, 3), seed=r, dtype=torch.float64)
+        for r in range(num_ranks)
+    ]
+    clips = {r: clip(max_norm, reported_norm=float(g.norm()), clip_coef=1.0) for r, g in enumerate(grads)}
+    return sharded_rows(directory, grads, clips=clips)
+
+
+def test_every_error_and_warning_ends_with_its_fix_and_the_explain_command():
+    report = check(REPO / "sample_dumps" / "fsdp2_local_clip" / "step_1")
+    terminal = _words(terminal_render.render_report(report, width=100))
+    markdown = markdown_render.render_report(report)
+    for f in report.findings:
+        if f.severity.value == "info":
+            assert not f.fix
+            continue
+        assert f.fix
+        assert f"(more: gradaudit explain {f.code})" in terminal
+        assert f"(more: `gradaudit explain {f.code}`)" in markdown
+    # The sample is FSDP2: its GA201 fix is the FSDP2 sentence, not the FSDP1 or DeepSpeed one.
+    ga201 = finding(report, "GA201")
+    assert ga201.fix.startswith("With FSDP2") and "FSDP1" not in ga201.fix and "DeepSpeed" not in ga201.fix
+    MarkdownIt().parse(markdown)
+
+
+def test_the_fix_line_follows_the_stack_the_dump_shows(tmp_path):
+    # Flat ranges of a flattened parameter, as FSDP1 dumps them.
+    grads = [tensor_with_norm(0.8, (6,), seed=r, dtype=torch.float64) for r in range(2)]
+    fsdp1 = write_step(
+        tmp_path / "fsdp1",
+        world_size=2,
+        params={"w": (3, 4)},
+        pieces={r: [flat("w", 6 * r, grads[r])] for r in range(2)},
+        clips={r: clip(1.0, reported_norm=0.8, clip_coef=1.0) for r in range(2)},
+    )
+    fix = finding(check(fsdp1), "GA201").fix
+    assert fix.startswith("With FSDP1") and "FSDP.clip_grad_norm_" in fix
+    # Without a stack to go by, the whole text of the explanation.
+    whole_text = "With A, do a. Otherwise, do b."
+    assert fix_for(whole_text, None) == whole_text and fix_for(whole_text, "DDP") == whole_text
+
+
+def test_ranks_sharing_an_explanation_share_one_sentence_said_once(tmp_path):
+    report = check(_local_clip(tmp_path / "s"))
+    ga201 = finding(report, "GA201")
+    assert (
+        "ranks 0-3: reported norm" in ga201.message and "matches each rank's own pieces only" in ga201.message
+    )
+    assert "rank 1:" not in ga201.message
+    for text in (terminal_render.render_report(report, width=100), markdown_render.render_report(report)):
+        said = _words(text)
+        assert said.count("own pieces only") == 1, said
+
+
+def test_fold_sentences_keeps_apart_what_differs_in_words_and_ranges_numbers():
+    folded = fold_sentences(
+        [
+            (0, "reported norm 0.4 matches rank 0's own pieces only (0.4)"),
+            (1, "reported norm 0.6 matches rank 1's own pieces only (0.6)"),
+            (2, "reported norm 1.5 matches ranks [2, 3] of group dp, replicas once"),
+            (3, "reported norm 1.5 matches ranks [2, 3] of group dp, replicas once"),
+            (4, "reported norm 0.7 matches rank 4's own pieces only, unlike rank 2"),
+        ]
+    )
+    assert [(f.ranks, f.text) for f in folded] == [
+        ((0, 1), "reported norm 0.4–0.6 matches each rank's own pieces only (0.4–0.6)"),
+        ((2, 3), "reported norm 1.5 matches ranks [2, 3] of group dp, replicas once"),
+        ((4,), "reported norm 0.7 matches rank 4's own pieces only, unlike rank 2"),
+    ]
+
+
+def test_a_long_message_is_cut_between_clauses_never_inside_one():
+    message = "; ".join(f"group {i}: reported norm {i}.123456 matches nothing known" for i in range(40))
+    cut = clip_sentences(message, 600, rest="… (the JSON report has the rest)")
+    assert len(cut) <= 600 and cut.endswith("… (the JSON report has the rest)")
+    assert re.search(r"matches nothing known; … \(the JSON report has the rest\)$", cut)
+
+
+def test_markdown_of_many_distinct_explanations_stays_in_budget_without_cutting_a_sentence(tmp_path):
+    # 64 ranks, each clipping by its own norm: one folded sentence, whatever the world size.
+    report = check(_local_clip(tmp_path / "s", num_ranks=64, shard_norm=0.05))
+    markdown = markdown_render.render_report(report)
+    assert len(markdown) <= markdown_render.MAX_CHARS
+    assert "ranks 0-63: reported norm" in markdown and "left out to keep this report short" not in markdown
+    assert "rank 3:…" not in markdown
+    MarkdownIt().parse(markdown)
+
+
+def test_a_wrong_norm_on_a_step_below_max_norm_says_the_update_was_unaffected(tmp_path):
+    below = finding(check(_local_clip(tmp_path / "below", shard_norm=0.1)), "GA201")
+    assert "This step's update was unaffected" in below.message
+    assert "first step whose true norm is above max_norm" in below.message
+    above = finding(check(_local_clip(tmp_path / "above", shard_norm=0.8)), "GA201")
+    assert "unaffected" not in above.message
+
+
+def test_version_option_prints_the_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"gradaudit {__version__} (dump format 1.1)\n"
+    # also through typer, where --help lists it
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert "--version" in capsys.readouterr().out
