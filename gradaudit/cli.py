@@ -121,6 +121,12 @@ def check(
         "--allow-incomplete-ranks",
         help="Audit the readable ranks; report each unreadable rank file as a missing rank with its reason.",
     ),
+    failing_only: bool = typer.Option(
+        False,
+        "--failing-only",
+        help="For a folder of steps: list only the steps with errors, warnings or missing ranks "
+        "(terminal and Markdown; JSON keeps every step).",
+    ),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
@@ -160,7 +166,7 @@ def check(
         )
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
-        _emit_report(result, format, output, fold=not all_ranks)
+        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
     if _fails(reports, fail_on):
         raise SystemExit(EXIT_FINDINGS)
 
@@ -181,11 +187,16 @@ def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
 
 
 def _emit_report(
-    result: Report | MultiStepReport, format: OutputFormat, output: Path | None, *, fold: bool
+    result: Report | MultiStepReport,
+    format: OutputFormat,
+    output: Path | None,
+    *,
+    fold: bool,
+    failing_only: bool = False,
 ) -> None:
     from .errors import UsageError
 
-    text = _render(result, format, fold=fold, to_file=output is not None)
+    text = _render(result, format, fold=fold, to_file=output is not None, failing_only=failing_only)
     try:
         _emit(text, output)
     except OSError as exc:
@@ -196,7 +207,14 @@ def _emit_report(
         sys.stderr.write(f"report written to {output}\n")
 
 
-def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: bool, to_file: bool) -> str:
+def _render(
+    result: Report | MultiStepReport,
+    format: OutputFormat,
+    *,
+    fold: bool,
+    to_file: bool,
+    failing_only: bool = False,
+) -> str:
     from .report import MultiStepReport
 
     if format is OutputFormat.json:
@@ -209,14 +227,14 @@ def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: boo
         from .render import markdown as markdown_renderer
 
         if isinstance(result, MultiStepReport):
-            return markdown_renderer.render_multi(result)
+            return markdown_renderer.render_multi(result, failing_only=failing_only)
         return markdown_renderer.render_report(result, fold=fold)
     from .render import terminal as terminal_renderer
 
     color = not to_file and sys.stdout.isatty()
     width = 100 if to_file else _terminal_width()
     if isinstance(result, MultiStepReport):
-        return terminal_renderer.render_multi(result, width=width, color=color)
+        return terminal_renderer.render_multi(result, width=width, color=color, failing_only=failing_only)
     return terminal_renderer.render_report(result, width=width, color=color, fold=fold)
 
 

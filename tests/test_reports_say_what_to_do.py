@@ -134,3 +134,51 @@ def test_version_option_prints_the_version(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
     assert "--version" in capsys.readouterr().out
+
+
+def _run_folder(root: Path, failing: set[int], num_steps: int) -> Path:
+    for step in range(1, num_steps + 1):
+        grads = [
+            tensor_with_norm(0.8 if step in failing else 0.2, (2, 3), seed=r, dtype=torch.float64)
+            for r in range(2)
+        ]
+        if step in failing:
+            clips = clip(1.0, reported_norm=float(grads[0].norm()), clip_coef=1.0)
+        else:
+            clips = clip(1.0, reported_norm=float(torch.cat(grads).norm()), clip_coef=1.0)
+        sharded_rows(root / f"step_{step}", grads, clips=clips, step=step)
+    return root
+
+
+def _cli(capsys, *argv):
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    return exited.value.code, capsys.readouterr().out
+
+
+def _summary_rows(terminal: str) -> list[str]:
+    """The step cells of the summary table (its rows end with the errors, warnings and codes columns)."""
+    return [
+        line.split()[0] for line in terminal.splitlines() if re.match(r"^\s*\d.*\d+\s+\d+\s+(GA|-)", line)
+    ]
+
+
+def test_a_run_folder_lists_failing_steps_first_and_folds_the_clean_ones(tmp_path, capsys):
+    run = _run_folder(tmp_path / "run", failing={4, 9}, num_steps=12)
+    code, out = _cli(capsys, "check", str(run))
+    assert code == 1
+    rows = _summary_rows(out)
+    assert rows == ["4", "9", "1–3", "5–8", "10–12"], out
+    assert "12 steps (2 failing)" in out and "step 5 ─" not in out
+    code, markdown = _cli(capsys, "check", str(run), "--format", "markdown")
+    assert "| 1–3 (3 steps) |" in markdown and markdown.index("| 4 |") < markdown.index("| 1–3 (3 steps) |")
+    MarkdownIt().parse(markdown)
+
+
+def test_failing_only_prints_only_the_failing_steps(tmp_path, capsys):
+    run = _run_folder(tmp_path / "run", failing={4}, num_steps=6)
+    code, out = _cli(capsys, "check", str(run), "--failing-only")
+    rows = _summary_rows(out)
+    assert code == 1 and rows == ["4"] and "5 clean steps not listed (--failing-only)" in out
+    code, markdown = _cli(capsys, "check", str(run), "--failing-only", "--format", "markdown")
+    assert "| 4 |" in markdown and "(3 steps)" not in markdown and "5 clean steps not listed" in markdown

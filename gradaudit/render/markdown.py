@@ -6,17 +6,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..report import Finding, MultiStepReport, Report, Severity
-from .fold import fmt_groups, fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
+from .fold import (
+    fmt_groups,
+    fmt_rank_set,
+    fmt_ranks_labelled_short,
+    fmt_span,
+    fold_ranks,
+    group_cells,
+    one_per_rank,
+)
 from .numbers import (
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
-    fmt_ratio,
     fmt_value,
     norm_name,
     reference_worst_first,
     unsaid_diagnosis_groups,
 )
+from .steps import StepRow, fmt_steps, is_failing, step_rows
 from .text import clip_sentences, clip_text, join_limited, markdown_code_block, markdown_escape
 
 MAX_CHARS = 20_000
@@ -51,29 +59,33 @@ def render_report(report: Report, *, fold: bool = True) -> str:
     return _join(_fit(blocks, MAX_CHARS if fold else None))
 
 
-def render_multi(multi: MultiStepReport) -> str:
-    """A folder of steps: the per-step summary table, then each step that has something to say."""
-    summary = _summary_table(multi)
-    if len(multi.summary) > 3 * OPEN_ROWS:
-        summary = _details(f"Summary of the {len(multi.summary)} steps", summary)
-    blocks = [f"# gradaudit report: {len(multi.steps)} steps in {_md(multi.directory)}", summary]
-    telling = [report for report in multi.steps if _has_news(report)]
-    sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in telling]
-    shown, hidden = _take_within(sections, STEPS_BUDGET)
-    blocks += shown
-    if hidden:
-        blocks.append(f"{len(hidden)} more steps with findings not shown; {SEE_JSON}.")
-    quiet = [report.step for report in multi.steps if not _has_news(report)]
-    if quiet:
+def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
+    """A folder of steps: the summary (failing steps first, clean steps folded into runs, left out with
+    `failing_only`), then each failing step."""
+    failing = [report for report in multi.steps if is_failing(report)]
+    rows, hidden = step_rows(multi, failing_only=failing_only)
+    blocks = [
+        f"# gradaudit report: {len(multi.steps)} steps ({len(failing)} failing) in {_md(multi.directory)}"
+    ]
+    if rows:
+        summary = _summary_table(rows)
         blocks.append(
-            f"No findings, warnings or missing ranks in steps {fmt_rank_set(quiet, max_chars=200)}."
+            _details(f"Summary of the {len(multi.summary)} steps ({len(rows)} rows)", summary)
+            if len(rows) > 3 * OPEN_ROWS
+            else summary
         )
+    sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in failing]
+    shown, not_shown = _take_within(sections, STEPS_BUDGET)
+    blocks += shown
+    if not_shown:
+        blocks.append(f"{len(not_shown)} more failing steps not shown; {SEE_JSON}.")
+    clean = [report.step for report in multi.steps if not is_failing(report)]
+    if clean:
+        blocks.append(f"No errors, warnings or missing ranks in steps {fmt_rank_set(clean, max_chars=200)}.")
+    if hidden:
+        blocks.append(f"{len(hidden)} clean steps not listed (--failing-only).")
     blocks.append(_version_line(multi.report_version))
     return _join(blocks)
-
-
-def _has_news(report: Report) -> bool:
-    return bool(report.findings or report.warnings or report.missing_ranks)
 
 
 def _join(blocks: Sequence[str]) -> str:
@@ -383,22 +395,22 @@ def _reproduce(command: str) -> str:
     return markdown_code_block(clip_text(command, 2_000), info="sh")
 
 
-def _summary_table(multi: MultiStepReport) -> str:
+def _summary_table(rows: Sequence[StepRow]) -> str:
     header = ["step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings", "codes"]
-    rows = [
+    cells = [
         [
-            str(s.step),
-            fmt_float(s.reported_norm),
-            fmt_float(s.global_norm),
-            fmt_ratio(s.reported_norm, s.global_norm),
-            fmt_coef(s.expected_clip_coef),
-            str(s.num_errors),
-            str(s.num_warnings),
-            _md(", ".join(s.codes), 200) or "-",
+            fmt_steps(row.steps),
+            fmt_span(row.reported_norm),
+            fmt_span(row.global_norm),
+            fmt_span(row.ratio),
+            fmt_span(row.expected_clip_coef, fmt_coef),
+            f"**{row.num_errors}**" if row.num_errors else "0",
+            str(row.num_warnings),
+            _md(", ".join(row.codes), 200) or "-",
         ]
-        for s in multi.summary
+        for row in rows
     ]
-    return _table(header, rows, align=["r", "r", "r", "r", "r", "r", "r", "l"])
+    return _table(header, cells, align=["r", "r", "r", "r", "r", "r", "r", "l"])
 
 
 def _step_brief(report: Report) -> list[str]:

@@ -14,19 +14,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
-from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
+from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
     fmt_percent,
     fmt_ranks,
-    fmt_ratio,
     fmt_value,
     norm_name,
     reference_worst_first,
     unsaid_diagnosis_groups,
 )
+from .steps import StepRow, fmt_steps, is_failing, step_rows
 from .text import join_limited, printable
 
 if TYPE_CHECKING:
@@ -57,23 +57,33 @@ def render_report(report: Report, *, width: int = 100, color: bool = False, fold
     return _strip_line_ends(out.getvalue())
 
 
-def render_multi(multi: MultiStepReport, *, width: int = 100, color: bool = False) -> str:
+def render_multi(
+    multi: MultiStepReport, *, width: int = 100, color: bool = False, failing_only: bool = False
+) -> str:
+    """A folder of steps: failing steps first, clean steps folded into runs (left out with `failing_only`)."""
     out = io.StringIO()
     console = _console(out, width, color)
+    failing = [r for r in multi.steps if is_failing(r)]
     console.print(
-        _line(("gradaudit", "bold"), f" · {len(multi.steps)} steps in {printable(multi.directory)}")
+        _line(
+            ("gradaudit", "bold"),
+            f" · {len(multi.steps)} steps ({len(failing)} failing) in {printable(multi.directory)}",
+        )
     )
     console.print()
-    console.print(_summary_table(multi))
-    for report in multi.steps:
-        if _has_news(report):
-            console.print()
-            console.rule(_line(f"step {report.step}"), align="left", characters="─")
-            _print_step_brief(console, report)
-    quiet_steps = [r.step for r in multi.steps if not _has_news(r)]
-    if quiet_steps:
+    rows, hidden = step_rows(multi, failing_only=failing_only)
+    if rows:
+        console.print(_summary_table(rows))
+    for report in failing:
         console.print()
-        console.print(_line(f"No findings, warnings or missing ranks in steps {fmt_ranks(quiet_steps)}."))
+        console.rule(_line(f"step {report.step}"), align="left", characters="─")
+        _print_step_brief(console, report)
+    clean = [r.step for r in multi.steps if not is_failing(r)]
+    if clean:
+        console.print()
+        console.print(_line(f"No errors, warnings or missing ranks in steps {fmt_ranks(clean)}."))
+    if hidden:
+        console.print(_line((f"  {len(hidden)} clean steps not listed (--failing-only)", "dim")))
     return _strip_line_ends(out.getvalue())
 
 
@@ -416,24 +426,20 @@ def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
         )
 
 
-def _has_news(report: Report) -> bool:
-    return bool(report.findings or report.warnings or report.missing_ranks)
-
-
-def _summary_table(multi: MultiStepReport) -> Table:
+def _summary_table(rows: Sequence[StepRow]) -> Table:
     columns = ("step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings")
     justified: list[tuple[str, Justify]] = [(c, "right") for c in columns]
     table = _table([*justified, ("codes", "left")])
-    for s in multi.summary:
+    for row in rows:
         table.add_row(
-            str(s.step),
-            fmt_float(s.reported_norm),
-            fmt_float(s.global_norm),
-            fmt_ratio(s.reported_norm, s.global_norm),
-            fmt_coef(s.expected_clip_coef),
-            _line((str(s.num_errors), "bold red" if s.num_errors else "")),
-            str(s.num_warnings),
-            _line(printable(", ".join(s.codes)) or "-"),
+            _line((fmt_steps(row.steps), "" if row.failing else "dim")),
+            fmt_span(row.reported_norm),
+            fmt_span(row.global_norm),
+            fmt_span(row.ratio),
+            fmt_span(row.expected_clip_coef, fmt_coef),
+            _line((str(row.num_errors), "bold red" if row.num_errors else "")),
+            str(row.num_warnings),
+            _line(printable(", ".join(row.codes)) or "-"),
         )
     return table
 
