@@ -29,7 +29,7 @@ def stack_of(step: StepDump) -> str | None:
     if not step.ranks_present:
         return None
     dump = step.ranks[step.ranks_present[0]]
-    by_api = CAPTURE_STACKS.get(getattr(dump, "capture_api", None) or "")
+    by_api = CAPTURE_STACKS.get(dump.capture_api or "")
     if by_api is not None:
         return by_api
     topology = dump.topology

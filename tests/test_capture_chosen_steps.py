@@ -93,3 +93,14 @@ def test_an_existing_rank_file_is_warned_about_when_the_audit_opens_and_nothing_
     assert taken == [] and path.read_bytes() == original
     with pytest.raises(DumpExistsError, match="already exists"):
         gradaudit.begin_audit(make_model(), tmp_path, step=1, max_norm=MAX_NORM, strict=True)
+
+
+def test_the_dump_records_the_api_that_captured_it(tmp_path):
+    model = make_model()
+    with gradaudit.audit_step(model, tmp_path / "a", step=1, max_norm=MAX_NORM):
+        _backward(model)
+    audit = gradaudit.begin_audit(model, tmp_path / "b", step=1, max_norm=MAX_NORM)
+    audit.end()
+    gradaudit.dump(model, tmp_path / "c", step=1, max_norm=MAX_NORM)
+    apis = [load_step(tmp_path / name / "step_1").ranks[0].capture_api for name in "abc"]
+    assert apis == ["audit_step", "begin_audit", "dump"]

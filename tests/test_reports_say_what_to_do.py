@@ -182,3 +182,32 @@ def test_failing_only_prints_only_the_failing_steps(tmp_path, capsys):
     assert code == 1 and rows == ["4"] and "5 clean steps not listed (--failing-only)" in out
     code, markdown = _cli(capsys, "check", str(run), "--failing-only", "--format", "markdown")
     assert "| 4 |" in markdown and "(3 steps)" not in markdown and "5 clean steps not listed" in markdown
+
+
+def test_hints_and_fixes_name_the_api_the_dump_was_captured_with(tmp_path):
+    from gradaudit.dumpfile.build import write_rank
+
+    grads = [tensor_with_norm(0.8, (6,), seed=r, dtype=torch.float64) for r in range(2)]
+    for rank in range(2):
+        write_rank(
+            tmp_path / "zero",
+            rank=rank,
+            world_size=2,
+            step=1,
+            params={"w": (12,)},
+            pieces=[flat("w", 6 * rank, grads[rank])],
+            clip=clip(1.0, reported_norm=0.8, clip_coef=1.0),
+            capture_api="DeepSpeedAudit",
+        )
+    report = check(tmp_path / "zero")
+    reason = next(n.reason for n in report.not_checked if n.code == "GA701")
+    assert "DeepSpeedAudit" in reason and "audit_step" not in reason
+    fix = finding(report, "GA201").fix
+    assert fix.startswith("With DeepSpeed") and "gradient_clipping" in fix  # flat ranges, yet not FSDP1
+
+
+def test_a_dump_that_does_not_record_its_api_still_loads_and_hints_in_general_terms(tmp_path):
+    report = check(_local_clip(tmp_path / "old"))  # written without capture_api, as before it existed
+    reason = next(n.reason for n in report.not_checked if n.code == "GA701")
+    assert "pass optimizer= to audit_step or begin_audit" in reason
+    assert check(REPO / "sample_dumps" / "fsdp2_local_clip" / "step_1").findings

@@ -68,6 +68,7 @@ class AuditStep:
         steps: Iterable[int] | int | None = None,
         every: int | None = None,
         enabled: bool = True,
+        capture_api: str = "audit_step",
     ) -> None:
         self.model = model
         self.out_dir = out_dir
@@ -88,6 +89,9 @@ class AuditStep:
         self.full_params = tuple(full_params)
         self.strict = strict
         self.run_id = check_run_id(run_id)
+        self.capture_api = capture_api
+        """Recorded in the dump ("begin_audit", "dump", an integration's class name), so that the report's
+        hints name the API the user called."""
         self.selected = _selected(self.step, steps=steps, every=every, enabled=enabled)
         """False when steps=/every=/enabled= leave this step out: the audit is then a no-op whose
         `clip` only calls the clipping function."""
@@ -404,6 +408,7 @@ class AuditStep:
             ),
             run_id=self.run_id,
             call_stats=per_piece(self._call_stats, len(snapshots.pieces)),
+            capture_api=self.capture_api,
         )
         try:
             self.path = write_dump(self.out_dir, dump, tensors)
@@ -552,7 +557,7 @@ def begin_audit(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwarg
     Takes the arguments of `audit_step`. `optimizer=` may be a framework's wrapper that exposes the
     torch optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning).
     """
-    return AuditStep(model, out_dir, **kwargs).begin()
+    return AuditStep(model, out_dir, **{"capture_api": "begin_audit", **kwargs}).begin()
 
 
 def dump(
@@ -581,7 +586,7 @@ def dump(
     """
     if "optimizer" in kwargs:
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
-    session = AuditStep(model, out_dir, step=step, **kwargs)
+    session = AuditStep(model, out_dir, step=step, **{"capture_api": "dump", **kwargs})
     with session:
         session.record(
             reported_norm=reported_norm,

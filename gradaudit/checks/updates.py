@@ -10,6 +10,7 @@ from ..engine.measure import StepMeasurements
 from ..model import StepDump
 from ..norms import safe_fsum
 from .base import AuditOptions, CheckResult, Hit, Skip, num
+from .hints import record_parameters_hint
 
 
 def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
@@ -22,7 +23,7 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
             + (
                 " (a stats-mode dump keeps parameter values only for full_params= patterns)"
                 if stats
-                else " (pass optimizer= to audit_step)"
+                else f" ({record_parameters_hint(step)})"
             )
         )
     partial = len(cover) < len(everything)

@@ -84,6 +84,7 @@ class DeepSpeedAudit:
             max_norm=max_norm,
             ownership=zero_pieces(self.engine, readable),
             **self.audit_kwargs,
+            capture_api="DeepSpeedAudit",
         ).begin()
         return audit, readable
 

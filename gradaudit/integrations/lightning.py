@@ -73,6 +73,7 @@ class GradAuditCallback(Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             mode=self.mode,
             **self.audit_kwargs,
+            capture_api="lightning.GradAuditCallback",
         ).begin()
         self.audit = audit
         original = pl_module.configure_gradient_clipping

@@ -90,6 +90,7 @@ class GradAuditCallback(TrainerCallback):
             scaler=getattr(accelerator, "scaler", None),
             mode=self.mode,
             **self.audit_kwargs,
+            capture_api="transformers.GradAuditCallback",
         ).begin()
         # Trainer._clip_grad_norm covers every path the Trainer clips by (Accelerate's clip_grad_norm_,
         # its mixed-mesh norm); Trainers without it clip through Accelerate.
