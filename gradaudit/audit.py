@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .checks.base import AuditOptions
 from .checks.reference import reference_comparisons
 from .checks.registry import run_checks
-from .diagnosis import StepDiagnosis, diagnose_step
+from .diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose_step
 from .engine.columns import step_columns
 from .engine.measure import StepMeasurements, measure_step, overflow_notes
 from .errors import StepFolderError
@@ -134,7 +134,25 @@ def verdict(
         return (
             f"{head}. No problem found, but {', '.join(sorted(undecided))} could not be checked (see below)."
         )
-    return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
+    clean = f"{head}. Clipping used the true global norm and every rank applied the expected coefficient"
+    if _local_equals_global(diagnosis):
+        return (
+            f"{clean}; every rank holds every gradient here, so a local-only norm would have been the same: "
+            "this step cannot tell whether the clipping code reduces across ranks."
+        )
+    return f"{clean}."
+
+
+def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
+    """Whether every rank's norm matched the true one and, as well, its own pieces only (DDP, one rank)."""
+    matches = [d.reported_match or d.implied_match for d in diagnosis.ranks.values()]
+    return bool(matches) and all(
+        m is not None
+        and m.candidate is not None
+        and m.candidate.hypothesis == CORRECT
+        and LOCAL_ONLY in m.coinciding
+        for m in matches
+    )
 
 
 def _ranks(ranks: Iterable[int]) -> str:

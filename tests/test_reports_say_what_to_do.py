@@ -211,3 +211,31 @@ def test_a_dump_that_does_not_record_its_api_still_loads_and_hints_in_general_te
     reason = next(n.reason for n in report.not_checked if n.code == "GA701")
     assert "pass optimizer= to audit_step or begin_audit" in reason
     assert check(REPO / "sample_dumps" / "fsdp2_local_clip" / "step_1").findings
+
+
+def _sample(name: str):
+    return check(REPO / "sample_dumps" / name / "step_1")
+
+
+def test_a_ddp_replica_is_drawn_as_the_copy_of_its_owner_not_as_a_rank_with_no_gradient():
+    report = _sample("clip_per_microbatch")
+    terminal = terminal_render.render_report(report, width=100)
+    chart_rank_1 = next(line for line in terminal.splitlines() if line.strip().startswith("rank 1 "))
+    assert "copy of rank 0, counted there" in chart_rank_1 and "0.0%" not in chart_rank_1
+    markdown = markdown_render.render_report(report)
+    assert "| copy of rank 0, counted there |" in markdown or "copy of rank 0, counted there" in markdown
+
+
+def test_the_rank_table_says_which_clip_call_or_copy_a_correct_norm_is_right_for():
+    terminal = terminal_render.render_report(_sample("clip_per_microbatch"), width=100)
+    table = terminal.split("Share of the squared")[0]
+    assert re.search(r"correct \(last of 2 calls\)", table) and not re.search(r"correct\s+0\n", table)
+    drifted = terminal_render.render_report(_sample("ddp_drifted_replicas"), width=100)
+    assert "correct (own drifted copy)" in drifted
+
+
+def test_ddp_reports_do_not_say_local_only_is_indistinguishable_where_it_changes_nothing():
+    for name in ("clip_per_microbatch", "clip_before_unscale", "ddp_drifted_replicas"):
+        report = _sample(name)
+        text = terminal_render.render_report(report, width=100) + markdown_render.render_report(report)
+        assert "indistinguishable here from" not in text, name

@@ -16,12 +16,15 @@ from .fold import (
     one_per_rank,
 )
 from .numbers import (
+    diagnosis_label,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
+    fmt_replica_of,
     fmt_value,
     norm_name,
     reference_worst_first,
+    replica_owners,
     unsaid_diagnosis_groups,
 )
 from .steps import StepRow, fmt_steps, is_failing, step_rows
@@ -282,8 +285,11 @@ def _rank_section(report: Report, *, fold: bool) -> str:
         "nonfinite",
     ]
     rows = []
+    owners = replica_owners(report.ranks)
     for group in folded.groups:
         local, reported, coef, share, nonfinite = group_cells(group)
+        if all(rank in owners for rank in group.ranks):
+            share = fmt_replica_of(owners[group.ranks[0]] if len(group.ranks) == 1 else None)
         rows.append(
             [
                 fmt_rank_set(group.ranks),
@@ -291,7 +297,9 @@ def _rank_section(report: Report, *, fold: bool) -> str:
                 reported,
                 coef,
                 _md(group.applied_coef_source) if group.applied_coef_source else "-",
-                _md(group.diagnosis) if group.diagnosis else "-",
+                _md(diagnosis_label(group.diagnosis, group.ranks, report.findings))
+                if group.diagnosis
+                else "-",
                 share,
                 nonfinite,
             ]

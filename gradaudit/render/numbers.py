@@ -178,3 +178,46 @@ def unsaid_diagnosis_groups(
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     """The `diagnosis_groups` whose sentence no finding's message already says (each is said once)."""
     return [g for g in diagnosis_groups(rows) if not any(g[1] in f.message for f in findings)]
+
+
+def replica_owners(rows: Sequence[RankRow]) -> dict[int, int | None]:
+    """Ranks whose pieces are all counted on another rank (no share of Σg² though a norm of their own:
+    replicas, attributed to their lowest rank) -> that owner (the lowest rank with the same own norm and
+    a share), or None when no single one is."""
+    owners: dict[int, int | None] = {}
+    for row in rows:
+        if row.share_of_squared_norm == 0 and math.isfinite(row.local_norm) and row.local_norm > 0:
+            owners[row.rank] = next(
+                (
+                    r.rank
+                    for r in rows
+                    if r.rank < row.rank
+                    and r.share_of_squared_norm > 0
+                    and fmt_float(r.local_norm) == fmt_float(row.local_norm)
+                ),
+                None,
+            )
+    return owners
+
+
+def fmt_replica_of(owner: int | None) -> str:
+    """What a replica rank's share cell says instead of "0.0%"."""
+    return "replica, counted on a lower rank" if owner is None else f"copy of rank {owner}, counted there"
+
+
+def diagnosis_label(diagnosis: str | None, ranks: Sequence[int], findings: Sequence[Finding]) -> str:
+    """The diagnosis cell: a "correct" norm says which clip call or copy it is right for when a finding
+    on those ranks says clipping was still wrong (GA501: several calls; GA601: drifted replicas)."""
+    if diagnosis is None:
+        return MISSING
+    if not diagnosis.endswith("correct"):
+        return diagnosis
+    covered = set(ranks)
+    for f in findings:
+        if covered <= set(f.ranks):
+            if f.code == "GA501":
+                calls = f.evidence.get("num_calls")
+                return f"{diagnosis} (last of {calls} calls)"
+            if f.code == "GA601":
+                return f"{diagnosis} (own drifted copy)"
+    return diagnosis

@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING, Literal
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
+    diagnosis_label,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
     fmt_percent,
     fmt_ranks,
+    fmt_replica_of,
     fmt_value,
     norm_name,
     reference_worst_first,
+    replica_owners,
     unsaid_diagnosis_groups,
 )
 from .steps import StepRow, fmt_steps, is_failing, step_rows
@@ -199,7 +202,7 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
             local,
             reported,
             _line(coef + source),
-            _line(printable(group.diagnosis) if group.diagnosis else "-"),
+            _line(printable(diagnosis_label(group.diagnosis, group.ranks, report.findings))),
             _line((nonfinite, "bold red" if group.nonfinite.total else "")),
         )
     console.print(table)
@@ -252,19 +255,21 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
         (f"rank {row.rank}", row.share_of_squared_norm * total, row.share_of_squared_norm)
         for row in report.ranks
     ]
+    owners = {f"rank {rank}": owner for rank, owner in replica_owners(report.ranks).items()}
     shown, num_hidden = _largest_in_rank_order(rows, MAX_CHART_RANKS)
     shown.append(("all ranks", total, 1.0))
     scale = max([threshold] + [value for _, value, _ in shown if math.isfinite(value)])
     label_width = max(len(label) for label, _, _ in shown)
     for label, value, share in shown:
         side = "above" if value > threshold else "below" if value <= threshold else ""
+        numbers: list[Piece] = [
+            f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
+            (side, "red" if side == "above" else ""),
+        ]
+        if label in owners:
+            numbers = [(f" {fmt_replica_of(owners[label])}", "dim")]
         console.print(
-            _line(
-                f"  {label:>{label_width}} ",
-                *_bar(value, threshold, scale, bar_width),
-                f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
-                (side, "red" if side == "above" else ""),
-            )
+            _line(f"  {label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
         )
     if num_hidden:
         console.print(_line((f"  {num_hidden} smaller ranks not drawn", "dim")))
