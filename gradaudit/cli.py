@@ -355,7 +355,13 @@ def main(argv: list[str] | None = None) -> None:
             # double the time `explain` takes to print a paragraph; its arguments need no parser.
             _explain(args[1:])
         else:
-            app(args=args, prog_name="gradaudit", standalone_mode=False)
+            from typer.main import get_command
+
+            from .cliparams import install_plain_params
+
+            command = get_command(app)
+            install_plain_params(command)  # no pydantic for paths, numbers and choices (see cliparams)
+            command.main(args=args, prog_name="gradaudit", standalone_mode=False)
     except GradauditError as exc:
         _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
     except SystemExit:
