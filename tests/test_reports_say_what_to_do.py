@@ -239,3 +239,55 @@ def test_ddp_reports_do_not_say_local_only_is_indistinguishable_where_it_changes
         report = _sample(name)
         text = terminal_render.render_report(report, width=100) + markdown_render.render_report(report)
         assert "indistinguishable here from" not in text, name
+
+
+def _mermaid_blocks(markdown: str) -> list[str]:
+    tokens = MarkdownIt().parse(markdown)
+    return [t.content for t in tokens if t.type == "fence" and t.info == "mermaid"]
+
+
+def test_markdown_draws_each_ranks_share_as_a_chart_github_renders_with_a_table_beside_it():
+    report = _sample("fsdp2_local_clip")
+    markdown = markdown_render.render_report(report)
+    (chart,) = _mermaid_blocks(markdown)
+    assert chart.startswith("xychart-beta\n")
+    bars = re.search(r"bar \[(.*)\]", chart).group(1).split(", ")
+    assert bars == ["0.230155", "0.310197", "0.4861", "0.855294", "1.88175"]
+    assert re.search(r"line \[1, 1, 1, 1, 1\]", chart)  # max_norm² across the bars
+    assert (
+        "| all ranks | 1.88175 | 100.0% | **above** |" in markdown
+        and "| rank 3 | 0.855294 | 45.5% | below |" in markdown
+    )
+
+
+def test_a_run_folders_markdown_draws_the_trend_with_failing_steps_marked(tmp_path, capsys):
+    run = _run_folder(tmp_path / "run", failing={4, 9}, num_steps=12)
+    _, markdown = _cli(capsys, "check", str(run), "--format", "markdown")
+    (chart,) = _mermaid_blocks(markdown)
+    labels = re.search(r"x-axis \[(.*)\]", chart).group(1).split(", ")
+    assert labels[3] == '"4 ✗"' and labels[8] == '"9 ✗"' and labels[0] == '"1"' and len(labels) == 12
+    assert len(re.findall(r"^\s*line \[", chart, flags=re.M)) == 3  # true, reported, max_norm
+
+
+def test_charts_stay_bounded_at_any_world_size_and_step_count(tmp_path):
+    from gradaudit.render.charts import MAX_CHART_RANKS, MAX_TREND_STEPS, trend_points
+    from gradaudit.report import MultiStepReport, StepSummary
+
+    report = check(_local_clip(tmp_path / "s", num_ranks=64, shard_norm=0.05))
+    (chart,) = _mermaid_blocks(markdown_render.render_report(report))
+    assert len(re.search(r"bar \[(.*)\]", chart).group(1).split(", ")) == MAX_CHART_RANKS + 1
+    summary = tuple(
+        StepSummary(
+            step=s,
+            directory="",
+            global_norm=1.0,
+            reported_norm=1.0,
+            expected_clip_coef=1.0,
+            num_errors=0,
+            num_warnings=0,
+            codes=(),
+        )
+        for s in range(1, 1001)
+    )
+    points = trend_points(MultiStepReport(directory="", steps=(), summary=summary), {500, 999})
+    assert len(points) == MAX_TREND_STEPS and {500, 999} <= {p.step for p in points}

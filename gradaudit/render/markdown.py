@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..report import Finding, MultiStepReport, Report, Severity
+from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
 from .fold import (
     fmt_groups,
     fmt_rank_set,
@@ -20,6 +21,7 @@ from .numbers import (
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
+    fmt_percent,
     fmt_replica_of,
     fmt_value,
     norm_name,
@@ -77,6 +79,9 @@ def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
             if len(rows) > 3 * OPEN_ROWS
             else summary
         )
+    trend = _trend_section(multi)
+    if trend:
+        blocks.append(trend)
     sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in failing]
     shown, not_shown = _take_within(sections, STEPS_BUDGET)
     blocks += shown
@@ -147,6 +152,9 @@ def _report_blocks(report: Report, *, fold: bool) -> list[str | _Optional]:
             _Optional(_bullets_within(items, LIST_BUDGET), "The list of checks not run", 4),
         ]
     blocks += ["## Ranks", _Optional(_rank_section(report, fold=fold), "The per-rank table", 5)]
+    chart = _share_section(report)
+    if chart:
+        blocks.append(_Optional(chart, "The chart of each rank's share of the squared norm", 0))
     if report.reference:
         blocks += [
             "## Reference comparison",
@@ -323,6 +331,50 @@ def _rank_section(report: Report, *, fold: bool) -> str:
     if details:
         parts.append(details)
     return "\n\n".join(parts)
+
+
+def _share_section(report: Report) -> str:
+    """Each rank's part of Σg² against max_norm²: a chart GitHub draws, and the same numbers as a table."""
+    chart = share_chart(report)
+    if isinstance(chart, str):
+        return ""
+    drawn = mermaid_share_chart(chart)
+    owners = {f"rank {rank}": owner for rank, owner in replica_owners(report.ranks).items()}
+    rows = [
+        [
+            bar.label,
+            fmt_float(bar.value),
+            fmt_replica_of(owners[bar.label]) if bar.label in owners else fmt_percent(bar.share),
+            "**above**" if bar.value > chart.threshold else "below",
+        ]
+        for bar in chart.bars
+    ]
+    table = _table(["", "part of Σg²", "share", "against max_norm²"], rows, align=["l", "r", "r", "l"])
+    if len(rows) > OPEN_ROWS:
+        table = _details(f"The same numbers ({len(rows)} rows)", table)
+    parts = [
+        f"### Share of the squared global norm\n\nTotal {fmt_float(chart.total)} against max_norm² = "
+        f"{fmt_float(chart.threshold)}: each rank's part and the sum (a clip by local norms compares each "
+        "part with max_norm², the intended rule the sum)."
+    ]
+    if drawn:
+        parts.append(drawn)
+    parts.append(table)
+    if chart.num_hidden:
+        parts.append(f"{chart.num_hidden} smaller ranks not drawn.")
+    return "\n\n".join(parts)
+
+
+def _trend_section(multi: MultiStepReport) -> str:
+    """The true and reported norm per step as a chart GitHub draws (the summary table has the numbers)."""
+    failing = {report.step for report in multi.steps if is_failing(report)}
+    points = trend_points(multi, failing)
+    max_norms = {report.max_norm for report in multi.steps if report.max_norm is not None}
+    drawn = mermaid_trend_chart(points, next(iter(max_norms)) if len(max_norms) == 1 else None)
+    if not drawn:
+        return ""
+    shown = "" if len(points) == len(multi.summary) else f" ({len(points)} of the {len(multi.summary)} steps)"
+    return f"## Trend\n\nTrue and reported norm per step{shown}; the summary table above has the numbers.\n\n{drawn}"
 
 
 def _diagnosis_details(report: Report) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from ..report import Finding, MultiStepReport, RankRow, Report, Severity
+from .charts import MAX_CHART_RANKS, share_chart
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
     diagnosis_label,
@@ -42,7 +43,6 @@ MAX_RANK_ROWS = 32
 MAX_DETAIL_LINES = 8
 MAX_REFERENCE_ROWS = 10
 MAX_WARNINGS = 20
-MAX_CHART_RANKS = 16
 THRESHOLD_MARK = "│"
 
 _SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -239,70 +239,34 @@ def _applied_coef_cell(row: RankRow) -> Text:
 def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
     """Each rank's part of the squared global norm as a bar, max_norm² marked: "each below, the sum above"."""
     console.print()
-    reason = _chart_unavailable(report)
-    if reason or report.global_norm is None or report.max_norm is None:
-        console.print(_line((f"no norm chart: {reason}", "dim")))
+    chart = share_chart(report, limit=MAX_CHART_RANKS)
+    if isinstance(chart, str):
+        console.print(_line((f"no norm chart: {chart}", "dim")))
         return
-    total = report.global_norm * report.global_norm  # inf, not OverflowError, past float64
-    threshold = report.max_norm * report.max_norm
+    threshold = chart.threshold
     console.print(
         _line(
             ("Share of the squared global norm", "bold"),
-            f" (total {fmt_float(total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
+            f" (total {fmt_float(chart.total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
         )
     )
-    rows = [
-        (f"rank {row.rank}", row.share_of_squared_norm * total, row.share_of_squared_norm)
-        for row in report.ranks
-    ]
     owners = {f"rank {rank}": owner for rank, owner in replica_owners(report.ranks).items()}
-    shown, num_hidden = _largest_in_rank_order(rows, MAX_CHART_RANKS)
-    shown.append(("all ranks", total, 1.0))
-    scale = max([threshold] + [value for _, value, _ in shown if math.isfinite(value)])
-    label_width = max(len(label) for label, _, _ in shown)
-    for label, value, share in shown:
+    scale = max([threshold] + [bar.value for bar in chart.bars if math.isfinite(bar.value)])
+    label_width = max(len(bar.label) for bar in chart.bars)
+    for bar in chart.bars:
+        value = bar.value
         side = "above" if value > threshold else "below" if value <= threshold else ""
         numbers: list[Piece] = [
-            f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
+            f" {fmt_float(value):>8} {fmt_percent(bar.share):>6}  ",
             (side, "red" if side == "above" else ""),
         ]
-        if label in owners:
-            numbers = [(f" {fmt_replica_of(owners[label])}", "dim")]
+        if bar.label in owners:
+            numbers = [(f" {fmt_replica_of(owners[bar.label])}", "dim")]
         console.print(
-            _line(f"  {label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
+            _line(f"  {bar.label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
         )
-    if num_hidden:
-        console.print(_line((f"  {num_hidden} smaller ranks not drawn", "dim")))
-
-
-def _chart_unavailable(report: Report) -> str:
-    # RankRow.share_of_squared_norm is a share of Σg², so the chart is only meaningful for the L2 norm.
-    if report.norm_type != 2:
-        return f"drawn for the L2 norm only; this step clips the {norm_name(report.norm_type)}"
-    if (
-        report.global_norm is None
-        or report.max_norm is None
-        or not math.isfinite(report.global_norm)
-        or not math.isfinite(report.max_norm)
-    ):
-        return "max_norm or the global norm is unknown or not finite"
-    if report.max_norm <= 0:
-        return "max_norm must be positive"
-    if not report.ranks:
-        return "no rank could be read"
-    return ""
-
-
-ChartRow = tuple[str, float, float]
-"""(label, part of the squared norm, share)."""
-
-
-def _largest_in_rank_order(rows: list[ChartRow], limit: int) -> tuple[list[ChartRow], int]:
-    """The `limit` rows with the largest values, kept in rank order, and how many were left out."""
-    if len(rows) <= limit:
-        return list(rows), 0
-    largest = sorted(range(len(rows)), key=lambda i: -rows[i][1])[:limit]
-    return [rows[i] for i in sorted(largest)], len(rows) - limit
+    if chart.num_hidden:
+        console.print(_line((f"  {chart.num_hidden} smaller ranks not drawn", "dim")))
 
 
 def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
