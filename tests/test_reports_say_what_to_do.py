@@ -170,7 +170,9 @@ def test_a_run_folder_lists_failing_steps_first_and_folds_the_clean_ones(tmp_pat
     rows = _summary_rows(out)
     assert rows == ["4", "9", "1–3", "5–8", "10–12"], out
     assert "12 steps (2 failing)" in out and "step 5 ─" not in out
+    assert "· fix: gradaudit explain GA201" in out
     code, markdown = _cli(capsys, "check", str(run), "--format", "markdown")
+    assert "(fix: `gradaudit explain GA201`)" in markdown
     assert "| 1–3 (3 steps) |" in markdown and markdown.index("| 4 |") < markdown.index("| 1–3 (3 steps) |")
     MarkdownIt().parse(markdown)
 

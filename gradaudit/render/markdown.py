@@ -477,7 +477,11 @@ def _step_brief(report: Report) -> list[str]:
     blocks = [_verdict(report), _headline_table(report)]
     if report.missing_ranks:
         blocks.append(f"**Missing ranks:** {fmt_rank_set(report.missing_ranks, max_chars=200)}.")
-    items = [f"{_finding_line(f)}: {_message(f.message)}" for f in report.findings]
+    items = [
+        f"{_finding_line(f)}: {_message(f.message)}"
+        + (f" (fix: `gradaudit explain {_md(f.code)}`)" if f.fix else "")
+        for f in report.findings
+    ]
     items += [f"**warning:** {_md(w, MAX_MESSAGE_CHARS)}" for w in report.warnings]
     if items:
         blocks.append(_bullets_within(items, FINDINGS_BRIEF_BUDGET))

@@ -424,6 +424,7 @@ def _print_step_brief(console: Console, report: Report) -> None:
                 (f"{finding.severity.value:<7}", _SEVERITY_STYLE[finding.severity]),
                 f" {printable(finding.code)} {printable(finding.title)}",
                 (ranks, "dim"),
+                (f" · fix: gradaudit explain {printable(finding.code)}" if finding.fix else "", "dim"),
             )
         )
     for warning in report.warnings:
