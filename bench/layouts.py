@@ -127,11 +127,11 @@ def write_dense_dump(
     """Write a full dump of about `num_elements` gradient elements over `num_ranks` FSDP1-style ranks.
 
     All ranks' gradients are generated first (held in memory) so that every rank can report the true
-    norm; then each rank's file is written with `gradaudit.dumpfile.build.write_rank`.
+    norm; then each rank's file is written with `gradaudit.capture.build.write_rank`.
     """
     import torch
 
-    from gradaudit.dumpfile.build import flat, write_rank
+    from gradaudit.capture.build import flat, write_rank
     from gradaudit.model import ClipRecord
     from gradaudit.norms import expected_clip_coef
 

@@ -132,7 +132,7 @@ def dense_section(workdir: Path, gib: float, repeats: int) -> None:
 def _write_one_param(directory: Path, mib: int) -> None:
     import torch
 
-    from gradaudit.dumpfile.build import whole, write_rank
+    from gradaudit.capture.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
     grad = torch.randn(mib * MIB // 4, generator=torch.Generator().manual_seed(0)) * 1e-3
@@ -214,7 +214,7 @@ def replicas_section(workdir: Path, ranks: int) -> None:
 CAPTURE_SCRIPT = """
 import statistics, time, torch
 torch.set_num_threads(1)
-from gradaudit.engine.tensorstats import stats_of_tensor
+from gradaudit.capture.tensorstats import stats_of_tensor
 torch.manual_seed(0)
 grads = [torch.randn(n) for n in [{sizes}]]
 a, b = [], []

@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(session, name)
     if name == "run_reference":
-        from .reference_run import run_reference
+        from .capture.reference_run import run_reference
 
         return run_reference
     if name == "__version__":

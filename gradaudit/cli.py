@@ -13,7 +13,7 @@ import typer
 from .errors import GradauditError
 
 if TYPE_CHECKING:
-    from .report import MultiStepReport, Report
+    from .report.model import MultiStepReport, Report
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -65,7 +65,9 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
-    output.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    from .reportfile import write_report_file
+
+    write_report_file(output, text if text.endswith("\n") else text + "\n")
 
 
 @app.command()
@@ -75,7 +77,7 @@ def show(
 ) -> None:
     """List what a step folder holds: ranks, topology, parameters and who holds which part."""
     from .dumpfile import load_step
-    from .inventory import build_inventory, inventory_to_json
+    from .report.inventory import build_inventory, inventory_to_json
 
     inventory = build_inventory(load_step(directory))
     if format is ShowFormat.json:
@@ -135,7 +137,7 @@ def check(
     from .audit import audit_folder
     from .checks.base import AuditOptions
     from .errors import UsageError
-    from .report import MultiStepReport
+    from .report.model import MultiStepReport
 
     if output is not None:
         _refuse_output_path(output, [directory] + ([reference] if reference is not None else []))
@@ -148,8 +150,8 @@ def check(
         )
     except ValueError as exc:
         raise UsageError(f"{exc}; pass --rtol/--atol as non-negative numbers") from None
-    from .engine.scaleout import launch_env, scaled_out
-    from .render.progress import check_progress
+    from .progress import check_progress
+    from .scaleout import launch_env, scaled_out
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
@@ -172,18 +174,9 @@ def check(
 
 
 def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
-    """The report may go anywhere the user names, except over a folder or into a dump being read."""
-    from .errors import UsageError
+    from .reportfile import refuse_output_path
 
-    if output.is_dir():
-        raise UsageError(f"{output}: --output names a folder; give a file name such as report.md")
-    target = output.resolve()
-    for folder in dump_dirs:
-        root = folder.resolve()
-        if target == root or root in target.parents:
-            raise UsageError(
-                f"{output}: --output lies inside the dump folder {folder}; write the report elsewhere"
-            )
+    refuse_output_path(output, dump_dirs)
 
 
 def _emit_report(
@@ -215,7 +208,7 @@ def _render(
     to_file: bool,
     failing_only: bool = False,
 ) -> str:
-    from .report import MultiStepReport
+    from .report.model import MultiStepReport
 
     if format is OutputFormat.json:
         from .render import json as json_renderer
@@ -239,7 +232,7 @@ def _render(
 
 
 def _fails(reports: Sequence[Report], fail_on: FailOn) -> bool:
-    from .report import Severity
+    from .report.model import Severity
 
     if fail_on is FailOn.never:
         return False

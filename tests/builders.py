@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from gradaudit.audit import audit_step_dir
+from gradaudit.capture.build import PieceSpec, box, flat, whole, write_rank
 from gradaudit.checks.base import AuditOptions
-from gradaudit.dumpfile.build import PieceSpec, box, flat, whole, write_rank
 from gradaudit.model import ClipRecord, DataRecord, Topology
-from gradaudit.report import Report
+from gradaudit.report.model import Report
 
 __all__ = ["box", "check", "clip", "codes", "flat", "sharded_rows", "tensor_with_norm", "whole", "write_step"]
 

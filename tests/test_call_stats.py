@@ -10,10 +10,10 @@ import torch
 from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 import gradaudit
+from gradaudit.capture.build import box, write_rank
+from gradaudit.capture.tensorstats import stats_of_tensor
 from gradaudit.dumpfile import TensorReader, load_step
-from gradaudit.dumpfile.build import box, write_rank
 from gradaudit.dumpfile.header import read_header
-from gradaudit.engine.tensorstats import stats_of_tensor
 from gradaudit.errors import DumpFormatError
 from gradaudit.model import ClipCall, ClipRecord
 

@@ -12,9 +12,9 @@ from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 -
 
 import gradaudit
 from gradaudit.capture.snapshots import Snapshots
-from gradaudit.capture.warn import CaptureWarning
 from gradaudit.dumpfile import DumpExistsError, load_step
 from gradaudit.errors import CaptureError
+from gradaudit.warn import CaptureWarning
 
 
 def _backward(model):

@@ -3,7 +3,7 @@
 import torch
 from builders import box, check, clip, codes, finding, flat, not_checked, whole, write_step
 
-from gradaudit.checks.sweep import coverage, flat_range_boxes
+from gradaudit.analysis.geometry import coverage, flat_range_boxes
 
 
 def _two_row_shards(tmp_path, *, ranks=(0, 1), clips=None, offsets=((0, 0), (2, 0)), rows=(2, 2)):

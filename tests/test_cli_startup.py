@@ -13,7 +13,7 @@ HEAVY = (
     "pydantic",
     "safetensors",
     "gradaudit.capture",
-    "gradaudit.engine.measure",
+    "gradaudit.measure.measure",
     "gradaudit.model",
 )
 
@@ -33,19 +33,19 @@ def test_help_explain_and_import_load_neither_torch_nor_pydantic_nor_the_checker
     assert check_modules == []
 
 
-_LIGHT_CHECKS = {"gradaudit.checks.registry", "gradaudit.checks.base", "gradaudit.checks.explanations"}
+_LIGHT_CHECKS = {"gradaudit.checks.registry", "gradaudit.checks.base"}
 
 NOT_FOR_A_PLAIN_CHECK = (
     "torch",
     "safetensors",
     "gradaudit.capture",
     "gradaudit.demo",
-    "gradaudit.reference_run",
-    "gradaudit.inventory",
-    "gradaudit.updates_explained",
-    "gradaudit.engine.reference",
-    "gradaudit.engine.tensorstats",
-    "gradaudit.dumpfile.build",
+    "gradaudit.capture.reference_run",
+    "gradaudit.report.inventory",
+    "gradaudit.analysis.updates",
+    "gradaudit.measure.reference",
+    "gradaudit.capture.tensorstats",
+    "gradaudit.capture.build",
     "gradaudit.render.markdown",
     "gradaudit.render.json",
     "gradaudit.render.inventory",

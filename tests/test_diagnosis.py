@@ -6,9 +6,9 @@ import pytest
 import torch
 from builders import box, check, clip, codes, flat, sharded_rows, tensor_with_norm, whole, write_step
 
-from gradaudit.diagnosis import diagnose_step
+from gradaudit.analysis.diagnosis import diagnose_step
 from gradaudit.dumpfile import TensorReader, load_step
-from gradaudit.engine.measure import measure_step
+from gradaudit.measure.measure import measure_step
 from gradaudit.model import ClipRecord, Topology
 
 

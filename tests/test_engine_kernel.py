@@ -11,10 +11,10 @@ from builders import FIXED, flat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradaudit.capture.build import write_rank
+from gradaudit.capture.tensorstats import stats_of_tensor
 from gradaudit.dumpfile import TensorReader, load_step
-from gradaudit.dumpfile.build import write_rank
-from gradaudit.engine.kernel import ChunkKernel, StatsSums
-from gradaudit.engine.tensorstats import stats_of_tensor
+from gradaudit.measure.kernel import ChunkKernel, StatsSums
 from gradaudit.model import ClipRecord
 
 
@@ -87,8 +87,8 @@ def test_fingerprints_are_computed_only_when_asked_for_and_then_equal_the_accumu
 
 
 def test_the_measurement_chunk_is_the_kernel_chunk():
-    from gradaudit.engine.kernel import KERNEL_CHUNK_ELEMENTS
-    from gradaudit.engine.measure import CHUNK_ELEMENTS
+    from gradaudit.measure.kernel import KERNEL_CHUNK_ELEMENTS
+    from gradaudit.measure.measure import CHUNK_ELEMENTS
 
     assert CHUNK_ELEMENTS == KERNEL_CHUNK_ELEMENTS
 

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from import_probe import matching, modules_gradaudit_imports
 
-from gradaudit.engine.dtypes import STORAGE, widen
-from gradaudit.engine.kernel import StatsSums, stats_of_array
-from gradaudit.engine.tensorstats import stats_of_tensor
+from gradaudit.capture.tensorstats import stats_of_tensor
+from gradaudit.dumpfile.dtypes import STORAGE, widen
+from gradaudit.measure.kernel import StatsSums, stats_of_array
 from gradaudit.norms import norm_of_terms
 
 ROOT = Path(__file__).resolve().parents[1]

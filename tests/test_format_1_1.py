@@ -13,8 +13,8 @@ import torch
 from builders import FIXED
 from hostile.cli import assert_clean_refusal, run_cli
 
+from gradaudit.capture.build import box, flat, whole, write_rank
 from gradaudit.dumpfile import load_rank_file, load_step
-from gradaudit.dumpfile.build import box, flat, whole, write_rank
 from gradaudit.dumpfile.columnar import COORDS, PIECES, counts_key, stats_key, to_columns
 from gradaudit.dumpfile.schema import METADATA_KEY, encode_rank
 from gradaudit.errors import DumpFormatError

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from builders import FIXED
 
+from gradaudit.capture.build import whole, write_rank
 from gradaudit.dumpfile import load_step
-from gradaudit.dumpfile.build import whole, write_rank
 from gradaudit.model import ClipRecord, Topology
 
 

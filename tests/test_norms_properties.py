@@ -8,10 +8,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradaudit.checks.sweep import coverage, region_boxes
-from gradaudit.diagnosis import disjoint_cover, norm_of_pieces
-from gradaudit.engine.measure import PieceMeasurement
-from gradaudit.engine.tensorstats import stats_of_tensor
+from gradaudit.analysis.diagnosis import disjoint_cover, norm_of_pieces
+from gradaudit.analysis.geometry import coverage, region_boxes
+from gradaudit.capture.tensorstats import stats_of_tensor
+from gradaudit.measure.measurements import PieceMeasurement
 from gradaudit.model import Box, FlatRange
 from gradaudit.norms import expected_clip_coef
 

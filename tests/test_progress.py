@@ -6,7 +6,7 @@ import io
 import sys
 from pathlib import Path
 
-from gradaudit.render.progress import DelayedProgress, check_progress
+from gradaudit.progress import DelayedProgress, check_progress
 
 
 class FakeTerminal(io.StringIO):
@@ -63,8 +63,8 @@ SAMPLE = Path(__file__).resolve().parent.parent / "sample_dumps" / "fsdp2_correc
 
 
 def _check_on_a_terminal(monkeypatch, output_format: str) -> tuple[str, str]:
+    from gradaudit import progress as progress_module
     from gradaudit.cli import main
-    from gradaudit.render import progress as progress_module
 
     monkeypatch.setattr(progress_module, "SHOW_AFTER_S", 0.0)
     monkeypatch.setattr(sys, "stdout", FakeTerminal())

@@ -13,7 +13,7 @@ import pytest
 from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
-from gradaudit.report import (
+from gradaudit.report.model import (
     REPORT_VERSION,
     Environment,
     Finding,

@@ -13,7 +13,7 @@ import pytest
 from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
-from gradaudit.report import (
+from gradaudit.report.model import (
     Environment,
     Finding,
     NonfiniteCounts,
@@ -202,7 +202,7 @@ def test_markdown_with_every_rank_asked_for_lists_each_rank() -> None:
 def test_a_folder_of_many_steps_lists_quiet_steps_in_one_line_and_bounds_the_step_sections() -> None:
     from dataclasses import replace
 
-    from gradaudit.report import MultiStepReport, StepSummary
+    from gradaudit.report.model import MultiStepReport, StepSummary
 
     noisy = big_report(64, num_findings=3)
     quiet = replace(big_report(64, num_findings=0), warnings=())

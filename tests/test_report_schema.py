@@ -13,7 +13,7 @@ import pytest
 from gradaudit.cli import main
 from gradaudit.demo import scenario_names
 from gradaudit.render import json as json_render
-from gradaudit.report import REPORT_VERSION
+from gradaudit.report.model import REPORT_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_JSON = sorted((REPO / "tests" / "golden").glob("*.json"))

@@ -11,12 +11,12 @@ import torch
 from builders import check, clip, finding, flat, sharded_rows, tensor_with_norm, write_step
 from markdown_it import MarkdownIt
 
+from gradaudit.checks.fixes import fix_for
 from gradaudit.cli import main
-from gradaudit.fixes import fix_for
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.render.text import clip_sentences
-from gradaudit.sentences import fold_sentences
+from gradaudit.report.sentences import fold_sentences
 from gradaudit.version import __version__
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_failing_only_prints_only_the_failing_steps(tmp_path, capsys):
 
 
 def test_hints_and_fixes_name_the_api_the_dump_was_captured_with(tmp_path):
-    from gradaudit.dumpfile.build import write_rank
+    from gradaudit.capture.build import write_rank
 
     grads = [tensor_with_norm(0.8, (6,), seed=r, dtype=torch.float64) for r in range(2)]
     for rank in range(2):
@@ -273,7 +273,7 @@ def test_a_run_folders_markdown_draws_the_trend_with_failing_steps_marked(tmp_pa
 
 def test_charts_stay_bounded_at_any_world_size_and_step_count(tmp_path):
     from gradaudit.render.charts import MAX_CHART_RANKS, MAX_TREND_STEPS, trend_points
-    from gradaudit.report import MultiStepReport, StepSummary
+    from gradaudit.report.model import MultiStepReport, StepSummary
 
     report = check(_local_clip(tmp_path / "s", num_ranks=64, shard_norm=0.05))
     (chart,) = _mermaid_blocks(markdown_render.render_report(report))

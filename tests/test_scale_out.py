@@ -15,12 +15,12 @@ from builders import FIXED, box, flat, whole
 from scaleout_support import launch, single_process
 
 from gradaudit.audit import audit_folder
+from gradaudit.capture.build import write_rank
 from gradaudit.checks.base import AuditOptions
-from gradaudit.dumpfile.build import write_rank
-from gradaudit.engine.measure import bytes_to_read, measure_step
-from gradaudit.engine.scaleout import LaunchEnv, launch_env, share_of
+from gradaudit.measure.measure import bytes_to_read, measure_step
 from gradaudit.model import ClipRecord, Topology
 from gradaudit.render import json as json_renderer
+from gradaudit.scaleout import LaunchEnv, launch_env, share_of
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = REPO / "sample_dumps"

@@ -14,11 +14,11 @@ import torch
 from builders import FIXED, box, whole
 from scaleout_support import REPO, TIMEOUT_S, launch, single_process
 
+from gradaudit.capture.build import write_rank
 from gradaudit.dumpfile import load_step
-from gradaudit.dumpfile.build import write_rank
 from gradaudit.dumpfile.loader import load_rank_files, rank_files
-from gradaudit.engine.scaleout import share_of
 from gradaudit.model import ClipRecord, Topology
+from gradaudit.scaleout import share_of
 
 ROWS = {0: 40, 1: 8, 2: 8, 3: 16, 4: 8}
 """Rows of `w` per rank: rank 0's file is the largest, so shares by bytes differ from shares by count."""

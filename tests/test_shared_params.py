@@ -14,8 +14,8 @@ import torch
 from builders import FIXED
 from hostile.cli import assert_clean_refusal, run_cli
 
+from gradaudit.capture.build import flat, whole, write_rank
 from gradaudit.dumpfile import load_rank_file, load_step
-from gradaudit.dumpfile.build import flat, whole, write_rank
 from gradaudit.dumpfile.paramtable import TABLE_METADATA_KEY, is_table_file
 from gradaudit.dumpfile.schema import METADATA_KEY
 from gradaudit.model import ClipRecord

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaudit.engine.tensorstats import (
+from gradaudit.capture.tensorstats import (
     CPU_CHUNK_ELEMENTS,
     FINGERPRINT_PERIOD,
     StatsAccumulator,

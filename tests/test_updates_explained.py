@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradaudit.updates_explained import judge_elements
+from gradaudit.analysis.updates import judge_elements
 
 LR = 0.1
 

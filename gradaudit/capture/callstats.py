@@ -19,7 +19,7 @@ def grad_stats_of_snapshot(snapshots: Snapshots) -> dict[int, TensorStats]:
     Reuses the statistics stats mode already computed, else computes them from the kept copy where it
     lives; a piece without a snapshot had no gradient at that moment and counts as zeros.
     """
-    from ..engine.tensorstats import stats_of_tensor
+    from .tensorstats import stats_of_tensor
 
     out: dict[int, TensorStats] = {}
     for index, piece in enumerate(snapshots.pieces):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
 from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam, TensorStats, Topology
+from ..warn import warn_once
 from .arguments import (
     MODES,
     check_max_norm,
@@ -31,7 +32,6 @@ from .ownership import LocalPiece
 from .scaler import ScalerWatch
 from .snapshots import Snapshots
 from .topology import axis_names, normalize_groups, with_norm_group
-from .warn import warn_once
 from .write import build_rank_dump, write_dump
 
 if TYPE_CHECKING:
@@ -507,7 +507,7 @@ def _selected(step: int, *, steps: Iterable[int] | int | None, every: int | None
         raise CaptureError(f"enabled= must be True or False, got {enabled!r}")
     if steps is None and every is None:
         return enabled
-    from ..integrations.steps import select_steps
+    from .steps import select_steps
 
     return enabled and select_steps(steps, every).wants(step)
 

@@ -41,8 +41,9 @@ SAFETENSORS_DTYPES = {
     "BOOL": ("bool", 1),
 }
 """Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
+
 DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
-ITEMSIZES = dict(SAFETENSORS_DTYPES.values())
+"""The safetensors code of each dtype name, for the writer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,3 +325,32 @@ def _check_layout(path: str, tensors: Mapping[str, TensorEntry], data_start: int
 def read_header(path: str) -> Header:
     """Parse and validate the header of a safetensors file; raise DumpFormatError on any defect."""
     return validate_tensors(read_raw_header(path))
+
+
+def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
+    """The format-1.1 column tensors of a file as numpy arrays (their sizes were checked against
+    the file by validate_tensors, so nothing here allocates more than the file holds)."""
+    import numpy as np
+
+    from .columnar import PREFIX
+
+    dtypes = {"int64": np.int64, "float64": np.float64, "uint8": np.uint8}
+    arrays: dict[str, Any] = {}
+    for key, entry in header.tensors.items():
+        if not key.startswith(PREFIX):
+            continue
+        if entry.dtype not in dtypes:
+            raise DumpFormatError(
+                path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
+            )
+        try:
+            handle.seek(entry.begin)
+            raw = read_exactly(handle, entry.end - entry.begin)
+        except OSError as exc:
+            raise DumpFormatError(path, os_problem(exc)) from None
+        if len(raw) != entry.end - entry.begin:
+            raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
+        arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
+            entry.shape
+        )
+    return arrays

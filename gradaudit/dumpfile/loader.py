@@ -12,7 +12,7 @@ import stat
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ..errors import DumpFormatError, GradauditError, StepFolderError
 from ..model import Inconsistency, ParamInfo, RankDump, StepDump, Topology
@@ -25,7 +25,7 @@ from .header import (
     open_regular_file,
     os_problem,
     parse_json,
-    read_exactly,
+    read_columns,
     read_raw_header_from,
     shown,
     validate_tensors,
@@ -74,7 +74,7 @@ def _load_rank_from(
     except (ValueError, RecursionError) as exc:
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({clipped(first_line)})") from None
-    arrays = _read_columns(handle, path, header) if isinstance(doc, dict) and "columnar" in doc else None
+    arrays = read_columns(handle, path, header) if isinstance(doc, dict) and "columnar" in doc else None
     if (
         arrays is not None
         and isinstance(doc["columnar"], dict)
@@ -84,35 +84,6 @@ def _load_rank_from(
     dump = decode_rank(doc, path, num_bytes=header.file_size, arrays=arrays, params_cache=params_cache)
     _check_tensors_against_header(dump, header)
     return dump, header
-
-
-def _read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
-    """The format-1.1 column tensors of a file as numpy arrays (their sizes were checked against
-    the file by validate_tensors, so nothing here allocates more than the file holds)."""
-    import numpy as np
-
-    from .columnar import PREFIX
-
-    dtypes = {"int64": np.int64, "float64": np.float64, "uint8": np.uint8}
-    arrays: dict[str, Any] = {}
-    for key, entry in header.tensors.items():
-        if not key.startswith(PREFIX):
-            continue
-        if entry.dtype not in dtypes:
-            raise DumpFormatError(
-                path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
-            )
-        try:
-            handle.seek(entry.begin)
-            raw = read_exactly(handle, entry.end - entry.begin)
-        except OSError as exc:
-            raise DumpFormatError(path, os_problem(exc)) from None
-        if len(raw) != entry.end - entry.begin:
-            raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
-        arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
-            entry.shape
-        )
-    return arrays
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:

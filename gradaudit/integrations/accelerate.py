@@ -28,8 +28,8 @@ from typing import Any
 
 from ..capture.optimizers import hookable_optimizer
 from ..capture.session import AuditStep
+from ..capture.steps import select_steps
 from ..errors import CaptureError
-from .steps import select_steps
 
 
 class AccelerateAudit:

@@ -29,8 +29,8 @@ from typing import Any
 
 from ..capture.ownership import LocalPiece
 from ..capture.session import AuditStep
+from ..capture.steps import select_steps
 from ..model import FlatRange
-from .steps import select_steps
 
 
 class DeepSpeedAudit:

@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import Callback
 
 from ..capture.arguments import norm_results, opt_float
 from ..capture.session import AuditStep
-from ..capture.warn import warn_once
-from .steps import select_steps
+from ..capture.steps import select_steps
+from ..warn import warn_once
 
 
 class GradAuditCallback(Callback):

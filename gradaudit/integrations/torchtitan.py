@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.session import AuditStep
+from ..capture.steps import select_steps
 from ..errors import CaptureError
-from .steps import select_steps
 
 
 class TorchtitanAudit:

@@ -9,8 +9,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..report import MultiStepReport, Report
-from .numbers import fmt_float, norm_name
+from ..norms import norm_name
+from ..report.model import MultiStepReport, Report
+from .numbers import fmt_float
 
 MAX_CHART_RANKS = 16
 MAX_TREND_STEPS = 48

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ..report import NonfiniteCounts, RankRow
+from ..report.model import NonfiniteCounts, RankRow
 from .numbers import fmt_coef, fmt_float, fmt_nonfinite, fmt_percent, fmt_ranks
 
 

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..ranksets import rank_runs
-from ..report import (
+from ..report.model import (
     Environment,
     Finding,
     MultiStepReport,

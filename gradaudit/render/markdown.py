@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..report import Finding, MultiStepReport, Report, Severity
+from ..norms import norm_name
+from ..report.model import Finding, MultiStepReport, Report, Severity
 from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
 from .fold import (
     fmt_groups,
@@ -24,7 +25,6 @@ from .numbers import (
     fmt_percent,
     fmt_replica_of,
     fmt_value,
-    norm_name,
     reference_worst_first,
     replica_owners,
     unsaid_diagnosis_groups,

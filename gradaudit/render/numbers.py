@@ -8,7 +8,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 
 from ..ranksets import compact_ranks
-from ..report import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
+from ..report.model import Finding, NonfiniteCounts, ParamComparison, RankRow, Severity
 
 SIGNIFICANT_DIGITS = 6
 MISSING = "-"
@@ -40,18 +40,6 @@ def fmt_coef(value: float | None) -> str:
     if text == "1" and value is not None and value != 1:
         return f"{float(value):.10g}"
     return text
-
-
-def fmt_norm_type(norm_type: float | None) -> str:
-    """2.0 -> "2", inf -> "inf", 3.5 -> "3.5"."""
-    return fmt_float(norm_type)
-
-
-def norm_name(norm_type: float | None) -> str:
-    """ "L2 norm", "L1 norm", "Linf norm"; "norm" when unknown."""
-    if norm_type is None:
-        return "norm"
-    return f"L{fmt_norm_type(norm_type)} norm"
 
 
 def fmt_percent(fraction: float | None) -> str:
@@ -159,7 +147,7 @@ def diagnosis_groups(rows: Sequence[RankRow]) -> list[tuple[str, str, tuple[int,
     Ranks whose explanations differ only in their numbers share one sentence (`fold_sentences`), so
     that the explanation is said once, with a rank range, however many ranks it covers.
     """
-    from ..sentences import fold_sentences
+    from ..report.sentences import fold_sentences
 
     by_diagnosis: dict[str, list[tuple[int, str]]] = {}
     for row in rows:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..report import MultiStepReport, Report, Severity, StepSummary
+from ..report.model import MultiStepReport, Report, Severity, StepSummary
 
 Span = tuple[float | None, float | None]
 

@@ -13,7 +13,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
-from ..report import Finding, MultiStepReport, RankRow, Report, Severity
+from ..norms import norm_name
+from ..report.model import Finding, MultiStepReport, RankRow, Report, Severity
 from .charts import MAX_CHART_RANKS, share_chart
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
@@ -25,7 +26,6 @@ from .numbers import (
     fmt_ranks,
     fmt_replica_of,
     fmt_value,
-    norm_name,
     reference_worst_first,
     replica_owners,
     unsaid_diagnosis_groups,

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gradaudit.dumpfile.build import box, whole, write_rank
+from gradaudit.capture.build import box, whole, write_rank
 from gradaudit.model import ClipRecord, DataRecord, Topology
 
 WORLD_SIZE = 2

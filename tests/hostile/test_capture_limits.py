@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import gradaudit
+from gradaudit.capture.build import whole, write_rank
 from gradaudit.dumpfile import load_step
-from gradaudit.dumpfile.build import whole, write_rank
 from gradaudit.dumpfile.writer import UnreadableDumpError
 from gradaudit.errors import CaptureError
 from gradaudit.model import ClipRecord, DataRecord

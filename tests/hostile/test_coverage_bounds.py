@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaudit.checks.sweep import _Budget, _union, coverage
+from gradaudit.analysis.geometry import _Budget, _union, coverage
 
 from .cli import no_hang, run_cli
 from .corpus import edit_metadata, rank_path, write_valid_step

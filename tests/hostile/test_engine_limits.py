@@ -14,7 +14,7 @@ import pytest
 import torch
 from builders import FIXED, check
 
-from gradaudit.dumpfile.build import flat, whole, write_rank
+from gradaudit.capture.build import flat, whole, write_rank
 from gradaudit.dumpfile.writer import write_rank_file
 from gradaudit.model import ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats
 

@@ -14,7 +14,7 @@ from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.render.text import markdown_escape, printable
-from gradaudit.report import (
+from gradaudit.report.model import (
     Environment,
     Finding,
     MultiStepReport,

@@ -33,8 +33,13 @@ FORBIDDEN = {
 }
 
 
+TEST_HELPERS = PACKAGE / "testing"
+"""gradaudit.testing sends the user's own test functions to the rank processes it starts, by pickling
+as multiprocessing does; it reads no dump but through the loader. Nothing else imports it."""
+
+
 def test_the_package_source_never_mentions_pickle_torch_load_eval_or_exec():
-    sources = sorted(PACKAGE.rglob("*.py"))
+    sources = sorted(path for path in PACKAGE.rglob("*.py") if TEST_HELPERS not in path.parents)
     assert len(sources) > 10
     hits = [
         f"{path.relative_to(PACKAGE)}:{number}: {what}"
@@ -42,6 +47,17 @@ def test_the_package_source_never_mentions_pickle_torch_load_eval_or_exec():
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
         for what, pattern in FORBIDDEN.items()
         if re.search(pattern, line)
+    ]
+    assert hits == []
+
+
+def test_no_module_outside_the_test_helpers_imports_them():
+    sources = sorted(path for path in PACKAGE.rglob("*.py") if TEST_HELPERS not in path.parents)
+    hits = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in sources
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bimport\b.*\btesting\b|\bfrom\s+(gradaudit)?\.*testing\b", line)
     ]
     assert hits == []
 
@@ -71,7 +87,7 @@ HOSTILE_NAMES = (
 
 def _write_hostile_step(root: Path) -> Path:
     """Every parameter has a nan gradient, so that `check` names each one in a finding (GA401)."""
-    from gradaudit.dumpfile.build import whole, write_rank
+    from gradaudit.capture.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
     step_dir = root / "step_1"
@@ -137,7 +153,7 @@ def _explode(*args, **kwargs):
 
 def test_an_internal_error_is_exit_3_with_one_line_and_a_debug_hint(tmp_path, capsys, monkeypatch):
     step_dir = write_valid_step(tmp_path / "step_7")
-    monkeypatch.setattr("gradaudit.inventory.build_inventory", _explode)
+    monkeypatch.setattr("gradaudit.report.inventory.build_inventory", _explode)
     outcome = run_cli(capsys, "show", str(step_dir))
     assert outcome.code == 3
     assert len(outcome.stderr_lines) == 1 and "Traceback" not in outcome.stderr
@@ -148,7 +164,7 @@ def test_an_internal_error_is_exit_3_with_one_line_and_a_debug_hint(tmp_path, ca
 
 def test_debug_prints_the_traceback_of_an_internal_error(tmp_path, capsys, monkeypatch):
     step_dir = write_valid_step(tmp_path / "step_7")
-    monkeypatch.setattr("gradaudit.inventory.build_inventory", _explode)
+    monkeypatch.setattr("gradaudit.report.inventory.build_inventory", _explode)
     outcome = run_cli(capsys, "--debug", "show", str(step_dir))
     assert outcome.code == 3
     assert "Traceback (most recent call last)" in outcome.stderr
@@ -265,7 +281,7 @@ def test_chunks_of_a_tensor_claiming_1e15_rows_of_nothing_end_at_once(tmp_path):
 
 
 def test_chunks_and_whole_reads_agree_for_every_float_dtype(tmp_path):
-    from gradaudit.dumpfile.build import whole, write_rank
+    from gradaudit.capture.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
     dtypes = (

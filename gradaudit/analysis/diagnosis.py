@@ -1,0 +1,943 @@
+"""Which norm did the training code use? The true global norm, the norms common mistakes produce,
+and the match of each rank's reported norm against them (pure: works on measurements only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+from ..measure.columns import StepColumns, fsum_array, norm_of_term_array
+from ..measure.measurements import PieceMeasurement, StepMeasurements
+from ..model import ClipRecord, Piece, RankDump, StepDump, TensorStats
+from ..norms import (
+    CLIP_EPS,
+    divide_by_power,
+    expected_clip_coef,
+    is_inf_norm,
+    norm_of_terms,
+    norm_rtol,
+    relative_difference,
+    safe_fsum,
+)
+from ..ranksets import compact_ranks
+from .hypotheses import (
+    Extra,
+    NormOf,
+    ParamGroup,
+    averaged_candidates,
+    group_candidates,
+    groups_of,
+    overflow_candidates,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+MIN_RTOL = 1e-6
+"""The tightest tolerance for matching numbers the training code computed: even with float64
+gradients, norms and coefficients are often computed or logged in float32."""
+
+CORRECT = "correct"
+LOCAL_ONLY = "local_only"
+DOUBLE_COUNTED = "replicas_double_counted"
+WRONG_GROUP = "wrong_group"
+LOSS_SCALED = "loss_scaled"
+UNEXPLAINED = "unexplained"
+
+
+def stats_term(stats: TensorStats, norm_type: float) -> float | None:
+    """The piece's term of the p-norm (sum |x|^p, or max |x| for inf); None when the stats lack it."""
+    if is_inf_norm(norm_type):
+        return stats.max_abs
+    if stats.norm_type == norm_type:
+        return stats.sum_pow
+    if norm_type == 2.0:
+        return stats.sum_sq
+    return None
+
+
+def norm_of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: str = "grad") -> float | None:
+    """The p-norm of the given pieces, each counted as given; nan if any holds a nan, inf if any an inf.
+
+    Pieces without the kind count as zero (a parameter without gradient); None when a piece's stats
+    were taken for another norm type and cannot give this one.
+    """
+    terms, has_nan, has_inf = [], False, False
+    inf_norm = is_inf_norm(norm_type)
+    for piece in pieces:
+        stats = piece.stats.get(kind)
+        if stats is None:
+            continue
+        if inf_norm:  # stats_term, inlined: this runs once per piece of the step
+            term = stats.max_abs
+        elif stats.norm_type == norm_type:
+            term = stats.sum_pow
+        elif norm_type == 2.0:
+            term = stats.sum_sq
+        else:
+            return None
+        terms.append(term)
+        if stats.num_nan or stats.num_posinf or stats.num_neginf:
+            has_nan |= stats.num_nan > 0
+            has_inf |= (stats.num_posinf + stats.num_neginf) > 0
+    if has_nan:
+        return math.nan
+    if has_inf:
+        return math.inf
+    return norm_of_terms(terms, norm_type)
+
+
+_RANK_AND_INDEX = operator.attrgetter("rank", "index")
+
+
+def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]:
+    """One piece per layout: replicas count once, through their lowest-rank copy."""
+    chosen: dict[tuple[Any, ...], PieceMeasurement] = {}
+    for piece in sorted(pieces, key=_RANK_AND_INDEX):
+        chosen.setdefault(piece.layout_key, piece)
+    return list(chosen.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """A norm some accounting (correct or mistaken) produces from this step's pieces."""
+
+    hypothesis: str
+    """The accounting's name ("correct", "local_only", "wrong_group:tp", "loss_scaled:...")."""
+    value: float
+    description: str
+    """What it counts, in words, for the report."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Match:
+    """What a rank's number (reported, or implied by its coefficient) matched, within tolerance."""
+
+    observed: float
+    what: str
+    """"reported norm" or "norm implied by the applied coefficient"."""
+    candidate: Candidate | None
+    coinciding: tuple[str, ...] = ()
+    """Other hypotheses that give the same number within tolerance: they cannot be told apart."""
+
+    @property
+    def hypothesis(self) -> str:
+        return UNEXPLAINED if self.candidate is None else self.candidate.hypothesis
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankDiagnosis:
+    """Which norm one rank's clipping used, from its reported norm and its applied coefficient."""
+
+    rank: int
+    local_norm: float | None
+    """The norm of this rank's own pieces only."""
+    reported_norm: float | None
+    """The norm the rank's training code reported (of its last clip call)."""
+    applied_coef: float | None
+    """The clip coefficient the rank applied, measured or reported."""
+    coef_source: str | None
+    """Where `applied_coef` comes from: "gradients", "reported" or "reported_norm"."""
+    implied_norm: float | None
+    """The norm a coefficient below 1 was computed from (max_norm / coef - eps)."""
+    candidates: tuple[Candidate, ...]
+    """Every norm an accounting (right or mistaken) gives for this rank, in order of plausibility."""
+    reported_match: Match | None
+    implied_match: Match | None
+    hypothesis: str | None
+    """What the clipping (or, with `logging_bug`, the logging) used; None when nothing to match."""
+    detail: str
+    """One sentence saying what matched what, for the report's rank rows."""
+    logging_bug: bool = False
+    """The reported norm is wrong but the applied coefficient matches the true norm (GA205)."""
+    share_of_squared_norm: float = 0.0
+    """This rank's part of the squared true norm (its pieces in the disjoint cover)."""
+    rtol: float = 1e-4
+    """The tolerance the matches used (by the dumped dtypes)."""
+    true_norm: float | None = None
+    """The true global norm as this rank's data gives it: its own copies of replicated pieces, which
+    differ from the lowest rank's only when replicas drifted apart (GA601)."""
+    expected_coef: float | None = None
+    """The coefficient clipping by `true_norm` gives."""
+    num_clip_calls: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDiagnosis:
+    """The analysis of one step's norm: the truth, and each present rank's diagnosis."""
+
+    norm_type: float
+    max_norm: float | None
+    true_norm: float | None
+    """Every logical element counted once (replicas through the lowest rank); None when unknown."""
+    true_norm_note: str
+    """Why the true norm is unknown, or "" when known."""
+    expected_coef: float | None
+    loss_scale: float | None
+    """The AMP loss scale any rank recorded."""
+    rtol: float
+    ranks: Mapping[int, RankDiagnosis] = field(default_factory=dict)
+    post_clip_norm: float | None = None
+    """The global norm after clipping; with ranks missing (`norm_lower_bound` set), a lower bound."""
+    num_clip_calls: int = 0
+    """The most clip calls any rank made before its optimizer step."""
+    moment: str = ""
+    """When the dumped pre-clip gradient was taken, when that is not simply "before clipping": e.g.
+    "before the last of 2 clip calls". Every norm derived from it is of that moment."""
+    mixed_moments: bool = False
+    """The pre-clip gradient is from before the first of several clip calls and the post-clip one
+    from after the last (a dump without per-call evidence): nothing may be derived across the two."""
+    call_norms: tuple[CallNorm, ...] = ()
+    """The true global norm just before each clip call, from the per-call statistics."""
+    norm_lower_bound: float | None = None
+    """With ranks missing: the norm of what the present ranks hold, a lower bound on the true norm."""
+
+    @property
+    def coef_upper_bound(self) -> float | None:
+        """With ranks missing: the largest coefficient the lower bound on the norm allows."""
+        if self.norm_lower_bound is None or self.max_norm is None:
+            return None
+        return expected_clip_coef(self.norm_lower_bound, self.max_norm)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallNorm:
+    """The true global norm of the gradient just before one clip call (1-based `call`)."""
+
+    call: int
+    norm: float | None
+    replicas_differ: bool = False
+    """Copies of replicated pieces differed at this call (not yet reduced): the lowest rank's count."""
+
+
+def loss_scale_of(step: StepDump) -> float | None:
+    for rank in step.ranks_present:
+        clip = step.ranks[rank].clip
+        if clip is None:
+            continue
+        if clip.loss_scale is not None:
+            return clip.loss_scale
+        for call in clip.calls:
+            if call.loss_scale is not None:
+                return call.loss_scale
+    return None
+
+
+def reported_norm_of(step: StepDump, rank: int) -> float | None:
+    clip = step.ranks[rank].clip
+    if clip is None:
+        return None
+    if clip.reported_norm is not None:
+        return clip.reported_norm
+    for call in reversed(clip.calls):
+        if call.reported_norm is not None:
+            return call.reported_norm
+    return None
+
+
+def applied_coef_of(
+    step: StepDump, rank: int, pieces: Sequence[PieceMeasurement], max_norm: float | None
+) -> tuple[float | None, str | None]:
+    """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
+    from ..measure.table import TablePieces
+
+    if isinstance(pieces, TablePieces) and "grad_clipped" not in pieces.table.kinds:
+        pieces = ()  # statistics of the gradient before clipping only: they give no coefficient
+    # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
+    pre_post = [(p.dot_pre_post, cast(float, p.dot_pre_pre)) for p in pieces if p.dot_pre_post is not None]
+    if pre_post:
+        denominator = safe_fsum(b for _, b in pre_post)
+        if denominator > 0:
+            return safe_fsum(a for a, _ in pre_post) / denominator, "gradients"
+    stat_pairs = [
+        (p.stats["grad"], p.stats["grad_clipped"])
+        for p in pieces
+        if "grad" in p.stats and "grad_clipped" in p.stats
+    ]
+    if stat_pairs and len(stat_pairs) == len([p for p in pieces if "grad" in p.stats]):
+        if sum(b.num_nonfinite for _, b in stat_pairs) > sum(a.num_nonfinite for a, _ in stat_pairs):
+            return (
+                math.nan,
+                "gradients",
+            )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+        pre = safe_fsum(a.sum_sq for a, _ in stat_pairs)
+        post = safe_fsum(b.sum_sq for _, b in stat_pairs)
+        if pre > 0:
+            return math.sqrt(post / pre), "gradients"
+    clip = step.ranks[rank].clip
+    if clip is not None and clip.clip_coef is not None:
+        return clip.clip_coef, "reported"
+    reported = reported_norm_of(step, rank)
+    if reported is not None and max_norm is not None:
+        return expected_clip_coef(reported, max_norm), "reported_norm"
+    return None, None
+
+
+class _RankSetNorms:
+    """Norms of the pieces of any set of ranks, with replicas counted once or per copy, from one index.
+
+    Layouts are numbered once, and each rank's pieces become arrays (layout, term, flags), so that a
+    set of ranks is combined with array operations (the set of every rank is every piece of the
+    step), and every rank set is computed once per step (groups are shared by their members).
+    """
+
+    _UNKNOWN, _NAN, _INF = 1, 2, 4
+
+    def __init__(self, by_rank: Mapping[int, list[PieceMeasurement]], norm_type: float) -> None:
+        import numpy as np
+
+        self.norm_type = norm_type
+        layout_ids: dict[tuple[object, ...], int] = {}
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray] | np.ndarray] = {}
+        """Rank -> its (layouts, terms, flags), or its positions in `self._columns`."""
+        self._columns: StepColumns | None = None
+        by_index = operator.attrgetter("index")
+        inf_norm = is_inf_norm(norm_type)
+        for rank, pieces in by_rank.items():
+            layouts: list[int] = []
+            terms: list[float] = []
+            flags: list[int] = []
+            for piece in sorted(pieces, key=by_index):
+                stats = piece.stats.get("grad")
+                if stats is None:
+                    continue
+                key = piece.layout_key
+                layout = layout_ids.get(key)
+                if layout is None:
+                    layout = layout_ids[key] = len(layout_ids)
+                layouts.append(layout)
+                if inf_norm:
+                    term: float | None = stats.max_abs
+                elif stats.norm_type == norm_type:
+                    term = stats.sum_pow
+                else:
+                    term = stats.sum_sq if norm_type == 2.0 else None
+                terms.append(math.nan if term is None else term)
+                flags.append(
+                    (term is None) | (stats.num_nan > 0) << 1 | (stats.num_posinf + stats.num_neginf > 0) << 2
+                )
+            self._rows[rank] = (
+                np.array(layouts, dtype=np.int64),
+                np.array(terms, dtype=np.float64),
+                np.array(flags, dtype=np.int64),
+            )
+        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
+
+    @classmethod
+    def of_step(
+        cls, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None
+    ) -> _RankSetNorms:
+        """The same as from every piece of the step grouped by rank (those where `chosen`, when
+        given), from its columns."""
+        import numpy as np
+
+        norms = cls({}, norm_type)
+        norms._columns = columns
+        order = columns.by_rank_order
+        keep = columns.has_grad[order] if chosen is None else columns.has_grad[order] & chosen[order]
+        order = order[keep]
+        ranks = columns.rank[order]
+        distinct, starts = np.unique(ranks, return_index=True)
+        bounds = [*starts.tolist(), ranks.size]
+        for i, rank in enumerate(distinct.tolist()):
+            norms._rows[rank] = order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
+        return norms
+
+    def _part(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        part = self._rows[rank]
+        if isinstance(part, tuple):
+            return part
+        columns = self._columns
+        assert columns is not None  # positions are stored only by of_step, with its columns
+        return columns.layout[part], columns.term[part], columns.flags[part]
+
+    def norm(
+        self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None
+    ) -> tuple[float | None, bool]:
+        """(norm, whether any layout appears more than once among these ranks); with `first`, that
+        rank's copies of replicated pieces are the ones counted."""
+        import numpy as np
+
+        order = tuple(sorted(ranks))
+        if first is not None:
+            order = (first,) + tuple(r for r in order if r != first)
+        key = (order, dedupe)
+        if key not in self._cache:
+            parts = [self._part(rank) for rank in order if rank in self._rows]
+            if len(parts) == 1:
+                layouts, terms, flags = parts[0]
+            elif parts:
+                layouts, terms, flags = (np.concatenate([part[i] for part in parts]) for i in range(3))
+            else:
+                layouts, terms, flags = (
+                    np.zeros(0, dtype=np.int64),
+                    np.zeros(0),
+                    np.zeros(0, dtype=np.int64),
+                )
+            if self._columns is not None and self._columns.distinct_layouts:
+                repeated = False  # no two pieces of the step share a layout
+            else:
+                distinct, first_seen = np.unique(layouts, return_index=True)
+                repeated = distinct.size < layouts.size
+            if dedupe and repeated:  # each layout through its first copy in `order`
+                keep = np.sort(first_seen)
+                terms, flags = terms[keep], flags[keep]
+            found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
+            value: float | None
+            if found & self._UNKNOWN:
+                value = None
+            elif found & self._NAN:
+                value = math.nan
+            elif found & self._INF:
+                value = math.inf
+            else:  # norm_of_terms sums exactly (fsum) or takes the max: the order does not matter
+                value = norm_of_term_array(terms, self.norm_type)
+            self._cache[key] = (value, bool(repeated))
+        return self._cache[key]
+
+
+class _StepWide:
+    """What the candidates of every rank share, computed once per step: the set of all ranks, their
+    norm with every replica counted, and each process group's members, sorted (a many-rank step
+    would otherwise build and sort them again for every rank)."""
+
+    def __init__(self, step: StepDump, norms: _RankSetNorms) -> None:
+        self.all_ranks = tuple(step.ranks_present)
+        self.everyone = frozenset(self.all_ranks)
+        self.double, self.repeated = norms.norm(self.all_ranks, False)
+        self._world = frozenset(range(step.world_size))
+        self._missing = frozenset(step.missing_ranks)
+        self._groups: dict[int, tuple[tuple[int, ...], frozenset[int]] | None] = {}
+
+    def group(self, members: tuple[int, ...] | None) -> tuple[tuple[int, ...], frozenset[int]] | None:
+        """(sorted members, their set) of a group to try as a wrong reduction group: None when the
+        group is absent, has a missing member, or is the whole world."""
+        if members is None:
+            return None
+        key = id(members)  # the topology's own tuple: the same object for every rank of the group
+        if key not in self._groups:
+            found = frozenset(members)
+            usable = members and not (found & self._missing) and found != self._world
+            self._groups[key] = (tuple(sorted(members)), found) if usable else None
+        return self._groups[key]
+
+
+def _candidates(
+    step: StepDump,
+    rank: int,
+    norms: _RankSetNorms,
+    true_norm: float | None,
+    loss_scale: float | None,
+    rank_true: float | None,
+    shared: _StepWide,
+) -> tuple[Candidate, ...]:
+    found: list[Candidate] = []
+    signatures: set[tuple[frozenset[int], bool]] = set()
+
+    def add(
+        hypothesis: str, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
+    ) -> None:
+        signature = (ranks, dedupe)
+        if signature in signatures or value is None:
+            return
+        signatures.add(signature)
+        found.append(Candidate(hypothesis=hypothesis, value=value, description=description))
+
+    if true_norm is not None:
+        add(CORRECT, shared.everyone, True, "every logical element counted once", true_norm)
+        if rank_true is not None and relative_difference(rank_true, true_norm) > 0:
+            found.append(
+                Candidate(
+                    hypothesis=CORRECT,
+                    value=rank_true,
+                    description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
+                )
+            )
+    add(
+        LOCAL_ONLY,
+        frozenset((rank,)),
+        False,
+        f"rank {rank}'s own pieces only",
+        norms.norm((rank,), False)[0],
+    )
+    if not step.missing_ranks and shared.repeated:
+        add(DOUBLE_COUNTED, shared.everyone, False, "all ranks' pieces, every replica counted", shared.double)
+    groups = sorted(
+        ((name, step.topology.group_of(name, rank)) for name in step.topology.groups),
+        key=lambda g: (len(g[1] or ()), g[0]),
+    )
+    for name, listed in groups:
+        group = shared.group(listed)
+        if group is None:
+            continue
+        members, member_set = group
+        if members == (rank,):
+            continue
+        once, repeated = norms.norm(members, True)
+        add(
+            f"{WRONG_GROUP}:{name}",
+            member_set,
+            True,
+            f"ranks {list(members)} of group {name}, replicas once",
+            once,
+        )
+        if repeated:
+            every = norms.norm(members, False)[0]
+            add(
+                f"{WRONG_GROUP}:{name}",
+                member_set,
+                False,
+                f"ranks {list(members)} of group {name}, every replica counted",
+                every,
+            )
+    if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
+        found.extend(
+            Candidate(
+                hypothesis=f"{LOSS_SCALED}:{c.hypothesis}",
+                value=c.value * loss_scale,
+                description=f"{c.description}, times the loss scale {loss_scale:g}",
+            )
+            for c in list(found)
+        )
+    return tuple(found)
+
+
+def match_norm(observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
+    """The first candidate (in order of plausibility) within `rtol` of the observed number."""
+    close = [c for c in candidates if relative_difference(observed, c.value) <= rtol]
+    if not close:
+        return Match(observed=observed, what=what, candidate=None)
+    best = close[0]
+    coinciding = tuple(dict.fromkeys(c.hypothesis for c in close[1:] if c.hypothesis != best.hypothesis))
+    return Match(observed=observed, what=what, candidate=best, coinciding=coinciding)
+
+
+def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> float | None:
+    """The norm a coefficient below 1 was computed from: max_norm / coef - 1e-6."""
+    if coef is None or max_norm is None or not (0 < coef < 1 - rtol) or not math.isfinite(coef):
+        return None
+    return max_norm / coef - CLIP_EPS
+
+
+def _decide(
+    reported: Match | None, implied: Match | None, coef_is_one: bool = False
+) -> tuple[str | None, bool, str]:
+    """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
+    if implied is None:
+        if reported is None:
+            return None, False, "no reported norm and no applied coefficient below 1 to match"
+        detail = _describe(reported)
+        if coef_is_one and reported.hypothesis != CORRECT:
+            detail += "; its applied coefficient 1 (no scaling) is what clipping by this norm gives"
+        return reported.hypothesis, False, detail
+    if reported is None:
+        return implied.hypothesis, False, _describe(implied)
+    if reported.hypothesis == implied.hypothesis:
+        return reported.hypothesis, False, _describe(reported)
+    if implied.hypothesis == CORRECT:
+        return (
+            reported.hypothesis,
+            True,
+            _describe(reported) + "; but the applied coefficient matches the true norm",
+        )
+    return implied.hypothesis, False, _describe(implied) + f"; the reported norm says {reported.hypothesis}"
+
+
+def _describe(match: Match) -> str:
+    if match.candidate is None:
+        return f"{match.what} {match.observed:.6g} matches no known accounting"
+    text = f"{match.what} {match.observed:.6g} matches {match.candidate.description} ({match.candidate.value:.6g})"
+    # Where every rank holds every gradient (DDP) a local norm is the global one: the two coincide
+    # without changing the conclusion, so only a coincidence that would is said.
+    coinciding = [h for h in match.coinciding if not _same_conclusion(match.candidate.hypothesis, h)]
+    if coinciding:
+        text += f"; indistinguishable here from {', '.join(coinciding)}"
+    return text
+
+
+def _same_conclusion(chosen: str, coinciding: str) -> bool:
+    """A local-only norm that equals the true one (each rank holds everything) is right on this layout."""
+    prefix = f"{LOSS_SCALED}:" if chosen.startswith(f"{LOSS_SCALED}:") else ""
+    return chosen == f"{prefix}{CORRECT}" and coinciding == f"{prefix}{LOCAL_ONLY}"
+
+
+def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:
+    """The true global norm, the expected coefficient, and every present rank's diagnosis
+    (`columns`: the measurements' StepColumns, when the caller has them already)."""
+    norm_type = m.norm_type
+    clip = step.clip
+    max_norm = None if clip is None else clip.max_norm
+    if columns is None:
+        columns = StepColumns(m)
+    by_rank = columns.by_rank()
+    cover = columns.cover()
+    true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
+    post_clip = None
+    known = true_norm is not None or lower_bound is not None
+    if columns.cover_all_have("grad_clipped") and cover and known:
+        post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
+    expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
+    rtol = max(norm_rtol(set(columns.dtypes)), MIN_RTOL)
+    loss_scale = loss_scale_of(step)
+    num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
+    own_sq = columns.cover_sum_sq_by_rank()
+    total_sq = fsum_array(columns.cover_grad_sum_sq())
+    norms = _RankSetNorms.of_step(columns, norm_type)
+    drifted = _ranks_with_drifted_replicas(m)
+    further = _FurtherCandidates(step, columns, norms, norm_type)
+    shared = _StepWide(step, norms)
+    ranks = {}
+    for rank in step.ranks_present:
+        own = by_rank.get(rank, [])
+        rank_true = true_norm
+        if true_norm is not None and rank in drifted:
+            rank_true = norms.norm(shared.all_ranks, True, first=rank)[0]
+        candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true, shared)
+        rank_clip = step.ranks[rank].clip
+        num_calls = len(rank_clip.calls) if rank_clip is not None else 0
+        reported = reported_norm_of(step, rank)
+        if num_calls > 1 and rank_clip is not None and rank_clip.calls[-1].reported_norm is not None:
+            reported = rank_clip.calls[-1].reported_norm
+        if mixed and num_calls > 1:
+            coef, source = None, None
+        else:
+            coef, source = applied_coef_of(step, rank, own, max_norm)
+        implied = _implied_norm(coef, max_norm, rtol) if source != "reported_norm" else None
+        if mixed and num_calls > 1:
+            reported_match = implied_match = None
+            hypothesis, logging_bug = None, False
+            detail = (
+                f"clipping ran {num_calls} times before this optimizer step (GA501) and the dump holds the "
+                "gradient from before the first call only: its norms are not matched"
+            )
+        else:
+            bounded = None
+            if true_norm is None and lower_bound is not None:
+                bounded = _BoundedMatcher(step, rank, norms, lower_bound, rtol)
+            candidates, reported_match, implied_match = _match_both(
+                reported,
+                implied,
+                candidates,
+                rtol,
+                bounded,
+                functools.partial(further.for_rank, rank, true_norm),
+            )
+            coef_is_one = (
+                coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
+            )
+            hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
+            if bounded is not None:
+                detail = bounded.detail(hypothesis, detail)
+            if num_calls > 1:
+                detail = f"at the last of {num_calls} clip calls: {detail}"
+        rank_sq = fsum_array(own_sq[rank]) if rank in own_sq else 0.0
+        ranks[rank] = RankDiagnosis(
+            rank=rank,
+            local_norm=norms.norm((rank,), False)[0],
+            reported_norm=reported,
+            applied_coef=coef,
+            coef_source=source,
+            implied_norm=implied,
+            candidates=candidates,
+            reported_match=reported_match,
+            implied_match=implied_match,
+            hypothesis=hypothesis,
+            detail=detail,
+            logging_bug=logging_bug,
+            share_of_squared_norm=rank_sq / total_sq if total_sq > 0 else 0.0,
+            rtol=rtol,
+            true_norm=rank_true,
+            expected_coef=None
+            if rank_true is None or max_norm is None
+            else expected_clip_coef(rank_true, max_norm),
+            num_clip_calls=num_calls,
+        )
+    return StepDiagnosis(
+        norm_type=norm_type,
+        max_norm=max_norm,
+        true_norm=true_norm,
+        true_norm_note=note,
+        expected_coef=expected,
+        loss_scale=loss_scale,
+        rtol=rtol,
+        ranks=ranks,
+        post_clip_norm=post_clip,
+        num_clip_calls=num_calls_max,
+        moment=moment,
+        mixed_moments=mixed,
+        call_norms=call_norms,
+        norm_lower_bound=lower_bound,
+    )
+
+
+class _FurtherCandidates:
+    """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
+
+    def __init__(self, step: StepDump, columns: StepColumns, norms: _RankSetNorms, norm_type: float) -> None:
+        self.step, self.columns, self.norms, self.norm_type = step, columns, norms, norm_type
+        self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
+        self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
+
+    def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
+        if self._groups is None:
+            import numpy as np
+
+            columns = self.columns
+            groups = groups_of(columns.param_signatures())
+            per_group: dict[str, _RankSetNorms] = {}
+            ids = {name: i for i, name in enumerate(columns.param_names)}
+            for group in groups:
+                inside = np.zeros(len(columns.param_names), dtype=bool)
+                inside[[ids[name] for name in group.params]] = True
+                per_group[group.label] = _RankSetNorms.of_step(columns, self.norm_type, inside[columns.param])
+            self._groups = (groups, per_group)
+        return self._groups
+
+    def for_rank(self, rank: int, true_norm: float | None) -> tuple[Candidate, ...]:
+        groups, per_group = self._param_groups()
+        extras = []
+        if groups and true_norm is not None:
+            norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
+            extras += group_candidates(self.step, rank, groups, norm_of, self.norm_type)
+        extras += averaged_candidates(
+            self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
+        )
+        extras += overflow_candidates(true_norm, self.norm_type, sorted(self.columns.dtypes))
+        return tuple(
+            Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
+        )
+
+
+def _norm_fn(norms: _RankSetNorms) -> NormOf:
+    return lambda ranks, dedupe: norms.norm(ranks, dedupe)[0]
+
+
+def _true_norm(
+    step: StepDump, cover: Iterable[PieceMeasurement], norm_type: float, columns: StepColumns | None = None
+) -> tuple[float | None, str, float | None]:
+    """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are
+    missing); `columns`, when given, are the step's, and `cover` their cover."""
+    if columns is None:
+        cover = list(cover)
+    value = norm_of_pieces(cover, norm_type) if columns is None else columns.cover_norm()
+    if value is None:
+        return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
+    if step.missing_ranks and not _covers_every_param(step, cover):
+        bound = value if math.isfinite(value) else None
+        return None, f"{missing_text(step.missing_ranks)} and held parts of the gradient", bound
+    return value, "", None
+
+
+def _moment(step: StepDump, norm_type: float, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
+    """(most clip calls on a rank, true norm before each call, whether the dumped pre- and post-clip
+    gradients are of different moments, when the dumped pre-clip gradient was taken)."""
+    num_calls = max(
+        (len(clip.calls) for clip in (step.ranks[r].clip for r in step.ranks_present) if clip is not None),
+        default=0,
+    )
+    if num_calls <= 1:
+        return num_calls, (), False, ""
+    call_norms = _call_norms(step, norm_type, rtol)
+    mixed = not call_norms
+    return (
+        num_calls,
+        call_norms,
+        mixed,
+        f"before the {'first' if mixed else 'last'} of {num_calls} clip calls",
+    )
+
+
+def _match_both(
+    reported: float | None,
+    implied: float | None,
+    candidates: tuple[Candidate, ...],
+    rtol: float,
+    bounded: _BoundedMatcher | None,
+    more: Callable[[], tuple[Candidate, ...]],
+) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
+    """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
+    first, then, when one number is left unexplained (and the true norm is known), the further ones."""
+
+    def both(tried: tuple[Candidate, ...]) -> tuple[Match | None, Match | None]:
+        found: list[Match | None] = []
+        for observed, what in (
+            (reported, "reported norm"),
+            (implied, "norm implied by the applied coefficient"),
+        ):
+            if observed is None:
+                found.append(None)
+            elif bounded is not None:
+                found.append(bounded.match(observed, what, tried))
+            else:
+                found.append(match_norm(observed, what, tried, rtol))
+        return found[0], found[1]
+
+    reported_match, implied_match = both(candidates)
+    if bounded is None and any(
+        x is not None and x.candidate is None for x in (reported_match, implied_match)
+    ):
+        candidates = candidates + more()
+        reported_match, implied_match = both(candidates)
+    return candidates, reported_match, implied_match
+
+
+def missing_text(ranks: Iterable[int]) -> str:
+    """ "rank 2 is missing" or "ranks 2-3 are missing"."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} is missing"
+    return f"ranks {compact_ranks(ranks)} are missing"
+
+
+class _BoundedMatcher:
+    """Matching a rank's number when ranks are missing: only a lower bound on the true norm is known.
+
+    A number below the bound is certainly not the true norm (nor any norm that counts more than the
+    present ranks hold); it is named as a mistake only when that mistake is computable from the
+    present ranks and no other accounting, partly held by the missing ranks, could also give it.
+    """
+
+    def __init__(
+        self, step: StepDump, rank: int, norms: _RankSetNorms, lower_bound: float, rtol: float
+    ) -> None:
+        self.lower_bound = lower_bound
+        self.rtol = rtol
+        self.undecided: list[str] = []
+        self.partial_groups: list[tuple[str, float]] = []
+        """Groups of this rank with missing members: (name, norm of their present members)."""
+        for name in sorted(step.topology.groups):
+            members = step.topology.group_of(name, rank)
+            if not members or not any(r in step.missing_ranks for r in members):
+                continue
+            present = tuple(sorted(r for r in members if r not in step.missing_ranks))
+            value = norms.norm(present, True)[0]
+            if value is not None:
+                self.partial_groups.append((name, value))
+
+    def detail(self, hypothesis: str | None, detail: str) -> str:
+        """The rank's detail, saying what the bound decided or why it could not."""
+        if hypothesis is None:
+            return "; ".join(self.undecided) if self.undecided else detail
+        return (
+            f"{detail}; below {self.lower_bound:.6g}, the lower bound on the true norm from the present ranks, "
+            "so it is not the true norm"
+        )
+
+    def match(self, observed: float, what: str, candidates: tuple[Candidate, ...]) -> Match | None:
+        bound = self.lower_bound
+        if not observed < bound * (1 - self.rtol):
+            self.undecided.append(
+                f"{what} {observed:.6g} is not below {bound:.6g}, the norm of what the present ranks hold "
+                "(a lower bound on the true norm): with ranks missing, it may be the true norm"
+            )
+            return None
+        found = match_norm(observed, what, candidates, self.rtol)
+        if found.candidate is None:
+            return found
+        rivals = [name for name, value in self.partial_groups if value <= observed * (1 + self.rtol)]
+        if rivals:
+            self.undecided.append(
+                f"{what} {observed:.6g} is below the lower bound {bound:.6g} and matches "
+                f"{found.candidate.description}, but could also be a norm over group "
+                f"{', '.join(rivals)}, whose missing ranks are not in the dump"
+            )
+            return None
+        return found
+
+
+def _scaled_term(stats: TensorStats, norm_type: float, scale: float) -> float | None:
+    term = stats_term(stats, norm_type)
+    if term is None or scale == 1.0:
+        return term
+    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
+
+
+def _call_scale(dump_clip: ClipRecord | None, call: int) -> float:
+    """How many times the true gradient the gradient before clip call `call` was (the loss scale
+    when that call ran before GradScaler.unscale_)."""
+    calls = () if dump_clip is None else dump_clip.calls
+    if call >= len(calls):
+        return 1.0
+    c = calls[call]
+    if c.unscaled is False and c.loss_scale is not None and math.isfinite(c.loss_scale) and c.loss_scale > 0:
+        return c.loss_scale
+    return 1.0
+
+
+def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm, ...]:
+    """The true global norm before each clip call, from the pieces' per-call statistics: replicas
+    count once through their lowest-rank copy (copies that differ at a call are noted)."""
+    num_calls = max(
+        (len(p.call_stats) for r in step.ranks_present for p in _pieces_with_call_stats(step.ranks[r])),
+        default=0,
+    )
+    found = []
+    for call in range(num_calls):
+        chosen: dict[tuple[Any, ...], float] = {}
+        terms: list[float] = []
+        has_nan = has_inf = unknown = differ = False
+        for rank in step.ranks_present:
+            dump = step.ranks[rank]
+            scale = _call_scale(dump.clip, call)
+            for piece in sorted(dump.pieces, key=operator.attrgetter("index")):
+                if len(piece.call_stats) <= call:
+                    continue
+                stats = piece.call_stats[call]
+                sum_sq = stats.sum_sq / scale**2
+                key = piece.layout_key
+                if key in chosen:
+                    differ |= relative_difference(chosen[key], sum_sq) > rtol
+                    continue
+                chosen[key] = sum_sq
+                term = _scaled_term(stats, norm_type, scale)
+                unknown |= term is None
+                if term is not None:
+                    terms.append(term)
+                has_nan |= stats.num_nan > 0
+                has_inf |= stats.num_posinf + stats.num_neginf > 0
+        if unknown:
+            value = None
+        elif has_nan:
+            value = math.nan
+        elif has_inf:
+            value = math.inf
+        else:
+            value = norm_of_terms(terms, norm_type)
+        found.append(CallNorm(call=call + 1, norm=value, replicas_differ=differ))
+    return tuple(found)
+
+
+def _pieces_with_call_stats(dump: RankDump) -> Sequence[Piece]:
+    """The rank's pieces, or none for format-1.1 columns (they hold no per-call statistics)."""
+    from ..dumpfile.columnar import ColumnarPieces
+
+    return () if isinstance(dump.pieces, ColumnarPieces) else dump.pieces
+
+
+def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:
+    """Ranks holding a copy of a replicated piece that is not exactly the lowest rank's copy."""
+    found: set[int] = set()
+    for pm in m.params.values():
+        for rs in pm.replica_sets:
+            for copy in rs.copies:
+                if (
+                    (copy.max_abs_diff or 0.0) > 0
+                    or (copy.num_nonfinite_mismatch or 0) > 0
+                    or (copy.fingerprint_delta or 0.0) > 0
+                ):
+                    found.add(copy.rank)
+    return found
+
+
+def _covers_every_param(step: StepDump, cover: Iterable[PieceMeasurement]) -> bool:
+    """Whether the present ranks' distinct pieces hold as many elements as every parameter has
+    (the exact overlap/gap check is GA102/GA103; this only tells whether missing ranks mattered)."""
+    held: dict[str, int] = {}
+    for piece in cover:
+        held[piece.param] = held.get(piece.param, 0) + piece.numel
+    return all(held.get(name, 0) >= info.numel for name, info in step.params.items())

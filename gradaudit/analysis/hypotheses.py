@@ -1,0 +1,240 @@
+"""Further norms a training code may have used, tried when the usual ones do not explain a rank's number:
+one group of parameters accounted wrongly (dropped, every replica counted, reduced over another process
+group), per-rank norms averaged instead of squares summed, and a norm that overflowed in its working
+precision (pure: works on measurements only)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..measure.measurements import PieceMeasurement
+from ..model import StepDump
+from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
+from ..ranksets import compact_ranks
+
+PARAM_GROUP = "param_group"
+"""Hypothesis prefix: "param_group:<label>:<how>", <how> one of dropped, every_copy, local, over:<group>."""
+AVERAGED = "averaged"
+"""Hypothesis prefix: "averaged:<group>", the mean of the group's local norms (or of their squares)."""
+OVERFLOW = "overflow"
+"""Hypothesis prefix: "overflow:<dtype>", the true norm, which overflows in that dtype."""
+
+DTYPE_MAX = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+"""Largest finite value of the dtypes a norm is commonly accumulated in."""
+
+NormOf = Callable[[tuple[int, ...], bool], float | None]
+"""norm(ranks, dedupe) of some pieces over a set of ranks (replicas once when dedupe)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamGroup:
+    """Parameters the step holds alike: on the same number of ranks, with the same number of copies."""
+
+    label: str
+    params: frozenset[str]
+    num_holders: int
+    num_copies: int
+
+    @property
+    def description(self) -> str:
+        n = len(self.params)
+        return (
+            f"the {self.label!r} parameters ({n} parameter{'s' if n != 1 else ''}, each held by "
+            f"{self.num_holders} rank{'s' if self.num_holders != 1 else ''})"
+        )
+
+
+def param_groups(pieces: Sequence[PieceMeasurement]) -> tuple[ParamGroup, ...]:
+    """The step's parameters grouped by how they are held; a single group when they are all alike."""
+    holders: dict[str, set[int]] = {}
+    copies: dict[tuple[str, object], int] = {}
+    for piece in pieces:
+        holders.setdefault(piece.param, set()).add(piece.rank)
+        key = (piece.param, piece.regions)
+        copies[key] = copies.get(key, 0) + 1
+    most_copies: dict[str, int] = {}
+    for (param, _), n in copies.items():
+        most_copies[param] = max(most_copies.get(param, 0), n)
+    return groups_of({param: (len(ranks), most_copies[param]) for param, ranks in holders.items()})
+
+
+def groups_of(signatures: Mapping[str, tuple[int, int]]) -> tuple[ParamGroup, ...]:
+    """`param_groups` from each parameter's (number of ranks holding it, most copies of one layout)."""
+    by_signature: dict[tuple[int, int], set[str]] = {}
+    for param, signature in signatures.items():
+        by_signature.setdefault(signature, set()).add(param)
+    if len(by_signature) < 2:
+        return ()
+    groups = []
+    for (num_holders, num_copies), params in sorted(by_signature.items()):
+        others = [p for sig, ps in by_signature.items() if sig != (num_holders, num_copies) for p in ps]
+        groups.append(
+            ParamGroup(
+                label=_label(params, others),
+                params=frozenset(params),
+                num_holders=num_holders,
+                num_copies=num_copies,
+            )
+        )
+    return tuple(groups)
+
+
+def _tokens(name: str) -> list[str]:
+    return [t for t in name.split(".") if not t.isdigit()]
+
+
+def _label(params: set[str], others: Sequence[str]) -> str:
+    """A name part all of the group's parameters share and no other parameter has (the last such,
+    e.g. "local_experts"), else the first parameter's name."""
+    names = sorted(params)
+    common = [t for t in _tokens(names[0]) if all(t in _tokens(n) for n in names[1:])]
+    other_tokens = [set(_tokens(n)) for n in others]
+    exclusive = [t for t in common if all(t not in o for o in other_tokens)]
+    return exclusive[-1] if exclusive else names[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Extra:
+    hypothesis: str
+    value: float
+    description: str
+
+
+def group_candidates(
+    step: StepDump,
+    rank: int,
+    groups: Sequence[ParamGroup],
+    norm_of_group: Mapping[str, NormOf],
+    norm_type: float,
+) -> list[Extra]:
+    """Every accounting where one parameter group departs from the correct one and the rest is right."""
+    present = tuple(step.ranks_present)
+    maybe = {g.label: _term(norm_of_group[g.label](present, True), norm_type) for g in groups}
+    correct = {label: v for label, v in maybe.items() if v is not None}
+    if len(correct) < len(maybe):
+        return []
+    found: list[Extra] = []
+    for group in groups:
+        norm = norm_of_group[group.label]
+        options: list[tuple[str, str, float | None]] = [
+            ("dropped", "left out of the norm", 0.0),
+            ("every_copy", "counted on every rank (every replica)", _term(norm(present, False), norm_type)),
+            ("local", f"taken from rank {rank}'s own pieces only", _term(norm((rank,), False), norm_type)),
+        ]
+        for name in sorted(step.topology.groups):
+            members = step.topology.group_of(name, rank)
+            if not members or any(m in step.missing_ranks for m in members):
+                continue
+            members = tuple(sorted(members))
+            options.append(
+                (
+                    f"over:{name}",
+                    f"reduced over process group {name!r} only",
+                    _term(norm(members, True), norm_type),
+                )
+            )
+            every = _term(norm(members, False), norm_type)
+            options.append(
+                (
+                    f"over:{name}",
+                    f"summed over process group {name!r} with every replica counted",
+                    every,
+                )
+            )
+        seen: list[float] = []
+        for how, text, term in options:
+            if term is None or relative_difference(term, correct[group.label]) == 0:
+                continue
+            rest = [v for label, v in correct.items() if label != group.label]
+            value = _combine(rest + [term], norm_type)
+            if any(relative_difference(value, s) == 0 for s in seen):
+                continue
+            seen.append(value)
+            found.append(
+                Extra(
+                    hypothesis=f"{PARAM_GROUP}:{group.label}:{how}",
+                    value=value,
+                    description=f"{group.description} {text}, every other parameter counted once",
+                )
+            )
+    return found
+
+
+def averaged_candidates(
+    step: StepDump,
+    rank: int,
+    local_norm: Callable[[int], float | None],
+    memo: dict[tuple[str, tuple[int, ...]], list[Extra]] | None = None,
+) -> list[Extra]:
+    """Each named group's (and the world's) mean of per-rank local norms, and root mean square
+    (`memo` keeps them per group, shared by its members: a world of thousands of ranks is one group)."""
+    found: list[Extra] = []
+    lists = [(name, step.topology.group_of(name, rank)) for name in sorted(step.topology.groups)]
+    for name, members in lists:
+        if not members or len(members) < 2 or any(m in step.missing_ranks for m in members):
+            continue
+        key = (name, tuple(members))
+        if memo is not None and key in memo:
+            found += memo[key]
+            continue
+        here = _averaged(name, tuple(members), local_norm)
+        if memo is not None:
+            memo[key] = here
+        found += here
+    return found
+
+
+def _averaged(name: str, members: tuple[int, ...], local_norm: Callable[[int], float | None]) -> list[Extra]:
+    norms = [local_norm(m) for m in members]
+    values = [float(n) for n in norms if n is not None and math.isfinite(n)]
+    if len(values) < len(norms):
+        return []
+    shown = f"ranks {compact_ranks(members)} (group {name})"
+    return [
+        Extra(
+            hypothesis=f"{AVERAGED}:{name}",
+            value=safe_fsum(values) / len(values),
+            description=f"the mean of the local norms of {shown}, instead of the root of their summed squares",
+        ),
+        Extra(
+            hypothesis=f"{AVERAGED}:{name}",
+            value=math.sqrt(safe_fsum(v * v for v in values) / len(values)),
+            description=f"the root of the mean of the squared local norms of {shown}, instead of their sum",
+        ),
+    ]
+
+
+def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Extra]:
+    """The true norm computed in a dtype where the sum of |g|^p (or g itself) is beyond the largest value."""
+    if true_norm is None or not math.isfinite(true_norm) or is_inf_norm(norm_type):
+        return []
+    total = _term(true_norm, norm_type)
+    found = []
+    for dtype in ("float16", "bfloat16", "float32"):
+        if dtype not in dtypes and dtype != "float32":
+            continue
+        if total is not None and total > DTYPE_MAX[dtype]:
+            found.append(
+                Extra(
+                    hypothesis=f"{OVERFLOW}:{dtype}",
+                    value=math.inf,
+                    description=f"the true norm {true_norm:.6g} computed in {dtype}, whose sum of |g|^{norm_type:g} "
+                    f"({total:.6g}) overflows to inf",
+                )
+            )
+            break
+    return found
+
+
+def _term(norm: float | None, norm_type: float) -> float | None:
+    if norm is None:
+        return None
+    if is_inf_norm(norm_type) or not math.isfinite(norm):
+        return norm
+    return power(norm, norm_type)
+
+
+def _combine(terms: list[float], norm_type: float) -> float:
+    return norm_of_terms(terms, norm_type)

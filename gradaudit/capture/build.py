@@ -1,0 +1,240 @@
+"""Writing dumps from plain tensors and ownership metadata, for tests, benchmarks and custom trainers.
+
+write_rank(step_dir, rank=0, world_size=2, step=7,
+           params={"w": (4, 3)},
+           pieces=[box("w", (0, 0), grad=g0)],
+           clip=ClipRecord(max_norm=1.0, reported_norm=0.8))
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
+
+from ..dumpfile.writer import write_rank_file
+from ..model import (
+    TENSOR_KINDS,
+    Box,
+    ClipRecord,
+    DataRecord,
+    FlatRange,
+    ParamInfo,
+    Piece,
+    RankDump,
+    Region,
+    TensorStats,
+    Topology,
+)
+from ..version import __version__
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Unpack
+
+
+@dataclass(frozen=True, kw_only=True)
+class PieceSpec:
+    """One local piece to write: where it lies in its parameter, and its tensors by kind."""
+
+    param: str
+    regions: tuple[Region, ...]
+    tensors: Mapping[str, torch.Tensor]
+    local_name: str | None = None
+    replica_group: str | None = None
+    stats_only: bool = False
+    """Store float64 statistics of the tensors instead of their values."""
+    call_stats: Sequence[TensorStats | torch.Tensor] = ()
+    """Per clip call (two or more in the step), this piece's gradient just before it: a TensorStats, or a
+    tensor shaped like the piece whose statistics are written."""
+
+    def __post_init__(self) -> None:
+        if "grad" not in self.tensors and not self.tensors:
+            raise ValueError(f"piece of {self.param!r} has no tensors; give at least grad=")
+        unknown = set(self.tensors) - set(TENSOR_KINDS)
+        if unknown:
+            raise ValueError(f"unknown tensor kinds {sorted(unknown)}; use {TENSOR_KINDS}")
+        shapes = {tuple(t.shape) for t in self.tensors.values()}
+        if len(shapes) != 1:
+            raise ValueError(f"piece of {self.param!r}: tensors of different shapes {sorted(shapes)}")
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(next(iter(self.tensors.values())).shape)
+
+    @property
+    def dtype(self) -> str:
+        return str(next(iter(self.tensors.values())).dtype).removeprefix("torch.")
+
+
+class PieceOptions(TypedDict, total=False):
+    """The optional fields of a PieceSpec that `box`, `whole` and `flat` pass through."""
+
+    local_name: str | None
+    replica_group: str | None
+    stats_only: bool
+    call_stats: Sequence[TensorStats | torch.Tensor]
+
+
+def _tensors(
+    grad: torch.Tensor | None,
+    grad_clipped: torch.Tensor | None,
+    param_before: torch.Tensor | None,
+    param_after: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    given = {
+        "grad": grad,
+        "grad_clipped": grad_clipped,
+        "param_before": param_before,
+        "param_after": param_after,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def box(
+    param: str,
+    offsets: Sequence[int],
+    grad: torch.Tensor | None = None,
+    *,
+    grad_clipped: torch.Tensor | None = None,
+    param_before: torch.Tensor | None = None,
+    param_after: torch.Tensor | None = None,
+    **kw: Unpack[PieceOptions],
+) -> PieceSpec:
+    """A piece that is the N-D block of `param` starting at `offsets`, shaped like its tensors."""
+    tensors = _tensors(grad, grad_clipped, param_before, param_after)
+    shape = tuple(next(iter(tensors.values())).shape)
+    return PieceSpec(param=param, regions=(Box(offsets=tuple(offsets), shape=shape),), tensors=tensors, **kw)
+
+
+def whole(
+    param: str,
+    grad: torch.Tensor | None = None,
+    *,
+    grad_clipped: torch.Tensor | None = None,
+    param_before: torch.Tensor | None = None,
+    param_after: torch.Tensor | None = None,
+    **kw: Unpack[PieceOptions],
+) -> PieceSpec:
+    """A piece holding all of `param` (a replica, or an unsharded parameter)."""
+    tensors = _tensors(grad, grad_clipped, param_before, param_after)
+    shape = tuple(next(iter(tensors.values())).shape)
+    return PieceSpec(
+        param=param, regions=(Box(offsets=(0,) * len(shape), shape=shape),), tensors=tensors, **kw
+    )
+
+
+def flat(
+    param: str,
+    start: int,
+    grad: torch.Tensor | None = None,
+    *,
+    grad_clipped: torch.Tensor | None = None,
+    param_before: torch.Tensor | None = None,
+    param_after: torch.Tensor | None = None,
+    **kw: Unpack[PieceOptions],
+) -> PieceSpec:
+    """A 1-D piece holding elements [start, start + numel) of the flattened `param`."""
+    tensors = _tensors(grad, grad_clipped, param_before, param_after)
+    numel = next(iter(tensors.values())).numel()
+    return PieceSpec(
+        param=param, regions=(FlatRange(start=start, stop=start + numel),), tensors=tensors, **kw
+    )
+
+
+def write_rank(
+    step_dir: str | os.PathLike[str],
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    params: Mapping[str, Sequence[int]] | Sequence[ParamInfo],
+    pieces: Sequence[PieceSpec],
+    clip: ClipRecord | None = None,
+    topology: Topology | None = None,
+    data: DataRecord | None = None,
+    aliases: Mapping[str, str] | None = None,
+    run_id: str | None = None,
+    host: str | None = None,
+    created_at: str | None = None,
+    norm_type: float | None = None,
+    overwrite: bool = False,
+    columnar: bool = True,
+    share_params: bool = True,
+    capture_api: str | None = None,
+) -> Path:
+    """Write one rank's file into `step_dir`. `params` maps names to global shapes (dtype taken
+    from the first piece of each), or is a list of ParamInfo. `columnar=False` keeps stats-only
+    pieces in the JSON header (format 1.0's form) instead of binary columns; `share_params=False`
+    keeps a columnar file's parameter table in the file instead of the step's shared table file."""
+    from .tensorstats import stats_of_tensor
+
+    if isinstance(params, Mapping):
+        dtypes: dict[str, str] = {}
+        for spec in pieces:
+            dtypes.setdefault(spec.param, spec.dtype)
+        infos = tuple(
+            ParamInfo(name=name, global_shape=tuple(shape), dtype=dtypes.get(name, "float32"))
+            for name, shape in params.items()
+        )
+    else:
+        infos = tuple(params)
+    stats_norm_type = norm_type if norm_type is not None else (clip.norm_type if clip is not None else 2.0)
+    model_pieces, payload = [], {}
+    for index, spec in enumerate(pieces):
+        stats = {}
+        if spec.stats_only:
+            stats = {kind: stats_of_tensor(t, stats_norm_type) for kind, t in spec.tensors.items()}
+        else:
+            payload.update({(index, kind): t for kind, t in spec.tensors.items()})
+        model_pieces.append(
+            Piece(
+                index=index,
+                param=spec.param,
+                regions=spec.regions,
+                local_shape=spec.local_shape,
+                dtype=spec.dtype,
+                local_name=spec.local_name,
+                replica_group=spec.replica_group,
+                stats=stats,
+                call_stats=tuple(
+                    s if isinstance(s, TensorStats) else stats_of_tensor(s, stats_norm_type)
+                    for s in spec.call_stats
+                ),
+            )
+        )
+    all_stats = bool(pieces) and all(spec.stats_only for spec in pieces)
+    dump = RankDump(
+        path="",
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        mode="stats" if all_stats else "full",
+        run_id=run_id,
+        host=host if host is not None else socket.gethostname(),
+        torch_version=_torch_version(),
+        gradaudit_version=__version__,
+        created_at=created_at
+        if created_at is not None
+        else datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        params=infos,
+        pieces=tuple(model_pieces),
+        aliases=dict(aliases or {}),
+        topology=topology or Topology(),
+        clip=clip,
+        data=data or DataRecord(),
+        capture_api=capture_api,
+    )
+    return write_rank_file(
+        step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params
+    )
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)

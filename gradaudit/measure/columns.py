@@ -1,0 +1,299 @@
+"""Every measured piece of a step as numpy columns, so that the diagnosis and the per-rank rows of a
+many-rank step ask their questions of arrays instead of walking the pieces once per question."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..norms import is_inf_norm, norm_from_total
+from .measurements import PieceMeasurement, StepMeasurements
+from .table import PieceTable, TablePieces
+
+
+class StepColumns:
+    """Every measured piece of a step as columns (in `m.pieces` order), from one pass over the pieces:
+    what the diagnosis and the per-rank rows need for all pieces at once, as arrays, so that a
+    many-rank step is not walked piece by piece once per question."""
+
+    UNKNOWN, NAN, INF = 1, 2, 4
+    """Bits of `flags`: the stats cannot give this norm type's term, a nan, an infinity."""
+
+    def __init__(self, m: StepMeasurements) -> None:
+        self.norm_type = m.norm_type
+        table, positions = _table_positions(m)
+        if table is not None and positions is not None:
+            self._from_table(table, positions)
+        else:
+            self._from_objects(tuple(m.pieces))
+        self.flags = (
+            self.unknown.astype(np.int8)
+            | (self.counts[:, 0] > 0).astype(np.int8) << 1
+            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
+        )
+        self.by_rank_order = np.lexsort((self.index, self.rank))
+        self.distinct_layouts = (
+            bool(np.unique(self.layout).size == self.layout.size)
+            if table is None
+            else bool(table.copies.max(initial=0) <= 1)
+        )
+        """No two pieces share a layout (no replicas)."""
+        self._cover: np.ndarray | None = None
+        """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
+
+    def _from_objects(self, pieces: tuple[PieceMeasurement, ...]) -> None:
+        norm_type = self.norm_type
+        self.pieces: Sequence[PieceMeasurement] = pieces
+        # One comprehension per column: several times cheaper per piece than one loop of appends.
+        ids: dict[tuple[object, ...], int] = {}
+        self.layout: np.ndarray = np.array(
+            [ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64
+        )
+        self.rank: np.ndarray = np.array([p.rank for p in pieces], dtype=np.int64)
+        self.index: np.ndarray = np.array([p.index for p in pieces], dtype=np.int64)
+        self.dtypes = frozenset(p.dtype for p in pieces)
+        names: dict[str, int] = {}
+        self.param: np.ndarray = np.array(
+            [names.setdefault(p.param, len(names)) for p in pieces], dtype=np.int64
+        )
+        self.param_names = list(names)
+        grads = [p.stats.get("grad") for p in pieces]
+        self.has_grad = np.array([g is not None for g in grads], dtype=bool)
+        self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
+        self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
+        unknown = np.zeros(len(pieces), dtype=bool)
+        if is_inf_norm(norm_type):  # stats_term, column by column
+            term = [0.0 if g is None else g.max_abs for g in grads]
+        else:
+            own = np.array([g is None or g.norm_type == norm_type for g in grads], dtype=bool)
+            term = [0.0 if g is None else g.sum_pow for g in grads]
+            if not own.all():
+                if norm_type == 2.0:
+                    term = [
+                        t if o or g is None else g.sum_sq
+                        for t, o, g in zip(term, own.tolist(), grads, strict=True)
+                    ]
+                else:
+                    unknown = ~own
+        self.unknown = unknown
+        self.term = np.array(term, dtype=np.float64)
+        self.sum_pow = np.array([0.0 if g is None else g.sum_pow for g in grads], dtype=np.float64)
+        self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
+        self.term[unknown] = math.nan
+        self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
+        for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
+            self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
+
+    def _from_table(self, table: PieceTable, positions: np.ndarray | range) -> None:
+        """The same columns from a PieceTable's arrays (stats-only pieces: no products, no updates)."""
+        norm_type, n = self.norm_type, len(positions)
+        self.pieces = table.pieces(positions)
+        if isinstance(positions, range):
+            chosen: slice | np.ndarray = slice(positions.start, positions.stop)
+        else:
+            chosen = positions
+        self.layout = table.layout[chosen]
+        self.param, self.param_names = table.param[chosen], table.names
+        self.rank = table.rank[chosen]
+        self.index = table.index[chosen]
+        self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
+        self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
+        self.has_update = np.zeros(n, dtype=bool)
+        self.unknown = np.zeros(n, dtype=bool)
+        if "grad" not in table.kinds:
+            self.has_grad = np.zeros(n, dtype=bool)
+            self.term, self.sum_pow, self.sum_sq = np.zeros(n), np.zeros(n), np.zeros(n)
+            self.counts = np.zeros((n, 3), dtype=np.int64)
+            return
+        self.has_grad = np.ones(n, dtype=bool)
+        self.sum_pow = table.kind_column("grad", 0)[chosen]
+        # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
+        # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
+        same = table.all_sources(
+            lambda pieces: np.array_equal(pieces.stats["grad"][:, 0], pieces.stats["grad"][:, 1])
+        )
+        self.sum_sq = self.sum_pow if same else table.kind_column("grad", 1)[chosen]
+        if table.all_sources(lambda pieces: not pieces.counts["grad"].any()):
+            self.counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
+        else:
+            self.counts = table.kind_counts("grad")[chosen]
+        if is_inf_norm(norm_type):
+            self.term = table.kind_column("grad", 2)[chosen]
+        elif table.norm_type == norm_type:
+            self.term = self.sum_pow
+        elif norm_type == 2.0:
+            self.term = self.sum_sq
+        else:
+            self.unknown = np.ones(n, dtype=bool)
+            self.term = np.full(n, math.nan)
+
+    def cover_positions(self) -> np.ndarray:
+        """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
+        if self._cover is None:
+            order = self.by_rank_order
+            if self.distinct_layouts:  # no replicas: every piece is its layout's only copy
+                self._cover = order
+            else:
+                _, first = np.unique(self.layout[order], return_index=True)
+                self._cover = order[np.sort(first)]
+        return self._cover
+
+    def cover_norm(self) -> float | None:
+        """norm_of_pieces(cover) of the gradients: None when a piece's stats cannot give this norm
+        type, nan when any holds a nan, inf when any an infinity."""
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        found = int(np.bitwise_or.reduce(self.flags[chosen])) if chosen.size else 0
+        if found & self.UNKNOWN:
+            return None
+        if found & self.NAN:
+            return math.nan
+        if found & self.INF:
+            return math.inf
+        return norm_of_term_array(self.term[chosen], self.norm_type)
+
+    def cover(self) -> Sequence[PieceMeasurement]:
+        return self._subset(self.cover_positions())
+
+    def _subset(self, chosen: np.ndarray) -> Sequence[PieceMeasurement]:
+        """The pieces at these positions: a TablePieces of the same table, or a tuple."""
+        pieces = self.pieces
+        if isinstance(pieces, TablePieces):
+            span = pieces.span
+            if span is None:
+                return pieces.table.pieces(pieces.positions[chosen])
+            return pieces.table.pieces(chosen + span.start if span.start else chosen)
+        return tuple(pieces[i] for i in chosen.tolist())
+
+    def by_rank(self) -> dict[int, Sequence[PieceMeasurement]]:
+        """Rank -> its pieces, in `m.pieces` order (built when iterated, for a table's pieces)."""
+        order = np.argsort(self.rank, kind="stable")
+        ranks = self.rank[order]
+        distinct, starts = np.unique(ranks, return_index=True)
+        bounds = [*starts.tolist(), ranks.size]
+        if isinstance(self.pieces, TablePieces):
+            return {
+                rank: self._subset(order[bounds[k] : bounds[k + 1]])
+                for k, rank in enumerate(distinct.tolist())
+            }
+        pieces, positions = self.pieces, order.tolist()
+        return {
+            rank: [pieces[i] for i in positions[bounds[k] : bounds[k + 1]]]
+            for k, rank in enumerate(distinct.tolist())
+        }
+
+    def cover_all_have(self, kind: str) -> bool:
+        """Whether every cover piece with a gradient also holds `kind` ("grad_clipped")."""
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        column = self.has_clipped if kind == "grad_clipped" else None
+        if column is None:
+            return all(kind in self.pieces[i].stats for i in chosen.tolist())
+        return bool(column[chosen].all())
+
+    def cover_with_updates(self) -> list[PieceMeasurement]:
+        """The cover's pieces that hold an update (parameters dumped before and after the step)."""
+        chosen = self.cover_positions()
+        return list(self._subset(chosen[self.has_update[chosen]]))
+
+    def overflowing_grad(self) -> list[PieceMeasurement]:
+        """The pieces whose gradient sum of squares or of |x|^p is inf, in `m.pieces` order."""
+        chosen = np.flatnonzero(self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow)))
+        return list(self._subset(chosen))
+
+    def param_signatures(self) -> dict[str, tuple[int, int]]:
+        """Parameter -> (ranks holding a piece of it, most pieces with one layout): what
+        hypotheses.param_groups counts, from the columns."""
+        if not self.rank.size:
+            return {}
+        pairs = np.unique(np.stack([self.param.astype(np.int64), self.rank.astype(np.int64)], axis=1), axis=0)
+        params, holders = np.unique(pairs[:, 0], return_counts=True)
+        copies = np.bincount(self.layout)[self.layout]
+        most = np.zeros(len(self.param_names), dtype=np.int64)
+        np.maximum.at(most, self.param, copies)
+        names = self.param_names
+        return {names[p]: (h, int(most[p])) for p, h in zip(params.tolist(), holders.tolist(), strict=True)}
+
+    def cover_grad_sum_sq(self) -> np.ndarray:
+        """The gradient sums of squares of the cover's pieces that hold a gradient."""
+        chosen = self.cover_positions()
+        values: np.ndarray = self.sum_sq[chosen[self.has_grad[chosen]]]
+        return values
+
+    def cover_sum_sq_by_rank(self) -> dict[int, np.ndarray]:
+        """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
+        chosen = self.cover_positions()
+        chosen = chosen[self.has_grad[chosen]]
+        ranks, values = self.rank[chosen], self.sum_sq[chosen]
+        order = np.argsort(ranks, kind="stable")
+        distinct, starts = np.unique(ranks[order], return_index=True)
+        bounds = [*starts.tolist(), order.size]
+        ordered = values[order]
+        return {rank: ordered[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
+
+    def with_nonfinite_grad(self) -> list[PieceMeasurement]:
+        """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
+        return list(self._subset(np.flatnonzero(self.counts.any(axis=1))))
+
+    def grad_counts_by_rank(self) -> dict[int, tuple[int, int, int]]:
+        """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
+        ranks, inverse = np.unique(self.rank, return_inverse=True)
+        totals = np.zeros((ranks.size, 3), dtype=np.int64)
+        for column in range(3):
+            if self.counts[:, column].any():
+                totals[:, column] = np.bincount(
+                    inverse, weights=self.counts[:, column], minlength=ranks.size
+                ).astype(np.int64)
+        return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
+
+
+def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray | range | None]:
+    """The table every parameter's pieces are in and their positions, in `m.pieces` order; None
+    when some pieces are objects (or in another table)."""
+    table, parts = None, []
+    for pm in m.params.values():
+        pieces = pm.pieces
+        if isinstance(pieces, TablePieces) and (table is None or pieces.table is table):
+            table = pieces.table
+            parts.append(pieces)
+        elif len(pieces):
+            return None, None
+    if table is None:
+        return None, None
+    spans = [p.span for p in parts]
+    ends = [0] + [s.stop for s in spans if s is not None]
+    if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
+        return table, range(ends[-1])  # every parameter's pieces, one after the other
+    return table, np.concatenate([p.positions for p in parts])
+
+
+_CHUNK = 1 << 16
+
+
+def fsum_array(values: np.ndarray) -> float:
+    """norms.safe_fsum of an array's values, without a Python float per value held at once: one
+    math.fsum over the values chunk by chunk is the same exact sum."""
+    try:
+        return math.fsum(
+            itertools.chain.from_iterable(
+                values[i : i + _CHUNK].tolist() for i in range(0, values.size, _CHUNK)
+            )
+        )
+    except OverflowError:
+        return math.inf if int((values > 0).sum()) >= int((values < 0).sum()) else -math.inf
+    except ValueError:
+        return math.nan
+
+
+def norm_of_term_array(terms: np.ndarray, norm_type: float) -> float:
+    """norms.norm_of_terms of an array of terms holding no nan (the callers' flags rule those out)."""
+    if is_inf_norm(norm_type):
+        return norm_from_total(float(terms.max()) if terms.size else 0.0, norm_type)
+    total = fsum_array(terms)
+    if math.isinf(total) and total > 0 and bool(np.isfinite(terms).all()):
+        largest = float(terms.max())
+        return norm_from_total(largest, norm_type) * norm_from_total(fsum_array(terms / largest), norm_type)
+    return norm_from_total(total, norm_type)

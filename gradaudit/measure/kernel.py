@@ -1,0 +1,243 @@
+"""The check's inner loop: float64 statistics of dumped tensors, chunk by chunk, in numpy.
+
+One `ChunkKernel` per worker thread. Each chunk is read from the file into a reused byte buffer,
+widened into a reused float64 buffer (dtypes.Widener) and reduced there while it is in cache: the
+sum of squares (one BLAS dot), the sum of |x|^p when p is neither 2 nor inf, the min and max, and
+the fingerprint only when asked for. Chunks are small enough (KERNEL_CHUNK_ELEMENTS) that these
+reductions read the chunk from cache, so the dump's bytes cross memory once. The common case, all
+values finite, is recognised from the sum of squares itself (a nan or inf makes it non-finite);
+only then are the nonfinite values counted and zeroed in place.
+
+Results depend only on the chunk size and the values, never on the number of workers or their
+order, so the same dump gives the same bits whichever way the parameters were spread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ..dumpfile.dtypes import F64, Widener
+from ..model import TensorStats
+from ..norms import safe_fsum
+
+if TYPE_CHECKING:
+    from ..dumpfile.reader import TensorReader
+    from ..model import Piece
+
+KERNEL_CHUNK_ELEMENTS = 1 << 16
+"""64K elements (a 512 KiB float64 buffer): small enough that the several reductions of one chunk
+read it from cache, large enough that the Python around each chunk is a small share."""
+
+FINGERPRINT_PERIOD = 1 << 12
+"""The fingerprint weight of element i is w[i mod 4096] (see fingerprint_weights)."""
+_GOLDEN = 0x9E3779B1
+
+Mask = npt.NDArray[np.bool_]
+
+NARROW_FLOATS = frozenset({"float16", "float32"})
+"""Dumped dtypes that numpy reads as floats (bf16 and float8 it reads as integers)."""
+
+
+def fingerprint_weights() -> F64:
+    """w[j] = ((j * 2654435761) mod 2^32) * 2^-31 - 1 for j < 4096, float64: the same table as the
+    capture side's (tensorstats.fingerprint_weights), every entry exact in float64."""
+    index = np.arange(FINGERPRINT_PERIOD, dtype=np.int64)
+    return ((index * _GOLDEN) % (1 << 32)).astype(np.float64) * (2.0 / (1 << 32)) - 1.0
+
+
+_WEIGHTS = fingerprint_weights()
+
+
+def projection(x: F64, offset: int) -> float:
+    """sum_i x_i * w[(offset + i) mod P], as one matrix-vector product over whole periods."""
+    period = FINGERPRINT_PERIOD
+    phase = offset % period
+    head = min(x.size, (period - phase) % period)
+    result = float(np.dot(x[:head], _WEIGHTS[phase : phase + head]))
+    body = (x.size - head) // period * period
+    if body:
+        result += float((x[head : head + body].reshape(-1, period) @ _WEIGHTS).sum())
+    tail = x[head + body :]
+    if tail.size:
+        result += float(np.dot(tail, _WEIGHTS[: tail.size]))
+    return result
+
+
+class StatsSums:
+    """Running float64 sums of one tensor's chunks (finite values only)."""
+
+    def __init__(self, norm_type: float, fingerprint: bool = False) -> None:
+        self.norm_type, self.fingerprint = norm_type, fingerprint
+        self.numel, self.num_nan, self.num_posinf, self.num_neginf = 0, 0, 0, 0
+        self.max_abs = 0.0
+        self.sum_sq: list[float] = []
+        self.sum_pow: list[float] = []
+        self.fp_sum: list[float] = []
+        self.fp_proj: list[float] = []
+
+    def add(self, wide: F64, scratch: F64, narrow: np.ndarray | None = None) -> Mask | None:
+        """Add one float64 chunk; nonfinite values in `wide` are zeroed in place. Returns the mask
+        of finite values when some were not (for the pair sums), else None. `scratch` is a buffer
+        of wide's size that this may overwrite. `narrow`, the same values as dumped (float16 or
+        float32), gives the same min and max from half or a quarter of the bytes."""
+        finite_mask = None
+        if wide.size == 0:
+            return None
+        sq = float(np.dot(wide, wide))
+        if not math.isfinite(sq):
+            finite = np.isfinite(wide)
+            if not finite.all():
+                finite_mask = finite
+                nan = np.isnan(wide)
+                self.num_nan += int(np.count_nonzero(nan))
+                positive = int(np.count_nonzero(wide == math.inf))
+                self.num_posinf += positive
+                self.num_neginf += (
+                    wide.size - int(np.count_nonzero(finite)) - int(np.count_nonzero(nan)) - positive
+                )
+                np.copyto(wide, 0.0, where=~finite)
+                sq = float(np.dot(wide, wide))
+        extremes = wide if finite_mask is not None or narrow is None else narrow
+        self.max_abs = max(self.max_abs, -float(extremes.min()), float(extremes.max()))
+        self.sum_sq.append(sq)
+        p = self.norm_type
+        if p == 2.0:
+            self.sum_pow.append(sq)
+        elif p == 1.0:
+            self.sum_pow.append(float(np.abs(wide, out=scratch).sum()))
+        elif not math.isinf(p):
+            np.abs(wide, out=scratch)
+            self.sum_pow.append(float(np.power(scratch, p, out=scratch).sum()))
+        if self.fingerprint:
+            self.fp_sum.append(float(wide.sum()))
+            self.fp_proj.append(projection(wide, self.numel))
+        self.numel += wide.size
+        return finite_mask
+
+    def result(self, numel: int) -> TensorStats:
+        inf_norm = math.isinf(self.norm_type)
+        return TensorStats(
+            numel=numel,
+            norm_type=self.norm_type,
+            sum_pow=self.max_abs if inf_norm else safe_fsum(self.sum_pow),
+            sum_sq=safe_fsum(self.sum_sq),
+            max_abs=self.max_abs,
+            num_nan=self.num_nan,
+            num_posinf=self.num_posinf,
+            num_neginf=self.num_neginf,
+            fingerprint=(safe_fsum(self.fp_sum), safe_fsum(self.fp_proj)) if self.fingerprint else (),
+        )
+
+
+def stats_of_array(
+    values: np.ndarray, dtype: str, norm_type: float, chunk: int = KERNEL_CHUNK_ELEMENTS
+) -> TensorStats:
+    """TensorStats of a whole array in its storage dtype (dtypes.STORAGE), fingerprint included."""
+    widener = Widener(chunk)
+    sums = StatsSums(float(norm_type), fingerprint=True)
+    flat = values.reshape(-1)
+    with np.errstate(all="ignore"):
+        for start in range(0, flat.size, chunk):
+            part = flat[start : start + chunk]
+            if dtype == "float64":  # copied: the kernel zeroes nonfinite values in place
+                wide = widener.buffer("x", part.size)
+                np.copyto(wide, part)
+            else:
+                wide = widener.widen(part, dtype, "x")
+            sums.add(wide, widener.buffer("scratch", part.size))
+    return sums.result(flat.size)
+
+
+class ChunkKernel:
+    """Reusable buffers (one per tensor kind) and the reductions of one worker."""
+
+    def __init__(self, chunk_elements: int = KERNEL_CHUNK_ELEMENTS) -> None:
+        self.chunk_elements = chunk_elements
+        self.widener = Widener(chunk_elements)
+
+    def windows(self, numel: int) -> Iterator[tuple[int, int]]:
+        for start in range(0, numel, self.chunk_elements):
+            yield start, min(numel, start + self.chunk_elements)
+
+    def read_piece(
+        self,
+        reader: TensorReader,
+        path: str,
+        piece: Piece,
+        norm_type: float,
+        *,
+        fingerprint: bool = False,
+    ) -> tuple[dict[str, TensorStats], float | None, float | None, float | None]:
+        """One pass over every tensor the piece holds, in aligned chunks: ({kind: TensorStats},
+        sum grad*grad_clipped, sum grad*grad, sum (param_after - param_before)^2), the sums over the
+        elements finite in both tensors of the pair (None when the pair was not dumped).
+
+        The fingerprint (a weighted sum per element position) is computed only when asked for:
+        replicas with values are compared by value, so only a replica set that mixes values with
+        stats-only copies needs it."""
+        kinds = sorted(piece.tensors)
+        dtypes = {kind: reader.entry(path, piece.tensors[kind]).dtype for kind in kinds}
+        numel = piece.numel
+        sums = {kind: StatsSums(float(norm_type), fingerprint=fingerprint) for kind in kinds}
+        pre_post = "grad" in piece.tensors and "grad_clipped" in piece.tensors
+        update = "param_before" in piece.tensors and "param_after" in piece.tensors
+        pairs: dict[str, list[float]] = {"pre_post": [], "pre_pre": [], "update": []}
+        with np.errstate(all="ignore"):
+            for start, stop in self.windows(numel):
+                wide: dict[str, F64] = {}
+                masks: dict[str, Mask | None] = {}
+                scratch = self.widener.buffer("scratch", stop - start)
+                for kind in kinds:
+                    raw = reader.raw(path, piece.tensors[kind], start, stop, kind)
+                    wide[kind] = self.widener.widen(raw, dtypes[kind], kind)
+                    narrow = raw if dtypes[kind] in NARROW_FLOATS else None
+                    masks[kind] = sums[kind].add(wide[kind], scratch, narrow)
+                if pre_post:
+                    ab, aa, _ = _finite_products(
+                        wide["grad"], wide["grad_clipped"], masks["grad"], masks["grad_clipped"], scratch
+                    )
+                    pairs["pre_post"].append(ab)
+                    pairs["pre_pre"].append(aa)
+                if update:
+                    pairs["update"].append(
+                        _finite_products(
+                            wide["param_before"],
+                            wide["param_after"],
+                            masks["param_before"],
+                            masks["param_after"],
+                            scratch,
+                            difference=True,
+                        )[2]
+                    )
+        stats = {kind: s.result(numel) for kind, s in sums.items()}
+
+        def total(key: str, wanted: bool) -> float | None:
+            return safe_fsum(pairs[key]) if wanted else None
+
+        return stats, total("pre_post", pre_post), total("pre_pre", pre_post), total("update", update)
+
+
+def _finite_products(
+    a: F64,
+    b: F64,
+    mask_a: Mask | None,
+    mask_b: Mask | None,
+    scratch: F64,
+    *,
+    difference: bool = False,
+) -> tuple[float, float, float]:
+    """(a.b, a.a, |b-a|^2) over the elements finite in both. Nonfinite values were zeroed already;
+    where only one of the two was, the other is zeroed here too (in place: the chunk is done)."""
+    both = mask_a if mask_b is None else (mask_b if mask_a is None else mask_a & mask_b)
+    if both is not None:
+        np.copyto(a, 0.0, where=~both)
+        np.copyto(b, 0.0, where=~both)
+    if difference:
+        d = np.subtract(b, a, out=scratch)
+        return 0.0, 0.0, float(np.dot(d, d))
+    return float(np.dot(a, b)), float(np.dot(a, a)), 0.0

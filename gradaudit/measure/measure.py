@@ -1,0 +1,652 @@
+"""Reading the dumped tensors once, by parameter, into the numbers the checks need (the shell side).
+
+The unit of work is one logical parameter: all its pieces on all present ranks. `measure_param`
+reads them by chunks (never more than a few pieces' chunks in memory) and returns a frozen
+`ParamMeasurement`; `measure_step` spreads parameters over worker threads, optionally a subset, and
+measurements of disjoint subsets `merge` into the same result as one pass (so parameters can be
+split among processes: see scaleout.py). The inner loop over chunks is kernel.ChunkKernel; all of
+it is numpy, so that checking a dump never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..model import ParamInfo, Piece, StepDump, TensorStats
+from ..norms import divide_by_power
+from .measurements import (
+    SCALED_KINDS,
+    ParamMeasurement,
+    PieceMeasurement,
+    ReferenceDifference,
+    ReplicaCopy,
+    ReplicaSet,
+    StepMeasurements,
+    dumped_gradient_scale,
+    stats_only_measurement,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..dumpfile.reader import TensorReader
+    from .columns import StepColumns
+    from .kernel import ChunkKernel
+    from .reference import ReferenceSource
+    from .table import PieceTable
+
+COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
+"""Tensor kinds compared against an unsharded reference."""
+
+Progress = Callable[[int, int], None]
+
+PARALLEL_MIN_BYTES = 32 << 20
+"""Below this much tensor data a step is read by the calling thread alone: starting a pool costs
+more than the second core gives back (the 4-rank toy dump: 2.3 ms alone, 7 ms with two threads)."""
+
+CHUNK_ELEMENTS = 1 << 16
+"""Elements read and reduced at a time per tensor: kernel.KERNEL_CHUNK_ELEMENTS (the float64 buffer
+stays in cache). numpy and the kernel load on first measurement."""
+
+
+def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
+    """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
+    squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    notes = []
+    inf = math.inf
+    for piece in columns.overflowing_grad():
+        stats = piece.stats.get("grad")
+        if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
+            continue
+        if stats.num_nonfinite or not stats.numel:
+            continue
+        for what, value in (("squares", stats.sum_sq), (f"|x|^{stats.norm_type:g}", stats.sum_pow)):
+            if math.isinf(value):
+                notes.append(
+                    f"{piece.param} on rank {piece.rank}: the sum of {what} of its finite gradient values "
+                    f"(max |x| {stats.max_abs:.6g}) exceeds float64, so norms that include it are reported as inf"
+                )
+                break
+    if len(notes) > limit:
+        notes = notes[:limit] + [f"and {len(notes) - limit} more pieces whose sums exceed float64"]
+    return tuple(notes)
+
+
+_RANK_AND_INDEX = operator.attrgetter("rank", "index")
+
+
+def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
+    """The statistics of the gradient divided by `scale`; a sum whose quotient is beyond float64
+    becomes inf or 0 (as the float64 sum of the unscaled values would), never an exception."""
+    if scale == 1.0:
+        return stats
+    p = stats.norm_type
+    return replace(
+        stats,
+        sum_pow=stats.sum_pow / scale if math.isinf(p) else divide_by_power(stats.sum_pow, scale, p),
+        sum_sq=divide_by_power(stats.sum_sq, scale, 2.0),
+        max_abs=stats.max_abs / scale,
+        fingerprint=tuple(v / scale for v in stats.fingerprint),
+    )
+
+
+# ---------------------------------------------------------------- reading helpers
+
+
+def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, numel, chunk):
+        yield start, min(numel, start + chunk)
+
+
+def _piece_flat(
+    reader: TensorReader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
+) -> np.ndarray:
+    """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
+    import numpy as np
+
+    values = reader.float64(path, piece.tensors[kind], start, stop)
+    if scale != 1.0 and kind in SCALED_KINDS:
+        with np.errstate(all="ignore"):
+            values /= scale
+    return values
+
+
+# ---------------------------------------------------------------- one parameter
+
+
+def _measure_piece(
+    reader: TensorReader,
+    kernel: ChunkKernel,
+    rank: int,
+    path: str,
+    piece: Piece,
+    norm_type: float,
+    scale: float = 1.0,
+    *,
+    fingerprint: bool = False,
+) -> PieceMeasurement:
+    if piece.tensors:
+        read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
+            reader, path, piece, norm_type, fingerprint=fingerprint
+        )
+        stats = {**piece.stats, **read}  # values measured here win over stored summaries
+    else:  # stats-only: nothing to read (the common case of many-rank dumps: kept cheap)
+        stats, dot_pre_post, dot_pre_pre, update_sum_sq = dict(piece.stats), None, None, None
+    if scale != 1.0:
+        stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
+    if len(stats) > 1:
+        stats = dict(sorted(stats.items()))
+    if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
+        dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
+        dot_pre_pre = divide_by_power(dot_pre_pre, scale, 2.0)
+    return PieceMeasurement(
+        rank=rank,
+        index=piece.index,
+        param=piece.param,
+        regions=piece.regions,
+        dtype=piece.dtype,
+        numel=piece.numel,
+        replica_group=piece.replica_group,
+        stats=stats,
+        dot_pre_post=dot_pre_post,
+        dot_pre_pre=dot_pre_pre,
+        update_sum_sq=update_sum_sq,
+        value_scale=scale,
+    )
+
+
+def _compare_replicas(
+    reader: TensorReader,
+    copies: list[tuple[int, str, Piece]],
+    measured: Mapping[tuple[int, int], PieceMeasurement],
+    chunk: int,
+) -> ReplicaSet:
+    """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
+    from .reference import compare_values
+
+    copies = sorted(copies, key=lambda c: (c[0], c[2].index))
+    base_rank, base_path, base = copies[0]
+    base_stats = measured[(base_rank, base.index)].stats.get("grad")
+    by_values = all("grad" in p.tensors for _, _, p in copies)
+    results = []
+    if by_values:
+        others = copies[1:]
+        per_copy = max(1 << 16, chunk // max(1, len(copies)))
+        diffs = [0.0] * len(others)
+        mismatches = [0] * len(others)
+        for start, stop in _flat_windows(base.numel, per_copy):
+            ref = _piece_flat(
+                reader, base_path, base, "grad", start, stop, measured[(base_rank, base.index)].value_scale
+            )
+            for i, (rank, path, piece) in enumerate(others):
+                values = _piece_flat(
+                    reader, path, piece, "grad", start, stop, measured[(rank, piece.index)].value_scale
+                )
+                diff, _, mismatch = compare_values(values, ref)
+                diffs[i] = max(diffs[i], diff)
+                mismatches[i] += mismatch
+        results = [
+            ReplicaCopy(rank=r, index=p.index, max_abs_diff=d, num_nonfinite_mismatch=n)
+            for (r, _, p), d, n in zip(others, diffs, mismatches, strict=False)
+        ]
+    else:
+        for rank, _, piece in copies[1:]:
+            stats = measured[(rank, piece.index)].stats.get("grad")
+            delta = None
+            if (
+                stats is not None
+                and base_stats is not None
+                and len(stats.fingerprint) == len(base_stats.fingerprint)
+            ):
+                delta = max(
+                    [abs(a - b) for a, b in zip(stats.fingerprint, base_stats.fingerprint, strict=False)]
+                    + [
+                        abs(math.sqrt(stats.sum_sq) - math.sqrt(base_stats.sum_sq)),
+                        abs(stats.max_abs - base_stats.max_abs),
+                    ]
+                )
+                if stats.num_nonfinite != base_stats.num_nonfinite:
+                    delta = math.inf
+            results.append(ReplicaCopy(rank=rank, index=piece.index, fingerprint_delta=delta))
+    return ReplicaSet(
+        param=base.param,
+        regions=base.regions,
+        dtype=base.dtype,
+        base_rank=base_rank,
+        base_index=base.index,
+        base_max_abs=0.0 if base_stats is None else base_stats.max_abs,
+        base_sum_sq=0.0 if base_stats is None else base_stats.sum_sq,
+        numel=base.numel,
+        copies=tuple(results),
+        by_values=by_values,
+    )
+
+
+def _compare_with_reference(
+    reader: TensorReader,
+    param: str,
+    rank_path: str,
+    piece: Piece,
+    source: ReferenceSource,
+    kind: str,
+    chunk: int,
+    scale: float,
+) -> ReferenceDifference:
+    from .reference import compare_regions
+
+    max_err, max_ref, mismatches, compared = compare_regions(
+        lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
+    )
+    return ReferenceDifference(
+        param=param,
+        kind=kind,
+        dtype=piece.dtype,
+        numel_compared=compared,
+        max_abs_error=max_err,
+        max_abs_reference=max_ref,
+        num_nonfinite_mismatch=mismatches,
+    )
+
+
+def _merge_errors(errors: list[ReferenceDifference]) -> ReferenceDifference:
+    first = errors[0]
+    return ReferenceDifference(
+        param=first.param,
+        kind=first.kind,
+        dtype=max((e.dtype for e in errors), key=_dtype_looseness),
+        numel_compared=sum(e.numel_compared for e in errors),
+        max_abs_error=max(e.max_abs_error for e in errors),
+        max_abs_reference=max(e.max_abs_reference for e in errors),
+        num_nonfinite_mismatch=sum(e.num_nonfinite_mismatch for e in errors),
+    )
+
+
+def _dtype_looseness(dtype: str) -> float:
+    from ..norms import norm_rtol
+
+    return norm_rtol([dtype])
+
+
+def measure_param(
+    step: StepDump,
+    name: str,
+    reader: TensorReader,
+    *,
+    norm_type: float,
+    reference: StepDump | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    held: list[tuple[int, str, Piece]] | None = None,
+    reference_held: list[tuple[int, str, Piece]] | None = None,
+    infos: tuple[ParamInfo | None, ParamInfo | None] | None = None,
+    scales: Mapping[int, float] | None = None,
+    kernel: ChunkKernel | None = None,
+) -> ParamMeasurement:
+    """Measure one logical parameter: every piece on every present rank, its replicas, its reference.
+
+    `held` / `reference_held` are this parameter's (rank, path, piece) entries, and `infos` its
+    ParamInfo here and in the reference, when the caller looked them up already for every parameter
+    (see `pieces_by_param`); `scales` maps ranks to `dumped_gradient_scale` of their files; `kernel`
+    holds the calling worker's read buffers."""
+    if held is None:
+        held = pieces_by_param(step).get(name, [])
+    if kernel is None:
+        from .kernel import ChunkKernel
+
+        kernel = ChunkKernel(chunk_elements)
+    by_layout: dict[tuple[object, ...], list[tuple[int, str, Piece]]] = {}
+    if reference is not None or len({entry[2].layout_key for entry in held}) < len(held):
+        for entry in held:  # replicas (or a reference to pair with): group the pieces by layout
+            by_layout.setdefault(entry[2].layout_key, []).append(entry)
+    with_values = any(entry[2].tensors for entry in held)
+    fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
+    measured_pieces = []
+    rank_scales: dict[int, float] = {}
+    for rank, path, piece in held:
+        scale = rank_scales.get(rank)
+        if scale is None:
+            scale = rank_scales[rank] = _scale_of(step, rank, scales)
+        if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
+            measured_pieces.append(stats_only_measurement(rank, piece))  # most pieces of a many-rank dump
+        else:
+            measured_pieces.append(
+                _measure_piece(
+                    reader,
+                    kernel,
+                    rank,
+                    path,
+                    piece,
+                    norm_type,
+                    scale,
+                    fingerprint=(rank, piece.index) in fingerprinted,
+                )
+            )
+    measured_pieces.sort(key=_RANK_AND_INDEX)
+    replicated = [copies for copies in by_layout.values() if len(copies) > 1]
+    measured = {(pm.rank, pm.index): pm for pm in measured_pieces} if replicated else {}
+    replica_sets = tuple(
+        _compare_replicas(reader, copies, measured, chunk_elements)
+        for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
+    )
+    reference_pieces: tuple[PieceMeasurement, ...] = ()
+    reference_errors: tuple[ReferenceDifference, ...] = ()
+    notes: tuple[str, ...] = ()
+    if reference is not None:
+        if reference_held is None:
+            reference_held = pieces_by_param(reference).get(name, [])
+        if infos is None:
+            infos = (step.params.get(name), reference.params.get(name))
+        reference_pieces, reference_errors, notes = _measure_reference(
+            name,
+            reader,
+            infos,
+            reference_held,
+            by_layout,
+            norm_type=norm_type,
+            chunk=chunk_elements,
+            scale_of=lambda rank: _scale_of(step, rank, scales),
+            reference=reference,
+            kernel=kernel,
+        )
+    return ParamMeasurement(
+        param=name,
+        norm_type=norm_type,
+        pieces=tuple(measured_pieces),
+        replica_sets=replica_sets,
+        reference_pieces=reference_pieces,
+        reference_errors=reference_errors,
+        notes=notes,
+    )
+
+
+def _needing_fingerprints(
+    by_layout: Mapping[tuple[object, ...], list[tuple[int, str, Piece]]],
+) -> set[tuple[int, int]]:
+    """(rank, piece index) of the pieces with values whose replica set also holds stats-only copies:
+    those are compared by fingerprint, so theirs must be computed (it costs several passes)."""
+    wanted = set()
+    for copies in by_layout.values():
+        with_values = [(rank, piece.index) for rank, _, piece in copies if "grad" in piece.tensors]
+        if len(copies) > 1 and len(with_values) < len(copies):
+            wanted.update(with_values)
+    return wanted
+
+
+def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
+    """Parameter -> (rank, file path, piece) of every piece that holds part of it, by rank."""
+    found: dict[str, list[tuple[int, str, Piece]]] = {}
+    for rank in step.ranks_present:
+        dump = step.ranks[rank]
+        for piece in dump.pieces:
+            found.setdefault(piece.param, []).append((rank, dump.path, piece))
+    return found
+
+
+def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> float:
+    return scales[rank] if scales is not None and rank in scales else dumped_gradient_scale(step.ranks[rank])
+
+
+def _measure_reference(
+    name: str,
+    reader: TensorReader,
+    infos: tuple[ParamInfo | None, ParamInfo | None],
+    ref_held: list[tuple[int, str, Piece]],
+    by_layout: Mapping[tuple[object, ...], list[tuple[int, str, Piece]]],
+    *,
+    norm_type: float,
+    chunk: int,
+    scale_of: Callable[[int], float],
+    reference: StepDump,
+    kernel: ChunkKernel,
+) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceDifference, ...], tuple[str, ...]]:
+    from .reference import ReferenceSource, covers
+
+    info, ref_info = infos
+    if ref_info is None:
+        return (), (), (f"{name}: not in the reference dump",)
+    if info is not None and tuple(ref_info.global_shape) != tuple(info.global_shape):
+        return (
+            (),
+            (),
+            (
+                f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
+            ),
+        )
+    reference_pieces = tuple(
+        _measure_piece(
+            reader, kernel, rank, path, piece, norm_type, dumped_gradient_scale(reference.ranks[rank])
+        )
+        for rank, path, piece in ref_held
+    )
+    errors, notes = [], []
+    for kind in COMPARED_KINDS:
+        ref_with_values = [(path, piece) for _, path, piece in ref_held if kind in piece.tensors]
+        ours = [min(copies, key=lambda c: (c[0], c[2].index)) for copies in by_layout.values()]
+        ours = [(rank, path, piece) for rank, path, piece in ours if kind in piece.tensors]
+        if not ours or not ref_with_values:
+            continue
+        if not covers(ref_with_values, ref_info.global_shape):
+            notes.append(f"{name}: the reference's {kind} pieces do not cover the parameter; not compared")
+            continue
+        ref_rank = next(rank for rank, _, piece in ref_held if kind in piece.tensors)
+        ref_scale = dumped_gradient_scale(reference.ranks[ref_rank]) if kind in SCALED_KINDS else 1.0
+        source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
+        per_piece = [
+            _compare_with_reference(reader, name, path, piece, source, kind, chunk, scale_of(rank))
+            for rank, path, piece in sorted(ours, key=lambda c: (c[0], c[2].index))
+        ]
+        errors.append(_merge_errors(per_piece))
+    return reference_pieces, tuple(errors), tuple(notes)
+
+
+def measure_step(
+    step: StepDump,
+    reader: TensorReader,
+    *,
+    norm_type: float | None = None,
+    reference: StepDump | None = None,
+    params: Iterable[str] | None = None,
+    progress: Progress | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    workers: int | None = None,
+) -> StepMeasurements:
+    """Measure the given parameters (all of the step's by default) of one step, parameter by parameter.
+
+    Parameters with tensor data are spread over `workers` threads (default: the usable cores, or
+    one below PARALLEL_MIN_BYTES of tensor data), the largest first; each thread reads with its own
+    TensorReader and buffers, so memory is a few chunks per thread whatever the size of the dump.
+    numpy's reductions release the GIL, and each parameter is reduced by one thread in a fixed chunk
+    order, so the result is the same bits for any number of workers. `progress(done, total)` is
+    called after each parameter, from the calling thread.
+    """
+    if norm_type is None:
+        norm_type = step.clip.norm_type if step.clip is not None else 2.0
+    known = step.params
+    names = sorted(known) if params is None else sorted(set(params))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"parameters {unknown[:3]} are not in step {step.step}; pass names from step.params")
+    table = None
+    if reference is None:
+        from .table import piece_table
+
+        table = piece_table(step, names)
+    held = pieces_by_param(step) if table is None else {}
+    reference_held = None if reference is None else pieces_by_param(reference)
+    reference_infos = {} if reference is None else reference.params
+    scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
+
+    def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
+        if table is not None:
+            return _measure_from_table(table, name, norm_type, worker_reader, chunk_elements)
+        return measure_param(
+            step,
+            name,
+            worker_reader,
+            norm_type=norm_type,
+            reference=reference,
+            chunk_elements=chunk_elements,
+            held=held.pop(name, []),  # dropped once measured: a tuple per piece of the step
+            reference_held=None if reference_held is None else reference_held.get(name, []),
+            infos=(known[name], reference_infos.get(name)),
+            scales=scales,
+            kernel=kernel,
+        )
+
+    cost = bytes_to_read(step, reference)
+    results = _measure_all(
+        names,
+        cost,
+        measure,
+        reader,
+        step,
+        workers=_default_workers(cost) if workers is None else workers,
+        chunk_elements=chunk_elements,
+        progress=progress,
+    )
+    reference_only: tuple[str, ...] = ()
+    if reference is not None:
+        reference_only = tuple(sorted(set(reference_infos) - set(known)))
+    return StepMeasurements(
+        norm_type=norm_type,
+        params=dict(sorted(results.items())),
+        reference_given=reference is not None,
+        reference_step=None if reference is None else reference.step,
+        reference_only_params=reference_only,
+    )
+
+
+def _measure_from_table(
+    table: PieceTable, name: str, norm_type: float, reader: TensorReader, chunk: int
+) -> ParamMeasurement:
+    """What measure_param gives for a parameter whose pieces are all in `table` (stats only): the
+    pieces stay in the table; replicas are compared on the table's columns."""
+    import numpy as np
+
+    positions = table.param_positions(name)
+    if positions.start == positions.stop:  # held by no rank (most of a table listing 10^6 parameters)
+        return ParamMeasurement(
+            param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=()
+        )
+    layouts = table.layout[positions.start : positions.stop]
+    replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
+    replica_sets = table.replica_sets(replicated)
+    if replica_sets is None and replicated.size:
+        by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
+        for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
+            by_layout.setdefault(layout, []).append(entry)
+        lookup = {(pm.rank, pm.index): pm for pm in table.measurements(replicated)}
+        replica_sets = tuple(
+            _compare_replicas(reader, copies, lookup, chunk)
+            for copies in sorted(
+                by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p in copies)
+            )
+        )
+    return ParamMeasurement(
+        param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=replica_sets or ()
+    )
+
+
+def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
+    """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
+    from ..dumpfile.columnar import ColumnarPieces
+    from ..dumpfile.header import SAFETENSORS_DTYPES
+
+    itemsize = dict(SAFETENSORS_DTYPES.values())
+    cost = dict.fromkeys(step.params, 0)
+    for dump in (step, reference):
+        if dump is None:
+            continue
+        for rank in dump.ranks_present:
+            pieces = dump.ranks[rank].pieces
+            if isinstance(pieces, ColumnarPieces):  # statistics only: nothing to read
+                continue
+            for piece in pieces:
+                if piece.tensors and piece.param in cost:
+                    cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
+    return cost
+
+
+def _measure_all(
+    names: list[str],
+    cost: Mapping[str, int],
+    measure: Callable[[str, TensorReader, ChunkKernel], ParamMeasurement],
+    reader: TensorReader,
+    step: StepDump,
+    *,
+    workers: int,
+    chunk_elements: int,
+    progress: Progress | None,
+) -> dict[str, ParamMeasurement]:
+    """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
+    would only contend for the GIL. The others go to the worker threads, largest first."""
+    from ..dumpfile.reader import TensorReader
+
+    results: dict[str, ParamMeasurement] = {}
+    done = 0
+
+    def finished(name: str, measurement: ParamMeasurement) -> None:
+        nonlocal done
+        results[name] = measurement
+        done += 1
+        if progress is not None:
+            progress(done, len(names))
+
+    from .kernel import ChunkKernel
+
+    kernel = ChunkKernel(chunk_elements)
+    to_read = sorted((n for n in names if cost[n] > 0), key=lambda n: (-cost[n], n))
+    if workers <= 1 or len(to_read) <= 1:
+        for name in names:
+            finished(name, measure(name, reader, kernel))
+        return results
+    for name in names:
+        if cost[name] == 0:
+            finished(name, measure(name, reader, kernel))
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    local = threading.local()
+    opened: list[TensorReader] = []
+    lock = threading.Lock()
+
+    def in_worker(name: str) -> ParamMeasurement:
+        if not hasattr(local, "reader"):
+            local.reader, local.kernel = TensorReader(step), ChunkKernel(chunk_elements)
+            with lock:
+                opened.append(local.reader)
+        return measure(name, local.reader, local.kernel)
+
+    try:
+        with ThreadPoolExecutor(
+            max_workers=min(workers, len(to_read)), thread_name_prefix="gradaudit-measure"
+        ) as pool:
+            futures = {pool.submit(in_worker, name): name for name in to_read}
+            try:
+                for future in as_completed(futures):
+                    finished(futures[future], future.result())
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+    finally:
+        for worker_reader in opened:
+            worker_reader.close()
+    return results
+
+
+def _default_workers(cost: Mapping[str, int]) -> int:
+    return 1 if sum(cost.values()) < PARALLEL_MIN_BYTES else available_workers()
+
+
+def available_workers() -> int:
+    """The cores this process may use."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,193 @@
+"""What reading a step's tensors gives (the values measure_step returns and the checks read): per
+piece statistics, replica comparisons, comparisons with a reference, and the loss-scale rule of
+the dumped gradients."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..model import Piece, RankDump, Region, TensorStats
+
+SCALED_KINDS = ("grad", "grad_clipped")
+"""Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PieceMeasurement:
+    """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
+
+    rank: int
+    index: int
+    """The piece's index in its rank's file."""
+    param: str
+    """The logical parameter it is part of."""
+    regions: tuple[Region, ...]
+    """Which elements of the parameter it holds."""
+    dtype: str
+    numel: int
+    replica_group: str | None = None
+    """The process group over which this piece is replicated, when the capture named one."""
+    stats: Mapping[str, TensorStats] = field(default_factory=dict)
+    """Tensor kind -> float64 statistics (read from the values, or as dumped in stats mode)."""
+    dot_pre_post: float | None = None
+    """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
+    dot_pre_pre: float | None = None
+    """sum(grad * grad) over the same elements as `dot_pre_post`."""
+    update_sum_sq: float | None = None
+    """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
+    value_scale: float = 1.0
+    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
+    before GradScaler.unscale_); every gradient number here is already divided by it."""
+
+    @property
+    def layout_key(self) -> tuple[object, ...]:
+        return (self.param, self.regions)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaCopy:
+    """One copy of a replica set compared with the set's base (lowest-rank) copy."""
+
+    rank: int
+    index: int
+    max_abs_diff: float | None = None
+    """Largest |copy - base| over elements finite in both (None in stats mode)."""
+    num_nonfinite_mismatch: int | None = None
+    """Elements where one is finite and the other not, or both infinite with different signs."""
+    fingerprint_delta: float | None = None
+    """Largest difference of the fingerprint components (stats mode)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaSet:
+    """Pieces with one layout (same parameter, same regions) held on several ranks."""
+
+    param: str
+    regions: tuple[Region, ...]
+    dtype: str
+    base_rank: int
+    """The lowest rank holding a copy: the one every norm counts."""
+    base_index: int
+    base_max_abs: float
+    """max |x| of the base copy's gradient (the scale the differences are judged against)."""
+    base_sum_sq: float
+    numel: int
+    copies: tuple[ReplicaCopy, ...]
+    """Every other copy, compared with the base."""
+    by_values: bool
+    """True when the copies were compared value by value, False when only by fingerprints."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({self.base_rank, *(c.rank for c in self.copies)}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceDifference:
+    """One parameter and tensor kind compared with the reference, element by element."""
+
+    param: str
+    kind: str
+    """The tensor kind compared (grad, grad_clipped or param_after)."""
+    dtype: str
+    """The dumped dtype: it chooses the tolerance."""
+    numel_compared: int
+    max_abs_error: float
+    """max |ours - reference| over elements finite in both."""
+    max_abs_reference: float
+    num_nonfinite_mismatch: int = 0
+    """Elements nonfinite in one of the two only."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamMeasurement:
+    """One logical parameter: all its pieces on all present ranks, measured."""
+
+    param: str
+    norm_type: float
+    """`p` of the norm the statistics were taken for."""
+    pieces: Sequence[PieceMeasurement]
+    """A tuple, or for format-1.1 stats-only pieces a table.TablePieces (built when iterated)."""
+    replica_sets: tuple[ReplicaSet, ...] = ()
+    reference_pieces: tuple[PieceMeasurement, ...] = ()
+    """The reference dump's pieces of this parameter (their stats), when a reference was given."""
+    reference_errors: tuple[ReferenceDifference, ...] = ()
+    notes: tuple[str, ...] = ()
+    """Why something about this parameter could not be measured (e.g. absent from the reference)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMeasurements:
+    """Everything read from the tensors of one step; a pure value the checks work on."""
+
+    norm_type: float
+    params: Mapping[str, ParamMeasurement]
+    """Parameter name -> its measurement, sorted by name."""
+    reference_given: bool = False
+    """Whether an unsharded reference step was compared (--reference)."""
+    reference_step: int | None = None
+    reference_only_params: tuple[str, ...] = ()
+    """Parameters the reference holds and the checked dump does not."""
+
+    def merge(self, other: StepMeasurements) -> StepMeasurements:
+        """Combine measurements of disjoint parameter subsets of the same step."""
+        if self.norm_type != other.norm_type and not (
+            math.isnan(self.norm_type) and math.isnan(other.norm_type)
+        ):
+            raise ValueError(
+                f"cannot merge measurements of norm types {self.norm_type} and {other.norm_type}"
+            )
+        if self.reference_given != other.reference_given:
+            raise ValueError("cannot merge measurements with and without a reference")
+        overlap = set(self.params) & set(other.params)
+        if overlap:
+            raise ValueError(
+                f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+            )
+        return StepMeasurements(
+            norm_type=self.norm_type,
+            params=dict(sorted({**self.params, **other.params}.items())),
+            reference_given=self.reference_given,
+            reference_step=self.reference_step,
+            reference_only_params=tuple(
+                sorted(set(self.reference_only_params) | set(other.reference_only_params))
+            ),
+        )
+
+    @property
+    def pieces(self) -> Iterator[PieceMeasurement]:
+        for pm in self.params.values():
+            yield from pm.pieces
+
+
+def dumped_gradient_scale(dump: RankDump) -> float:
+    """How many times the true gradient the dumped gradients are: the loss scale when the rank's first
+    clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
+    clip = dump.clip
+    if clip is None:
+        return 1.0
+    first = clip.calls[0] if clip.calls else None
+    unscaled = (
+        first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
+    )
+    scale = first.loss_scale if first is not None and first.loss_scale is not None else clip.loss_scale
+    if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
+        return scale
+    return 1.0
+
+
+def stats_only_measurement(rank: int, piece: Piece) -> PieceMeasurement:
+    """What _measure_piece gives for a piece with statistics only, nothing to read and no loss scale
+    to divide by, without its branches."""
+    return PieceMeasurement(
+        rank=rank,
+        index=piece.index,
+        param=piece.param,
+        regions=piece.regions,
+        dtype=piece.dtype,
+        numel=math.prod(piece.local_shape),
+        replica_group=piece.replica_group,
+        stats=dict(sorted(piece.stats.items())) if len(piece.stats) > 1 else piece.stats,
+    )

@@ -1,0 +1,1 @@
+"""The report: the value every check's findings go into and every renderer reads, and the `show` inventory."""
