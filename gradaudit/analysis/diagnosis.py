@@ -288,72 +288,28 @@ class _RankSetNorms:
 
     _UNKNOWN, _NAN, _INF = 1, 2, 4
 
-    def __init__(self, by_rank: Mapping[int, list[PieceMeasurement]], norm_type: float) -> None:
+    def __init__(self, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None) -> None:
+        """From the step's columns: every piece with a gradient (those where `chosen`, when given),
+        grouped by rank."""
         import numpy as np
 
         self.norm_type = norm_type
-        layout_ids: dict[tuple[object, ...], int] = {}
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray] | np.ndarray] = {}
-        """Rank -> its (layouts, terms, flags), or its positions in `self._columns`."""
-        self._columns: StepColumns | None = None
-        by_index = operator.attrgetter("index")
-        inf_norm = is_inf_norm(norm_type)
-        for rank, pieces in by_rank.items():
-            layouts: list[int] = []
-            terms: list[float] = []
-            flags: list[int] = []
-            for piece in sorted(pieces, key=by_index):
-                stats = piece.stats.get("grad")
-                if stats is None:
-                    continue
-                key = piece.layout_key
-                layout = layout_ids.get(key)
-                if layout is None:
-                    layout = layout_ids[key] = len(layout_ids)
-                layouts.append(layout)
-                if inf_norm:
-                    term: float | None = stats.max_abs
-                elif stats.norm_type == norm_type:
-                    term = stats.sum_pow
-                else:
-                    term = stats.sum_sq if norm_type == 2.0 else None
-                terms.append(math.nan if term is None else term)
-                flags.append(
-                    (term is None) | (stats.num_nan > 0) << 1 | (stats.num_posinf + stats.num_neginf > 0) << 2
-                )
-            self._rows[rank] = (
-                np.array(layouts, dtype=np.int64),
-                np.array(terms, dtype=np.float64),
-                np.array(flags, dtype=np.int64),
-            )
-        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
-
-    @classmethod
-    def of_step(
-        cls, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None
-    ) -> _RankSetNorms:
-        """The same as from every piece of the step grouped by rank (those where `chosen`, when
-        given), from its columns."""
-        import numpy as np
-
-        norms = cls({}, norm_type)
-        norms._columns = columns
+        self._columns = columns
         order = columns.by_rank_order
         keep = columns.has_grad[order] if chosen is None else columns.has_grad[order] & chosen[order]
         order = order[keep]
         ranks = columns.rank[order]
         distinct, starts = np.unique(ranks, return_index=True)
         bounds = [*starts.tolist(), ranks.size]
-        for i, rank in enumerate(distinct.tolist()):
-            norms._rows[rank] = order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
-        return norms
+        self._rows: dict[int, np.ndarray] = {
+            rank: order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
+            for i, rank in enumerate(distinct.tolist())
+        }
+        """Rank -> the positions of its pieces in the columns, by piece index."""
+        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
     def _part(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        part = self._rows[rank]
-        if isinstance(part, tuple):
-            return part
-        columns = self._columns
-        assert columns is not None  # positions are stored only by of_step, with its columns
+        part, columns = self._rows[rank], self._columns
         return columns.layout[part], columns.term[part], columns.flags[part]
 
     def norm(
@@ -379,7 +335,7 @@ class _RankSetNorms:
                     np.zeros(0),
                     np.zeros(0, dtype=np.int64),
                 )
-            if self._columns is not None and self._columns.distinct_layouts:
+            if self._columns.distinct_layouts:
                 repeated = False  # no two pieces of the step share a layout
             else:
                 distinct, first_seen = np.unique(layouts, return_index=True)
@@ -587,7 +543,7 @@ def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | No
     num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq = columns.cover_sum_sq_by_rank()
     total_sq = fsum_array(columns.cover_grad_sum_sq())
-    norms = _RankSetNorms.of_step(columns, norm_type)
+    norms = _RankSetNorms(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     further = _FurtherCandidates(step, columns, norms, norm_type)
     shared = _StepWide(step, norms)
@@ -694,7 +650,7 @@ class _FurtherCandidates:
             for group in groups:
                 inside = np.zeros(len(columns.param_names), dtype=bool)
                 inside[[ids[name] for name in group.params]] = True
-                per_group[group.label] = _RankSetNorms.of_step(columns, self.norm_type, inside[columns.param])
+                per_group[group.label] = _RankSetNorms(columns, self.norm_type, inside[columns.param])
             self._groups = (groups, per_group)
         return self._groups
 
