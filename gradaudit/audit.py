@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .analysis.diagnosis import StepDiagnosis, diagnose_step
+from .analysis.diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose_step
 from .checks.base import AuditInputs, AuditOptions
+from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
@@ -101,7 +102,25 @@ def verdict(
         return (
             f"{head}. No problem found, but {', '.join(sorted(undecided))} could not be checked (see below)."
         )
-    return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
+    clean = f"{head}. Clipping used the true global norm and every rank applied the expected coefficient"
+    if _local_equals_global(diagnosis):
+        return (
+            f"{clean}; every rank holds every gradient here, so a local-only norm would have been the same: "
+            "this step cannot tell whether the clipping code reduces across ranks."
+        )
+    return f"{clean}."
+
+
+def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
+    """Whether every rank's norm matched the true one and, as well, its own pieces only (DDP, one rank)."""
+    matches = [d.reported_match or d.implied_match for d in diagnosis.ranks.values()]
+    return bool(matches) and all(
+        m is not None
+        and m.candidate is not None
+        and m.candidate.hypothesis == CORRECT
+        and LOCAL_ONLY in m.coinciding
+        for m in matches
+    )
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -220,6 +239,7 @@ def build_report(
 ) -> Report:
     """The check and report stages: every check on the analysed step, and the Report (pure)."""
     findings, not_checked = run_checks(inputs, options)
+    findings = with_fixes(findings, stack_of(inputs.step))
     step, m, diagnosis = inputs.step, inputs.measurements, inputs.diagnosis
     clip = step.clip
     return Report(

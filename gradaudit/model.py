@@ -326,6 +326,9 @@ class RankDump:
     """Size of the file, for the inventory."""
     not_captured: tuple[NotCapturedParam, ...] = ()
     """Parameters left out of this file, with why; their gradients are in no norm gradaudit computes."""
+    capture_api: str | None = None
+    """The API that wrote this file ("audit_step", "begin_audit", "dump", or an integration such as
+    "DeepSpeedAudit"), so that a hint names what its user called; None in files that do not record it."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size):

@@ -509,9 +509,18 @@ def _describe(match: Match) -> str:
     if match.candidate is None:
         return f"{match.what} {match.observed:.6g} matches no known accounting"
     text = f"{match.what} {match.observed:.6g} matches {match.candidate.description} ({match.candidate.value:.6g})"
-    if match.coinciding:
-        text += f"; indistinguishable here from {', '.join(match.coinciding)}"
+    # Where every rank holds every gradient (DDP) a local norm is the global one: the two coincide
+    # without changing the conclusion, so only a coincidence that would is said.
+    coinciding = [h for h in match.coinciding if not _same_conclusion(match.candidate.hypothesis, h)]
+    if coinciding:
+        text += f"; indistinguishable here from {', '.join(coinciding)}"
     return text
+
+
+def _same_conclusion(chosen: str, coinciding: str) -> bool:
+    """A local-only norm that equals the true one (each rank holds everything) is right on this layout."""
+    prefix = f"{LOSS_SCALED}:" if chosen.startswith(f"{LOSS_SCALED}:") else ""
+    return chosen == f"{prefix}{CORRECT}" and coinciding == f"{prefix}{LOCAL_ONLY}"
 
 
 def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:

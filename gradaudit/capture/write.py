@@ -31,6 +31,7 @@ def build_rank_dump(
     data: DataRecord,
     run_id: str | None,
     call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
+    capture_api: str | None = None,
 ) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
     """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
     infos: dict[str, ParamInfo] = {}
@@ -88,6 +89,7 @@ def build_rank_dump(
         clip=clip,
         data=data,
         not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
+        capture_api=capture_api,
     )
     return dump, tensors
 

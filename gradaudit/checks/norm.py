@@ -15,6 +15,8 @@ from ..analysis.diagnosis import (
     StepDiagnosis,
 )
 from ..analysis.hypotheses import AVERAGED, EVERY_COPY, OVERFLOW, PARAM_GROUP
+from ..norms import CLIP_EPS
+from ..report.sentences import fold_sentences
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
@@ -64,10 +66,26 @@ def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[str], bool]) -> list
 
 
 def _evidence_lines(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> str:
-    lines = [f"rank {d.rank}: {d.detail}" for d in ranks[:MAX_RANKS_IN_MESSAGE]]
-    if len(ranks) > MAX_RANKS_IN_MESSAGE:
-        lines.append(f"and {len(ranks) - MAX_RANKS_IN_MESSAGE} more ranks alike")
+    # Ranks whose explanations differ only in their numbers share one sentence with a rank range.
+    folded = fold_sentences([(d.rank, d.detail) for d in ranks])
+    lines = [f"{ranks_named(f.ranks)}: {f.text}" for f in folded[:MAX_RANKS_IN_MESSAGE]]
+    if len(folded) > MAX_RANKS_IN_MESSAGE:
+        rest = [rank for f in folded[MAX_RANKS_IN_MESSAGE:] for rank in f.ranks]
+        lines.append(f"{ranks_named(rest)}: explained alike, with other numbers (see the per-rank table)")
     return "; ".join(lines)
+
+
+def _update_unaffected(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> bool:
+    """Whether clipping by the wrong norm left this step alone: coefficient 1 expected and applied."""
+    max_norm = diagnosis.max_norm
+    if diagnosis.expected_coef != 1.0 or max_norm is None:
+        return False
+    return all(
+        d.applied_coef == 1.0
+        if d.applied_coef is not None
+        else d.reported_norm is not None and d.reported_norm + CLIP_EPS <= max_norm
+        for d in ranks
+    )
 
 
 def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
@@ -84,6 +102,11 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(diagnosis, ranks)}"
     if scaled:
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
+    if _update_unaffected(diagnosis, ranks):
+        message += (
+            ". This step's update was unaffected: the true norm is below max_norm, so the coefficient is 1 "
+            "either way; the wrong norm changes the update from the first step whose true norm is above max_norm"
+        )
     return Hit(
         message=message,
         ranks=tuple(d.rank for d in ranks),

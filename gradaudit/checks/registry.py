@@ -137,8 +137,13 @@ CHECKS: tuple[CheckSpec, ...] = (
             "max_norm while the whole gradient is far above it, so no rank clips and the update is too large.",
             example="Four FSDP2 ranks each clip their to_local() gradients: each sees 0.8 < max_norm 1 and applies "
             "coefficient 1, while the true global norm is sqrt(4 x 0.8^2) = 1.6 and the coefficient should be 0.625.",
-            fix="Clip the sharded gradients with torch.nn.utils.clip_grad_norm_ on the DTensor parameters (FSDP2), "
-            "FSDP.clip_grad_norm_ (FSDP1), or all-reduce the sum of |g|^p over the right group before taking the root.",
+            fix="With FSDP2 or DTensor tensor parallelism, clip with torch.nn.utils.clip_grad_norm_ on the DTensor "
+            "parameters themselves, not on their to_local() shards. With FSDP1, call the root module's "
+            "FSDP.clip_grad_norm_, not torch's clip_grad_norm_ on the flat shards. With DeepSpeed, set gradient_clipping "
+            "in the config and let engine.step() clip, or, clipping by hand, all-reduce the sum of squares of every "
+            "rank's partition before taking the root. With Megatron-style tensor parallelism, all-reduce the sum of "
+            "|g|^p over the tensor- and data-parallel groups, counting replicated parameters once, before taking the "
+            "root. Otherwise, all-reduce the sum of |g|^p over the ranks that shard the parameters before taking the root.",
         ),
     ),
     CheckSpec(

@@ -7,6 +7,7 @@ import math
 from ..analysis.diagnosis import norm_of_pieces
 from ..norms import safe_fsum
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num
+from .hints import record_parameters_hint
 
 
 def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
@@ -20,7 +21,7 @@ def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResul
             + (
                 " (a stats-mode dump keeps parameter values only for full_params= patterns)"
                 if stats
-                else " (pass optimizer= to audit_step)"
+                else f" ({record_parameters_hint(step)})"
             )
         )
     partial = len(cover) < len(everything)

@@ -152,6 +152,7 @@ def encode_rank(dump: RankDump) -> dict[str, Any]:
         "world_size": dump.world_size,
         "mode": dump.mode,
         "run_id": dump.run_id,
+        **({} if dump.capture_api is None else {"capture_api": dump.capture_api}),
         "host": dump.host,
         "torch_version": dump.torch_version,
         "gradaudit_version": dump.gradaudit_version,
@@ -855,6 +856,7 @@ def decode_rank(
         ),
         num_bytes=num_bytes,
         not_captured=_decode_not_captured(r, doc.get("not_captured")),
+        capture_api=r.get(doc, "capture_api", "", r.str_, optional=True),
     )
 
 
