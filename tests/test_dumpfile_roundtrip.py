@@ -9,6 +9,7 @@ from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.header import read_header
 from gradaudit.errors import DumpFormatError
 from gradaudit.model import ClipCall, ClipRecord, DataRecord, FlatRange, MeshInfo, Topology
+from gradaudit.version import __version__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -141,7 +142,7 @@ def test_on_disk_header_of_a_tiny_dump_is_pinned(tmp_path):
         "data": {"loss": None, "loss_reduction": None, "tokens": None},
         "format": "gradaudit-dump",
         "format_version": "1.1",
-        "gradaudit_version": "0.1.0",
+        "gradaudit_version": __version__,
         "host": "host-a",
         "mode": "full",
         "params": [{"dtype": "float32", "global_shape": [2, 2], "name": "w"}],
