@@ -122,6 +122,7 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
         diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements={},
+        value_clipping=None,
     )
     hits = ownership_overlap(inputs, options), ownership_gap(inputs, options)
     seconds = time.perf_counter() - start
