@@ -75,6 +75,55 @@ def audit_step_subject(num_params: int, workdir: str, mode: str) -> tuple[float,
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def many_small_gradients(num_params: int):
+    """`num_params` parameters of 4 elements each (experts x layers x weights of a large MoE rank, in
+    miniature), each with a gradient."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(4)) for _ in range(num_params))
+    for parameter in model:
+        parameter.grad = torch.randn(4)
+    return model
+
+
+def many_params_subject(num_params: int, workdir: str, mode: str) -> tuple[float, int]:
+    """One audited step of `num_params` small parameters: what the capture adds to the training step."""
+    import gradaudit
+
+    model = many_small_gradients(num_params)
+    directory = Path(tempfile.mkdtemp(dir=_made(workdir)))
+    try:
+        with gradaudit.audit_step(
+            many_small_gradients(10), directory / "warmup", step=0, max_norm=MAX_NORM, mode=mode
+        ):
+            pass
+        start = time.perf_counter()
+        with gradaudit.audit_step(
+            model, directory, step=1, max_norm=MAX_NORM, mode=mode, strict=True
+        ) as audit:
+            audit.record(reported_norm=1.0)
+        seconds = time.perf_counter() - start
+        written = sum(p.stat().st_size for p in (directory / "step_1").glob("*.safetensors"))
+        if written == 0:
+            raise SystemExit(f"audit_step wrote nothing under {directory}")
+        return seconds, written
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def norm_loop_subject(num_params: int) -> tuple[float, int]:
+    """The baseline: a plain float64 norm of every gradient of the same parameters, one call each."""
+    import torch
+
+    grads = [p.grad for p in many_small_gradients(num_params)]
+    torch.linalg.vector_norm(torch.ones(4), dtype=torch.float64)
+    start = time.perf_counter()
+    for grad in grads:
+        torch.linalg.vector_norm(grad, dtype=torch.float64)
+    return time.perf_counter() - start, 0
+
+
 def _made(workdir: str) -> str:
     Path(workdir).mkdir(parents=True, exist_ok=True)
     return workdir
@@ -86,4 +135,8 @@ def run_capture_subject(name: str, args: dict) -> tuple[float, int]:
 
     if name == "save_file":
         return save_file_subject(**args)
+    if name == "many_params":
+        return many_params_subject(**args)
+    if name == "norm_loop":
+        return norm_loop_subject(**args)
     return audit_step_subject(**args)

@@ -9,6 +9,7 @@ the same run. See bench/README.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import shutil
 import sys
@@ -33,6 +34,9 @@ TARGET_STATS_RANKS = 4096
 TARGET_STATS_GROWTH = 4.5
 TARGET_AUDIT_FULL_VS_SAVE = 1.3
 TARGET_STATS_VS_FULL = 0.05
+TARGET_PARAMS_GROWTH = 1.2
+"""10x the parameters of a rank: capture time at most 1.2x beyond linear (12x)."""
+TARGET_PARAMS_STATS_VS_NORMS = 1.5
 TARGET_COVERAGE_GROWTH = 20.0
 """10x the pieces: n log n gives about 11-13x, quadratic 100x."""
 
@@ -45,6 +49,7 @@ class Sizes:
     stats_ranks: tuple[int, ...]
     stats_pieces: int
     capture_params: int
+    many_params: tuple[int, ...]
     coverage_pieces: tuple[int, int]
     repeats: int
     stats_repeats: int
@@ -57,6 +62,7 @@ DEFAULT = Sizes(
     stats_ranks=(64, 128, 256, 512),
     stats_pieces=800,
     capture_params=100_000_000,
+    many_params=(1_000, 10_000, 100_000),
     coverage_pieces=(10_000, 100_000),
     repeats=3,
     stats_repeats=1,
@@ -68,6 +74,7 @@ FULL = Sizes(
     stats_ranks=(512, 1024, 2048, 4096),
     stats_pieces=800,
     capture_params=100_000_000,
+    many_params=(1_000, 10_000, 100_000),
     coverage_pieces=(10_000, 100_000),
     repeats=3,
     stats_repeats=1,
@@ -79,11 +86,12 @@ TINY = Sizes(
     stats_ranks=(2, 4, 8),
     stats_pieces=20,
     capture_params=200_000,
+    many_params=(10, 100, 1_000),
     coverage_pieces=(100, 1_000),
     repeats=1,
     stats_repeats=1,
 )
-SECTIONS = ("dense", "bf16", "stats", "capture", "coverage")
+SECTIONS = ("dense", "bf16", "stats", "capture", "params", "coverage")
 
 
 # ---------------------------------------------------------------- printing
@@ -314,6 +322,46 @@ def capture_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
     )
 
 
+def params_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
+    counts = sizes.many_params
+    out.line(
+        f"== many parameters per rank: {', '.join(f'{n:,}' for n in counts)} parameters of 4 fp32 elements"
+    )
+    subjects = {}
+    for n in counts:
+        args = {"num_params": n, "workdir": str(workdir / "params")}
+        subjects[f"full {n}"] = dict(args, mode="full", _subject="many_params")
+        subjects[f"stats {n}"] = dict(args, mode="stats", _subject="many_params")
+    subjects[f"norm loop {counts[-1]}"] = {"num_params": counts[-1], "_subject": "norm_loop"}
+    results = harness.interleaved(subjects, 1, timeout_s=1800.0)
+    for summary in results.values():
+        out.subject(summary)
+    for mode in ("full", "stats"):
+        worst = None
+        for small, large in itertools.pairwise(counts):
+            growth = _ratio(results[f"{mode} {large}"].seconds, results[f"{mode} {small}"].seconds)
+            beyond = None if growth is None else growth / (large / small)
+            out.ratio("params", f"{mode} time {large}/{small} params beyond linear", beyond)
+            if beyond is not None:
+                worst = beyond if worst is None else max(worst, beyond)
+        out.target(
+            f"{mode} capture growth per 10x parameters <= {TARGET_PARAMS_GROWTH}x beyond linear",
+            worst,
+            TARGET_PARAMS_GROWTH,
+            "x",
+        )
+    largest = counts[-1]
+    vs_norms = _ratio(results[f"stats {largest}"].seconds, results[f"norm loop {largest}"].seconds)
+    out.ratio("params", f"stats {largest}/norm loop {largest} time", vs_norms)
+    scale = "" if largest >= 100_000 else " [under 10^5 parameters]"
+    out.target(
+        f"stats capture of {largest:,} tensors <= {TARGET_PARAMS_STATS_VS_NORMS}x a vector_norm loop{scale}",
+        vs_norms,
+        TARGET_PARAMS_STATS_VS_NORMS,
+        "x",
+    )
+
+
 def coverage_section(out: Printer, sizes: Sizes) -> None:
     small, large = sizes.coverage_pieces
     out.line(f"== ownership coverage (GA102/GA103 sweep): {small:,} vs {large:,} pieces of one parameter")
@@ -435,6 +483,8 @@ def _run_sections(args: argparse.Namespace, sizes: Sizes) -> int:
             stats_section(out, workdir, sizes, skip_load_subject=args.skip_load_subject)
         if "capture" in sections:
             capture_section(out, workdir, sizes)
+        if "params" in sections:
+            params_section(out, workdir, sizes)
         if "coverage" in sections:
             coverage_section(out, sizes)
     finally:

@@ -28,7 +28,8 @@ BLAS_SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 FLOOR_CLI = "floor: import typer, rich.console"
 FLOOR_NUMPY_CLI = "floor: import numpy, typer, rich.console"
 TYPER_COERCION = "reference: the floor + typer's pydantic coercion"
-"""Not a target: typer coerces every parsed parameter through pydantic, which `check` cannot avoid."""
+"""Not a target: what typer's pydantic coercion of every parsed parameter costs; `check` no longer pays
+it (gradaudit/cliparams.py converts its parameters without pydantic)."""
 HELP = "gradaudit --help"
 EXPLAIN = "gradaudit explain GA201"
 CHECK = "gradaudit check (4-rank toy dump)"

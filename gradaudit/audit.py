@@ -1,25 +1,32 @@
-"""Auditing a step folder (or a folder of steps): load, measure, run the checks, build the Report.
+"""Auditing a step folder (or a folder of steps), stage by stage:
 
-`build_report` is pure; `audit_step_dir` and `audit_folder` are the shell around it that reads files.
+    load_step (dumpfile) -> measure_step (measure) -> analyse (analysis) -> build_report (checks, report)
+
+`audit_step` assembles the stages for one loaded step (with a reference, `judge_updates` reads the
+tensors a second time, for the update judgements); `analyse` and `build_report` are pure given their
+inputs;
+`audit_step_dir` and `audit_folder` are the shell around them that finds and loads files.
 """
 
 from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .analysis.diagnosis import StepDiagnosis, diagnose_step
-from .checks.base import AuditOptions
+from .analysis.diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose_step
+from .checks.base import AuditInputs, AuditOptions
+from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
-from .checks.registry import run_checks
+from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
-from .measure.columns import step_columns
+from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
 from .measure.measurements import StepMeasurements
 from .model import StepDump
+from .norms import norm_name
 from .report.model import (
     Environment,
     Finding,
@@ -36,53 +43,13 @@ from .report.model import (
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
+    from .dumpfile.reader import TensorReader
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
-
-CLIPPING_CODES = ("GA201", "GA202", "GA203", "GA204", "GA207", "GA208", "GA209", "GA302")
-"""The checks that must all have run before the verdict may call clipping right."""
-
-CAUSES_FIRST = (
-    "GA101",
-    "GA503",
-    "GA504",
-    "GA501",
-    "GA401",
-    "GA102",
-    "GA103",
-    "GA601",
-    "GA502",
-    "GA201",
-    "GA202",
-    "GA203",
-    "GA207",
-    "GA208",
-    "GA209",
-    "GA204",
-    "GA402",
-    "GA301",
-    "GA302",
-    "GA303",
-    "GA100",
-    "GA602",
-    "GA603",
-    "GA604",
-    "GA205",
-    "GA206",
-    "GA702",
-    "GA701",
-)
-"""Which finding the verdict names when there are several: a cause (a drifted replica, clipping on
-scaled gradients) before its consequences (different or wrong coefficients, reference mismatches)."""
-
-
-def norm_name(norm_type: float) -> str:
-    if math.isinf(norm_type):
-        return "inf-norm"
-    return f"L{norm_type:g} norm"
 
 
 def _fmt(value: float | None) -> str:
@@ -135,7 +102,25 @@ def verdict(
         return (
             f"{head}. No problem found, but {', '.join(sorted(undecided))} could not be checked (see below)."
         )
-    return f"{head}. Clipping used the true global norm and every rank applied the expected coefficient."
+    clean = f"{head}. Clipping used the true global norm and every rank applied the expected coefficient"
+    if _local_equals_global(diagnosis):
+        return (
+            f"{clean}; every rank holds every gradient here, so a local-only norm would have been the same: "
+            "this step cannot tell whether the clipping code reduces across ranks."
+        )
+    return f"{clean}."
+
+
+def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
+    """Whether every rank's norm matched the true one and, as well, its own pieces only (DDP, one rank)."""
+    matches = [d.reported_match or d.implied_match for d in diagnosis.ranks.values()]
+    return bool(matches) and all(
+        m is not None
+        and m.candidate is not None
+        and m.candidate.hypothesis == CORRECT
+        and LOCAL_ONLY in m.coinciding
+        for m in matches
+    )
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -144,21 +129,27 @@ def _ranks(ranks: Iterable[int]) -> str:
     return ranks_named(ranks)
 
 
-def _rank_rows(step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis) -> tuple[RankRow, ...]:
-    by_rank = step_columns(m).grad_counts_by_rank()
+def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
+    step, diagnosis = inputs.step, inputs.diagnosis
+    by_rank = inputs.columns.grad_counts_by_rank()
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
+    from .checks.valueclip import gate
+
+    by_value = gate(inputs) is not None  # element-wise clipping applies no coefficient to report
     rows = []
     for rank in step.ranks_present:
         d = diagnosis.ranks[rank]
         detail = d.detail + (" (logging bug: see GA205)" if d.logging_bug else "")
+        if by_value:
+            detail = "clipped element-wise (GA506): no norm or coefficient to match"
         rows.append(
             RankRow(
                 rank=rank,
                 local_norm=math.nan if d.local_norm is None else d.local_norm,
                 reported_norm=d.reported_norm,
-                applied_clip_coef=d.applied_coef,
-                applied_coef_source=d.coef_source,
-                diagnosis=d.hypothesis,
+                applied_clip_coef=None if by_value else d.applied_coef,
+                applied_coef_source=None if by_value else d.coef_source,
+                diagnosis=None if by_value else d.hypothesis,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
                 nonfinite=NonfiniteCounts(
@@ -209,17 +200,47 @@ def command_for(directory: str, options: AuditOptions) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def judge_updates(
+    step: StepDump, reference: StepDump, m: StepMeasurements, reader: TensorReader, options: AuditOptions
+) -> Mapping[str, UpdateJudgement]:
+    """The second, dense reading pass of a check with a reference: the next weights that differ from
+    the reference while the gradients agree, judged through the optimizer (GA603 and GA604 read it)."""
+    from .analysis.updates import explain_update_errors
+
+    return explain_update_errors(step, reference, m, reader, rtol=options.rtol, atol=options.atol)
+
+
+def analyse(
+    step: StepDump, m: StepMeasurements, *, update_judgements: Mapping[str, UpdateJudgement]
+) -> AuditInputs:
+    """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
+    `update_judgements`: judge_updates' result with a reference, {} without one."""
+    from .analysis.valueclip import value_clipping
+    from .checks.coverage import coverage_by_param
+
+    columns = StepColumns(m)
+    return AuditInputs(
+        step=step,
+        measurements=m,
+        columns=columns,
+        diagnosis=diagnose_step(step, m, columns),
+        coverage=coverage_by_param(step),
+        update_judgements=update_judgements,
+        value_clipping=value_clipping(step, m),
+    )
+
+
 def build_report(
-    step: StepDump,
-    m: StepMeasurements,
+    inputs: AuditInputs,
     options: AuditOptions,
     *,
     command: str = "",
     warnings: tuple[str, ...] = (),
 ) -> Report:
-    """The Report of one measured step (pure)."""
-    findings, not_checked = run_checks(step, m, options)
-    diagnosis = diagnose_step(step, m)
+    """The check and report stages: every check on the analysed step, and the Report (pure)."""
+    findings, not_checked = run_checks(inputs, options)
+    findings = with_fixes(findings, stack_of(inputs.step))
+    step, m, diagnosis = inputs.step, inputs.measurements, inputs.diagnosis
     clip = step.clip
     return Report(
         step=step.step,
@@ -230,7 +251,7 @@ def build_report(
         max_norm=None if clip is None else clip.max_norm,
         global_norm=diagnosis.true_norm,
         expected_clip_coef=diagnosis.expected_coef,
-        ranks=_rank_rows(step, m, diagnosis),
+        ranks=_rank_rows(inputs),
         findings=findings,
         not_checked=not_checked,
         verdict=verdict(diagnosis, findings, not_checked),
@@ -263,25 +284,17 @@ def audit_step(
 ) -> Report:
     from .dumpfile import TensorReader
     from .dumpfile.loader import gc_paused
-    from .leftout import checked_params
+    from .measure.leftout import checked_params
 
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step) as reader:
             m = (measure or measure_step)(
                 step, reader, reference=reference, progress=progress, params=checked_params(step)
             )
-            if reference is not None:
-                from .analysis.updates import DERIVED_KEY, explain_update_errors
-
-                m.derived(
-                    DERIVED_KEY,
-                    step,
-                    lambda: explain_update_errors(
-                        step, reference, m, reader, rtol=options.rtol, atol=options.atol
-                    ),
-                )
-        warnings = tuple(warnings) + overflow_notes(m)
-        return build_report(step, m, options, command=command_for(step.directory, options), warnings=warnings)
+            judgements = {} if reference is None else judge_updates(step, reference, m, reader, options)
+        inputs = analyse(step, m, update_judgements=judgements)
+        warnings = tuple(warnings) + overflow_notes(inputs.columns)
+        return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
 
 
 def audit_step_dir(

@@ -40,8 +40,24 @@ class ShowFormat(str, enum.Enum):
     json = "json"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        _emit(_version_line(), None)
+        raise SystemExit(EXIT_OK)
+
+
+def _version_line() -> str:
+    from .version import FORMAT_VERSION, __version__
+
+    return f"gradaudit {__version__} (dump format {FORMAT_VERSION})"
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
+) -> None:
     """Audit gradient clipping under sharded training from per-rank gradient dumps."""
 
 
@@ -49,7 +65,9 @@ def _emit(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
-    output.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    from .reportfile import write_report_file
+
+    write_report_file(output, text if text.endswith("\n") else text + "\n")
 
 
 @app.command()
@@ -105,6 +123,12 @@ def check(
         "--allow-incomplete-ranks",
         help="Audit the readable ranks; report each unreadable rank file as a missing rank with its reason.",
     ),
+    failing_only: bool = typer.Option(
+        False,
+        "--failing-only",
+        help="For a folder of steps: list only the steps with errors, warnings or missing ranks "
+        "(terminal and Markdown; JSON keeps every step).",
+    ),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
@@ -146,7 +170,7 @@ def check(
         )
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
-        _emit_report(result, format, output, fold=not all_ranks)
+        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
     if _fails(reports, fail_on):
         raise SystemExit(EXIT_FINDINGS)
 
@@ -170,26 +194,22 @@ def _guard_trend_first(directory: Path, *, show: bool) -> bool:
 
 
 def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
-    """The report may go anywhere the user names, except over a folder or into a dump being read."""
-    from .errors import UsageError
+    from .reportfile import refuse_output_path
 
-    if output.is_dir():
-        raise UsageError(f"{output}: --output names a folder; give a file name such as report.md")
-    target = output.resolve()
-    for folder in dump_dirs:
-        root = folder.resolve()
-        if target == root or root in target.parents:
-            raise UsageError(
-                f"{output}: --output lies inside the dump folder {folder}; write the report elsewhere"
-            )
+    refuse_output_path(output, dump_dirs)
 
 
 def _emit_report(
-    result: Report | MultiStepReport, format: OutputFormat, output: Path | None, *, fold: bool
+    result: Report | MultiStepReport,
+    format: OutputFormat,
+    output: Path | None,
+    *,
+    fold: bool,
+    failing_only: bool = False,
 ) -> None:
     from .errors import UsageError
 
-    text = _render(result, format, fold=fold, to_file=output is not None)
+    text = _render(result, format, fold=fold, to_file=output is not None, failing_only=failing_only)
     try:
         _emit(text, output)
     except OSError as exc:
@@ -200,7 +220,14 @@ def _emit_report(
         sys.stderr.write(f"report written to {output}\n")
 
 
-def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: bool, to_file: bool) -> str:
+def _render(
+    result: Report | MultiStepReport,
+    format: OutputFormat,
+    *,
+    fold: bool,
+    to_file: bool,
+    failing_only: bool = False,
+) -> str:
     from .report.model import MultiStepReport
 
     if format is OutputFormat.json:
@@ -213,14 +240,14 @@ def _render(result: Report | MultiStepReport, format: OutputFormat, *, fold: boo
         from .render import markdown as markdown_renderer
 
         if isinstance(result, MultiStepReport):
-            return markdown_renderer.render_multi(result)
+            return markdown_renderer.render_multi(result, failing_only=failing_only)
         return markdown_renderer.render_report(result, fold=fold)
     from .render import terminal as terminal_renderer
 
     color = not to_file and sys.stdout.isatty()
     width = 100 if to_file else _terminal_width()
     if isinstance(result, MultiStepReport):
-        return terminal_renderer.render_multi(result, width=width, color=color)
+        return terminal_renderer.render_multi(result, width=width, color=color, failing_only=failing_only)
     return terminal_renderer.render_report(result, width=width, color=color, fold=fold)
 
 
@@ -334,12 +361,20 @@ def main(argv: list[str] | None = None) -> None:
     if debug:
         args.remove("--debug")
     try:
-        if args[:1] == ["explain"] and "--help" not in args:
+        if args == ["--version"]:
+            _emit(_version_line(), None)  # answered before typer loads its parsers
+        elif args[:1] == ["explain"] and "--help" not in args:
             # typer coerces every parameter, even the group's --help flag, through pydantic, which would
             # double the time `explain` takes to print a paragraph; its arguments need no parser.
             _explain(args[1:])
         else:
-            app(args=args, prog_name="gradaudit", standalone_mode=False)
+            from typer.main import get_command
+
+            from .cliparams import install_plain_params
+
+            command = get_command(app)
+            install_plain_params(command)  # no pydantic for paths, numbers and choices (see cliparams)
+            command.main(args=args, prog_name="gradaudit", standalone_mode=False)
     except GradauditError as exc:
         _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
     except SystemExit:

@@ -226,12 +226,20 @@ class ClipCall:
     """One call of a clipping function before an optimizer step."""
 
     reported_norm: float | None = None
+    """What the call returned, as the full (for a DTensor: the reduced) value."""
     reported_local_norm: float | None = None
+    """The local value a careless `.item()` on a sharded result would give."""
     max_norm: float | None = None
+    """The threshold this call clipped to."""
     norm_type: float | None = None
+    """`p` of this call's norm (inf for the max norm)."""
     unscaled: bool | None = None
     """True when GradScaler.unscale_ had run before this call; None when no scaler was given."""
     loss_scale: float | None = None
+    """The AMP loss scale at this call, when a scaler was given."""
+    clip_value: float | None = None
+    """Set when the call clipped element-wise (`clip_grad_value_`): the value every gradient element was
+    clamped to [-clip_value, clip_value]. Such a call clips by no norm: it has no norm or coefficient."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,14 +247,23 @@ class ClipRecord:
     """What the training code did and believed about clipping on this rank."""
 
     max_norm: float
+    """The clipping threshold (positive, finite)."""
     norm_type: float = 2.0
+    """`p` of the norm; inf for the max norm."""
     reported_norm: float | None = None
+    """The total norm the training code logged or the clip function returned."""
     clip_coef: float | None = None
+    """The coefficient the training code says it applied, when known."""
     calls: tuple[ClipCall, ...] = ()
+    """One entry per clip call before this optimizer step (several under accumulation mistakes)."""
     loss_scale: float | None = None
+    """The AMP loss scale at clip time."""
     unscaled_before_clip: bool | None = None
+    """Whether GradScaler.unscale_ had run when clipping ran; None without a scaler."""
     found_inf: bool | None = None
+    """Whether the scaler found nonfinite gradients."""
     step_skipped: bool | None = None
+    """Whether this rank skipped the optimizer step."""
 
     def __post_init__(self) -> None:
         if not (self.max_norm > 0 and math.isfinite(self.max_norm)):
@@ -278,25 +295,40 @@ class RankDump:
     """One rank's file: who wrote it, what it holds and what the training code believed."""
 
     path: str
+    """The file it was read from ("" before it is written)."""
     rank: int
+    """Global rank of the writer, 0 <= rank < world_size."""
     world_size: int
     step: int
+    """The optimizer step the dump is of."""
     mode: str = "full"
+    """"full" (tensor values dumped) or "stats" (float64 statistics only, except full_params=)."""
     run_id: str | None = None
+    """Identifies the run; ranks of one step must agree."""
     host: str = ""
     torch_version: str = ""
     gradaudit_version: str = ""
+    """The gradaudit that wrote the file."""
     created_at: str = ""
+    """ISO 8601 time of writing (provenance only)."""
     params: tuple[ParamInfo, ...] = ()
+    """Every logical parameter this rank knows, with its global shape and dtype."""
     pieces: Sequence[Piece] = ()
     """A tuple, or for a format-1.1 stats file a dumpfile.columnar.ColumnarPieces (its columns)."""
     aliases: Mapping[str, str] = field(default_factory=dict)
+    """This rank's parameter name -> logical name, for the names that differ (wrapper prefixes)."""
     topology: Topology = field(default_factory=Topology)
+    """The process groups this rank could see."""
     clip: ClipRecord | None = None
+    """What the training code did about clipping; None when nothing was recorded."""
     data: DataRecord = field(default_factory=DataRecord)
     num_bytes: int = 0
+    """Size of the file, for the inventory."""
     not_captured: tuple[NotCapturedParam, ...] = ()
     """Parameters left out of this file, with why; their gradients are in no norm gradaudit computes."""
+    capture_api: str | None = None
+    """The API that wrote this file ("audit_step", "begin_audit", "dump", or an integration such as
+    "DeepSpeedAudit"), so that a hint names what its user called; None in files that do not record it."""
     trigger: str | None = None
     """What wrote this file unasked: "guard" for a step `gradaudit.guard` found wrong (its pieces are
     the rank's ownership groups); None for a capture the training code asked for."""
@@ -328,11 +360,15 @@ class StepDump:
     """All ranks of one step as the loader found them."""
 
     directory: str
+    """The step folder."""
     step: int
     world_size: int
     ranks: Mapping[int, RankDump]
+    """Rank -> its dump, for the ranks present."""
     missing_ranks: tuple[int, ...] = ()
+    """Ranks of the world size without a (readable) file: every check that needs them says so."""
     inconsistencies: tuple[Inconsistency, ...] = ()
+    """What the ranks disagree on (GA101)."""
     warnings: tuple[str, ...] = ()
     """Things the loader skipped (stray files), to be shown to the user."""
     unreadable_ranks: Mapping[int, str] = field(default_factory=dict)

@@ -9,6 +9,13 @@ CLIP_EPS = 1e-6
 """The epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)."""
 
 
+def norm_name(norm_type: float | None) -> str:
+    """ "L2 norm", "L1 norm", "Linf norm"; "norm" when unknown: how every report names the norm."""
+    if norm_type is None:
+        return "norm"
+    return f"L{norm_type:.6g} norm"
+
+
 def is_inf_norm(norm_type: float) -> bool:
     return math.isinf(norm_type)
 

@@ -1,6 +1,6 @@
 """The package version and the dump format version it writes and reads."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 FORMAT_NAME = "gradaudit-dump"
 FORMAT_MAJOR = 1

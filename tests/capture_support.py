@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradaudit.capture.warn import forget_warnings
+from gradaudit.warn import forget_warnings
 
 MAX_NORM = 0.05
 

@@ -10,9 +10,9 @@ import torch
 from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 import gradaudit
-from gradaudit.capture.warn import CaptureWarning
 from gradaudit.dumpfile import load_step
 from gradaudit.errors import CaptureError
+from gradaudit.warn import CaptureWarning
 
 
 def backward(model):

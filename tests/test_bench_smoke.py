@@ -30,9 +30,12 @@ def test_tiny_bench_runs_every_section_and_prints_its_ratios_and_targets(tmp_pat
     assert ratios[("capture", "audit_step full/save_file time")] != "n/a"
     assert ratios[("capture", "audit_step stats/full time")] != "n/a"
     assert ratios[("coverage", "grid time 1000/100 pieces")] != "n/a"
+    for mode in ("full", "stats"):
+        assert ratios[("params", f"{mode} time 1000/100 params beyond linear")] != "n/a"
+    assert ratios[("params", "stats 1000/norm loop 1000 time")] != "n/a"
     assert "DISAGREE" not in out and out.count(": agree") == 2
     summary = out.split("== targets\n", 1)[1]
-    assert len(re.findall(r"^TARGET .*: (MET|MISSED by \d+%) ", summary, re.M)) == 9, summary
+    assert len(re.findall(r"^TARGET .*: (MET|MISSED by \d+%) ", summary, re.M)) == 12, summary
 
 
 def test_a_subject_in_its_own_process_reports_its_time_and_peak_memory(tmp_path):

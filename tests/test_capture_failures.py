@@ -10,9 +10,9 @@ import torch
 from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 import gradaudit
-from gradaudit.capture.warn import CaptureWarning
 from gradaudit.dumpfile import DumpExistsError, load_step
 from gradaudit.errors import CaptureError
+from gradaudit.warn import CaptureWarning
 
 
 def train_steps(model, out_dir, steps, **kwargs) -> list[float]:
@@ -33,14 +33,13 @@ def train_steps(model, out_dir, steps, **kwargs) -> list[float]:
 
 
 def disk_full(monkeypatch):
-    import safetensors.torch
+    import gradaudit.dumpfile.writer
 
-    def save_file(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")  # what a full disk leaves behind
+    def write_safetensors(handle, tensors, metadata):
+        handle.write(b"partial")  # what a full disk leaves behind
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(gradaudit.dumpfile.writer, "write_safetensors", write_safetensors)
 
 
 def capture_warnings(action):
@@ -78,12 +77,12 @@ def test_an_unwritable_output_folder_warns_once_and_training_goes_on(tmp_path):
 
 
 def test_permission_denied_warns_and_strict_raises(tmp_path, monkeypatch):
-    import safetensors.torch
+    import gradaudit.dumpfile.writer
 
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", denied)
+    monkeypatch.setattr(gradaudit.dumpfile.writer, "write_safetensors", denied)
     _, caught = capture_warnings(lambda: train_steps(make_model(), tmp_path, [1]))
     assert len(caught) == 1 and "Permission denied" in str(caught[0].message)
     with pytest.raises(PermissionError):

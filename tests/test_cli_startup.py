@@ -33,7 +33,7 @@ def test_help_explain_and_import_load_neither_torch_nor_pydantic_nor_the_checker
     assert check_modules == []
 
 
-_LIGHT_CHECKS = {"gradaudit.checks.registry", "gradaudit.checks.base", "gradaudit.checks.explanations"}
+_LIGHT_CHECKS = {"gradaudit.checks.registry", "gradaudit.checks.base"}
 
 NOT_FOR_A_PLAIN_CHECK = (
     "torch",

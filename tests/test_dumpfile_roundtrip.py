@@ -9,6 +9,7 @@ from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.header import read_header
 from gradaudit.errors import DumpFormatError
 from gradaudit.model import ClipCall, ClipRecord, DataRecord, FlatRange, MeshInfo, Topology
+from gradaudit.version import __version__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -141,7 +142,7 @@ def test_on_disk_header_of_a_tiny_dump_is_pinned(tmp_path):
         "data": {"loss": None, "loss_reduction": None, "tokens": None},
         "format": "gradaudit-dump",
         "format_version": "1.1",
-        "gradaudit_version": "0.1.0",
+        "gradaudit_version": __version__,
         "host": "host-a",
         "mode": "full",
         "params": [{"dtype": "float32", "global_shape": [2, 2], "name": "w"}],
@@ -234,3 +235,23 @@ def test_unknown_keys_from_a_newer_minor_version_are_ignored(tmp_path):
     )
     path.write_bytes(struct.pack("<Q", len(body)) + body + raw[8 + n :])
     assert load_step(tmp_path).ranks[0].pieces[0].param == "w"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rank_files_gradaudit_writes_itself_read_back_with_the_safetensors_library(tmp_path, dtype):
+    from safetensors import safe_open
+
+    from gradaudit.dumpfile.writer import write_safetensors
+
+    tensors = {
+        "b": torch.arange(6, dtype=dtype).reshape(2, 3),
+        "a": torch.ones((), dtype=dtype),
+        "e": torch.ones(0),
+    }
+    with open(tmp_path / "x.safetensors", "wb", buffering=0) as handle:
+        write_safetensors(handle, tensors, {"k": "v"})
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as read:
+        assert read.metadata() == {"k": "v"}
+        assert sorted(read.keys()) == ["a", "b", "e"]
+        for key, tensor in tensors.items():
+            assert torch.equal(read.get_tensor(key), tensor) and read.get_tensor(key).dtype == tensor.dtype

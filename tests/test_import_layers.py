@@ -10,7 +10,7 @@ import gradaudit
 
 PACKAGE = Path(gradaudit.__file__).parent
 
-VOCABULARY = ("model", "norms", "ranksets", "errors", "version")
+VOCABULARY = ("model", "norms", "ranksets", "errors", "version", "warn")
 """Top-level modules every stage may import; they import only each other."""
 
 STAGES = ("dumpfile", "capture", "measure", "analysis", "report", "checks", "render")
@@ -20,6 +20,21 @@ the report's values come before the checks because a finding is a report value."
 
 OFFLINE = ("measure", "analysis", "report", "checks", "render")
 """Stages of the offline audit, which never load the training-side capture code."""
+
+SHELLS = (
+    "__main__",
+    "audit",  # assembles the offline stages
+    "cli",  # prints and exits
+    "cliparams",  # the CLI's option conversions
+    "reportfile",  # writes a rendered report to --output
+    "scaleout",  # torchrun: loading and measuring shared among processes
+    "progress",  # the progress bar
+    "integrations",  # framework callbacks around the capture and the guard
+    "testing",  # check_clip_parity runs a capture and an audit on gloo ranks
+    "demo",  # writes a dump and checks it
+    "live",  # the guard: training-side hooks (capture) that run the offline analysis (audit) on every step
+)
+"""Top-level modules and folders that assemble stages; they may import anything, and no stage imports them."""
 
 
 def _module_name(path: Path) -> str:
@@ -49,18 +64,20 @@ def _imports() -> dict[str, set[str]]:
 
 
 def _stage(module: str) -> str:
-    """The stage of a module: its folder, "vocabulary", or "shell" (audit, cli, scaleout, progress,
-    the package itself, integrations, demo: they may import anything)."""
+    """The stage of a module: its folder, "vocabulary", "shell" (SHELLS and the package itself), or
+    "unplaced" (a new top-level module or folder nobody has placed yet)."""
     parts = module.split(".")
-    if len(parts) == 1:
+    if len(parts) == 1 or parts[1] in SHELLS:
         return "shell"
     if parts[1] in STAGES:
         return parts[1]
-    return "vocabulary" if len(parts) == 2 and parts[1] in VOCABULARY else "shell"
+    return "vocabulary" if len(parts) == 2 and parts[1] in VOCABULARY else "unplaced"
 
 
 def _allowed(importer: str, imported: str) -> bool:
     a, b = _stage(importer), _stage(imported)
+    if "unplaced" in (a, b):
+        return False
     if a == "shell":
         return True
     if a == "vocabulary":
@@ -128,6 +145,11 @@ def test_no_stage_imports_a_stage_to_its_right_and_the_offline_audit_never_impor
     assert wrong == []
 
 
+def test_every_module_has_a_place_in_the_layout() -> None:
+    unplaced = sorted(m for m in _imports() if _stage(m) == "unplaced")
+    assert unplaced == []  # a new top-level module or folder: add it to STAGES, VOCABULARY or SHELLS
+
+
 def test_no_import_cycle_exists() -> None:
     assert _cycles(_imports()) == []
 
@@ -142,3 +164,6 @@ def test_the_cycle_finder_finds_a_cycle_and_the_rule_refuses_a_backward_import()
     assert _allowed("gradaudit.checks.norm", "gradaudit.analysis.diagnosis")
     assert _allowed("gradaudit.capture.write", "gradaudit.dumpfile.writer")
     assert _allowed("gradaudit.cli", "gradaudit.capture.session")
+    assert _allowed("gradaudit.live.guard", "gradaudit.audit")
+    assert not _allowed("gradaudit.checks.norm", "gradaudit.live.analysis_input")
+    assert _stage("gradaudit.newthing") == "unplaced"

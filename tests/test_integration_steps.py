@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gradaudit.capture.steps import select_steps
 from gradaudit.errors import CaptureError
-from gradaudit.integrations.steps import select_steps
 
 
 def test_no_selection_audits_the_first_optimizer_step_only():

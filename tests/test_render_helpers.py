@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from gradaudit.norms import norm_name
 from gradaudit.render.numbers import (
     fmt_coef,
     fmt_float,
@@ -16,7 +17,6 @@ from gradaudit.render.numbers import (
     fmt_ranks,
     fmt_ratio,
     json_number,
-    norm_name,
     reference_worst_first,
 )
 from gradaudit.render.text import join_limited, markdown_code_block, markdown_escape, printable, rich_safe
@@ -152,3 +152,20 @@ def test_small_shares_keep_two_significant_digits_so_a_large_world_does_not_read
     from gradaudit.render.numbers import fmt_percent
 
     assert [fmt_percent(x) for x in (0.25, 1 / 4096, 0.0, None)] == ["25.0%", "0.024%", "0.0%", "-"]
+
+
+def test_an_inf_norm_step_names_its_norm_the_same_in_the_verdict_and_the_headline(tmp_path):
+    """The verdict said "inf-norm" while the headline said "Linf norm": one norm_name now."""
+    import torch
+    from builders import check, clip, sharded_rows
+
+    from gradaudit.render.terminal import render_report
+
+    grads = [torch.tensor([[0.5, -0.25]]), torch.tensor([[0.75, 0.1]])]
+    step = sharded_rows(
+        tmp_path, grads, clips=clip(norm_type=math.inf, reported_norm=0.75), norm_type=math.inf
+    )
+    report = check(step)
+    assert report.verdict.startswith("True global Linf norm 0.75"), report.verdict
+    assert "inf-norm" not in render_report(report, width=120)
+    assert "true global Linf norm 0.75" in render_report(report, width=120)

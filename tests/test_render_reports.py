@@ -648,7 +648,7 @@ def test_multi_step_renderers_escape_a_hostile_folder_name():
     markdown = markdown_render.render_multi(multi)
     assert (
         markdown.splitlines()[0]
-        == "# gradaudit report: 3 steps in ./runs/\\[red\\]x\\\\x1b\\[31m\\|\\`y\\`\\\\nz"
+        == "# gradaudit report: 3 steps (2 failing) in ./runs/\\[red\\]x\\\\x1b\\[31m\\|\\`y\\`\\\\nz"
     )
     assert json.loads(json_render.render_multi(multi))["directory"] == directory
 

@@ -221,10 +221,10 @@ def test_a_folder_of_many_steps_lists_quiet_steps_in_one_line_and_bounds_the_ste
         for r in steps
     )
     markdown = markdown_render.render_multi(MultiStepReport(directory="run", steps=steps, summary=summary))
-    assert "No findings, warnings or missing ranks in steps 0, 2, 4," in markdown
+    assert "No errors, warnings or missing ranks in steps 0, 2, 4," in markdown
     assert "## Step 0\n" not in markdown and "## Step 1\n" in markdown
-    assert "more steps with findings not shown" in markdown
-    assert "<details><summary>Summary of the 200 steps</summary>" in markdown
+    assert "more failing steps not shown" in markdown
+    assert "<details><summary>Summary of the 200 steps (200 rows)</summary>" in markdown
     assert len(markdown) < 12_000 + 200 * 120
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from ..measure.columns import StepColumns, fsum_array, norm_of_term_array, step_columns
+from ..measure.columns import StepColumns, fsum_array, norm_of_term_array
 from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import ClipRecord, Piece, RankDump, StepDump, TensorStats
 from ..norms import (
@@ -30,6 +30,7 @@ from .hypotheses import (
     NormOf,
     ParamGroup,
     averaged_candidates,
+    every_copy_candidates,
     group_candidates,
     groups_of,
     overflow_candidates,
@@ -103,27 +104,15 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
     return list(chosen.values())
 
 
-def step_cover(m: StepMeasurements) -> Sequence[PieceMeasurement]:
-    """`disjoint_cover` of all the step's pieces, computed once for the diagnosis and every check."""
-    return m.derived("disjoint_cover", None, lambda: step_columns(m).cover())
-
-
-def has_replicas(pieces: Iterable[PieceMeasurement]) -> bool:
-    seen = set()
-    for piece in pieces:
-        if piece.layout_key in seen:
-            return True
-        seen.add(piece.layout_key)
-    return False
-
-
 @dataclass(frozen=True, kw_only=True)
 class Candidate:
     """A norm some accounting (correct or mistaken) produces from this step's pieces."""
 
     hypothesis: str
+    """The accounting's name ("correct", "local_only", "wrong_group:tp", "loss_scaled:...")."""
     value: float
     description: str
+    """What it counts, in words, for the report."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,37 +133,54 @@ class Match:
 
 @dataclass(frozen=True, kw_only=True)
 class RankDiagnosis:
+    """Which norm one rank's clipping used, from its reported norm and its applied coefficient."""
+
     rank: int
     local_norm: float | None
+    """The norm of this rank's own pieces only."""
     reported_norm: float | None
+    """The norm the rank's training code reported (of its last clip call)."""
     applied_coef: float | None
+    """The clip coefficient the rank applied, measured or reported."""
     coef_source: str | None
+    """Where `applied_coef` comes from: "gradients", "reported" or "reported_norm"."""
     implied_norm: float | None
+    """The norm a coefficient below 1 was computed from (max_norm / coef - eps)."""
     candidates: tuple[Candidate, ...]
+    """Every norm an accounting (right or mistaken) gives for this rank, in order of plausibility."""
     reported_match: Match | None
     implied_match: Match | None
     hypothesis: str | None
     """What the clipping (or, with `logging_bug`, the logging) used; None when nothing to match."""
     detail: str
+    """One sentence saying what matched what, for the report's rank rows."""
     logging_bug: bool = False
+    """The reported norm is wrong but the applied coefficient matches the true norm (GA205)."""
     share_of_squared_norm: float = 0.0
+    """This rank's part of the squared true norm (its pieces in the disjoint cover)."""
     rtol: float = 1e-4
+    """The tolerance the matches used (by the dumped dtypes)."""
     true_norm: float | None = None
     """The true global norm as this rank's data gives it: its own copies of replicated pieces, which
     differ from the lowest rank's only when replicas drifted apart (GA601)."""
     expected_coef: float | None = None
+    """The coefficient clipping by `true_norm` gives."""
     num_clip_calls: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepDiagnosis:
+    """The analysis of one step's norm: the truth, and each present rank's diagnosis."""
+
     norm_type: float
     max_norm: float | None
     true_norm: float | None
+    """Every logical element counted once (replicas through the lowest rank); None when unknown."""
     true_norm_note: str
     """Why the true norm is unknown, or "" when known."""
     expected_coef: float | None
     loss_scale: float | None
+    """The AMP loss scale any rank recorded."""
     rtol: float
     ranks: Mapping[int, RankDiagnosis] = field(default_factory=dict)
     post_clip_norm: float | None = None
@@ -283,72 +289,28 @@ class _RankSetNorms:
 
     _UNKNOWN, _NAN, _INF = 1, 2, 4
 
-    def __init__(self, by_rank: Mapping[int, list[PieceMeasurement]], norm_type: float) -> None:
+    def __init__(self, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None) -> None:
+        """From the step's columns: every piece with a gradient (those where `chosen`, when given),
+        grouped by rank."""
         import numpy as np
 
         self.norm_type = norm_type
-        layout_ids: dict[tuple[object, ...], int] = {}
-        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray] | np.ndarray] = {}
-        """Rank -> its (layouts, terms, flags), or its positions in `self._columns`."""
-        self._columns: StepColumns | None = None
-        by_index = operator.attrgetter("index")
-        inf_norm = is_inf_norm(norm_type)
-        for rank, pieces in by_rank.items():
-            layouts: list[int] = []
-            terms: list[float] = []
-            flags: list[int] = []
-            for piece in sorted(pieces, key=by_index):
-                stats = piece.stats.get("grad")
-                if stats is None:
-                    continue
-                key = piece.layout_key
-                layout = layout_ids.get(key)
-                if layout is None:
-                    layout = layout_ids[key] = len(layout_ids)
-                layouts.append(layout)
-                if inf_norm:
-                    term: float | None = stats.max_abs
-                elif stats.norm_type == norm_type:
-                    term = stats.sum_pow
-                else:
-                    term = stats.sum_sq if norm_type == 2.0 else None
-                terms.append(math.nan if term is None else term)
-                flags.append(
-                    (term is None) | (stats.num_nan > 0) << 1 | (stats.num_posinf + stats.num_neginf > 0) << 2
-                )
-            self._rows[rank] = (
-                np.array(layouts, dtype=np.int64),
-                np.array(terms, dtype=np.float64),
-                np.array(flags, dtype=np.int64),
-            )
-        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
-
-    @classmethod
-    def of_step(
-        cls, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None
-    ) -> _RankSetNorms:
-        """The same as from every piece of the step grouped by rank (those where `chosen`, when
-        given), from its columns."""
-        import numpy as np
-
-        norms = cls({}, norm_type)
-        norms._columns = columns
+        self._columns = columns
         order = columns.by_rank_order
         keep = columns.has_grad[order] if chosen is None else columns.has_grad[order] & chosen[order]
         order = order[keep]
         ranks = columns.rank[order]
         distinct, starts = np.unique(ranks, return_index=True)
         bounds = [*starts.tolist(), ranks.size]
-        for i, rank in enumerate(distinct.tolist()):
-            norms._rows[rank] = order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
-        return norms
+        self._rows: dict[int, np.ndarray] = {
+            rank: order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
+            for i, rank in enumerate(distinct.tolist())
+        }
+        """Rank -> the positions of its pieces in the columns, by piece index."""
+        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
     def _part(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        part = self._rows[rank]
-        if isinstance(part, tuple):
-            return part
-        columns = self._columns
-        assert columns is not None  # positions are stored only by of_step, with its columns
+        part, columns = self._rows[rank], self._columns
         return columns.layout[part], columns.term[part], columns.flags[part]
 
     def norm(
@@ -374,7 +336,7 @@ class _RankSetNorms:
                     np.zeros(0),
                     np.zeros(0, dtype=np.int64),
                 )
-            if self._columns is not None and self._columns.distinct_layouts:
+            if self._columns.distinct_layouts:
                 repeated = False  # no two pieces of the step share a layout
             else:
                 distinct, first_seen = np.unique(layouts, return_index=True)
@@ -547,25 +509,30 @@ def _describe(match: Match) -> str:
     if match.candidate is None:
         return f"{match.what} {match.observed:.6g} matches no known accounting"
     text = f"{match.what} {match.observed:.6g} matches {match.candidate.description} ({match.candidate.value:.6g})"
-    if match.coinciding:
-        text += f"; indistinguishable here from {', '.join(match.coinciding)}"
+    # Where every rank holds every gradient (DDP) a local norm is the global one: the two coincide
+    # without changing the conclusion, so only a coincidence that would is said.
+    coinciding = [h for h in match.coinciding if not _same_conclusion(match.candidate.hypothesis, h)]
+    if coinciding:
+        text += f"; indistinguishable here from {', '.join(coinciding)}"
     return text
 
 
-def diagnose_step(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
-    """The true global norm, the expected coefficient, and every present rank's diagnosis."""
-    diagnosis = m.derived("diagnosis", step, lambda: _diagnose(step, m))
-    assert isinstance(diagnosis, StepDiagnosis)  # what the lambda returns; `derived` is typed for any value
-    return diagnosis
+def _same_conclusion(chosen: str, coinciding: str) -> bool:
+    """A local-only norm that equals the true one (each rank holds everything) is right on this layout."""
+    prefix = f"{LOSS_SCALED}:" if chosen.startswith(f"{LOSS_SCALED}:") else ""
+    return chosen == f"{prefix}{CORRECT}" and coinciding == f"{prefix}{LOCAL_ONLY}"
 
 
-def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
+def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:
+    """The true global norm, the expected coefficient, and every present rank's diagnosis
+    (`columns`: the measurements' StepColumns, when the caller has them already)."""
     norm_type = m.norm_type
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
-    columns = step_columns(m)
+    if columns is None:
+        columns = StepColumns(m)
     by_rank = columns.by_rank()
-    cover = step_cover(m)
+    cover = columns.cover()
     true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
     post_clip = None
     known = true_norm is not None or lower_bound is not None
@@ -577,7 +544,7 @@ def _diagnose(step: StepDump, m: StepMeasurements) -> StepDiagnosis:
     num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
     own_sq = columns.cover_sum_sq_by_rank()
     total_sq = fsum_array(columns.cover_grad_sum_sq())
-    norms = _RankSetNorms.of_step(columns, norm_type)
+    norms = _RankSetNorms(columns, norm_type)
     drifted = _ranks_with_drifted_replicas(m)
     further = _FurtherCandidates(step, columns, norms, norm_type)
     shared = _StepWide(step, norms)
@@ -684,7 +651,7 @@ class _FurtherCandidates:
             for group in groups:
                 inside = np.zeros(len(columns.param_names), dtype=bool)
                 inside[[ids[name] for name in group.params]] = True
-                per_group[group.label] = _RankSetNorms.of_step(columns, self.norm_type, inside[columns.param])
+                per_group[group.label] = _RankSetNorms(columns, self.norm_type, inside[columns.param])
             self._groups = (groups, per_group)
         return self._groups
 
@@ -697,6 +664,7 @@ class _FurtherCandidates:
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
+        extras += every_copy_candidates(self.step, rank, _norm_fn(self.norms), self.norm_type)
         extras += overflow_candidates(true_norm, self.norm_type, sorted(self.columns.dtypes))
         return tuple(
             Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras

@@ -18,6 +18,9 @@ PARAM_GROUP = "param_group"
 """Hypothesis prefix: "param_group:<label>:<how>", <how> one of dropped, every_copy, local, over:<group>."""
 AVERAGED = "averaged"
 """Hypothesis prefix: "averaged:<group>", the mean of the group's local norms (or of their squares)."""
+EVERY_COPY = "every_copy"
+"""Hypothesis prefix: "every_copy:<group>", the group's norm computed in full on each of its ranks and
+their p-th powers summed over the group again: |group|^(1/p) times the group's norm."""
 OVERFLOW = "overflow"
 """Hypothesis prefix: "overflow:<dtype>", the true norm, which overflows in that dtype."""
 
@@ -204,6 +207,42 @@ def _averaged(name: str, members: tuple[int, ...], local_norm: Callable[[int], f
             description=f"the root of the mean of the squared local norms of {shown}, instead of their sum",
         ),
     ]
+
+
+def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type: float) -> list[Extra]:
+    """For each named group of this rank (the world and the pipeline group included): the group's norm
+    (replicas once) counted once per member, as when every rank computes the full norm (a DTensor's
+    `full_tensor()`, ZeRO-3's `safe_get_full_grad`) and the squares are all-reduced over the group again.
+
+    Under pipeline parallel with the norm all-reduced over the data-parallel group instead of the
+    pipeline group, each stage's norm is counted once per data-parallel rank: this candidate over the
+    data-parallel group."""
+    if is_inf_norm(norm_type):
+        return []  # a max counted many times is the same max
+    found: list[Extra] = []
+    seen: set[tuple[int, ...]] = set()
+    for name in sorted(step.topology.groups):
+        members = step.topology.group_of(name, rank)
+        if not members or len(members) < 2 or members in seen:
+            continue
+        if any(m in step.missing_ranks for m in members):
+            continue
+        seen.add(members)
+        norm = norm_of(tuple(members), True)
+        if norm is None or not math.isfinite(norm):
+            continue
+        count = len(members)
+        found.append(
+            Extra(
+                hypothesis=f"{EVERY_COPY}:{name}",
+                value=norm * count ** (1.0 / norm_type),
+                description=(
+                    f"the norm of ranks {compact_ranks(members)} (group {name}) computed in full on each of its "
+                    f"{count} ranks and summed over the group again: {count}^(1/{norm_type:g}) x {norm:.6g}"
+                ),
+            )
+        )
+    return found
 
 
 def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Extra]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..measure.measurements import ReferenceError
+    from ..measure.measurements import ReferenceDifference
 
 REFERENCE_TOLERANCE_BY_DTYPE = {
     "float64": (1e-9, 1e-12),
@@ -28,6 +28,6 @@ def reference_tolerances(
     return (default_rtol if rtol is None else rtol, default_atol if atol is None else atol)
 
 
-def within_reference_tolerance(error: ReferenceError, rtol: float, atol: float) -> bool:
+def within_reference_tolerance(error: ReferenceDifference, rtol: float, atol: float) -> bool:
     """max |ours - reference| <= atol + rtol * max |reference|, with nonfinite values in the same places."""
     return error.num_nonfinite_mismatch == 0 and error.max_abs_error <= atol + rtol * error.max_abs_reference

@@ -27,10 +27,7 @@ from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
     from ..dumpfile import TensorReader
-    from ..measure.measurements import ReferenceError, StepMeasurements
-
-DERIVED_KEY = "updates_explained"
-"""Where audit_step leaves the result for the checks (StepMeasurements.derived)."""
+    from ..measure.measurements import ReferenceDifference, StepMeasurements
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +132,7 @@ def explain_update_errors(
     return found
 
 
-def _within(error: ReferenceError, rtol: float | None, atol: float | None) -> bool:
+def _within(error: ReferenceDifference, rtol: float | None, atol: float | None) -> bool:
     return within_reference_tolerance(error, *reference_tolerances(error.dtype, rtol, atol))
 
 
@@ -157,9 +154,3 @@ def _scale(step: StepDump, kind: str) -> float:
         return 1.0
     scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
     return scale if math.isfinite(scale) and scale > 0 else 1.0
-
-
-def judgements(step: StepDump, m: StepMeasurements) -> Mapping[str, UpdateJudgement]:
-    """What audit_step left for the checks ({} when it judged nothing)."""
-    empty: dict[str, UpdateJudgement] = {}
-    return m.derived(DERIVED_KEY, step, lambda: empty)

@@ -165,6 +165,7 @@ def write_rank(
     overwrite: bool = False,
     columnar: bool = True,
     share_params: bool = True,
+    capture_api: str | None = None,
 ) -> Path:
     """Write one rank's file into `step_dir`. `params` maps names to global shapes (dtype taken
     from the first piece of each), or is a list of ParamInfo. `columnar=False` keeps stats-only
@@ -226,6 +227,7 @@ def write_rank(
         topology=topology or Topology(),
         clip=clip,
         data=data or DataRecord(),
+        capture_api=capture_api,
     )
     return write_rank_file(
         step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params

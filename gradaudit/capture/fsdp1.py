@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CaptureError
 from ..model import FlatRange
+from ..warn import warn_once
 from .names import logical_name
 from .ownership import LocalPiece
 from .plain import plain_pieces
 from .topology import WORLD
-from .warn import warn_once
 
 if TYPE_CHECKING:
     import torch

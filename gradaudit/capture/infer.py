@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CaptureError
 from ..model import Topology
+from ..warn import warn_once
 from .dtensor import dtensor_pieces, is_dtensor
 from .errors import UnsupportedParameter
 from .experts import ExpertRank, expert_rank, global_expert_name, is_megatron_expert
@@ -17,7 +18,6 @@ from .names import is_ddp, named_logical_parameters
 from .ownership import LocalPiece
 from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces
 from .topology import WORLD, TopologyBuilder
-from .warn import warn_once
 
 if TYPE_CHECKING:
     import torch

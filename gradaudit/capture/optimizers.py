@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .warn import warn_once
+from ..warn import warn_once
 
 _MAX_DEPTH = 8
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..dumpfile.writer import DumpExistsError
+from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
 from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam, TensorStats, Topology
+from ..warn import warn_once
 from . import intercept
 from .arguments import (
     MODES,
@@ -32,7 +33,6 @@ from .ownership import LocalPiece
 from .scaler import ScalerWatch
 from .snapshots import Snapshots
 from .topology import axis_names, normalize_groups, with_norm_group
-from .warn import warn_once
 from .write import build_rank_dump, write_dump
 
 if TYPE_CHECKING:
@@ -66,6 +66,10 @@ class AuditStep:
         full_params: Sequence[str] = (),
         strict: bool = False,
         run_id: str | None = None,
+        steps: Iterable[int] | int | None = None,
+        every: int | None = None,
+        enabled: bool = True,
+        capture_api: str = "audit_step",
     ) -> None:
         self.model = model
         self.out_dir = out_dir
@@ -86,6 +90,12 @@ class AuditStep:
         self.full_params = tuple(full_params)
         self.strict = strict
         self.run_id = check_run_id(run_id)
+        self.capture_api = capture_api
+        """Recorded in the dump ("begin_audit", "dump", an integration's class name), so that the report's
+        hints name the API the user called."""
+        self.selected = _selected(self.step, steps=steps, every=every, enabled=enabled)
+        """False when steps=/every=/enabled= leave this step out: the audit is then a no-op whose
+        `clip` only calls the clipping function."""
         self.rank, self.world_size = rank_and_world_size()
         self._groups = normalize_groups(groups, world_size=self.world_size)
         self._aliases = dict(aliases or {})
@@ -98,6 +108,8 @@ class AuditStep:
         self._logged: dict[str, Any] = {}
         self._hooks: list[RemovableHandle] = []
         self._active = False
+        self._skipped = False
+        """Begun as a no-op: the step is left out, or its rank file already exists."""
         self._begun = False
         self._ended = False
         self._patched: list[tuple[Any, str, bool, Any]] = []
@@ -121,6 +133,9 @@ class AuditStep:
                 f"this audit of step {self.step} was already begun; make one AuditStep per optimizer step"
             )
         self._begun = True
+        if not self.selected or self._dump_exists():
+            self._skipped = self._active = True  # a no-op: clip() calls the function, end() writes nothing
+            return self
         try:
             self._guard("capture", self._start)
             if self._recording:
@@ -144,8 +159,26 @@ class AuditStep:
             outcome.append(call())
             return call.reported_norm(outcome[0])
 
-        self._record_clip(made, call.args, call.kwargs)
+        value = call.argument("clip_value") if call.target.kind == "value" else None
+        self._record_clip(made, call.args, call.kwargs, clip_value=value)
         return outcome[0]
+
+    def _dump_exists(self) -> bool:
+        """Whether this rank's file of the step is already there: warned about (or raised, when strict)
+        when the audit opens, so that no capture is paid for a file that could not be written."""
+        path = step_dir(self.out_dir, self.step) / rank_file_name(self.rank)
+        if not path.exists():
+            return False
+        message = (
+            f"{path}: a dump of rank {self.rank} for step {self.step} already exists; gradaudit never "
+            "overwrites one. Remove it, or pass another out_dir"
+        )
+        if self.strict:
+            raise DumpExistsError(message)
+        warn_once(
+            f"exists:{path}", f"gradaudit: not capturing rank {self.rank} of step {self.step}: {message}"
+        )
+        return True
 
     def end(self) -> Path | None:
         """Stop recording and write this rank's file; returns its path (None when nothing was written).
@@ -234,6 +267,8 @@ class AuditStep:
                 "audit.clip() was called outside its audit; call it inside `with gradaudit.audit_step(...)`, "
                 "or between audit.begin() and audit.end()"
             )
+        if self._skipped:
+            return fn(*args, **kwargs)
         if intercept.inside():
             return fn(
                 *args, **kwargs
@@ -241,9 +276,11 @@ class AuditStep:
         with intercept.outermost():
             return self._record_clip(fn, args, kwargs)
 
-    def _record_clip(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _record_clip(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clip_value: Any = None
+    ) -> Any:
         first = not self._calls
-        call: dict[str, Any] = {"reported": None, "reported_local": None}
+        call: dict[str, Any] = {"reported": None, "reported_local": None, "clip_value": clip_value}
         if self._recording:
             self._guard("capture", lambda: self._before_clip(call, first))
         result = fn(*args, **kwargs)
@@ -269,6 +306,8 @@ class AuditStep:
         "clip_grad_norm_")`; the attribute is restored by end() or cancel()."""
         if not self._active:
             raise CaptureError("intercept_clip() needs a begun audit; call audit.begin() first")
+        if self._skipped:
+            return
         original = getattr(owner, name)
         own = vars(owner) if hasattr(owner, "__dict__") else {}
         self._patched.append((owner, name, name in own, own.get(name)))
@@ -352,7 +391,11 @@ class AuditStep:
             self._stepped = True
             self._scaler.hold()
             if not self._calls:
+                # No clip call was recorded: these are the gradients the step uses, and (unless
+                # take_gradients recorded them earlier) the only ones the audit sees at all.
                 self._taken().take("grad_clipped")
+                if not self._taken().has("grad"):
+                    self._taken().take("grad")
             self._taken().take("param_before")
 
         if self._recording:
@@ -402,6 +445,7 @@ class AuditStep:
             ),
             run_id=self.run_id,
             call_stats=per_piece(self._call_stats, len(snapshots.pieces)),
+            capture_api=self.capture_api,
         )
         try:
             self.path = write_dump(self.out_dir, dump, tensors)
@@ -439,6 +483,7 @@ class AuditStep:
                 norm_type=opt_float(c["norm_type"]),
                 unscaled=c["unscaled"],
                 loss_scale=c["loss_scale"],
+                clip_value=opt_float(c["clip_value"]),
             )
             for c in self._calls
         )
@@ -494,6 +539,17 @@ class AuditStep:
             )
 
 
+def _selected(step: int, *, steps: Iterable[int] | int | None, every: int | None, enabled: bool) -> bool:
+    """Whether `step` is audited: enabled, and in steps= or a multiple of every= (all steps when neither)."""
+    if not isinstance(enabled, bool):
+        raise CaptureError(f"enabled= must be True or False, got {enabled!r}")
+    if steps is None and every is None:
+        return enabled
+    from .steps import select_steps
+
+    return enabled and select_steps(steps, every).wants(step)
+
+
 def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs: Any) -> AuditStep:
     """Record one training step on this rank; the dump is written to out_dir/step_<step>/ on exit.
 
@@ -517,6 +573,13 @@ def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs
         full_params: glob patterns of parameters whose values are kept in stats mode too.
       strict: raise instead of warning when capturing or writing fails.
       run_id: an identifier all ranks of the run share.
+      steps, every, enabled: which steps are audited (steps=[100, 200], every=100, enabled=flag); on
+        any other step the audit is a no-op and `audit.clip(fn, ...)` only calls fn. A step whose rank
+        file already exists is not captured either (a warning says so when the audit opens).
+
+        for step in range(1, num_steps + 1):
+            with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, every=100) as audit:
+                ...
     """
     return AuditStep(model, out_dir, **kwargs)
 
@@ -532,7 +595,7 @@ def begin_audit(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwarg
     Takes the arguments of `audit_step`. `optimizer=` may be a framework's wrapper that exposes the
     torch optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning).
     """
-    return AuditStep(model, out_dir, **kwargs).begin()
+    return AuditStep(model, out_dir, **{"capture_api": "begin_audit", **kwargs}).begin()
 
 
 def dump(
@@ -561,7 +624,7 @@ def dump(
     """
     if "optimizer" in kwargs:
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
-    session = AuditStep(model, out_dir, step=step, **kwargs)
+    session = AuditStep(model, out_dir, step=step, **{"capture_api": "dump", **kwargs})
     with session:
         session.record(
             reported_norm=reported_norm,

@@ -49,7 +49,8 @@ class Snapshots:
         self.partial: dict[int, str | None] = {}
         """Piece index -> the group its gradients are a pending sum over (None: not partial), as read
         by the first gradient snapshot; every later one must agree."""
-        self.kinds_taken: set[str] = set()
+        self.kinds_taken: dict[str, None] = {}
+        """The kinds taken so far, in the order taken (a dict as an ordered set)."""
         self.abandoned: str | None = None
         """Why nothing of this step will be written (the copies ran out of memory), else None."""
         self._keep_stats = mode == "stats"
@@ -69,7 +70,7 @@ class Snapshots:
 
         from .tensorstats import stats_of_tensor
 
-        self.kinds_taken.add(kind)
+        self.kinds_taken.setdefault(kind, None)
         sparse: list[NotCapturedParam] = []
         with torch.no_grad():
             for index, piece in enumerate(self.pieces):
@@ -141,8 +142,10 @@ class Snapshots:
     def has(self, kind: str) -> bool:
         return kind in self.kinds_taken
 
-    def kinds_of(self, index: int) -> set[str]:
-        return {k for (i, k) in list(self.values) + list(self.stats) if i == index}
+    def kinds_of(self, index: int) -> list[str]:
+        """The kinds held for piece `index`, in the order they were first taken (a look-up per kind
+        taken, not a scan of every snapshot: a rank may hold 10^5 pieces)."""
+        return [k for k in self.kinds_taken if (index, k) in self.values or (index, k) in self.stats]
 
 
 def _is_out_of_memory(exc: Exception) -> bool:

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..model import FLOAT_DTYPES, Box, FlatRange, NotCapturedParam, Region
+from ..warn import warn_once
 from .ownership import LocalPiece
-from .warn import warn_once
 
 if TYPE_CHECKING:
     import torch

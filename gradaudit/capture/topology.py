@@ -69,9 +69,6 @@ class TopologyBuilder:
     def add_group(self, name: str, rank_lists: Iterable[Sequence[int]]) -> None:
         self._groups.setdefault(name, set()).update(tuple(sorted(set(g))) for g in rank_lists)
 
-    def has_group(self, name: str) -> bool:
-        return name in self._groups
-
     def my_ranks(self, name: str) -> tuple[int, ...] | None:
         """This rank's rank list in group `name`, when known."""
         for ranks in self._groups.get(name, ()):

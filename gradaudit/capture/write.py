@@ -31,6 +31,7 @@ def build_rank_dump(
     data: DataRecord,
     run_id: str | None,
     call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
+    capture_api: str | None = None,
 ) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
     """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
     infos: dict[str, ParamInfo] = {}
@@ -49,9 +50,12 @@ def build_rank_dump(
         if failed or not kinds:
             continue
         index = len(pieces)
-        stats = {k: s for (i, k), s in snapshots.stats.items() if i == source_index}
-        for (i, kind), value in snapshots.values.items():
-            if i == source_index:
+        # Looked up by (piece, kind): a scan of every snapshot per piece grew with the square of the
+        # rank's parameter count (13 s at 8,000 parameters).
+        stats = {k: snapshots.stats[(source_index, k)] for k in kinds if (source_index, k) in snapshots.stats}
+        for kind in kinds:
+            value = snapshots.values.get((source_index, kind))
+            if value is not None:
                 tensors[(index, kind)] = _as_dtype(value, local.dtype)
         pieces.append(
             Piece(
@@ -85,6 +89,7 @@ def build_rank_dump(
         clip=clip,
         data=data,
         not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
+        capture_api=capture_api,
     )
     return dump, tensors
 

@@ -1,9 +1,10 @@
-"""What every check shares: its options, its result type, and the spec it is registered with."""
+"""What every check receives and returns (options, inputs, hits, skips, the spec of a check), the
+folding of many findings of one code into one, and the small wording helpers the checks share."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,8 +12,13 @@ from ..ranksets import compact_ranks
 from ..report.model import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
+    from ..analysis.diagnosis import StepDiagnosis
+    from ..analysis.geometry import Coverage
+    from ..analysis.updates import UpdateJudgement
+    from ..analysis.valueclip import ValueClipping
+    from ..measure.columns import StepColumns
     from ..measure.measurements import StepMeasurements
-    from ..model import StepDump
+    from ..model import ParamInfo, StepDump
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +42,27 @@ class AuditOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AuditInputs:
+    """What every check receives: the loaded step, what was read from its tensors, and what the
+    analysis made of it (audit.analyse builds it once per step; the checks only read it)."""
+
+    step: StepDump
+    measurements: StepMeasurements
+    columns: StepColumns
+    """The measured pieces as columns (one pass over the pieces, shared by the analysis and the checks)."""
+    diagnosis: StepDiagnosis
+    """The true global norm, the expected coefficient and each rank's diagnosis."""
+    coverage: Mapping[str, tuple[ParamInfo, Coverage, list[int], list[int]]]
+    """Parameter -> (its ParamInfo, overlaps and gaps of its pieces, ranks in overlaps, ranks holding it)."""
+    update_judgements: Mapping[str, UpdateJudgement]
+    """Parameters whose next weights differ from the reference while their gradients agree, judged
+    through the optimizer ({} without a reference): GA603 leaves out the explained ones, GA604 names them."""
+    value_clipping: ValueClipping | None
+    """The step's element-wise clipping (clip_grad_value_), recorded or recognised from its clamp; None
+    when it clipped by norm or not at all (GA506 names it; the norm checks are then not checked)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Hit:
     """One problem a check found; the registry adds its code, severity and title to make a Finding."""
 
@@ -53,7 +80,7 @@ class Skip:
 
 
 CheckResult = tuple[Hit, ...] | Skip
-CheckFn = Callable[["StepDump", "StepMeasurements", "AuditOptions"], CheckResult]
+CheckFn = Callable[["AuditInputs", "AuditOptions"], CheckResult]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,19 +95,28 @@ class Explanation:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckSpec:
+    """One finding code: everything gradaudit knows about it (a row of registry.CHECKS)."""
+
     code: str
+    """GAnnn; the family is the hundreds digit. Never reused."""
     severity: Severity
     title: str
-    explanation: Explanation
+    """One line, printed with every finding of this code and by `gradaudit explain --all`."""
     run: CheckFn
-    needs_all_ranks: bool = True
-    """A clean result is only a pass when every rank was there; with ranks missing it is "not checked"."""
+    """The check: (step, measurements, options) -> hits, or a Skip saying why it could not decide."""
+    verdict_rank: int
+    """Where this code stands when the verdict names one finding of several: lower first (causes
+    before their consequences). Distinct per code, spaced by 10 so a new code can go between two."""
+    explanation: Explanation
+    decided_with_ranks_missing: bool = False
+    """A clean result stands with ranks missing; otherwise it is "not checked" when ranks are missing."""
+    decides_clipping: bool = False
+    """The verdict calls clipping right only when every such check ran (none was "not checked")."""
 
-    def apply(
-        self, step: StepDump, measurements: StepMeasurements, options: AuditOptions
-    ) -> list[Finding] | NotChecked:
-        result = self.run(step, measurements, options)
-        if result == () and self.needs_all_ranks and step.missing_ranks:
+    def apply(self, inputs: AuditInputs, options: AuditOptions) -> list[Finding] | NotChecked:
+        result = self.run(inputs, options)
+        step = inputs.step
+        if result == () and not self.decided_with_ranks_missing and step.missing_ranks:
             result = Skip(
                 reason=f"nothing found on the ranks present, but some are missing ({ranks_named(step.missing_ranks)})"
             )
@@ -96,7 +132,7 @@ class CheckSpec:
                 params=tuple(sorted(set(hit.params))),
                 evidence=dict(sorted(hit.evidence.items())),
             )
-            for hit in result
+            for hit in fold_hits(result)
         ]
 
 
@@ -123,3 +159,37 @@ def num(value: float | None) -> str:
     if value is None:
         return "unknown"
     return f"{value:.6g}"
+
+
+MAX_FINDINGS_PER_CODE = 100
+"""Findings one check reports in full; the rest fold into one more. Rank lists fold into ranges
+already (render/fold.py folds the per-rank rows the same way for the human renderers)."""
+MAX_FOLDED_PARAMS_LISTED = 10
+"""Parameter names a folded finding lists (its evidence counts them all)."""
+
+
+def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
+    """`hits` unchanged when at most MAX_FINDINGS_PER_CODE, else the first MAX_FINDINGS_PER_CODE - 1
+    (in report order: ranks, then parameters, then message) and one hit standing for all the others:
+    their ranks (all of them), their first parameters, and counts of both in its evidence."""
+    if len(hits) <= MAX_FINDINGS_PER_CODE:
+        return tuple(hits)
+    ordered = sorted(
+        hits, key=lambda h: (tuple(sorted(set(h.ranks))), tuple(sorted(set(h.params))), h.message)
+    )
+    kept, rest = ordered[: MAX_FINDINGS_PER_CODE - 1], ordered[MAX_FINDINGS_PER_CODE - 1 :]
+    ranks = sorted({r for hit in rest for r in hit.ranks})
+    params = sorted({p for hit in rest for p in hit.params})
+    listed = params[:MAX_FOLDED_PARAMS_LISTED]
+    named = f" ({', '.join(listed)}{', …' if len(params) > len(listed) else ''})" if listed else ""
+    on_ranks = f" on {ranks_named(ranks)}" if ranks else ""
+    folded = Hit(
+        message=(
+            f"{count(len(rest), 'more finding')} of this code, folded into one: "
+            f"{count(len(params), 'parameter')}{named}{on_ranks}; the first of them: {rest[0].message}"
+        ),
+        ranks=tuple(ranks),
+        params=tuple(listed),
+        evidence={"folded_findings": len(rest), "folded_params": len(params)},
+    )
+    return (*kept, folded)

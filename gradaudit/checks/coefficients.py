@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis, diagnose_step
-from ..measure.measurements import StepMeasurements
-from ..model import StepDump
+from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
 from ..norms import relative_difference
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MIXED_MOMENTS = (
     "clipping ran several times (GA501) and the dump holds the gradient from before the first call but "
@@ -33,8 +31,8 @@ def _clusters(values: list[tuple[int, float]], rtol: float) -> list[list[tuple[i
     return groups
 
 
-def coefficients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnose_step(step, m)
+def coefficients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    diagnosis = inputs.diagnosis
     if diagnosis.mixed_moments:
         return Skip(reason=MIXED_MOMENTS)
     known = [(d.rank, d.applied_coef) for d in diagnosis.ranks.values() if d.applied_coef is not None]
@@ -68,8 +66,8 @@ def coefficients_differ(step: StepDump, m: StepMeasurements, options: AuditOptio
     )
 
 
-def coefficient_vs_expected(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnose_step(step, m)
+def coefficient_vs_expected(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    diagnosis = inputs.diagnosis
     if diagnosis.max_norm is None:
         return Skip(reason="no rank recorded max_norm (no clip record in the dump)")
     if diagnosis.mixed_moments:
@@ -177,8 +175,9 @@ def _above_bound(diagnosis: StepDiagnosis, known: list[RankDiagnosis]) -> CheckR
     )
 
 
-def post_clip_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnose_step(step, m)
+def post_clip_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
+    diagnosis = inputs.diagnosis
     if diagnosis.max_norm is None:
         return Skip(reason="no rank recorded max_norm (no clip record in the dump)")
     if diagnosis.post_clip_norm is None:

@@ -7,16 +7,25 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 from ..dumpfile.header import clipped, shown
 from ..errors import StepFolderError
-from ..leftout import left_out_params
-from ..measure.measurements import StepMeasurements
+from ..measure.leftout import left_out_params
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
-from .base import AuditOptions, CheckResult, Hit, Skip, ranks_named
+from .base import (
+    MAX_FINDINGS_PER_CODE,
+    MAX_FOLDED_PARAMS_LISTED,
+    AuditInputs,
+    AuditOptions,
+    CheckResult,
+    Hit,
+    Skip,
+    ranks_named,
+)
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def missing_ranks(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     if not step.missing_ranks:
         return ()
     return (
@@ -36,7 +45,8 @@ def missing_ranks(step: StepDump, m: StepMeasurements, options: AuditOptions) ->
     )
 
 
-def metadata_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def metadata_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     hits = []
     for item in step.inconsistencies:
         by_value: dict[str, list[int]] = {}
@@ -112,23 +122,22 @@ def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage,
     return result, ranks
 
 
-def _coverage_of(step: StepDump, m: StepMeasurements) -> dict[str, ParamCoverage]:
-    """Every parameter's coverage, computed once for the checks that share it."""
-    return m.derived("coverage", step, lambda: _all_coverage(step))
-
-
-def _all_coverage(step: StepDump) -> dict[str, ParamCoverage]:
+def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
     """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
     the measurements (the ownership map is metadata), so it also runs on headers alone."""
     flat = _flat_pieces_by_param(step)
     layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
     holders: dict[bytes, list[int]] = {}
+    unheld: list[int] = []
     left_out = left_out_params(step)  # not checked (GA104): part of them is in no rank's file
     for name, info in step.params.items():
         if name in left_out:
             continue
-        fast = _flat_param_coverage(info, flat[name] if name in flat else _no_flat_pieces(), holders)
+        if name not in flat:  # held by no rank: all of it is a gap (most of a table listing 10^6)
+            found[name] = (info, _all_gap(info), unheld, unheld)
+            continue
+        fast = _flat_param_coverage(info, flat[name], holders)
         if fast is not None:
             found[name] = fast
             continue
@@ -201,11 +210,8 @@ def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
     return found
 
 
-def _no_flat_pieces() -> FlatPieces:
-    import numpy as np
-
-    empty = np.zeros(0, dtype=np.int64)
-    return empty, empty, empty
+def _all_gap(info: ParamInfo) -> Coverage:
+    return Coverage(num_gap_elements=info.numel, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
 def _flat_param_coverage(
@@ -249,9 +255,9 @@ def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
     return Coverage(num_gap_elements=numel - covered, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
-def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def ownership_overlap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     hits = []
-    for name, (info, result, ranks, _) in _coverage_of(step, m).items():
+    for name, (info, result, ranks, _) in inputs.coverage.items():
         if result.num_overlap_elements:
             hits.append(
                 Hit(
@@ -268,30 +274,65 @@ def ownership_overlap(step: StepDump, m: StepMeasurements, options: AuditOptions
     return tuple(hits)
 
 
-def ownership_gap(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def ownership_gap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     if step.missing_ranks:
         return Skip(
             reason=f"some ranks are missing ({ranks_named(step.missing_ranks)}); "
             "the elements they held cannot be located"
         )
-    hits = []
-    for name, (info, result, _, holders) in _coverage_of(step, m).items():
-        if result.num_gap_elements:
-            hits.append(
-                Hit(
-                    message=(
-                        f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
-                        f"(held pieces are on {ranks_named(holders)}); their gradient is absent from every norm"
-                    ),
-                    ranks=tuple(holders),
-                    params=(name,),
-                    evidence={"num_gap_elements": result.num_gap_elements, "numel": info.numel},
-                )
+    hits, unheld = [], []
+    for name, (info, result, _, holders) in inputs.coverage.items():
+        if not result.num_gap_elements:
+            continue
+        if not holders:
+            unheld.append(info)
+            continue
+        hits.append(
+            Hit(
+                message=(
+                    f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
+                    f"(held pieces are on {ranks_named(holders)}); their gradient is absent from every norm"
+                ),
+                ranks=tuple(holders),
+                params=(name,),
+                evidence={"num_gap_elements": result.num_gap_elements, "numel": info.numel},
             )
-    return tuple(hits)
+        )
+    if len(hits) + len(unheld) > MAX_FINDINGS_PER_CODE:
+        # One finding for the parameters no rank holds any of, not one each: a table may list 10^6.
+        return (*hits, _unheld_params(unheld, len(step.params)))
+    return (*hits, *(_unheld_param(info) for info in unheld))
 
 
-def parameters_not_captured(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def _unheld_param(info: ParamInfo) -> Hit:
+    return Hit(
+        message=(
+            f"{info.numel} of {info.numel} elements of {info.name} are held by no rank "
+            "(held pieces are on no rank); their gradient is absent from every norm"
+        ),
+        params=(info.name,),
+        evidence={"num_gap_elements": info.numel, "numel": info.numel},
+    )
+
+
+def _unheld_params(unheld: list[ParamInfo], num_params: int) -> Hit:
+    names = sorted(info.name for info in unheld)
+    listed = names[:MAX_FOLDED_PARAMS_LISTED]
+    more = ", …" if len(names) > len(listed) else ""
+    numel = sum(info.numel for info in unheld)
+    return Hit(
+        message=(
+            f"{len(unheld)} of the step's {num_params} parameters are held by no rank at all "
+            f"({', '.join(listed)}{more}; {numel} elements); their gradients are absent from every norm"
+        ),
+        params=tuple(listed),
+        evidence={"num_params": len(unheld), "num_gap_elements": numel, "numel": numel},
+    )
+
+
+def parameters_not_captured(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     left_out: dict[str, tuple[str, list[int]]] = {}
     for rank in step.ranks_present:
         for param in step.ranks[rank].not_captured:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from ..measure.columns import step_columns
-from ..measure.measurements import StepMeasurements
-from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, count, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 
 MAX_ENTRIES_IN_MESSAGE = 8
 
 
-def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def nonfinite_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     counts: dict[tuple[int, str], list[int]] = {}
-    for piece in step_columns(m).with_nonfinite_grad():
+    for piece in inputs.columns.with_nonfinite_grad():
         stats = piece.stats.get("grad")
         if stats is None or not stats.num_nonfinite:
             continue
@@ -52,7 +49,8 @@ def nonfinite_gradients(step: StepDump, m: StepMeasurements, options: AuditOptio
     )
 
 
-def skip_disagreement(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def skip_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     hits = []
     recorded = False
     for field_name, meaning in (

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import overload
 
 from ..analysis.diagnosis import (
-    CORRECT,
     DOUBLE_COUNTED,
     LOCAL_ONLY,
     LOSS_SCALED,
@@ -14,12 +13,11 @@ from ..analysis.diagnosis import (
     WRONG_GROUP,
     RankDiagnosis,
     StepDiagnosis,
-    diagnose_step,
 )
-from ..analysis.hypotheses import AVERAGED, OVERFLOW, PARAM_GROUP
-from ..measure.measurements import StepMeasurements
-from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from ..analysis.hypotheses import AVERAGED, EVERY_COPY, OVERFLOW, PARAM_GROUP
+from ..norms import CLIP_EPS
+from ..report.sentences import fold_sentences
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
@@ -36,10 +34,11 @@ def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]:
     return hypothesis, False
 
 
-def diagnosis_or_skip(step: StepDump, m: StepMeasurements) -> StepDiagnosis | Skip:
+def diagnosis_or_skip(inputs: AuditInputs) -> StepDiagnosis | Skip:
+    step = inputs.step
     if step.clip is None:
         return Skip(reason="no rank recorded what its clipping did (no clip record in the dump)")
-    diagnosis = diagnose_step(step, m)
+    diagnosis = inputs.diagnosis
     if diagnosis.true_norm is None and diagnosis.norm_lower_bound is None:
         return Skip(reason=f"the true global norm is unknown: {diagnosis.true_norm_note}")
     if all(d.hypothesis is None for d in diagnosis.ranks.values()):
@@ -67,10 +66,26 @@ def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[str], bool]) -> list
 
 
 def _evidence_lines(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> str:
-    lines = [f"rank {d.rank}: {d.detail}" for d in ranks[:MAX_RANKS_IN_MESSAGE]]
-    if len(ranks) > MAX_RANKS_IN_MESSAGE:
-        lines.append(f"and {len(ranks) - MAX_RANKS_IN_MESSAGE} more ranks alike")
+    # Ranks whose explanations differ only in their numbers share one sentence with a rank range.
+    folded = fold_sentences([(d.rank, d.detail) for d in ranks])
+    lines = [f"{ranks_named(f.ranks)}: {f.text}" for f in folded[:MAX_RANKS_IN_MESSAGE]]
+    if len(folded) > MAX_RANKS_IN_MESSAGE:
+        rest = [rank for f in folded[MAX_RANKS_IN_MESSAGE:] for rank in f.ranks]
+        lines.append(f"{ranks_named(rest)}: explained alike, with other numbers (see the per-rank table)")
     return "; ".join(lines)
+
+
+def _update_unaffected(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> bool:
+    """Whether clipping by the wrong norm left this step alone: coefficient 1 expected and applied."""
+    max_norm = diagnosis.max_norm
+    if diagnosis.expected_coef != 1.0 or max_norm is None:
+        return False
+    return all(
+        d.applied_coef == 1.0
+        if d.applied_coef is not None
+        else d.reported_norm is not None and d.reported_norm + CLIP_EPS <= max_norm
+        for d in ranks
+    )
 
 
 def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
@@ -87,6 +102,11 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(diagnosis, ranks)}"
     if scaled:
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
+    if _update_unaffected(diagnosis, ranks):
+        message += (
+            ". This step's update was unaffected: the true norm is below max_norm, so the coefficient is 1 "
+            "either way; the wrong norm changes the update from the first step whose true norm is above max_norm"
+        )
     return Hit(
         message=message,
         ranks=tuple(d.rank for d in ranks),
@@ -109,8 +129,8 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     )
 
 
-def local_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(step, m)
+def local_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == LOCAL_ONLY)
@@ -121,22 +141,31 @@ def local_norm(step: StepDump, m: StepMeasurements, options: AuditOptions) -> Ch
     )
 
 
-def double_counted(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(step, m)
+def double_counted(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == DOUBLE_COUNTED)
-    return (
+    replicas = (
         (_hit(diagnosis, ranks, "clipping used a norm that counts every replica of replicated gradients"),)
         if ranks
         else ()
     )
+    copies = _by_hypothesis(
+        inputs,
+        EVERY_COPY,
+        lambda group: (
+            f"clipping used a norm that counts every copy: each rank of group {group!r} computed the group's "
+            "full norm and their squares were summed over the group again"
+        ),
+        evidence_key="group",
+    )
+    return replicas + (copies if isinstance(copies, tuple) else ())
 
 
-def wrong_group(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def wrong_group(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(
-        step,
-        m,
+        inputs,
         WRONG_GROUP,
         lambda group: f"clipping reduced the norm over process group {group!r} only",
         evidence_key="group",
@@ -151,8 +180,7 @@ def _hypothesis_of(d: RankDiagnosis) -> str:
 
 
 def _by_hypothesis(
-    step: StepDump,
-    m: StepMeasurements,
+    inputs: AuditInputs,
     prefix: str,
     lead: Callable[[str], str],
     *,
@@ -160,7 +188,7 @@ def _by_hypothesis(
 ) -> CheckResult:
     """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix,
     also given as evidence under `evidence_key`)."""
-    diagnosis = diagnosis_or_skip(step, m)
+    diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h.startswith(prefix + ":"))
@@ -187,14 +215,13 @@ def _group_lead(what: str) -> str:
     return f"clipping used a norm in which the {label!r} parameters are {text}, the rest counted right"
 
 
-def param_group_mistake(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(step, m, PARAM_GROUP, _group_lead)
+def param_group_mistake(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    return _by_hypothesis(inputs, PARAM_GROUP, _group_lead)
 
 
-def averaged_norms(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def averaged_norms(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(
-        step,
-        m,
+        inputs,
         AVERAGED,
         lambda group: (
             f"clipping used per-rank norms averaged over process group {group!r} instead of their "
@@ -203,17 +230,16 @@ def averaged_norms(step: StepDump, m: StepMeasurements, options: AuditOptions) -
     )
 
 
-def overflowed(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def overflowed(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(
-        step,
-        m,
+        inputs,
         OVERFLOW,
         lambda dtype: f"clipping's norm overflowed to inf in {dtype} although every gradient value is finite",
     )
 
 
-def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(step, m)
+def unexplained(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = _ranks_with(diagnosis, lambda h: h == UNEXPLAINED)
@@ -233,8 +259,8 @@ def unexplained(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     )
 
 
-def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(step, m)
+def logging_bug(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
     ranks = [d for d in diagnosis.ranks.values() if d.logging_bug]
@@ -263,21 +289,18 @@ def logging_bug(step: StepDump, m: StepMeasurements, options: AuditOptions) -> C
     )
 
 
-def is_correct(hypothesis: str | None) -> bool:
-    return base_hypothesis(hypothesis)[0] == CORRECT
-
-
-def not_checked(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def not_checked(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
     for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
+    step = inputs.step
     from .coefficients import coefficient_vs_expected
 
-    diagnosis = diagnosis_or_skip(step, m)
+    diagnosis = diagnosis_or_skip(inputs)
     if not isinstance(diagnosis, Skip):
         return ()
-    if step.clip is not None and diagnose_step(step, m).num_clip_calls > 1:
+    if step.clip is not None and inputs.diagnosis.num_clip_calls > 1:
         return ()
-    coefficient = coefficient_vs_expected(step, m, options)
+    coefficient = coefficient_vs_expected(inputs, options)
     if not isinstance(coefficient, Skip):
         return ()  # the applied coefficients were checked: GA302 speaks for clipping
     reason = diagnosis.reason

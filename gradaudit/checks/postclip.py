@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import math
 
-from ..analysis.diagnosis import diagnose_step
-from ..measure.measurements import StepMeasurements
-from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 
-def captured_after_clipping(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def captured_after_clipping(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     """Gradients with no recorded clip call whose global norm is max_norm itself (what clip_grad_norm_
     leaves: max_norm * N / (N + 1e-6)), with a recorded norm above max_norm when there is one."""
+    step = inputs.step
     clips = [step.ranks[r].clip for r in step.ranks_present]
     if any(c is not None and c.calls for c in clips):
         return ()  # audit.clip recorded the gradients before each call: they are pre-clip by construction
-    diagnosis = diagnose_step(step, m)
+    diagnosis = inputs.diagnosis
     if diagnosis.max_norm is None:
         return Skip(reason="no rank recorded max_norm (no clip record in the dump)")
     if diagnosis.true_norm is None or not math.isfinite(diagnosis.true_norm):

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..measure.measurements import StepMeasurements
-from ..model import StepDump
-from .base import AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 from .norm import base_hypothesis
 
 if TYPE_CHECKING:
@@ -16,8 +14,8 @@ if TYPE_CHECKING:
 MAX_CALLS_IN_MESSAGE = 8
 
 
-def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    from ..analysis.diagnosis import diagnose_step
+def clipped_more_than_once(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
 
     calls = {r: clip.calls for r in step.ranks_present if (clip := step.ranks[r].clip) is not None}
     if not any(calls.values()):
@@ -29,7 +27,7 @@ def clipped_more_than_once(step: StepDump, m: StepMeasurements, options: AuditOp
     norms = ", ".join(num(c.reported_norm) for c in repeated[first_rank][:MAX_CALLS_IN_MESSAGE])
     counts = sorted({len(c) for c in repeated.values()})
     evidence: dict[str, int | float | str | None] = {"num_calls": max(counts), "first_rank": first_rank}
-    diagnosis = diagnose_step(step, m)
+    diagnosis = inputs.diagnosis
     if diagnosis.call_norms:
         true_norms = _call_norms_text(diagnosis.call_norms[:MAX_CALLS_IN_MESSAGE], diagnosis.max_norm)
         evidence.update(
@@ -66,8 +64,9 @@ def _call_norms_text(call_norms: Sequence[CallNorm], max_norm: float | None) -> 
     return ", ".join(parts)
 
 
-def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    from ..analysis.diagnosis import diagnose_step, loss_scale_of
+def clipped_scaled_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
+    from ..analysis.diagnosis import loss_scale_of
 
     scale = loss_scale_of(step)
     if scale is None:
@@ -80,7 +79,7 @@ def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: Audit
         if clip.unscaled_before_clip is False or any(c.unscaled is False for c in clip.calls):
             flagged[rank] = "its record says GradScaler.unscale_ had not run"
     if step.clip is not None:
-        for rank, d in diagnose_step(step, m).ranks.items():
+        for rank, d in inputs.diagnosis.ranks.items():
             if base_hypothesis(d.hypothesis)[1] and not d.logging_bug:
                 flagged.setdefault(rank, f"its norm matches the loss-scaled one ({d.detail})")
     if not flagged:
@@ -111,7 +110,8 @@ def clipped_scaled_gradients(step: StepDump, m: StepMeasurements, options: Audit
     )
 
 
-def uneven_token_means(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def uneven_token_means(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
     records = {r: step.ranks[r].data for r in step.ranks_present if step.ranks[r].data.tokens is not None}
     if len(records) < 2:
         return Skip(reason="fewer than two ranks recorded their token counts")

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 
-from ..analysis.diagnosis import diagnose_step, disjoint_cover, norm_of_pieces, step_cover
+from ..analysis.diagnosis import disjoint_cover, norm_of_pieces
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
-from ..measure.measurements import ReferenceError, StepMeasurements
-from ..model import StepDump
+from ..measure.measurements import ReferenceDifference, StepMeasurements
 from ..norms import expected_clip_coef, relative_difference
 from ..report.model import ParamComparison
-from .base import AuditOptions, CheckResult, Hit, Skip, count, num
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num
 
 MAX_PARAMS_IN_MESSAGE = 5
 
@@ -24,7 +23,7 @@ def tolerances(dtype: str, options: AuditOptions) -> tuple[float, float]:
     return reference_tolerances(dtype, options.rtol, options.atol)
 
 
-def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
+def compare(error: ReferenceDifference, options: AuditOptions) -> ParamComparison:
     rtol, atol = tolerances(error.dtype, options)
     rel = (
         error.max_abs_error / error.max_abs_reference
@@ -45,7 +44,7 @@ def compare(error: ReferenceError, options: AuditOptions) -> ParamComparison:
     )
 
 
-def _badness(error: ReferenceError, options: AuditOptions) -> float:
+def _badness(error: ReferenceDifference, options: AuditOptions) -> float:
     """The error as a multiple of what the tolerance allows."""
     if error.num_nonfinite_mismatch:
         return math.inf
@@ -109,7 +108,8 @@ def _hits_for(
     ]
 
 
-def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def gradients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step, m = inputs.step, inputs.measurements
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
     compared = [e for pm in m.params.values() for e in pm.reference_errors if e.kind == "grad"]
@@ -118,7 +118,7 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
         return Skip(
             reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)"
         )
-    moment = _moment(step, m)
+    moment = _moment(inputs)
     lead = f"gradients ({moment})" if moment else "gradients"
     hits = _hits_for(("grad",), m, options, f"{lead} differ from the unsharded reference")
     if notes or m.reference_only_params:
@@ -132,7 +132,7 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
                 evidence={"num_mismatched_params": len(missing)},
             )
         )
-    ours, theirs = _global_norms(step, m)
+    ours, theirs = _global_norms(inputs)
     if ours is not None and theirs is not None and compared:
         rtol = max(tolerances(e.dtype, options)[0] for e in compared)
         if relative_difference(ours, theirs) > rtol:
@@ -153,21 +153,24 @@ def gradients_differ(step: StepDump, m: StepMeasurements, options: AuditOptions)
     return tuple(hits)
 
 
-def _moment(step: StepDump, m: StepMeasurements) -> str:
+def _moment(inputs: AuditInputs) -> str:
     """When the dumped pre-clip gradient was taken, when several clip calls make it matter."""
+    step = inputs.step
     if step.clip is None:
         return ""
-    return diagnose_step(step, m).moment
+    return inputs.diagnosis.moment
 
 
-def _global_norms(step: StepDump, m: StepMeasurements) -> tuple[float | None, float | None]:
+def _global_norms(inputs: AuditInputs) -> tuple[float | None, float | None]:
+    step, m = inputs.step, inputs.measurements
     if step.missing_ranks:
         return None, None
-    ours = norm_of_pieces(step_cover(m), m.norm_type)
+    ours = norm_of_pieces(inputs.columns.cover(), m.norm_type)
     return ours, reference_norm(m)
 
 
-def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def clipped_or_next_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    m = inputs.measurements
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
     kinds = {e.kind for pm in m.params.values() for e in pm.reference_errors}
@@ -175,23 +178,22 @@ def clipped_or_next_weights_differ(step: StepDump, m: StepMeasurements, options:
         return Skip(
             reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
         )
-    from ..analysis.updates import judgements
 
     hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
-    explained = frozenset(name for name, j in judgements(step, m).items() if j.explained)
+    explained = frozenset(name for name, j in inputs.update_judgements.items() if j.explained)
     hits += _hits_for(
         ("param_after",), m, options, "the next weights differ from the unsharded reference", explained
     )
     return tuple(hits)
 
 
-def updates_explained_by_optimizer(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
+def updates_explained_by_optimizer(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     """GA604: next-weights differences that the optimizer's normalisation of agreeing gradients explains."""
+    m = inputs.measurements
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
-    from ..analysis.updates import judgements
 
-    explained = sorted((j for j in judgements(step, m).values() if j.explained), key=lambda j: j.param)
+    explained = sorted((j for j in inputs.update_judgements.values() if j.explained), key=lambda j: j.param)
     if not explained:
         return ()
     lines = []

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..measure.measurements import ReplicaSet, StepMeasurements
-from ..model import StepDump
+from ..measure.measurements import ReplicaSet
 from ..norms import norm_rtol
-from .base import AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
@@ -35,10 +34,10 @@ def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
     return found
 
 
-def replicas_differ(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    from ..analysis.diagnosis import diagnose_step
+def replicas_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step, m = inputs.step, inputs.measurements
 
-    if step.clip is not None and diagnose_step(step, m).mixed_moments:
+    if step.clip is not None and inputs.diagnosis.mixed_moments:
         return Skip(
             reason="clipping ran several times (GA501) and the dumped gradient is from before the first call, "
             "a partial gradient that accumulation may not have reduced yet"

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import math
 
-from ..analysis.diagnosis import norm_of_pieces, step_cover
-from ..measure.columns import step_columns
-from ..measure.measurements import StepMeasurements
-from ..model import StepDump
+from ..analysis.diagnosis import norm_of_pieces
 from ..norms import safe_fsum
-from .base import AuditOptions, CheckResult, Hit, Skip, num
+from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num
+from .hints import record_parameters_hint
 
 
-def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOptions) -> CheckResult:
-    everything = step_cover(m)
-    cover = step_columns(m).cover_with_updates()
+def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    step = inputs.step
+    everything = inputs.columns.cover()
+    cover = inputs.columns.cover_with_updates()
     if not cover:
         stats = any(step.ranks[r].mode == "stats" for r in step.ranks_present)
         return Skip(
@@ -22,7 +21,7 @@ def update_vs_gradient(step: StepDump, m: StepMeasurements, options: AuditOption
             + (
                 " (a stats-mode dump keeps parameter values only for full_params= patterns)"
                 if stats
-                else " (pass optimizer= to audit_step)"
+                else f" ({record_parameters_hint(step)})"
             )
         )
     partial = len(cover) < len(everything)

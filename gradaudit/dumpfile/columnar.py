@@ -100,7 +100,10 @@ def params_from_columns(
     ends, ndims, codes = meta[:, 0], meta[:, 1], meta[:, 2]
     if meta.shape[0] == 0:
         raise fail("the table is empty")
-    if (np.diff(ends, prepend=0) < 0).any() or int(ends[-1]) != names.size:
+    # Signs and bounds first, differences after: np.diff of arbitrary int64 values can wrap around.
+    if (ends < 0).any() or (ends > names.size).any() or (np.diff(ends, prepend=0) < 0).any():
+        raise fail("name offsets do not cover the names")
+    if int(ends[-1]) != names.size:
         raise fail("name offsets do not cover the names")
     if ((ndims < 0) | (ndims > MAX_DIMS)).any() or int(ndims.sum()) != dims.size or (dims < 0).any():
         raise fail("shapes do not match their dimension counts")
@@ -345,7 +348,7 @@ def _check_extents(
         )
     numel = stop - start
     for kind, counted in counts.items():
-        over = counted[flat].sum(axis=1) > numel
+        over = _more_than(counted[flat], numel)
         if over.any():
             raise fail(f"piece {int(flat[np.argmax(over)])}: more nonfinite {kind} values than elements")
     boxes = np.flatnonzero(ndim != 0)
@@ -374,10 +377,14 @@ def _check_boxes(
             [p.global_shape if len(p.global_shape) == k else (0,) * k for p in params], dtype=np.int64
         )
         dims = limits.reshape(len(params), k)[param[chosen]]
-        outside[chosen] = ((offsets < 0) | (shape < 0) | (offsets + shape > dims)).any(axis=1)
-        numel = np.prod(np.maximum(shape, 0), axis=1, dtype=np.int64)
+        # `shape > dims - offsets`, not `offsets + shape > dims`: with both below 2^63 the difference
+        # cannot wrap around, the sum can (offsets [2^62] + shape [2^62] is negative in int64).
+        out = ((offsets < 0) | (shape < 0) | (offsets > dims) | (shape > dims - offsets)).any(axis=1)
+        outside[chosen] = out
+        # Inside its parameter, a box's product is at most the parameter's (2^53): no wrap-around.
+        numel = np.prod(np.where(out[:, None], 0, shape), axis=1, dtype=np.int64)
         for counted in counts.values():
-            too_many[chosen] |= counted[boxes[chosen]].sum(axis=1) > numel
+            too_many[chosen] |= _more_than(counted[boxes[chosen]], numel)
     bad = outside | too_many
     if bad.any():
         j = int(np.argmax(bad))
@@ -387,6 +394,14 @@ def _check_boxes(
             offsets, shape = coords[at : at + k].tolist(), coords[at + k : at + 2 * k].tolist()
             raise fail(f"piece {i}: box {offsets} + {shape} is outside {info.name!r:.60}")
         raise fail(f"piece {i}: more nonfinite values than elements")
+
+
+def _more_than(counted: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Rows whose nonfinite counts (nan, +inf, -inf) add up to more than `numel` (at most 2^53): each
+    count is compared alone first, so that the sum of three, each then at most 2^53, cannot wrap."""
+    each_over = (counted > numel[:, None]).any(axis=1)
+    over: np.ndarray = each_over | (np.minimum(counted, numel[:, None]).sum(axis=1) > numel)
+    return over
 
 
 class ColumnarPieces(Sequence[Piece]):

@@ -41,8 +41,9 @@ SAFETENSORS_DTYPES = {
     "BOOL": ("bool", 1),
 }
 """Every safetensors dtype we can size; gradaudit pieces are floating point (checked by the loader)."""
+
 DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
-ITEMSIZES = dict(SAFETENSORS_DTYPES.values())
+"""The safetensors code of each dtype name, for the writer."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ def publish_table(directory: Path, name: str, data: bytes, temporary: Path) -> b
         return found
     try:
         fd = os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except OSError:
+        return False  # nothing created here, so nothing to remove: never another writer's file
+    try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
         try:
@@ -93,14 +97,34 @@ def _create_exclusively(final: Path, data: bytes) -> bool:
 
 
 def _holds(path: Path, data: bytes) -> bool | None:
-    """Whether `path` holds exactly `data`; None when there is no such file."""
+    """Whether `path` holds exactly `data`; None when there is no such file.
+
+    Opened non-blocking and checked to be a regular file before anything is read: the name is
+    predictable (the table's hash), and a blocking open of a FIFO placed there would stop training."""
     try:
-        with open(path, "rb") as handle:
-            return handle.read(len(data) + 1) == data
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return None
     except OSError:
         return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            from ..warn import warn_once
+
+            warn_once(
+                f"table-not-a-file:{path}",
+                f"gradaudit: {path} is not a regular file (a pipe, device or folder); the parameter "
+                "table is written into each rank file instead. Remove it from the dump folder",
+            )
+            return False
+        with os.fdopen(fd, "rb") as handle:
+            fd = -1
+            return handle.read(len(data) + 1) == data
+    except OSError:
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 class SharedTables:

@@ -131,6 +131,7 @@ def _encode_clip(clip: ClipRecord) -> dict[str, Any]:
                 "unscaled": c.unscaled,
                 "loss_scale": encode_float(c.loss_scale),
             }
+            | ({} if c.clip_value is None else {"clip_value": encode_float(c.clip_value)})
             for c in clip.calls
         ],
         "loss_scale": encode_float(clip.loss_scale),
@@ -151,6 +152,8 @@ def encode_rank(dump: RankDump) -> dict[str, Any]:
         "world_size": dump.world_size,
         "mode": dump.mode,
         "run_id": dump.run_id,
+        **({} if dump.capture_api is None else {"capture_api": dump.capture_api}),
+        **({} if dump.trigger is None else {"trigger": dump.trigger}),
         "host": dump.host,
         "torch_version": dump.torch_version,
         "gradaudit_version": dump.gradaudit_version,
@@ -177,16 +180,14 @@ def encode_rank(dump: RankDump) -> dict[str, Any]:
             "loss": encode_float(dump.data.loss),
             "loss_reduction": dump.data.loss_reduction,
         },
-    } | _encode_not_captured(dump.not_captured, dump.trigger)
+    } | _encode_not_captured(dump.not_captured)
 
 
-def _encode_not_captured(params: tuple[NotCapturedParam, ...], trigger: str | None = None) -> dict[str, Any]:
-    """Only when some parameter was left out (or, `trigger`, a guard wrote the file), so that other
-    files keep their bytes."""
-    extra: dict[str, Any] = {"trigger": trigger} if trigger else {}
+def _encode_not_captured(params: tuple[NotCapturedParam, ...]) -> dict[str, Any]:
+    """Only when some parameter was left out, so that other files keep their bytes."""
     if not params:
-        return extra
-    return {"not_captured": [{"name": p.name, "reason": p.reason} for p in params]} | extra
+        return {}
+    return {"not_captured": [{"name": p.name, "reason": p.reason} for p in params]}
 
 
 # ---------------------------------------------------------------- decoding
@@ -730,6 +731,7 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
                 norm_type=opt_float(call, "norm_type", where),
                 unscaled=opt_bool(call, "unscaled", where),
                 loss_scale=opt_float(call, "loss_scale", where),
+                clip_value=opt_float(call, "clip_value", where),
             )
         )
     max_norm = r.get(obj, "max_norm", "clip", r.pos_float)
@@ -855,6 +857,7 @@ def decode_rank(
         ),
         num_bytes=num_bytes,
         not_captured=_decode_not_captured(r, doc.get("not_captured")),
+        capture_api=r.get(doc, "capture_api", "", r.str_, optional=True),
         trigger=r.get(doc, "trigger", "", r.str_, optional=True),
     )
 

@@ -6,17 +6,25 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
-import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
 from ..model import RankDump
 from .columnar import to_columns
+from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
 from .schema import METADATA_KEY, decode_rank, encode_rank
+from .tempfiles import (
+    TEMPORARY_MARK,
+    create_exclusively,
+    is_temporary,
+    remove_stale_temporaries,
+    temporary_name,
+)
+
+__all__ = ["TEMPORARY_MARK", "is_temporary", "temporary_name", "write_rank_file", "write_safetensors"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -64,8 +72,6 @@ def write_rank_file(
     created or already holds the same table (paramtable.py); otherwise into the rank file.
     Returns the path written.
     """
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     pieces = []
     payload: dict[str, torch.Tensor] = {}
@@ -115,79 +121,28 @@ def write_rank_file(
             f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
             "choose another output folder or delete it first"
         )
-    _remove_stale_temporaries(directory, final.name)
+    remove_stale_temporaries(directory, final.name)
     if share_params and columns is not None and document["columnar"]["params"] == "columns":
         data = table_file_bytes(arrays)
         reference = table_reference(data)
         if publish_table(directory, reference["file"], data, directory / temporary_name(reference["file"])):
             document["columnar"] = {**document["columnar"], "params": reference}
             arrays = {key: value for key, value in arrays.items() if key not in TABLE_COLUMNS}
-    if columns is not None:
-        import torch
-
-        payload = {key: torch.from_numpy(array.copy()) for key, array in arrays.items()}
+    tensors_out: dict[str, np.ndarray | torch.Tensor] = {**payload, **arrays}
     metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
     temporary = directory / temporary_name(final.name)
+    fd = create_exclusively(temporary)  # ours from here on: removed below whatever happens
     try:
-        mode = _mode_the_umask_gives(temporary)
-        save_file(payload, str(temporary), metadata=metadata)
-        os.chmod(temporary, mode)  # safetensors writes 0600; a dump is for sharing, as the umask says
+        with os.fdopen(fd, "wb", buffering=0) as handle:
+            write_safetensors(handle, tensors_out, metadata)
         if overwrite:
             os.replace(temporary, final)
         else:
             _publish_without_overwrite(temporary, final, dump)
     finally:
-        if temporary.exists():
-            temporary.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
     return final
-
-
-TEMPORARY_MARK = ".tmp-"
-"""A rank file being written is `.<rank file name>.tmp-<host>-<pid>` until it is complete."""
-
-
-def temporary_name(final_name: str) -> str:
-    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())[:64]
-    return f".{final_name}{TEMPORARY_MARK}{host}-{os.getpid()}"
-
-
-def is_temporary(name: str) -> bool:
-    """Whether a file name is one of the writer's temporaries (complete or not), of a rank file or a
-    shared parameter table."""
-    return name.startswith((".rank_", ".params_")) and TEMPORARY_MARK in name
-
-
-def _remove_stale_temporaries(directory: Path, final_name: str) -> None:
-    """Remove this rank's temporaries that a writer on this host left when it was killed mid-write."""
-    prefix = temporary_name(final_name).rsplit("-", 1)[0] + "-"
-    try:
-        names = [e.name for e in os.scandir(directory) if e.name.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(prefix) :]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            with contextlib.suppress(OSError):
-                os.unlink(directory / name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # it exists, owned by someone else
-    return True
-
-
-def _mode_the_umask_gives(path: Path) -> int:
-    """Create `path` empty as a plain open() would (0666 less the umask) and return its mode."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-    try:
-        return stat.S_IMODE(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
 
 
 def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:
@@ -204,3 +159,55 @@ def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> 
         if final.exists():
             raise DumpExistsError(f"{final}: a dump of rank {dump.rank} already exists") from None
         os.rename(temporary, final)
+
+
+_WRITE_BYTES = 64 << 20
+
+
+def write_safetensors(
+    handle: BinaryIO, tensors: Mapping[str, np.ndarray | torch.Tensor], metadata: Mapping[str, str]
+) -> None:
+    """Write a safetensors file of `tensors` (CPU, contiguous) to `handle`, from their own memory.
+
+    Written here rather than by safetensors' save_file, which writes its own hidden `.tmpXXXXXX` beside
+    the target and renames it over it: a writer killed mid-write left the whole file there, under a
+    name gradaudit neither chose nor cleaned. The layout is the library's: an 8-byte little-endian
+    header length, the JSON header padded with spaces to 8 bytes, the tensors' bytes back to back."""
+    layout: dict[str, object] = {"__metadata__": dict(metadata)}
+    blobs: list[memoryview] = []
+    offset = 0
+    for key in sorted(tensors):
+        code, shape, blob = _raw(tensors[key])
+        layout[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + blob.nbytes]}
+        blobs.append(blob)
+        offset += blob.nbytes
+    header = json.dumps(layout, separators=(",", ":"), allow_nan=False).encode()
+    header += b" " * (-len(header) % 8)
+    _write_all(handle, memoryview(len(header).to_bytes(8, "little") + header))
+    for blob in blobs:
+        for start in range(0, blob.nbytes, _WRITE_BYTES):
+            _write_all(handle, blob[start : start + _WRITE_BYTES])
+
+
+def _raw(value: np.ndarray | torch.Tensor) -> tuple[str, tuple[int, ...], memoryview]:
+    """(safetensors dtype code, shape, the bytes as a flat memoryview) of a CPU array or tensor."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        code = DTYPE_CODES[array.dtype.name]
+        return code, tuple(array.shape), array.reshape(-1).view(np.uint8).data
+    import torch
+
+    tensor = value.detach().to("cpu").contiguous()
+    code = DTYPE_CODES[str(tensor.dtype).removeprefix("torch.")]
+    flat = tensor.reshape(-1).view(torch.uint8).numpy()
+    return code, tuple(tensor.shape), flat.data
+
+
+def _write_all(handle: BinaryIO, data: memoryview) -> None:
+    while data.nbytes:
+        written = handle.write(data)
+        if written is None:
+            raise BlockingIOError("the rank file would block")
+        data = data[written:]

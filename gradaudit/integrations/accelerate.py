@@ -28,8 +28,8 @@ from typing import Any
 
 from ..capture.optimizers import hookable_optimizer
 from ..capture.session import AuditStep
+from ..capture.steps import select_steps
 from ..errors import CaptureError
-from .steps import select_steps
 
 
 class AccelerateAudit:
@@ -99,6 +99,7 @@ class AccelerateAudit:
                 norm_type=norm_type,
                 scaler=getattr(self.accelerator, "scaler", None),
                 **self.audit_kwargs,
+                capture_api="AccelerateAudit",
             ).begin()
         if self.audit is None:
             return self._original_clip(parameters, max_norm, norm_type)

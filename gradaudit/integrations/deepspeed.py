@@ -29,8 +29,8 @@ from typing import Any
 
 from ..capture.ownership import LocalPiece
 from ..capture.session import AuditStep
+from ..capture.steps import select_steps
 from ..model import FlatRange
-from .steps import select_steps
 
 
 class DeepSpeedAudit:
@@ -84,6 +84,7 @@ class DeepSpeedAudit:
             max_norm=max_norm,
             ownership=zero_pieces(self.engine, readable),
             **self.audit_kwargs,
+            capture_api="DeepSpeedAudit",
         ).begin()
         return audit, readable
 

@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import Callback
 
 from ..capture.arguments import norm_results, opt_float
 from ..capture.session import AuditStep
-from ..capture.warn import warn_once
-from .steps import select_steps
+from ..capture.steps import select_steps
+from ..warn import warn_once
 
 
 class GradAuditCallback(Callback):
@@ -84,6 +84,7 @@ class GradAuditCallback(Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None),
             mode=self.mode,
             **self.audit_kwargs,
+            capture_api="lightning.GradAuditCallback",
         ).begin()
         self.audit = audit
         original = pl_module.configure_gradient_clipping

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.session import AuditStep
+from ..capture.steps import select_steps
 from ..errors import CaptureError
-from .steps import select_steps
 
 
 class TorchtitanAudit:
@@ -78,6 +78,7 @@ class TorchtitanAudit:
             max_norm=float(config.training.max_norm),
             optimizer=self.trainer.optimizers,
             **audit_kwargs,
+            capture_api="TorchtitanAudit",
         ).begin()
         audit.intercept_clip(self._dist_utils, "clip_grad_norm_")
         try:

@@ -22,9 +22,9 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 from ..capture.session import AuditStep
-from ..capture.warn import warn_once
+from ..capture.steps import select_steps
+from ..warn import warn_once
 from .accelerate import unscaled_first
-from .steps import select_steps
 
 CLIP_EPS = 1e-6
 """torch.nn.utils.clip_grad_norm_'s epsilon: coef = max_norm / (norm + 1e-6), at most 1."""
@@ -90,6 +90,7 @@ class GradAuditCallback(TrainerCallback):
             scaler=getattr(accelerator, "scaler", None),
             mode=self.mode,
             **self.audit_kwargs,
+            capture_api="transformers.GradAuditCallback",
         ).begin()
         # Trainer._clip_grad_norm covers every path the Trainer clips by (Accelerate's clip_grad_norm_,
         # its mixed-mesh norm); Trainers without it clip through Accelerate.

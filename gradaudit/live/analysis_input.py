@@ -3,8 +3,9 @@ into the analysis' input, so that the guard's verdict and `gradaudit check` come
 
 Until the analysis takes per-group norms directly, the summary becomes what loading a stats-mode
 dump gives: one `RankDump` per rank whose pieces are the rank's ownership groups, each a one-element
-piece whose value is the group's norm, and the existing measure -> diagnose -> checks pipeline runs on
-it. Replicas of a group hold the same layout, so every accounting the diagnosis tries (local, every
+piece whose value is the group's norm, and the offline pipeline runs on it stage by stage
+(`measure_step` -> `audit.analyse` -> `audit.build_report`, as `audit.audit_step` assembles them).
+Replicas of a group hold the same layout, so every accounting the diagnosis tries (local, every
 replica, the wrong group, replicas once) gives the same number it would from the real pieces.
 """
 
@@ -222,14 +223,19 @@ def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
 
 
 def report_of(live: LiveStep) -> Report:
-    """The report `gradaudit check` gives for the live step: the same measure, diagnosis and checks."""
-    from ..audit import build_report
+    """The report `gradaudit check` gives for the live step: the offline pipeline's own stages
+    (measure_step -> audit.analyse -> audit.build_report), as audit.audit_step runs them without a
+    reference, on the step the guard's dump amounts to."""
+    from ..audit import analyse, build_report, command_for
     from ..checks.base import AuditOptions
     from ..dumpfile.reader import TensorReader
-    from ..measure.measure import measure_step
+    from ..measure.leftout import checked_params
+    from ..measure.measure import measure_step, overflow_notes
 
     step = step_dump(live)
+    options = AuditOptions()
     with TensorReader(step) as reader:
-        measurements = measure_step(step, reader, workers=1)
-    command = f"gradaudit check {live.directory}" if live.directory else ""
-    return build_report(step, measurements, AuditOptions(), command=command)
+        measurements = measure_step(step, reader, params=checked_params(step), workers=1)
+    inputs = analyse(step, measurements, update_judgements={})
+    command = command_for(live.directory, options) if live.directory else ""
+    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.columns))

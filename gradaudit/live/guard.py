@@ -135,7 +135,7 @@ class Guard:
 
     def _attach(self) -> None:
         from ..capture.infer import infer_ownership
-        from ..capture.warn import warn_once
+        from ..warn import warn_once
 
         def unsupported(param: str, exc: Exception) -> None:
             warn_once(

@@ -270,10 +270,6 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
     return table, np.concatenate([p.positions for p in parts])
 
 
-def step_columns(m: StepMeasurements) -> StepColumns:
-    return m.derived("step_columns", None, lambda: StepColumns(m))
-
-
 _CHUNK = 1 << 16
 
 

@@ -22,7 +22,7 @@ from .measurements import (
     SCALED_KINDS,
     ParamMeasurement,
     PieceMeasurement,
-    ReferenceError,
+    ReferenceDifference,
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..dumpfile.reader import TensorReader
+    from .columns import StepColumns
     from .kernel import ChunkKernel
     from .reference import ReferenceSource
     from .table import PieceTable
@@ -52,14 +53,12 @@ CHUNK_ELEMENTS = 1 << 16
 stays in cache). numpy and the kernel load on first measurement."""
 
 
-def overflow_notes(m: StepMeasurements, limit: int = 5) -> tuple[str, ...]:
+def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
-    from .columns import step_columns
-
     notes = []
     inf = math.inf
-    for piece in step_columns(m).overflowing_grad():
+    for piece in columns.overflowing_grad():
         stats = piece.stats.get("grad")
         if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
             continue
@@ -213,6 +212,9 @@ def _compare_replicas(
                 if stats.num_nonfinite != base_stats.num_nonfinite:
                     delta = math.inf
             results.append(ReplicaCopy(rank=rank, index=piece.index, fingerprint_delta=delta))
+    param_base_max_abs = None
+    if all("param_before" in p.tensors for _, _, p in copies):
+        results, param_base_max_abs = _compare_replica_params(reader, copies, results, chunk)
     return ReplicaSet(
         param=base.param,
         regions=base.regions,
@@ -224,7 +226,35 @@ def _compare_replicas(
         numel=base.numel,
         copies=tuple(results),
         by_values=by_values,
+        param_base_max_abs=param_base_max_abs,
     )
+
+
+def _compare_replica_params(
+    reader: TensorReader, copies: list[tuple[int, str, Piece]], results: list[ReplicaCopy], chunk: int
+) -> tuple[list[ReplicaCopy], float]:
+    """The copies' results with the largest difference of their `param_before` from the base copy's."""
+    import numpy as np
+
+    from .reference import compare_values
+
+    _, base_path, base = copies[0]
+    others = copies[1:]
+    diffs = [0.0] * len(others)
+    base_max = 0.0
+    per_copy = max(1 << 16, chunk // max(1, len(copies)))
+    for start, stop in _flat_windows(base.numel, per_copy):
+        ref = _piece_flat(reader, base_path, base, "param_before", start, stop)
+        finite = ref[np.isfinite(ref)]
+        if finite.size:
+            base_max = max(base_max, float(np.abs(finite).max()))
+        for i, (_, path, piece) in enumerate(others):
+            diff, _, _ = compare_values(_piece_flat(reader, path, piece, "param_before", start, stop), ref)
+            diffs[i] = max(diffs[i], diff)
+    by_rank = {(r, p.index): d for (r, _, p), d in zip(others, diffs, strict=True)}
+    if not results:  # grads were compared by fingerprint with none to compare: start from the copies
+        results = [ReplicaCopy(rank=r, index=p.index) for r, _, p in others]
+    return [replace(c, param_max_abs_diff=by_rank.get((c.rank, c.index))) for c in results], base_max
 
 
 def _compare_with_reference(
@@ -236,13 +266,13 @@ def _compare_with_reference(
     kind: str,
     chunk: int,
     scale: float,
-) -> ReferenceError:
+) -> ReferenceDifference:
     from .reference import compare_regions
 
     max_err, max_ref, mismatches, compared = compare_regions(
         lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
     )
-    return ReferenceError(
+    return ReferenceDifference(
         param=param,
         kind=kind,
         dtype=piece.dtype,
@@ -253,9 +283,9 @@ def _compare_with_reference(
     )
 
 
-def _merge_errors(errors: list[ReferenceError]) -> ReferenceError:
+def _merge_errors(errors: list[ReferenceDifference]) -> ReferenceDifference:
     first = errors[0]
-    return ReferenceError(
+    return ReferenceDifference(
         param=first.param,
         kind=first.kind,
         dtype=max((e.dtype for e in errors), key=_dtype_looseness),
@@ -353,7 +383,7 @@ def measure_param(
         for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
     )
     reference_pieces: tuple[PieceMeasurement, ...] = ()
-    reference_errors: tuple[ReferenceError, ...] = ()
+    reference_errors: tuple[ReferenceDifference, ...] = ()
     notes: tuple[str, ...] = ()
     if reference is not None:
         if reference_held is None:
@@ -422,7 +452,7 @@ def _measure_reference(
     scale_of: Callable[[int], float],
     reference: StepDump,
     kernel: ChunkKernel,
-) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceError, ...], tuple[str, ...]]:
+) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceDifference, ...], tuple[str, ...]]:
     from .reference import ReferenceSource, covers
 
     info, ref_info = infos
@@ -548,6 +578,10 @@ def _measure_from_table(
     import numpy as np
 
     positions = table.param_positions(name)
+    if positions.start == positions.stop:  # held by no rank (most of a table listing 10^6 parameters)
+        return ParamMeasurement(
+            param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=()
+        )
     layouts = table.layout[positions.start : positions.stop]
     replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
     replica_sets = table.replica_sets(replicated)

@@ -5,16 +5,13 @@ the dumped gradients."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from ..model import Piece, RankDump, Region, TensorStats
 
 SCALED_KINDS = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,12 +20,17 @@ class PieceMeasurement:
 
     rank: int
     index: int
+    """The piece's index in its rank's file."""
     param: str
+    """The logical parameter it is part of."""
     regions: tuple[Region, ...]
+    """Which elements of the parameter it holds."""
     dtype: str
     numel: int
     replica_group: str | None = None
+    """The process group over which this piece is replicated, when the capture named one."""
     stats: Mapping[str, TensorStats] = field(default_factory=dict)
+    """Tensor kind -> float64 statistics (read from the values, or as dumped in stats mode)."""
     dot_pre_post: float | None = None
     """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
     dot_pre_pre: float | None = None
@@ -56,6 +58,9 @@ class ReplicaCopy:
     """Elements where one is finite and the other not, or both infinite with different signs."""
     fingerprint_delta: float | None = None
     """Largest difference of the fingerprint components (stats mode)."""
+    param_max_abs_diff: float | None = None
+    """Largest |copy - base| of the parameter values the optimizer step started from (`param_before`),
+    when every copy has them: replicas whose weights drifted apart (None when not recorded)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,13 +71,18 @@ class ReplicaSet:
     regions: tuple[Region, ...]
     dtype: str
     base_rank: int
+    """The lowest rank holding a copy: the one every norm counts."""
     base_index: int
     base_max_abs: float
+    """max |x| of the base copy's gradient (the scale the differences are judged against)."""
     base_sum_sq: float
     numel: int
     copies: tuple[ReplicaCopy, ...]
+    """Every other copy, compared with the base."""
     by_values: bool
     """True when the copies were compared value by value, False when only by fingerprints."""
+    param_base_max_abs: float | None = None
+    """max |param_before| of the base copy, when the copies' parameters were compared."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -80,28 +90,35 @@ class ReplicaSet:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReferenceError:
+class ReferenceDifference:
     """One parameter and tensor kind compared with the reference, element by element."""
 
     param: str
     kind: str
+    """The tensor kind compared (grad, grad_clipped or param_after)."""
     dtype: str
+    """The dumped dtype: it chooses the tolerance."""
     numel_compared: int
     max_abs_error: float
+    """max |ours - reference| over elements finite in both."""
     max_abs_reference: float
     num_nonfinite_mismatch: int = 0
+    """Elements nonfinite in one of the two only."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParamMeasurement:
+    """One logical parameter: all its pieces on all present ranks, measured."""
+
     param: str
     norm_type: float
+    """`p` of the norm the statistics were taken for."""
     pieces: Sequence[PieceMeasurement]
     """A tuple, or for format-1.1 stats-only pieces a table.TablePieces (built when iterated)."""
     replica_sets: tuple[ReplicaSet, ...] = ()
     reference_pieces: tuple[PieceMeasurement, ...] = ()
     """The reference dump's pieces of this parameter (their stats), when a reference was given."""
-    reference_errors: tuple[ReferenceError, ...] = ()
+    reference_errors: tuple[ReferenceDifference, ...] = ()
     notes: tuple[str, ...] = ()
     """Why something about this parameter could not be measured (e.g. absent from the reference)."""
 
@@ -112,21 +129,12 @@ class StepMeasurements:
 
     norm_type: float
     params: Mapping[str, ParamMeasurement]
+    """Parameter name -> its measurement, sorted by name."""
     reference_given: bool = False
+    """Whether an unsharded reference step was compared (--reference)."""
     reference_step: int | None = None
     reference_only_params: tuple[str, ...] = ()
     """Parameters the reference holds and the checked dump does not."""
-    _memo: dict[str, tuple[object, Any]] = field(default_factory=dict, compare=False, repr=False)
-    """Values derived purely from these measurements and a step, computed once for all checks."""
-
-    def derived(self, key: str, step: object, compute: Callable[[], _T]) -> _T:
-        """`compute()`, remembered for this `step` object: the checks share one diagnosis."""
-        entry = self._memo.get(key)
-        if entry is None or entry[0] is not step:
-            entry = (step, compute())
-            self._memo[key] = entry
-        value: _T = entry[1]
-        return value
 
     def merge(self, other: StepMeasurements) -> StepMeasurements:
         """Combine measurements of disjoint parameter subsets of the same step."""

@@ -49,7 +49,11 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
     table = Table(show_lines=False)
     for column in ("parameter", "global shape", "dtype", "layout", "held by"):
         table.add_column(column)
+    unheld = [p.name for p in inv.params if not p.holders]
+    fold = len(unheld) > MAX_LISTED  # a table may list 10^6 parameters of which the ranks hold 4
     for p in inv.params:
+        if fold and not p.holders:
+            continue
         holders = "; ".join(f"r{r} {rich_safe(h)}" for r, h in p.holders) or "nobody"
         table.add_row(
             rich_safe(p.name),
@@ -58,7 +62,14 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
             rich_safe(p.layout),
             holders,
         )
+    if fold:
+        names = ", ".join(rich_safe(name) for name in unheld[:3])
+        table.add_row(f"({len(unheld)} parameters: {names}, …)", "", "", "", "nobody")
     console.print(table)
+    if fold:
+        console.print(
+            f"{len(unheld)} parameters held by nobody are folded into one row; --format json lists them all"
+        )
     if inv.not_captured:
         console.print(f"not captured ({len(inv.not_captured)}; their gradients are in no norm, GA104):")
         for left_out in inv.not_captured[:MAX_LISTED]:

@@ -5,19 +5,32 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..norms import norm_name
 from ..report.model import Finding, MultiStepReport, Report, Severity
-from .fold import fmt_groups, fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
+from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
+from .fold import (
+    fmt_groups,
+    fmt_rank_set,
+    fmt_ranks_labelled_short,
+    fmt_span,
+    fold_ranks,
+    group_cells,
+    one_per_rank,
+)
 from .numbers import (
-    diagnosis_groups,
+    diagnosis_label,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
-    fmt_ratio,
+    fmt_percent,
+    fmt_replica_of,
     fmt_value,
-    norm_name,
     reference_worst_first,
+    replica_owners,
+    unsaid_diagnosis_groups,
 )
-from .text import clip_text, join_limited, markdown_code_block, markdown_escape
+from .steps import StepRow, fmt_steps, is_failing, step_rows
+from .text import clip_sentences, clip_text, join_limited, markdown_code_block, markdown_escape
 
 MAX_CHARS = 20_000
 """A report must fit a ticket (GitHub refuses issue bodies over 65,536 characters) at any world size."""
@@ -51,29 +64,36 @@ def render_report(report: Report, *, fold: bool = True) -> str:
     return _join(_fit(blocks, MAX_CHARS if fold else None))
 
 
-def render_multi(multi: MultiStepReport) -> str:
-    """A folder of steps: the per-step summary table, then each step that has something to say."""
-    summary = _summary_table(multi)
-    if len(multi.summary) > 3 * OPEN_ROWS:
-        summary = _details(f"Summary of the {len(multi.summary)} steps", summary)
-    blocks = [f"# gradaudit report: {len(multi.steps)} steps in {_md(multi.directory)}", summary]
-    telling = [report for report in multi.steps if _has_news(report)]
-    sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in telling]
-    shown, hidden = _take_within(sections, STEPS_BUDGET)
-    blocks += shown
-    if hidden:
-        blocks.append(f"{len(hidden)} more steps with findings not shown; {SEE_JSON}.")
-    quiet = [report.step for report in multi.steps if not _has_news(report)]
-    if quiet:
+def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
+    """A folder of steps: the summary (failing steps first, clean steps folded into runs, left out with
+    `failing_only`), then each failing step."""
+    failing = [report for report in multi.steps if is_failing(report)]
+    rows, hidden = step_rows(multi, failing_only=failing_only)
+    blocks = [
+        f"# gradaudit report: {len(multi.steps)} steps ({len(failing)} failing) in {_md(multi.directory)}"
+    ]
+    if rows:
+        summary = _summary_table(rows)
         blocks.append(
-            f"No findings, warnings or missing ranks in steps {fmt_rank_set(quiet, max_chars=200)}."
+            _details(f"Summary of the {len(multi.summary)} steps ({len(rows)} rows)", summary)
+            if len(rows) > 3 * OPEN_ROWS
+            else summary
         )
+    trend = _trend_section(multi)
+    if trend:
+        blocks.append(trend)
+    sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in failing]
+    shown, not_shown = _take_within(sections, STEPS_BUDGET)
+    blocks += shown
+    if not_shown:
+        blocks.append(f"{len(not_shown)} more failing steps not shown; {SEE_JSON}.")
+    clean = [report.step for report in multi.steps if not is_failing(report)]
+    if clean:
+        blocks.append(f"No errors, warnings or missing ranks in steps {fmt_rank_set(clean, max_chars=200)}.")
+    if hidden:
+        blocks.append(f"{len(hidden)} clean steps not listed (--failing-only).")
     blocks.append(_version_line(multi.report_version))
     return _join(blocks)
-
-
-def _has_news(report: Report) -> bool:
-    return bool(report.findings or report.warnings or report.missing_ranks)
 
 
 def _join(blocks: Sequence[str]) -> str:
@@ -132,6 +152,9 @@ def _report_blocks(report: Report, *, fold: bool) -> list[str | _Optional]:
             _Optional(_bullets_within(items, LIST_BUDGET), "The list of checks not run", 4),
         ]
     blocks += ["## Ranks", _Optional(_rank_section(report, fold=fold), "The per-rank table", 5)]
+    chart = _share_section(report)
+    if chart:
+        blocks.append(_Optional(chart, "The chart of each rank's share of the squared norm", 0))
     if report.reference:
         blocks += [
             "## Reference comparison",
@@ -270,8 +293,11 @@ def _rank_section(report: Report, *, fold: bool) -> str:
         "nonfinite",
     ]
     rows = []
+    owners = replica_owners(report.ranks)
     for group in folded.groups:
         local, reported, coef, share, nonfinite = group_cells(group)
+        if all(rank in owners for rank in group.ranks):
+            share = fmt_replica_of(owners[group.ranks[0]] if len(group.ranks) == 1 else None)
         rows.append(
             [
                 fmt_rank_set(group.ranks),
@@ -279,7 +305,9 @@ def _rank_section(report: Report, *, fold: bool) -> str:
                 reported,
                 coef,
                 _md(group.applied_coef_source) if group.applied_coef_source else "-",
-                _md(group.diagnosis) if group.diagnosis else "-",
+                _md(diagnosis_label(group.diagnosis, group.ranks, report.findings))
+                if group.diagnosis
+                else "-",
                 share,
                 nonfinite,
             ]
@@ -305,8 +333,52 @@ def _rank_section(report: Report, *, fold: bool) -> str:
     return "\n\n".join(parts)
 
 
+def _share_section(report: Report) -> str:
+    """Each rank's part of Σg² against max_norm²: a chart GitHub draws, and the same numbers as a table."""
+    chart = share_chart(report)
+    if isinstance(chart, str):
+        return ""
+    drawn = mermaid_share_chart(chart)
+    owners = {f"rank {rank}": owner for rank, owner in replica_owners(report.ranks).items()}
+    rows = [
+        [
+            bar.label,
+            fmt_float(bar.value),
+            fmt_replica_of(owners[bar.label]) if bar.label in owners else fmt_percent(bar.share),
+            "**above**" if bar.value > chart.threshold else "below",
+        ]
+        for bar in chart.bars
+    ]
+    table = _table(["", "part of Σg²", "share", "against max_norm²"], rows, align=["l", "r", "r", "l"])
+    if len(rows) > OPEN_ROWS:
+        table = _details(f"The same numbers ({len(rows)} rows)", table)
+    parts = [
+        f"### Share of the squared global norm\n\nTotal {fmt_float(chart.total)} against max_norm² = "
+        f"{fmt_float(chart.threshold)}: each rank's part and the sum (a clip by local norms compares each "
+        "part with max_norm², the intended rule the sum)."
+    ]
+    if drawn:
+        parts.append(drawn)
+    parts.append(table)
+    if chart.num_hidden:
+        parts.append(f"{chart.num_hidden} smaller ranks not drawn.")
+    return "\n\n".join(parts)
+
+
+def _trend_section(multi: MultiStepReport) -> str:
+    """The true and reported norm per step as a chart GitHub draws (the summary table has the numbers)."""
+    failing = {report.step for report in multi.steps if is_failing(report)}
+    points = trend_points(multi, failing)
+    max_norms = {report.max_norm for report in multi.steps if report.max_norm is not None}
+    drawn = mermaid_trend_chart(points, next(iter(max_norms)) if len(max_norms) == 1 else None)
+    if not drawn:
+        return ""
+    shown = "" if len(points) == len(multi.summary) else f" ({len(points)} of the {len(multi.summary)} steps)"
+    return f"## Trend\n\nTrue and reported norm per step{shown}; the summary table above has the numbers.\n\n{drawn}"
+
+
 def _diagnosis_details(report: Report) -> str:
-    groups = diagnosis_groups(report.ranks)
+    groups = unsaid_diagnosis_groups(report.ranks, report.findings)
     lines = [
         f"{fmt_ranks_labelled_short(ranks)}, {_md(diagnosis)}: {_md(detail, 300)}"
         for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]
@@ -320,7 +392,7 @@ def _finding_block(finding: Finding) -> str:
     lines = [
         f"### {_SYMBOL[finding.severity]} {finding.severity.value} {_md(finding.code)}: {_md(finding.title)}",
         "",
-        _md(finding.message, MAX_MESSAGE_CHARS),
+        _message(finding.message),
     ]
     facts = []
     if finding.ranks:
@@ -331,9 +403,18 @@ def _finding_block(finding: Finding) -> str:
         pairs = [f"{_md(str(k))} = {_evidence_value(v)}" for k, v in list(finding.evidence.items())[:16]]
         more = len(finding.evidence) - len(pairs)
         facts.append("evidence: " + ", ".join(pairs) + (f" (+{more} more)" if more > 0 else ""))
+    if finding.fix:
+        facts.append(f"**fix:** {_md(finding.fix, 2_000)} (more: `gradaudit explain {_md(finding.code)}`)")
     if facts:
         lines += ["", _bullets(facts)]
     return "\n".join(lines)
+
+
+def _message(message: str) -> str:
+    """A finding's message, cut between clauses when long (the JSON report has all of it)."""
+    return markdown_escape(
+        clip_sentences(message, MAX_MESSAGE_CHARS, rest="… (the JSON report has the rest)")
+    )
 
 
 def _evidence_value(value: object) -> str:
@@ -374,29 +455,33 @@ def _reproduce(command: str) -> str:
     return markdown_code_block(clip_text(command, 2_000), info="sh")
 
 
-def _summary_table(multi: MultiStepReport) -> str:
+def _summary_table(rows: Sequence[StepRow]) -> str:
     header = ["step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings", "codes"]
-    rows = [
+    cells = [
         [
-            str(s.step),
-            fmt_float(s.reported_norm),
-            fmt_float(s.global_norm),
-            fmt_ratio(s.reported_norm, s.global_norm),
-            fmt_coef(s.expected_clip_coef),
-            str(s.num_errors),
-            str(s.num_warnings),
-            _md(", ".join(s.codes), 200) or "-",
+            fmt_steps(row.steps),
+            fmt_span(row.reported_norm),
+            fmt_span(row.global_norm),
+            fmt_span(row.ratio),
+            fmt_span(row.expected_clip_coef, fmt_coef),
+            f"**{row.num_errors}**" if row.num_errors else "0",
+            str(row.num_warnings),
+            _md(", ".join(row.codes), 200) or "-",
         ]
-        for s in multi.summary
+        for row in rows
     ]
-    return _table(header, rows, align=["r", "r", "r", "r", "r", "r", "r", "l"])
+    return _table(header, cells, align=["r", "r", "r", "r", "r", "r", "r", "l"])
 
 
 def _step_brief(report: Report) -> list[str]:
     blocks = [_verdict(report), _headline_table(report)]
     if report.missing_ranks:
         blocks.append(f"**Missing ranks:** {fmt_rank_set(report.missing_ranks, max_chars=200)}.")
-    items = [f"{_finding_line(f)}: {_md(f.message, MAX_MESSAGE_CHARS)}" for f in report.findings]
+    items = [
+        f"{_finding_line(f)}: {_message(f.message)}"
+        + (f" (fix: `gradaudit explain {_md(f.code)}`)" if f.fix else "")
+        for f in report.findings
+    ]
     items += [f"**warning:** {_md(w, MAX_MESSAGE_CHARS)}" for w in report.warnings]
     if items:
         blocks.append(_bullets_within(items, FINDINGS_BRIEF_BUDGET))

@@ -42,18 +42,6 @@ def fmt_coef(value: float | None) -> str:
     return text
 
 
-def fmt_norm_type(norm_type: float | None) -> str:
-    """2.0 -> "2", inf -> "inf", 3.5 -> "3.5"."""
-    return fmt_float(norm_type)
-
-
-def norm_name(norm_type: float | None) -> str:
-    """ "L2 norm", "L1 norm", "Linf norm"; "norm" when unknown."""
-    if norm_type is None:
-        return "norm"
-    return f"L{fmt_norm_type(norm_type)} norm"
-
-
 def fmt_percent(fraction: float | None) -> str:
     """ "25.0%"; below 0.1% two significant digits ("0.0024%"), so that a large world's ranks do not
     all read 0.0%; exactly zero is "0.0%"."""
@@ -156,10 +144,68 @@ def reference_worst_first(comparisons: Sequence[ParamComparison]) -> list[ParamC
 def diagnosis_groups(rows: Sequence[RankRow]) -> list[tuple[str, str, tuple[int, ...]]]:
     """(diagnosis, detail, ranks) for each distinct explanation, in order of first appearance.
 
-    Ranks usually share one explanation; saying it once keeps the per-rank table to one line a rank.
+    Ranks whose explanations differ only in their numbers share one sentence (`fold_sentences`), so
+    that the explanation is said once, with a rank range, however many ranks it covers.
     """
-    groups: dict[tuple[str, str], list[int]] = {}
+    from ..report.sentences import fold_sentences
+
+    by_diagnosis: dict[str, list[tuple[int, str]]] = {}
     for row in rows:
         if row.diagnosis_detail:
-            groups.setdefault((row.diagnosis or MISSING, row.diagnosis_detail), []).append(row.rank)
-    return [(diagnosis, detail, tuple(ranks)) for (diagnosis, detail), ranks in groups.items()]
+            by_diagnosis.setdefault(row.diagnosis or MISSING, []).append((row.rank, row.diagnosis_detail))
+    groups = [
+        (diagnosis, folded.text, folded.ranks)
+        for diagnosis, items in by_diagnosis.items()
+        for folded in fold_sentences(items)
+    ]
+    return sorted(groups, key=lambda g: min(g[2]))
+
+
+def unsaid_diagnosis_groups(
+    rows: Sequence[RankRow], findings: Sequence[Finding]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The `diagnosis_groups` whose sentence no finding's message already says (each is said once)."""
+    return [g for g in diagnosis_groups(rows) if not any(g[1] in f.message for f in findings)]
+
+
+def replica_owners(rows: Sequence[RankRow]) -> dict[int, int | None]:
+    """Ranks whose pieces are all counted on another rank (no share of Σg² though a norm of their own:
+    replicas, attributed to their lowest rank) -> that owner (the lowest rank with the same own norm and
+    a share), or None when no single one is."""
+    owners: dict[int, int | None] = {}
+    for row in rows:
+        if row.share_of_squared_norm == 0 and math.isfinite(row.local_norm) and row.local_norm > 0:
+            owners[row.rank] = next(
+                (
+                    r.rank
+                    for r in rows
+                    if r.rank < row.rank
+                    and r.share_of_squared_norm > 0
+                    and fmt_float(r.local_norm) == fmt_float(row.local_norm)
+                ),
+                None,
+            )
+    return owners
+
+
+def fmt_replica_of(owner: int | None) -> str:
+    """What a replica rank's share cell says instead of "0.0%"."""
+    return "replica, counted on a lower rank" if owner is None else f"copy of rank {owner}, counted there"
+
+
+def diagnosis_label(diagnosis: str | None, ranks: Sequence[int], findings: Sequence[Finding]) -> str:
+    """The diagnosis cell: a "correct" norm says which clip call or copy it is right for when a finding
+    on those ranks says clipping was still wrong (GA501: several calls; GA601: drifted replicas)."""
+    if diagnosis is None:
+        return MISSING
+    if not diagnosis.endswith("correct"):
+        return diagnosis
+    covered = set(ranks)
+    for f in findings:
+        if covered <= set(f.ranks):
+            if f.code == "GA501":
+                calls = f.evidence.get("num_calls")
+                return f"{diagnosis} (last of {calls} calls)"
+            if f.code == "GA601":
+                return f"{diagnosis} (own drifted copy)"
+    return diagnosis

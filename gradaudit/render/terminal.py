@@ -13,20 +13,24 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from ..norms import norm_name
 from ..report.model import Finding, MultiStepReport, RankRow, Report, Severity
-from .fold import fmt_rank_set, fmt_ranks_labelled_short, fold_ranks, group_cells, one_per_rank
+from .charts import MAX_CHART_RANKS, share_chart
+from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
-    diagnosis_groups,
+    diagnosis_label,
     fmt_coef,
     fmt_finding_counts,
     fmt_float,
     fmt_percent,
     fmt_ranks,
-    fmt_ratio,
+    fmt_replica_of,
     fmt_value,
-    norm_name,
     reference_worst_first,
+    replica_owners,
+    unsaid_diagnosis_groups,
 )
+from .steps import StepRow, fmt_steps, is_failing, step_rows
 from .text import join_limited, printable
 
 if TYPE_CHECKING:
@@ -39,7 +43,6 @@ MAX_RANK_ROWS = 32
 MAX_DETAIL_LINES = 8
 MAX_REFERENCE_ROWS = 10
 MAX_WARNINGS = 20
-MAX_CHART_RANKS = 16
 THRESHOLD_MARK = "│"
 
 _SEVERITY_STYLE = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
@@ -57,23 +60,33 @@ def render_report(report: Report, *, width: int = 100, color: bool = False, fold
     return _strip_line_ends(out.getvalue())
 
 
-def render_multi(multi: MultiStepReport, *, width: int = 100, color: bool = False) -> str:
+def render_multi(
+    multi: MultiStepReport, *, width: int = 100, color: bool = False, failing_only: bool = False
+) -> str:
+    """A folder of steps: failing steps first, clean steps folded into runs (left out with `failing_only`)."""
     out = io.StringIO()
     console = _console(out, width, color)
+    failing = [r for r in multi.steps if is_failing(r)]
     console.print(
-        _line(("gradaudit", "bold"), f" · {len(multi.steps)} steps in {printable(multi.directory)}")
+        _line(
+            ("gradaudit", "bold"),
+            f" · {len(multi.steps)} steps ({len(failing)} failing) in {printable(multi.directory)}",
+        )
     )
     console.print()
-    console.print(_summary_table(multi))
-    for report in multi.steps:
-        if _has_news(report):
-            console.print()
-            console.rule(_line(f"step {report.step}"), align="left", characters="─")
-            _print_step_brief(console, report)
-    quiet_steps = [r.step for r in multi.steps if not _has_news(r)]
-    if quiet_steps:
+    rows, hidden = step_rows(multi, failing_only=failing_only)
+    if rows:
+        console.print(_summary_table(rows))
+    for report in failing:
         console.print()
-        console.print(_line(f"No findings, warnings or missing ranks in steps {fmt_ranks(quiet_steps)}."))
+        console.rule(_line(f"step {report.step}"), align="left", characters="─")
+        _print_step_brief(console, report)
+    clean = [r.step for r in multi.steps if not is_failing(r)]
+    if clean:
+        console.print()
+        console.print(_line(f"No errors, warnings or missing ranks in steps {fmt_ranks(clean)}."))
+    if hidden:
+        console.print(_line((f"  {len(hidden)} clean steps not listed (--failing-only)", "dim")))
     return _strip_line_ends(out.getvalue())
 
 
@@ -189,7 +202,7 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
             local,
             reported,
             _line(coef + source),
-            _line(printable(group.diagnosis) if group.diagnosis else "-"),
+            _line(printable(diagnosis_label(group.diagnosis, group.ranks, report.findings))),
             _line((nonfinite, "bold red" if group.nonfinite.total else "")),
         )
     console.print(table)
@@ -203,11 +216,11 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
                 )
             )
         )
-    _print_diagnosis_details(console, report.ranks)
+    _print_diagnosis_details(console, report)
 
 
-def _print_diagnosis_details(console: Console, rows: Sequence[RankRow]) -> None:
-    groups = diagnosis_groups(rows)
+def _print_diagnosis_details(console: Console, report: Report) -> None:
+    groups = unsaid_diagnosis_groups(report.ranks, report.findings)
     for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]:
         console.print(
             _line(
@@ -226,68 +239,34 @@ def _applied_coef_cell(row: RankRow) -> Text:
 def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
     """Each rank's part of the squared global norm as a bar, max_norm² marked: "each below, the sum above"."""
     console.print()
-    reason = _chart_unavailable(report)
-    if reason or report.global_norm is None or report.max_norm is None:
-        console.print(_line((f"no norm chart: {reason}", "dim")))
+    chart = share_chart(report, limit=MAX_CHART_RANKS)
+    if isinstance(chart, str):
+        console.print(_line((f"no norm chart: {chart}", "dim")))
         return
-    total = report.global_norm * report.global_norm  # inf, not OverflowError, past float64
-    threshold = report.max_norm * report.max_norm
+    threshold = chart.threshold
     console.print(
         _line(
             ("Share of the squared global norm", "bold"),
-            f" (total {fmt_float(total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
+            f" (total {fmt_float(chart.total)}) against max_norm² = {fmt_float(threshold)}, marked {THRESHOLD_MARK}",
         )
     )
-    rows = [
-        (f"rank {row.rank}", row.share_of_squared_norm * total, row.share_of_squared_norm)
-        for row in report.ranks
-    ]
-    shown, num_hidden = _largest_in_rank_order(rows, MAX_CHART_RANKS)
-    shown.append(("all ranks", total, 1.0))
-    scale = max([threshold] + [value for _, value, _ in shown if math.isfinite(value)])
-    label_width = max(len(label) for label, _, _ in shown)
-    for label, value, share in shown:
+    owners = {f"rank {rank}": owner for rank, owner in replica_owners(report.ranks).items()}
+    scale = max([threshold] + [bar.value for bar in chart.bars if math.isfinite(bar.value)])
+    label_width = max(len(bar.label) for bar in chart.bars)
+    for bar in chart.bars:
+        value = bar.value
         side = "above" if value > threshold else "below" if value <= threshold else ""
+        numbers: list[Piece] = [
+            f" {fmt_float(value):>8} {fmt_percent(bar.share):>6}  ",
+            (side, "red" if side == "above" else ""),
+        ]
+        if bar.label in owners:
+            numbers = [(f" {fmt_replica_of(owners[bar.label])}", "dim")]
         console.print(
-            _line(
-                f"  {label:>{label_width}} ",
-                *_bar(value, threshold, scale, bar_width),
-                f" {fmt_float(value):>8} {fmt_percent(share):>6}  ",
-                (side, "red" if side == "above" else ""),
-            )
+            _line(f"  {bar.label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
         )
-    if num_hidden:
-        console.print(_line((f"  {num_hidden} smaller ranks not drawn", "dim")))
-
-
-def _chart_unavailable(report: Report) -> str:
-    # RankRow.share_of_squared_norm is a share of Σg², so the chart is only meaningful for the L2 norm.
-    if report.norm_type != 2:
-        return f"drawn for the L2 norm only; this step clips the {norm_name(report.norm_type)}"
-    if (
-        report.global_norm is None
-        or report.max_norm is None
-        or not math.isfinite(report.global_norm)
-        or not math.isfinite(report.max_norm)
-    ):
-        return "max_norm or the global norm is unknown or not finite"
-    if report.max_norm <= 0:
-        return "max_norm must be positive"
-    if not report.ranks:
-        return "no rank could be read"
-    return ""
-
-
-ChartRow = tuple[str, float, float]
-"""(label, part of the squared norm, share)."""
-
-
-def _largest_in_rank_order(rows: list[ChartRow], limit: int) -> tuple[list[ChartRow], int]:
-    """The `limit` rows with the largest values, kept in rank order, and how many were left out."""
-    if len(rows) <= limit:
-        return list(rows), 0
-    largest = sorted(range(len(rows)), key=lambda i: -rows[i][1])[:limit]
-    return [rows[i] for i in sorted(largest)], len(rows) - limit
+    if chart.num_hidden:
+        console.print(_line((f"  {chart.num_hidden} smaller ranks not drawn", "dim")))
 
 
 def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
@@ -334,6 +313,10 @@ def _finding_body(finding: Finding) -> Text:
             f"{printable(str(k))}={printable(fmt_value(v))}" for k, v in finding.evidence.items()
         )
         lines.append([(f"evidence: {pairs}", "dim")])
+    if finding.fix:
+        lines.append(
+            [("fix: ", "bold"), finding.fix, (f" (more: gradaudit explain {printable(finding.code)})", "dim")]
+        )
     return _lines(*lines)
 
 
@@ -412,24 +395,20 @@ def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
         )
 
 
-def _has_news(report: Report) -> bool:
-    return bool(report.findings or report.warnings or report.missing_ranks)
-
-
-def _summary_table(multi: MultiStepReport) -> Table:
+def _summary_table(rows: Sequence[StepRow]) -> Table:
     columns = ("step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings")
     justified: list[tuple[str, Justify]] = [(c, "right") for c in columns]
     table = _table([*justified, ("codes", "left")])
-    for s in multi.summary:
+    for row in rows:
         table.add_row(
-            str(s.step),
-            fmt_float(s.reported_norm),
-            fmt_float(s.global_norm),
-            fmt_ratio(s.reported_norm, s.global_norm),
-            fmt_coef(s.expected_clip_coef),
-            _line((str(s.num_errors), "bold red" if s.num_errors else "")),
-            str(s.num_warnings),
-            _line(printable(", ".join(s.codes)) or "-"),
+            _line((fmt_steps(row.steps), "" if row.failing else "dim")),
+            fmt_span(row.reported_norm),
+            fmt_span(row.global_norm),
+            fmt_span(row.ratio),
+            fmt_span(row.expected_clip_coef, fmt_coef),
+            _line((str(row.num_errors), "bold red" if row.num_errors else "")),
+            str(row.num_warnings),
+            _line(printable(", ".join(row.codes)) or "-"),
         )
     return table
 
@@ -445,6 +424,7 @@ def _print_step_brief(console: Console, report: Report) -> None:
                 (f"{finding.severity.value:<7}", _SEVERITY_STYLE[finding.severity]),
                 f" {printable(finding.code)} {printable(finding.title)}",
                 (ranks, "dim"),
+                (f" · fix: gradaudit explain {printable(finding.code)}" if finding.fix else "", "dim"),
             )
         )
     for warning in report.warnings:

@@ -108,6 +108,18 @@ def clip_text(text: str, max_chars: int) -> str:
     return text[: max(0, max_chars - 1)] + "…"
 
 
+def clip_sentences(text: str, max_chars: int, *, rest: str = "…") -> str:
+    """`text` when it fits `max_chars`, else its leading clauses (cut after a "; " or ". ") and `rest`:
+    never a cut in the middle of a sentence, a number or a name (cut before escaping)."""
+    if len(text) <= max_chars:
+        return text
+    room = max(0, max_chars - len(rest) - 1)
+    cut = max(text.rfind("; ", 0, room + 1), text.rfind(". ", 0, room + 1))
+    if cut <= 0:
+        return clip_text(text, max_chars)  # one clause longer than the limit: a plain cut is all there is
+    return f"{text[: cut + 1]} {rest}"
+
+
 def join_limited(names: Sequence[str], *, limit: int, escape: Callable[[str], str], sep: str = ", ") -> str:
     """The first `limit` names, escaped and joined, then "(+N more)"; "-" when there are none."""
     if not names:

@@ -34,6 +34,9 @@ class Finding:
     ranks: tuple[int, ...] = ()
     params: tuple[str, ...] = ()
     evidence: Mapping[str, Number | str | None] = field(default_factory=dict)
+    fix: str = ""
+    """What to change (errors and warnings): the fix of the code's explanation, for the stack the dump
+    shows (see gradaudit/checks/fixes.py); `gradaudit explain CODE` prints the whole explanation."""
 
     @property
     def sort_key(self) -> tuple[int, str, tuple[int, ...], tuple[str, ...], str]:

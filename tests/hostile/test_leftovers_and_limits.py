@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gradaudit.capture.build import whole, write_rank
-from gradaudit.dumpfile.writer import temporary_name
+from gradaudit.dumpfile.tempfiles import temporary_prefix
 from gradaudit.model import ClipRecord
 
 from .cli import assert_clean_refusal, run_cli
@@ -41,8 +41,7 @@ def _write_rank_0(step_dir: Path) -> Path:
 @pytest.mark.parametrize("command", ["show", "check"])
 def test_a_temporary_left_by_a_killed_writer_is_mentioned_but_not_an_error(tmp_path, capsys, command):
     step_dir = write_valid_step(tmp_path / "step_7")
-    own = temporary_name("rank_00001.safetensors")
-    leftover = step_dir / (own.rsplit("-", 1)[0] + f"-{_dead_pid()}")
+    leftover = step_dir / f"{temporary_prefix('rank_00001.safetensors')}{_dead_pid()}-0a1b2c3d4e5f0"
     leftover.write_bytes(b"\0" * 4096)
     outcome = run_cli(capsys, command, str(step_dir))
     assert outcome.code == 0, outcome.stderr
@@ -53,11 +52,11 @@ def test_a_temporary_left_by_a_killed_writer_is_mentioned_but_not_an_error(tmp_p
 def test_the_writer_removes_its_own_stale_temporary_and_nobody_elses(tmp_path):
     step_dir = tmp_path / "step_1"
     step_dir.mkdir()
-    mine = temporary_name("rank_00000.safetensors").rsplit("-", 1)[0]
-    stale = step_dir / f"{mine}-{_dead_pid()}"
-    running = step_dir / f"{mine}-{os.getppid()}"
-    other_host = step_dir / f".rank_00000.safetensors.tmp-elsewhere-{_dead_pid()}"
-    other_rank = step_dir / f"{temporary_name('rank_00001.safetensors').rsplit('-', 1)[0]}-{_dead_pid()}"
+    mine = temporary_prefix("rank_00000.safetensors")
+    stale = step_dir / f"{mine}{_dead_pid()}-0a1b2c3d4e5f0"
+    running = step_dir / f"{mine}{os.getppid()}-0a1b2c3d4e5f0"
+    other_host = step_dir / f".rank_00000.safetensors.tmp-elsewhere-{_dead_pid()}-0a1b2c3d4e5f0"
+    other_rank = step_dir / f"{temporary_prefix('rank_00001.safetensors')}{_dead_pid()}-0a1b2c3d4e5f0"
     for path in (stale, running, other_host, other_rank):
         path.write_bytes(b"partial")
     _write_rank_0(step_dir)

@@ -12,10 +12,10 @@ from integration.launcher import run_ranks
 
 import gradaudit
 from gradaudit.audit import audit_step_dir as _audit
-from gradaudit.capture.warn import CaptureWarning, forget_warnings
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile import load_step
 from gradaudit.model import Box, FlatRange
+from gradaudit.warn import CaptureWarning, forget_warnings
 
 from .cli import run_cli
 from .corpus import edit_metadata, rank_path, write_valid_step

@@ -11,11 +11,11 @@ import torch
 
 import gradaudit
 from gradaudit.audit import audit_step_dir
-from gradaudit.capture.warn import CaptureWarning, forget_warnings
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile import load_step
 from gradaudit.errors import CaptureError
 from gradaudit.render.inventory import MAX_LISTED
+from gradaudit.warn import CaptureWarning, forget_warnings
 
 from .cli import run_cli
 from .corpus import edit_metadata, rank_path, write_valid_step

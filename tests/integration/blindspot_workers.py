@@ -126,9 +126,132 @@ def clipped_before_the_recorded_call(rank: int, world_size: int, out_root: str) 
     return results
 
 
+def no_clip_at_all(rank: int, world_size: int, out_root: str) -> dict:
+    """The README's pattern with the clip call forgotten: backward and the optimizer step inside the audit."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = {}
+    for name, mode in (("no_clip", "full"), ("no_clip_stats", "stats")):
+        model = DistributedDataParallel(ddp_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            used = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+            opt.step()
+        results[name] = {"used_norm": used}
+    return results
+
+
+CLIP_VALUE = 0.01
+
+
+def clipped_by_value(rank: int, world_size: int, out_root: str) -> dict:
+    """clip_grad_value_ with max_norm declared: called directly (intercepted), and through audit.clip
+    (recorded as an unknown clip: recognised from the clamp it leaves)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = {}
+    for name, mode, through_audit in (
+        ("value_clip", "full", False),
+        ("value_clip_stats", "stats", False),
+        ("value_clip_via_audit", "stats", True),
+    ):
+        model = DistributedDataParallel(ddp_net())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ) as audit:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if through_audit:
+                audit.clip(torch.nn.utils.clip_grad_value_, model.parameters(), CLIP_VALUE)
+            else:
+                torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+            opt.step()
+        results[name] = {}
+    return results
+
+
+def full_squares_all_reduced(params, max_norm: float) -> torch.Tensor:
+    """The mistake: every rank sums the squares of the full gradients (full_tensor(), as ZeRO-3's
+    safe_get_full_grad gives them), then all-reduces the sum again: sqrt(world size) x the true norm."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    total = sum(g.full_tensor().double().pow(2).sum() for g in grads)
+    dist.all_reduce(total)
+    norm = total.sqrt().float()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.to_local().mul_(coef)
+    return norm
+
+
+def every_copy_counted(rank: int, world_size: int, out_root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    results = {}
+    for name, mode in (("every_copy", "full"), ("every_copy_stats", "stats")):
+        model = ddp_net()
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = ddp_batch(rank)
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, name), step=1, max_norm=DDP_MAX_NORM, optimizer=opt, mode=mode
+        ) as audit:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            norm = audit.clip(full_squares_all_reduced, list(model.parameters()), DDP_MAX_NORM)
+            opt.step()
+        results[name] = {"reported": float(norm)}
+    return results
+
+
+def owned_norm_clip(params, max_norm: float) -> torch.Tensor:
+    """The mistake of a hand-sharded optimizer: each rank clips every gradient by the norm of the
+    parameters it owns (round-robin), so the ranks apply different coefficients to one update."""
+    import torch.distributed as dist
+
+    owned = params[dist.get_rank() :: dist.get_world_size()]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in owned]))
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return norm
+
+
+def weights_drift(rank: int, world_size: int, out_root: str) -> dict:
+    """Step 1 applies per-rank coefficients; step 2, clipped correctly, starts from weights that differ."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(ddp_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = ddp_batch(rank)
+    for step, clip in ((1, owned_norm_clip), (2, torch.nn.utils.clip_grad_norm_)):
+        with gradaudit.audit_step(
+            model, os.path.join(out_root, "weights_drift"), step=step, max_norm=DDP_MAX_NORM, optimizer=opt
+        ) as audit:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            audit.clip(clip, list(model.parameters()), DDP_MAX_NORM)
+            opt.step()
+    return {}
+
+
 def all_blind_spots(rank: int, world_size: int, out_root: str) -> dict:
     """One spawn for every scenario: process start-up dominates the cost of these tests."""
     results = {}
-    for scenario in (sequence_parallel, clipped_before_the_recorded_call):
+    for scenario in (
+        sequence_parallel,
+        clipped_before_the_recorded_call,
+        no_clip_at_all,
+        clipped_by_value,
+        every_copy_counted,
+        weights_drift,
+    ):
         results.update(scenario(rank, world_size, out_root))
     return results

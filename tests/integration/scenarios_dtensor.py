@@ -149,17 +149,18 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     return {"fsdp2_tp_ok": _step(model, os.path.join(out_root, "fsdp2_tp_ok"), x, y, per_mesh_clip)}
 
 
-def _stage_clip(stage, max_norm: float, *, pp_group) -> torch.Tensor:
+def _stage_clip(stage, max_norm: float, *, pp_group, dp_group=None) -> torch.Tensor:
     """Correct under pipeline + FSDP2: each stage's DTensor norm, squared, summed over the stages,
-    the tied weight counted on the first stage only. With pp_group=None: the stage-only mistake."""
+    the tied weight counted on the first stage only. With pp_group=None: the stage-only mistake; with
+    dp_group: the stage norms' squares summed over the data-parallel group instead (every copy counted)."""
     from torch.nn.utils import get_total_norm
 
     grads = [p.grad for p in stage.parameters()]
     counted = [p.grad for n, p in stage.named_parameters() if pp_group is None or n != "lm_head.weight"]
     norm = get_total_norm(counted).full_tensor()
-    if pp_group is not None:
+    if pp_group is not None or dp_group is not None:
         total = norm.double() ** 2
-        dist.all_reduce(total, group=pp_group)
+        dist.all_reduce(total, group=pp_group if dp_group is None else dp_group)
         norm = total.sqrt().float()
     apply_coef([local_of(g) for g in grads], norm, max_norm)
     return norm
@@ -179,7 +180,12 @@ def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     tokens, targets = token_batch()
     tokens, targets = rows(tokens, dp_index, 2), rows(targets, dp_index, 2)
     results = {}
-    for name, group in (("pp_fsdp2_ok", pp_group), ("pp_fsdp2_stage_only", None)):
+    dp_group = mesh.get_group("dp_shard")
+    for name, group, wrong_dp in (
+        ("pp_fsdp2_ok", pp_group, None),
+        ("pp_fsdp2_stage_only", None, None),
+        ("pp_fsdp2_dp_reduced", None, dp_group),
+    ):
         full = tied_net()
         stage = FirstStage(full) if pp_index == 0 else LastStage(full)
         fully_shard(stage, mesh=mesh["dp_shard"])
@@ -211,7 +217,7 @@ def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
                 dist.send(hidden.grad, dst=peer)
                 tied = stage.lm_head.weight.grad
             dist.all_reduce(tied.to_local(), group=pp_group)  # both stages' shards of the tied weight
-            norm = audit.clip(_stage_clip, stage, MAX_NORM, pp_group=group)
+            norm = audit.clip(_stage_clip, stage, MAX_NORM, pp_group=group, dp_group=wrong_dp)
             opt.step()
         results[name] = {"returned_norm": float(norm), "path": str(audit.path)}
     return results

@@ -160,6 +160,7 @@ def test_pipeline_stages_hold_only_their_parameters_and_the_tied_weight_under_it
         ("hsdp_world", "GA202"),
         ("tp_replicas", "GA202"),
         ("pp_fsdp2_stage_only", "GA203"),
+        ("pp_fsdp2_dp_reduced", "GA202"),
     ],
 )
 def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
@@ -174,6 +175,7 @@ def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
     if report is None:
         pytest.skip("gradaudit.audit is not there yet; the dump itself was verified above")
     assert code in error_codes(report)
+    assert "GA204" not in error_codes(report)  # a known mistake, not an unexplained norm
 
 
 @pytest.mark.parametrize("scenario, exit_code", [("hsdp_ok", 0), ("hsdp_world", 1)])

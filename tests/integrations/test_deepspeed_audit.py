@@ -34,6 +34,7 @@ def test_zero_partitions_reassemble_to_the_reference_and_audit_clean(runs, stage
         assert float((grads[param] - expected.double()).abs().max()) < 1e-5, param
     assert step.clip.reported_norm == pytest.approx(norm_of(grads), rel=1e-5)
     assert error_codes(audit_report(step_path)) == set()
+    assert {step.ranks[r].capture_api for r in step.ranks_present} == {"DeepSpeedAudit"}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Capture failures are warned about once per process and kind, so a failing disk does not flood logs."""
+"""Warnings given once per process and kind: a failing disk during capture does not flood logs."""
 
 from __future__ import annotations
 

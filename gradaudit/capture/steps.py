@@ -1,4 +1,5 @@
-"""Which optimizer steps an integration audits: a list of step numbers, or every N-th step."""
+"""Which optimizer steps an audit captures (steps=/every= of audit_step, begin_audit and the
+integrations): a list of step numbers, or every N-th step."""
 
 from __future__ import annotations
 

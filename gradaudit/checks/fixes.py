@@ -1,0 +1,68 @@
+"""What to change: the fix line of each finding, read from its explanation, for the stack the dump shows.
+
+An explanation's "How to fix it" text may hold sentences for one stack each ("With FSDP1, ..."). When
+the dump tells the stack, a finding's fix line is that stack's sentence; otherwise the whole text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+from ..model import FlatRange, StepDump
+from ..report.model import Finding, Severity
+from .registry import BY_CODE
+
+STACKS = ("FSDP2", "DTensor", "FSDP1", "DeepSpeed", "Megatron-style", "DDP")
+"""The stacks a fix sentence can be written for, as they are spelled after "With"."""
+
+CAPTURE_STACKS = {"DeepSpeedAudit": "DeepSpeed"}
+"""Capture APIs that tell the stack by themselves (a ZeRO partition is a flat range, like FSDP1's)."""
+
+_SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
+_TENSOR_PARALLEL_AXES = frozenset({"tp", "tensor_model_parallel"})
+
+
+def stack_of(step: StepDump) -> str | None:
+    """The training stack the dump shows (one of STACKS), or None when it does not tell.
+
+    Read from the first present rank: every rank of a step runs the same stack."""
+    if not step.ranks_present:
+        return None
+    dump = step.ranks[step.ranks_present[0]]
+    by_api = CAPTURE_STACKS.get(dump.capture_api or "")
+    if by_api is not None:
+        return by_api
+    topology = dump.topology
+    if any(isinstance(region, FlatRange) for piece in dump.pieces for region in piece.regions):
+        return "FSDP1"
+    if topology.mesh is not None:
+        return "DTensor" if set(topology.mesh.axis_names) <= _TENSOR_PARALLEL_AXES else "FSDP2"
+    if _TENSOR_PARALLEL_AXES & set(topology.groups):
+        return "Megatron-style"
+    if dump.pieces and all(piece.replica_group is not None for piece in dump.pieces):
+        return "DDP"
+    return None
+
+
+def fix_for(fix_text: str, stack: str | None) -> str:
+    """The sentence of `fix_text` written for `stack`, or the whole text when none is (or no stack)."""
+    if stack is None:
+        return fix_text
+    for sentence in _SENTENCE_END.split(fix_text):
+        head = sentence.split(",", 1)[0]
+        if head.startswith("With ") and stack in re.findall(r"[\w-]+", head):
+            return sentence
+    return fix_text
+
+
+def with_fixes(findings: Iterable[Finding], stack: str | None) -> tuple[Finding, ...]:
+    """The findings, errors and warnings given the fix line of their code's explanation."""
+    fixed = []
+    for finding in findings:
+        spec = BY_CODE.get(finding.code)
+        if spec is not None and finding.severity is not Severity.INFO:
+            finding = dataclasses.replace(finding, fix=fix_for(spec.explanation.fix, stack))
+        fixed.append(finding)
+    return tuple(fixed)
