@@ -10,6 +10,7 @@ import pytest
 
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
+from gradaudit.checks.fixes import stack_of
 from gradaudit.cli import main
 from gradaudit.dumpfile.writer import write_rank_file
 from gradaudit.errors import StepFolderError
@@ -20,6 +21,7 @@ from gradaudit.live.analysis_input import (
     RankSummary,
     rank_dumps,
     report_of,
+    step_dump,
 )
 from gradaudit.live.trend import TREND_FILE, TrendLine, read_trend, trend_text
 from gradaudit.model import Topology
@@ -95,7 +97,17 @@ def test_the_guard_dump_loads_and_check_marks_it_guard_triggered(tmp_path):
         assert rank in (0, 1)
     report = audit_folder(live.directory, AuditOptions())
     assert errors(report) == errors(report_of(live))
+    assert [f.message for f in report.findings] == [f.message for f in report_of(live).findings]
     assert any(w.startswith("guard-triggered") for w in report.warnings)
+
+
+def test_the_guard_dump_records_its_api_and_its_group_pieces_name_no_fsdp1_fix():
+    live = live_step((0.6, 0.9), (math.sqrt(0.6), math.sqrt(0.9)))
+    step = step_dump(live)
+    assert {step.ranks[r].capture_api for r in step.ranks_present} == {"guard"}
+    assert stack_of(step) is None  # one-element flat ranges per group: no stack shows in them
+    ga201 = next(f for f in report_of(live).findings if f.code == "GA201")
+    assert "With FSDP1" not in ga201.message
 
 
 def _trend(tmp_path, lines):

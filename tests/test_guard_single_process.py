@@ -47,11 +47,12 @@ def test_every_n_checks_only_every_nth_step(tmp_path):
 
 def test_two_clip_calls_in_one_step_raise_ga501_with_the_step(tmp_path):
     model, opt = _setup()
-    gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, on_anomaly="raise")
-    _steps(model, opt, 1)
-    with pytest.raises(GuardAnomaly, match=r"step 2: GA501") as raised:
-        _steps(model, opt, 1, clips=2)
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, on_anomaly="raise"):
+        _steps(model, opt, 1)
+        with pytest.raises(GuardAnomaly, match=r"step 2: GA501") as raised:
+            _steps(model, opt, 1, clips=2)
     assert raised.value.step == 2 and "GA501" in raised.value.codes
+    assert not getattr(torch.nn.utils.clip_grad_norm_, "__gradaudit_intercepted__", False)  # removed
 
 
 def test_a_failure_inside_the_guard_warns_once_and_switches_it_off(tmp_path):
@@ -72,6 +73,7 @@ def test_a_failure_inside_the_guard_warns_once_and_switches_it_off(tmp_path):
         and "summary exploded" in str(ours[0].message)
     )
     assert not guard.active
+    assert not getattr(torch.nn.utils.clip_grad_norm_, "__gradaudit_intercepted__", False)  # switched off
 
 
 def test_the_guard_refuses_a_call_without_optimizer_or_out_dir(tmp_path):

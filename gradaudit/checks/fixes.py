@@ -20,6 +20,10 @@ STACKS = ("FSDP2", "DTensor", "FSDP1", "DeepSpeed", "Megatron-style", "DDP")
 CAPTURE_STACKS = {"DeepSpeedAudit": "DeepSpeed"}
 """Capture APIs that tell the stack by themselves (a ZeRO partition is a flat range, like FSDP1's)."""
 
+GROUP_PIECE_APIS = frozenset({"guard"})
+"""Capture APIs whose pieces are ownership groups laid out as flat ranges (the guard's dump of a wrong
+step), not the stack's own pieces: their flat ranges say nothing of FSDP1."""
+
 _SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
 _TENSOR_PARALLEL_AXES = frozenset({"tp", "tensor_model_parallel"})
 
@@ -35,7 +39,9 @@ def stack_of(step: StepDump) -> str | None:
     if by_api is not None:
         return by_api
     topology = dump.topology
-    if any(isinstance(region, FlatRange) for piece in dump.pieces for region in piece.regions):
+    if dump.capture_api not in GROUP_PIECE_APIS and any(
+        isinstance(region, FlatRange) for piece in dump.pieces for region in piece.regions
+    ):
         return "FSDP1"
     if topology.mesh is not None:
         return "DTensor" if set(topology.mesh.axis_names) <= _TENSOR_PARALLEL_AXES else "FSDP2"

@@ -15,6 +15,9 @@ _RECORD_PARAMETERS = {
     "audited step",
     "lightning.GradAuditCallback": "the callback records them when Lightning's optimizer steps in the "
     "audited step",
+    "guard": "the guard's dump of a wrong step holds its group norms only: check the next step's full "
+    "capture (under full/ in the guard's out_dir)",
+    "guard.full": "the guard's full capture records them when the guarded optimizer steps in the captured step",
 }
 
 

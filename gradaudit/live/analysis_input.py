@@ -143,6 +143,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
             pieces=tuple(pieces),
             topology=summary.topology,
             clip=_clip_record(live, summary),
+            capture_api="guard",
         )
     return dumps
 

@@ -505,6 +505,7 @@ class Guard:
             groups=self._groups or None,
             aliases=self._aliases or None,
             run_id=self.run_id,
+            capture_api="guard.full",
         ).begin()
 
     # -- failures ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from launcher import run_ranks
 
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
+from gradaudit.dumpfile.loader import load_step
 
 pytestmark = pytest.mark.integration
 
@@ -54,6 +55,9 @@ def test_a_local_clip_under_fsdp2_is_named_at_its_first_step_with_the_code_check
     assert (out / "full" / "step_2").is_dir()  # the next step was captured in full
     full = audit_folder(out / "full" / "step_2", AuditOptions())
     assert "GA201" in {f.code for f in full.findings}
+    # each file names what wrote it, so the reports' hints speak of the guard
+    assert {d.capture_api for d in load_step(out / "step_1").ranks.values()} == {"guard"}
+    assert {d.capture_api for d in load_step(out / "full" / "step_2").ranks.values()} == {"guard.full"}
     # the default cooldown: one dump for a mistake that persists
     assert [len(r["dumps"]) for r in results] == [1, 1]
 
