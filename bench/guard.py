@@ -85,9 +85,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
 
         out = Path(config["out_dir"]) / config["stack"]
         model = _wrap(_model(**config["model"]), config["stack"], world_size)
-        params = sum(p.numel() for p in model.parameters()) * (
-            world_size if config["stack"] == "fsdp2" else 1
-        )
+        params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(rank)
         seq, batch = config["seq"], config["batch"]
