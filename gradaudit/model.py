@@ -6,10 +6,18 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-TENSOR_KINDS = ("grad", "grad_clipped", "param_before", "param_after")
+TensorKind = Literal["grad", "grad_clipped", "param_before", "param_after"]
 """What a dumped tensor is: the gradient before clipping, after clipping, the parameter
-before and after the optimizer step."""
+before and after the optimizer step (the strings are the file format's)."""
+
+TENSOR_KINDS: tuple[TensorKind, ...] = get_args(TensorKind)
+
+Mode = Literal["full", "stats"]
+"""What a dump holds: "full" tensor values, or "stats" float64 statistics only."""
+
+MODES: tuple[Mode, ...] = get_args(Mode)
 
 _KIND_SET = frozenset(TENSOR_KINDS)
 
@@ -136,8 +144,8 @@ class Piece:
     dtype: str
     local_name: str | None = None
     replica_group: str | None = None
-    tensors: Mapping[str, str] = field(default_factory=dict)
-    stats: Mapping[str, TensorStats] = field(default_factory=dict)
+    tensors: Mapping[TensorKind, str] = field(default_factory=dict)
+    stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
     call_stats: tuple[TensorStats, ...] = ()
     """When the step made two or more clip calls: statistics of this piece's gradient just before each
     call, in call order (one per `ClipRecord.calls` entry; an absent gradient as zeros). Else empty."""
@@ -177,7 +185,7 @@ class Piece:
         """Pieces with equal layout keys hold the same elements: replicas of each other."""
         return (self.param, self.regions)
 
-    def has(self, kind: str) -> bool:
+    def has(self, kind: TensorKind) -> bool:
         return kind in self.tensors or kind in self.stats
 
 
@@ -301,7 +309,7 @@ class RankDump:
     world_size: int
     step: int
     """The optimizer step the dump is of."""
-    mode: str = "full"
+    mode: Mode = "full"
     """"full" (tensor values dumped) or "stats" (float64 statistics only, except full_params=)."""
     run_id: str | None = None
     """Identifies the run; ranks of one step must agree."""
@@ -336,7 +344,7 @@ class RankDump:
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size):
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        if self.mode not in ("full", "stats"):
+        if self.mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'stats', got {self.mode!r}")
 
     def param(self, name: str) -> ParamInfo | None:

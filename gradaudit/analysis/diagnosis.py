@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ..measure.columns import StepColumns, fsum_array, norm_of_term_array
 from ..measure.measurements import PieceMeasurement, StepMeasurements
-from ..model import ClipRecord, Piece, RankDump, StepDump, TensorStats
+from ..model import ClipRecord, Piece, RankDump, StepDump, TensorKind, TensorStats
 from ..norms import (
     CLIP_EPS,
     divide_by_power,
@@ -62,7 +62,9 @@ def stats_term(stats: TensorStats, norm_type: float) -> float | None:
     return None
 
 
-def norm_of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: str = "grad") -> float | None:
+def norm_of_pieces(
+    pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad"
+) -> float | None:
     """The p-norm of the given pieces, each counted as given; nan if any holds a nan, inf if any an inf.
 
     Pieces without the kind count as zero (a parameter without gradient); None when a piece's stats

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model import Piece, StepDump
+from ..model import Piece, StepDump, TensorKind
 from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def explain_update_errors(
     for name, pm in m.params.items():
         by_kind = {e.kind: e for e in pm.reference_errors}
         after = by_kind.get("param_after")
-        grad_kind = "grad_clipped" if "grad_clipped" in by_kind else "grad"
+        grad_kind: TensorKind = "grad_clipped" if "grad_clipped" in by_kind else "grad"
         grad = by_kind.get(grad_kind)
         if after is None or grad is None or _within(after, rtol, atol):
             continue
@@ -109,7 +109,7 @@ def explain_update_errors(
         shape = tuple(info.global_shape)
         ref_pieces = _holding(reference, name)
         ours = _holding(step, name)
-        needed = ("param_before", "param_after", grad_kind)
+        needed: tuple[TensorKind, ...] = ("param_before", "param_after", grad_kind)
         if not all(all(k in p.tensors for _, p in ref_pieces) and ref_pieces for k in needed):
             continue
         if not ours or not all("param_after" in p.tensors for _, p in ours):

@@ -11,8 +11,6 @@ from typing import Any
 from ..dumpfile.schema import MAX_INT
 from ..errors import CaptureError
 
-MODES = ("full", "stats")
-
 
 def rank_and_world_size() -> tuple[int, int]:
     import torch.distributed as dist

@@ -27,6 +27,7 @@ from ..model import (
     Piece,
     RankDump,
     Region,
+    TensorKind,
     TensorStats,
     Topology,
 )
@@ -43,7 +44,7 @@ class PieceSpec:
 
     param: str
     regions: tuple[Region, ...]
-    tensors: Mapping[str, torch.Tensor]
+    tensors: Mapping[TensorKind, torch.Tensor]
     local_name: str | None = None
     replica_group: str | None = None
     stats_only: bool = False
@@ -85,8 +86,8 @@ def _tensors(
     grad_clipped: torch.Tensor | None,
     param_before: torch.Tensor | None,
     param_after: torch.Tensor | None,
-) -> dict[str, torch.Tensor]:
-    given = {
+) -> dict[TensorKind, torch.Tensor]:
+    given: dict[TensorKind, torch.Tensor | None] = {
         "grad": grad,
         "grad_clipped": grad_clipped,
         "param_before": param_before,

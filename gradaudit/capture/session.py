@@ -6,15 +6,14 @@ import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
-from ..model import ClipCall, ClipRecord, DataRecord, NotCapturedParam, TensorStats, Topology
+from ..model import MODES, ClipCall, ClipRecord, DataRecord, Mode, NotCapturedParam, TensorStats, Topology
 from ..warn import warn_once
 from . import intercept
 from .arguments import (
-    MODES,
     check_max_norm,
     check_norm_type,
     check_run_id,
@@ -39,7 +38,11 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     import torch
+    from torch.distributed import ProcessGroup
     from torch.utils.hooks import RemovableHandle
+
+GroupSpec: TypeAlias = "ProcessGroup | Sequence[int] | Sequence[Sequence[int]]"
+"""One entry of `groups=`: a process group, its rank list, or the list of all its rank lists."""
 
 
 class AuditStep:
@@ -58,14 +61,14 @@ class AuditStep:
         max_norm: float | None = None,
         norm_type: float | str = 2.0,
         optimizer: torch.optim.Optimizer | None = None,
-        scaler: Any = None,
-        groups: Mapping[str, Any] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        groups: Mapping[str, GroupSpec] | None = None,
         aliases: Mapping[str, str] | None = None,
         ownership: Sequence[LocalPiece] | None = None,
-        mode: str = "full",
-        full_params: Sequence[str] = (),
+        mode: Mode = "full",
+        full_params: Sequence[str] | str = (),
         strict: bool = False,
-        run_id: str | None = None,
+        run_id: str | int | None = None,
         steps: Iterable[int] | int | None = None,
         every: int | None = None,
         enabled: bool = True,
@@ -550,7 +553,26 @@ def _selected(step: int, *, steps: Iterable[int] | int | None, every: int | None
     return enabled and select_steps(steps, every).wants(step)
 
 
-def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs: Any) -> AuditStep:
+def audit_step(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    step: int,
+    max_norm: float | None = None,
+    norm_type: float | str = 2.0,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    groups: Mapping[str, GroupSpec] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    ownership: Sequence[LocalPiece] | None = None,
+    mode: Mode = "full",
+    full_params: Sequence[str] | str = (),
+    strict: bool = False,
+    run_id: str | int | None = None,
+    steps: Iterable[int] | int | None = None,
+    every: int | None = None,
+    enabled: bool = True,
+) -> AuditStep:
     """Record one training step on this rank; the dump is written to out_dir/step_<step>/ on exit.
 
         with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, optimizer=opt) as audit:
@@ -559,7 +581,9 @@ def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs
             opt.step()
 
     Keyword arguments:
-      step, max_norm (required), norm_type (2.0): the optimizer step and the clipping the run means to do.
+      step: the optimizer step, a non-negative int (required).
+      max_norm: the clipping threshold the run means to use (required; None raises CaptureError).
+      norm_type: `p` of the norm, 2.0 by default; inf or "inf" for the max norm.
       optimizer: records parameters before/after its step (and the gradients it steps with when
         clipping was not done through `audit.clip`); a framework's wrapper exposing the torch
         optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning) is unwrapped.
@@ -569,10 +593,11 @@ def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs
         replicated over when no DDP wrapper says so; any other group is written to the topology.
       aliases: {this rank's parameter name: logical name}, e.g. {"lm_head.weight": "embed.weight"}.
       ownership: LocalPiece list for parameters the hook cannot infer (they replace its inference).
-      mode: "full" (gradient values) or "stats" (float64 summaries computed where the tensors live);
-        full_params: glob patterns of parameters whose values are kept in stats mode too.
-      strict: raise instead of warning when capturing or writing fails.
-      run_id: an identifier all ranks of the run share.
+      mode: "full" (gradient values, the default) or "stats" (float64 summaries computed where the
+        tensors live).
+      full_params: glob patterns (or one pattern) of parameters whose values are kept in stats mode too.
+      strict: raise instead of warning when capturing or writing fails (False by default).
+      run_id: an identifier all ranks of the run share (an integer job id is written as its digits).
       steps, every, enabled: which steps are audited (steps=[100, 200], every=100, enabled=flag); on
         any other step the audit is a no-op and `audit.clip(fn, ...)` only calls fn. A step whose rank
         file already exists is not captured either (a warning says so when the audit opens).
@@ -581,10 +606,47 @@ def audit_step(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs
             with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, every=100) as audit:
                 ...
     """
-    return AuditStep(model, out_dir, **kwargs)
+    return AuditStep(
+        model,
+        out_dir,
+        step=step,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        optimizer=optimizer,
+        scaler=scaler,
+        groups=groups,
+        aliases=aliases,
+        ownership=ownership,
+        mode=mode,
+        full_params=full_params,
+        strict=strict,
+        run_id=run_id,
+        steps=steps,
+        every=every,
+        enabled=enabled,
+    )
 
 
-def begin_audit(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwargs: Any) -> AuditStep:
+def begin_audit(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    step: int,
+    max_norm: float | None = None,
+    norm_type: float | str = 2.0,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    groups: Mapping[str, GroupSpec] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    ownership: Sequence[LocalPiece] | None = None,
+    mode: Mode = "full",
+    full_params: Sequence[str] | str = (),
+    strict: bool = False,
+    run_id: str | int | None = None,
+    steps: Iterable[int] | int | None = None,
+    every: int | None = None,
+    enabled: bool = True,
+) -> AuditStep:
     """Begin recording one training step now; `audit.end()` writes the dump (the begin/end form of
     `audit_step`, for callback frameworks where one hook opens the audit and a later one closes it).
 
@@ -592,10 +654,30 @@ def begin_audit(model: torch.nn.Module, out_dir: str | os.PathLike[str], **kwarg
         ...  # backward; audit.clip(...) or audit.intercept_clip(owner, "clip_grad_norm_"); opt.step()
         audit.end()
 
-    Takes the arguments of `audit_step`. `optimizer=` may be a framework's wrapper that exposes the
-    torch optimizer as `.optimizer` (Accelerate, HF Trainer, Lightning).
+    The keyword arguments are `audit_step`'s, with the same meanings and defaults. `optimizer=` may be a
+    framework's wrapper that exposes the torch optimizer as `.optimizer` (Accelerate, HF Trainer,
+    Lightning).
     """
-    return AuditStep(model, out_dir, **{"capture_api": "begin_audit", **kwargs}).begin()
+    return AuditStep(
+        model,
+        out_dir,
+        step=step,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        optimizer=optimizer,
+        scaler=scaler,
+        groups=groups,
+        aliases=aliases,
+        ownership=ownership,
+        mode=mode,
+        full_params=full_params,
+        strict=strict,
+        run_id=run_id,
+        steps=steps,
+        every=every,
+        enabled=enabled,
+        capture_api="begin_audit",
+    ).begin()
 
 
 def dump(
@@ -603,16 +685,36 @@ def dump(
     out_dir: str | os.PathLike[str],
     *,
     step: int,
-    reported_norm: Any = None,
-    clip_coef: Any = None,
-    loss: Any = None,
-    tokens: Any = None,
-    loss_reduction: str | None = None,
-    **kwargs: Any,
+    max_norm: float | None = None,
+    norm_type: float | str = 2.0,
+    scaler: torch.amp.GradScaler | None = None,
+    groups: Mapping[str, GroupSpec] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    ownership: Sequence[LocalPiece] | None = None,
+    mode: Mode = "full",
+    full_params: Sequence[str] | str = (),
+    strict: bool = False,
+    run_id: str | int | None = None,
+    steps: Iterable[int] | int | None = None,
+    every: int | None = None,
+    enabled: bool = True,
+    reported_norm: float | torch.Tensor | None = None,
+    clip_coef: float | torch.Tensor | None = None,
+    loss: float | torch.Tensor | None = None,
+    tokens: int | float | torch.Tensor | None = None,
+    loss_reduction: Literal["mean", "sum"] | None = None,
+    optimizer: None = None,
 ) -> Path | None:
     """Write this rank's current gradients and the given metadata now (for step hooks and callbacks).
 
-    Takes the arguments of `audit_step` and of `AuditStep.record`; returns the path written, or None.
+    Takes `audit_step`'s keyword arguments (same meanings and defaults) except `optimizer`, which raises
+    CaptureError: a dump records the gradients as they are now, not around an optimizer step. And what
+    the training code logged, as numbers or one-element tensors (as `AuditStep.record` takes them):
+      reported_norm: the total norm the training code logged or its clip function returned.
+      clip_coef: the clipping coefficient the training code says it applied.
+      loss, tokens: this rank's loss and number of tokens.
+      loss_reduction: "mean" when the rank averaged its loss over its own tokens, "sum" otherwise.
+    Returns the path written, or None.
 
     Call it where the gradients are final and not yet clipped: after the last backward of the step,
     before the clip call. In a hand-written loop that is just before `clip_grad_norm_`; in Lightning,
@@ -622,9 +724,27 @@ def dump(
     GradAuditCallback` there, and the other framework modules in `gradaudit.integrations` elsewhere. A
     dump taken after clipping holds gradients whose norm is max_norm itself; the report names it GA503.
     """
-    if "optimizer" in kwargs:
+    if optimizer is not None:
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
-    session = AuditStep(model, out_dir, step=step, **{"capture_api": "dump", **kwargs})
+    session = AuditStep(
+        model,
+        out_dir,
+        step=step,
+        max_norm=max_norm,
+        norm_type=norm_type,
+        scaler=scaler,
+        groups=groups,
+        aliases=aliases,
+        ownership=ownership,
+        mode=mode,
+        full_params=full_params,
+        strict=strict,
+        run_id=run_id,
+        steps=steps,
+        every=every,
+        enabled=enabled,
+        capture_api="dump",
+    )
     with session:
         session.record(
             reported_norm=reported_norm,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..model import NotCapturedParam, TensorStats
+from ..model import Mode, NotCapturedParam, TensorKind, TensorStats
 from .names import matches_any
 from .ownership import LocalPiece
 from .supported import screen_pieces, sparse_reason, warn_not_captured
@@ -31,7 +31,7 @@ class Snapshots:
         self,
         pieces: Sequence[LocalPiece],
         *,
-        mode: str,
+        mode: Mode,
         norm_type: float,
         full_params: Sequence[str],
         on_error: Callable[[str, Exception], None],
@@ -43,13 +43,13 @@ class Snapshots:
         or found holding a sparse gradient."""
         self.norm_type = norm_type
         self.on_error = on_error
-        self.values: dict[tuple[int, str], torch.Tensor] = {}
-        self.stats: dict[tuple[int, str], TensorStats] = {}
+        self.values: dict[tuple[int, TensorKind], torch.Tensor] = {}
+        self.stats: dict[tuple[int, TensorKind], TensorStats] = {}
         self.failed: set[int] = set()
         self.partial: dict[int, str | None] = {}
         """Piece index -> the group its gradients are a pending sum over (None: not partial), as read
         by the first gradient snapshot; every later one must agree."""
-        self.kinds_taken: dict[str, None] = {}
+        self.kinds_taken: dict[TensorKind, None] = {}
         """The kinds taken so far, in the order taken (a dict as an ordered set)."""
         self.abandoned: str | None = None
         """Why nothing of this step will be written (the copies ran out of memory), else None."""
@@ -61,7 +61,7 @@ class Snapshots:
             for p in self.pieces
         )
 
-    def take(self, kind: str, *, copy: bool = True) -> None:
+    def take(self, kind: TensorKind, *, copy: bool = True) -> None:
         """Record `kind` ("grad", "grad_clipped", "param_before", "param_after") of every piece now.
 
         `copy=False` keeps a reference instead of a copy: only for a snapshot written before training
@@ -139,10 +139,10 @@ class Snapshots:
         self.stats.clear()
         self.failed.update(range(len(self.pieces)))
 
-    def has(self, kind: str) -> bool:
+    def has(self, kind: TensorKind) -> bool:
         return kind in self.kinds_taken
 
-    def kinds_of(self, index: int) -> list[str]:
+    def kinds_of(self, index: int) -> list[TensorKind]:
         """The kinds held for piece `index`, in the order they were first taken (a look-up per kind
         taken, not a scan of every snapshot: a rank may hold 10^5 pieces)."""
         return [k for k in self.kinds_taken if (index, k) in self.values or (index, k) in self.stats]

@@ -10,7 +10,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..dumpfile.writer import step_dir, write_rank_file
-from ..model import ClipRecord, DataRecord, ParamInfo, Piece, RankDump, TensorStats, Topology
+from ..model import (
+    ClipRecord,
+    DataRecord,
+    Mode,
+    ParamInfo,
+    Piece,
+    RankDump,
+    TensorKind,
+    TensorStats,
+    Topology,
+)
 from ..version import __version__
 from .snapshots import Snapshots
 
@@ -24,7 +34,7 @@ def build_rank_dump(
     rank: int,
     world_size: int,
     step: int,
-    mode: str,
+    mode: Mode,
     topology: Topology,
     aliases: Mapping[str, str],
     clip: ClipRecord | None,
@@ -32,11 +42,11 @@ def build_rank_dump(
     run_id: str | None,
     call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
     capture_api: str | None = None,
-) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
+) -> tuple[RankDump, dict[tuple[int, TensorKind], torch.Tensor]]:
     """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
     infos: dict[str, ParamInfo] = {}
     pieces: list[Piece] = []
-    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    tensors: dict[tuple[int, TensorKind], torch.Tensor] = {}
     for source_index, local in enumerate(snapshots.pieces):
         if local.param in snapshots.not_captured:
             continue
@@ -95,7 +105,7 @@ def build_rank_dump(
 
 
 def write_dump(
-    out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, str], torch.Tensor]
+    out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, TensorKind], torch.Tensor]
 ) -> Path:
     """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
     return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)

@@ -12,6 +12,7 @@ import math
 from ..analysis.diagnosis import disjoint_cover, norm_of_pieces
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
 from ..measure.measurements import ReferenceDifference, StepMeasurements
+from ..model import TensorKind
 from ..norms import expected_clip_coef, relative_difference
 from ..report.model import ParamComparison
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num
@@ -60,7 +61,7 @@ def reference_comparisons(m: StepMeasurements, options: AuditOptions) -> tuple[P
     return tuple(sorted(found, key=lambda c: c.within_tolerance))
 
 
-def reference_norm(m: StepMeasurements, kind: str = "grad") -> float | None:
+def reference_norm(m: StepMeasurements, kind: TensorKind = "grad") -> float | None:
     pieces = [p for pm in m.params.values() for p in pm.reference_pieces]
     if not pieces:
         return None
@@ -77,7 +78,7 @@ def _describe(c: ParamComparison) -> str:
 
 
 def _hits_for(
-    kinds: tuple[str, ...],
+    kinds: tuple[TensorKind, ...],
     m: StepMeasurements,
     options: AuditOptions,
     lead: str,

@@ -37,7 +37,17 @@ from typing import Any, overload
 import numpy as np
 
 from ..errors import DumpFormatError
-from ..model import FLOAT_DTYPES, Box, FlatRange, ParamInfo, Piece, RankDump, Region, TensorStats
+from ..model import (
+    FLOAT_DTYPES,
+    TENSOR_KINDS,
+    Box,
+    FlatRange,
+    ParamInfo,
+    Piece,
+    RankDump,
+    Region,
+    TensorStats,
+)
 
 PREFIX = "__gradaudit__."
 PIECES, COORDS = PREFIX + "pieces", PREFIX + "coords"
@@ -240,11 +250,7 @@ def from_columns(
     groups, norm_type = descriptor.get("replica_groups", []), descriptor.get("norm_type")
     if not (type(n) is int and n > 0 and type(fp_len) is int and 0 <= fp_len <= MAX_FINGERPRINT):
         raise fail("num_pieces or fingerprint_length is not a valid count")
-    if not (
-        isinstance(kinds, list)
-        and kinds
-        and all(k in ("grad", "grad_clipped", "param_before", "param_after") for k in kinds)
-    ):
+    if not (isinstance(kinds, list) and kinds and all(k in TENSOR_KINDS for k in kinds)):
         raise fail(f"kinds {kinds!r:.80} are not tensor kinds")
     if not (isinstance(groups, list) and all(isinstance(g, str) for g in groups)):
         raise fail("replica_groups is not a list of names")

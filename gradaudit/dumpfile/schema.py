@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 from ..errors import DumpFormatError
 from ..model import (
     FLOAT_DTYPES,
+    MODES,
     TENSOR_KINDS,
     Box,
     ClipCall,
@@ -829,7 +830,7 @@ def decode_rank(
     }
     data = r.get(doc, "data", "", r.obj, default={})
     mode = r.get(doc, "mode", "", r.str_, default="full")
-    if mode not in ("full", "stats"):
+    if mode not in MODES:
         raise r.fail("mode", f"must be 'full' or 'stats', got {shown(mode, 40)}")
     reduction = r.get(data, "loss_reduction", "data", r.str_, optional=True)
     if reduction not in (None, "mean", "sum"):

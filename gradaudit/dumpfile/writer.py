@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
-from ..model import RankDump
+from ..model import TENSOR_KINDS, RankDump, TensorKind
 from .columnar import to_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
@@ -58,7 +58,7 @@ class DumpExistsError(GradauditError):
 def write_rank_file(
     directory: str | os.PathLike[str],
     dump: RankDump,
-    tensors: Mapping[tuple[int, str], torch.Tensor],
+    tensors: Mapping[tuple[int, TensorKind], torch.Tensor],
     *,
     overwrite: bool = False,
     columnar: bool = True,
@@ -81,7 +81,7 @@ def write_rank_file(
             raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
     for piece in dump.pieces:
         keys = dict(piece.tensors)
-        for kind in ("grad", "grad_clipped", "param_before", "param_after"):
+        for kind in TENSOR_KINDS:
             tensor = tensors.get((piece.index, kind))
             if tensor is None:
                 continue

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from ..capture.arguments import norm_results, opt_float
 from ..capture.session import AuditStep
 from ..capture.steps import select_steps
+from ..model import Mode
 from ..warn import warn_once
 
 
@@ -37,7 +38,7 @@ class GradAuditCallback(Callback):
         *,
         steps: Iterable[int] | int | None = None,
         every: int | None = None,
-        mode: str = "full",
+        mode: Mode = "full",
         **audit_kwargs: Any,
     ) -> None:
         self.out_dir = out_dir

@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..capture.session import AuditStep
 from ..capture.steps import select_steps
+from ..model import Mode
 from ..warn import warn_once
 from .accelerate import unscaled_first
 
@@ -44,7 +45,7 @@ class GradAuditCallback(TrainerCallback):
         *,
         steps: Iterable[int] | int | None = None,
         every: int | None = None,
-        mode: str = "full",
+        mode: Mode = "full",
         trainer: Any = None,
         **audit_kwargs: Any,
     ) -> None:

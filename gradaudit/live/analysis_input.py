@@ -24,6 +24,7 @@ from ..model import (
     Piece,
     RankDump,
     StepDump,
+    TensorKind,
     TensorStats,
     Topology,
 )
@@ -188,11 +189,13 @@ def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: in
     )
 
 
-def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[str, TensorStats]:
+def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[TensorKind, TensorStats]:
     num_nan = summary.num_nan[i] if summary.num_nan else 0
     num_inf = summary.num_inf[i] if summary.num_inf else 0
     term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
-    stats = {"grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)}
+    stats: dict[TensorKind, TensorStats] = {
+        "grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)
+    }
     coef = summary.applied_coef
     if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
         # The sample gives the coefficient; the clipped gradient is the same elements scaled by it.

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..dumpfile.dtypes import F64, Widener
-from ..model import TensorStats
+from ..model import TensorKind, TensorStats
 from ..norms import safe_fsum
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ class ChunkKernel:
         norm_type: float,
         *,
         fingerprint: bool = False,
-    ) -> tuple[dict[str, TensorStats], float | None, float | None, float | None]:
+    ) -> tuple[dict[TensorKind, TensorStats], float | None, float | None, float | None]:
         """One pass over every tensor the piece holds, in aligned chunks: ({kind: TensorStats},
         sum grad*grad_clipped, sum grad*grad, sum (param_after - param_before)^2), the sums over the
         elements finite in both tensors of the pair (None when the pair was not dumped).

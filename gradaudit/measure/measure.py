@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..model import ParamInfo, Piece, StepDump, TensorStats
+from ..model import ParamInfo, Piece, StepDump, TensorKind, TensorStats
 from ..norms import divide_by_power
 from .measurements import (
     SCALED_KINDS,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .reference import ReferenceSource
     from .table import PieceTable
 
-COMPARED_KINDS = ("grad", "grad_clipped", "param_after")
+COMPARED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped", "param_after")
 """Tensor kinds compared against an unsharded reference."""
 
 Progress = Callable[[int, int], None]
@@ -103,7 +103,7 @@ def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 
 def _piece_flat(
-    reader: TensorReader, path: str, piece: Piece, kind: str, start: int, stop: int, scale: float = 1.0
+    reader: TensorReader, path: str, piece: Piece, kind: TensorKind, start: int, stop: int, scale: float = 1.0
 ) -> np.ndarray:
     """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
     import numpy as np
@@ -263,7 +263,7 @@ def _compare_with_reference(
     rank_path: str,
     piece: Piece,
     source: ReferenceSource,
-    kind: str,
+    kind: TensorKind,
     chunk: int,
     scale: float,
 ) -> ReferenceDifference:

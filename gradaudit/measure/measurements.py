@@ -8,9 +8,9 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..model import Piece, RankDump, Region, TensorStats
+from ..model import Piece, RankDump, Region, TensorKind, TensorStats
 
-SCALED_KINDS = ("grad", "grad_clipped")
+SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
 
 
@@ -29,7 +29,7 @@ class PieceMeasurement:
     numel: int
     replica_group: str | None = None
     """The process group over which this piece is replicated, when the capture named one."""
-    stats: Mapping[str, TensorStats] = field(default_factory=dict)
+    stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
     """Tensor kind -> float64 statistics (read from the values, or as dumped in stats mode)."""
     dot_pre_post: float | None = None
     """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
@@ -94,7 +94,7 @@ class ReferenceDifference:
     """One parameter and tensor kind compared with the reference, element by element."""
 
     param: str
-    kind: str
+    kind: TensorKind
     """The tensor kind compared (grad, grad_clipped or param_after)."""
     dtype: str
     """The dumped dtype: it chooses the tolerance."""

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..errors import StepFolderError
-from ..model import Piece, StepDump, TensorStats
+from ..model import Piece, StepDump, TensorKind, TensorStats
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 Entry = tuple[int, str, Piece]
 """(rank, file path, piece) as measure.pieces_by_param gives them."""
 
-SUMMED_KINDS = ("grad", "grad_clipped")
+SUMMED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 
 
 def split_partial(held: Sequence[Entry]) -> tuple[list[Entry], list[Entry]]:
@@ -93,7 +93,7 @@ def _with_sum(
 
     from .kernel import stats_of_array
 
-    totals: dict[str, np.ndarray] = {}
+    totals: dict[TensorKind, np.ndarray] = {}
     for kind in SUMMED_KINDS:
         if not all(kind in piece.tensors for _, _, piece in members):
             continue
@@ -104,7 +104,7 @@ def _with_sum(
                 scale = scale_of(rank)
                 total += values / scale if scale != 1.0 else values
         totals[kind] = total
-    stats: dict[str, TensorStats] = dict(base.stats)
+    stats: dict[TensorKind, TensorStats] = dict(base.stats)
     for kind in SUMMED_KINDS:
         if kind in totals:
             stats[kind] = stats_of_array(totals[kind], "float64", norm_type)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model import Box, FlatRange, Piece, Region, numel_of
+from ..model import Box, FlatRange, Piece, Region, TensorKind, numel_of
 
 if TYPE_CHECKING:
     from ..dumpfile.reader import TensorReader
@@ -44,7 +44,7 @@ class ReferenceSource:
         reader: TensorReader,
         global_shape: tuple[int, ...],
         pieces: list[tuple[str, Piece]],
-        kind: str,
+        kind: TensorKind,
         scale: float = 1.0,
     ) -> None:
         self.reader = reader
@@ -100,7 +100,7 @@ def covers(pieces: list[tuple[str, Piece]], global_shape: tuple[int, ...]) -> bo
 
 
 def assemble_dense(
-    reader: TensorReader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: str
+    reader: TensorReader, global_shape: tuple[int, ...], pieces: list[tuple[str, Piece]], kind: TensorKind
 ) -> np.ndarray:
     dense = np.full((numel_of(global_shape),), math.nan, dtype=np.float64)
     flat_index = np.arange(numel_of(global_shape)).reshape(global_shape)

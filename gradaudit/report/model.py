@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..model import TensorKind
+
 REPORT_VERSION = 2
 """Bumped whenever the JSON report changes shape; docs/REPORT.md lists the versions and what changed."""
 
@@ -88,7 +90,7 @@ class ParamComparison:
     """One parameter compared with the unsharded reference (`--reference`)."""
 
     param: str
-    kind: str
+    kind: TensorKind
     """The tensor kind compared: "grad", "grad_clipped", "param_after"."""
     max_abs_error: float
     max_rel_error: float
