@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
@@ -43,6 +44,40 @@ if TYPE_CHECKING:
 
 GroupSpec: TypeAlias = "ProcessGroup | Sequence[int] | Sequence[Sequence[int]]"
 """One entry of `groups=`: a process group, its rank list, or the list of all its rank lists."""
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RecordedCall:
+    """One clip call as recorded; its numbers are read (`clip_call`) only when the dump is built, so
+    that recording a call adds no device synchronisation to the step."""
+
+    reported: Any = None
+    """What the call returned (a tensor, a number or None)."""
+    reported_local: Any = None
+    """For a DTensor result: its local tensor, the value a careless `.item()` would log."""
+    max_norm: Any = None
+    """The `max_norm` argument the call was given (or its default), None when it names none."""
+    norm_type: Any = None
+    """The `norm_type` argument the call was given (or its default), None when it names none."""
+    unscaled: bool | None = None
+    """Whether GradScaler.unscale_ had run before this call; None without a scaler."""
+    loss_scale: float | None = None
+    """The scaler's loss scale before this call; None without a scaler."""
+    clip_value: Any = None
+    """For `clip_grad_value_`: the value it clamped to."""
+
+    def clip_call(self) -> ClipCall:
+        return ClipCall(
+            reported_norm=opt_float(self.reported),
+            reported_local_norm=opt_float(self.reported_local),
+            max_norm=opt_float(self.max_norm),
+            norm_type=opt_float(self.norm_type),
+            unscaled=self.unscaled,
+            loss_scale=self.loss_scale,
+            clip_value=opt_float(self.clip_value),
+        )
 
 
 class AuditStep:
@@ -105,7 +140,7 @@ class AuditStep:
         self._explicit = tuple(ownership or ())
         self._ownership: Ownership | None = None
         self._snapshots: Snapshots | None = None
-        self._calls: list[dict[str, Any]] = []
+        self._calls: list[_RecordedCall] = []
         self._call_stats: list[dict[int, TensorStats]] = []
         """Per finished clip call: piece index -> TensorStats of its gradient just before that call."""
         self._logged: dict[str, Any] = {}
@@ -282,17 +317,15 @@ class AuditStep:
     def _record_clip(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clip_value: Any = None
     ) -> Any:
-        first = not self._calls
-        call: dict[str, Any] = {"reported": None, "reported_local": None, "clip_value": clip_value}
+        call = _RecordedCall(clip_value=clip_value)
         if self._recording:
-            self._guard("capture", lambda: self._before_clip(call, first))
+            call = self._guard("capture", lambda: self._before_clip(call)) or call
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
-        self._guard(
-            "capture",
-            lambda: call.update(zip(("reported", "reported_local"), norm_results(result), strict=False)),
-        )
+        returned = self._guard("capture", lambda: norm_results(result))
+        if returned is not None:
+            call = dataclasses.replace(call, reported=returned[0], reported_local=returned[1])
         if self._recording:
             self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
         return result
@@ -300,7 +333,7 @@ class AuditStep:
     @property
     def reported_norms(self) -> tuple[float | None, ...]:
         """The norm each clip call so far returned, in call order (None where it returned none)."""
-        return tuple(opt_float(c["reported"]) for c in self._calls)
+        return tuple(opt_float(c.reported) for c in self._calls)
 
     def intercept_clip(self, owner: Any, name: str) -> None:
         """Route every call of `owner.<name>(...)` through `audit.clip` until the audit ends.
@@ -350,32 +383,32 @@ class AuditStep:
         assert snapshots is not None
         return snapshots
 
-    def _before_clip(self, call: dict[str, Any], first: bool) -> None:
-        if not first:
+    def _before_clip(self, call: _RecordedCall) -> _RecordedCall:
+        if self._calls:
             # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
             # (the common case) no statistics beyond the dump's own are ever computed.
             self._call_stats.append(grad_stats_of_snapshot(self._taken()))
         self._taken().take("grad")
-        call["unscaled"] = self._scaler.unscaled()
-        call["loss_scale"] = self._scaler.scale()
+        call = dataclasses.replace(call, unscaled=self._scaler.unscaled(), loss_scale=self._scaler.scale())
         self._scaler.hold()
+        return call
 
     def _after_clip(
         self,
-        call: dict[str, Any],
+        call: _RecordedCall,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         result: Any,
     ) -> None:
-        if call["reported_local"] is not None:
+        if call.reported_local is not None:
             mesh = result.device_mesh
             self._norm_mesh = (
                 tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()),
                 "+".join(axis_names(mesh)),
             )
-        call["max_norm"], call["norm_type"] = clip_arguments(fn, args, kwargs)
-        self._calls.append(call)
+        max_norm, norm_type = clip_arguments(fn, args, kwargs)
+        self._calls.append(dataclasses.replace(call, max_norm=max_norm, norm_type=norm_type))
         self._taken().take("grad_clipped")
 
     def take_gradients(self, *, clipped: bool) -> None:
@@ -478,18 +511,7 @@ class AuditStep:
         return topology
 
     def _clip_record(self) -> ClipRecord:
-        calls = tuple(
-            ClipCall(
-                reported_norm=opt_float(c["reported"]),
-                reported_local_norm=opt_float(c["reported_local"]),
-                max_norm=opt_float(c["max_norm"]),
-                norm_type=opt_float(c["norm_type"]),
-                unscaled=c["unscaled"],
-                loss_scale=c["loss_scale"],
-                clip_value=opt_float(c["clip_value"]),
-            )
-            for c in self._calls
-        )
+        calls = tuple(c.clip_call() for c in self._calls)
         reported = self._logged.get("reported_norm")
         if reported is None and calls:
             reported = calls[-1].reported_norm
@@ -524,10 +546,11 @@ class AuditStep:
         self._unsupported(param, exc)
         left_out.setdefault(param, NotCapturedParam(name=param, reason=f"ownership not inferred: {exc}"))
 
-    def _guard(self, what: str, action: Callable[[], None]) -> None:
-        """Run a capture or write action; a failure warns once (or raises when strict), never breaks training."""
+    def _guard(self, what: str, action: Callable[[], T]) -> T | None:
+        """Run a capture or write action and return its result; a failure warns once (or raises when
+        strict) and gives None, never breaks training."""
         try:
-            action()
+            return action()
         except CaptureError:
             raise
         except Exception as exc:
@@ -540,6 +563,7 @@ class AuditStep:
                 f"{what}:{type(exc).__name__}",
                 f"gradaudit: rank {self.rank} could not {what} step {self.step}; training goes on without it. {detail}",
             )
+            return None
 
 
 def _selected(step: int, *, steps: Iterable[int] | int | None, every: int | None, enabled: bool) -> bool:
