@@ -45,7 +45,9 @@ class Box:
     """An N-D block of a parameter: `param[o0:o0+s0, o1:o1+s1, ...]` (DTensor Shard, tensor parallel)."""
 
     offsets: tuple[int, ...]
+    """First index of the block along each dim of the parameter."""
     shape: tuple[int, ...]
+    """Extent of the block along each dim (its elements are `numel`)."""
 
     def __post_init__(self) -> None:
         _check_dims("box offsets", self.offsets)
@@ -70,7 +72,9 @@ class FlatRange:
     """Elements `[start, stop)` of the row-major flattened parameter (FSDP1 FlatParameter shards, ZeRO)."""
 
     start: int
+    """First element, counted in the row-major flattened parameter."""
     stop: int
+    """One past the last element (exclusive)."""
 
     def __post_init__(self) -> None:
         _check_dims("flat range", (self.start, self.stop))
@@ -97,14 +101,23 @@ class TensorStats:
     """
 
     numel: int
+    """Elements summarized, finite or not."""
     norm_type: float
+    """The `p` that `sum_pow` was taken for (inf: `sum_pow` is the max |x|)."""
     sum_pow: float
+    """sum(|x|^norm_type) over the finite elements."""
     sum_sq: float
+    """sum(x^2) over the finite elements (the 2-norm, whatever the run's p)."""
     max_abs: float
+    """max |x| over the finite elements (0 when there are none)."""
     num_nan: int = 0
+    """Elements that are NaN."""
     num_posinf: int = 0
+    """Elements that are +inf."""
     num_neginf: int = 0
+    """Elements that are -inf."""
     fingerprint: tuple[float, ...] = ()
+    """Projections of the values on fixed pseudo-random vectors; () when not taken."""
 
     @property
     def num_nonfinite(self) -> int:
@@ -116,8 +129,11 @@ class ParamInfo:
     """A logical parameter as the whole model sees it."""
 
     name: str
+    """The logical name, as the unwrapped model names the parameter."""
     global_shape: tuple[int, ...]
+    """Shape of the whole parameter, before any sharding."""
     dtype: str
+    """Dtype name of the parameter ("float32", "bfloat16", ...)."""
 
     def __post_init__(self) -> None:
         if not _dims_valid(self.global_shape):
@@ -138,14 +154,23 @@ class Piece:
     """
 
     index: int
+    """Position of the piece in its rank's file, from 0."""
     param: str
+    """The logical parameter (a `ParamInfo.name`) this piece is part of."""
     regions: tuple[Region, ...]
+    """The parameter's elements this piece holds, in the order of its flattened values."""
     local_shape: tuple[int, ...]
+    """Shape of the tensor this rank holds."""
     dtype: str
+    """Dtype name of the dumped values."""
     local_name: str | None = None
+    """This rank's own name for the parameter, when it differs from `param`."""
     replica_group: str | None = None
+    """The process group over which this piece is replicated; None when no one holds a copy."""
     tensors: Mapping[TensorKind, str] = field(default_factory=dict)
+    """Tensor kind -> its key in the rank's safetensors file (kinds dumped with values)."""
     stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
+    """Tensor kind -> float64 statistics, for kinds dumped without values."""
     call_stats: tuple[TensorStats, ...] = ()
     """When the step made two or more clip calls: statistics of this piece's gradient just before each
     call, in call order (one per `ClipRecord.calls` entry; an absent gradient as zeros). Else empty."""
@@ -192,7 +217,9 @@ class Piece:
 @dataclass(frozen=True, kw_only=True)
 class MeshInfo:
     shape: tuple[int, ...]
+    """Size of the mesh along each of its axes."""
     axis_names: tuple[str, ...]
+    """One name per axis of `shape` ("dp_replicate", "tp", ...)."""
     ranks: tuple[int, ...]
     """All ranks of the mesh, row-major over `shape`."""
 
@@ -210,8 +237,11 @@ class Topology:
     """Named process groups (each a list of rank lists), the device mesh, and the norm's reduction group."""
 
     groups: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    """Group name -> every rank list of that group (one per process group)."""
     mesh: MeshInfo | None = None
+    """The device mesh of DTensor parameters; None without one."""
     norm_group: str | None = None
+    """The name in `groups` of the group the clip call reduced its norm over; None when unknown."""
 
     def group_of(self, name: str, rank: int) -> tuple[int, ...] | None:
         """The first rank list of group `name` that holds `rank`."""
@@ -285,7 +315,9 @@ class DataRecord:
     """What this rank's batch was: tokens and loss, and how the loss was reduced."""
 
     tokens: int | None = None
+    """Tokens in this rank's batch, when logged."""
     loss: float | None = None
+    """This rank's loss, when logged."""
     loss_reduction: str | None = None
     """"mean" when the rank averaged its own loss over its tokens, "sum" otherwise."""
 
@@ -295,7 +327,9 @@ class NotCapturedParam:
     """A parameter this rank holds but did not capture (a sparse gradient, a dtype gradaudit cannot read)."""
 
     name: str
+    """The parameter's logical name."""
     reason: str
+    """Why it was left out, as a phrase for the report."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,6 +341,7 @@ class RankDump:
     rank: int
     """Global rank of the writer, 0 <= rank < world_size."""
     world_size: int
+    """Number of ranks of the run (every rank of a step must agree)."""
     step: int
     """The optimizer step the dump is of."""
     mode: Mode = "full"
@@ -314,7 +349,9 @@ class RankDump:
     run_id: str | None = None
     """Identifies the run; ranks of one step must agree."""
     host: str = ""
+    """Host name of the writer (provenance only)."""
     torch_version: str = ""
+    """The torch that trained (provenance only)."""
     gradaudit_version: str = ""
     """The gradaudit that wrote the file."""
     created_at: str = ""
@@ -330,6 +367,7 @@ class RankDump:
     clip: ClipRecord | None = None
     """What the training code did about clipping; None when nothing was recorded."""
     data: DataRecord = field(default_factory=DataRecord)
+    """The batch: tokens, loss and its reduction, as logged."""
     num_bytes: int = 0
     """Size of the file, for the inventory."""
     not_captured: tuple[NotCapturedParam, ...] = ()
@@ -359,6 +397,7 @@ class Inconsistency:
     """Ranks that disagree on something every rank must agree on (evidence for GA101)."""
 
     what: str
+    """The thing the ranks disagree on ("world_size", "run_id", ...)."""
     values: Mapping[int, str]
     """rank -> the value that rank holds, as text."""
 
@@ -370,7 +409,9 @@ class StepDump:
     directory: str
     """The step folder."""
     step: int
+    """The optimizer step every rank dumped."""
     world_size: int
+    """Number of ranks of the run (the ranks' own, when they agree)."""
     ranks: Mapping[int, RankDump]
     """Rank -> its dump, for the ranks present."""
     missing_ranks: tuple[int, ...] = ()

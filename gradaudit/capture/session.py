@@ -357,11 +357,11 @@ class AuditStep:
     def record(
         self,
         *,
-        reported_norm: Any = None,
-        clip_coef: Any = None,
-        loss: Any = None,
-        tokens: Any = None,
-        loss_reduction: str | None = None,
+        reported_norm: float | torch.Tensor | None = None,
+        clip_coef: float | torch.Tensor | None = None,
+        loss: float | torch.Tensor | None = None,
+        tokens: int | float | torch.Tensor | None = None,
+        loss_reduction: Literal["mean", "sum"] | None = None,
     ) -> None:
         """Add what the training code logged (values given as numbers or one-element tensors)."""
         if loss_reduction is not None and loss_reduction not in ("mean", "sum"):

@@ -47,7 +47,9 @@ class AuditInputs:
     analysis made of it (audit.analyse builds it once per step; the checks only read it)."""
 
     step: StepDump
+    """The loaded step."""
     measurements: StepMeasurements
+    """What was read from its tensors (and the reference's)."""
     columns: StepColumns
     """The measured pieces as columns (one pass over the pieces, shared by the analysis and the checks)."""
     diagnosis: StepDiagnosis
@@ -67,9 +69,13 @@ class Hit:
     """One problem a check found; the registry adds its code, severity and title to make a Finding."""
 
     message: str
+    """What was found, with the numbers; becomes `Finding.message`."""
     ranks: tuple[int, ...] = ()
+    """The ranks it concerns."""
     params: tuple[str, ...] = ()
+    """The parameters it concerns."""
     evidence: Mapping[str, int | float | str | None] = field(default_factory=dict)
+    """The numbers behind the message, by name."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +83,7 @@ class Skip:
     """The check could not decide, and why."""
 
     reason: str
+    """Why, as the report's "not checked" line prints it."""
 
 
 CheckResult = tuple[Hit, ...] | Skip
@@ -88,9 +95,13 @@ class Explanation:
     """The fixed sections `gradaudit explain CODE` prints."""
 
     what: str
+    """What the check looks at."""
     why: str
+    """Why a finding of it matters to training."""
     example: str
+    """A training mistake that raises it."""
     fix: str
+    """How to fix it; `checks/fixes.py` picks the line for the dump's stack."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +111,7 @@ class CheckSpec:
     code: str
     """GAnnn; the family is the hundreds digit. Never reused."""
     severity: Severity
+    """The severity of every finding of this code."""
     title: str
     """One line, printed with every finding of this code and by `gradaudit explain --all`."""
     run: CheckFn
@@ -108,6 +120,7 @@ class CheckSpec:
     """Where this code stands when the verdict names one finding of several: lower first (causes
     before their consequences). Distinct per code, spaced by 10 so a new code can go between two."""
     explanation: Explanation
+    """What `gradaudit explain CODE` prints."""
     decided_with_ranks_missing: bool = False
     """A clean result stands with ranks missing; otherwise it is "not checked" when ranks are missing."""
     decides_clipping: bool = False

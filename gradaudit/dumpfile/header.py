@@ -49,8 +49,11 @@ DTYPE_CODES = {name: code for code, (name, _) in SAFETENSORS_DTYPES.items()}
 @dataclass(frozen=True, kw_only=True)
 class TensorEntry:
     dtype: str
+    """The dtype name ("float32", ...) of the safetensors dtype code."""
     shape: tuple[int, ...]
+    """The tensor's shape as the header gives it."""
     begin: int
+    """Byte offset of the data's first byte, counted from the start of the file."""
     end: int
     """Byte offsets of the data, counted from the start of the file."""
 
@@ -61,17 +64,25 @@ class RawHeader:
     can be recognised as such before its tensors are judged)."""
 
     path: str
+    """The file, for error messages."""
     metadata: Mapping[str, str]
+    """The header's `__metadata__` entry (our JSON document is under METADATA_KEY)."""
     entries: Mapping[str, Any]
+    """Tensor key -> its entry as parsed from the JSON, not yet validated."""
     data_start: int
+    """Byte offset where the data section starts (8 + the header's length)."""
     file_size: int
+    """Size of the file in bytes."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Header:
     metadata: Mapping[str, str]
+    """The header's `__metadata__` entry."""
     tensors: Mapping[str, TensorEntry]
+    """Tensor key -> its validated entry; the entries tile the data section."""
     file_size: int
+    """Size of the file in bytes."""
 
 
 def clipped(text: str, limit: int = 120) -> str:

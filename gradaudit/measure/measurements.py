@@ -19,6 +19,7 @@ class PieceMeasurement:
     """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
 
     rank: int
+    """The rank holding the piece."""
     index: int
     """The piece's index in its rank's file."""
     param: str
@@ -26,7 +27,9 @@ class PieceMeasurement:
     regions: tuple[Region, ...]
     """Which elements of the parameter it holds."""
     dtype: str
+    """Dtype name of the dumped values (it chooses the tolerances)."""
     numel: int
+    """Elements of the piece."""
     replica_group: str | None = None
     """The process group over which this piece is replicated, when the capture named one."""
     stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
@@ -51,7 +54,9 @@ class ReplicaCopy:
     """One copy of a replica set compared with the set's base (lowest-rank) copy."""
 
     rank: int
+    """The rank holding this copy."""
     index: int
+    """The copy's piece index in that rank's file."""
     max_abs_diff: float | None = None
     """Largest |copy - base| over elements finite in both (None in stats mode)."""
     num_nonfinite_mismatch: int | None = None
@@ -68,15 +73,21 @@ class ReplicaSet:
     """Pieces with one layout (same parameter, same regions) held on several ranks."""
 
     param: str
+    """The logical parameter."""
     regions: tuple[Region, ...]
+    """The elements every copy holds."""
     dtype: str
+    """Dtype name of the base copy."""
     base_rank: int
     """The lowest rank holding a copy: the one every norm counts."""
     base_index: int
+    """The base copy's piece index in its rank's file."""
     base_max_abs: float
     """max |x| of the base copy's gradient (the scale the differences are judged against)."""
     base_sum_sq: float
+    """sum(x^2) of the base copy's gradient."""
     numel: int
+    """Elements of each copy."""
     copies: tuple[ReplicaCopy, ...]
     """Every other copy, compared with the base."""
     by_values: bool
@@ -94,14 +105,17 @@ class ReferenceDifference:
     """One parameter and tensor kind compared with the reference, element by element."""
 
     param: str
+    """The logical parameter."""
     kind: TensorKind
     """The tensor kind compared (grad, grad_clipped or param_after)."""
     dtype: str
     """The dumped dtype: it chooses the tolerance."""
     numel_compared: int
+    """Elements compared (those of our pieces)."""
     max_abs_error: float
     """max |ours - reference| over elements finite in both."""
     max_abs_reference: float
+    """max |reference| over the compared elements (the relative tolerance's scale)."""
     num_nonfinite_mismatch: int = 0
     """Elements nonfinite in one of the two only."""
 
@@ -111,14 +125,17 @@ class ParamMeasurement:
     """One logical parameter: all its pieces on all present ranks, measured."""
 
     param: str
+    """The logical parameter."""
     norm_type: float
     """`p` of the norm the statistics were taken for."""
     pieces: Sequence[PieceMeasurement]
     """A tuple, or for format-1.1 stats-only pieces a table.TablePieces (built when iterated)."""
     replica_sets: tuple[ReplicaSet, ...] = ()
+    """Its layouts held on two or more ranks, compared copy by copy."""
     reference_pieces: tuple[PieceMeasurement, ...] = ()
     """The reference dump's pieces of this parameter (their stats), when a reference was given."""
     reference_errors: tuple[ReferenceDifference, ...] = ()
+    """Per tensor kind, the comparison with the reference (empty without one)."""
     notes: tuple[str, ...] = ()
     """Why something about this parameter could not be measured (e.g. absent from the reference)."""
 
@@ -128,11 +145,13 @@ class StepMeasurements:
     """Everything read from the tensors of one step; a pure value the checks work on."""
 
     norm_type: float
+    """`p` of the norm the statistics were taken for (the recorded clipping's, else 2)."""
     params: Mapping[str, ParamMeasurement]
     """Parameter name -> its measurement, sorted by name."""
     reference_given: bool = False
     """Whether an unsharded reference step was compared (--reference)."""
     reference_step: int | None = None
+    """The reference's step number; None without a reference."""
     reference_only_params: tuple[str, ...] = ()
     """Parameters the reference holds and the checked dump does not."""
 

@@ -30,12 +30,19 @@ class Finding:
     """One problem found, with its evidence as numbers."""
 
     code: str
+    """The finding code, GAnnn (a row of checks/registry.CHECKS)."""
     severity: Severity
+    """Its code's severity."""
     title: str
+    """Its code's one-line title."""
     message: str
+    """What was found, with the numbers."""
     ranks: tuple[int, ...] = ()
+    """The ranks it concerns, ascending; () for the whole step."""
     params: tuple[str, ...] = ()
+    """The parameters it concerns; () for the whole step."""
     evidence: Mapping[str, Number | str | None] = field(default_factory=dict)
+    """The numbers behind the message, by name (written to the JSON report)."""
     fix: str = ""
     """What to change (errors and warnings): the fix of the code's explanation, for the stack the dump
     shows (see gradaudit/checks/fixes.py); `gradaudit explain CODE` prints the whole explanation."""
@@ -50,15 +57,21 @@ class NotChecked:
     """A check that could not decide, and why (never a silent pass)."""
 
     code: str
+    """The finding code that could not be decided."""
     title: str
+    """Its code's one-line title."""
     reason: str
+    """Why the check could not decide (missing ranks, tensors not dumped, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class NonfiniteCounts:
     nan: int = 0
+    """NaN gradient elements."""
     posinf: int = 0
+    """+inf gradient elements."""
     neginf: int = 0
+    """-inf gradient elements."""
 
     @property
     def total(self) -> int:
@@ -70,19 +83,24 @@ class RankRow:
     """One rank's line in the report."""
 
     rank: int
+    """The global rank."""
     local_norm: float
     """Norm of this rank's own pieces (pre-clip), as a local-only clip would compute it."""
     reported_norm: float | None
+    """The norm this rank's training code reported; None when it recorded none."""
     applied_clip_coef: float | None
+    """The coefficient this rank applied (see `applied_coef_source`); None when unknown."""
     applied_coef_source: str | None = None
     """"gradients" (from pre/post-clip tensors), "reported", or None when unknown."""
     diagnosis: str | None = None
     """The hypothesis code that best explains the reported norm: "correct", "local_only",
     "replicas_double_counted", "wrong_group:<name>", "loss_scaled:<hypothesis>", "unexplained", or None."""
     diagnosis_detail: str = ""
+    """The diagnosis in words, for the renderers."""
     share_of_squared_norm: float = 0.0
     """This rank's contribution to the squared global norm (replicas attributed to their lowest rank)."""
     nonfinite: NonfiniteCounts = field(default_factory=NonfiniteCounts)
+    """Nonfinite elements of this rank's gradients before clipping."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,13 +108,19 @@ class ParamComparison:
     """One parameter compared with the unsharded reference (`--reference`)."""
 
     param: str
+    """The logical parameter."""
     kind: TensorKind
     """The tensor kind compared: "grad", "grad_clipped", "param_after"."""
     max_abs_error: float
+    """max |ours - reference| over elements finite in both; inf when nonfinite values differ."""
     max_rel_error: float
+    """`max_abs_error` / max |reference|; inf when nonfinite values differ."""
     atol: float
+    """The absolute tolerance used."""
     rtol: float
+    """The relative tolerance used."""
     within_tolerance: bool
+    """Whether max_abs_error <= atol + rtol * max |reference|."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,17 +132,23 @@ class Environment:
     dump_versions: tuple[str, ...] = ()
     """The gradaudit versions that wrote the rank files (one, unless the files were mixed)."""
     torch_versions: tuple[str, ...] = ()
+    """The torch versions that trained, one per distinct value."""
     hosts: tuple[str, ...] = ()
+    """The hosts of the rank files, one per distinct value."""
     modes: tuple[str, ...] = ()
     """Capture modes of the rank files: "full" (tensors) and/or "stats" (statistics only)."""
     world_size: int | None = None
+    """The step's world size; None when not known."""
     run_ids: tuple[str, ...] = ()
+    """The run ids of the rank files, one per distinct value."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class MeshShape:
     shape: tuple[int, ...]
+    """Size of the device mesh along each axis."""
     axis_names: tuple[str, ...]
+    """One name per axis of `shape`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,8 +156,11 @@ class TopologySummary:
     """The process groups the dump recorded: name -> rank lists, the device mesh, the norm's group."""
 
     groups: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    """Group name -> every rank list of that group."""
     mesh: MeshShape | None = None
+    """The device mesh; None without one."""
     norm_group: str | None = None
+    """The group the clip call reduced its norm over; None when unknown."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,25 +168,41 @@ class Report:
     """Everything a renderer needs; built by the audit, never mutated."""
 
     step: int
+    """The optimizer step audited."""
     world_size: int
+    """Number of ranks of the run."""
     ranks_present: tuple[int, ...]
+    """Ranks with a readable file, ascending."""
     missing_ranks: tuple[int, ...]
+    """Ranks of the world size without a readable file."""
     norm_type: float | None
+    """`p` of the norm the audit recomputed (the recorded clipping's, else 2)."""
     max_norm: float | None
+    """The clipping threshold; None when the dump recorded no clipping."""
     global_norm: float | None
+    """The true global norm recomputed from the dump; None when it cannot be."""
     expected_clip_coef: float | None
+    """min(1, max_norm / (global_norm + 1e-6)): the coefficient correct clipping applies."""
     ranks: tuple[RankRow, ...]
+    """One row per present rank, ascending."""
     findings: tuple[Finding, ...]
+    """Every finding, sorted (severity, code, ranks, params, message)."""
     not_checked: tuple[NotChecked, ...] = ()
+    """The checks that could not decide, with why."""
     verdict: str = ""
     """One sentence: the principal finding, or that clipping was right."""
     environment: Environment = field(default_factory=Environment)
+    """Versions, hosts and modes of the rank files."""
     topology: TopologySummary = field(default_factory=TopologySummary)
+    """The process groups the dump recorded."""
     reference: tuple[ParamComparison, ...] = ()
+    """Per parameter and kind, the comparison with the reference (empty without --reference)."""
     command: str = ""
     """The command line that reproduces this report."""
     warnings: tuple[str, ...] = ()
+    """What the loader skipped and other notes, to be shown to the user."""
     report_version: int = REPORT_VERSION
+    """The JSON report's shape version (REPORT_VERSION)."""
 
     @property
     def worst_severity(self) -> Severity | None:
@@ -165,13 +214,21 @@ class StepSummary:
     """One line of the multi-step table: reported vs true norm per step."""
 
     step: int
+    """The optimizer step."""
     directory: str
+    """The step folder."""
     global_norm: float | None
+    """The true global norm; None when it cannot be recomputed."""
     reported_norm: float | None
+    """The norm the training code reported (lowest rank that reported one)."""
     expected_clip_coef: float | None
+    """The coefficient correct clipping applies."""
     num_errors: int
+    """Findings of severity error."""
     num_warnings: int
+    """Findings of severity warning."""
     codes: tuple[str, ...]
+    """The distinct finding codes, sorted."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +236,10 @@ class MultiStepReport:
     """A folder of step_<N> folders, checked step by step."""
 
     directory: str
+    """The run folder holding the step_<N> folders."""
     steps: tuple[Report, ...]
+    """One report per step, by step number."""
     summary: tuple[StepSummary, ...]
+    """One summary row per step, in the order of `steps`."""
     report_version: int = REPORT_VERSION
+    """The JSON report's shape version (REPORT_VERSION)."""
