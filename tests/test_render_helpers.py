@@ -15,7 +15,6 @@ from gradaudit.render.numbers import (
     fmt_nonfinite,
     fmt_percent,
     fmt_ranks,
-    fmt_ratio,
     json_number,
     reference_worst_first,
 )
@@ -50,10 +49,9 @@ def test_a_coefficient_below_one_is_never_shown_as_one():
     assert fmt_coef(0.625) == "0.625" and fmt_coef(None) == "-" and fmt_coef(math.nan) == "nan"
 
 
-def test_norm_names_and_percentages_and_ratios():
+def test_norm_names_and_percentages():
     assert norm_name(2.0) == "L2 norm" and norm_name(math.inf) == "Linf norm" and norm_name(None) == "norm"
     assert fmt_percent(0.25) == "25.0%" and fmt_percent(math.nan) == "nan" and fmt_percent(None) == "-"
-    assert fmt_ratio(0.8, 1.6) == "0.5" and fmt_ratio(1.0, 0.0) == "-" and fmt_ratio(None, 1.0) == "-"
 
 
 def test_rank_lists_collapse_consecutive_runs():

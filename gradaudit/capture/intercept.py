@@ -149,10 +149,6 @@ def install(route: Route) -> Handle:
     return handle
 
 
-def installed() -> bool:
-    return bool(_ROUTES)
-
-
 def inside() -> bool:
     """Whether this thread is inside an intercepted or recorded clip call (see `outermost`)."""
     return bool(getattr(_DEPTH, "value", 0))

@@ -60,13 +60,6 @@ def fmt_ranks(ranks: Iterable[int]) -> str:
     return compact_ranks(ranks) or MISSING
 
 
-def fmt_ratio(numerator: float | None, denominator: float | None) -> str:
-    """numerator / denominator, "-" when either is unknown or the denominator is 0."""
-    if numerator is None or denominator is None or denominator == 0:
-        return MISSING
-    return fmt_float(numerator / denominator)
-
-
 def fmt_nonfinite(counts: NonfiniteCounts) -> str:
     """ "0", or the nonzero counts: "2 nan, 1 -inf"."""
     if counts.total == 0:
@@ -99,11 +92,6 @@ def fmt_value(value: object) -> str:
     if isinstance(value, numbers.Real):
         return fmt_float(float(value))
     return str(value)
-
-
-def fmt_ranks_labelled(ranks: Sequence[int]) -> str:
-    """ "rank 3" or "ranks 0-3, 7"."""
-    return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {fmt_ranks(ranks)}"
 
 
 def json_number(value: object) -> JsonScalar:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from ..norms import norm_name
-from ..report.model import Finding, MultiStepReport, RankRow, Report, Severity
+from ..report.model import Finding, MultiStepReport, Report, Severity
 from .charts import MAX_CHART_RANKS, share_chart
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
@@ -229,11 +229,6 @@ def _print_diagnosis_details(console: Console, report: Report) -> None:
         )
     if len(groups) > MAX_DETAIL_LINES:
         console.print(_line((f"  {len(groups) - MAX_DETAIL_LINES} more explanations not shown", "dim")))
-
-
-def _applied_coef_cell(row: RankRow) -> Text:
-    coef = fmt_coef(row.applied_clip_coef)
-    return _line(f"{coef} ({printable(row.applied_coef_source)})" if row.applied_coef_source else coef)
 
 
 def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:

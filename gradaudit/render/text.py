@@ -81,15 +81,6 @@ def _escape_block_marker(marker: str) -> str:
     return "\\" + marker
 
 
-def html_escape(text: str) -> str:
-    """Printable, HTML-escaped and defused like `markdown_escape`: for text inside an HTML block
-    (a <summary>), where Markdown escapes would show as backslashes."""
-    import html
-
-    marked = _GITHUB_REFERENCE.sub(_MARK, printable(text))
-    return html.escape(marked, quote=False).replace(_MARK, ZERO_WIDTH_SPACE)
-
-
 def markdown_code_block(text: str, *, info: str = "") -> str:
     """A fenced code block holding `text` verbatim (control characters made visible).
 
