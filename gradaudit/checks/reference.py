@@ -61,11 +61,12 @@ def reference_comparisons(m: StepMeasurements, options: AuditOptions) -> tuple[P
     return tuple(sorted(found, key=lambda c: c.within_tolerance))
 
 
-def reference_norm(m: StepMeasurements, kind: TensorKind = "grad") -> float | None:
+def reference_norm(m: StepMeasurements) -> float | None:
+    """The global norm of the reference's gradients."""
     pieces = [p for pm in m.params.values() for p in pm.reference_pieces]
     if not pieces:
         return None
-    return norm_of_pieces(disjoint_cover(pieces), m.norm_type, kind)
+    return norm_of_pieces(disjoint_cover(pieces), m.norm_type)
 
 
 def _describe(c: ParamComparison) -> str:
