@@ -102,22 +102,23 @@ def norm_results(result: Any) -> tuple[Any, Any]:
 
 def clip_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
     """max_norm and norm_type as passed to a clipping function that names them so, else None."""
+    return call_argument(fn, args, kwargs, "max_norm"), call_argument(fn, args, kwargs, "norm_type")
+
+
+def call_argument(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> Any:
+    """The value a call `fn(*args, **kwargs)` passes for parameter `name` (its default when not
+    passed), else None (no such parameter, or a signature that cannot be read or bound)."""
     try:
         signature = inspect.signature(fn)
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
-        return None, None
-    values = []
-    for name in ("max_norm", "norm_type"):
-        if name in bound.arguments:
-            values.append(bound.arguments[name])
-        elif (
-            name in signature.parameters and signature.parameters[name].default is not inspect.Parameter.empty
-        ):
-            values.append(signature.parameters[name].default)
-        else:
-            values.append(None)
-    return values[0], values[1]
+        return None
+    if name in bound.arguments:
+        return bound.arguments[name]
+    parameter = signature.parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
 
 
 def opt_float(value: Any) -> float | None:

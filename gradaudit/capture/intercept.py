@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -89,17 +88,9 @@ class InterceptedCall:
 
     def argument(self, name: str) -> Any:
         """The value the call passes for parameter `name` (its default when not passed), else None."""
-        try:
-            signature = inspect.signature(self.fn)
-            bound = signature.bind_partial(*self.args, **self.kwargs)
-        except (TypeError, ValueError):
-            return None
-        if name in bound.arguments:
-            return bound.arguments[name]
-        parameter = signature.parameters.get(name)
-        if parameter is None or parameter.default is inspect.Parameter.empty:
-            return None
-        return parameter.default
+        from .arguments import call_argument
+
+        return call_argument(self.fn, self.args, self.kwargs, name)
 
     def reported_norm(self, result: Any) -> Any:
         """The total norm the call clipped with: what it returned, or for "apply" the norm it was given."""
