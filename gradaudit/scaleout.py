@@ -45,7 +45,9 @@ class LaunchEnv:
     """Where this process sits among the processes torchrun started."""
 
     rank: int
+    """This process's rank among torchrun's processes."""
     world_size: int
+    """Processes torchrun started."""
     local_world_size: int = 1
     """Processes on this node (they share its cores)."""
 
@@ -214,7 +216,9 @@ class Shares:
     """What the audit calls instead of loading and measuring alone (audit.audit_folder's arguments)."""
 
     load_files: LoadFiles
+    """Loads this process's share of the rank files and returns every process's."""
     measure: Callable[..., StepMeasurements]
+    """Measures this process's share of the parameters and returns the merged measurements."""
 
 
 @contextlib.contextmanager

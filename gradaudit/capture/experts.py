@@ -40,10 +40,15 @@ class ExpertRank:
     how many experts each rank holds, and the name of the group experts are replicated over."""
 
     group: str
+    """The `groups=` name of the expert-parallel group."""
     index: int
+    """This rank's position in its expert-parallel rank list."""
     size: int
+    """Ranks in that list."""
     num_local: int
+    """Experts each rank holds (from the local expert indices in the parameter names)."""
     replica_group: str | None
+    """The group the experts are replicated over; None when not replicated."""
 
 
 def expert_rank(

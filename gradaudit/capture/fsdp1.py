@@ -42,11 +42,15 @@ class ParamShard:
     fqn: str
     """Name relative to the module FSDP wraps, as FSDP records it (may hold wrapper names)."""
     global_shape: tuple[int, ...]
+    """Shape of the whole original parameter."""
     offset_in_shard: int
+    """Where this part starts in the rank's local shard, in elements."""
     numel_in_shard: int
+    """Elements of the parameter in the local shard (`stop - start`)."""
     start: int
     """First element of the row-major flattened parameter held here; `stop` is one past the last."""
     stop: int
+    """One past the last element held (see `start`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

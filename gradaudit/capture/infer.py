@@ -31,7 +31,9 @@ DATA_PARALLEL_GROUP_NAME = "dp"
 @dataclass(frozen=True, kw_only=True)
 class Ownership:
     pieces: tuple[LocalPiece, ...]
+    """This rank's pieces, one per local part of a logical parameter."""
     topology: Topology
+    """The process groups and mesh the pieces name."""
     aliases: Mapping[str, str]
     """This rank's parameter name -> logical name, for the names that differ."""
 

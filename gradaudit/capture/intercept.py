@@ -37,8 +37,11 @@ class ClipTarget:
     """One function to intercept: `module`.`attribute` (an attribute path: "Class.method" for methods)."""
 
     module: str
+    """The module that holds the function, as imported."""
     attribute: str
+    """The attribute path inside `module` ("Class.method" for a method)."""
     kind: ClipKind
+    """What the function does (see ClipKind)."""
     needs_import: bool = False
     """True for torch's own modules (imported here when installing); False for frameworks, which are
     intercepted only when the training process imported them already."""
@@ -77,10 +80,13 @@ class InterceptedCall:
     """One call of an intercepted function, not yet made."""
 
     target: ClipTarget
+    """The intercepted function."""
     fn: Callable[..., Any]
     """The original function (for a method: the function, `self` being the first of `args`)."""
     args: tuple[Any, ...]
+    """The positional arguments, as the caller passed them."""
     kwargs: dict[str, Any] = field(default_factory=dict)
+    """The keyword arguments, as the caller passed them."""
 
     def __call__(self) -> Any:
         """Make the call; its result, unchanged."""

@@ -25,11 +25,17 @@ class LocalPiece:
     param: str
     """Logical fully qualified name, free of wrapper prefixes (_fsdp_wrapped_module., _orig_mod., ...)."""
     global_shape: tuple[int, ...]
+    """Shape of the whole logical parameter."""
     dtype: str
+    """Dtype name of the local tensor ("float32", ...)."""
     regions: tuple[Region, ...]
+    """The parameter's elements this piece holds, in the order of its flattened values."""
     local_shape: tuple[int, ...]
+    """Shape of the tensors `grad()` and `value()` return."""
     grad: Callable[[], torch.Tensor | None]
+    """This piece's gradient now, or None."""
     value: Callable[[], torch.Tensor | None]
+    """This piece's parameter values now."""
     replica_group: str | None = None
     """Name of the process group over which this piece is replicated, when it is."""
     local_name: str | None = None

@@ -20,8 +20,11 @@ class TensorParallelRank:
     """This rank's place in the tensor-parallel group given with groups= (Megatron-style models)."""
 
     group: str
+    """The `groups=` name of the tensor-parallel group."""
     size: int
+    """Ranks in this rank's tensor-parallel list."""
     index: int
+    """This rank's position in that list."""
 
 
 def is_megatron_sharded(param: torch.Tensor) -> bool:

@@ -14,7 +14,9 @@ class StepSelection:
     """Step numbers count optimizer steps from 1 (the first optimizer step of the run is step 1)."""
 
     steps: frozenset[int] = frozenset()
+    """The step numbers audited (used when `every` is None)."""
     every: int | None = None
+    """Audit every N-th step instead; None to use `steps`."""
 
     def wants(self, step: int) -> bool:
         if self.every is not None:

@@ -47,7 +47,9 @@ class RankContext:
     """What a scenario's per-rank function receives inside its process, after the group is up."""
 
     rank: int
+    """This process's global rank."""
     world_size: int
+    """Ranks of the scenario."""
     out_dir: Path
     """Where the sharded dump goes (audit_step writes out_dir/step_<N>/)."""
 

@@ -18,6 +18,7 @@ class Scenario:
     """Stable id: the CLI argument, the folder name under sample_dumps/, and the module under
     gradaudit.demo.scenarios that defines train_rank(ctx) and train_reference(out_dir)."""
     world_size: int
+    """Ranks the scenario runs on."""
     stack: str
     """The training stack, in a few words."""
     mistake: str

@@ -21,6 +21,7 @@ class DemoOutputExists(GradauditError):
 @dataclass(frozen=True, kw_only=True)
 class DemoResult:
     scenario: Scenario
+    """The scenario that ran."""
     step_dir: Path
     """The sharded dump: OUT_DIR/<scenario>/step_<N>/, one file per rank."""
     reference_step_dir: Path

@@ -20,19 +20,23 @@ MAX_TREND_STEPS = 48
 @dataclass(frozen=True, kw_only=True)
 class ShareBar:
     label: str
+    """"rank N", or "all ranks" for the total."""
     value: float
     """This rank's part of the squared global norm (the total for "all ranks")."""
     share: float
+    """`value` as a fraction of the squared global norm."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShareChart:
     total: float
+    """The squared global norm."""
     threshold: float
     """max_norm²."""
     bars: tuple[ShareBar, ...]
     """The largest ranks in rank order, then "all ranks"."""
     num_hidden: int
+    """Ranks left out of the bars to keep the chart short."""
 
 
 def share_chart(report: Report, *, limit: int = MAX_CHART_RANKS) -> ShareChart | str:
@@ -100,9 +104,13 @@ def mermaid_share_chart(chart: ShareChart) -> str:
 @dataclass(frozen=True, kw_only=True)
 class TrendPoint:
     step: int
+    """The optimizer step."""
     true_norm: float
+    """The global norm the audit recomputed."""
     reported_norm: float
+    """The norm the training code reported."""
     failing: bool
+    """Whether the step has errors, warnings or missing ranks."""
 
 
 def trend_points(

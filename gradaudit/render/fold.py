@@ -23,12 +23,19 @@ class RankGroup:
     """Ranks shown as one row; each number is a (min, max) over the group, equal when all agree."""
 
     ranks: tuple[int, ...]
+    """The ranks of this row, ascending."""
     local_norm: tuple[float | None, float | None]
+    """(min, max) of the ranks' local norms."""
     reported_norm: tuple[float | None, float | None]
+    """(min, max) of the ranks' reported norms."""
     applied_clip_coef: tuple[float | None, float | None]
+    """(min, max) of the ranks' applied coefficients."""
     share_of_squared_norm: tuple[float | None, float | None]
+    """(min, max) of the ranks' shares of the squared global norm."""
     applied_coef_source: str | None
+    """Where the coefficients came from (equal over the group)."""
     diagnosis: str | None
+    """The ranks' diagnosis (equal over the group)."""
     nonfinite: NonfiniteCounts
     """The counts of every rank of the group (they are equal: the count is part of what groups them)."""
 
@@ -40,6 +47,7 @@ class FoldedRanks:
     hidden_ranks: tuple[int, ...] = ()
     """Ranks of groups left out to keep the table short."""
     num_hidden_groups: int = 0
+    """Groups left out (their ranks are `hidden_ranks`)."""
     folded: bool = False
     """True when some row stands for more than one rank."""
 

@@ -17,14 +17,23 @@ class StepRow:
     """One row of the summary: a failing step, or a run of clean steps with its numbers as (min, max)."""
 
     steps: tuple[int, ...]
+    """The steps of this row: one failing step, or a run of clean ones."""
     reported_norm: Span
+    """(min, max) of the reported norms over the steps."""
     global_norm: Span
+    """(min, max) of the recomputed global norms."""
     ratio: Span
+    """(min, max) of reported / global norm."""
     expected_clip_coef: Span
+    """(min, max) of the coefficients correct clipping applies."""
     num_errors: int
+    """Error findings over the steps."""
     num_warnings: int
+    """Warning findings over the steps."""
     codes: tuple[str, ...]
+    """The distinct finding codes over the steps, sorted."""
     failing: bool
+    """Whether the row is a failing step (see `is_failing`)."""
 
 
 def is_failing(report: Report) -> bool:

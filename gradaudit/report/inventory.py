@@ -11,8 +11,11 @@ from ..model import Box, FlatRange, Piece, Region, StepDump
 @dataclass(frozen=True, kw_only=True)
 class ParamHolding:
     name: str
+    """The logical parameter."""
     global_shape: tuple[int, ...]
+    """Shape of the whole parameter."""
     dtype: str
+    """Its dtype name."""
     layout: str
     """"replicated", "sharded" or "sharded+replicated", with the replica group when named."""
     holders: tuple[tuple[int, str], ...]
@@ -24,24 +27,39 @@ class LeftOut:
     """A parameter some ranks did not capture (GA104), with why."""
 
     name: str
+    """The logical parameter."""
     reason: str
+    """Why the ranks left it out."""
     ranks: tuple[int, ...]
+    """The ranks that left it out for that reason, ascending."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Inventory:
     directory: str
+    """The step folder."""
     step: int
+    """The optimizer step."""
     world_size: int
+    """Ranks of the run."""
     ranks_present: tuple[int, ...]
+    """Ranks with a readable file, ascending."""
     missing_ranks: tuple[int, ...]
+    """Ranks of the world size without a readable file."""
     modes: tuple[str, ...]
+    """The rank files' capture modes, sorted."""
     groups: tuple[tuple[str, str], ...]
+    """(group name, its rank lists as text), by name."""
     mesh: str | None
+    """The device mesh as "axis=size x ..."; None without one."""
     norm_group: str | None
+    """The group the clip call reduced its norm over; None when unknown."""
     params: tuple[ParamHolding, ...]
+    """Every logical parameter with who holds what, by name."""
     bytes_by_rank: tuple[tuple[int, int], ...]
+    """(rank, size of its file in bytes), by rank."""
     warnings: tuple[str, ...] = ()
+    """What the loader skipped."""
     not_captured: tuple[LeftOut, ...] = ()
     """Parameters left out of the dump, one entry per (name, reason), sorted by name."""
 

@@ -24,7 +24,9 @@ MAX_LISTS_SHOWN = 3
 @dataclass(frozen=True, kw_only=True)
 class FoldedSentence:
     ranks: tuple[int, ...]
+    """The ranks whose sentences it folds, in order of first appearance."""
     text: str
+    """The sentence, with the numbers that differ shown as ranges."""
 
 
 def _parts(rank: int, sentence: str) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:

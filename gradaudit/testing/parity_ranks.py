@@ -24,21 +24,33 @@ class ParitySpec:
     """Everything the processes need, sent to each of them (callables by reference)."""
 
     build: Callable[[], torch.nn.Module]
+    """Builds the unsharded model (same seed on every rank)."""
     parallelize: Callable[[torch.nn.Module, Any], torch.nn.Module]
+    """Shards the model over the device mesh it is given."""
     make_batch: Callable[[int, int], Any]
+    """(rank, step) -> that rank's batch of that step (steps from 1)."""
     step: Callable[[torch.nn.Module, Any, float], Any]
+    """(model, batch, max_norm): forward, backward and the clip; returns the norm it clipped with."""
     reference_step: Callable[[torch.nn.Module, Any, float], Any] | None
+    """The step for the unsharded model when `step` only works sharded; None: `step`."""
     optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None
+    """Builds the optimizer; None: no optimizer step, no next weights compared."""
     clip: tuple[Callable[..., Any], ...]
     """The clipping functions the step calls; empty: torch.nn.utils.clip_grad_norm_."""
     mesh: tuple[tuple[str, int], ...]
     """(axis name, size) in mesh order; their product is the world size."""
     data_axes: tuple[str, ...]
+    """Mesh axes over which the ranks see different batches."""
     steps: int
+    """Training steps to run and compare."""
     max_norm: float
+    """The clipping threshold."""
     norm_type: float
+    """`p` of the clip norm."""
     sharded_dir: str
+    """Where the sharded run's dumps go."""
     reference_dir: str
+    """Where the reference run's dumps go."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,7 +49,9 @@ class DistributedRank:
     """What the `gradaudit_rank` fixture gives a marked test body on each rank."""
 
     rank: int
+    """This rank."""
     world_size: int
+    """Ranks the marked test runs on."""
     mesh: Any
     """A torch DeviceMesh of the marker's `mesh` ({axis name: size}; default {"dp": world_size})."""
     steps: int

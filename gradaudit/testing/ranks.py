@@ -60,6 +60,7 @@ class RankOutcome:
     """How one rank ended."""
 
     rank: int
+    """The rank."""
     status: Literal["ok", "raised", "lost"]
     """ok: returned; raised: raised an exception (a skip included); lost: died, hung, or never reported."""
     value: Any = None
