@@ -171,7 +171,7 @@ def _environment(step: StepDump) -> Environment:
         dump_versions=distinct(d.gradaudit_version for d in dumps),
         torch_versions=distinct(d.torch_version for d in dumps),
         hosts=distinct(d.host for d in dumps),
-        modes=distinct(d.mode for d in dumps),
+        modes=tuple(sorted({d.mode for d in dumps})),
         world_size=step.world_size,
         run_ids=distinct(d.run_id for d in dumps),
     )

@@ -46,6 +46,7 @@ from ..model import (
     Piece,
     RankDump,
     Region,
+    TensorKind,
     TensorStats,
 )
 
@@ -141,11 +142,11 @@ def params_from_columns(
     return result
 
 
-def stats_key(kind: str) -> str:
+def stats_key(kind: TensorKind) -> str:
     return f"{PREFIX}stats.{kind}"
 
 
-def counts_key(kind: str) -> str:
+def counts_key(kind: TensorKind) -> str:
     return f"{PREFIX}counts.{kind}"
 
 

@@ -42,7 +42,7 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}{RANK_FILE_SUFFIX}"
 
 
-def tensor_key(param: str, kind: str, piece_index: int) -> str:
+def tensor_key(param: str, kind: TensorKind, piece_index: int) -> str:
     """The safetensors key of one tensor: it names the parameter and what the tensor is."""
     return f"{param}::{kind}::{piece_index}"
 

@@ -17,7 +17,7 @@ from typing import overload
 import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
-from ..model import Piece, Region, StepDump
+from ..model import Piece, Region, StepDump, TensorKind
 from .measurements import (
     PieceMeasurement,
     ReplicaCopy,
@@ -115,11 +115,11 @@ class PieceTable:
         """Whether `test` holds for every rank's columns (all their pieces, kept or not)."""
         return all(test(pieces) for _, _, pieces in self.sources)
 
-    def kind_column(self, kind: str, column: int) -> np.ndarray:
+    def kind_column(self, kind: TensorKind, column: int) -> np.ndarray:
         """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs)."""
         return self._gather(lambda _, pieces: pieces.stats[kind][:, column])
 
-    def kind_counts(self, kind: str) -> np.ndarray:
+    def kind_counts(self, kind: TensorKind) -> np.ndarray:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
         return self._gather(lambda _, pieces: pieces.counts[kind])
 

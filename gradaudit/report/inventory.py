@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..model import Box, FlatRange, Piece, Region, StepDump
+from ..model import Box, FlatRange, Mode, Piece, Region, StepDump
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +46,7 @@ class Inventory:
     """Ranks with a readable file, ascending."""
     missing_ranks: tuple[int, ...]
     """Ranks of the world size without a readable file."""
-    modes: tuple[str, ...]
+    modes: tuple[Mode, ...]
     """The rank files' capture modes, sorted."""
     groups: tuple[tuple[str, str], ...]
     """(group name, its rank lists as text), by name."""

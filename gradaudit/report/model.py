@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..model import TensorKind
+from ..model import Mode, TensorKind
 
 REPORT_VERSION = 2
 """Bumped whenever the JSON report changes shape; docs/REPORT.md lists the versions and what changed."""
@@ -135,7 +135,7 @@ class Environment:
     """The torch versions that trained, one per distinct value."""
     hosts: tuple[str, ...] = ()
     """The hosts of the rank files, one per distinct value."""
-    modes: tuple[str, ...] = ()
+    modes: tuple[Mode, ...] = ()
     """Capture modes of the rank files: "full" (tensors) and/or "stats" (statistics only)."""
     world_size: int | None = None
     """The step's world size; None when not known."""
