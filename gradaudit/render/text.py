@@ -111,10 +111,10 @@ def clip_sentences(text: str, max_chars: int, *, rest: str = "…") -> str:
     return f"{text[: cut + 1]} {rest}"
 
 
-def join_limited(names: Sequence[str], *, limit: int, escape: Callable[[str], str], sep: str = ", ") -> str:
+def join_limited(names: Sequence[str], *, limit: int, escape: Callable[[str], str]) -> str:
     """The first `limit` names, escaped and joined, then "(+N more)"; "-" when there are none."""
     if not names:
         return "-"
-    shown = sep.join(escape(name) for name in names[:limit])
+    shown = ", ".join(escape(name) for name in names[:limit])
     hidden = len(names) - limit
     return f"{shown} (+{hidden} more)" if hidden > 0 else shown
