@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from ..model import Mode, TensorKind
+if TYPE_CHECKING:  # `gradaudit explain` reads the report's values without loading the dump's model
+    from ..model import Mode, TensorKind
 
 REPORT_VERSION = 2
 """Bumped whenever the JSON report changes shape; docs/REPORT.md lists the versions and what changed."""
