@@ -72,3 +72,17 @@ def test_clip_outside_the_with_block_raises(model, tmp_path):
 
 def test_capture_errors_are_gradaudit_errors_so_the_cli_maps_them_to_exit_2():
     assert issubclass(CaptureError, GradauditError)
+
+
+def test_dump_given_an_optimizer_says_to_use_audit_step(model, tmp_path):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        CaptureError, match=r"dump\(\) records gradients as they are now; pass optimizer= to audit_step"
+    ):
+        gradaudit.dump(model, tmp_path, step=1, max_norm=1.0, optimizer=opt)
+    assert not (tmp_path / "step_1").exists()
+
+
+def test_a_misspelt_option_is_a_type_error_naming_it(model, tmp_path):
+    with pytest.raises(TypeError, match="max_nrom"):
+        gradaudit.audit_step(model, tmp_path, step=1, max_nrom=1.0)
