@@ -380,6 +380,8 @@ class Guard:
         import torch.distributed as dist
 
         try:
+            if self._pending is not None:
+                self._read_pending()  # a step the scaler skipped has no optimizer pre-hook to read it
             if self.world_size > 1:
                 gathered = torch.empty(
                     self.world_size * vector.numel(), dtype=vector.dtype, device=vector.device

@@ -209,50 +209,44 @@ SKIPPED_STEP = 5
 
 def ddp_fp16_scaler(rank: int, world_size: int, out_root: str) -> dict:
     """DDP under float16 autocast with a GradScaler: unscale_, clip, scaler.step; one step skipped by the
-    scaler (inf gradients). The mistake: clipping before unscale_ (the norm is the loss scale too big)."""
+    scaler (inf loss: inf gradients on every rank), read one step late as on GPU. The mistakes: clipping
+    before unscale_ (the norm is the loss scale too big), and an inf in one rank's gradient after the
+    all-reduce (a GradScaler does not all-reduce found_inf: that rank alone skips the step)."""
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
-    models: list[Any] = []
-    scalers: list[Any] = []
-
-    def make():
+    found = {}
+    for name, mistake in (
+        ("ddp_fp16", None),
+        ("ddp_fp16_mistake", "before_unscale"),
+        ("ddp_fp16_skip_mistake", "inf"),
+    ):
         model = torch.nn.parallel.DistributedDataParallel(tiny_net())
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        models[:], scalers[:] = [model], [scaler]
 
-        def backward(step: int) -> None:
+        def backward(step: int, model=model, scaler=scaler, mistake=mistake) -> None:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = loss_of(model(x * step), y)
             if step == SKIPPED_STEP:
                 loss = loss * float("inf")
-            scalers[0].scale(loss.float()).backward()
+            scaler.scale(loss.float()).backward()
+            if mistake == "inf" and step == MISTAKE_STEP and rank == 0:
+                model.module.head.bias.grad[0] = float("inf")
 
-        return model, backward
-
-    def clip(unscale_first: bool):
-        def run(guard, step):
-            model, scaler = models[0], scalers[0]
-            opt = guard.optimizer
+        def clip(guard, step, model=model, scaler=scaler, mistake=mistake):
+            unscale_first = not (mistake == "before_unscale" and step == MISTAKE_STEP)
             if unscale_first:
-                scaler.unscale_(opt)
+                scaler.unscale_(guard.optimizer)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             return float(norm) / (1.0 if unscale_first else scaler.get_scale())
 
-        return run
-
-    found = {}
-    for name, wrong_at in (("ddp_fp16", None), ("ddp_fp16_mistake", MISTAKE_STEP)):
-        model, backward = make()
-        right, wrong = clip(True), clip(False)
         found[name] = _run(
             model,
             os.path.join(out_root, name),
             backward,
-            lambda guard, step, right=right, wrong=wrong, at=wrong_at: (wrong if step == at else right)(
-                guard, step
-            ),
-            num_steps=NUM_STEPS if wrong_at is None else MISTAKE_STEPS,
-            scaler=scalers[0],
+            clip,
+            num_steps=MISTAKE_STEPS if mistake else NUM_STEPS,
+            scaler=scaler,
+            late=True,
         )
     return found
 

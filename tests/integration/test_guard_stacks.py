@@ -34,6 +34,8 @@ STACKS_OF_FOUR = {
     "moe": ("float32", "GA207"),
 }
 STACKS = {**STACKS_OF_TWO, **STACKS_OF_FOUR}
+MISTAKES = {f"{stack}_mistake": code for stack, (_, code) in STACKS.items()}
+MISTAKES["ddp_fp16_skip_mistake"] = "GA402"  # one rank's scaler skips the step, the other steps
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +76,15 @@ def test_a_correct_run_is_never_flagged_and_its_true_norm_is_what_the_clip_retur
         assert line["true_norm"] == pytest.approx(returned, rel=NORM_RTOL_BY_DTYPE[dtype])
 
 
-@pytest.mark.parametrize("stack", sorted(STACKS))
-def test_a_mistake_is_named_at_its_step_with_the_code_check_gives_for_the_guards_dump(runs, stack):
-    _, code = STACKS[stack]
-    results = runs[f"{stack}_mistake"]
+@pytest.mark.parametrize("run", sorted(MISTAKES))
+def test_a_mistake_is_named_at_its_step_with_the_code_check_gives_for_the_guards_dump(runs, run):
+    code = MISTAKES[run]
+    results = runs[run]
     step = workers.MISTAKE_STEP
     for result in results:
-        assert [at for at, _ in result["anomalies"]] == [step], result["anomalies"]
+        flagged = [at for at, _ in result["anomalies"]]
+        # after one rank alone skipped, the DDP replicas differ: the next step is wrong too (GA301)
+        assert flagged == [step] or (run == "ddp_fp16_skip_mistake" and flagged[0] == step), flagged
         assert code in result["anomalies"][0][1]
         assert any(w.startswith(f"gradaudit guard: step {step}: {code}") for w in result["warnings"])
     trend = _trend(results[0])
