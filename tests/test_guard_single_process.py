@@ -82,3 +82,28 @@ def test_the_guard_refuses_a_call_without_optimizer_or_out_dir(tmp_path):
         gradaudit.guard(model, max_norm=MAX_NORM, out_dir=tmp_path)
     with pytest.raises(CaptureError, match="on_anomaly"):
         gradaudit.guard(model, max_norm=MAX_NORM, optimizer=_setup()[1], out_dir=tmp_path, on_anomaly="log")
+
+
+def test_a_step_the_scaler_skips_is_written_as_skipped_and_the_scaler_is_left_as_it_was(tmp_path):
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GuardWarning)
+        with gradaudit.guard(
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, scaler=scaler
+        ) as guard:
+            assert "step" in vars(scaler)  # the guard sees scaler.step end a step the optimizer never took
+            for loss_factor in (1.0, float("inf"), 1.0):
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(4, 8)).pow(2).sum() * loss_factor).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                scaler.step(opt)
+                scaler.update()
+    assert [(line["step"], line["verdict"]) for line in _trend(tmp_path)] == [
+        (1, "ok"),
+        (2, "skipped"),
+        (3, "ok"),
+    ]
+    assert guard.anomalies == []
+    assert "step" not in vars(scaler)  # removed with the guard: the class's own step again

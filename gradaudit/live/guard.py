@@ -111,6 +111,8 @@ class Guard:
         self.scaler = scaler
         self._scaler = ScalerWatch(scaler, self.optimizer) if scaler is not None else None
         self._scale_at_clip: tuple[float | None, bool | None] | None = None
+        """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first:"""
+        self._scale_at_first_clip: tuple[float | None, bool | None] | None = None
         self._stepped = False
         self.run_id = check_run_id(run_id)
         self.capture_next = capture_next
@@ -340,8 +342,9 @@ class Guard:
             before=sample,
             sampled=sampled,
         )
-        if self._scaler is not None and self._scale_at_clip is None:
+        if self._scaler is not None:
             self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
+            self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
         self._num_calls += 1
         if len(self._calls) < self.layout.max_calls:
             self._calls.append(record)
@@ -363,8 +366,13 @@ class Guard:
             terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
         scaler: tuple[float | None, bool | None, bool | None] = (None, None, None)
         if self._scaler is not None:
-            scale, unscaled = self._scale_at_clip or (self._scaler.scale(), None)
+            scale, unscaled = self._scale_at_first_clip or (self._scaler.scale(), None)
             scaler = (scale, unscaled, skipped)
+            last_scale, last_unscaled = self._scale_at_clip or (None, None)
+            if last_unscaled is False and last_scale and not skipped:
+                # scaler.step unscaled the gradients after the clip: the sample at the step shows the
+                # clip's coefficient divided by the loss scale
+                applied = applied * last_scale
         return pack(
             self.layout,
             device=self._device,
@@ -430,7 +438,8 @@ class Guard:
         if capture is not None:
             self._capture = None
             self._safely(lambda: _end_capture(capture))
-        self._calls, self._num_calls, self._scale_at_clip = [], 0, None
+        self._calls, self._num_calls = [], 0
+        self._scale_at_clip = self._scale_at_first_clip = None
         self.step += 1
         if self._capture_step is not None and self.active:
             self._safely(self._begin_capture)

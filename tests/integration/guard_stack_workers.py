@@ -207,37 +207,39 @@ SKIPPED_STEP = 5
 """The fp16 run's step whose loss is inf: the scaler finds inf gradients and skips it."""
 
 
-def ddp_fp16_scaler(rank: int, world_size: int, out_root: str) -> dict:
-    """DDP under float16 autocast with a GradScaler: unscale_, clip, scaler.step; one step skipped by the
-    scaler (inf loss: inf gradients on every rank), read one step late as on GPU. The mistakes: clipping
-    before unscale_ (the norm is the loss scale too big), and an inf in one rank's gradient after the
-    all-reduce (a GradScaler does not all-reduce found_inf: that rank alone skips the step)."""
+def _fp16_runs(
+    rank: int, world_size: int, out_root: str, stack: str, wrap, make_scaler, mistakes, *, sharded: bool
+) -> dict:
+    """Float16 autocast with a GradScaler: unscale_, clip, scaler.step, read one step late as on GPU. At
+    SKIPPED_STEP the gradients hold an inf and every rank's scaler skips the step (the loss is inf on
+    every rank; `sharded`: only rank 0's shard has an inf, and the sharded scaler all-reduces found_inf).
+    The mistakes, at MISTAKE_STEP: clipping before
+    unscale_ ("before_unscale": the norm is the loss scale too big), and an inf in one rank's gradient
+    only ("inf"; under DDP after the all-reduce: a GradScaler does not all-reduce found_inf)."""
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     found = {}
-    for name, mistake in (
-        ("ddp_fp16", None),
-        ("ddp_fp16_mistake", "before_unscale"),
-        ("ddp_fp16_skip_mistake", "inf"),
-    ):
-        model = torch.nn.parallel.DistributedDataParallel(tiny_net())
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for mistake in (None, *mistakes):
+        name = stack if mistake is None else f"{stack}{'_skip' if mistake == 'inf' else ''}_mistake"
+        model, scaler = wrap(tiny_net()), make_scaler()
 
         def backward(step: int, model=model, scaler=scaler, mistake=mistake) -> None:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = loss_of(model(x * step), y)
-            if step == SKIPPED_STEP:
+            if step == SKIPPED_STEP and not sharded:
                 loss = loss * float("inf")
             scaler.scale(loss.float()).backward()
-            if mistake == "inf" and step == MISTAKE_STEP and rank == 0:
-                model.module.head.bias.grad[0] = float("inf")
+            one_rank = (step == SKIPPED_STEP and sharded) or (mistake == "inf" and step == MISTAKE_STEP)
+            if rank == 0 and one_rank:
+                grad = next(model.parameters()).grad
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
 
         def clip(guard, step, model=model, scaler=scaler, mistake=mistake):
             unscale_first = not (mistake == "before_unscale" and step == MISTAKE_STEP)
             if unscale_first:
                 scaler.unscale_(guard.optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            return float(norm) / (1.0 if unscale_first else scaler.get_scale())
+            norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            return norm / (1.0 if unscale_first else scaler.get_scale())
 
         found[name] = _run(
             model,
@@ -251,9 +253,41 @@ def ddp_fp16_scaler(rank: int, world_size: int, out_root: str) -> dict:
     return found
 
 
+def ddp_fp16(rank: int, world_size: int, out_root: str) -> dict:
+    return _fp16_runs(
+        rank,
+        world_size,
+        out_root,
+        "ddp_fp16",
+        torch.nn.parallel.DistributedDataParallel,
+        lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10),
+        ("before_unscale", "inf"),
+        sharded=False,
+    )
+
+
+def fsdp2_fp16(rank: int, world_size: int, out_root: str) -> dict:
+    """FSDP2 with its ShardedGradScaler, which all-reduces found_inf: an inf in rank 0's shard skips the
+    step on both ranks, and the guard writes it as skipped."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    return _fp16_runs(
+        rank,
+        world_size,
+        out_root,
+        "fsdp2_fp16",
+        lambda model: _fsdp2(model, mesh),
+        lambda: ShardedGradScaler("cpu", init_scale=2.0**10),
+        ("before_unscale",),
+        sharded=True,
+    )
+
+
 def world_of_two(rank: int, world_size: int, out_root: str) -> dict:
     found: dict = {}
-    for stacks in (fsdp1, tensor_parallel, pipeline, fsdp2_bf16, ddp_fp16_scaler):
+    for stacks in (fsdp1, tensor_parallel, pipeline, fsdp2_bf16, ddp_fp16, fsdp2_fp16):
         found.update(stacks(rank, world_size, out_root))
     return found
 
