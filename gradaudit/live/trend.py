@@ -201,7 +201,7 @@ def _bar(true: float | None, reported: float | None, top: float) -> str:
 
 
 def _pair(line: TrendLine) -> str:
-    mark = "" if line.ok else "  " + ",".join(line.codes)
+    mark = "  skipped by the scaler" if line.skipped else "" if line.ok else "  " + ",".join(line.codes)
     return f"{_fmt(line.true_norm)} / {_fmt(line.reported_norm)}{mark}"
 
 
