@@ -89,6 +89,9 @@ class RankSummary:
     """Whether GradScaler.unscale_ had run at the first clip call (None: no scaler)."""
     skipped: bool | None = None
     """Whether the scaler skipped the optimizer step (found_inf); None: no scaler."""
+    grad_dtype: str | None = None
+    """The loosest dtype of this rank's gradients (FSDP1 keeps bfloat16 gradients of float32
+    parameters): the tolerance the analysis allows goes by it."""
 
     def __post_init__(self) -> None:
         if len(self.held) != len(self.terms):
@@ -131,7 +134,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
                     param=group.param,
                     regions=(FlatRange(start=position, stop=position + 1),),
                     local_shape=(1,),
-                    dtype=group.dtype,
+                    dtype=summary.grad_dtype or group.dtype,
                     replica_group=group.replica_group,
                     stats=_stats_of(summary, i, live.norm_type),
                     call_stats=_call_stats(summary, i, live.norm_type),

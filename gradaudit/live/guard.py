@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -114,6 +114,7 @@ class Guard:
         """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first:"""
         self._scale_at_first_clip: tuple[float | None, bool | None] | None = None
         self._stepped = False
+        self._grad_dtype: str | None = None
         self.run_id = check_run_id(run_id)
         self.capture_next = capture_next
         self.on_verdict = on_verdict
@@ -373,6 +374,8 @@ class Guard:
                 # scaler.step unscaled the gradients after the clip: the sample at the step shows the
                 # clip's coefficient divided by the loss scale
                 applied = applied * last_scale
+        if self._grad_dtype is None:  # once: read from the gradients' metadata, no pass over them
+            self._grad_dtype = _loosest_dtype(p.grad() for p in self._summary.pieces)
         return pack(
             self.layout,
             device=self._device,
@@ -381,6 +384,7 @@ class Guard:
             calls=self._calls,
             num_calls=self._num_calls,
             scaler=scaler,
+            grad_dtype=self._grad_dtype,
         )
 
     def _gather(self, vector: Any) -> None:
@@ -612,6 +616,14 @@ def _ownership_keys(
             keys.append(key)
         keys_of.append(keys)
     return keys_of, added
+
+
+def _loosest_dtype(grads: Iterable[Any]) -> str | None:
+    """The dtype of the gradients whose norms the analysis must compare most loosely (None: none yet)."""
+    from ..norms import NORM_RTOL_BY_DTYPE
+
+    names = {str(g.dtype).removeprefix("torch.") for g in grads if g is not None}
+    return max(names, key=lambda n: NORM_RTOL_BY_DTYPE.get(n, 0.0), default=None)
 
 
 def _end_capture(capture: AuditStep) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..norms import NORM_RTOL_BY_DTYPE
 from .analysis_input import SHARDED, CallSummary, OwnershipGroup, RankSummary
 
 if TYPE_CHECKING:
@@ -30,8 +31,10 @@ SAMPLE_PIECES = 16
 SAMPLE_PER_PIECE = 8
 
 OK, FAILED = 1.0, -1.0
-HEADER = 6
-"""status, clip calls, applied coefficient, loss scale, unscaled before clipping, step skipped."""
+HEADER = 7
+"""status, clip calls, applied coefficient, loss scale, unscaled before clipping, step skipped, and the
+gradients' loosest dtype (its index in GRAD_DTYPES)."""
+GRAD_DTYPES = tuple(NORM_RTOL_BY_DTYPE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,7 @@ class VectorLayout:
             loss_scale=_number(row[3]),
             unscaled=_flag(row[4]),
             skipped=_flag(row[5]),
+            grad_dtype=None if math.isnan(row[6]) else GRAD_DTYPES[int(row[6])],
             calls=tuple(calls),
             num_calls=num_calls,
             topology=topology,
@@ -234,6 +238,7 @@ def pack(
     calls: Sequence[CallRecord],
     num_calls: int,
     scaler: tuple[float | None, bool | None, bool | None] = (None, None, None),
+    grad_dtype: str | None = None,
 ) -> torch.Tensor:
     """This rank's vector; device tensors are copied in on the device (no host sync)."""
     import torch
@@ -245,6 +250,8 @@ def pack(
     _put(vector, 2, applied_coef)
     for at, value in enumerate(scaler, start=3):  # loss scale, unscaled, skipped (a bool is 1.0 or 0.0)
         _put(vector, at, value)
+    if grad_dtype in GRAD_DTYPES:
+        vector[6] = float(GRAD_DTYPES.index(grad_dtype))
     if terms is not None:
         vector[HEADER : HEADER + 3 * g].copy_(terms)
     else:

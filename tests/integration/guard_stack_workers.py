@@ -110,26 +110,32 @@ def _guarded(fn, *args):
 
 
 def fsdp1(rank: int, world_size: int, out_root: str) -> dict:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    """FSDP1 in float32, and with bfloat16 gradients of float32 parameters (keep_low_precision_grads:
+    the norm FSDP1 returns is a bfloat16 sum). The mistake: torch's clip of the flat local shards."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
-    def make():
-        model = FullyShardedDataParallel(tiny_net(), device_id=torch.device("cpu"))
-        return model, _data_parallel_backward(model, rank, world_size)
+    low = MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, keep_low_precision_grads=True
+    )
+    found: dict = {}
+    for name, precision in (("fsdp1", None), ("fsdp1_bf16", low)):
+        models: list[Any] = []
 
-    def right(guard, step):
-        return guard_model[0].clip_grad_norm_(MAX_NORM)
+        def make(precision=precision, models=models):
+            model = FullyShardedDataParallel(
+                tiny_net(), device_id=torch.device("cpu"), mixed_precision=precision
+            )
+            models[:] = [model]
+            return model, _data_parallel_backward(model, rank, world_size)
 
-    guard_model: list[Any] = []
+        def right(guard, step, models=models):
+            return models[0].clip_grad_norm_(MAX_NORM)
 
-    def tracked():
-        model, backward = make()
-        guard_model[:] = [model]
-        return model, backward
+        def wrong(guard, step, models=models):
+            return torch.nn.utils.clip_grad_norm_(models[0].parameters(), MAX_NORM)
 
-    def wrong(guard, step):  # torch's function on the flat local shards: the local norm
-        return torch.nn.utils.clip_grad_norm_(guard_model[0].parameters(), MAX_NORM)
-
-    return _both(out_root, "fsdp1", tracked, right, wrong)
+        found.update(_both(out_root, name, make, right, wrong))
+    return found
 
 
 def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:

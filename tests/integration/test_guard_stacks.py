@@ -23,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 STACKS_OF_TWO = {  # stack -> (the dtype of its gradients, the code of its mistake)
     "fsdp1": ("float32", "GA201"),
+    "fsdp1_bf16": ("bfloat16", "GA201"),
     "tp": ("float32", "GA202"),
     "pp": ("float32", "GA201"),
     "fsdp2_bf16": ("bfloat16", "GA201"),
