@@ -107,3 +107,30 @@ def test_a_step_the_scaler_skips_is_written_as_skipped_and_the_scaler_is_left_as
     ]
     assert guard.anomalies == []
     assert "step" not in vars(scaler)  # removed with the guard: the class's own step again
+
+
+def test_pieces_that_ranks_hold_alike_without_a_replica_group_are_one_group_over_their_holders():
+    from gradaudit.live.guard import _ownership_keys
+    from gradaudit.model import FlatRange
+
+    whole, half, other = (
+        (FlatRange(start=0, stop=4),),
+        (FlatRange(start=0, stop=2),),
+        (FlatRange(start=2, stop=4),),
+    )
+    every_rank = [  # dense: whole on both ranks, no replica group; fc: sharded; head: empty on rank 1
+        [
+            ("dense", whole, "sharded", "float32"),
+            ("fc", half, "sharded", "float32"),
+            ("head", None, "sharded", "float32"),
+        ],
+        [
+            ("dense", whole, "sharded", "float32"),
+            ("fc", other, "sharded", "float32"),
+            ("head", None, "sharded", "float32"),
+        ],
+        [("dp", whole, "world", "float32")],
+    ]
+    keys, added = _ownership_keys(every_rank)
+    assert keys == [["ranks 0,1", "sharded", "sharded"], ["ranks 0,1", "sharded", "sharded"], ["world"]]
+    assert added == {"ranks 0,1": ((0, 1),)}

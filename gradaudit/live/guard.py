@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -161,7 +162,10 @@ class Guard:
             aliases=self._aliases,
             on_unsupported=unsupported,
         )
-        mine = [(p.param, p.regions, group_key(p), p.dtype) for p in ownership.pieces]
+        mine = [
+            (p.param, p.regions if math.prod(p.local_shape) else None, group_key(p), p.dtype)
+            for p in ownership.pieces
+        ]
         every_rank = self._exchange_once((mine, ownership.topology))
         keys_of, added = _ownership_keys([pieces for pieces, _ in every_rank])
         keys = keys_of[self.rank]
@@ -602,14 +606,14 @@ def _ownership_keys(
     holders: dict[tuple[str, Any], list[int]] = {}
     for rank, pieces in enumerate(every_rank):
         for param, regions, key, _ in pieces:
-            if key == SHARDED:
+            if key == SHARDED and regions is not None:  # an empty piece is no one's copy
                 holders.setdefault((param, regions), []).append(rank)
     added: dict[str, tuple[tuple[int, ...], ...]] = {}
     keys_of = []
     for pieces in every_rank:
         keys = []
         for param, regions, key, _ in pieces:
-            ranks = holders.get((param, regions), []) if key == SHARDED else []
+            ranks = holders.get((param, regions), []) if key == SHARDED and regions is not None else []
             if len(ranks) > 1:
                 key = f"ranks {','.join(map(str, ranks))}"
                 added[key] = (tuple(ranks),)
@@ -623,7 +627,7 @@ def _loosest_dtype(grads: Iterable[Any]) -> str | None:
     from ..norms import NORM_RTOL_BY_DTYPE
 
     names = {str(g.dtype).removeprefix("torch.") for g in grads if g is not None}
-    return max(names, key=lambda n: NORM_RTOL_BY_DTYPE.get(n, 0.0), default=None)
+    return max(sorted(names), key=lambda n: NORM_RTOL_BY_DTYPE.get(n, 0.0), default=None)
 
 
 def _end_capture(capture: AuditStep) -> None:
