@@ -320,7 +320,15 @@ def hsdp(rank: int, world_size: int, out_root: str) -> dict:
     def wrong(guard, step):
         return guard.clip(world_allreduced_clip, list(models[0].parameters()), MAX_NORM)
 
-    return _both(out_root, "hsdp", make, right, wrong)
+    found = _both(out_root, "hsdp", make, right, wrong)
+    model = tiny_net().to(torch.bfloat16)  # and a correct run in bfloat16
+    fully_shard(model, mesh=mesh)
+    models[:] = [model]
+    backward = _data_parallel_backward(model, rank, world_size, torch.bfloat16)
+    found["hsdp_bf16"] = _run(
+        model, os.path.join(out_root, "hsdp_bf16"), backward, right, num_steps=NUM_STEPS
+    )
+    return found
 
 
 def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:

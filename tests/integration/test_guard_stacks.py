@@ -32,11 +32,12 @@ STACKS_OF_TWO = {  # stack -> (the dtype of its gradients, the code of its mista
 }
 STACKS_OF_FOUR = {
     "hsdp": ("float32", "GA202"),
+    "hsdp_bf16": ("bfloat16", None),
     "fsdp2_tp": ("float32", "GA201"),
     "moe": ("float32", "GA207"),
 }
 STACKS = {**STACKS_OF_TWO, **STACKS_OF_FOUR}
-MISTAKES = {f"{stack}_mistake": code for stack, (_, code) in STACKS.items()}
+MISTAKES = {f"{stack}_mistake": code for stack, (_, code) in STACKS.items() if code is not None}
 MISTAKES["ddp_fp16_skip_mistake"] = "GA402"  # one rank's scaler skips the step, the other steps
 
 
