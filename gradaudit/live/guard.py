@@ -702,8 +702,8 @@ def guard(
     Keyword arguments: max_norm, optimizer, out_dir (all three required), norm_type, groups, aliases:
       as `audit_step` takes them; scaler: the torch.amp.GradScaler of fp16 training (the loss scale and
       whether unscale_ ran before the clip are accounted for, and a step the scaler skips for inf
-      gradients is written to the trend as skipped, not as an anomaly); every: check every N-th step; on_anomaly
-      ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
+      gradients is written to the trend as skipped, not as an anomaly); every: check every N-th step;
+      on_anomaly ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
       steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
       no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
       on_verdict: called on every rank with each checked step's TrendLine (to log the true norm).
