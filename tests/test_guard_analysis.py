@@ -136,6 +136,26 @@ def test_the_trend_reads_back_and_lists_the_failing_steps_first(tmp_path):
     assert text.splitlines()[1].startswith("  step 2: GA201")
 
 
+def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_path):
+    skipped = TrendLine(
+        step=2,
+        true_norm=None,
+        reported_norm=math.inf,
+        expected_coef=None,
+        min_coef=None,
+        max_coef=None,
+        skipped=True,
+    )
+    lines = [_line(1), skipped, _line(3)]
+    assert read_trend(_trend(tmp_path, lines) / TREND_FILE) == lines
+    assert skipped.to_json()["verdict"] == "skipped"
+    text = trend_text(lines)
+    assert text.splitlines()[0] == "guard trend: 3 checked steps, 0 with wrong clipping"
+    assert any(
+        row.strip().startswith("2 ") and row.endswith("skipped by the scaler") for row in text.splitlines()
+    )
+
+
 def test_a_damaged_trend_line_names_the_file_and_line(tmp_path):
     (tmp_path / TREND_FILE).write_text(json.dumps(_line(1).to_json()) + "\n{not json\n")
     with pytest.raises(StepFolderError, match=r"guard_trend.jsonl:2: .*remove the line"):

@@ -82,3 +82,55 @@ def test_the_guard_refuses_a_call_without_optimizer_or_out_dir(tmp_path):
         gradaudit.guard(model, max_norm=MAX_NORM, out_dir=tmp_path)
     with pytest.raises(CaptureError, match="on_anomaly"):
         gradaudit.guard(model, max_norm=MAX_NORM, optimizer=_setup()[1], out_dir=tmp_path, on_anomaly="log")
+
+
+def test_a_step_the_scaler_skips_is_written_as_skipped_and_the_scaler_is_left_as_it_was(tmp_path):
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GuardWarning)
+        with gradaudit.guard(
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, scaler=scaler
+        ) as guard:
+            assert "step" in vars(scaler)  # the guard sees scaler.step end a step the optimizer never took
+            for loss_factor in (1.0, float("inf"), 1.0):
+                opt.zero_grad()
+                scaler.scale(model(torch.randn(4, 8)).pow(2).sum() * loss_factor).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                scaler.step(opt)
+                scaler.update()
+    assert [(line["step"], line["verdict"]) for line in _trend(tmp_path)] == [
+        (1, "ok"),
+        (2, "skipped"),
+        (3, "ok"),
+    ]
+    assert guard.anomalies == []
+    assert "step" not in vars(scaler)  # removed with the guard: the class's own step again
+
+
+def test_pieces_that_ranks_hold_alike_without_a_replica_group_are_one_group_over_their_holders():
+    from gradaudit.live.guard import _ownership_keys
+    from gradaudit.model import FlatRange
+
+    whole, half, other = (
+        (FlatRange(start=0, stop=4),),
+        (FlatRange(start=0, stop=2),),
+        (FlatRange(start=2, stop=4),),
+    )
+    every_rank = [  # dense: whole on both ranks, no replica group; fc: sharded; head: empty on rank 1
+        [
+            ("dense", whole, "sharded", "float32"),
+            ("fc", half, "sharded", "float32"),
+            ("head", None, "sharded", "float32"),
+        ],
+        [
+            ("dense", whole, "sharded", "float32"),
+            ("fc", other, "sharded", "float32"),
+            ("head", None, "sharded", "float32"),
+        ],
+        [("dp", whole, "world", "float32")],
+    ]
+    keys, added = _ownership_keys(every_rank)
+    assert keys == [["ranks 0,1", "sharded", "sharded"], ["ranks 0,1", "sharded", "sharded"], ["world"]]
+    assert added == {"ranks 0,1": ((0, 1),)}

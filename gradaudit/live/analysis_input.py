@@ -85,6 +85,14 @@ class RankSummary:
     num_calls: int = 0
     """Every clip call of the step (only the first few are in `calls`)."""
     topology: Topology = field(default_factory=Topology)
+    loss_scale: float | None = None
+    unscaled: bool | None = None
+    """Whether GradScaler.unscale_ had run at the first clip call (None: no scaler)."""
+    skipped: bool | None = None
+    """Whether the scaler skipped the optimizer step (found_inf); None: no scaler."""
+    grad_dtype: str | None = None
+    """The loosest dtype of this rank's gradients (FSDP1 keeps bfloat16 gradients of float32
+    parameters): the tolerance the analysis allows goes by it."""
 
     def __post_init__(self) -> None:
         if len(self.held) != len(self.terms):
@@ -127,7 +135,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
                     param=group.param,
                     regions=(FlatRange(start=position, stop=position + 1),),
                     local_shape=(1,),
-                    dtype=group.dtype,
+                    dtype=summary.grad_dtype or group.dtype,
                     replica_group=group.replica_group,
                     stats=_stats_of(summary, i, live.norm_type),
                     call_stats=_call_stats(summary, i, live.norm_type),
@@ -215,7 +223,13 @@ def _call_stats(summary: RankSummary, i: int, norm_type: float) -> tuple[TensorS
 
 def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
     calls = tuple(
-        ClipCall(reported_norm=c.reported_norm, max_norm=c.max_norm, norm_type=c.norm_type)
+        ClipCall(
+            reported_norm=c.reported_norm,
+            max_norm=c.max_norm,
+            norm_type=c.norm_type,
+            unscaled=summary.unscaled,
+            loss_scale=summary.loss_scale,
+        )
         for c in summary.calls
     )
     return ClipRecord(
@@ -223,6 +237,10 @@ def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
         norm_type=live.norm_type,
         reported_norm=calls[-1].reported_norm if calls else None,
         calls=calls,
+        loss_scale=summary.loss_scale,
+        unscaled_before_clip=summary.unscaled if calls else None,
+        found_inf=summary.skipped,
+        step_skipped=summary.skipped,
     )
 
 

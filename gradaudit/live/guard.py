@@ -3,18 +3,20 @@ step, and dump the step that goes wrong."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
-from .analysis_input import LiveStep, RankSummary, rank_dumps, report_of
+from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_of
 from .summary import (
     FAILED,
     CallRecord,
@@ -26,7 +28,7 @@ from .summary import (
     ownership_groups,
     pack,
 )
-from .trend import TREND_FILE, TrendLine, trend_line
+from .trend import TREND_FILE, TrendLine, skipped_line, trend_line
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from ..capture.session import AuditStep
     from ..report.model import Report
 
+OnAnomaly = Literal["warn", "raise"]
 ON_ANOMALY = ("warn", "raise")
 TRIGGER = "guard"
 """The dump metadata's `trigger` for a step the guard wrote on an anomaly."""
@@ -63,13 +66,14 @@ class Guard:
         model: torch.nn.Module,
         *,
         max_norm: float,
-        optimizer: Any,
+        optimizer: Any = None,
         out_dir: str | os.PathLike[str],
         norm_type: float | str = 2.0,
         groups: Mapping[str, Any] | None = None,
         aliases: Mapping[str, str] | None = None,
+        scaler: Any = None,
         every: int = 1,
-        on_anomaly: str = "warn",
+        on_anomaly: OnAnomaly = "warn",
         max_dumps: int = 3,
         cooldown: int = 100,
         late: bool | None = None,
@@ -80,6 +84,7 @@ class Guard:
     ) -> None:
         from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
         from ..capture.optimizers import hookable_optimizer
+        from ..capture.scaler import ScalerWatch
         from ..capture.topology import normalize_groups
 
         self.max_norm = check_max_norm(max_norm)
@@ -104,6 +109,13 @@ class Guard:
         self.on_anomaly = on_anomaly
         self.max_dumps = max_dumps
         self.cooldown = cooldown
+        self.scaler = scaler
+        self._scaler = ScalerWatch(scaler, self.optimizer) if scaler is not None else None
+        self._scale_at_clip: tuple[float | None, bool | None] | None = None
+        """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first:"""
+        self._scale_at_first_clip: tuple[float | None, bool | None] | None = None
+        self._stepped = False
+        self._grad_dtype: str | None = None
         self.run_id = check_run_id(run_id)
         self.capture_next = capture_next
         self.on_verdict = on_verdict
@@ -150,17 +162,24 @@ class Guard:
             aliases=self._aliases,
             on_unsupported=unsupported,
         )
-        keys = [group_key(p) for p in ownership.pieces]
-        dtypes = {group_key(p): p.dtype for p in ownership.pieces}
-        every_rank = self._exchange_once((sorted(set(keys)), dtypes, ownership.topology))
+        mine = [
+            (p.param, p.regions if math.prod(p.local_shape) else None, group_key(p), p.dtype)
+            for p in ownership.pieces
+        ]
+        every_rank = self._exchange_once((mine, ownership.topology))
+        keys_of, added = _ownership_keys([pieces for pieces, _ in every_rank])
+        keys = keys_of[self.rank]
         dtype_of: dict[str, str] = {}
-        for _, rank_dtypes, _ in every_rank:
-            for key, dtype in rank_dtypes.items():
+        for (pieces, _), rank_keys in zip(every_rank, keys_of, strict=True):
+            for (*_, dtype), key in zip(pieces, rank_keys, strict=True):
                 dtype_of.setdefault(key, dtype)
-        self.groups = ownership_groups([k for rank_keys, _, _ in every_rank for k in rank_keys], dtype_of)
+        self.groups = ownership_groups([k for rank_keys in keys_of for k in rank_keys], dtype_of)
         position = {g.name: i for i, g in enumerate(self.groups)}
-        self._held = [tuple(g.name in rank_keys for g in self.groups) for rank_keys, _, _ in every_rank]
-        self._topologies: list[Topology] = [topology for _, _, topology in every_rank]
+        self._held = [tuple(g.name in rank_keys for g in self.groups) for rank_keys in keys_of]
+        self._topologies: list[Topology] = [
+            dataclasses.replace(topology, groups={**topology.groups, **added}) if added else topology
+            for _, topology in every_rank
+        ]
         self.layout = VectorLayout(num_groups=len(self.groups))
         self._summary = LocalSummary(
             ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type
@@ -198,11 +217,25 @@ class Guard:
         from ..capture import intercept
 
         self._interception = intercept.install(self._intercepted)
+        if self.scaler is not None:
+            self.scaler.step = self._scaler_step  # an instance attribute: removing it restores the class's
 
     def _uninstall(self) -> None:
         if self._interception is not None:
             self._interception.remove()
             self._interception = None
+        if self.scaler is not None and vars(self.scaler).get("step") == self._scaler_step:
+            del self.scaler.step
+
+    def _scaler_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """GradScaler.step, seen by the guard: a step the scaler skips (inf gradients, so the optimizer's
+        hooks never run) still ends the guard's step, and is checked as skipped."""
+        assert self.scaler is not None
+        self._stepped = False
+        result = type(self.scaler).step(self.scaler, optimizer, *args, **kwargs)
+        if not self._stepped and self.active and not self._paused:
+            self._end_of_step(skipped=True)
+        return result
 
     def _exchange_once(self, mine: Any) -> list[Any]:
         """Every rank's ownership groups and topology, once when the guard is attached."""
@@ -287,6 +320,8 @@ class Guard:
         clipped with) and return what it returns; the guard records it as a clip call of the step."""
         from ..capture import intercept
 
+        if self._capture is not None:  # a step captured in full: the capture records the call
+            return self._capture.clip(fn, *args, **kwargs)
         if intercept.inside():
             return fn(*args, **kwargs)
         with intercept.outermost():
@@ -312,6 +347,9 @@ class Guard:
             before=sample,
             sampled=sampled,
         )
+        if self._scaler is not None:
+            self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
+            self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
         self._num_calls += 1
         if len(self._calls) < self.layout.max_calls:
             self._calls.append(record)
@@ -324,13 +362,24 @@ class Guard:
         if self._capture is not None:
             self._capture.before_optimizer_step()
 
-    def _vector(self) -> Any:
+    def _vector(self, *, skipped: bool) -> Any:
         if self._calls:
             last = self._calls[-1]
             # the same gradient tensors the last call clipped in place, sampled again
             terms, applied = last.terms, coefficient(last.before, self._summary.sample(last.sampled))
         else:
             terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
+        scaler: tuple[float | None, bool | None, bool | None] = (None, None, None)
+        if self._scaler is not None:
+            scale, unscaled = self._scale_at_first_clip or (self._scaler.scale(), None)
+            scaler = (scale, unscaled, skipped)
+            last_scale, last_unscaled = self._scale_at_clip or (None, None)
+            if last_unscaled is False and last_scale and not skipped:
+                # scaler.step unscaled the gradients after the clip: the sample at the step shows the
+                # clip's coefficient divided by the loss scale
+                applied = applied * last_scale
+        if self._grad_dtype is None:  # once: read from the gradients' metadata, no pass over them
+            self._grad_dtype = _loosest_dtype(p.grad() for p in self._summary.pieces)
         return pack(
             self.layout,
             device=self._device,
@@ -338,6 +387,8 @@ class Guard:
             applied_coef=applied,
             calls=self._calls,
             num_calls=self._num_calls,
+            scaler=scaler,
+            grad_dtype=self._grad_dtype,
         )
 
     def _gather(self, vector: Any) -> None:
@@ -345,6 +396,8 @@ class Guard:
         import torch.distributed as dist
 
         try:
+            if self._pending is not None:
+                self._read_pending()  # a step the scaler skipped has no optimizer pre-hook to read it
             if self.world_size > 1:
                 gathered = torch.empty(
                     self.world_size * vector.numel(), dtype=vector.dtype, device=vector.device
@@ -372,8 +425,12 @@ class Guard:
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # The summary is sent after the step, not before: a closure (Lightning, LBFGS) runs the backward
         # and the clip inside optimizer.step(); optimizers leave the gradients as they were.
+        self._stepped = True
+        self._end_of_step(skipped=False)
+
+    def _end_of_step(self, *, skipped: bool) -> None:
         if self._checked:
-            vector = self._safely(self._vector)
+            vector = self._safely(lambda: self._vector(skipped=skipped))
             if vector is None and self.active:
                 vector = failed_vector(self.layout, self._device)
             if vector is not None:
@@ -390,6 +447,7 @@ class Guard:
             self._capture = None
             self._safely(lambda: _end_capture(capture))
         self._calls, self._num_calls = [], 0
+        self._scale_at_clip = self._scale_at_first_clip = None
         self.step += 1
         if self._capture_step is not None and self.active:
             self._safely(self._begin_capture)
@@ -409,9 +467,13 @@ class Guard:
             self._warn(f"gradaudit guard: rank(s) {failed} could not measure step {step}; the guard is off")
             self._switch_off()
             return
-        report = self._safely(lambda: self._report(step, rows))
-        if report is not None:
-            self._judge(step, report)
+        live = self._safely(lambda: self.live_step(step, rows))
+        if live is not None and all(r.skipped for r in live.ranks.values()):
+            self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
+        elif live is not None:
+            report = self._safely(lambda: report_of(live))
+            if report is not None:
+                self._judge(step, (live, report))
 
     def live_step(self, step: int, rows: Any) -> LiveStep:
         ranks: dict[int, RankSummary] = {
@@ -431,21 +493,14 @@ class Guard:
             directory=str(self.out_dir / f"step_{step}"),
         )
 
-    def _report(self, step: int, rows: Any) -> tuple[LiveStep, Report]:
-        live = self.live_step(step, rows)
-        return live, report_of(live)
-
     def _judge(self, step: int, found: tuple[LiveStep, Report]) -> None:
         from ..report.model import Severity
 
         live, report = found
         errors = [f for f in report.findings if f.severity is Severity.ERROR]
         codes = tuple(dict.fromkeys(f.code for f in errors))
-        line = self.last = trend_line(report, codes)
-        if self.rank == 0:
-            self._safely(lambda: self._append_trend(line))
-        if self.on_verdict is not None:
-            self._safely(lambda: self.on_verdict(line) if self.on_verdict is not None else None)
+        line = trend_line(report, codes)
+        self._record_line(line)
         if not errors:
             return
         self.anomalies.append((step, codes))
@@ -458,6 +513,13 @@ class Guard:
         for message in messages:
             self._warn(message + where)
 
+    def _record_line(self, line: TrendLine) -> None:
+        self.last = line
+        if self.rank == 0:
+            self._safely(lambda: self._append_trend(line))
+        if self.on_verdict is not None:
+            self._safely(lambda: self.on_verdict(line) if self.on_verdict is not None else None)
+
     def _append_trend(self, line: TrendLine) -> None:
         if self._trend_file is None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -468,8 +530,6 @@ class Guard:
     def _dump(self, live: LiveStep, step: int, codes: tuple[str, ...]) -> bool:
         """Write this rank's file of the step, and arm a full capture of the next; False when the
         dump budget or the cooldown says no."""
-        import dataclasses
-
         from ..dumpfile.writer import write_rank_file
 
         if len(self.dumps) >= self.max_dumps:
@@ -505,6 +565,7 @@ class Guard:
             groups=self._groups or None,
             aliases=self._aliases or None,
             run_id=self.run_id,
+            scaler=self.scaler,
             capture_api="guard.full",
         ).begin()
 
@@ -533,6 +594,40 @@ class Guard:
         import warnings
 
         warnings.warn(message, GuardWarning, stacklevel=2)
+
+
+def _ownership_keys(
+    every_rank: list[list[tuple[str, Any, str, str]]],
+) -> tuple[list[list[str]], dict[str, tuple[tuple[int, ...], ...]]]:
+    """Per rank, the ownership group of each of its pieces (param, regions, group key, dtype), and the
+    groups to add to the topology. A piece that no replica group names but that other ranks hold alike
+    (a plain parameter whole on every rank when groups= names no data-parallel group) is a replica over
+    its holders, as `gradaudit check` counts it, not a shard of its own on each rank."""
+    holders: dict[tuple[str, Any], list[int]] = {}
+    for rank, pieces in enumerate(every_rank):
+        for param, regions, key, _ in pieces:
+            if key == SHARDED and regions is not None:  # an empty piece is no one's copy
+                holders.setdefault((param, regions), []).append(rank)
+    added: dict[str, tuple[tuple[int, ...], ...]] = {}
+    keys_of = []
+    for pieces in every_rank:
+        keys = []
+        for param, regions, key, _ in pieces:
+            ranks = holders.get((param, regions), []) if key == SHARDED and regions is not None else []
+            if len(ranks) > 1:
+                key = f"ranks {','.join(map(str, ranks))}"
+                added[key] = (tuple(ranks),)
+            keys.append(key)
+        keys_of.append(keys)
+    return keys_of, added
+
+
+def _loosest_dtype(grads: Iterable[Any]) -> str | None:
+    """The dtype of the gradients whose norms the analysis must compare most loosely (None: none yet)."""
+    from ..norms import NORM_RTOL_BY_DTYPE
+
+    names = {str(g.dtype).removeprefix("torch.") for g in grads if g is not None}
+    return max(sorted(names), key=lambda n: NORM_RTOL_BY_DTYPE.get(n, 0.0), default=None)
 
 
 def _end_capture(capture: AuditStep) -> None:
@@ -568,7 +663,26 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def guard(model: torch.nn.Module, **kwargs: Any) -> Guard:
+def guard(
+    model: torch.nn.Module,
+    *,
+    max_norm: float,
+    optimizer: Any = None,
+    out_dir: str | os.PathLike[str],
+    norm_type: float | str = 2.0,
+    groups: Mapping[str, Any] | None = None,
+    aliases: Mapping[str, str] | None = None,
+    scaler: Any = None,
+    every: int = 1,
+    on_anomaly: OnAnomaly = "warn",
+    max_dumps: int = 3,
+    cooldown: int = 100,
+    late: bool | None = None,
+    first_step: int = 1,
+    run_id: str | None = None,
+    capture_next: bool = True,
+    on_verdict: Callable[[TrendLine], None] | None = None,
+) -> Guard:
     """Check the clipping of every training step from now on; attach once, before the loop.
 
         gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir="audit")
@@ -585,17 +699,32 @@ def guard(model: torch.nn.Module, **kwargs: Any) -> Guard:
     the next step is captured in full under out_dir/full/. Rank 0 appends one line per checked step to
     out_dir/guard_trend.jsonl.
 
-    Keyword arguments: max_norm (required), norm_type (2.0), optimizer (required), out_dir (required),
-      groups, aliases: as `audit_step` takes them; every (1): check every N-th step; on_anomaly
-      ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
+    Keyword arguments: max_norm, optimizer, out_dir (all three required), norm_type, groups, aliases:
+      as `audit_step` takes them; scaler: the torch.amp.GradScaler of fp16 training (the loss scale and
+      whether unscale_ ran before the clip are accounted for, and a step the scaler skips for inf
+      gradients is written to the trend as skipped, not as an anomaly); every: check every N-th step;
+      on_anomaly ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
       steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
       no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
       on_verdict: called on every rank with each checked step's TrendLine (to log the true norm).
     Returns the Guard: `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
-    for name in ("max_norm", "optimizer", "out_dir"):
-        if name not in kwargs:
-            raise CaptureError(
-                f"gradaudit.guard needs {name}=; e.g. gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir='audit')"
-            )
-    return Guard(model, **kwargs)
+    return Guard(
+        model,
+        max_norm=max_norm,
+        optimizer=optimizer,
+        out_dir=out_dir,
+        norm_type=norm_type,
+        groups=groups,
+        aliases=aliases,
+        scaler=scaler,
+        every=every,
+        on_anomaly=on_anomaly,
+        max_dumps=max_dumps,
+        cooldown=cooldown,
+        late=late,
+        first_step=first_step,
+        run_id=run_id,
+        capture_next=capture_next,
+        on_verdict=on_verdict,
+    )

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..norms import NORM_RTOL_BY_DTYPE
 from .analysis_input import SHARDED, CallSummary, OwnershipGroup, RankSummary
 
 if TYPE_CHECKING:
@@ -30,6 +31,10 @@ SAMPLE_PIECES = 16
 SAMPLE_PER_PIECE = 8
 
 OK, FAILED = 1.0, -1.0
+HEADER = 7
+"""status, clip calls, applied coefficient, loss scale, unscaled before clipping, step skipped, and the
+gradients' loosest dtype (its index in GRAD_DTYPES)."""
+GRAD_DTYPES = tuple(NORM_RTOL_BY_DTYPE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,10 +50,10 @@ class VectorLayout:
 
     @property
     def size(self) -> int:
-        return 3 + 3 * self.num_groups + self.max_calls * self.call_size
+        return HEADER + 3 * self.num_groups + self.max_calls * self.call_size
 
     def call_offset(self, call: int) -> int:
-        return 3 + 3 * self.num_groups + call * self.call_size
+        return HEADER + 3 * self.num_groups + call * self.call_size
 
     def unpack(
         self, row: np.ndarray, *, rank: int, held: tuple[bool, ...], topology: Topology
@@ -68,13 +73,18 @@ class VectorLayout:
                     terms=tuple(float(x) for x in row[at + 4 : at + 4 + g]),
                 )
             )
+        h = HEADER
         return RankSummary(
             rank=rank,
-            terms=tuple(float(x) for x in row[3 : 3 + g]),
+            terms=tuple(float(x) for x in row[h : h + g]),
             held=held,
-            num_nan=tuple(int(x) for x in row[3 + g : 3 + 2 * g]),
-            num_inf=tuple(int(x) for x in row[3 + 2 * g : 3 + 3 * g]),
+            num_nan=tuple(int(x) for x in row[h + g : h + 2 * g]),
+            num_inf=tuple(int(x) for x in row[h + 2 * g : h + 3 * g]),
             applied_coef=_number(row[2]),
+            loss_scale=_number(row[3]),
+            unscaled=_flag(row[4]),
+            skipped=_flag(row[5]),
+            grad_dtype=None if math.isnan(row[6]) else GRAD_DTYPES[int(row[6])],
             calls=tuple(calls),
             num_calls=num_calls,
             topology=topology,
@@ -83,6 +93,10 @@ class VectorLayout:
 
 def _number(value: float) -> float | None:
     return None if math.isnan(value) else float(value)
+
+
+def _flag(value: float) -> bool | None:
+    return None if math.isnan(value) else bool(value)
 
 
 def group_key(piece: LocalPiece) -> str:
@@ -223,6 +237,8 @@ def pack(
     applied_coef: Any,
     calls: Sequence[CallRecord],
     num_calls: int,
+    scaler: tuple[float | None, bool | None, bool | None] = (None, None, None),
+    grad_dtype: str | None = None,
 ) -> torch.Tensor:
     """This rank's vector; device tensors are copied in on the device (no host sync)."""
     import torch
@@ -232,10 +248,14 @@ def pack(
     vector[0] = OK
     vector[1] = float(num_calls)
     _put(vector, 2, applied_coef)
+    for at, value in enumerate(scaler, start=3):  # loss scale, unscaled, skipped (a bool is 1.0 or 0.0)
+        _put(vector, at, value)
+    if grad_dtype in GRAD_DTYPES:
+        vector[6] = float(GRAD_DTYPES.index(grad_dtype))
     if terms is not None:
-        vector[3 : 3 + 3 * g].copy_(terms)
+        vector[HEADER : HEADER + 3 * g].copy_(terms)
     else:
-        vector[3 : 3 + 3 * g].zero_()
+        vector[HEADER : HEADER + 3 * g].zero_()
     for k, call in enumerate(calls[: layout.max_calls]):
         at = layout.call_offset(k)
         _put(vector, at, call.reported)

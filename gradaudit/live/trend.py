@@ -14,6 +14,7 @@ from ..errors import StepFolderError
 
 if TYPE_CHECKING:
     from ..report.model import Report
+    from .analysis_input import LiveStep
 
 TREND_FILE = "guard_trend.jsonl"
 MAX_TREND_LINES = 1_000_000
@@ -36,6 +37,8 @@ class TrendLine:
     """The smallest and largest coefficient the ranks applied; their difference is the spread."""
     codes: tuple[str, ...] = ()
     """The error codes of the step; empty when its clipping was right."""
+    skipped: bool = False
+    """Every rank's GradScaler skipped the step (inf gradients): not checked, and not an anomaly."""
 
     @property
     def ok(self) -> bool:
@@ -56,7 +59,7 @@ class TrendLine:
             "min_coef": _finite_or_text(self.min_coef),
             "max_coef": _finite_or_text(self.max_coef),
             "coef_spread": _finite_or_text(self.coef_spread),
-            "verdict": "ok" if self.ok else "anomaly",
+            "verdict": "skipped" if self.skipped else "ok" if self.ok else "anomaly",
             "codes": list(self.codes),
         }
 
@@ -94,6 +97,20 @@ def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
     )
 
 
+def skipped_line(live: LiveStep) -> TrendLine:
+    """The trend line of a step every rank's GradScaler skipped: the norm the first clip call returned."""
+    reported = next((c.reported_norm for r in live.ranks.values() for c in r.calls), None)
+    return TrendLine(
+        step=live.step,
+        true_norm=None,
+        reported_norm=reported,
+        expected_coef=None,
+        min_coef=None,
+        max_coef=None,
+        skipped=True,
+    )
+
+
 def read_trend(path: str | Path) -> list[TrendLine]:
     """The lines of a trend file, in file order; a malformed line is a StepFolderError naming it."""
     path = Path(path)
@@ -125,6 +142,7 @@ def read_trend(path: str | Path) -> list[TrendLine]:
                             min_coef=_number(doc, "min_coef", where),
                             max_coef=_number(doc, "max_coef", where),
                             codes=tuple(codes),
+                            skipped=doc.get("verdict") == "skipped",
                         )
                     )
                 except ValueError as exc:  # json.JSONDecodeError is a ValueError
@@ -183,7 +201,7 @@ def _bar(true: float | None, reported: float | None, top: float) -> str:
 
 
 def _pair(line: TrendLine) -> str:
-    mark = "" if line.ok else "  " + ",".join(line.codes)
+    mark = "  skipped by the scaler" if line.skipped else "" if line.ok else "  " + ",".join(line.codes)
     return f"{_fmt(line.true_norm)} / {_fmt(line.reported_norm)}{mark}"
 
 
