@@ -215,18 +215,21 @@ def analyse(
 ) -> AuditInputs:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
     `update_judgements`: judge_updates' result with a reference, {} without one."""
+    from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
     from .checks.coverage import coverage_by_param
 
     columns = StepColumns(m)
+    diagnosis = diagnose_step(step, m, columns)
     return AuditInputs(
         step=step,
         measurements=m,
         columns=columns,
-        diagnosis=diagnose_step(step, m, columns),
+        diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
         value_clipping=value_clipping(step, m),
+        param_coefficients=param_coefficients(step, m, diagnosis, columns),
     )
 
 
