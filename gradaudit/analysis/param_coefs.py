@@ -106,7 +106,9 @@ def param_coefficients(
     )
     ids = {name: i for i, name in enumerate(names)}
     grouped = clusters(((ids[p], found[0][1]) for p, found in by_param.items()), rtol)
-    grouped.sort(key=lambda g: (-len(g), -g[0][1]))
+    # The most parameters first; of as many, a coefficient below 1 before 1, the larger before the
+    # smaller: the others' coefficient a parameter left out (1) or scaled twice (c²) departs from.
+    grouped.sort(key=lambda g: (-len(g), relative_difference(g[0][1], 1.0) <= rtol, -g[0][1]))
     groups = [
         CoefGroup(
             coef=members[0][1],
