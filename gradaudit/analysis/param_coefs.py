@@ -4,16 +4,20 @@ parameter scaled twice, one clip call per parameter group) (pure: works on measu
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..measure.columns import StepColumns
 from ..measure.measurements import StepMeasurements
+from ..measure.table import TablePieces
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference, safe_fsum
 from .diagnosis import StepDiagnosis, disjoint_cover
+
+if TYPE_CHECKING:
+    import numpy as np
 
 LISTED_TWICE = "listed_twice"
 """Cause: some parameters received a power of the others' coefficient (scaled once per listing)."""
@@ -78,6 +82,28 @@ def clusters(values: Iterable[tuple[int, float]], rtol: float) -> list[list[tupl
     return groups
 
 
+def _spread(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The relative difference of the largest and smallest positive value of each run of `values`
+    beginning at `starts` (more than rtol: the run's values are not one coefficient)."""
+    import numpy as np
+
+    low, high = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+    spread: np.ndarray = (high - low) / np.where(high > 0, high, 1.0)
+    return spread
+
+
+def _members_by_label(labels: np.ndarray, values: np.ndarray, num_labels: int) -> list[tuple[int, ...]]:
+    """The distinct values (sorted) found with each label 0..num_labels-1."""
+    import numpy as np
+
+    found: list[tuple[int, ...]] = [() for _ in range(num_labels)]
+    pairs = np.unique(np.stack([labels, values], axis=1), axis=0)
+    _, starts = np.unique(pairs[:, 0], return_index=True)
+    for label, chunk in zip(pairs[starts, 0].tolist(), np.split(pairs[:, 1], starts[1:]), strict=True):
+        found[label] = tuple(chunk.tolist())
+    return found
+
+
 def param_coefficients(
     step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis, columns: StepColumns
 ) -> ParamCoefficients:
@@ -91,37 +117,42 @@ def param_coefficients(
         )
     if not columns.has_clipped.any():
         return ParamCoefficients(note="post-clip gradients (grad_clipped) were not dumped")
+    import numpy as np
+
     rtol = diagnosis.rtol
-    last_call, spanning, by_values = _per_rank_and_param(step, m, num_calls, rtol)
-    measured = last_call if spanning is None else spanning
+    last_call, spanning, by_values = _per_rank_and_param(step, columns, num_calls, rtol)
     per_call = spanning is not None
-    names = sorted({param for _, param in measured})
-    if len(names) < 2:
+    rank, param, coef, call = last_call if spanning is None else spanning
+    order = np.lexsort((rank, param))  # by parameter, then rank: each parameter's lowest rank first
+    rank, param, coef, call = rank[order], param[order], coef[order], call[order]
+    present, starts = np.unique(param, return_index=True)
+    if present.size < 2:
         return ParamCoefficients()
-    by_param: dict[str, list[tuple[int, float, int | None]]] = {}
-    for (rank, param), (coef, call) in sorted(measured.items()):
-        by_param.setdefault(param, []).append((rank, coef, call))
-    disagreeing = tuple(
-        p for p, found in by_param.items() if len(clusters(((r, c) for r, c, _ in found), rtol)) > 1
+    names = columns.param_names
+    disagreeing = tuple(sorted(names[p] for p in present[_spread(coef, starts) > rtol].tolist()))
+    by_rank = np.argsort(rank, kind="stable")
+    _, rank_starts = np.unique(rank[by_rank], return_index=True)
+    mixed = tuple(
+        sorted(np.unique(rank[by_rank][rank_starts[_spread(coef[by_rank], rank_starts) > rtol]]).tolist())
     )
-    ids = {name: i for i, name in enumerate(names)}
-    grouped = clusters(((ids[p], found[0][1]) for p, found in by_param.items()), rtol)
+    grouped = clusters(zip(present.tolist(), coef[starts].tolist(), strict=True), rtol)
     # The most parameters first; of as many, a coefficient below 1 before 1, the larger before the
     # smaller: the others' coefficient a parameter left out (1) or scaled twice (c²) departs from.
     grouped.sort(key=lambda g: (-len(g), relative_difference(g[0][1], 1.0) <= rtol, -g[0][1]))
+    label = np.zeros(len(names), dtype=np.int64)
+    for i, members in enumerate(grouped):
+        label[[p for p, _ in members]] = i
+    ranks_of = _members_by_label(label[param], rank, len(grouped))
+    calls_of = _members_by_label(label[param], call, len(grouped))
     groups = [
         CoefGroup(
             coef=members[0][1],
-            params=tuple(sorted(names[i] for i, _ in members)),
-            ranks=tuple(sorted({r for i, _ in members for r, _, _ in by_param[names[i]]})),
-            calls=tuple(sorted({c for i, _ in members for _, _, c in by_param[names[i]] if c is not None})),
+            params=tuple(sorted(names[p] for p, _ in members)),
+            ranks=ranks_of[i],
+            calls=tuple(c for c in calls_of[i] if c),
         )
-        for members in grouped
+        for i, members in enumerate(grouped)
     ]
-    held: dict[int, list[tuple[int, float]]] = {}
-    for (rank, param), (coef, _) in measured.items():
-        held.setdefault(rank, []).append((ids[param], coef))
-    mixed = tuple(sorted(r for r, values in held.items() if len(clusters(values, rtol)) > 1))
     groups, cause = _cause(groups, per_call, rtol)
     return ParamCoefficients(
         groups=tuple(groups),
@@ -135,62 +166,85 @@ def param_coefficients(
     )
 
 
-Coefficients = dict[tuple[int, str], tuple[float, int | None]]
-"""(rank, parameter) -> (coefficient, the 1-based clip call that changed it or None)."""
+Coefficients = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
+"""Per measured (rank, parameter): the rank, the parameter (its column id), the coefficient, and the
+1-based clip call that changed it (0: none)."""
 
 
 def _per_rank_and_param(
-    step: StepDump, m: StepMeasurements, num_calls: int, rtol: float
+    step: StepDump, columns: StepColumns, num_calls: int, rtol: float
 ) -> tuple[Coefficients, Coefficients | None, bool]:
     """(the last clip call's coefficients, the coefficients across every call, whether every one was
     measured from the values). With several calls, a coefficient spans them only when each parameter
     was changed by one call at most, and only by a scaling (None otherwise: the gradients changed
     between the calls, as a backward pass between them does, GA501)."""
-    sums: dict[tuple[int, str], list[float]] = {}
-    left_out: set[tuple[int, str]] = set()
-    every_value = True
-    calls = _call_sums(step) if num_calls > 1 else {}
-    for piece in m.pieces:
-        pre, post = piece.stats.get("grad"), piece.stats.get("grad_clipped")
-        key = (piece.rank, piece.param)
-        if pre is None or post is None or pre.num_nonfinite or post.num_nonfinite:
-            left_out.add(key)
-            continue
-        values = piece.dot_pre_post is not None and piece.dot_pre_pre is not None
-        every_value &= values
-        per_call = calls.get((piece.rank, piece.index), ())
-        if len(per_call) != num_calls:
-            per_call = (math.nan,) * num_calls  # no per-call statistics: no coefficient spans the calls
-        row = sums.setdefault(key, [0.0] * (4 + len(per_call)))
-        dots = (piece.dot_pre_post or 0.0, piece.dot_pre_pre or 0.0) if values else (0.0, 0.0)
-        for i, value in enumerate((*dots, post.sum_sq, pre.sum_sq, *per_call)):
-            row[i] += value
-    last_call: Coefficients = {}
-    spanning: Coefficients | None = {} if num_calls > 1 else None
-    for key, row in sums.items():
-        if key in left_out:
-            continue
-        dot_post, dot_pre, post_sq, pre_sq, *before_calls = row
-        if not pre_sq > 0:
-            continue
-        last = dot_post / dot_pre if every_value and dot_pre > 0 else math.sqrt(post_sq / pre_sq)
-        last_call[key] = (last, None)
-        if spanning is None:
-            continue
-        ratios = [_ratio(a, b) for a, b in itertools.pairwise(before_calls)] + [last]
-        changed = [k for k, r in enumerate(ratios) if relative_difference(r, 1.0) > rtol]
-        if len(changed) > 1 or any(not r <= 1 + rtol for r in ratios):
-            spanning = None
-        else:
-            spanning[key] = (math.prod(ratios), changed[0] + 1 if changed else None)
-    return last_call, spanning, every_value
+    import numpy as np
+
+    post_sq, post_bad, dots, calls = _piece_columns(step, columns, num_calls)
+    usable = columns.has_grad & columns.has_clipped
+    bad = ~usable | post_bad | (columns.counts.sum(axis=1) > 0)
+    keys, inverse = np.unique(np.stack([columns.rank, columns.param], axis=1), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+
+    def per_key(values: np.ndarray) -> np.ndarray:
+        summed: np.ndarray = np.bincount(inverse, weights=np.where(bad, 0.0, values), minlength=len(keys))
+        return summed
+
+    pre = per_key(columns.sum_sq)
+    every_value = dots is not None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        last = per_key(dots[0]) / per_key(dots[1]) if dots is not None else np.sqrt(per_key(post_sq) / pre)
+        before = (
+            np.stack([per_key(calls[:, k]) for k in range(num_calls)], axis=1) if calls is not None else None
+        )
+        ratios = None if before is None else np.column_stack([np.sqrt(before[:, 1:] / before[:, :-1]), last])
+    measured = ~(np.bincount(inverse, weights=bad, minlength=len(keys)) > 0) & (pre > 0) & np.isfinite(last)
+    rank, param = keys[measured, 0], keys[measured, 1]
+    last_call = (rank, param, last[measured], np.zeros(rank.size, dtype=np.int64))
+    if ratios is None:
+        return last_call, None, every_value
+    ratios = ratios[measured]
+    ratios = np.where(np.isnan(ratios), 1.0, ratios)  # 0 / 0: a piece without gradient before two calls
+    changed = np.abs(ratios - 1.0) > rtol * np.maximum(1.0, ratios)
+    if (changed.sum(axis=1) > 1).any() or not (ratios <= 1 + rtol).all():
+        return last_call, None, every_value
+    call = np.where(changed.any(axis=1), changed.argmax(axis=1) + 1, 0)
+    return last_call, (rank, param, ratios.prod(axis=1), call), every_value
 
 
-def _ratio(before: float, after: float) -> float:
-    """The coefficient that turned a sum of squares `before` into `after` (inf when a gradient appeared)."""
-    if before > 0:
-        return math.sqrt(after / before)
-    return 1.0 if after == 0 else math.inf
+def _piece_columns(
+    step: StepDump, columns: StepColumns, num_calls: int
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
+    """Per piece of `columns`: the post-clip sum of squares, whether the post-clip gradient holds a
+    nonfinite value, (sum(pre * post), sum(pre * pre)) when every piece with a post-clip gradient has
+    them (0 for the others), and the sum of squares
+    before each clip call when every piece has them (with several calls)."""
+    import numpy as np
+
+    pieces = columns.pieces
+    if isinstance(pieces, TablePieces):  # stats-only columns: no products, no per-call statistics
+        table, rows = pieces.table, pieces.positions
+        if "grad_clipped" not in table.kinds:
+            return np.zeros(len(rows)), np.zeros(len(rows), dtype=bool), None, None
+        counts = table.kind_counts("grad_clipped")[rows]
+        return table.kind_column("grad_clipped", 1)[rows], counts.sum(axis=1) > 0, None, None
+    clipped = [p.stats.get("grad_clipped") for p in pieces]
+    post_sq = np.array([0.0 if c is None else c.sum_sq for c in clipped])
+    post_bad = np.array([c is not None and c.num_nonfinite > 0 for c in clipped], dtype=bool)
+    dots = None
+    with_values = [p.dot_pre_post is not None and p.dot_pre_pre is not None for p in pieces]
+    if all(v or not c for v, c in zip(with_values, columns.has_clipped.tolist(), strict=True)):
+        dots = (
+            np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64),
+            np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64),
+        )
+    calls = None
+    if num_calls > 1:
+        by_piece = _call_sums(step)
+        found = [by_piece.get((p.rank, p.index), ()) for p in pieces]
+        if all(len(f) == num_calls for f in found):
+            calls = np.array(found, dtype=np.float64).reshape(len(pieces), num_calls)
+    return post_sq, post_bad, dots, calls
 
 
 def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:
