@@ -67,12 +67,14 @@ def test_a_parameter_scaled_twice_is_named_with_the_square_of_the_others_coeffic
     assert "GA301" not in codes(report)  # each rank's mean over a and b is a number nobody received
     assert "GA302" in not_checked(report)
     assert "GA304" in report.verdict
+    assert found.fix.startswith("List each parameter once: clip model.parameters()")
 
 
 def test_a_parameter_left_unscaled_is_named_as_left_out_of_the_clip_list(tmp_path):
     found = finding(check(_write(tmp_path, {"a": 0.5, "b": 1.0})), "GA304")
     assert found.params == ("b",) and found.evidence["cause"] == "left_out"
     assert "not scaled at all" in found.message
+    assert found.fix.startswith("Give the clip call every parameter")
 
 
 def test_coefficients_that_match_no_cause_are_named_without_one(tmp_path):
@@ -152,6 +154,7 @@ def test_one_clip_call_per_parameter_group_is_named_with_each_calls_coefficient(
         found[("b",)].evidence["expected_clip_coef"], MAX_NORM / (true_norm + 1e-6), rel_tol=1e-9
     )
     assert "GA301" not in codes(report)
+    assert found[("a",)].fix.startswith("Clip once per step, with the norm of every param group together")
 
 
 def test_gradients_that_grew_between_two_calls_are_judged_by_the_last_calls_coefficients(tmp_path):

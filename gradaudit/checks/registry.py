@@ -355,8 +355,10 @@ CHECKS: tuple[CheckSpec, ...] = (
             "its squares count twice in the norm and its gradient is multiplied by c twice, c² against the "
             "others' c. Or get_total_norm and clip_grads_with_norm_ called once per optimizer param group: each "
             "group is scaled by its own norm (0.531 and 1.0) instead of the true global norm's coefficient.",
-            fix="List each parameter once: clip model.parameters(), which holds a tied weight once. Clip once "
-            "per step, with the norm of every param group together: "
+            fix="List each parameter once: clip model.parameters(), which holds a tied weight once, not "
+            "named_parameters(remove_duplicate=False) or a list of both modules of a tie. Give the clip call "
+            "every parameter the optimizer steps, e.g. model.parameters(). Clip once per step, with the norm of "
+            "every param group together: "
             "torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g['params']], max_norm), "
             "or get_total_norm over all of their gradients and one clip_grads_with_norm_ with that norm.",
         ),
