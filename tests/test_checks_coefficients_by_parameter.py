@@ -67,6 +67,7 @@ def test_a_parameter_scaled_twice_is_named_with_the_square_of_the_others_coeffic
     assert "GA301" not in codes(report)  # each rank's mean over a and b is a number nobody received
     assert "GA302" in not_checked(report)
     assert "GA304" in report.verdict
+    assert all(row.applied_clip_coef is None and "(GA304)" in row.diagnosis_detail for row in report.ranks)
     assert found.fix.startswith("List each parameter once: clip model.parameters()")
 
 
