@@ -52,7 +52,8 @@ class ParamCoefficients:
     disagreeing: tuple[str, ...] = ()
     """Parameters whose holding ranks applied different coefficients to them."""
     expected_coef: float | None = None
-    """What the true norm of the gradient before the first clip call asks for."""
+    """What the true norm asks for: of the gradient before the first clip call when the coefficients
+    span the calls (PER_CALL), else of the one the measured coefficients started from."""
     cause: str | None = None
     """LISTED_TWICE, LEFT_OUT, PER_CALL, or None when not recognised."""
     by_values: bool = False
