@@ -156,6 +156,7 @@ def test_one_clip_call_per_parameter_group_is_named_with_each_calls_coefficient(
     )
     assert "GA301" not in codes(report)
     assert found[("a",)].fix.startswith("Clip once per step, with the norm of every param group together")
+    assert "one call per param group, see GA304" in finding(report, "GA501").message  # not "each microbatch"
 
 
 def test_gradients_that_grew_between_two_calls_are_judged_by_the_last_calls_coefficients(tmp_path):

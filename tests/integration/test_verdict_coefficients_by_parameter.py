@@ -84,3 +84,5 @@ def test_the_split_clip_api_called_once_per_param_group_is_named_with_each_group
     assert "once per optimizer param group" in scaled.message
     assert "GA301" not in {f.code for f in report.findings}
     assert "GA304" in report.verdict
+    [ga501] = [f for f in report.findings if f.code == "GA501"]
+    assert "one call per param group" in ga501.message and "microbatch" not in ga501.message
