@@ -136,10 +136,14 @@ def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
     from .checks.valueclip import gate
 
     by_value = gate(inputs) is not None  # element-wise clipping applies no coefficient to report
+    per_param = inputs.param_coefficients
+    mixed = set(per_param.mixed_ranks) if per_param is not None and per_param.differ else set()
     rows = []
     for rank in step.ranks_present:
         d = diagnosis.ranks[rank]
         detail = d.detail + (" (logging bug: see GA205)" if d.logging_bug else "")
+        if rank in mixed:  # a mean over parameters that received different coefficients is none of them
+            detail += "; its parameters received different coefficients (GA304)"
         if by_value:
             detail = "clipped element-wise (GA506): no norm or coefficient to match"
         rows.append(
@@ -147,8 +151,8 @@ def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
                 rank=rank,
                 local_norm=math.nan if d.local_norm is None else d.local_norm,
                 reported_norm=d.reported_norm,
-                applied_clip_coef=None if by_value else d.applied_coef,
-                applied_coef_source=None if by_value else d.coef_source,
+                applied_clip_coef=None if by_value or rank in mixed else d.applied_coef,
+                applied_coef_source=None if by_value or rank in mixed else d.coef_source,
                 diagnosis=None if by_value else d.hypothesis,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
@@ -215,18 +219,21 @@ def analyse(
 ) -> AuditInputs:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
     `update_judgements`: judge_updates' result with a reference, {} without one."""
+    from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
     from .checks.coverage import coverage_by_param
 
     columns = StepColumns(m)
+    diagnosis = diagnose_step(step, m, columns)
     return AuditInputs(
         step=step,
         measurements=m,
         columns=columns,
-        diagnosis=diagnose_step(step, m, columns),
+        diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
         value_clipping=value_clipping(step, m),
+        param_coefficients=param_coefficients(step, m, diagnosis, columns),
     )
 
 

@@ -14,6 +14,7 @@ from ..report.model import Finding, NotChecked, Severity
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
     from ..analysis.diagnosis import StepDiagnosis
     from ..analysis.geometry import Coverage
+    from ..analysis.param_coefs import ParamCoefficients
     from ..analysis.updates import UpdateJudgement
     from ..analysis.valueclip import ValueClipping
     from ..measure.columns import StepColumns
@@ -62,6 +63,9 @@ class AuditInputs:
     value_clipping: ValueClipping | None
     """The step's element-wise clipping (clip_grad_value_), recorded or recognised from its clamp; None
     when it clipped by norm or not at all (GA506 names it; the norm checks are then not checked)."""
+    param_coefficients: ParamCoefficients | None = None
+    """The coefficient each parameter received, grouped by the coefficient they share (GA304 names the
+    parameters of a step that received several); None when the analysis did not measure them."""
 
 
 @dataclass(frozen=True, kw_only=True)

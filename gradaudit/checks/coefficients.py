@@ -1,12 +1,23 @@
-"""GA301-GA303: did every rank apply one coefficient, the one the true norm asks for?"""
+"""GA301-GA304: did every rank apply one coefficient to every parameter, the one the true norm asks for?"""
 
 from __future__ import annotations
 
 import math
 
 from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
+from ..analysis.param_coefs import LEFT_OUT, LISTED_TWICE, PER_CALL, CoefGroup, ParamCoefficients, clusters
 from ..norms import relative_difference
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import (
+    MAX_FOLDED_PARAMS_LISTED,
+    AuditInputs,
+    AuditOptions,
+    CheckResult,
+    Hit,
+    Skip,
+    count,
+    num,
+    ranks_named,
+)
 
 MIXED_MOMENTS = (
     "clipping ran several times (GA501) and the dump holds the gradient from before the first call but "
@@ -20,21 +31,25 @@ SOURCE_TEXT: dict[str | None, str] = {
 }
 
 
-def _clusters(values: list[tuple[int, float]], rtol: float) -> list[list[tuple[int, float]]]:
-    """Ranks grouped by coefficient: consecutive sorted values within `rtol` of the group's first."""
-    groups: list[list[tuple[int, float]]] = []
-    for rank, value in sorted(values, key=lambda rv: (rv[1], rv[0])):
-        if groups and relative_difference(groups[-1][0][1], value) <= rtol:
-            groups[-1].append((rank, value))
-        else:
-            groups.append([(rank, value)])
-    return groups
+BY_PARAMETER = (
+    "parameters received different coefficients (GA304), so no one coefficient per rank is to compare: "
+    "GA304 compares each with the expected one"
+)
+
+
+def _by_parameter(inputs: AuditInputs) -> bool:
+    """Whether a rank applied several coefficients to its own parameters (GA304's finding)."""
+    found = inputs.param_coefficients
+    return found is not None and found.differ
 
 
 def coefficients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     diagnosis = inputs.diagnosis
     if diagnosis.mixed_moments:
         return Skip(reason=MIXED_MOMENTS)
+    found = inputs.param_coefficients
+    if found is not None and found.differ and not found.disagreeing:
+        return ()  # every parameter received one coefficient on all its ranks: a rank's mean is no coefficient
     known = [(d.rank, d.applied_coef) for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if len(known) < 2:
         return Skip(reason="fewer than two ranks have a known applied coefficient")
@@ -42,7 +57,7 @@ def coefficients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResu
         known = [(r, c) for r, c in known if not math.isnan(c)]
         if len(known) < 2:
             return Skip(reason="the applied coefficients are nan (a nonfinite norm, see GA401)")
-    groups = _clusters(known, diagnosis.rtol)
+    groups = clusters(known, diagnosis.rtol)
     if len(groups) <= 1:
         return ()
     majority = max(groups, key=len)
@@ -80,6 +95,8 @@ def coefficient_vs_expected(inputs: AuditInputs, options: AuditOptions) -> Check
     known = [d for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if not known:
         return Skip(reason="no rank dumped post-clip gradients, a clip coefficient or a reported norm")
+    if _by_parameter(inputs):
+        return Skip(reason=BY_PARAMETER)
     if diagnosis.true_norm is None:
         return _above_bound(diagnosis, known)
     wrong = [
@@ -209,4 +226,119 @@ def post_clip_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
                 "rtol": diagnosis.rtol,
             },
         ),
+    )
+
+
+MAX_PARAMS_PER_HIT = 100
+"""Parameters a GA304 finding carries in `params` (its evidence counts them all)."""
+
+
+def coefficients_by_parameter(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    found = inputs.param_coefficients
+    if found is None:
+        return Skip(reason="the coefficients per parameter were not measured")
+    if found.note:
+        return Skip(reason=found.note)
+    if not found.differ:
+        return ()
+    diagnosis = inputs.diagnosis
+    expected = _asks_for(diagnosis, found)
+    if found.cause == PER_CALL:
+        calls = _call_norms_text(inputs)
+        return tuple(
+            _group_hit(found, g, _per_call_text(g, calls, len(found.groups)) + expected) for g in found.groups
+        )
+    first, lead = found.groups[0], "at the last clip call: " if found.moment else ""
+    return tuple(
+        _group_hit(found, g, lead + _against_first(found, first, g) + expected, first)
+        for g in found.groups[1:]
+    )
+
+
+def _params_text(params: tuple[str, ...]) -> str:
+    listed = ", ".join(params[:MAX_FOLDED_PARAMS_LISTED])
+    more = f", … ({count(len(params), 'parameter')})" if len(params) > MAX_FOLDED_PARAMS_LISTED else ""
+    return listed + more
+
+
+def _against_first(found: ParamCoefficients, first: CoefGroup, group: CoefGroup) -> str:
+    one = len(group.params) == 1
+    them, were, their = ("it", "was", "its") if one else ("them", "were", "their")
+    head = (
+        f"{_params_text(group.params)} received clip coefficient {num(group.coef)} on every rank holding "
+        f"{them}, the other {count(len(first.params), 'parameter')} {num(first.coef)}"
+    )
+    if found.cause == LISTED_TWICE and group.power >= 2:
+        times = "twice" if group.power == 2 else f"{group.power} times"
+        repeated = (
+            f" ({num(found.repeated_norm)}, the true norm with {them} counted {times})"
+            if found.repeated_norm is not None
+            else ""
+        )
+        return (
+            f"{head}: {num(group.coef)} is {num(first.coef)}{'²' if group.power == 2 else f'^{group.power}'}, "
+            f"so {them} {were} scaled {times}, as a parameter listed {times} in the clip list is (a tied "
+            f"weight listed under each of its names), and {their} squares were counted {times} in the clip "
+            f"norm{repeated}"
+        )
+    if found.cause == LEFT_OUT and group.power == 0:
+        return f"{head}: {them} {were} not scaled at all, as a parameter left out of the clip list is"
+    return head
+
+
+def _per_call_text(group: CoefGroup, calls: str, num_groups: int) -> str:
+    source = (
+        f"from clip call{'s' if len(group.calls) > 1 else ''} {', '.join(map(str, group.calls))} only"
+        if group.calls
+        else "(no clip call scaled them)"
+    )
+    return (
+        f"{_params_text(group.params)} received clip coefficient {num(group.coef)} {source}, one of "
+        f"{num_groups} coefficients of one step: each clip call ({calls}) scaled only its own parameters by "
+        "its own norm, as clipping once per optimizer param group does"
+    )
+
+
+def _call_norms_text(inputs: AuditInputs) -> str:
+    step = inputs.step
+    for rank in step.ranks_present:
+        clip = step.ranks[rank].clip
+        if clip is not None and clip.calls:
+            norms = ", ".join(num(c.reported_norm) for c in clip.calls)
+            return f"{count(len(clip.calls), 'call')}, reported norms {norms}"
+    return "several calls"
+
+
+def _asks_for(diagnosis: StepDiagnosis, found: ParamCoefficients) -> str:
+    if found.expected_coef is None:
+        return ""
+    spans = found.cause == PER_CALL and diagnosis.call_norms
+    norm = diagnosis.call_norms[0].norm if spans else diagnosis.true_norm
+    moment = " before the first clip call" if spans else f" {found.moment}" if found.moment else ""
+    return (
+        f"; the true global norm {num(norm)}{moment} with max_norm {num(diagnosis.max_norm)} asks for "
+        f"{num(found.expected_coef)} for every parameter"
+    )
+
+
+def _group_hit(
+    found: ParamCoefficients, group: CoefGroup, message: str, first: CoefGroup | None = None
+) -> Hit:
+    evidence: dict[str, int | float | str | None] = {
+        "clip_coef": group.coef,
+        "expected_clip_coef": found.expected_coef,
+        "num_params": len(group.params),
+        "cause": found.cause or "unrecognised",
+        "measured_from": "values" if found.by_values else "sums of squares",
+    }
+    if first is not None:
+        evidence["others_clip_coef"] = first.coef
+        evidence["power"] = group.power
+    if group.calls:
+        evidence["clip_calls"] = ", ".join(map(str, group.calls))
+    return Hit(
+        message=message,
+        ranks=group.ranks,
+        params=group.params[:MAX_PARAMS_PER_HIT],
+        evidence=evidence,
     )

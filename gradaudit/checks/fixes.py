@@ -24,6 +24,16 @@ GROUP_PIECE_APIS = frozenset({"guard"})
 """Capture APIs whose pieces are ownership groups laid out as flat ranges (the guard's dump of a wrong
 step), not the stack's own pieces: their flat ranges say nothing of FSDP1."""
 
+CAUSE_FIXES = {
+    "GA304": {
+        "listed_twice": "List each parameter once",
+        "left_out": "Give the clip call every parameter",
+        "per_call": "Clip once per step",
+    }
+}
+"""Codes whose fix depends on the cause in a finding's evidence: the explanation's fix sentence that
+begins so (the whole fix when the cause is not recognised)."""
+
 _SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
 _TENSOR_PARALLEL_AXES = frozenset({"tp", "tensor_model_parallel"})
 
@@ -69,6 +79,10 @@ def with_fixes(findings: Iterable[Finding], stack: str | None) -> tuple[Finding,
     for finding in findings:
         spec = BY_CODE.get(finding.code)
         if spec is not None and finding.severity is not Severity.INFO:
-            finding = dataclasses.replace(finding, fix=fix_for(spec.explanation.fix, stack))
+            fix = fix_for(spec.explanation.fix, stack)
+            lead = CAUSE_FIXES.get(finding.code, {}).get(str(finding.evidence.get("cause")))
+            if lead is not None:
+                fix = next((s for s in _SENTENCE_END.split(spec.explanation.fix) if s.startswith(lead)), fix)
+            finding = dataclasses.replace(finding, fix=fix)
         fixed.append(finding)
     return tuple(fixed)

@@ -39,12 +39,21 @@ def clipped_more_than_once(inputs: AuditInputs, options: AuditOptions) -> CheckR
             "; the dump holds the gradient from before the first call only (no per-call statistics), so "
             "the true norm at each call is unknown and no coefficient or replica check is derived from it"
         )
+    from ..analysis.param_coefs import PER_CALL
+
+    per_group = inputs.param_coefficients is not None and inputs.param_coefficients.cause == PER_CALL
+    advice = (
+        "each call scaled only its own parameters by its own norm (one call per param group, see GA304): "
+        "clip once, by the norm of all of them"
+        if per_group
+        else "clipping each microbatch's partial gradient is not clipping the accumulated gradient: clip "
+        "once, after the last microbatch"
+    )
     return (
         Hit(
             message=(
                 f"{ranks_named(repeated)} clipped {'/'.join(map(str, counts))} times before one optimizer step "
-                f"(rank {first_rank} reported norms {norms}){truth}; clipping each microbatch's partial "
-                "gradient is not clipping the accumulated gradient: clip once, after the last microbatch"
+                f"(rank {first_rank} reported norms {norms}){truth}; {advice}"
             ),
             ranks=tuple(repeated),
             evidence=evidence,

@@ -337,6 +337,33 @@ CHECKS: tuple[CheckSpec, ...] = (
         ),
     ),
     CheckSpec(
+        code="GA304",
+        severity=ERROR,
+        title="parameters received different clip coefficients",
+        run=deferred("coefficients.coefficients_by_parameter"),
+        verdict_rank=28,
+        decided_with_ranks_missing=True,
+        explanation=Explanation(
+            what="Every parameter received the same clip coefficient, measured per parameter from its pre- and "
+            "post-clip gradients (from the values in full mode, from the ratio of the sums of squares in stats "
+            "mode), the parameters grouped by the coefficient they share; a rank that applied several "
+            "coefficients to its own parameters is named with each group, its coefficient and the expected one.",
+            why="Clipping scales the whole gradient by one number. Parameters scaled by different numbers change "
+            "the update's direction; and a rank's coefficient, averaged over parameters that received "
+            "different ones, is a number no parameter received (GA301 and GA302 then compare nothing real).",
+            example="A tied embedding listed twice in the clip list (named_parameters(remove_duplicate=False)): "
+            "its squares count twice in the norm and its gradient is multiplied by c twice, c² against the "
+            "others' c. Or get_total_norm and clip_grads_with_norm_ called once per optimizer param group: each "
+            "group is scaled by its own norm (0.531 and 1.0) instead of the true global norm's coefficient.",
+            fix="List each parameter once: clip model.parameters(), which holds a tied weight once, not "
+            "named_parameters(remove_duplicate=False) or a list of both modules of a tie. Give the clip call "
+            "every parameter the optimizer steps, e.g. model.parameters(). Clip once per step, with the norm of "
+            "every param group together: "
+            "torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g['params']], max_norm), "
+            "or get_total_norm over all of their gradients and one clip_grads_with_norm_ with that norm.",
+        ),
+    ),
+    CheckSpec(
         code="GA401",
         severity=ERROR,
         title="nonfinite gradient values",

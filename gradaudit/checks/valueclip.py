@@ -18,6 +18,7 @@ NORM_CLIPPING_CODES = (
     "GA301",
     "GA302",
     "GA303",
+    "GA304",
     "GA504",
     "GA505",
 )

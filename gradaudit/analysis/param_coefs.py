@@ -1,0 +1,319 @@
+"""The clip coefficient each parameter received, from its pre- and post-clip gradients: parameters
+grouped by the coefficient they share, and what a step whose parameters received several shows (a
+parameter scaled twice, one clip call per parameter group) (pure: works on measurements only)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..measure.columns import StepColumns
+from ..measure.measurements import StepMeasurements
+from ..measure.table import TablePieces
+from ..model import StepDump
+from ..norms import expected_clip_coef, relative_difference, safe_fsum
+from .diagnosis import StepDiagnosis, disjoint_cover
+
+if TYPE_CHECKING:
+    import numpy as np
+
+LISTED_TWICE = "listed_twice"
+"""Cause: some parameters received a power of the others' coefficient (scaled once per listing)."""
+LEFT_OUT = "left_out"
+"""Cause: some parameters were not scaled at all (coefficient 1) while the others were."""
+PER_CALL = "per_call"
+"""Cause: several clip calls, each scaling its own parameters by its own norm (once per param group)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoefGroup:
+    """Parameters that received one coefficient (within the step's tolerance)."""
+
+    coef: float
+    params: tuple[str, ...]
+    ranks: tuple[int, ...]
+    """The ranks holding a measured piece of these parameters."""
+    calls: tuple[int, ...] = ()
+    """With several clip calls: the (1-based) calls that scaled them; () when none changed them."""
+    power: int = 1
+    """They received the first group's coefficient to this power (2: scaled twice, 0: never)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCoefficients:
+    """The coefficients a step's parameters received, each the same on every rank holding it or not."""
+
+    groups: tuple[CoefGroup, ...] = ()
+    """Parameters sharing one coefficient: the group with the most parameters first."""
+    mixed_ranks: tuple[int, ...] = ()
+    """Ranks that applied more than one coefficient to their own parameters."""
+    disagreeing: tuple[str, ...] = ()
+    """Parameters whose holding ranks applied different coefficients to them."""
+    expected_coef: float | None = None
+    """What the true norm asks for: of the gradient before the first clip call when the coefficients
+    span the calls (PER_CALL), else of the one the measured coefficients started from."""
+    cause: str | None = None
+    """LISTED_TWICE, LEFT_OUT, PER_CALL, or None when not recognised."""
+    by_values: bool = False
+    """Measured from the values (sum(pre * post) / sum(pre * pre)); else from sums of squares."""
+    note: str = ""
+    """Why no coefficient per parameter was measured (no groups then), or ""."""
+    moment: str = ""
+    """With several clip calls whose coefficients cannot be joined: "before the last of N clip calls",
+    the last call's coefficients being the ones measured."""
+    repeated_norm: float | None = None
+    """With LISTED_TWICE (L2): the true norm with each repeated parameter counted as often as it was listed."""
+
+    @property
+    def differ(self) -> bool:
+        """Some rank applied more than one coefficient to its own parameters."""
+        return len(self.groups) > 1 and bool(self.mixed_ranks)
+
+
+def clusters(values: Iterable[tuple[int, float]], rtol: float) -> list[list[tuple[int, float]]]:
+    """Keyed values grouped: consecutive sorted values within `rtol` of their group's first."""
+    groups: list[list[tuple[int, float]]] = []
+    for key, value in sorted(values, key=lambda kv: (kv[1], kv[0])):
+        if groups and relative_difference(groups[-1][0][1], value) <= rtol:
+            groups[-1].append((key, value))
+        else:
+            groups.append([(key, value)])
+    return groups
+
+
+def _spread(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The relative difference of the largest and smallest positive value of each run of `values`
+    beginning at `starts` (more than rtol: the run's values are not one coefficient)."""
+    import numpy as np
+
+    low, high = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
+    spread: np.ndarray = (high - low) / np.where(high > 0, high, 1.0)
+    return spread
+
+
+def _members_by_label(labels: np.ndarray, values: np.ndarray, num_labels: int) -> list[tuple[int, ...]]:
+    """The distinct values (sorted) found with each label 0..num_labels-1."""
+    import numpy as np
+
+    found: list[tuple[int, ...]] = [() for _ in range(num_labels)]
+    pairs = np.unique(np.stack([labels, values], axis=1), axis=0)
+    _, starts = np.unique(pairs[:, 0], return_index=True)
+    for label, chunk in zip(pairs[starts, 0].tolist(), np.split(pairs[:, 1], starts[1:]), strict=True):
+        found[label] = tuple(chunk.tolist())
+    return found
+
+
+def param_coefficients(
+    step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis, columns: StepColumns
+) -> ParamCoefficients:
+    """The step's per-parameter coefficients (none, with a note, when they cannot be measured; none
+    without a note when fewer than two parameters have a nonzero finite gradient)."""
+    num_calls = diagnosis.num_clip_calls
+    if diagnosis.mixed_moments:
+        return ParamCoefficients(
+            note=f"the dump holds the gradient from before the first of {num_calls} clip calls and the "
+            "clipped one from after the last, without per-call statistics"
+        )
+    if not columns.has_clipped.any():
+        return ParamCoefficients(note="post-clip gradients (grad_clipped) were not dumped")
+    import numpy as np
+
+    rtol = diagnosis.rtol
+    last_call, spanning, by_values = _per_rank_and_param(step, columns, num_calls, rtol)
+    per_call = spanning is not None
+    rank, param, coef, call = last_call if spanning is None else spanning
+    order = np.lexsort((rank, param))  # by parameter, then rank: each parameter's lowest rank first
+    rank, param, coef, call = rank[order], param[order], coef[order], call[order]
+    present, starts = np.unique(param, return_index=True)
+    if present.size < 2:
+        return ParamCoefficients()
+    names = columns.param_names
+    disagreeing = tuple(sorted(names[p] for p in present[_spread(coef, starts) > rtol].tolist()))
+    by_rank = np.argsort(rank, kind="stable")
+    _, rank_starts = np.unique(rank[by_rank], return_index=True)
+    mixed = tuple(
+        sorted(np.unique(rank[by_rank][rank_starts[_spread(coef[by_rank], rank_starts) > rtol]]).tolist())
+    )
+    grouped = clusters(zip(present.tolist(), coef[starts].tolist(), strict=True), rtol)
+    # The most parameters first; of as many, a coefficient below 1 before 1, the larger before the
+    # smaller: the others' coefficient a parameter left out (1) or scaled twice (c²) departs from.
+    grouped.sort(key=lambda g: (-len(g), relative_difference(g[0][1], 1.0) <= rtol, -g[0][1]))
+    label = np.zeros(len(names), dtype=np.int64)
+    for i, members in enumerate(grouped):
+        label[[p for p, _ in members]] = i
+    ranks_of = _members_by_label(label[param], rank, len(grouped))
+    calls_of = _members_by_label(label[param], call, len(grouped))
+    groups = [
+        CoefGroup(
+            coef=members[0][1],
+            params=tuple(sorted(names[p] for p, _ in members)),
+            ranks=ranks_of[i],
+            calls=tuple(c for c in calls_of[i] if c),
+        )
+        for i, members in enumerate(grouped)
+    ]
+    groups, cause = _cause(groups, per_call, rtol)
+    return ParamCoefficients(
+        groups=tuple(groups),
+        mixed_ranks=mixed,
+        disagreeing=disagreeing,
+        expected_coef=_expected(diagnosis, per_call),
+        cause=cause,
+        by_values=by_values,
+        repeated_norm=_repeated_norm(m, diagnosis, groups) if cause == LISTED_TWICE else None,
+        moment="" if per_call else diagnosis.moment,
+    )
+
+
+Coefficients = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
+"""Per measured (rank, parameter): the rank, the parameter (its column id), the coefficient, and the
+1-based clip call that changed it (0: none)."""
+
+
+def _per_rank_and_param(
+    step: StepDump, columns: StepColumns, num_calls: int, rtol: float
+) -> tuple[Coefficients, Coefficients | None, bool]:
+    """(the last clip call's coefficients, the coefficients across every call, whether every one was
+    measured from the values). With several calls, a coefficient spans them only when each parameter
+    was changed by one call at most, and only by a scaling (None otherwise: the gradients changed
+    between the calls, as a backward pass between them does, GA501)."""
+    import numpy as np
+
+    post_sq, post_bad, dots, calls = _piece_columns(step, columns, num_calls)
+    usable = columns.has_grad & columns.has_clipped
+    bad = ~usable | post_bad | (columns.counts.sum(axis=1) > 0)
+    keys, inverse = np.unique(np.stack([columns.rank, columns.param], axis=1), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+
+    def per_key(values: np.ndarray) -> np.ndarray:
+        summed: np.ndarray = np.bincount(inverse, weights=np.where(bad, 0.0, values), minlength=len(keys))
+        return summed
+
+    pre = per_key(columns.sum_sq)
+    every_value = dots is not None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        last = per_key(dots[0]) / per_key(dots[1]) if dots is not None else np.sqrt(per_key(post_sq) / pre)
+        before = (
+            np.stack([per_key(calls[:, k]) for k in range(num_calls)], axis=1) if calls is not None else None
+        )
+        ratios = None if before is None else np.column_stack([np.sqrt(before[:, 1:] / before[:, :-1]), last])
+    measured = ~(np.bincount(inverse, weights=bad, minlength=len(keys)) > 0) & (pre > 0) & np.isfinite(last)
+    rank, param = keys[measured, 0], keys[measured, 1]
+    last_call = (rank, param, last[measured], np.zeros(rank.size, dtype=np.int64))
+    if ratios is None:
+        return last_call, None, every_value
+    ratios = ratios[measured]
+    ratios = np.where(np.isnan(ratios), 1.0, ratios)  # 0 / 0: a piece without gradient before two calls
+    changed = np.abs(ratios - 1.0) > rtol * np.maximum(1.0, ratios)
+    if (changed.sum(axis=1) > 1).any() or not (ratios <= 1 + rtol).all():
+        return last_call, None, every_value
+    call = np.where(changed.any(axis=1), changed.argmax(axis=1) + 1, 0)
+    return last_call, (rank, param, ratios.prod(axis=1), call), every_value
+
+
+def _piece_columns(
+    step: StepDump, columns: StepColumns, num_calls: int
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
+    """Per piece of `columns`: the post-clip sum of squares, whether the post-clip gradient holds a
+    nonfinite value, (sum(pre * post), sum(pre * pre)) when every piece with a post-clip gradient has
+    them (0 for the others), and the sum of squares
+    before each clip call when every piece has them (with several calls)."""
+    import numpy as np
+
+    pieces = columns.pieces
+    if isinstance(pieces, TablePieces):  # stats-only columns: no products, no per-call statistics
+        table, rows = pieces.table, pieces.positions
+        if "grad_clipped" not in table.kinds:
+            return np.zeros(len(rows)), np.zeros(len(rows), dtype=bool), None, None
+        counts = table.kind_counts("grad_clipped")[rows]
+        return table.kind_column("grad_clipped", 1)[rows], counts.sum(axis=1) > 0, None, None
+    clipped = [p.stats.get("grad_clipped") for p in pieces]
+    post_sq = np.array([0.0 if c is None else c.sum_sq for c in clipped])
+    post_bad = np.array([c is not None and c.num_nonfinite > 0 for c in clipped], dtype=bool)
+    dots = None
+    with_values = [p.dot_pre_post is not None and p.dot_pre_pre is not None for p in pieces]
+    if all(v or not c for v, c in zip(with_values, columns.has_clipped.tolist(), strict=True)):
+        dots = (
+            np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64),
+            np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64),
+        )
+    calls = None
+    if num_calls > 1:
+        by_piece = _call_sums(step)
+        found = [by_piece.get((p.rank, p.index), ()) for p in pieces]
+        if all(len(f) == num_calls for f in found):
+            calls = np.array(found, dtype=np.float64).reshape(len(pieces), num_calls)
+    return post_sq, post_bad, dots, calls
+
+
+def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:
+    """(rank, piece index) -> the piece's gradient sum of squares before each clip call (raw: the loss
+    scale cancels in their ratios), for the pieces that hold per-call statistics."""
+    from ..dumpfile.columnar import ColumnarPieces
+
+    found = {}
+    for rank in step.ranks_present:
+        dump = step.ranks[rank]
+        clip = dump.clip
+        if (
+            clip is None
+            or len({c.unscaled for c in clip.calls}) > 1
+            or isinstance(dump.pieces, ColumnarPieces)
+        ):
+            continue  # unscale_ between calls changes the gradients by more than the clip coefficient
+        for piece in dump.pieces:
+            if piece.call_stats:
+                found[(rank, piece.index)] = tuple(s.sum_sq for s in piece.call_stats)
+    return found
+
+
+def _cause(groups: list[CoefGroup], per_call: bool, rtol: float) -> tuple[list[CoefGroup], str | None]:
+    """The groups with the power of the first group's coefficient each received, and the cause."""
+    if len(groups) < 2:
+        return groups, None
+    if per_call:
+        return groups, PER_CALL
+    first = groups[0].coef
+    powered = [groups[0]]
+    for group in groups[1:]:
+        power = 1
+        if relative_difference(group.coef, 1.0) <= rtol and relative_difference(first, 1.0) > rtol:
+            power = 0
+        elif 0 < group.coef < first < 1:
+            k = round(math.log(group.coef) / math.log(first))
+            if 2 <= k <= 4 and relative_difference(group.coef, first**k) <= k * rtol:
+                power = k
+        powered.append(CoefGroup(coef=group.coef, params=group.params, ranks=group.ranks, power=power))
+    powers = {g.power for g in powered[1:]}
+    cause = LISTED_TWICE if any(p >= 2 for p in powers) else LEFT_OUT if powers == {0} else None
+    return powered, cause
+
+
+def _expected(diagnosis: StepDiagnosis, per_call: bool) -> float | None:
+    """The coefficient of the true norm before the first clip call when the coefficients span the
+    calls (the dumped pre-clip gradient is of the last call), else before the last."""
+    if diagnosis.max_norm is None:
+        return None
+    if per_call and diagnosis.call_norms:
+        first = diagnosis.call_norms[0].norm
+        return None if first is None else expected_clip_coef(first, diagnosis.max_norm)
+    return diagnosis.expected_coef
+
+
+def _repeated_norm(
+    m: StepMeasurements, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]
+) -> float | None:
+    """The L2 norm that counts each parameter of a powered group `power` times (once per listing)."""
+    if diagnosis.true_norm is None or m.norm_type != 2.0:
+        return None
+    extra = safe_fsum(
+        (group.power - 1) * piece.stats["grad"].sum_sq
+        for group in groups
+        if group.power >= 2
+        for name in group.params
+        for piece in disjoint_cover(m.params[name].pieces)
+        if "grad" in piece.stats
+    )
+    return math.sqrt(diagnosis.true_norm**2 + extra)
