@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..dumpfile.columnar import ColumnarPieces
 from ..dumpfile.writer import step_dir, write_rank_file
-from ..model import ClipRecord, DataRecord, ParamInfo, Piece, RankDump, TensorStats, Topology
+from ..model import (
+    Box,
+    ClipRecord,
+    DataRecord,
+    FlatRange,
+    ParamInfo,
+    Piece,
+    RankDump,
+    TensorStats,
+    Topology,
+    numel_of,
+)
 from ..version import __version__
 from .snapshots import Snapshots
 
@@ -33,10 +45,51 @@ def build_rank_dump(
     call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
     capture_api: str | None = None,
 ) -> tuple[RankDump, dict[tuple[int, str], torch.Tensor]]:
-    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
+    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies.
+
+    A stats dump that format 1.1 can hold as columns gets its pieces as a ColumnarPieces built from
+    the snapshots' own rows (`_columnar`), with no Piece or TensorStats object per piece."""
     infos: dict[str, ParamInfo] = {}
-    pieces: list[Piece] = []
+    pieces: Sequence[Piece] = []
     tensors: dict[tuple[int, str], torch.Tensor] = {}
+    columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
+    if columns is not None:
+        params, pieces = columns
+        infos = {info.name: info for info in params}
+    else:
+        pieces = _pieces(snapshots, infos, tensors, call_stats)
+    dump = RankDump(
+        path="",
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        mode=mode,
+        run_id=run_id,
+        host=socket.gethostname(),
+        torch_version=_torch_version(),
+        gradaudit_version=__version__,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        params=tuple(sorted(infos.values(), key=lambda i: i.name)),
+        pieces=pieces if isinstance(pieces, ColumnarPieces) else tuple(pieces),
+        aliases=dict(aliases),
+        topology=topology,
+        clip=clip,
+        data=data,
+        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
+        capture_api=capture_api,
+    )
+    return dump, tensors
+
+
+def _pieces(
+    snapshots: Snapshots,
+    infos: dict[str, ParamInfo],
+    tensors: dict[tuple[int, str], torch.Tensor],
+    call_stats: Mapping[int, tuple[TensorStats, ...]] | None,
+) -> list[Piece]:
+    """The general path: a Piece per captured piece (values, call statistics, partial sums, anything
+    the columns cannot hold); fills `infos` and `tensors`."""
+    pieces: list[Piece] = []
     for source_index, local in enumerate(snapshots.pieces):
         if local.param in snapshots.not_captured:
             continue
@@ -71,27 +124,75 @@ def build_rank_dump(
                 partial_group=snapshots.partial.get(source_index),
             )
         )
-    dump = RankDump(
-        path="",
-        rank=rank,
-        world_size=world_size,
-        step=step,
-        mode=mode,
-        run_id=run_id,
-        host=socket.gethostname(),
-        torch_version=_torch_version(),
-        gradaudit_version=__version__,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        params=tuple(sorted(infos.values(), key=lambda i: i.name)),
-        pieces=tuple(pieces),
-        aliases=dict(aliases),
-        topology=topology,
-        clip=clip,
-        data=data,
-        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
-        capture_api=capture_api,
+    return pieces
+
+
+def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPieces] | None:
+    """(the parameters, the pieces as format-1.1 columns) of a stats-only capture, built from the
+    snapshots' statistics rows as they are; None when a piece needs the general path (several
+    regions, a local name, a dtype other than its parameter's, kinds differing between pieces, a
+    0-D box, a region that does not match its tensor)."""
+    import numpy as np
+
+    from ..dumpfile.columnar import pieces_from_rows
+
+    table = snapshots.stats
+    kinds = [k for k in snapshots.kinds_taken if k in table.present]
+    if not kinds:
+        return None
+    present = [table.present[k] for k in kinds]
+    held = np.logical_or.reduce(present)
+    failed = np.zeros(len(snapshots.pieces), dtype=bool)
+    failed[list(snapshots.failed)] = True
+    not_captured = snapshots.not_captured
+    infos: dict[str, ParamInfo] = {}
+    dtypes: dict[str, str] = {}
+    kept: list[int] = []
+    names: list[str] = []
+    groups: list[str | None] = []
+    ndims: list[int] = []
+    coords: list[int] = []
+    for index in np.flatnonzero(held | failed).tolist():
+        local = snapshots.pieces[index]
+        name = local.param
+        if name in not_captured:
+            continue
+        if name not in infos:
+            infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
+            dtypes[name] = local.dtype
+        if failed[index]:
+            continue
+        regions = local.regions
+        if len(regions) != 1 or local.local_name is not None or dtypes[name] != local.dtype:
+            return None
+        region = regions[0]
+        if type(region) is Box:
+            shape = region.shape
+            if not shape or shape != local.local_shape:
+                return None
+            ndims.append(len(shape))
+            coords += region.offsets
+            coords += shape
+        elif type(region) is FlatRange and region.stop - region.start == numel_of(local.local_shape):
+            ndims.append(0)
+            coords += (region.start, region.stop)
+        else:
+            return None
+        kept.append(index)
+        names.append(name)
+        groups.append(local.replica_group)
+    if not kept or any(not p[kept].all() for p in present):
+        return None  # no piece, or kinds that differ between pieces
+    params = tuple(sorted(infos.values(), key=lambda i: i.name))
+    return params, pieces_from_rows(
+        params=params,
+        param_names=names,
+        groups=groups,
+        ndims=ndims,
+        coords=coords,
+        rows={k: table.rows[k][kept] for k in kinds},
+        norm_type=snapshots.norm_type,
     )
-    return dump, tensors
 
 
 def write_dump(

@@ -201,25 +201,71 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
     )
     if rebuilt != tuple(pieces):
         return None
-    arrays: dict[str, np.ndarray] = {
-        PIECES: np.array(rows, dtype=np.int64).reshape(-1, 4),
-        COORDS: np.array(coords, dtype=np.int64),
-    }
-    for kind in kinds:
-        arrays[stats_key(kind)] = np.array(stats[kind], dtype=np.float64).reshape(len(pieces), 3 + fp_len)
-        arrays[counts_key(kind)] = np.array(counts[kind], dtype=np.int64).reshape(len(pieces), 3)
-    param_columns = params_to_columns(dump.params)
+    return columns_of(rebuilt)
+
+
+def columns_of(pieces: ColumnarPieces) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(the "columnar" descriptor, the arrays by key) of pieces held as columns, their parameter
+    table included (inline columns; "json" when a dtype has no code)."""
+    arrays: dict[str, np.ndarray] = {PIECES: pieces.rows, COORDS: pieces.coords}
+    for kind in pieces.kinds:
+        arrays[stats_key(kind)] = pieces.stats[kind]
+        arrays[counts_key(kind)] = pieces.counts[kind]
+    param_columns = params_to_columns(pieces.params)
     if param_columns is not None:
         arrays.update(param_columns)
+    norm_type = pieces.norm_type
     descriptor = {
         "params": "columns" if param_columns is not None else "json",
         "num_pieces": len(pieces),
-        "kinds": kinds,
-        "norm_type": "inf" if math.isinf(first.norm_type) else first.norm_type,
-        "fingerprint_length": fp_len,
-        "replica_groups": groups,
+        "kinds": list(pieces.kinds),
+        "norm_type": "inf" if math.isinf(norm_type) else norm_type,
+        "fingerprint_length": pieces.fingerprint_length,
+        "replica_groups": list(pieces.groups),
     }
     return descriptor, arrays
+
+
+def pieces_from_rows(
+    *,
+    params: Sequence[ParamInfo],
+    param_names: Sequence[str],
+    groups: Sequence[str | None],
+    ndims: Sequence[int],
+    coords: Sequence[int],
+    rows: Mapping[str, np.ndarray],
+    norm_type: float,
+) -> ColumnarPieces:
+    """Pieces as columns from a capture's own lists, one entry a piece: its parameter's name (in
+    `params`), replica group, region (`ndims`: 0 for a flat range, else the box's; `coords` laid out
+    piece after piece) and, per kind, a statistics row (sum_pow, sum_sq, max_abs, 2 fingerprint
+    sums, num_nan, num_posinf, num_neginf). Not validated here: the writer checks the columns as the
+    reader does."""
+    index_of = {info.name: i for i, info in enumerate(params)}
+    group_names = sorted({g for g in groups if g is not None})
+    group_index: dict[str | None, int] = {g: i for i, g in enumerate(group_names)}
+    group_index[None] = -1
+    ndim = np.array(ndims, dtype=np.int64)
+    width = np.where(ndim == 0, 2, 2 * ndim)
+    table = np.stack(
+        [
+            np.array([index_of[name] for name in param_names], dtype=np.int64),
+            np.array([group_index[g] for g in groups], dtype=np.int64),
+            np.concatenate(([0], np.cumsum(width)[:-1])).astype(np.int64),
+            ndim,
+        ],
+        axis=1,
+    )
+    kinds = sorted(rows)
+    return ColumnarPieces(
+        table,
+        np.array(coords, dtype=np.int64),
+        params,
+        group_names,
+        {k: np.ascontiguousarray(rows[k][:, :5]) for k in kinds},
+        {k: rows[k][:, 5:8].astype(np.int64) for k in kinds},
+        float(norm_type),
+    )
 
 
 def from_columns(

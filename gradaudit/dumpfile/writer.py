@@ -8,11 +8,11 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
 from ..model import RankDump
-from .columnar import to_columns
+from .columnar import ColumnarPieces, columns_of, from_columns, to_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
 from .schema import METADATA_KEY, decode_rank, encode_rank
@@ -73,47 +73,32 @@ def write_rank_file(
     Returns the path written.
     """
     directory = Path(directory)
-    pieces = []
-    payload: dict[str, torch.Tensor] = {}
-    by_index = {p.index: p for p in dump.pieces}
-    for index, _kind in tensors:
-        if index not in by_index:
-            raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
-    for piece in dump.pieces:
-        keys = dict(piece.tensors)
-        for kind in ("grad", "grad_clipped", "param_before", "param_after"):
-            tensor = tensors.get((piece.index, kind))
-            if tensor is None:
-                continue
-            if tuple(tensor.shape) != piece.local_shape:
-                raise ValueError(
-                    f"{piece.param!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
-                    f"local shape {piece.local_shape}"
-                )
-            if str(tensor.dtype).removeprefix("torch.") != piece.dtype:
-                raise ValueError(
-                    f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}"
-                )
-            key = tensor_key(piece.param, kind, piece.index)
-            payload[key] = tensor.detach().to("cpu").contiguous()
-            keys[kind] = key
-        pieces.append(dataclasses.replace(piece, tensors=keys))
-    dump = dataclasses.replace(dump, pieces=tuple(pieces))
     final = directory / rank_file_name(dump.rank)
-    document = encode_rank(dump)
+    held_as_columns = columnar and not tensors and isinstance(dump.pieces, ColumnarPieces)
+    payload: dict[str, torch.Tensor] = {}
+    if not held_as_columns:
+        dump, payload = _with_tensor_keys(dump, tensors)
+    columns = None if payload or not columnar else _columns(dump, held_as_columns)
+    # The JSON document is checked by the reader's own decoder; the columns below by its column checks.
+    shown = dump
+    if columns is not None:
+        shown = dataclasses.replace(
+            dump, pieces=(), params=() if columns[0]["params"] == "columns" else dump.params
+        )
+    document = encode_rank(shown)
     try:
+        if shown is not dump and len({p.name for p in dump.params}) < len(dump.params):
+            raise DumpFormatError(str(final), "a parameter is listed twice")
         decode_rank(json.loads(json.dumps(document, allow_nan=False)), str(final))
+        if columns is not None:
+            from_columns(columns[0], columns[1], dump.params, str(final))
     except DumpFormatError as exc:
         raise UnreadableDumpError(
             f"{final}: not written, because gradaudit's reader would refuse it: {exc.problem}"
         ) from None
-    columns = None if payload or not columnar else to_columns(dump)
     arrays: dict[str, np.ndarray] = {}
     if columns is not None:  # format 1.1: stats-only pieces as binary columns (see columnar.py)
         document["columnar"], arrays = columns
-        document["pieces"] = []
-        if document["columnar"]["params"] == "columns":
-            document["params"] = []
 
     directory.mkdir(parents=True, exist_ok=True)
     if final.exists() and not overwrite:
@@ -143,6 +128,50 @@ def write_rank_file(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
     return final
+
+
+def _with_tensor_keys(
+    dump: RankDump, tensors: Mapping[tuple[int, str], torch.Tensor]
+) -> tuple[RankDump, dict[str, torch.Tensor]]:
+    """`dump` with each piece naming its tensors' safetensors keys, and those tensors (CPU, contiguous)
+    by key, after checking each against its piece."""
+    pieces = []
+    payload: dict[str, torch.Tensor] = {}
+    by_index = {p.index: p for p in dump.pieces}
+    for index, _kind in tensors:
+        if index not in by_index:
+            raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
+    for piece in dump.pieces:
+        keys = dict(piece.tensors)
+        for kind in ("grad", "grad_clipped", "param_before", "param_after"):
+            tensor = tensors.get((piece.index, kind))
+            if tensor is None:
+                continue
+            if tuple(tensor.shape) != piece.local_shape:
+                raise ValueError(
+                    f"{piece.param!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
+                    f"local shape {piece.local_shape}"
+                )
+            if str(tensor.dtype).removeprefix("torch.") != piece.dtype:
+                raise ValueError(
+                    f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}"
+                )
+            key = tensor_key(piece.param, kind, piece.index)
+            payload[key] = tensor.detach().to("cpu").contiguous()
+            keys[kind] = key
+        pieces.append(dataclasses.replace(piece, tensors=keys))
+    return dataclasses.replace(dump, pieces=tuple(pieces)), payload
+
+
+def _columns(dump: RankDump, held_as_columns: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """The format-1.1 columns of a tensor-less dump: those its pieces already are (a capture's), else
+    `to_columns` of its Piece objects (None when they cannot be held losslessly)."""
+    if held_as_columns:
+        assert isinstance(dump.pieces, ColumnarPieces)
+        if dump.pieces.params != tuple(dump.params):
+            raise ValueError("the columnar pieces refer to another parameter list than the dump's")
+        return columns_of(dump.pieces)
+    return to_columns(dump)
 
 
 def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:
