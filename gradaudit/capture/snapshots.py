@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ..model import NotCapturedParam, TensorStats, numel_of
@@ -15,6 +17,20 @@ if TYPE_CHECKING:
     import torch
 
 GRAD_KINDS = ("grad", "grad_clipped")
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while the capture makes its few objects per piece:
+    with 10^5 pieces its passes over every object alive cost a quarter of the capture, and these
+    objects form no cycles to collect."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Snapshots:
@@ -55,11 +71,14 @@ class Snapshots:
         self.abandoned: str | None = None
         """Why nothing of this step will be written (the copies ran out of memory), else None."""
         self._keep_stats = mode == "stats"
-        self._keep_values = tuple(
-            mode == "full"
-            or matches_any(p.param, full_params)
-            or (p.local_name is not None and matches_any(p.local_name, full_params))
-            for p in self.pieces
+        self._keep_values = (
+            (mode == "full",) * len(self.pieces)
+            if mode == "full" or not full_params
+            else tuple(
+                matches_any(p.param, full_params)
+                or (p.local_name is not None and matches_any(p.local_name, full_params))
+                for p in self.pieces
+            )
         )
 
     def take(self, kind: str, *, copy: bool = True) -> None:
@@ -79,7 +98,7 @@ class Snapshots:
         positions: list[int] = []
         tensors: list[torch.Tensor] = []
         strided = torch.strided
-        with torch.no_grad():
+        with torch.no_grad(), collection_paused():
             for index, piece in enumerate(self.pieces):
                 if index in self.failed or piece.param in self.not_captured:
                     continue

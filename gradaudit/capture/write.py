@@ -24,7 +24,7 @@ from ..model import (
     numel_of,
 )
 from ..version import __version__
-from .snapshots import Snapshots
+from .snapshots import Snapshots, collection_paused
 
 if TYPE_CHECKING:
     import torch
@@ -52,12 +52,13 @@ def build_rank_dump(
     infos: dict[str, ParamInfo] = {}
     pieces: Sequence[Piece] = []
     tensors: dict[tuple[int, str], torch.Tensor] = {}
-    columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
-    if columns is not None:
-        params, pieces = columns
-        infos = {info.name: info for info in params}
-    else:
-        pieces = _pieces(snapshots, infos, tensors, call_stats)
+    with collection_paused():
+        columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
+        if columns is not None:
+            params, pieces = columns
+            infos = {info.name: info for info in params}
+        else:
+            pieces = _pieces(snapshots, infos, tensors, call_stats)
     dump = RankDump(
         path="",
         rank=rank,
