@@ -26,6 +26,8 @@ def logical_name(model: torch.nn.Module, fqn: str) -> str:
     user's own submodule called `module` keeps its name.
     """
     parts = fqn.split(".")
+    if "module" not in parts and WRAPPER_ATTRIBUTES.isdisjoint(parts):
+        return fqn
     kept = []
     module: object = model
     for part in parts[:-1]:

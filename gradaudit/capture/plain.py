@@ -3,6 +3,7 @@ and Megatron-style tensor-parallel shards marked by attributes on the tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ def plain_pieces(
     global_shape[dim] = local_shape[dim] * tensor_parallel.size
     offsets[dim] = local_shape[dim] * tensor_parallel.index
     region = Box(offsets=tuple(offsets), shape=local_shape)
-    return [_piece(name, local_name, param, tuple(global_shape), local_shape, region, replica_group)]
+    return [_piece(name, local_name, param, tuple(global_shape), local_shape, (region,), replica_group)]
 
 
 def whole_pieces(
@@ -70,7 +71,9 @@ def whole_pieces(
     local_shape = tuple(param.shape)
     if 0 in local_shape:
         return []
-    return [_piece(name, local_name, param, local_shape, local_shape, whole_box(local_shape), replica_group)]
+    return [
+        _piece(name, local_name, param, local_shape, local_shape, _whole_regions(local_shape), replica_group)
+    ]
 
 
 def _piece(
@@ -79,20 +82,32 @@ def _piece(
     param: torch.Tensor,
     global_shape: tuple[int, ...],
     local_shape: tuple[int, ...],
-    region: Box,
+    regions: tuple[Box, ...],
     replica_group: str | None,
 ) -> LocalPiece:
-    return LocalPiece(
+    """A LocalPiece filled in directly: a rank may hold 10^5 parameters, and the frozen dataclass's
+    __init__ (one object.__setattr__ a field) was a fifth of the stats capture of small ones. It
+    has no __post_init__ to skip; the fields left out take their declared defaults."""
+    piece = _new(LocalPiece)
+    piece.__dict__.update(
+        _PIECE_DEFAULTS,
         param=name,
         global_shape=global_shape,
         dtype=_dtype_name(param.dtype),
-        regions=(region,),
+        regions=regions,
         local_shape=local_shape,
         grad=_grad_of(param),
         value=param.detach,
         replica_group=replica_group,
         local_name=local_name,
     )
+    return piece
+
+
+_new = object.__new__
+_PIECE_DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(LocalPiece) if f.default is not dataclasses.MISSING
+}
 
 
 @functools.cache
@@ -101,10 +116,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def whole_box(shape: tuple[int, ...]) -> Box:
-    """The Box of a whole tensor of `shape` (shared: a model's parameters have a few shapes, and a
-    Box is frozen)."""
-    return Box(offsets=(0,) * len(shape), shape=shape)
+def _whole_regions(shape: tuple[int, ...]) -> tuple[Box]:
+    """The regions of a whole tensor of `shape` (shared: a model's parameters have a few shapes, and
+    a Box is frozen)."""
+    return (Box(offsets=(0,) * len(shape), shape=shape),)
 
 
 def _grad_of(param: torch.Tensor) -> Callable[[], torch.Tensor | None]:

@@ -97,20 +97,21 @@ class Snapshots:
         summarize = self._keep_stats and kind in GRAD_KINDS
         positions: list[int] = []
         tensors: list[torch.Tensor] = []
-        strided = torch.strided
+        strided, failed, not_captured = torch.strided, self.failed, self.not_captured
+        gradient = kind in GRAD_KINDS
         with torch.no_grad(), collection_paused():
             for index, piece in enumerate(self.pieces):
-                if index in self.failed or piece.param in self.not_captured:
+                if (failed and index in failed) or piece.param in not_captured:
                     continue
                 keep = self._keep_values[index]
-                if kind not in GRAD_KINDS and not keep:
+                if not gradient and not keep:
                     continue
                 try:
-                    tensor = piece.grad() if kind in GRAD_KINDS else piece.value()
+                    tensor = piece.grad() if gradient else piece.value()
                     if tensor is None:
                         continue
                     reason = None if tensor.layout is strided else sparse_reason(tensor)
-                    if reason is None and kind in GRAD_KINDS and piece.grad_partial is not None:
+                    if reason is None and gradient and piece.grad_partial is not None:
                         reason = self._note_partial(index, piece.grad_partial())
                     if reason is not None:
                         self._leave_out(piece.param, reason)

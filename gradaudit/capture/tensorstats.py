@@ -261,19 +261,24 @@ def stats_rows(tensors: Sequence[torch.Tensor], norm_type: float) -> np.ndarray:
     out = np.zeros((len(tensors), len(STATS_COLUMNS)), dtype=np.float64)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for position, tensor in enumerate(tensors):
-        numel = tensor.numel()
-        if 0 < numel <= SMALL_ELEMENTS:
-            groups.setdefault((tensor.device, tensor.dtype, tensor.shape), []).append(position)
-        elif numel:
-            stats = stats_of_tensor(tensor, norm_type)
-            out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint) + (
-                stats.num_nan,
-                stats.num_posinf,
-                stats.num_neginf,
-            )
+        key = (tensor.shape, tensor.dtype, tensor.device)
+        found = groups.get(key)
+        if found is None:
+            groups[key] = [position]
+        else:
+            found.append(position)
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-    for (device, _dtype, shape), positions in groups.items():
+    for (shape, _dtype, device), positions in groups.items():
         numel = math.prod(shape)
+        if not 0 < numel <= SMALL_ELEMENTS:
+            for position in positions if numel else ():
+                stats = stats_of_tensor(tensors[position], norm_type)
+                out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint) + (
+                    stats.num_nan,
+                    stats.num_posinf,
+                    stats.num_neginf,
+                )
+            continue
         weights = _weights_of_length(device, numel)
         step = max(1, BATCH_ELEMENTS // numel)
         taken, results = by_device.setdefault(device, ([], []))

@@ -19,6 +19,7 @@ from ..model import (
     ParamInfo,
     Piece,
     RankDump,
+    Region,
     TensorStats,
     Topology,
     numel_of,
@@ -138,50 +139,48 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     from ..dumpfile.columnar import pieces_from_rows
 
     table = snapshots.stats
-    kinds = [k for k in snapshots.kinds_taken if k in table.present]
+    kinds = [k for k in snapshots.kinds_taken if k in table.present and table.present[k].any()]
     if not kinds:
         return None
     present = [table.present[k] for k in kinds]
-    held = np.logical_or.reduce(present)
+    candidates = np.logical_or.reduce(present)
     failed = np.zeros(len(snapshots.pieces), dtype=bool)
     failed[list(snapshots.failed)] = True
-    not_captured = snapshots.not_captured
+    not_captured, pieces = snapshots.not_captured, snapshots.pieces
     infos: dict[str, ParamInfo] = {}
-    dtypes: dict[str, str] = {}
+    regions: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
+    """id of a region -> (ndim: 0 for a flat range, its coordinates, the local shape or numel it
+    needs), None when the columns cannot hold it: pieces of one shape share their Box."""
     kept: list[int] = []
     names: list[str] = []
     groups: list[str | None] = []
     ndims: list[int] = []
     coords: list[int] = []
-    for index in np.flatnonzero(held | failed).tolist():
-        local = snapshots.pieces[index]
+    for index in np.flatnonzero(candidates | failed).tolist():
+        local = pieces[index]
         name = local.param
         if name in not_captured:
             continue
-        if name not in infos:
-            infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
-            dtypes[name] = local.dtype
+        info = infos.get(name)
+        if info is None:
+            info = infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
         if failed[index]:
             continue
-        regions = local.regions
-        if len(regions) != 1 or local.local_name is not None or dtypes[name] != local.dtype:
+        if len(local.regions) != 1 or local.local_name is not None or info.dtype != local.dtype:
             return None
-        region = regions[0]
-        if type(region) is Box:
-            shape = region.shape
-            if not shape or shape != local.local_shape:
-                return None
-            ndims.append(len(shape))
-            coords += region.offsets
-            coords += shape
-        elif type(region) is FlatRange and region.stop - region.start == numel_of(local.local_shape):
-            ndims.append(0)
-            coords += (region.start, region.stop)
-        else:
+        region = local.regions[0]
+        key = id(region)
+        found = regions[key] if key in regions else regions.setdefault(key, _region_columns(region))
+        if found is None:
+            return None
+        ndim, values, needs = found
+        if needs != (local.local_shape if ndim else numel_of(local.local_shape)):
             return None
         kept.append(index)
         names.append(name)
         groups.append(local.replica_group)
+        ndims.append(ndim)
+        coords += values
     if not kept or any(not p[kept].all() for p in present):
         return None  # no piece, or kinds that differ between pieces
     params = tuple(sorted(infos.values(), key=lambda i: i.name))
@@ -194,6 +193,16 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
         rows={k: table.rows[k][kept] for k in kinds},
         norm_type=snapshots.norm_type,
     )
+
+
+def _region_columns(region: Region) -> tuple[int, tuple[int, ...], tuple[int, ...] | int] | None:
+    """(ndim: 0 for a flat range, its coordinates in the columns, the local shape (a box) or numel
+    (a range) its piece must have), or None for a 0-D box, which the columns cannot hold."""
+    if isinstance(region, FlatRange):
+        return 0, (region.start, region.stop), region.stop - region.start
+    if isinstance(region, Box) and region.shape:
+        return len(region.shape), (*region.offsets, *region.shape), region.shape
+    return None
 
 
 def write_dump(
