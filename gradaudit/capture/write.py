@@ -57,9 +57,9 @@ def build_rank_dump(
         columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
         if columns is not None:
             params, pieces = columns
-            infos = {info.name: info for info in params}
         else:
             pieces = _pieces(snapshots, infos, tensors, call_stats)
+            params = tuple(sorted(infos.values(), key=lambda i: i.name))
     dump = RankDump(
         path="",
         rank=rank,
@@ -71,7 +71,7 @@ def build_rank_dump(
         torch_version=_torch_version(),
         gradaudit_version=__version__,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        params=tuple(sorted(infos.values(), key=lambda i: i.name)),
+        params=params,
         pieces=pieces if isinstance(pieces, ColumnarPieces) else tuple(pieces),
         aliases=dict(aliases),
         topology=topology,
@@ -140,40 +140,34 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
 
     table = snapshots.stats
     kinds = [k for k in snapshots.kinds_taken if k in table.present and table.present[k].any()]
-    if not kinds:
+    if not kinds or snapshots.failed:
         return None
     present = [table.present[k] for k in kinds]
-    candidates = np.logical_or.reduce(present)
-    failed = np.zeros(len(snapshots.pieces), dtype=bool)
-    failed[list(snapshots.failed)] = True
     not_captured, pieces = snapshots.not_captured, snapshots.pieces
     infos: dict[str, ParamInfo] = {}
-    regions: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
-    """id of a region -> (ndim: 0 for a flat range, its coordinates, the local shape or numel it
-    needs), None when the columns cannot hold it: pieces of one shape share their Box."""
+    layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
+    """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
+    numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
     kept: list[int] = []
     names: list[str] = []
     groups: list[str | None] = []
     ndims: list[int] = []
     coords: list[int] = []
-    for index in np.flatnonzero(candidates | failed).tolist():
+    for index in np.flatnonzero(np.logical_or.reduce(present)).tolist():
         local = pieces[index]
         name = local.param
         if name in not_captured:
             continue
         info = infos.get(name)
         if info is None:
-            info = infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
-        if failed[index]:
-            continue
-        if len(local.regions) != 1 or local.local_name is not None or info.dtype != local.dtype:
+            infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
+        elif info.dtype != local.dtype:
             return None
-        region = local.regions[0]
-        key = id(region)
-        found = regions[key] if key in regions else regions.setdefault(key, _region_columns(region))
-        if found is None:
+        key = id(local.regions)
+        layout = layouts[key] if key in layouts else layouts.setdefault(key, _layout(local.regions))
+        if layout is None or local.local_name is not None:
             return None
-        ndim, values, needs = found
+        ndim, values, needs = layout
         if needs != (local.local_shape if ndim else numel_of(local.local_shape)):
             return None
         kept.append(index)
@@ -195,9 +189,11 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     )
 
 
-def _region_columns(region: Region) -> tuple[int, tuple[int, ...], tuple[int, ...] | int] | None:
+def _layout(regions: tuple[Region, ...]) -> tuple[int, tuple[int, ...], tuple[int, ...] | int] | None:
     """(ndim: 0 for a flat range, its coordinates in the columns, the local shape (a box) or numel
-    (a range) its piece must have), or None for a 0-D box, which the columns cannot hold."""
+    (a range) its piece must have) of a piece's one region; None for several regions or a 0-D box,
+    which the columns cannot hold."""
+    region = regions[0] if len(regions) == 1 else None
     if isinstance(region, FlatRange):
         return 0, (region.start, region.stop), region.stop - region.start
     if isinstance(region, Box) and region.shape:
