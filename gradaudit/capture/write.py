@@ -205,7 +205,8 @@ def write_dump(
     out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, str], torch.Tensor]
 ) -> Path:
     """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
-    return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
+    with collection_paused():  # a full dump's document is several objects per piece
+        return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:

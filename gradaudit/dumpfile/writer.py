@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
-from ..model import RankDump
+from ..model import Piece, RankDump
 from .columnar import ColumnarPieces, columns_of, from_columns, to_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
@@ -86,10 +86,11 @@ def write_rank_file(
             dump, pieces=(), params=() if columns[0]["params"] == "columns" else dump.params
         )
     document = encode_rank(shown)
+    text = json.dumps(document, sort_keys=True, allow_nan=False)
     try:
         if shown is not dump and len({p.name for p in dump.params}) < len(dump.params):
             raise DumpFormatError(str(final), "a parameter is listed twice")
-        decode_rank(json.loads(json.dumps(document, allow_nan=False)), str(final))
+        decode_rank(json.loads(text), str(final))
         if columns is not None:
             from_columns(columns[0], columns[1], dump.params, str(final))
     except DumpFormatError as exc:
@@ -114,7 +115,9 @@ def write_rank_file(
             document["columnar"] = {**document["columnar"], "params": reference}
             arrays = {key: value for key, value in arrays.items() if key not in TABLE_COLUMNS}
     tensors_out: dict[str, np.ndarray | torch.Tensor] = {**payload, **arrays}
-    metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
+    if columns is not None:  # the document changed above
+        text = json.dumps(document, sort_keys=True, allow_nan=False)
+    metadata = {METADATA_KEY: text}
     temporary = directory / temporary_name(final.name)
     fd = create_exclusively(temporary)  # ours from here on: removed below whatever happens
     try:
@@ -159,8 +162,22 @@ def _with_tensor_keys(
             key = tensor_key(piece.param, kind, piece.index)
             payload[key] = tensor.detach().to("cpu").contiguous()
             keys[kind] = key
-        pieces.append(dataclasses.replace(piece, tensors=keys))
+        pieces.append(_naming(piece, keys) if keys != piece.tensors else piece)
     return dataclasses.replace(dump, pieces=tuple(pieces)), payload
+
+
+def _naming(piece: Piece, keys: dict[str, str]) -> Piece:
+    """`piece` naming the tensors `keys` (of kinds it was validated with): a copy field by field,
+    not dataclasses.replace, which validates the whole piece again (a rank may write 10^5)."""
+    named = _new(Piece)
+    for name in _PIECE_FIELDS:
+        _set(named, name, getattr(piece, name))
+    _set(named, "tensors", keys)
+    return named
+
+
+_new, _set = object.__new__, object.__setattr__
+_PIECE_FIELDS = tuple(f.name for f in dataclasses.fields(Piece))
 
 
 def _columns(dump: RankDump, held_as_columns: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
