@@ -180,3 +180,27 @@ def test_a_parameter_whose_gradient_cannot_be_summarized_is_left_out_alone(tmp_p
     assert "narrow" not in {p.param for p in dump.pieces}
     assert [p.name for p in dump.not_captured] == ["narrow"]
     assert "small.0" in {p.param for p in dump.pieces}
+
+
+def test_a_whole_replica_filled_in_directly_is_the_local_piece_its_constructor_makes():
+    import dataclasses
+
+    from gradaudit.capture.plain import whole_pieces
+
+    param = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.float16))
+    param.grad = torch.ones(2, 3, dtype=torch.float16)
+    (piece,) = whole_pieces("w", "local.w", param, "dp")
+    made = LocalPiece(
+        param="w",
+        global_shape=(2, 3),
+        dtype="float16",
+        regions=(Box(offsets=(0, 0), shape=(2, 3)),),
+        local_shape=(2, 3),
+        grad=piece.grad,
+        value=piece.value,
+        replica_group="dp",
+        local_name="local.w",
+    )
+    assert piece == made and vars(piece).keys() == {f.name for f in dataclasses.fields(LocalPiece)}
+    assert torch.equal(piece.grad(), param.grad) and torch.equal(piece.value(), param.detach())
+    assert whole_pieces("empty", None, torch.nn.Parameter(torch.zeros(0, 3)), None) == []
