@@ -151,13 +151,12 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
     first = pieces[0].stats[kinds[0]] if kinds else None
     if first is None:
         return None
-    groups = sorted({p.replica_group for p in pieces if p.replica_group is not None})
-    group_index = {g: i for i, g in enumerate(groups)}
     fp_len = len(first.fingerprint)
-    rows: list[list[int]] = []
+    names: list[str] = []
+    groups: list[str | None] = []
+    ndims: list[int] = []
     coords: list[int] = []
-    stats: dict[str, list[list[float]]] = {kind: [] for kind in kinds}
-    counts: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+    rows: list[list[float]] = []
     for position, piece in enumerate(pieces):
         if (
             piece.index != position
@@ -172,14 +171,16 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
             return None
         region = piece.regions[0]
         if isinstance(region, FlatRange):
-            ndim, values = 0, [region.start, region.stop]
+            ndims.append(0)
+            coords += (region.start, region.stop)
+        elif region.shape:
+            ndims.append(len(region.shape))
+            coords += (*region.offsets, *region.shape)
         else:
-            ndim, values = len(region.shape), [*region.offsets, *region.shape]
-            if ndim == 0:
-                return None
-        group = -1 if piece.replica_group is None else group_index[piece.replica_group]
-        rows.append([params[piece.param], group, len(coords), ndim])
-        coords.extend(values)
+            return None
+        names.append(piece.param)
+        groups.append(piece.replica_group)
+        row: list[float] = []
         for kind in kinds:
             s = piece.stats[kind]
             if s.norm_type != first.norm_type and not (
@@ -188,16 +189,17 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
                 return None
             if len(s.fingerprint) != fp_len or s.numel != piece.numel:
                 return None
-            stats[kind].append([s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint])
-            counts[kind].append([s.num_nan, s.num_posinf, s.num_neginf])
-    rebuilt = _pieces_from(
-        np.array(rows, dtype=np.int64),
-        np.array(coords, dtype=np.int64),
-        dump.params,
-        groups,
-        {k: np.array(v, dtype=np.float64).reshape(len(pieces), 3 + fp_len) for k, v in stats.items()},
-        {k: np.array(v, dtype=np.int64).reshape(len(pieces), 3) for k, v in counts.items()},
-        first.norm_type,
+            row += (s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint, s.num_nan, s.num_posinf, s.num_neginf)
+        rows.append(row)
+    table = np.array(rows, dtype=np.float64).reshape(len(pieces), len(kinds), 6 + fp_len)
+    rebuilt = pieces_from_rows(
+        params=dump.params,
+        param_names=names,
+        groups=groups,
+        ndims=ndims,
+        coords=coords,
+        rows={kind: table[:, i] for i, kind in enumerate(kinds)},
+        norm_type=first.norm_type,
     )
     if rebuilt != tuple(pieces):
         return None
@@ -236,11 +238,10 @@ def pieces_from_rows(
     rows: Mapping[str, np.ndarray],
     norm_type: float,
 ) -> ColumnarPieces:
-    """Pieces as columns from a capture's own lists, one entry a piece: its parameter's name (in
-    `params`), replica group, region (`ndims`: 0 for a flat range, else the box's; `coords` laid out
-    piece after piece) and, per kind, a statistics row (sum_pow, sum_sq, max_abs, 2 fingerprint
-    sums, num_nan, num_posinf, num_neginf). Not validated here: the writer checks the columns as the
-    reader does."""
+    """Pieces as columns from lists, one entry a piece: its parameter's name (in `params`), replica
+    group, region (`ndims`: 0 for a flat range, else the box's; `coords` laid out piece after piece)
+    and, per kind, a float64 row (sum_pow, sum_sq, max_abs, the fingerprint, num_nan, num_posinf,
+    num_neginf). Not validated here: the writer checks the columns as the reader does."""
     index_of = {info.name: i for i, info in enumerate(params)}
     group_names = sorted({g for g in groups if g is not None})
     group_index: dict[str | None, int] = {g: i for i, g in enumerate(group_names)}
@@ -262,8 +263,8 @@ def pieces_from_rows(
         np.array(coords, dtype=np.int64),
         params,
         group_names,
-        {k: np.ascontiguousarray(rows[k][:, :5]) for k in kinds},
-        {k: rows[k][:, 5:8].astype(np.int64) for k in kinds},
+        {k: np.ascontiguousarray(rows[k][:, :-3]) for k in kinds},
+        {k: rows[k][:, -3:].astype(np.int64) for k in kinds},
         float(norm_type),
     )
 
