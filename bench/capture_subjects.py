@@ -87,41 +87,73 @@ def many_small_gradients(num_params: int):
     return model
 
 
-def many_params_subject(num_params: int, workdir: str, mode: str) -> tuple[float, int]:
-    """One audited step of `num_params` small parameters: what the capture adds to the training step."""
+def params_ladder_subject(
+    counts: list[int], workdir: str, rounds: int, modes: list[str]
+) -> tuple[float, dict]:
+    """One process, every size: per round and size, a plain loop of
+    `torch.linalg.vector_norm(g, dtype=torch.float64)` over the gradients, an audited step in each
+    mode (`audit_step`, strict: ownership inference, snapshots, statistics, the dump built and
+    written), and the loop again; the stats step's ratio is taken against the mean of the two loops
+    around it. Returns {subject: [seconds per round]} and {"stats/loop N": [ratio per round]}."""
     import gradaudit
 
-    model = many_small_gradients(num_params)
+    models = {n: many_small_gradients(n) for n in counts}
+    grads = {n: [p.grad for p in model] for n, model in models.items()}
     directory = Path(tempfile.mkdtemp(dir=_made(workdir)))
+    times: dict[str, list[float]] = {}
     try:
-        with gradaudit.audit_step(
-            many_small_gradients(10), directory / "warmup", step=0, max_norm=MAX_NORM, mode=mode
-        ):
-            pass
-        start = time.perf_counter()
-        with gradaudit.audit_step(
-            model, directory, step=1, max_norm=MAX_NORM, mode=mode, strict=True
-        ) as audit:
-            audit.record(reported_norm=1.0)
-        seconds = time.perf_counter() - start
-        written = sum(p.stat().st_size for p in (directory / "step_1").glob("*.safetensors"))
-        if written == 0:
-            raise SystemExit(f"audit_step wrote nothing under {directory}")
-        return seconds, written
+        # Untimed first: the imports and first calls of the capture (once per training run).
+        warm = many_small_gradients(10)
+        for mode in modes:
+            with gradaudit.audit_step(warm, directory / "warmup", step=0, max_norm=MAX_NORM, mode=mode):
+                pass
+            shutil.rmtree(directory / "warmup")
+        _norm_loop(grads[counts[0]])
+        step = 0
+        started = time.perf_counter()
+        for _ in range(rounds):
+            for n in counts:
+                before = _norm_loop(grads[n])
+                captured = {}
+                for mode in modes:
+                    step += 1
+                    captured[mode] = _audited_step(models[n], directory, step, mode)
+                    if mode == "stats":
+                        after = _norm_loop(grads[n])
+                        times.setdefault(f"stats/loop {n}", []).append(
+                            captured[mode] / ((before + after) / 2)
+                        )
+                times.setdefault(f"norm loop {n}", []).append(before)
+                for mode, seconds in captured.items():
+                    times.setdefault(f"{mode} {n}", []).append(seconds)
+        return time.perf_counter() - started, times
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def norm_loop_subject(num_params: int) -> tuple[float, int]:
-    """The baseline: a plain float64 norm of every gradient of the same parameters, one call each."""
+def _norm_loop(grads) -> float:
     import torch
 
-    grads = [p.grad for p in many_small_gradients(num_params)]
-    torch.linalg.vector_norm(torch.ones(4), dtype=torch.float64)
     start = time.perf_counter()
     for grad in grads:
         torch.linalg.vector_norm(grad, dtype=torch.float64)
-    return time.perf_counter() - start, 0
+    return time.perf_counter() - start
+
+
+def _audited_step(model, directory: Path, step: int, mode: str) -> float:
+    import gradaudit
+
+    start = time.perf_counter()
+    with gradaudit.audit_step(
+        model, directory, step=step, max_norm=MAX_NORM, mode=mode, strict=True
+    ) as audit:
+        audit.record(reported_norm=1.0)
+    seconds = time.perf_counter() - start
+    written = directory / f"step_{step}"
+    if not any(written.glob("rank_*.safetensors")):
+        raise SystemExit(f"audit_step wrote nothing under {written}")
+    shutil.rmtree(written)
+    return seconds
 
 
 def _made(workdir: str) -> str:
@@ -135,8 +167,6 @@ def run_capture_subject(name: str, args: dict) -> tuple[float, int]:
 
     if name == "save_file":
         return save_file_subject(**args)
-    if name == "many_params":
-        return many_params_subject(**args)
-    if name == "norm_loop":
-        return norm_loop_subject(**args)
+    if name == "params_ladder":
+        return params_ladder_subject(**args)
     return audit_step_subject(**args)

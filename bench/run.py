@@ -12,6 +12,7 @@ import argparse
 import itertools
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -324,22 +325,35 @@ def capture_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
 
 def params_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
     counts = sizes.many_params
+    rounds = max(sizes.repeats, 1)
     out.line(
-        f"== many parameters per rank: {', '.join(f'{n:,}' for n in counts)} parameters of 4 fp32 elements"
+        f"== many parameters per rank: {', '.join(f'{n:,}' for n in counts)} parameters of 4 fp32 elements, "
+        f"one process, {rounds} interleaved round(s) of: vector_norm loop, stats, loop again, full"
     )
-    subjects = {}
-    for n in counts:
-        args = {"num_params": n, "workdir": str(workdir / "params")}
-        subjects[f"full {n}"] = dict(args, mode="full", _subject="many_params")
-        subjects[f"stats {n}"] = dict(args, mode="stats", _subject="many_params")
-    subjects[f"norm loop {counts[-1]}"] = {"num_params": counts[-1], "_subject": "norm_loop"}
-    results = harness.interleaved(subjects, 1, timeout_s=1800.0)
+    args = {
+        "counts": list(counts),
+        "workdir": str(workdir / "params"),
+        "rounds": rounds,
+        "modes": ["stats", "full"],
+    }
+    run_ = harness.run_subject("params_ladder", args, timeout_s=3600.0)
+    if run_.error is not None:
+        out.line(f"  params ladder FAILED: {run_.error}")
+    times: dict[str, list[float]] = run_.value or {}
+    results = {
+        name: Summary(
+            name=name,
+            runs=tuple(harness.Run(seconds=s, peak_rss_bytes=run_.peak_rss_bytes) for s in seconds),
+        )
+        for name, seconds in times.items()
+        if not name.startswith("stats/loop")
+    }
     for summary in results.values():
         out.subject(summary)
     for mode in ("full", "stats"):
         worst = None
         for small, large in itertools.pairwise(counts):
-            growth = _ratio(results[f"{mode} {large}"].seconds, results[f"{mode} {small}"].seconds)
+            growth = _ratio(_seconds(results, f"{mode} {large}"), _seconds(results, f"{mode} {small}"))
             beyond = None if growth is None else growth / (large / small)
             out.ratio("params", f"{mode} time {large}/{small} params beyond linear", beyond)
             if beyond is not None:
@@ -350,16 +364,30 @@ def params_section(out: Printer, workdir: Path, sizes: Sizes) -> None:
             TARGET_PARAMS_GROWTH,
             "x",
         )
+    for n in counts:
+        paired = times.get(f"stats/loop {n}", [])
+        if paired:
+            rounds_text = ", ".join(f"{r:.2f}" for r in paired)
+            out.line(
+                f"  stats/norm loop {n:,}: median {statistics.median(paired):.2f}x (per round: {rounds_text})"
+            )
     largest = counts[-1]
-    vs_norms = _ratio(results[f"stats {largest}"].seconds, results[f"norm loop {largest}"].seconds)
+    paired = times.get(f"stats/loop {largest}")
+    vs_norms = statistics.median(paired) if paired else None
     out.ratio("params", f"stats {largest}/norm loop {largest} time", vs_norms)
     scale = "" if largest >= 100_000 else " [under 10^5 parameters]"
     out.target(
-        f"stats capture of {largest:,} tensors <= {TARGET_PARAMS_STATS_VS_NORMS}x a vector_norm loop{scale}",
+        f"stats capture of {largest:,} tensors <= {TARGET_PARAMS_STATS_VS_NORMS}x a vector_norm loop "
+        f"[median of rounds, same process]{scale}",
         vs_norms,
         TARGET_PARAMS_STATS_VS_NORMS,
         "x",
     )
+
+
+def _seconds(results: dict[str, Summary], name: str) -> float | None:
+    summary = results.get(name)
+    return None if summary is None else summary.seconds
 
 
 def coverage_section(out: Printer, sizes: Sizes) -> None:

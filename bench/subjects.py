@@ -97,7 +97,7 @@ def load_headers(directory: str) -> int:
     return len(load_step(directory).ranks)
 
 
-CAPTURE_SUBJECTS = ("audit_step", "save_file", "many_params", "norm_loop")
+CAPTURE_SUBJECTS = ("audit_step", "save_file", "params_ladder")
 
 
 def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:

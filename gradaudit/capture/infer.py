@@ -16,7 +16,8 @@ from .errors import UnsupportedParameter
 from .experts import ExpertRank, expert_rank, global_expert_name, is_megatron_expert
 from .names import is_ddp, named_logical_parameters
 from .ownership import LocalPiece
-from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces
+from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces, whole_pieces
+from .snapshots import collection_paused
 from .topology import WORLD, TopologyBuilder
 
 if TYPE_CHECKING:
@@ -52,12 +53,29 @@ def infer_ownership(
 
     A parameter that cannot be described is reported to `on_unsupported` and left out.
     """
+    with collection_paused():
+        return _infer_ownership(model, rank, world_size, groups, aliases, explicit, on_unsupported)
+
+
+def _infer_ownership(
+    model: torch.nn.Module,
+    rank: int,
+    world_size: int,
+    groups: Mapping[str, tuple[tuple[int, ...], ...]],
+    aliases: Mapping[str, str],
+    explicit: Sequence[LocalPiece],
+    on_unsupported: Callable[[str, Exception], None],
+) -> Ownership:
+    import torch
+
     topology = TopologyBuilder(rank=rank, world_size=world_size)
     for name, lists in groups.items():
         topology.add_group(name, lists)
     params = list(named_logical_parameters(model))
-    _check_aliases(aliases, params)
-    alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **dict(aliases)}
+    alias_of: dict[str, str] = {}
+    if aliases:
+        _check_aliases(aliases, params)
+        alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
 
     fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
     if fsdp1 is not None:
@@ -69,10 +87,11 @@ def infer_ownership(
     explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
     plain: list[tuple[str, str, torch.Tensor]] = []
+    plain_types = (torch.Tensor, torch.nn.Parameter)
     for logical, fqn, param in params:
         if logical in explicit_names or fqn in explicit_names or not param.requires_grad:
             continue
-        if is_dtensor(param):
+        if type(param) not in plain_types and is_dtensor(param):
             _extend(
                 pieces,
                 on_unsupported,
@@ -109,7 +128,14 @@ def _plain_pieces(
     tensor_parallel = _tensor_parallel_rank(topology, groups)
     replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
     pieces: list[LocalPiece] = []
-    expert_names = [logical for logical, _, param in plain if is_megatron_expert(param)]
+    # A tensor without instance attributes carries no Megatron mark (expert, shared, partitioned):
+    # it is one whole replica, taken without the checks below (10^5 parameters a rank happen).
+    marked = [bool(vars(param)) for _, _, param in plain]
+    expert_names = [
+        logical
+        for (logical, _, param), mark in zip(plain, marked, strict=True)
+        if mark and is_megatron_expert(param)
+    ]
     experts, expert_problem = None, None
     if expert_names:
         try:
@@ -119,7 +145,13 @@ def _plain_pieces(
         else:
             for name, lists in expert_groups.items():
                 topology.add_group(name, lists)
-    for logical, _fqn, param in plain:
+    for (logical, _fqn, param), mark in zip(plain, marked, strict=True):
+        if not mark:
+            try:
+                pieces += whole_pieces(*_names(logical, alias_of), param, replicated_group)
+            except Exception as exc:  # noqa: BLE001  as in _extend
+                on_unsupported(logical, exc)
+            continue
         if is_megatron_expert(param):
             make = lambda logical=logical, param=param: megatron_expert_pieces(  # noqa: E731
                 logical, param, experts, alias_of, tensor_parallel, expert_problem
@@ -184,6 +216,8 @@ def _extend(
 
 def _names(logical: str, alias_of: Mapping[str, str]) -> tuple[str, str | None]:
     """(logical name after aliases, this rank's name when it differs)."""
+    if not alias_of:
+        return logical, None
     target = alias_of.get(logical)
     return (target, logical) if target and target != logical else (logical, None)
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
 """Child names that FSDP1, torch.compile and activation checkpointing insert into parameter paths."""
 
+_WRAPPER_PARTS = (*sorted(WRAPPER_ATTRIBUTES), "module")
 _DDP_CLASS_NAMES = frozenset({"DistributedDataParallel", "DataParallel"})
 
 
@@ -25,6 +26,8 @@ def logical_name(model: torch.nn.Module, fqn: str) -> str:
     `module.` is dropped only where the module holding it is a DistributedDataParallel wrapper, so a
     user's own submodule called `module` keeps its name.
     """
+    if not any(part in fqn for part in _WRAPPER_PARTS):  # the common case, first (10^5 names a rank happen)
+        return fqn
     parts = fqn.split(".")
     kept = []
     module: object = model

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ..model import Mode, NotCapturedParam, TensorKind, TensorStats
+from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
 from .ownership import LocalPiece
 from .supported import screen_pieces, sparse_reason, warn_not_captured
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 GRAD_KINDS = ("grad", "grad_clipped")
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while the capture makes its few objects per piece:
+    with 10^5 pieces its passes over every object alive cost a quarter of the capture, and these
+    objects form no cycles to collect."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Snapshots:
@@ -44,7 +61,7 @@ class Snapshots:
         self.norm_type = norm_type
         self.on_error = on_error
         self.values: dict[tuple[int, TensorKind], torch.Tensor] = {}
-        self.stats: dict[tuple[int, TensorKind], TensorStats] = {}
+        self.stats = StatsTable(self.pieces, norm_type)
         self.failed: set[int] = set()
         self.partial: dict[int, str | None] = {}
         """Piece index -> the group its gradients are a pending sum over (None: not partial), as read
@@ -54,56 +71,102 @@ class Snapshots:
         self.abandoned: str | None = None
         """Why nothing of this step will be written (the copies ran out of memory), else None."""
         self._keep_stats = mode == "stats"
-        self._keep_values = tuple(
-            mode == "full"
-            or matches_any(p.param, full_params)
-            or (p.local_name is not None and matches_any(p.local_name, full_params))
-            for p in self.pieces
+        self._keep_values = (
+            (mode == "full",) * len(self.pieces)
+            if mode == "full" or not full_params
+            else tuple(
+                matches_any(p.param, full_params)
+                or (p.local_name is not None and matches_any(p.local_name, full_params))
+                for p in self.pieces
+            )
         )
 
     def take(self, kind: TensorKind, *, copy: bool = True) -> None:
         """Record `kind` ("grad", "grad_clipped", "param_before", "param_after") of every piece now.
 
         `copy=False` keeps a reference instead of a copy: only for a snapshot written before training
-        can touch the tensors again (the one taken as the context exits)."""
+        can touch the tensors again (the one taken as the context exits). Statistics are computed
+        after the loop, in batches (tensorstats.stats_rows), with one copy to the host per device."""
         import torch
 
-        from .tensorstats import stats_of_tensor
-
         self.kinds_taken.setdefault(kind, None)
+        if self.values:
+            self.values = {key: v for key, v in self.values.items() if key[1] != kind}
+        self.stats.drop(kind)
         sparse: list[NotCapturedParam] = []
-        with torch.no_grad():
+        summarize = self._keep_stats and kind in GRAD_KINDS
+        positions: list[int] = []
+        tensors: list[torch.Tensor] = []
+        strided, failed, not_captured = torch.strided, self.failed, self.not_captured
+        gradient = kind in GRAD_KINDS
+        with torch.no_grad(), collection_paused():
             for index, piece in enumerate(self.pieces):
-                if index in self.failed or piece.param in self.not_captured:
+                if (failed and index in failed) or piece.param in not_captured:
                     continue
-                if kind not in GRAD_KINDS and not self._keep_values[index]:
+                keep = self._keep_values[index]
+                if not gradient and not keep:
                     continue
                 try:
-                    tensor = piece.grad() if kind in GRAD_KINDS else piece.value()
-                    self.values.pop((index, kind), None)
-                    self.stats.pop((index, kind), None)
+                    tensor = piece.grad() if gradient else piece.value()
                     if tensor is None:
                         continue
-                    reason = sparse_reason(tensor)
-                    if reason is None and kind in GRAD_KINDS and piece.grad_partial is not None:
+                    reason = None if tensor.layout is strided else sparse_reason(tensor)
+                    if reason is None and gradient and piece.grad_partial is not None:
                         reason = self._note_partial(index, piece.grad_partial())
                     if reason is not None:
                         self._leave_out(piece.param, reason)
                         sparse.append(self.not_captured[piece.param])
                         continue
-                    if self._keep_values[index] or self.partial.get(index):
+                    if keep or self.partial.get(index):
                         self.values[(index, kind)] = tensor.detach().clone() if copy else tensor.detach()
-                    if self._keep_stats and kind in GRAD_KINDS:
-                        self.stats[(index, kind)] = stats_of_tensor(tensor, self.norm_type)
                 except Exception as exc:  # noqa: BLE001  one unreadable piece must not stop the step
-                    if _is_out_of_memory(exc):
-                        self.abandon(f"copying the tensors ran out of memory ({exc})")
+                    if not self._failed(piece, kind, exc):
                         return
-                    # Left out whole and said why (GA104): a piece missing from the dump would read as
-                    # an ownership gap, or shrink the true norm, instead.
-                    self.on_error(piece.param, exc)
-                    self._leave_out(piece.param, f"its {kind.replace('_', ' ')} could not be read: {exc}")
+                    continue
+                if summarize:
+                    positions.append(index)
+                    tensors.append(tensor)
+            if tensors and not self._summarize(kind, positions, tensors):
+                return
         warn_not_captured(sparse)
+
+    def _summarize(self, kind: str, positions: list[int], tensors: list[torch.Tensor]) -> bool:
+        """Statistics of `tensors` (of the pieces at `positions`) as one batch; when the batch fails,
+        one tensor at a time, so that only the pieces that cannot be read are left out. False when
+        the step was abandoned."""
+        from .tensorstats import stats_rows
+
+        kept = [i for i, index in enumerate(positions) if self.pieces[index].param not in self.not_captured]
+        if len(kept) < len(positions):
+            positions, tensors = [positions[i] for i in kept], [tensors[i] for i in kept]
+        try:
+            self.stats.put(kind, positions, stats_rows(tensors, self.norm_type))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if _is_out_of_memory(exc):
+                return self._failed(self.pieces[positions[0]], kind, exc)
+        for index, tensor in zip(positions, tensors, strict=True):
+            piece = self.pieces[index]
+            if piece.param in self.not_captured:
+                continue
+            try:
+                self.stats.put(kind, [index], stats_rows([tensor], self.norm_type))
+            except Exception as exc:  # noqa: BLE001
+                if not self._failed(piece, kind, exc):
+                    return False
+        return True
+
+    def _failed(self, piece: LocalPiece, kind: str, exc: Exception) -> bool:
+        """Leave out the parameter whose tensor could not be read (False: out of memory, the step is
+        abandoned)."""
+        if _is_out_of_memory(exc):
+            self.abandon(f"copying the tensors ran out of memory ({exc})")
+            return False
+        # Left out whole and said why (GA104): a piece missing from the dump would read as an
+        # ownership gap, or shrink the true norm, instead.
+        self.on_error(piece.param, exc)
+        self._leave_out(piece.param, f"its {kind.replace('_', ' ')} could not be read: {exc}")
+        return True
 
     def _note_partial(self, index: int, group: str | None) -> str | None:
         """Record whether piece `index`'s gradient is a pending partial sum; the reason to leave its
@@ -150,3 +213,63 @@ class Snapshots:
 
 def _is_out_of_memory(exc: Exception) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+class StatsTable:
+    """(piece index, kind) -> TensorStats of the stats mode, kept as one float64 row per piece and
+    kind (tensorstats.STATS_COLUMNS): a TensorStats is built only when one is read, and the dump
+    builder takes the rows as they are."""
+
+    def __init__(self, pieces: Sequence[LocalPiece], norm_type: float) -> None:
+        self.pieces = pieces
+        self.norm_type = norm_type
+        self.rows: dict[str, np.ndarray] = {}
+        self.present: dict[str, np.ndarray] = {}
+        """Per kind: which pieces have a row."""
+
+    def put(self, kind: str, positions: Sequence[int], rows: np.ndarray) -> None:
+        import numpy as np
+
+        from .tensorstats import STATS_COLUMNS
+
+        if kind not in self.rows:
+            self.rows[kind] = np.zeros((len(self.pieces), len(STATS_COLUMNS)), dtype=np.float64)
+            self.present[kind] = np.zeros(len(self.pieces), dtype=bool)
+        self.rows[kind][positions] = rows
+        self.present[kind][positions] = True
+
+    def __contains__(self, key: tuple[int, str]) -> bool:
+        present = self.present.get(key[1])
+        return present is not None and bool(present[key[0]])
+
+    def get(self, key: tuple[int, str]) -> TensorStats | None:
+        from .tensorstats import stats_from_row
+
+        if key not in self:
+            return None
+        index, kind = key
+        return stats_from_row(
+            self.rows[kind][index].tolist(), numel_of(self.pieces[index].local_shape), self.norm_type
+        )
+
+    def __getitem__(self, key: tuple[int, str]) -> TensorStats:
+        found = self.get(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    def pop(self, key: tuple[int, str], default: None = None) -> None:
+        if key in self:
+            self.present[key[1]][key[0]] = False
+
+    def drop(self, kind: str) -> None:
+        """Forget every piece's row of `kind`."""
+        if kind in self.present:
+            self.present[kind][:] = False
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.present.clear()
+
+    def __len__(self) -> int:
+        return sum(int(p.sum()) for p in self.present.values())

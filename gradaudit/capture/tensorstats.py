@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..model import TensorStats
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 CHUNK_ELEMENTS = 1 << 22
@@ -223,6 +225,8 @@ class StatsAccumulator:
 
 
 def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int | None = None) -> TensorStats:
+    if 0 < tensor.numel() <= SMALL_ELEMENTS and chunk_elements is None:
+        return stats_from_row(stats_rows([tensor], norm_type)[0], tensor.numel(), norm_type)
     flat = tensor.detach().reshape(-1)
     step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
     acc = StatsAccumulator(norm_type)
@@ -234,3 +238,100 @@ def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int 
         for start in range(0, numel, step):
             acc._add(flat[start : start + step])
     return acc.result()
+
+
+SMALL_ELEMENTS = FINGERPRINT_PERIOD
+"""Tensors of at most this many elements are summarized in batches (`stats_rows`): for them the
+Python and kernel-launch cost of a call per tensor is all there is to pay."""
+BATCH_ELEMENTS = 1 << 20
+"""Elements widened to float64 at once in a batch of small tensors."""
+STATS_COLUMNS = ("sum_pow", "sum_sq", "max_abs", "fp_sum", "fp_proj", "num_nan", "num_posinf", "num_neginf")
+"""The columns of `stats_rows`: the first five as the dump's stats columns store them, then the counts."""
+
+
+def stats_rows(tensors: Sequence[torch.Tensor], norm_type: float) -> np.ndarray:
+    """[len(tensors), 8] float64 (STATS_COLUMNS) statistics of each tensor, the same as `stats_of_tensor`.
+
+    Tensors of up to SMALL_ELEMENTS elements are stacked by (device, dtype, shape) and reduced a
+    batch at a time where they live, with one copy to the host per device; larger ones go through
+    the chunked accumulator one by one."""
+    import numpy as np
+    import torch
+
+    out = np.zeros((len(tensors), len(STATS_COLUMNS)), dtype=np.float64)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for position, tensor in enumerate(tensors):
+        key = (tensor.shape, tensor.dtype, tensor.device)
+        found = groups.get(key)
+        if found is None:
+            groups[key] = [position]
+        else:
+            found.append(position)
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for (shape, _dtype, device), positions in groups.items():
+        numel = math.prod(shape)
+        if not 0 < numel <= SMALL_ELEMENTS:
+            for position in positions if numel else ():
+                stats = stats_of_tensor(tensors[position], norm_type)
+                out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint) + (
+                    stats.num_nan,
+                    stats.num_posinf,
+                    stats.num_neginf,
+                )
+            continue
+        weights = _weights_of_length(device, numel)
+        step = max(1, BATCH_ELEMENTS // numel)
+        taken, results = by_device.setdefault(device, ([], []))
+        for start in range(0, len(positions), step):
+            chosen = positions[start : start + step]
+            stacked = torch.stack([tensors[i] for i in chosen]).reshape(len(chosen), numel)
+            results.append(_batch_rows(stacked.to(torch.float64), weights, float(norm_type)))
+            taken.extend(chosen)
+    for taken, results in by_device.values():
+        out[taken] = torch.cat(results).cpu().numpy()
+    return out
+
+
+def _weights_of_length(device: torch.device, numel: int) -> torch.Tensor:
+    weights = fingerprint_weights(device)
+    if numel <= FINGERPRINT_PERIOD:
+        return weights[:numel]
+    return weights.repeat(-(-numel // FINGERPRINT_PERIOD))[:numel]
+
+
+def _batch_rows(x: torch.Tensor, weights: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """STATS_COLUMNS of each row of the float64 matrix `x` (one small tensor a row), as a matrix on
+    its device; `x` is overwritten (nonfinite values zeroed)."""
+    import torch
+
+    counts = [torch.isnan(x).sum(1), (x == math.inf).sum(1), (x == -math.inf).sum(1)]
+    x.masked_fill_(~torch.isfinite(x), 0.0)
+    magnitudes = x.abs()
+    max_abs = magnitudes.amax(1)
+    sum_sq = (x * x).sum(1)
+    if norm_type == 2.0:
+        sum_pow = sum_sq
+    elif math.isinf(norm_type):
+        sum_pow = max_abs
+    elif norm_type == 1.0:
+        sum_pow = magnitudes.sum(1)
+    else:
+        sum_pow = magnitudes.pow(norm_type).sum(1)
+    columns = [sum_pow, sum_sq, max_abs, x.sum(1), (x * weights).sum(1)]
+    return torch.stack([*columns, *(c.to(torch.float64) for c in counts)], dim=1)
+
+
+def stats_from_row(row: Sequence[float], numel: int, norm_type: float) -> TensorStats:
+    """The TensorStats of one row of `stats_rows`."""
+    sum_pow, sum_sq, max_abs, fp_sum, fp_proj, nan, posinf, neginf = (float(v) for v in row)
+    return TensorStats(
+        numel=numel,
+        norm_type=float(norm_type),
+        sum_pow=sum_pow,
+        sum_sq=sum_sq,
+        max_abs=max_abs,
+        num_nan=int(nan),
+        num_posinf=int(posinf),
+        num_neginf=int(neginf),
+        fingerprint=(fp_sum, fp_proj),
+    )

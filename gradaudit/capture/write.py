@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..dumpfile.columnar import ColumnarPieces
 from ..dumpfile.writer import step_dir, write_rank_file
 from ..model import (
+    Box,
     ClipRecord,
     DataRecord,
+    FlatRange,
     Mode,
     ParamInfo,
     Piece,
     RankDump,
+    Region,
     TensorKind,
     TensorStats,
     Topology,
+    numel_of,
 )
 from ..version import __version__
-from .snapshots import Snapshots
+from .snapshots import Snapshots, collection_paused
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +48,52 @@ def build_rank_dump(
     call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
     capture_api: str | None = None,
 ) -> tuple[RankDump, dict[tuple[int, TensorKind], torch.Tensor]]:
-    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies."""
+    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies.
+
+    A stats dump that format 1.1 can hold as columns gets its pieces as a ColumnarPieces built from
+    the snapshots' own rows (`_columnar`), with no Piece or TensorStats object per piece."""
     infos: dict[str, ParamInfo] = {}
-    pieces: list[Piece] = []
+    pieces: Sequence[Piece] = []
     tensors: dict[tuple[int, TensorKind], torch.Tensor] = {}
+    with collection_paused():
+        columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
+        if columns is not None:
+            params, pieces = columns
+        else:
+            pieces = _pieces(snapshots, infos, tensors, call_stats)
+            params = tuple(sorted(infos.values(), key=lambda i: i.name))
+    dump = RankDump(
+        path="",
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        mode=mode,
+        run_id=run_id,
+        host=socket.gethostname(),
+        torch_version=_torch_version(),
+        gradaudit_version=__version__,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        params=params,
+        pieces=pieces if isinstance(pieces, ColumnarPieces) else tuple(pieces),
+        aliases=dict(aliases),
+        topology=topology,
+        clip=clip,
+        data=data,
+        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
+        capture_api=capture_api,
+    )
+    return dump, tensors
+
+
+def _pieces(
+    snapshots: Snapshots,
+    infos: dict[str, ParamInfo],
+    tensors: dict[tuple[int, TensorKind], torch.Tensor],
+    call_stats: Mapping[int, tuple[TensorStats, ...]] | None,
+) -> list[Piece]:
+    """The general path: a Piece per captured piece (values, call statistics, partial sums, anything
+    the columns cannot hold); fills `infos` and `tensors`."""
+    pieces: list[Piece] = []
     for source_index, local in enumerate(snapshots.pieces):
         if local.param in snapshots.not_captured:
             continue
@@ -81,34 +128,87 @@ def build_rank_dump(
                 partial_group=snapshots.partial.get(source_index),
             )
         )
-    dump = RankDump(
-        path="",
-        rank=rank,
-        world_size=world_size,
-        step=step,
-        mode=mode,
-        run_id=run_id,
-        host=socket.gethostname(),
-        torch_version=_torch_version(),
-        gradaudit_version=__version__,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        params=tuple(sorted(infos.values(), key=lambda i: i.name)),
-        pieces=tuple(pieces),
-        aliases=dict(aliases),
-        topology=topology,
-        clip=clip,
-        data=data,
-        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
-        capture_api=capture_api,
+    return pieces
+
+
+def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPieces] | None:
+    """(the parameters, the pieces as format-1.1 columns) of a stats-only capture, built from the
+    snapshots' statistics rows as they are; None when a piece needs the general path (several
+    regions, a local name, a dtype other than its parameter's, kinds differing between pieces, a
+    0-D box, a region that does not match its tensor)."""
+    import numpy as np
+
+    from ..dumpfile.columnar import pieces_from_rows
+
+    table = snapshots.stats
+    kinds = [k for k in snapshots.kinds_taken if k in table.present and table.present[k].any()]
+    if not kinds or snapshots.failed:
+        return None
+    present = [table.present[k] for k in kinds]
+    not_captured, pieces = snapshots.not_captured, snapshots.pieces
+    infos: dict[str, ParamInfo] = {}
+    layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
+    """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
+    numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
+    kept: list[int] = []
+    names: list[str] = []
+    groups: list[str | None] = []
+    ndims: list[int] = []
+    coords: list[int] = []
+    for index in np.flatnonzero(np.logical_or.reduce(present)).tolist():
+        local = pieces[index]
+        name = local.param
+        if name in not_captured:
+            continue
+        info = infos.get(name)
+        if info is None:
+            infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
+        elif info.dtype != local.dtype:
+            return None
+        key = id(local.regions)
+        layout = layouts[key] if key in layouts else layouts.setdefault(key, _layout(local.regions))
+        if layout is None or local.local_name is not None:
+            return None
+        ndim, values, needs = layout
+        if needs != (local.local_shape if ndim else numel_of(local.local_shape)):
+            return None
+        kept.append(index)
+        names.append(name)
+        groups.append(local.replica_group)
+        ndims.append(ndim)
+        coords += values
+    if not kept or any(not p[kept].all() for p in present):
+        return None  # no piece, or kinds that differ between pieces
+    params = tuple(sorted(infos.values(), key=lambda i: i.name))
+    return params, pieces_from_rows(
+        params=params,
+        param_names=names,
+        groups=groups,
+        ndims=ndims,
+        coords=coords,
+        rows={k: table.rows[k][kept] for k in kinds},
+        norm_type=snapshots.norm_type,
     )
-    return dump, tensors
+
+
+def _layout(regions: tuple[Region, ...]) -> tuple[int, tuple[int, ...], tuple[int, ...] | int] | None:
+    """(ndim: 0 for a flat range, its coordinates in the columns, the local shape (a box) or numel
+    (a range) its piece must have) of a piece's one region; None for several regions or a 0-D box,
+    which the columns cannot hold."""
+    region = regions[0] if len(regions) == 1 else None
+    if isinstance(region, FlatRange):
+        return 0, (region.start, region.stop), region.stop - region.start
+    if isinstance(region, Box) and region.shape:
+        return len(region.shape), (*region.offsets, *region.shape), region.shape
+    return None
 
 
 def write_dump(
     out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, TensorKind], torch.Tensor]
 ) -> Path:
     """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
-    return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
+    with collection_paused():  # a full dump's document is several objects per piece
+        return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:

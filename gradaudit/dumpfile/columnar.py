@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -162,13 +162,12 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
     first = pieces[0].stats[kinds[0]] if kinds else None
     if first is None:
         return None
-    groups = sorted({p.replica_group for p in pieces if p.replica_group is not None})
-    group_index = {g: i for i, g in enumerate(groups)}
     fp_len = len(first.fingerprint)
-    rows: list[list[int]] = []
+    names: list[str] = []
+    groups: list[str | None] = []
+    ndims: list[int] = []
     coords: list[int] = []
-    stats: dict[str, list[list[float]]] = {kind: [] for kind in kinds}
-    counts: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+    rows: list[list[float]] = []
     for position, piece in enumerate(pieces):
         if (
             piece.index != position
@@ -183,14 +182,16 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
             return None
         region = piece.regions[0]
         if isinstance(region, FlatRange):
-            ndim, values = 0, [region.start, region.stop]
+            ndims.append(0)
+            coords += (region.start, region.stop)
+        elif region.shape:
+            ndims.append(len(region.shape))
+            coords += (*region.offsets, *region.shape)
         else:
-            ndim, values = len(region.shape), [*region.offsets, *region.shape]
-            if ndim == 0:
-                return None
-        group = -1 if piece.replica_group is None else group_index[piece.replica_group]
-        rows.append([params[piece.param], group, len(coords), ndim])
-        coords.extend(values)
+            return None
+        names.append(piece.param)
+        groups.append(piece.replica_group)
+        row: list[float] = []
         for kind in kinds:
             s = piece.stats[kind]
             if s.norm_type != first.norm_type and not (
@@ -199,38 +200,84 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
                 return None
             if len(s.fingerprint) != fp_len or s.numel != piece.numel:
                 return None
-            stats[kind].append([s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint])
-            counts[kind].append([s.num_nan, s.num_posinf, s.num_neginf])
-    rebuilt = _pieces_from(
-        np.array(rows, dtype=np.int64),
-        np.array(coords, dtype=np.int64),
-        dump.params,
-        groups,
-        {k: np.array(v, dtype=np.float64).reshape(len(pieces), 3 + fp_len) for k, v in stats.items()},
-        {k: np.array(v, dtype=np.int64).reshape(len(pieces), 3) for k, v in counts.items()},
-        first.norm_type,
+            row += (s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint, s.num_nan, s.num_posinf, s.num_neginf)
+        rows.append(row)
+    table = np.array(rows, dtype=np.float64).reshape(len(pieces), len(kinds), 6 + fp_len)
+    rebuilt = pieces_from_rows(
+        params=dump.params,
+        param_names=names,
+        groups=groups,
+        ndims=ndims,
+        coords=coords,
+        rows={kind: table[:, i] for i, kind in enumerate(kinds)},
+        norm_type=first.norm_type,
     )
     if rebuilt != tuple(pieces):
         return None
-    arrays: dict[str, np.ndarray] = {
-        PIECES: np.array(rows, dtype=np.int64).reshape(-1, 4),
-        COORDS: np.array(coords, dtype=np.int64),
-    }
-    for kind in kinds:
-        arrays[stats_key(kind)] = np.array(stats[kind], dtype=np.float64).reshape(len(pieces), 3 + fp_len)
-        arrays[counts_key(kind)] = np.array(counts[kind], dtype=np.int64).reshape(len(pieces), 3)
-    param_columns = params_to_columns(dump.params)
+    return columns_of(rebuilt)
+
+
+def columns_of(pieces: ColumnarPieces) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(the "columnar" descriptor, the arrays by key) of pieces held as columns, their parameter
+    table included (inline columns; "json" when a dtype has no code)."""
+    arrays: dict[str, np.ndarray] = {PIECES: pieces.rows, COORDS: pieces.coords}
+    for kind in pieces.kinds:
+        arrays[stats_key(kind)] = pieces.stats[kind]
+        arrays[counts_key(kind)] = pieces.counts[kind]
+    param_columns = params_to_columns(pieces.params)
     if param_columns is not None:
         arrays.update(param_columns)
+    norm_type = pieces.norm_type
     descriptor = {
         "params": "columns" if param_columns is not None else "json",
         "num_pieces": len(pieces),
-        "kinds": kinds,
-        "norm_type": "inf" if math.isinf(first.norm_type) else first.norm_type,
-        "fingerprint_length": fp_len,
-        "replica_groups": groups,
+        "kinds": list(pieces.kinds),
+        "norm_type": "inf" if math.isinf(norm_type) else norm_type,
+        "fingerprint_length": pieces.fingerprint_length,
+        "replica_groups": list(pieces.groups),
     }
     return descriptor, arrays
+
+
+def pieces_from_rows(
+    *,
+    params: Sequence[ParamInfo],
+    param_names: Sequence[str],
+    groups: Sequence[str | None],
+    ndims: Sequence[int],
+    coords: Sequence[int],
+    rows: Mapping[str, np.ndarray],
+    norm_type: float,
+) -> ColumnarPieces:
+    """Pieces as columns from lists, one entry a piece: its parameter's name (in `params`), replica
+    group, region (`ndims`: 0 for a flat range, else the box's; `coords` laid out piece after piece)
+    and, per kind, a float64 row (sum_pow, sum_sq, max_abs, the fingerprint, num_nan, num_posinf,
+    num_neginf). Not validated here: the writer checks the columns as the reader does."""
+    index_of = {info.name: i for i, info in enumerate(params)}
+    group_names = sorted({g for g in groups if g is not None})
+    group_index: dict[str | None, int] = {g: i for i, g in enumerate(group_names)}
+    group_index[None] = -1
+    ndim = np.array(ndims, dtype=np.int64)
+    width = np.where(ndim == 0, 2, 2 * ndim)
+    table = np.stack(
+        [
+            np.array([index_of[name] for name in param_names], dtype=np.int64),
+            np.array([group_index[g] for g in groups], dtype=np.int64),
+            np.concatenate(([0], np.cumsum(width)[:-1])).astype(np.int64),
+            ndim,
+        ],
+        axis=1,
+    )
+    kinds = sorted(rows)
+    return ColumnarPieces(
+        table,
+        np.array(coords, dtype=np.int64),
+        params,
+        group_names,
+        {k: np.ascontiguousarray(rows[k][:, :-3]) for k in kinds},
+        {k: rows[k][:, -3:].astype(np.int64) for k in kinds},
+        float(norm_type),
+    )
 
 
 def from_columns(
@@ -446,8 +493,8 @@ class ColumnarPieces(Sequence[Piece]):
         )
 
     @property
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(self.stats)
+    def kinds(self) -> tuple[TensorKind, ...]:
+        return cast("tuple[TensorKind, ...]", tuple(self.stats))  # validated against TENSOR_KINDS
 
     @property
     def fingerprint_length(self) -> int:

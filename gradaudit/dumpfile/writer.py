@@ -8,11 +8,11 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
-from ..model import TENSOR_KINDS, RankDump, TensorKind
-from .columnar import to_columns
+from ..model import TENSOR_KINDS, Piece, RankDump, TensorKind
+from .columnar import ColumnarPieces, columns_of, from_columns, to_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
 from .schema import METADATA_KEY, decode_rank, encode_rank
@@ -73,6 +73,71 @@ def write_rank_file(
     Returns the path written.
     """
     directory = Path(directory)
+    final = directory / rank_file_name(dump.rank)
+    held_as_columns = columnar and not tensors and isinstance(dump.pieces, ColumnarPieces)
+    payload: dict[str, torch.Tensor] = {}
+    if not held_as_columns:
+        dump, payload = _with_tensor_keys(dump, tensors)
+    columns = None if payload or not columnar else _columns(dump, held_as_columns)
+    # The JSON document is checked by the reader's own decoder; the columns below by its column checks.
+    shown = dump
+    if columns is not None:
+        shown = dataclasses.replace(
+            dump, pieces=(), params=() if columns[0]["params"] == "columns" else dump.params
+        )
+    document = encode_rank(shown)
+    text = json.dumps(document, sort_keys=True, allow_nan=False)
+    try:
+        if shown is not dump and len({p.name for p in dump.params}) < len(dump.params):
+            raise DumpFormatError(str(final), "a parameter is listed twice")
+        decode_rank(json.loads(text), str(final))
+        if columns is not None:
+            from_columns(columns[0], columns[1], dump.params, str(final))
+    except DumpFormatError as exc:
+        raise UnreadableDumpError(
+            f"{final}: not written, because gradaudit's reader would refuse it: {exc.problem}"
+        ) from None
+    arrays: dict[str, np.ndarray] = {}
+    if columns is not None:  # format 1.1: stats-only pieces as binary columns (see columnar.py)
+        document["columnar"], arrays = columns
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if final.exists() and not overwrite:
+        raise DumpExistsError(
+            f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
+            "choose another output folder or delete it first"
+        )
+    remove_stale_temporaries(directory, final.name)
+    if share_params and columns is not None and document["columnar"]["params"] == "columns":
+        data = table_file_bytes(arrays)
+        reference = table_reference(data)
+        if publish_table(directory, reference["file"], data, directory / temporary_name(reference["file"])):
+            document["columnar"] = {**document["columnar"], "params": reference}
+            arrays = {key: value for key, value in arrays.items() if key not in TABLE_COLUMNS}
+    tensors_out: dict[str, np.ndarray | torch.Tensor] = {**payload, **arrays}
+    if columns is not None:  # the document changed above
+        text = json.dumps(document, sort_keys=True, allow_nan=False)
+    metadata = {METADATA_KEY: text}
+    temporary = directory / temporary_name(final.name)
+    fd = create_exclusively(temporary)  # ours from here on: removed below whatever happens
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as handle:
+            write_safetensors(handle, tensors_out, metadata)
+        if overwrite:
+            os.replace(temporary, final)
+        else:
+            _publish_without_overwrite(temporary, final, dump)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+    return final
+
+
+def _with_tensor_keys(
+    dump: RankDump, tensors: Mapping[tuple[int, TensorKind], torch.Tensor]
+) -> tuple[RankDump, dict[str, torch.Tensor]]:
+    """`dump` with each piece naming its tensors' safetensors keys, and those tensors (CPU, contiguous)
+    by key, after checking each against its piece."""
     pieces = []
     payload: dict[str, torch.Tensor] = {}
     by_index = {p.index: p for p in dump.pieces}
@@ -97,52 +162,33 @@ def write_rank_file(
             key = tensor_key(piece.param, kind, piece.index)
             payload[key] = tensor.detach().to("cpu").contiguous()
             keys[kind] = key
-        pieces.append(dataclasses.replace(piece, tensors=keys))
-    dump = dataclasses.replace(dump, pieces=tuple(pieces))
-    final = directory / rank_file_name(dump.rank)
-    document = encode_rank(dump)
-    try:
-        decode_rank(json.loads(json.dumps(document, allow_nan=False)), str(final))
-    except DumpFormatError as exc:
-        raise UnreadableDumpError(
-            f"{final}: not written, because gradaudit's reader would refuse it: {exc.problem}"
-        ) from None
-    columns = None if payload or not columnar else to_columns(dump)
-    arrays: dict[str, np.ndarray] = {}
-    if columns is not None:  # format 1.1: stats-only pieces as binary columns (see columnar.py)
-        document["columnar"], arrays = columns
-        document["pieces"] = []
-        if document["columnar"]["params"] == "columns":
-            document["params"] = []
+        pieces.append(_naming(piece, keys) if keys != piece.tensors else piece)
+    return dataclasses.replace(dump, pieces=tuple(pieces)), payload
 
-    directory.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not overwrite:
-        raise DumpExistsError(
-            f"{final}: a dump of rank {dump.rank} for step {dump.step} already exists; "
-            "choose another output folder or delete it first"
-        )
-    remove_stale_temporaries(directory, final.name)
-    if share_params and columns is not None and document["columnar"]["params"] == "columns":
-        data = table_file_bytes(arrays)
-        reference = table_reference(data)
-        if publish_table(directory, reference["file"], data, directory / temporary_name(reference["file"])):
-            document["columnar"] = {**document["columnar"], "params": reference}
-            arrays = {key: value for key, value in arrays.items() if key not in TABLE_COLUMNS}
-    tensors_out: dict[str, np.ndarray | torch.Tensor] = {**payload, **arrays}
-    metadata = {METADATA_KEY: json.dumps(document, sort_keys=True, allow_nan=False)}
-    temporary = directory / temporary_name(final.name)
-    fd = create_exclusively(temporary)  # ours from here on: removed below whatever happens
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as handle:
-            write_safetensors(handle, tensors_out, metadata)
-        if overwrite:
-            os.replace(temporary, final)
-        else:
-            _publish_without_overwrite(temporary, final, dump)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-    return final
+
+def _naming(piece: Piece, keys: dict[TensorKind, str]) -> Piece:
+    """`piece` naming the tensors `keys` (of kinds it was validated with): a copy field by field,
+    not dataclasses.replace, which validates the whole piece again (a rank may write 10^5)."""
+    named = _new(Piece)
+    for name in _PIECE_FIELDS:
+        _set(named, name, getattr(piece, name))
+    _set(named, "tensors", keys)
+    return named
+
+
+_new, _set = object.__new__, object.__setattr__
+_PIECE_FIELDS = tuple(f.name for f in dataclasses.fields(Piece))
+
+
+def _columns(dump: RankDump, held_as_columns: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """The format-1.1 columns of a tensor-less dump: those its pieces already are (a capture's), else
+    `to_columns` of its Piece objects (None when they cannot be held losslessly)."""
+    if held_as_columns:
+        assert isinstance(dump.pieces, ColumnarPieces)
+        if dump.pieces.params != tuple(dump.params):
+            raise ValueError("the columnar pieces refer to another parameter list than the dump's")
+        return columns_of(dump.pieces)
+    return to_columns(dump)
 
 
 def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:
