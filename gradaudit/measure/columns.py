@@ -19,9 +19,6 @@ class StepColumns:
     what the diagnosis and the per-rank rows need for all pieces at once, as arrays, so that a
     many-rank step is not walked piece by piece once per question."""
 
-    UNKNOWN, NAN, INF = 1, 2, 4
-    """Bits of `flags`: the stats cannot give this norm type's term, a nan, an infinity."""
-
     def __init__(self, m: StepMeasurements) -> None:
         self.norm_type = m.norm_type
         table, positions = _table_positions(m)
@@ -29,11 +26,6 @@ class StepColumns:
             self._from_table(table, positions)
         else:
             self._from_objects(tuple(m.pieces))
-        self.flags = (
-            self.unknown.astype(np.int8)
-            | (self.counts[:, 0] > 0).astype(np.int8) << 1
-            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
-        )
         self.by_rank_order = np.lexsort((self.index, self.rank))
         self.distinct_layouts = (
             bool(np.unique(self.layout).size == self.layout.size)
@@ -42,7 +34,7 @@ class StepColumns:
         )
         """No two pieces share a layout (no replicas)."""
         self._cover: np.ndarray | None = None
-        """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
+        """Positions sorted by (rank, piece index), as disjoint_cover visits them."""
 
     def _from_objects(self, pieces: tuple[PieceMeasurement, ...]) -> None:
         norm_type = self.norm_type
@@ -64,6 +56,8 @@ class StepColumns:
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
+        self.has_products = any(p.dot_pre_post is not None for p in pieces)
+        """Some piece holds the dense dumps' products of its gradient before and after clipping."""
         unknown = np.zeros(len(pieces), dtype=bool)
         if is_inf_norm(norm_type):  # stats_term, column by column
             term = [0.0 if g is None else g.max_abs for g in grads]
@@ -102,6 +96,7 @@ class StepColumns:
         self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
         self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
         self.has_update = np.zeros(n, dtype=bool)
+        self.has_products = False
         self.unknown = np.zeros(n, dtype=bool)
         if "grad" not in table.kinds:
             self.has_grad = np.zeros(n, dtype=bool)
@@ -141,20 +136,6 @@ class StepColumns:
                 self._cover = order[np.sort(first)]
         return self._cover
 
-    def cover_norm(self) -> float | None:
-        """norm_of_pieces(cover) of the gradients: None when a piece's stats cannot give this norm
-        type, nan when any holds a nan, inf when any an infinity."""
-        chosen = self.cover_positions()
-        chosen = chosen[self.has_grad[chosen]]
-        found = int(np.bitwise_or.reduce(self.flags[chosen])) if chosen.size else 0
-        if found & self.UNKNOWN:
-            return None
-        if found & self.NAN:
-            return math.nan
-        if found & self.INF:
-            return math.inf
-        return norm_of_term_array(self.term[chosen], self.norm_type)
-
     def cover(self) -> Sequence[PieceMeasurement]:
         return self._subset(self.cover_positions())
 
@@ -185,15 +166,6 @@ class StepColumns:
             for k, rank in enumerate(distinct.tolist())
         }
 
-    def cover_all_have(self, kind: str) -> bool:
-        """Whether every cover piece with a gradient also holds `kind` ("grad_clipped")."""
-        chosen = self.cover_positions()
-        chosen = chosen[self.has_grad[chosen]]
-        column = self.has_clipped if kind == "grad_clipped" else None
-        if column is None:
-            return all(kind in self.pieces[i].stats for i in chosen.tolist())
-        return bool(column[chosen].all())
-
     def cover_with_updates(self) -> list[PieceMeasurement]:
         """The cover's pieces that hold an update (parameters dumped before and after the step)."""
         chosen = self.cover_positions()
@@ -203,36 +175,6 @@ class StepColumns:
         """The pieces whose gradient sum of squares or of |x|^p is inf, in `m.pieces` order."""
         chosen = np.flatnonzero(self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow)))
         return list(self._subset(chosen))
-
-    def param_signatures(self) -> dict[str, tuple[int, int]]:
-        """Parameter -> (ranks holding a piece of it, most pieces with one layout): what
-        hypotheses.param_groups counts, from the columns."""
-        if not self.rank.size:
-            return {}
-        pairs = np.unique(np.stack([self.param.astype(np.int64), self.rank.astype(np.int64)], axis=1), axis=0)
-        params, holders = np.unique(pairs[:, 0], return_counts=True)
-        copies = np.bincount(self.layout)[self.layout]
-        most = np.zeros(len(self.param_names), dtype=np.int64)
-        np.maximum.at(most, self.param, copies)
-        names = self.param_names
-        return {names[p]: (h, int(most[p])) for p, h in zip(params.tolist(), holders.tolist(), strict=True)}
-
-    def cover_grad_sum_sq(self) -> np.ndarray:
-        """The gradient sums of squares of the cover's pieces that hold a gradient."""
-        chosen = self.cover_positions()
-        values: np.ndarray = self.sum_sq[chosen[self.has_grad[chosen]]]
-        return values
-
-    def cover_sum_sq_by_rank(self) -> dict[int, np.ndarray]:
-        """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
-        chosen = self.cover_positions()
-        chosen = chosen[self.has_grad[chosen]]
-        ranks, values = self.rank[chosen], self.sum_sq[chosen]
-        order = np.argsort(ranks, kind="stable")
-        distinct, starts = np.unique(ranks[order], return_index=True)
-        bounds = [*starts.tolist(), order.size]
-        ordered = values[order]
-        return {rank: ordered[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
 
     def with_nonfinite_grad(self) -> list[PieceMeasurement]:
         """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
