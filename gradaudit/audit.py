@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .analysis.diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose_step
+from .analysis.diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose
 from .checks.base import AuditInputs, AuditOptions
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
@@ -43,6 +43,7 @@ from .report.model import (
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .analysis.norm_input import NormInput
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
@@ -211,10 +212,16 @@ def judge_updates(
 
 
 def analyse(
-    step: StepDump, m: StepMeasurements, *, update_judgements: Mapping[str, UpdateJudgement]
+    step: StepDump,
+    m: StepMeasurements,
+    *,
+    update_judgements: Mapping[str, UpdateJudgement],
+    terms: NormInput | None = None,
 ) -> AuditInputs:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
-    `update_judgements`: judge_updates' result with a reference, {} without one."""
+    `update_judgements`: judge_updates' result with a reference, {} without one; `terms`: the
+    diagnosis' input when another source than the measurements gives it (the guard's summary)."""
+    from .analysis.norm_input import norm_input_of
     from .analysis.valueclip import value_clipping
     from .checks.coverage import coverage_by_param
 
@@ -223,7 +230,7 @@ def analyse(
         step=step,
         measurements=m,
         columns=columns,
-        diagnosis=diagnose_step(step, m, columns),
+        diagnosis=diagnose(step, norm_input_of(step, m, columns) if terms is None else terms),
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
         value_clipping=value_clipping(step, m),

@@ -1,12 +1,13 @@
 """The boundary between the guard and the analysis: the per-rank summary every rank gathered, turned
 into the analysis' input, so that the guard's verdict and `gradaudit check` come from one diagnosis.
 
-Until the analysis takes per-group norms directly, the summary becomes what loading a stats-mode
-dump gives: one `RankDump` per rank whose pieces are the rank's ownership groups, each a one-element
-piece whose value is the group's norm, and the offline pipeline runs on it stage by stage
+The diagnosis reads the summary directly: `norm_input` makes it the diagnosis' own input
+(`analysis.norm_input.NormInput`: one entry per rank and ownership group it holds, replicas of a group
+sharing a layout, so every accounting the diagnosis tries gives the number it would from the real
+pieces). The other checks read a stats-mode dump, which the guard also writes on an anomaly: one
+`RankDump` per rank whose pieces are the rank's ownership groups, each a one-element piece whose
+value is the group's norm (`rank_dumps`); `report_of` runs the offline stages on the two
 (`measure_step` -> `audit.analyse` -> `audit.build_report`, as `audit.audit_step` assembles them).
-Replicas of a group hold the same layout, so every accounting the diagnosis tries (local, every
-replica, the wrong group, replicas once) gives the same number it would from the real pieces.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..model import (
 )
 
 if TYPE_CHECKING:
+    from ..analysis.norm_input import NormInput
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -174,39 +176,115 @@ def _layouts(live: LiveStep) -> list[dict[tuple[int, ...], int]]:
 
 def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: int = 0) -> TensorStats:
     """Statistics of one element whose magnitude is the group's norm: sum |x|^p is the group's term."""
-    magnitude = term
-    if not math.isinf(norm_type):
-        magnitude = term ** (1.0 / norm_type) if term > 0 else 0.0
+    magnitude = _magnitude(term, norm_type)
     return TensorStats(
         numel=1,
         norm_type=norm_type,
         sum_pow=magnitude if math.isinf(norm_type) else term,
-        sum_sq=magnitude * magnitude,
+        sum_sq=_square(term, norm_type),
         max_abs=magnitude,
         num_nan=num_nan,
         num_posinf=num_inf,
     )
 
 
-def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[str, TensorStats]:
+def _magnitude(term: float, norm_type: float) -> float:
+    """The magnitude of the one element whose term of the p-norm is `term`."""
+    if math.isinf(norm_type):
+        return term
+    return term ** (1.0 / norm_type) if term > 0 else 0.0
+
+
+def _square(term: float, norm_type: float) -> float:
+    """sum x^2 of the one element whose term of the p-norm is `term`."""
+    magnitude = _magnitude(term, norm_type)
+    return magnitude * magnitude
+
+
+def _group_terms(summary: RankSummary, i: int, norm_type: float) -> tuple[float, int, int, float | None]:
+    """(term, pieces with a nan, with an inf, term after clipping or None) of group `i` on this rank:
+    a nonfinite term counts as 0 (its counts tell), and the clipped gradient is the same elements
+    scaled by the coefficient the sample gave, when it gave a finite one and the group is finite."""
     num_nan = summary.num_nan[i] if summary.num_nan else 0
     num_inf = summary.num_inf[i] if summary.num_inf else 0
     term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
-    stats = {"grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)}
-    coef = summary.applied_coef
+    coef, clipped = summary.applied_coef, None
     if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
-        # The sample gives the coefficient; the clipped gradient is the same elements scaled by it.
-        scaled = term * abs(coef) ** norm_type if not math.isinf(norm_type) else term * abs(coef)
-        stats["grad_clipped"] = _one_element(scaled, norm_type)
+        clipped = term * abs(coef) ** norm_type if not math.isinf(norm_type) else term * abs(coef)
+    return term, num_nan, num_inf, clipped
+
+
+def _call_terms(summary: RankSummary, i: int) -> tuple[float, ...]:
+    """Group `i`'s term before each clip call, when the rank made two or more (nonfinite as 0)."""
+    if len(summary.calls) < 2:
+        return ()
+    return tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in summary.calls)
+
+
+def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[str, TensorStats]:
+    term, num_nan, num_inf, clipped = _group_terms(summary, i, norm_type)
+    stats = {"grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)}
+    if clipped is not None:
+        stats["grad_clipped"] = _one_element(clipped, norm_type)
     return stats
 
 
 def _call_stats(summary: RankSummary, i: int, norm_type: float) -> tuple[TensorStats, ...]:
-    if len(summary.calls) < 2:
-        return ()
-    return tuple(
-        _one_element(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0, norm_type)
-        for c in summary.calls
+    return tuple(_one_element(term, norm_type) for term in _call_terms(summary, i))
+
+
+def norm_input(live: LiveStep) -> NormInput:
+    """The diagnosis' input from the gathered summary: one entry per rank and ownership group it
+    holds, in rank order, the replicas of a group on one layout (the entries `rank_dumps`' pieces
+    give, read without their statistics)."""
+    import numpy as np
+
+    from ..analysis.norm_input import INF, NAN, UNKNOWN, Entries, NormInput
+    from ..norms import safe_fsum
+
+    layouts, p = _layouts(live), live.norm_type
+    offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
+    params = [i for i, classes in enumerate(layouts) if classes]
+    grad: list[tuple[int, int, float, int]] = []
+    clipped: list[tuple[int, int, float, int]] = []
+    param: list[int] = []
+    calls: list[list[tuple[int, int, float, int]]] = []
+    coefs: dict[int, float] = {}
+    for rank, summary in sorted(live.ranks.items()):
+        pre, post = [], []
+        for i in (i for i, held in enumerate(summary.held) if held):
+            term, num_nan, num_inf, after = _group_terms(summary, i, p)
+            layout = offsets[i] + layouts[i][_class_of(live, live.groups[i], summary)]
+            grad.append((rank, layout, term, (NAN if num_nan else 0) | (INF if num_inf else 0)))
+            clipped.append((rank, layout, after or 0.0, UNKNOWN if after is None else 0))
+            param.append(params.index(i))
+            pre.append(_square(term, p))
+            post += [] if after is None else [_square(after, p)]
+            for call, call_term in enumerate(_call_terms(summary, i)):
+                calls += [[] for _ in range(call + 1 - len(calls))]
+                calls[call].append((rank, layout, call_term, 0))
+        if pre and len(post) == len(pre) and safe_fsum(pre) > 0:  # what measuring the dump's pieces gives
+            coefs[rank] = math.sqrt(safe_fsum(post) / safe_fsum(pre))
+
+    def entries(rows: list[tuple[int, int, float, int]]) -> Entries:
+        rank, layout, term, flags = zip(*rows, strict=True) if rows else ((), (), (), ())
+        return Entries(
+            rank=np.array(rank, dtype=np.int64),
+            layout=np.array(layout, dtype=np.int64),
+            term=np.array(term, dtype=np.float64),
+            flags=np.array(flags, dtype=np.int8),
+        )
+
+    return NormInput(
+        norm_type=p,
+        grad=entries(grad),
+        param=np.array(param, dtype=np.int64),
+        param_names=tuple(live.groups[i].param for i in params),
+        sum_sq=np.array([_square(row[2], p) for row in grad], dtype=np.float64),
+        clipped=entries(clipped) if any(not row[3] for row in clipped) else None,
+        calls=tuple(entries(rows) for rows in calls),
+        dtypes=frozenset(live.groups[params[i]].dtype for i in param),
+        measured_coef=coefs,
     )
 
 
@@ -226,7 +304,7 @@ def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
 def report_of(live: LiveStep) -> Report:
     """The report `gradaudit check` gives for the live step: the offline pipeline's own stages
     (measure_step -> audit.analyse -> audit.build_report), as audit.audit_step runs them without a
-    reference, on the step the guard's dump amounts to."""
+    reference, on the step the guard's dump amounts to, the diagnosis reading `norm_input(live)`."""
     from ..audit import analyse, build_report, command_for
     from ..checks.base import AuditOptions
     from ..dumpfile.reader import TensorReader
@@ -237,6 +315,6 @@ def report_of(live: LiveStep) -> Report:
     options = AuditOptions()
     with TensorReader(step) as reader:
         measurements = measure_step(step, reader, params=checked_params(step), workers=1)
-    inputs = analyse(step, measurements, update_judgements={})
+    inputs = analyse(step, measurements, update_judgements={}, terms=norm_input(live))
     command = command_for(live.directory, options) if live.directory else ""
     return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.columns))
