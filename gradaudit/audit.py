@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .analysis.diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose
+from .analysis.diagnosis import StepDiagnosis, diagnose
+from .analysis.hypotheses import CORRECT, LOCAL_ONLY
 from .checks.base import AuditInputs, AuditOptions
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
@@ -150,7 +151,7 @@ def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
                 reported_norm=d.reported_norm,
                 applied_clip_coef=None if by_value else d.applied_coef,
                 applied_coef_source=None if by_value else d.coef_source,
-                diagnosis=None if by_value else d.hypothesis,
+                diagnosis=None if by_value or d.hypothesis is None else d.hypothesis.text,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
                 nonfinite=NonfiniteCounts(

@@ -17,7 +17,13 @@ from ..model import StepDump
 from ..norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
 from ..ranksets import compact_ranks
 from .hypotheses import (
-    Extra,
+    CORRECT,
+    DOUBLE_COUNTED,
+    LOCAL_ONLY,
+    UNEXPLAINED,
+    WRONG_GROUP,
+    Candidate,
+    Hypothesis,
     NormOf,
     ParamGroup,
     averaged_candidates,
@@ -31,13 +37,6 @@ from .norm_input import Entries, NormInput, NormSet, norm_input_of, param_signat
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
 gradients, norms and coefficients are often computed or logged in float32."""
-
-CORRECT = "correct"
-LOCAL_ONLY = "local_only"
-DOUBLE_COUNTED = "replicas_double_counted"
-WRONG_GROUP = "wrong_group"
-LOSS_SCALED = "loss_scaled"
-UNEXPLAINED = "unexplained"
 
 
 def norm_of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: str = "grad") -> float | None:
@@ -83,17 +82,6 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """A norm some accounting (correct or mistaken) produces from this step's pieces."""
-
-    hypothesis: str
-    """The accounting's name ("correct", "local_only", "wrong_group:tp", "loss_scaled:...")."""
-    value: float
-    description: str
-    """What it counts, in words, for the report."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class Match:
     """What a rank's number (reported, or implied by its coefficient) matched, within tolerance."""
 
@@ -101,11 +89,11 @@ class Match:
     what: str
     """"reported norm" or "norm implied by the applied coefficient"."""
     candidate: Candidate | None
-    coinciding: tuple[str, ...] = ()
+    coinciding: tuple[Hypothesis, ...] = ()
     """Other hypotheses that give the same number within tolerance: they cannot be told apart."""
 
     @property
-    def hypothesis(self) -> str:
+    def hypothesis(self) -> Hypothesis:
         return UNEXPLAINED if self.candidate is None else self.candidate.hypothesis
 
 
@@ -128,7 +116,7 @@ class RankDiagnosis:
     """Every norm an accounting (right or mistaken) gives for this rank, in order of plausibility."""
     reported_match: Match | None
     implied_match: Match | None
-    hypothesis: str | None
+    hypothesis: Hypothesis | None
     """What the clipping (or, with `logging_bug`, the logging) used; None when nothing to match."""
     detail: str
     """One sentence saying what matched what, for the report's rank rows."""
@@ -273,7 +261,7 @@ def _candidates(
     signatures: set[tuple[frozenset[int], bool]] = set()
 
     def add(
-        hypothesis: str, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
+        hypothesis: Hypothesis, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
     ) -> None:
         signature = (ranks, dedupe)
         if signature in signatures or value is None:
@@ -313,7 +301,7 @@ def _candidates(
             continue
         once, repeated = norms.norm(members, True)
         add(
-            f"{WRONG_GROUP}:{name}",
+            Hypothesis(kind=WRONG_GROUP, what=name),
             member_set,
             True,
             f"ranks {list(members)} of group {name}, replicas once",
@@ -322,7 +310,7 @@ def _candidates(
         if repeated:
             every = norms.norm(members, False)[0]
             add(
-                f"{WRONG_GROUP}:{name}",
+                Hypothesis(kind=WRONG_GROUP, what=name),
                 member_set,
                 False,
                 f"ranks {list(members)} of group {name}, every replica counted",
@@ -331,7 +319,7 @@ def _candidates(
     if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
         found.extend(
             Candidate(
-                hypothesis=f"{LOSS_SCALED}:{c.hypothesis}",
+                hypothesis=c.hypothesis.scaled(),
                 value=c.value * loss_scale,
                 description=f"{c.description}, times the loss scale {loss_scale:g}",
             )
@@ -359,7 +347,7 @@ def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> fl
 
 def _decide(
     reported: Match | None, implied: Match | None, coef_is_one: bool = False
-) -> tuple[str | None, bool, str]:
+) -> tuple[Hypothesis | None, bool, str]:
     """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
     if implied is None:
         if reported is None:
@@ -389,14 +377,14 @@ def _describe(match: Match) -> str:
     # without changing the conclusion, so only a coincidence that would is said.
     coinciding = [h for h in match.coinciding if not _same_conclusion(match.candidate.hypothesis, h)]
     if coinciding:
-        text += f"; indistinguishable here from {', '.join(coinciding)}"
+        text += f"; indistinguishable here from {', '.join(h.text for h in coinciding)}"
     return text
 
 
-def _same_conclusion(chosen: str, coinciding: str) -> bool:
+def _same_conclusion(chosen: Hypothesis, coinciding: Hypothesis) -> bool:
     """A local-only norm that equals the true one (each rank holds everything) is right on this layout."""
-    prefix = f"{LOSS_SCALED}:" if chosen.startswith(f"{LOSS_SCALED}:") else ""
-    return chosen == f"{prefix}{CORRECT}" and coinciding == f"{prefix}{LOCAL_ONLY}"
+    scaled = chosen.loss_scaled
+    return chosen == CORRECT.scaled(scaled) and coinciding == LOCAL_ONLY.scaled(scaled)
 
 
 def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:
@@ -515,7 +503,7 @@ class _FurtherCandidates:
     def __init__(self, step: StepDump, terms: NormInput, norms: NormSet) -> None:
         self.step, self.terms, self.norms = step, terms, norms
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, NormSet]] | None = None
-        self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
+        self._averaged: dict[tuple[str, tuple[int, ...]], list[Candidate]] = {}
 
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, NormSet]]:
         if self._groups is None:
@@ -544,9 +532,7 @@ class _FurtherCandidates:
         )
         extras += every_copy_candidates(self.step, rank, _norm_fn(self.norms), norm_type)
         extras += overflow_candidates(true_norm, norm_type, sorted(self.terms.dtypes))
-        return tuple(
-            Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
-        )
+        return tuple(extras)
 
 
 def _norm_fn(norms: NormSet) -> NormOf:
@@ -652,7 +638,7 @@ class _BoundedMatcher:
             if value is not None:
                 self.partial_groups.append((name, value))
 
-    def detail(self, hypothesis: str | None, detail: str) -> str:
+    def detail(self, hypothesis: Hypothesis | None, detail: str) -> str:
         """The rank's detail, saying what the bound decided or why it could not."""
         if hypothesis is None:
             return "; ".join(self.undecided) if self.undecided else detail

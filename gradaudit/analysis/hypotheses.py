@@ -5,6 +5,7 @@ precision (pure: works on measurements only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,15 +15,50 @@ from ..model import StepDump
 from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from ..ranksets import compact_ranks
 
+
+@dataclass(frozen=True, kw_only=True)
+class Hypothesis:
+    """An accounting (right or mistaken) a rank's norm may come from; `text` is how the reports and
+    the evidence write it ("local_only", "wrong_group:tp", "loss_scaled:param_group:experts:dropped")."""
+
+    kind: str
+    """One of the kinds below: correct, local_only, replicas_double_counted, wrong_group, param_group,
+    averaged, every_copy, overflow, unexplained."""
+    what: str = ""
+    """What the kind is about: the process group (wrong_group, averaged, every_copy), the dtype
+    (overflow), or "<label>:<how>" of a parameter group, <how> one of dropped, every_copy, local,
+    over:<group>; "" for the others."""
+    loss_scaled: bool = False
+    """The accounting's norm of gradients still multiplied by the loss scale."""
+
+    @property
+    def text(self) -> str:
+        text = f"{self.kind}:{self.what}" if self.what else self.kind
+        return f"loss_scaled:{text}" if self.loss_scaled else text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def scaled(self, loss_scaled: bool = True) -> Hypothesis:
+        """This accounting, of loss-scaled gradients or (False) not."""
+        return dataclasses.replace(self, loss_scaled=loss_scaled)
+
+
+CORRECT = Hypothesis(kind="correct")
+LOCAL_ONLY = Hypothesis(kind="local_only")
+DOUBLE_COUNTED = Hypothesis(kind="replicas_double_counted")
+UNEXPLAINED = Hypothesis(kind="unexplained")
+WRONG_GROUP = "wrong_group"
+"""Kind: the norm reduced over process group `what` only."""
 PARAM_GROUP = "param_group"
-"""Hypothesis prefix: "param_group:<label>:<how>", <how> one of dropped, every_copy, local, over:<group>."""
+"""Kind: one parameter group (`what`: "<label>:<how>") accounted wrongly, the rest right."""
 AVERAGED = "averaged"
-"""Hypothesis prefix: "averaged:<group>", the mean of the group's local norms (or of their squares)."""
+"""Kind: the mean of the local norms of group `what` (or of their squares)."""
 EVERY_COPY = "every_copy"
-"""Hypothesis prefix: "every_copy:<group>", the group's norm computed in full on each of its ranks and
-their p-th powers summed over the group again: |group|^(1/p) times the group's norm."""
+"""Kind: group `what`'s norm computed in full on each of its ranks and their p-th powers summed over
+the group again: |group|^(1/p) times the group's norm."""
 OVERFLOW = "overflow"
-"""Hypothesis prefix: "overflow:<dtype>", the true norm, which overflows in that dtype."""
+"""Kind: the true norm, which overflows in dtype `what`."""
 
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 """Largest finite value of the dtypes a norm is commonly accumulated in."""
@@ -99,10 +135,13 @@ def _label(params: set[str], others: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Extra:
-    hypothesis: str
+class Candidate:
+    """A norm some accounting (correct or mistaken) produces from this step's numbers."""
+
+    hypothesis: Hypothesis
     value: float
     description: str
+    """What it counts, in words, for the report."""
 
 
 def group_candidates(
@@ -111,14 +150,14 @@ def group_candidates(
     groups: Sequence[ParamGroup],
     norm_of_group: Mapping[str, NormOf],
     norm_type: float,
-) -> list[Extra]:
+) -> list[Candidate]:
     """Every accounting where one parameter group departs from the correct one and the rest is right."""
     present = tuple(step.ranks_present)
     maybe = {g.label: _term(norm_of_group[g.label](present, True), norm_type) for g in groups}
     correct = {label: v for label, v in maybe.items() if v is not None}
     if len(correct) < len(maybe):
         return []
-    found: list[Extra] = []
+    found: list[Candidate] = []
     for group in groups:
         norm = norm_of_group[group.label]
         options: list[tuple[str, str, float | None]] = [
@@ -156,8 +195,8 @@ def group_candidates(
                 continue
             seen.append(value)
             found.append(
-                Extra(
-                    hypothesis=f"{PARAM_GROUP}:{group.label}:{how}",
+                Candidate(
+                    hypothesis=Hypothesis(kind=PARAM_GROUP, what=f"{group.label}:{how}"),
                     value=value,
                     description=f"{group.description} {text}, every other parameter counted once",
                 )
@@ -169,11 +208,11 @@ def averaged_candidates(
     step: StepDump,
     rank: int,
     local_norm: Callable[[int], float | None],
-    memo: dict[tuple[str, tuple[int, ...]], list[Extra]] | None = None,
-) -> list[Extra]:
+    memo: dict[tuple[str, tuple[int, ...]], list[Candidate]] | None = None,
+) -> list[Candidate]:
     """Each named group's (and the world's) mean of per-rank local norms, and root mean square
     (`memo` keeps them per group, shared by its members: a world of thousands of ranks is one group)."""
-    found: list[Extra] = []
+    found: list[Candidate] = []
     lists = [(name, step.topology.group_of(name, rank)) for name in sorted(step.topology.groups)]
     for name, members in lists:
         if not members or len(members) < 2 or any(m in step.missing_ranks for m in members):
@@ -189,27 +228,29 @@ def averaged_candidates(
     return found
 
 
-def _averaged(name: str, members: tuple[int, ...], local_norm: Callable[[int], float | None]) -> list[Extra]:
+def _averaged(
+    name: str, members: tuple[int, ...], local_norm: Callable[[int], float | None]
+) -> list[Candidate]:
     norms = [local_norm(m) for m in members]
     values = [float(n) for n in norms if n is not None and math.isfinite(n)]
     if len(values) < len(norms):
         return []
     shown = f"ranks {compact_ranks(members)} (group {name})"
     return [
-        Extra(
-            hypothesis=f"{AVERAGED}:{name}",
+        Candidate(
+            hypothesis=Hypothesis(kind=AVERAGED, what=name),
             value=safe_fsum(values) / len(values),
             description=f"the mean of the local norms of {shown}, instead of the root of their summed squares",
         ),
-        Extra(
-            hypothesis=f"{AVERAGED}:{name}",
+        Candidate(
+            hypothesis=Hypothesis(kind=AVERAGED, what=name),
             value=math.sqrt(safe_fsum(v * v for v in values) / len(values)),
             description=f"the root of the mean of the squared local norms of {shown}, instead of their sum",
         ),
     ]
 
 
-def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type: float) -> list[Extra]:
+def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type: float) -> list[Candidate]:
     """For each named group of this rank (the world and the pipeline group included): the group's norm
     (replicas once) counted once per member, as when every rank computes the full norm (a DTensor's
     `full_tensor()`, ZeRO-3's `safe_get_full_grad`) and the squares are all-reduced over the group again.
@@ -219,7 +260,7 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
     data-parallel group."""
     if is_inf_norm(norm_type):
         return []  # a max counted many times is the same max
-    found: list[Extra] = []
+    found: list[Candidate] = []
     seen: set[tuple[int, ...]] = set()
     for name in sorted(step.topology.groups):
         members = step.topology.group_of(name, rank)
@@ -233,8 +274,8 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
             continue
         count = len(members)
         found.append(
-            Extra(
-                hypothesis=f"{EVERY_COPY}:{name}",
+            Candidate(
+                hypothesis=Hypothesis(kind=EVERY_COPY, what=name),
                 value=norm * count ** (1.0 / norm_type),
                 description=(
                     f"the norm of ranks {compact_ranks(members)} (group {name}) computed in full on each of its "
@@ -245,7 +286,7 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
     return found
 
 
-def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Extra]:
+def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Candidate]:
     """The true norm computed in a dtype where the sum of |g|^p (or g itself) is beyond the largest value."""
     if true_norm is None or not math.isfinite(true_norm) or is_inf_norm(norm_type):
         return []
@@ -256,8 +297,8 @@ def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Seque
             continue
         if total is not None and total > DTYPE_MAX[dtype]:
             found.append(
-                Extra(
-                    hypothesis=f"{OVERFLOW}:{dtype}",
+                Candidate(
+                    hypothesis=Hypothesis(kind=OVERFLOW, what=dtype),
                     value=math.inf,
                     description=f"the true norm {true_norm:.6g} computed in {dtype}, whose sum of |g|^{norm_type:g} "
                     f"({total:.6g}) overflows to inf",
