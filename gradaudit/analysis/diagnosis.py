@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..measure.columns import StepColumns
+from ..measure.columns import StepColumns, flags_of_stats, term_of
 from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import StepDump
-from ..norms import CLIP_EPS, expected_clip_coef, is_inf_norm, norm_of_terms, norm_rtol, relative_difference
+from ..norms import CLIP_EPS, expected_clip_coef, norm_of_terms, norm_rtol, relative_difference
 from ..ranksets import compact_ranks
 from .hypotheses import (
     CORRECT,
@@ -32,7 +32,15 @@ from .hypotheses import (
     groups_of,
     overflow_candidates,
 )
-from .norm_input import Entries, NormInput, NormSet, norm_input_of, param_signatures, shares_of_squared_norm
+from .norm_input import (
+    Entries,
+    NormInput,
+    NormSet,
+    norm_input_of,
+    norm_of_flagged,
+    param_signatures,
+    shares_of_squared_norm,
+)
 
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
@@ -45,29 +53,10 @@ def norm_of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: s
     Pieces without the kind count as zero (a parameter without gradient); None when a piece's stats
     were taken for another norm type and cannot give this one.
     """
-    terms, has_nan, has_inf = [], False, False
-    inf_norm = is_inf_norm(norm_type)
-    for piece in pieces:
-        stats = piece.stats.get(kind)
-        if stats is None:
-            continue
-        if inf_norm:  # stats_term, inlined: this runs once per piece of the step
-            term = stats.max_abs
-        elif stats.norm_type == norm_type:
-            term = stats.sum_pow
-        elif norm_type == 2.0:
-            term = stats.sum_sq
-        else:
-            return None
-        terms.append(term)
-        if stats.num_nan or stats.num_posinf or stats.num_neginf:
-            has_nan |= stats.num_nan > 0
-            has_inf |= (stats.num_posinf + stats.num_neginf) > 0
-    if has_nan:
-        return math.nan
-    if has_inf:
-        return math.inf
-    return norm_of_terms(terms, norm_type)
+    stats = [s for s in (piece.stats.get(kind) for piece in pieces) if s is not None]
+    terms = [term_of(s, norm_type) for s in stats]
+    found = functools.reduce(operator.or_, map(flags_of_stats, stats, terms), 0)
+    return norm_of_flagged(found, lambda: norm_of_terms([t or 0.0 for t in terms], norm_type))
 
 
 _RANK_AND_INDEX = operator.attrgetter("rank", "index")

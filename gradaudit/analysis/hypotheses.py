@@ -10,7 +10,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..measure.measurements import PieceMeasurement
 from ..model import StepDump
 from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from ..ranksets import compact_ranks
@@ -85,22 +84,9 @@ class ParamGroup:
         )
 
 
-def param_groups(pieces: Sequence[PieceMeasurement]) -> tuple[ParamGroup, ...]:
-    """The step's parameters grouped by how they are held; a single group when they are all alike."""
-    holders: dict[str, set[int]] = {}
-    copies: dict[tuple[str, object], int] = {}
-    for piece in pieces:
-        holders.setdefault(piece.param, set()).add(piece.rank)
-        key = (piece.param, piece.regions)
-        copies[key] = copies.get(key, 0) + 1
-    most_copies: dict[str, int] = {}
-    for (param, _), n in copies.items():
-        most_copies[param] = max(most_copies.get(param, 0), n)
-    return groups_of({param: (len(ranks), most_copies[param]) for param, ranks in holders.items()})
-
-
 def groups_of(signatures: Mapping[str, tuple[int, int]]) -> tuple[ParamGroup, ...]:
-    """`param_groups` from each parameter's (number of ranks holding it, most copies of one layout)."""
+    """The step's parameters grouped by how they are held, from each parameter's (number of ranks
+    holding it, most copies of one layout); none when they are all alike."""
     by_signature: dict[tuple[int, int], set[str]] = {}
     for param, signature in signatures.items():
         by_signature.setdefault(signature, set()).add(param)
@@ -190,7 +176,7 @@ def group_candidates(
             if term is None or relative_difference(term, correct[group.label]) == 0:
                 continue
             rest = [v for label, v in correct.items() if label != group.label]
-            value = _combine(rest + [term], norm_type)
+            value = norm_of_terms([*rest, term], norm_type)
             if any(relative_difference(value, s) == 0 for s in seen):
                 continue
             seen.append(value)
@@ -314,7 +300,3 @@ def _term(norm: float | None, norm_type: float) -> float | None:
     if is_inf_norm(norm_type) or not math.isfinite(norm):
         return norm
     return power(norm, norm_type)
-
-
-def _combine(terms: list[float], norm_type: float) -> float:
-    return norm_of_terms(terms, norm_type)

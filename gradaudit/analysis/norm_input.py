@@ -10,20 +10,25 @@ the guard's gathered summary.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..measure.columns import StepColumns, fsum_array, norm_of_term_array
+from ..measure.columns import (
+    INF,
+    NAN,
+    UNKNOWN,
+    StepColumns,
+    flags_of_stats,
+    fsum_array,
+    norm_of_term_array,
+    term_of,
+)
 from ..measure.measurements import PieceMeasurement, StepMeasurements
-from ..model import ClipCall, StepDump, TensorStats
-from ..norms import divide_by_power, is_inf_norm, safe_fsum
-
-UNKNOWN, NAN, INF = 1, 2, 4
-"""Bits of `Entries.flags`: the statistics cannot give this norm type's term, a nan, an infinity."""
+from ..model import ClipCall, StepDump
+from ..norms import safe_fsum
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -42,6 +47,17 @@ class Entries:
     """int8: the UNKNOWN, NAN and INF bits of the entry."""
     replicated: bool = True
     """Some layout is held by more than one entry (False: no replicas to look for)."""
+
+    @staticmethod
+    def of(rows: Sequence[tuple[int, int, float, int]]) -> Entries:
+        """From (rank, layout, term, flags) rows in (rank, entry) order."""
+        rank, layout, term, flags = zip(*rows, strict=True) if rows else ((), (), (), ())
+        return Entries(
+            rank=np.array(rank, dtype=np.int64),
+            layout=np.array(layout, dtype=np.int64),
+            term=np.array(term, dtype=np.float64),
+            flags=np.array(flags, dtype=np.int8),
+        )
 
     def subset(self, inside: np.ndarray) -> Entries:
         """The entries where the boolean `inside` is set."""
@@ -92,11 +108,9 @@ class NormSet:
 
     def __init__(self, entries: Entries, norm_type: float) -> None:
         self.entries, self.norm_type = entries, norm_type
-        rank = entries.rank
-        starts = np.flatnonzero(np.diff(rank)) + 1 if rank.size else np.zeros(0, dtype=np.int64)
-        begins = [0, *starts.tolist()]
-        ends = [*starts.tolist(), rank.size]
-        self._span = {int(rank[b]): (b, e) for b, e in zip(begins, ends, strict=True) if e > b}
+        ranks, starts = np.unique(entries.rank, return_index=True)
+        ends = [*starts[1:].tolist(), entries.rank.size]
+        self._span = dict(zip(ranks.tolist(), zip(starts.tolist(), ends, strict=True), strict=True))
         """Rank -> the span of its entries."""
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
@@ -104,18 +118,15 @@ class NormSet:
         """(positions of the entries counted, whether a layout appears more than once among these
         ranks' entries), the ranks' entries taken in the order of `ranks`."""
         spans = [self._span[r] for r in ranks if r in self._span]
-        if len(spans) == len(self._span) and all(a[1] == b[0] for a, b in itertools.pairwise(spans)):
-            rows: np.ndarray | slice = slice(0, self.entries.rank.size)  # every entry, in order
-        elif len(spans) == 1:
-            rows = slice(*spans[0])
+        if len(spans) == 1 or (spans and len(spans) == len(self._span) and list(ranks) == sorted(ranks)):
+            rows: np.ndarray | slice = slice(spans[0][0], spans[-1][1])  # contiguous, in order
         else:
-            rows = (
-                np.concatenate([np.arange(b, e) for b, e in spans]) if spans else np.zeros(0, dtype=np.int64)
-            )
+            rows = np.concatenate([np.arange(b, e) for b, e in spans] or [np.zeros(0, dtype=np.int64)])
         if not self.entries.replicated:
             return rows, False
-        distinct, first_seen = np.unique(self.entries.layout[rows], return_index=True)
-        repeated = distinct.size < _size(rows, self.entries)
+        layouts = self.entries.layout[rows]
+        distinct, first_seen = np.unique(layouts, return_index=True)
+        repeated = distinct.size < layouts.size
         if dedupe and repeated:  # each layout through its first copy
             chosen = np.sort(first_seen)
             rows = chosen + rows.start if isinstance(rows, slice) else rows[chosen]
@@ -140,17 +151,14 @@ class NormSet:
         """The norm of the entries at these positions, each counted."""
         flags = self.entries.flags[rows]
         found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
-        if found & UNKNOWN:
-            return None
-        if found & NAN:
-            return math.nan
-        if found & INF:
-            return math.inf
-        return norm_of_term_array(self.entries.term[rows], self.norm_type)
+        return norm_of_flagged(found, lambda: norm_of_term_array(self.entries.term[rows], self.norm_type))
 
 
-def _size(rows: np.ndarray | slice, entries: Entries) -> int:
-    return len(range(entries.rank.size)[rows]) if isinstance(rows, slice) else int(rows.size)
+def norm_of_flagged(found: int, norm: Callable[[], float]) -> float | None:
+    """From the bits of the entries counted: None with UNKNOWN, nan with NAN, inf with INF, else norm()."""
+    if found & UNKNOWN:
+        return None
+    return math.nan if found & NAN else math.inf if found & INF else norm()
 
 
 def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
@@ -181,16 +189,6 @@ def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int]) -> dict[int, 
     }
 
 
-def flags_of(counts: np.ndarray, unknown: np.ndarray) -> np.ndarray:
-    """The UNKNOWN, NAN and INF bits from (nan, +inf, -inf) counts per entry and the unknown terms."""
-    flags: np.ndarray = (
-        unknown.astype(np.int8)
-        | (counts[:, 0] > 0).astype(np.int8) << 1
-        | ((counts[:, 1] + counts[:, 2]) > 0).astype(np.int8) << 2
-    )
-    return flags
-
-
 def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> NormInput:
     """The diagnosis' input from a loaded step's measurements and their columns."""
     order = columns.by_rank_order
@@ -200,33 +198,30 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
         rank=rank,
         layout=layout,
         term=np.where(columns.has_grad[order], columns.term[order], 0.0),
-        flags=np.where(columns.has_grad[order], flags_of(columns.counts, columns.unknown)[order], 0).astype(
-            np.int8
-        ),
+        flags=np.where(columns.has_grad[order], columns.flags[order], 0).astype(np.int8),
         replicated=not columns.distinct_layouts,
     )
     pieces = columns.pieces
     clipped = None
     if columns.has_clipped.any():
         stats = [pieces[i].stats.get("grad_clipped") for i in order.tolist()]
-        terms = [None if s is None else _term(s, m.norm_type) for s in stats]
+        terms = [None if s is None else term_of(s, m.norm_type) for s in stats]
         has_grad = columns.has_grad[order].tolist()
         clipped = Entries(
             rank=rank,
             layout=layout,
             term=np.array([t or 0.0 for t in terms], dtype=np.float64),
             flags=np.array(
-                [_flags(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)],
+                [flags_of_stats(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)],
                 dtype=np.int8,
             ),
             replicated=grad.replicated,
         )
-    measured = {}
-    if columns.has_clipped.any() or columns.has_products:
-        for r, own in columns.by_rank().items():
-            coef = _coef_from_gradients(own)
-            if coef is not None:
-                measured[r] = coef
+    by_rank: dict[int, list[PieceMeasurement]] = {}
+    if columns.has_clipped.any() or columns.has_products:  # else no piece gives a coefficient
+        for piece in pieces:
+            by_rank.setdefault(piece.rank, []).append(piece)
+    measured = {r: c for r, own in by_rank.items() if (c := _coef_from_gradients(own)) is not None}
     return NormInput(
         norm_type=m.norm_type,
         grad=grad,
@@ -240,28 +235,6 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
         drifted=_ranks_with_drifted_replicas(m),
         covers_every_param=not step.missing_ranks or _covers_every_param(step, columns.cover()),
     )
-
-
-def _term(stats: TensorStats, norm_type: float, scale: float = 1.0) -> float | None:
-    """The term of the p-norm of a piece's statistics (sum |x|^p, or max |x| for the inf-norm),
-    divided by `scale`'s effect; None when the stats were taken for another norm type."""
-    if is_inf_norm(norm_type):
-        term = stats.max_abs
-    elif stats.norm_type == norm_type:
-        term = stats.sum_pow
-    elif norm_type == 2.0:
-        term = stats.sum_sq
-    else:
-        return None
-    if scale == 1.0:
-        return term
-    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
-
-
-def _flags(stats: TensorStats | None, term: float | None) -> int:
-    if stats is None or term is None:
-        return UNKNOWN
-    return (NAN if stats.num_nan else 0) | (INF if stats.num_posinf + stats.num_neginf else 0)
 
 
 def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
@@ -280,17 +253,9 @@ def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
             for call, stats in enumerate(piece.call_stats):
                 while len(rows) <= call:
                     rows.append([])
-                term = _term(stats, norm_type, scales[call] if call < len(scales) else 1.0)
-                rows[call].append((rank, layout, term or 0.0, _flags(stats, term)))
-    return tuple(
-        Entries(
-            rank=np.array([r[0] for r in found], dtype=np.int64),
-            layout=np.array([r[1] for r in found], dtype=np.int64),
-            term=np.array([r[2] for r in found], dtype=np.float64),
-            flags=np.array([r[3] for r in found], dtype=np.int8),
-        )
-        for found in rows
-    )
+                term = term_of(stats, norm_type, scales[call] if call < len(scales) else 1.0)
+                rows[call].append((rank, layout, term or 0.0, flags_of_stats(stats, term)))
+    return tuple(Entries.of(found) for found in rows)
 
 
 def _call_scale(call: ClipCall) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..model import (
     ClipCall,
@@ -107,9 +107,58 @@ class LiveStep:
     """Where the step's dump is (or would be) written; the reports name it."""
 
 
+class _Held(NamedTuple):
+    """One ownership group on one rank that holds it: what its piece of the guard's dump and its
+    entry of the diagnosis' input are made of."""
+
+    rank: int
+    group: int
+    position: int
+    """Its replica class's element in the group's one-dimensional parameter."""
+    term: float
+    """sum |g|^p (max |g| for the inf-norm); a nonfinite term counts as 0, its counts tell."""
+    num_nan: int
+    num_inf: int
+    clipped: float | None
+    """The term after clipping: the same elements scaled by the coefficient the sample gave, when it
+    gave a finite one and the group is finite; else None."""
+    calls: tuple[float, ...]
+    """The term before each clip call, when the rank made two or more (nonfinite as 0)."""
+
+
+def _held(live: LiveStep) -> list[_Held]:
+    """Every (rank, group it holds), in rank then group order."""
+    layouts, p, found = _layouts(live), live.norm_type, []
+    for rank, summary in sorted(live.ranks.items()):
+        coef = summary.applied_coef
+        for i, group in enumerate(live.groups):
+            if not summary.held[i]:
+                continue
+            num_nan = summary.num_nan[i] if summary.num_nan else 0
+            num_inf = summary.num_inf[i] if summary.num_inf else 0
+            term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
+            clipped = None
+            if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
+                clipped = term * abs(coef) ** p if not math.isinf(p) else term * abs(coef)
+            calls = () if len(summary.calls) < 2 else summary.calls
+            found.append(
+                _Held(
+                    rank=rank,
+                    group=i,
+                    position=layouts[i][_class_of(live, group, summary)],
+                    term=term,
+                    num_nan=num_nan,
+                    num_inf=num_inf,
+                    clipped=clipped,
+                    calls=tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls),
+                )
+            )
+    return found
+
+
 def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
-    layouts = _layouts(live)
+    layouts, p, held = _layouts(live), live.norm_type, _held(live)
     params = tuple(
         ParamInfo(name=g.param, global_shape=(len(layouts[i]),), dtype=g.dtype)
         for i, g in enumerate(live.groups)
@@ -118,20 +167,21 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     dumps = {}
     for rank, summary in sorted(live.ranks.items()):
         pieces: list[Piece] = []
-        for i, group in enumerate(live.groups):
-            if not summary.held[i]:
-                continue
-            position = layouts[i][_class_of(live, group, summary)]
+        for h in (h for h in held if h.rank == rank):
+            group = live.groups[h.group]
+            stats = {"grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)}
+            if h.clipped is not None:
+                stats["grad_clipped"] = _one_element(h.clipped, p)
             pieces.append(
                 Piece(
                     index=len(pieces),
                     param=group.param,
-                    regions=(FlatRange(start=position, stop=position + 1),),
+                    regions=(FlatRange(start=h.position, stop=h.position + 1),),
                     local_shape=(1,),
                     dtype=group.dtype,
                     replica_group=group.replica_group,
-                    stats=_stats_of(summary, i, live.norm_type),
-                    call_stats=_call_stats(summary, i, live.norm_type),
+                    stats=stats,
+                    call_stats=tuple(_one_element(term, p) for term in h.calls),
                 )
             )
         dumps[rank] = RankDump(
@@ -148,6 +198,50 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
             capture_api="guard",
         )
     return dumps
+
+
+def norm_input(live: LiveStep) -> NormInput:
+    """The diagnosis' input from the gathered summary: one entry per rank and ownership group it
+    holds, the replicas of a group on one layout (the entries of `rank_dumps`' pieces, read without
+    their statistics)."""
+    import numpy as np
+
+    from ..analysis.norm_input import Entries, NormInput
+    from ..measure.columns import INF, NAN, UNKNOWN
+    from ..norms import safe_fsum
+
+    layouts, p, held = _layouts(live), live.norm_type, _held(live)
+    offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
+    params = [i for i, classes in enumerate(layouts) if classes]
+    at = [(h.rank, offsets[h.group] + h.position) for h in held]  # (rank, layout) of each entry
+    coefs = {}
+    for r in sorted(live.ranks):  # what measuring the dump's pieces gives
+        own = [h for h in held if h.rank == r]
+        pre = safe_fsum(_square(h.term, p) for h in own)
+        if own and all(h.clipped is not None for h in own) and pre > 0:
+            coefs[r] = math.sqrt(safe_fsum(_square(h.clipped or 0.0, p) for h in own) / pre)
+    clipped = [
+        (*a, h.clipped or 0.0, UNKNOWN if h.clipped is None else 0) for a, h in zip(at, held, strict=True)
+    ]
+    return NormInput(
+        norm_type=p,
+        grad=Entries.of(
+            [
+                (*a, h.term, (NAN if h.num_nan else 0) | (INF if h.num_inf else 0))
+                for a, h in zip(at, held, strict=True)
+            ]
+        ),
+        param=np.array([params.index(h.group) for h in held], dtype=np.int64),
+        param_names=tuple(live.groups[i].param for i in params),
+        sum_sq=np.array([_square(h.term, p) for h in held], dtype=np.float64),
+        clipped=None if all(h.clipped is None for h in held) else Entries.of(clipped),
+        calls=tuple(
+            Entries.of([(*a, h.calls[call], 0) for a, h in zip(at, held, strict=True) if len(h.calls) > call])
+            for call in range(max((len(h.calls) for h in held), default=0))
+        ),
+        dtypes=frozenset(live.groups[h.group].dtype for h in held),
+        measured_coef=coefs,
+    )
 
 
 def step_dump(live: LiveStep) -> StepDump:
@@ -176,116 +270,21 @@ def _layouts(live: LiveStep) -> list[dict[tuple[int, ...], int]]:
 
 def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: int = 0) -> TensorStats:
     """Statistics of one element whose magnitude is the group's norm: sum |x|^p is the group's term."""
-    magnitude = _magnitude(term, norm_type)
+    magnitude = term if math.isinf(norm_type) else term ** (1.0 / norm_type) if term > 0 else 0.0
     return TensorStats(
         numel=1,
         norm_type=norm_type,
         sum_pow=magnitude if math.isinf(norm_type) else term,
-        sum_sq=_square(term, norm_type),
+        sum_sq=magnitude * magnitude,
         max_abs=magnitude,
         num_nan=num_nan,
         num_posinf=num_inf,
     )
 
 
-def _magnitude(term: float, norm_type: float) -> float:
-    """The magnitude of the one element whose term of the p-norm is `term`."""
-    if math.isinf(norm_type):
-        return term
-    return term ** (1.0 / norm_type) if term > 0 else 0.0
-
-
 def _square(term: float, norm_type: float) -> float:
     """sum x^2 of the one element whose term of the p-norm is `term`."""
-    magnitude = _magnitude(term, norm_type)
-    return magnitude * magnitude
-
-
-def _group_terms(summary: RankSummary, i: int, norm_type: float) -> tuple[float, int, int, float | None]:
-    """(term, pieces with a nan, with an inf, term after clipping or None) of group `i` on this rank:
-    a nonfinite term counts as 0 (its counts tell), and the clipped gradient is the same elements
-    scaled by the coefficient the sample gave, when it gave a finite one and the group is finite."""
-    num_nan = summary.num_nan[i] if summary.num_nan else 0
-    num_inf = summary.num_inf[i] if summary.num_inf else 0
-    term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
-    coef, clipped = summary.applied_coef, None
-    if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
-        clipped = term * abs(coef) ** norm_type if not math.isinf(norm_type) else term * abs(coef)
-    return term, num_nan, num_inf, clipped
-
-
-def _call_terms(summary: RankSummary, i: int) -> tuple[float, ...]:
-    """Group `i`'s term before each clip call, when the rank made two or more (nonfinite as 0)."""
-    if len(summary.calls) < 2:
-        return ()
-    return tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in summary.calls)
-
-
-def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[str, TensorStats]:
-    term, num_nan, num_inf, clipped = _group_terms(summary, i, norm_type)
-    stats = {"grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)}
-    if clipped is not None:
-        stats["grad_clipped"] = _one_element(clipped, norm_type)
-    return stats
-
-
-def _call_stats(summary: RankSummary, i: int, norm_type: float) -> tuple[TensorStats, ...]:
-    return tuple(_one_element(term, norm_type) for term in _call_terms(summary, i))
-
-
-def norm_input(live: LiveStep) -> NormInput:
-    """The diagnosis' input from the gathered summary: one entry per rank and ownership group it
-    holds, in rank order, the replicas of a group on one layout (the entries `rank_dumps`' pieces
-    give, read without their statistics)."""
-    import numpy as np
-
-    from ..analysis.norm_input import INF, NAN, UNKNOWN, Entries, NormInput
-    from ..norms import safe_fsum
-
-    layouts, p = _layouts(live), live.norm_type
-    offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
-    params = [i for i, classes in enumerate(layouts) if classes]
-    grad: list[tuple[int, int, float, int]] = []
-    clipped: list[tuple[int, int, float, int]] = []
-    param: list[int] = []
-    calls: list[list[tuple[int, int, float, int]]] = []
-    coefs: dict[int, float] = {}
-    for rank, summary in sorted(live.ranks.items()):
-        pre, post = [], []
-        for i in (i for i, held in enumerate(summary.held) if held):
-            term, num_nan, num_inf, after = _group_terms(summary, i, p)
-            layout = offsets[i] + layouts[i][_class_of(live, live.groups[i], summary)]
-            grad.append((rank, layout, term, (NAN if num_nan else 0) | (INF if num_inf else 0)))
-            clipped.append((rank, layout, after or 0.0, UNKNOWN if after is None else 0))
-            param.append(params.index(i))
-            pre.append(_square(term, p))
-            post += [] if after is None else [_square(after, p)]
-            for call, call_term in enumerate(_call_terms(summary, i)):
-                calls += [[] for _ in range(call + 1 - len(calls))]
-                calls[call].append((rank, layout, call_term, 0))
-        if pre and len(post) == len(pre) and safe_fsum(pre) > 0:  # what measuring the dump's pieces gives
-            coefs[rank] = math.sqrt(safe_fsum(post) / safe_fsum(pre))
-
-    def entries(rows: list[tuple[int, int, float, int]]) -> Entries:
-        rank, layout, term, flags = zip(*rows, strict=True) if rows else ((), (), (), ())
-        return Entries(
-            rank=np.array(rank, dtype=np.int64),
-            layout=np.array(layout, dtype=np.int64),
-            term=np.array(term, dtype=np.float64),
-            flags=np.array(flags, dtype=np.int8),
-        )
-
-    return NormInput(
-        norm_type=p,
-        grad=entries(grad),
-        param=np.array(param, dtype=np.int64),
-        param_names=tuple(live.groups[i].param for i in params),
-        sum_sq=np.array([_square(row[2], p) for row in grad], dtype=np.float64),
-        clipped=entries(clipped) if any(not row[3] for row in clipped) else None,
-        calls=tuple(entries(rows) for rows in calls),
-        dtypes=frozenset(live.groups[params[i]].dtype for i in param),
-        measured_coef=coefs,
-    )
+    return _one_element(term, norm_type).sum_sq
 
 
 def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..norms import is_inf_norm, norm_from_total
+from ..model import TensorStats
+from ..norms import divide_by_power, is_inf_norm, norm_from_total
 from .measurements import PieceMeasurement, StepMeasurements
 from .table import PieceTable, TablePieces
 
@@ -26,6 +27,12 @@ class StepColumns:
             self._from_table(table, positions)
         else:
             self._from_objects(tuple(m.pieces))
+        self.flags = (
+            self.unknown.astype(np.int8)
+            | (self.counts[:, 0] > 0).astype(np.int8) << 1
+            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
+        )
+        """Per piece, the UNKNOWN, NAN and INF bits of its gradient's term (see `flags_of_stats`)."""
         self.by_rank_order = np.lexsort((self.index, self.rank))
         self.distinct_layouts = (
             bool(np.unique(self.layout).size == self.layout.size)
@@ -58,25 +65,11 @@ class StepColumns:
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
         self.has_products = any(p.dot_pre_post is not None for p in pieces)
         """Some piece holds the dense dumps' products of its gradient before and after clipping."""
-        unknown = np.zeros(len(pieces), dtype=bool)
-        if is_inf_norm(norm_type):  # stats_term, column by column
-            term = [0.0 if g is None else g.max_abs for g in grads]
-        else:
-            own = np.array([g is None or g.norm_type == norm_type for g in grads], dtype=bool)
-            term = [0.0 if g is None else g.sum_pow for g in grads]
-            if not own.all():
-                if norm_type == 2.0:
-                    term = [
-                        t if o or g is None else g.sum_sq
-                        for t, o, g in zip(term, own.tolist(), grads, strict=True)
-                    ]
-                else:
-                    unknown = ~own
-        self.unknown = unknown
-        self.term = np.array(term, dtype=np.float64)
+        terms = [0.0 if g is None else term_of(g, norm_type) for g in grads]
+        self.unknown = np.array([t is None for t in terms], dtype=bool)
+        self.term = np.array([math.nan if t is None else t for t in terms], dtype=np.float64)
         self.sum_pow = np.array([0.0 if g is None else g.sum_pow for g in grads], dtype=np.float64)
         self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
-        self.term[unknown] = math.nan
         self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
         for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
             self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
@@ -149,23 +142,6 @@ class StepColumns:
             return pieces.table.pieces(chosen + span.start if span.start else chosen)
         return tuple(pieces[i] for i in chosen.tolist())
 
-    def by_rank(self) -> dict[int, Sequence[PieceMeasurement]]:
-        """Rank -> its pieces, in `m.pieces` order (built when iterated, for a table's pieces)."""
-        order = np.argsort(self.rank, kind="stable")
-        ranks = self.rank[order]
-        distinct, starts = np.unique(ranks, return_index=True)
-        bounds = [*starts.tolist(), ranks.size]
-        if isinstance(self.pieces, TablePieces):
-            return {
-                rank: self._subset(order[bounds[k] : bounds[k + 1]])
-                for k, rank in enumerate(distinct.tolist())
-            }
-        pieces, positions = self.pieces, order.tolist()
-        return {
-            rank: [pieces[i] for i in positions[bounds[k] : bounds[k + 1]]]
-            for k, rank in enumerate(distinct.tolist())
-        }
-
     def cover_with_updates(self) -> list[PieceMeasurement]:
         """The cover's pieces that hold an update (parameters dumped before and after the step)."""
         chosen = self.cover_positions()
@@ -210,6 +186,33 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
     if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
         return table, range(ends[-1])  # every parameter's pieces, one after the other
     return table, np.concatenate([p.positions for p in parts])
+
+
+UNKNOWN, NAN, INF = 1, 2, 4
+"""Bits of a term's flags: the statistics cannot give this norm type's term, a nan, an infinity."""
+
+
+def term_of(stats: TensorStats, norm_type: float, scale: float = 1.0) -> float | None:
+    """The term of the p-norm of a piece's statistics (sum |x|^p, or max |x| for the inf-norm),
+    divided by `scale`'s effect; None when the stats were taken for another norm type."""
+    if is_inf_norm(norm_type):
+        term = stats.max_abs
+    elif stats.norm_type == norm_type:
+        term = stats.sum_pow
+    elif norm_type == 2.0:
+        term = stats.sum_sq
+    else:
+        return None
+    if scale == 1.0:
+        return term
+    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
+
+
+def flags_of_stats(stats: TensorStats | None, term: float | None) -> int:
+    """The UNKNOWN, NAN and INF bits of a piece's statistics and its term_of."""
+    if stats is None or term is None:
+        return UNKNOWN
+    return (NAN if stats.num_nan else 0) | (INF if stats.num_posinf + stats.num_neginf else 0)
 
 
 _CHUNK = 1 << 16
