@@ -151,26 +151,19 @@ def group_candidates(
             ("every_copy", "counted on every rank (every replica)", _term(norm(present, False), norm_type)),
             ("local", f"taken from rank {rank}'s own pieces only", _term(norm((rank,), False), norm_type)),
         ]
-        for name in sorted(step.topology.groups):
-            members = step.topology.group_of(name, rank)
-            if not members or any(m in step.missing_ranks for m in members):
-                continue
-            members = tuple(sorted(members))
-            options.append(
+        for name, members in _complete_groups(step, rank):
+            options += [
                 (
                     f"over:{name}",
                     f"reduced over process group {name!r} only",
                     _term(norm(members, True), norm_type),
-                )
-            )
-            every = _term(norm(members, False), norm_type)
-            options.append(
+                ),
                 (
                     f"over:{name}",
                     f"summed over process group {name!r} with every replica counted",
-                    every,
-                )
-            )
+                    _term(norm(members, False), norm_type),
+                ),
+            ]
         seen: list[float] = []
         for how, text, term in options:
             if term is None or relative_difference(term, correct[group.label]) == 0:
@@ -199,18 +192,15 @@ def averaged_candidates(
     """Each named group's (and the world's) mean of per-rank local norms, and root mean square
     (`memo` keeps them per group, shared by its members: a world of thousands of ranks is one group)."""
     found: list[Candidate] = []
-    lists = [(name, step.topology.group_of(name, rank)) for name in sorted(step.topology.groups)]
-    for name, members in lists:
-        if not members or len(members) < 2 or any(m in step.missing_ranks for m in members):
-            continue
-        key = (name, tuple(members))
-        if memo is not None and key in memo:
-            found += memo[key]
-            continue
-        here = _averaged(name, tuple(members), local_norm)
-        if memo is not None:
+    for name, members in _complete_groups(step, rank, 2):
+        key = (name, members)
+        if memo is None or key not in memo:
+            here = _averaged(name, members, local_norm)
+            if memo is None:
+                found += here
+                continue
             memo[key] = here
-        found += here
+        found += memo[key]
     return found
 
 
@@ -248,14 +238,11 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
         return []  # a max counted many times is the same max
     found: list[Candidate] = []
     seen: set[tuple[int, ...]] = set()
-    for name in sorted(step.topology.groups):
-        members = step.topology.group_of(name, rank)
-        if not members or len(members) < 2 or members in seen:
-            continue
-        if any(m in step.missing_ranks for m in members):
+    for name, members in _complete_groups(step, rank, 2):
+        if members in seen:
             continue
         seen.add(members)
-        norm = norm_of(tuple(members), True)
+        norm = norm_of(members, True)
         if norm is None or not math.isfinite(norm):
             continue
         count = len(members)
@@ -276,21 +263,33 @@ def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Seque
     """The true norm computed in a dtype where the sum of |g|^p (or g itself) is beyond the largest value."""
     if true_norm is None or not math.isfinite(true_norm) or is_inf_norm(norm_type):
         return []
-    total = _term(true_norm, norm_type)
+    total = power(true_norm, norm_type)
+    kinds = [
+        d
+        for d in ("float16", "bfloat16", "float32")
+        if (d in dtypes or d == "float32") and total > DTYPE_MAX[d]
+    ]
+    if not kinds:
+        return []
+    dtype = kinds[0]
+    return [
+        Candidate(
+            hypothesis=Hypothesis(kind=OVERFLOW, what=dtype),
+            value=math.inf,
+            description=f"the true norm {true_norm:.6g} computed in {dtype}, whose sum of |g|^{norm_type:g} "
+            f"({total:.6g}) overflows to inf",
+        )
+    ]
+
+
+def _complete_groups(step: StepDump, rank: int, smallest: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, sorted members) of each named group of this rank with at least `smallest` members,
+    none of them missing."""
     found = []
-    for dtype in ("float16", "bfloat16", "float32"):
-        if dtype not in dtypes and dtype != "float32":
-            continue
-        if total is not None and total > DTYPE_MAX[dtype]:
-            found.append(
-                Candidate(
-                    hypothesis=Hypothesis(kind=OVERFLOW, what=dtype),
-                    value=math.inf,
-                    description=f"the true norm {true_norm:.6g} computed in {dtype}, whose sum of |g|^{norm_type:g} "
-                    f"({total:.6g}) overflows to inf",
-                )
-            )
-            break
+    for name in sorted(step.topology.groups):
+        members = step.topology.group_of(name, rank)
+        if members and len(members) >= smallest and not any(m in step.missing_ranks for m in members):
+            found.append((name, tuple(sorted(members))))
     return found
 
 

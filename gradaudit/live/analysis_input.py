@@ -126,11 +126,12 @@ class _Held(NamedTuple):
     """The term before each clip call, when the rank made two or more (nonfinite as 0)."""
 
 
-def _held(live: LiveStep) -> list[_Held]:
-    """Every (rank, group it holds), in rank then group order."""
-    layouts, p, found = _layouts(live), live.norm_type, []
+def _held(live: LiveStep) -> dict[int, list[_Held]]:
+    """Rank -> every group it holds, in group order; the ranks in order."""
+    layouts, p = _layouts(live), live.norm_type
+    by_rank: dict[int, list[_Held]] = {}
     for rank, summary in sorted(live.ranks.items()):
-        coef = summary.applied_coef
+        coef, found = summary.applied_coef, by_rank.setdefault(rank, [])
         for i, group in enumerate(live.groups):
             if not summary.held[i]:
                 continue
@@ -153,7 +154,7 @@ def _held(live: LiveStep) -> list[_Held]:
                     calls=tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls),
                 )
             )
-    return found
+    return by_rank
 
 
 def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
@@ -167,7 +168,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     dumps = {}
     for rank, summary in sorted(live.ranks.items()):
         pieces: list[Piece] = []
-        for h in (h for h in held if h.rank == rank):
+        for h in held[rank]:
             group = live.groups[h.group]
             stats = {"grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)}
             if h.clipped is not None:
@@ -210,13 +211,13 @@ def norm_input(live: LiveStep) -> NormInput:
     from ..measure.columns import INF, NAN, UNKNOWN
     from ..norms import safe_fsum
 
-    layouts, p, held = _layouts(live), live.norm_type, _held(live)
+    layouts, p, by_rank = _layouts(live), live.norm_type, _held(live)
+    held = [h for own in by_rank.values() for h in own]
     offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
     params = [i for i, classes in enumerate(layouts) if classes]
     at = [(h.rank, offsets[h.group] + h.position) for h in held]  # (rank, layout) of each entry
     coefs = {}
-    for r in sorted(live.ranks):  # what measuring the dump's pieces gives
-        own = [h for h in held if h.rank == r]
+    for r, own in by_rank.items():  # what measuring the dump's pieces gives
         pre = safe_fsum(_square(h.term, p) for h in own)
         if own and all(h.clipped is not None for h in own) and pre > 0:
             coefs[r] = math.sqrt(safe_fsum(_square(h.clipped or 0.0, p) for h in own) / pre)
