@@ -402,7 +402,7 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
     rtol = max(norm_rtol(set(terms.dtypes)), MIN_RTOL)
     loss_scale = loss_scale_of(step)
     num_calls_max, call_norms, mixed, moment = _moment(step, terms, rtol)
-    shares = shares_of_squared_norm(terms, shared.all_ranks)
+    shares = shares_of_squared_norm(terms, shared.all_ranks, norms)
     further = _FurtherCandidates(step, terms, norms)
     ranks = {}
     for rank in step.ranks_present:

@@ -108,9 +108,9 @@ class NormSet:
 
     def __init__(self, entries: Entries, norm_type: float) -> None:
         self.entries, self.norm_type = entries, norm_type
-        ranks, starts = np.unique(entries.rank, return_index=True)
-        ends = [*starts[1:].tolist(), entries.rank.size]
-        self._span = dict(zip(ranks.tolist(), zip(starts.tolist(), ends, strict=True), strict=True))
+        starts = [0, *(np.flatnonzero(np.diff(entries.rank)) + 1).tolist()] if entries.rank.size else []
+        ends = [*starts[1:], entries.rank.size][: len(starts)]
+        self._span = {int(entries.rank[b]): (b, e) for b, e in zip(starts, ends, strict=True)}
         """Rank -> the span of its entries."""
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
 
@@ -176,10 +176,10 @@ def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
     return {names[p]: (h, int(most[p])) for p, h in zip(params.tolist(), holders.tolist(), strict=True)}
 
 
-def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int]) -> dict[int, float]:
+def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet) -> dict[int, float]:
     """Rank -> its part of the squared true norm: the sums of squares of its entries among each
-    layout's first copies."""
-    rows, _ = NormSet(norms.grad, norms.norm_type).rows(sorted(ranks), True)
+    layout's first copies (`grad`: the NormSet of `norms.grad`)."""
+    rows, _ = grad.rows(sorted(ranks), True)
     values, holders = norms.sum_sq[rows], norms.grad.rank[rows]
     total = fsum_array(values)
     bounds = np.searchsorted(holders, [*sorted(ranks), math.inf])
@@ -203,19 +203,13 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
     )
     pieces = columns.pieces
     clipped = None
-    if columns.has_clipped.any():
+    if columns.has_clipped.any():  # an entry with a gradient but no clipped one is UNKNOWN
         stats = [pieces[i].stats.get("grad_clipped") for i in order.tolist()]
         terms = [None if s is None else term_of(s, m.norm_type) for s in stats]
         has_grad = columns.has_grad[order].tolist()
-        clipped = Entries(
-            rank=rank,
-            layout=layout,
-            term=np.array([t or 0.0 for t in terms], dtype=np.float64),
-            flags=np.array(
-                [flags_of_stats(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)],
-                dtype=np.int8,
-            ),
-            replicated=grad.replicated,
+        flags = [flags_of_stats(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)]
+        clipped = Entries.of(
+            [*zip(rank.tolist(), layout.tolist(), [t or 0.0 for t in terms], flags, strict=True)]
         )
     by_rank: dict[int, list[PieceMeasurement]] = {}
     if columns.has_clipped.any() or columns.has_products:  # else no piece gives a coefficient
@@ -240,19 +234,17 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
 def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
     """Per clip call, the pieces' per-call statistics (read only when a rank made two or more calls;
     format-1.1 columns hold none)."""
-    multi = [r for r in step.ranks_present if (c := step.ranks[r].clip) is not None and len(c.calls) > 1]
-    if not multi:
+    if all(len(c.calls) < 2 for c in (step.ranks[r].clip for r in step.ranks_present) if c is not None):
         return ()
     ids: dict[tuple[object, ...], int] = {}
     rows: list[list[tuple[int, int, float, int]]] = []
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        scales = [_call_scale(call) for call in (dump.clip.calls if dump.clip is not None else ())]
+        scales = [_call_scale(c) for c in (dump.clip.calls if dump.clip is not None else ())]
         for piece in sorted(dump.pieces, key=lambda p: p.index):
             layout = ids.setdefault(piece.layout_key, len(ids))
             for call, stats in enumerate(piece.call_stats):
-                while len(rows) <= call:
-                    rows.append([])
+                rows += [[] for _ in range(call + 1 - len(rows))]
                 term = term_of(stats, norm_type, scales[call] if call < len(scales) else 1.0)
                 rows[call].append((rank, layout, term or 0.0, flags_of_stats(stats, term)))
     return tuple(Entries.of(found) for found in rows)
@@ -262,9 +254,9 @@ def _call_scale(call: ClipCall) -> float:
     """How many times the true gradient the gradient before this clip call was (the loss scale when
     the call ran before GradScaler.unscale_)."""
     scale = call.loss_scale
-    if call.unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
-        return scale
-    return 1.0
+    return (
+        scale if call.unscaled is False and scale is not None and math.isfinite(scale) and scale > 0 else 1.0
+    )
 
 
 def _coef_from_gradients(pieces: Sequence[PieceMeasurement]) -> float | None:

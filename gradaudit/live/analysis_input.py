@@ -108,22 +108,20 @@ class LiveStep:
 
 
 class _Held(NamedTuple):
-    """One ownership group on one rank that holds it: what its piece of the guard's dump and its
-    entry of the diagnosis' input are made of."""
+    """One ownership group on one rank that holds it, what its piece of the guard's dump and its entry
+    of the diagnosis' input are made of: its replica class's element (`position`) in the group's
+    one-dimensional parameter; sum |g|^p (max |g| for the inf-norm; nonfinite as 0, the counts tell);
+    the term after clipping (the same elements scaled by the sample's coefficient; None unless that
+    is finite and the group too); the term before each clip call when the rank made two or more."""
 
     rank: int
     group: int
     position: int
-    """Its replica class's element in the group's one-dimensional parameter."""
     term: float
-    """sum |g|^p (max |g| for the inf-norm); a nonfinite term counts as 0, its counts tell."""
     num_nan: int
     num_inf: int
     clipped: float | None
-    """The term after clipping: the same elements scaled by the coefficient the sample gave, when it
-    gave a finite one and the group is finite; else None."""
     calls: tuple[float, ...]
-    """The term before each clip call, when the rank made two or more (nonfinite as 0)."""
 
 
 def _held(live: LiveStep) -> dict[int, list[_Held]]:
