@@ -283,13 +283,14 @@ def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Seque
 
 
 def _complete_groups(step: StepDump, rank: int, smallest: int = 1) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, sorted members) of each named group of this rank with at least `smallest` members,
-    none of them missing."""
+    """(name, members as the topology lists them) of each named group of this rank with at least
+    `smallest` members, none of them missing (not sorted: a world of thousands of ranks is one tuple,
+    shared by its members, and the norms sort their rank sets themselves)."""
     found = []
     for name in sorted(step.topology.groups):
         members = step.topology.group_of(name, rank)
         if members and len(members) >= smallest and not any(m in step.missing_ranks for m in members):
-            found.append((name, tuple(sorted(members))))
+            found.append((name, tuple(members)))
     return found
 
 
