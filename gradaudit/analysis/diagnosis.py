@@ -269,11 +269,7 @@ def _candidates(
                 )
             )
     add(
-        LOCAL_ONLY,
-        frozenset((rank,)),
-        False,
-        f"rank {rank}'s own pieces only",
-        norms.norm((rank,), False)[0],
+        LOCAL_ONLY, frozenset((rank,)), False, f"rank {rank}'s own pieces only", norms.norm((rank,), False)[0]
     )
     if not step.missing_ranks and shared.repeated:
         add(DOUBLE_COUNTED, shared.everyone, False, "all ranks' pieces, every replica counted", shared.double)
@@ -289,22 +285,10 @@ def _candidates(
         if members == (rank,):
             continue
         once, repeated = norms.norm(members, True)
-        add(
-            Hypothesis(kind=WRONG_GROUP, what=name),
-            member_set,
-            True,
-            f"ranks {list(members)} of group {name}, replicas once",
-            once,
-        )
+        wrong, shown = Hypothesis(kind=WRONG_GROUP, what=name), f"ranks {list(members)} of group {name}"
+        add(wrong, member_set, True, f"{shown}, replicas once", once)
         if repeated:
-            every = norms.norm(members, False)[0]
-            add(
-                Hypothesis(kind=WRONG_GROUP, what=name),
-                member_set,
-                False,
-                f"ranks {list(members)} of group {name}, every replica counted",
-                every,
-            )
+            add(wrong, member_set, False, f"{shown}, every replica counted", norms.norm(members, False)[0])
     if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
         found.extend(
             Candidate(

@@ -152,18 +152,12 @@ def group_candidates(
             ("local", f"taken from rank {rank}'s own pieces only", _term(norm((rank,), False), norm_type)),
         ]
         for name, members in _complete_groups(step, rank):
-            options += [
-                (
-                    f"over:{name}",
-                    f"reduced over process group {name!r} only",
-                    _term(norm(members, True), norm_type),
-                ),
-                (
-                    f"over:{name}",
-                    f"summed over process group {name!r} with every replica counted",
-                    _term(norm(members, False), norm_type),
-                ),
-            ]
+            over = f"process group {name!r}"
+            options.append(
+                (f"over:{name}", f"reduced over {over} only", _term(norm(members, True), norm_type))
+            )
+            every = _term(norm(members, False), norm_type)
+            options.append((f"over:{name}", f"summed over {over} with every replica counted", every))
         seen: list[float] = []
         for how, text, term in options:
             if term is None or relative_difference(term, correct[group.label]) == 0:
@@ -187,19 +181,14 @@ def averaged_candidates(
     step: StepDump,
     rank: int,
     local_norm: Callable[[int], float | None],
-    memo: dict[tuple[str, tuple[int, ...]], list[Candidate]] | None = None,
+    memo: dict[tuple[str, tuple[int, ...]], list[Candidate]],
 ) -> list[Candidate]:
     """Each named group's (and the world's) mean of per-rank local norms, and root mean square
     (`memo` keeps them per group, shared by its members: a world of thousands of ranks is one group)."""
     found: list[Candidate] = []
-    for name, members in _complete_groups(step, rank, 2):
-        key = (name, members)
-        if memo is None or key not in memo:
-            here = _averaged(name, members, local_norm)
-            if memo is None:
-                found += here
-                continue
-            memo[key] = here
+    for key in _complete_groups(step, rank, 2):
+        if key not in memo:
+            memo[key] = _averaged(*key, local_norm)
         found += memo[key]
     return found
 

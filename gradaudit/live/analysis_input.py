@@ -140,18 +140,9 @@ def _held(live: LiveStep) -> dict[int, list[_Held]]:
             if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
                 clipped = term * abs(coef) ** p if not math.isinf(p) else term * abs(coef)
             calls = () if len(summary.calls) < 2 else summary.calls
-            found.append(
-                _Held(
-                    rank=rank,
-                    group=i,
-                    position=layouts[i][_class_of(live, group, summary)],
-                    term=term,
-                    num_nan=num_nan,
-                    num_inf=num_inf,
-                    clipped=clipped,
-                    calls=tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls),
-                )
-            )
+            call_terms = tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
+            position = layouts[i][_class_of(live, group, summary)]
+            found.append(_Held(rank, i, position, term, num_nan, num_inf, clipped, call_terms))
     return by_rank
 
 
