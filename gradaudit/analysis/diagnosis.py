@@ -558,18 +558,16 @@ def _match_both(
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
 
     def both(tried: tuple[Candidate, ...]) -> tuple[Match | None, Match | None]:
-        found: list[Match | None] = []
-        for observed, what in (
-            (reported, "reported norm"),
-            (implied, "norm implied by the applied coefficient"),
-        ):
+        def one(observed: float | None, what: str) -> Match | None:
             if observed is None:
-                found.append(None)
-            elif bounded is not None:
-                found.append(bounded.match(observed, what, tried))
-            else:
-                found.append(match_norm(observed, what, tried, rtol))
-        return found[0], found[1]
+                return None
+            return (
+                match_norm(observed, what, tried, rtol)
+                if bounded is None
+                else bounded.match(observed, what, tried)
+            )
+
+        return one(reported, "reported norm"), one(implied, "norm implied by the applied coefficient")
 
     reported_match, implied_match = both(candidates)
     if bounded is None and any(
@@ -651,10 +649,9 @@ def _call_norm(call: int, entries: Entries, norm_type: float, rtol: float) -> Ca
     differ = False
     if repeated:
         _, first, inverse = np.unique(entries.layout, return_index=True, return_inverse=True)
-        copies = np.setdiff1d(np.arange(entries.layout.size), first)
-        base = entries.term[first][inverse]
+        base = entries.term[first][inverse]  # each entry's first copy (itself, for a first copy)
         differ = any(
             relative_difference(a, b) > rtol
-            for a, b in zip(base[copies].tolist(), entries.term[copies].tolist(), strict=True)
+            for a, b in zip(base.tolist(), entries.term.tolist(), strict=True)
         )
     return CallNorm(call=call, norm=norm, replicas_differ=differ)
