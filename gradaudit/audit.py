@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .analysis.diagnosis import CORRECT, LOCAL_ONLY, StepDiagnosis, diagnose_step
+from .analysis.diagnosis import StepDiagnosis, diagnose
+from .analysis.hypotheses import CORRECT, LOCAL_ONLY
 from .checks.base import AuditInputs, AuditOptions
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
@@ -43,6 +44,7 @@ from .report.model import (
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .analysis.norm_input import NormInput
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
@@ -153,7 +155,7 @@ def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
                 reported_norm=d.reported_norm,
                 applied_clip_coef=None if by_value or rank in mixed else d.applied_coef,
                 applied_coef_source=None if by_value or rank in mixed else d.coef_source,
-                diagnosis=None if by_value else d.hypothesis,
+                diagnosis=None if by_value or d.hypothesis is None else d.hypothesis.text,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
                 nonfinite=NonfiniteCounts(
@@ -215,16 +217,22 @@ def judge_updates(
 
 
 def analyse(
-    step: StepDump, m: StepMeasurements, *, update_judgements: Mapping[str, UpdateJudgement]
+    step: StepDump,
+    m: StepMeasurements,
+    *,
+    update_judgements: Mapping[str, UpdateJudgement],
+    terms: NormInput | None = None,
 ) -> AuditInputs:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
-    `update_judgements`: judge_updates' result with a reference, {} without one."""
+    `update_judgements`: judge_updates' result with a reference, {} without one; `terms`: the
+    diagnosis' input when another source than the measurements gives it (the guard's summary)."""
+    from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
     from .checks.coverage import coverage_by_param
 
     columns = StepColumns(m)
-    diagnosis = diagnose_step(step, m, columns)
+    diagnosis = diagnose(step, norm_input_of(step, m, columns) if terms is None else terms)
     return AuditInputs(
         step=step,
         measurements=m,

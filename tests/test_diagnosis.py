@@ -77,7 +77,7 @@ def test_replicas_count_once_in_the_true_norm_and_every_copy_in_the_double_count
     diagnosis = diagnose_step(step, m)
     expected = math.sqrt(float(a.double().square().sum() + b.double().square().sum()) + 3.0)
     assert math.isclose(diagnosis.true_norm, expected, rel_tol=1e-12)
-    double = {c.hypothesis: c.value for c in diagnosis.ranks[0].candidates}["replicas_double_counted"]
+    double = {c.hypothesis.text: c.value for c in diagnosis.ranks[0].candidates}["replicas_double_counted"]
     assert math.isclose(double, math.sqrt(expected**2 + 3.0), rel_tol=1e-12)
     assert math.isclose(
         diagnosis.ranks[0].share_of_squared_norm + diagnosis.ranks[1].share_of_squared_norm, 1.0

@@ -178,3 +178,67 @@ def test_check_of_a_guarded_run_folder_shows_the_trend(tmp_path, capsys):
         "check", str(_trend(tmp_path / "bad", [_line(1), _line(2, ("GA201",))])), capsys=capsys
     )
     assert code == 1 and "step 2: GA201" in out
+
+
+def _random_live_step(seed):
+    """Four ranks (dp 2 x tp 2), a sharded group and groups replicated over dp or over every rank,
+    random terms, coefficients, nonfinite groups and clip calls."""
+    import random
+
+    rng = random.Random(seed)
+    norm_type = rng.choice((2.0, 2.0, 1.0, 3.0, math.inf))
+    groups = (
+        OwnershipGroup(name="sharded", replica_group=None),
+        OwnershipGroup(name="dp", replica_group="dp", dtype=rng.choice(("float32", "bfloat16"))),
+        OwnershipGroup(name="world", replica_group="world"),
+    )
+    topology = Topology(groups={"dp": ((0, 2), (1, 3)), "tp": ((0, 1), (2, 3)), "world": ((0, 1, 2, 3),)})
+    num_calls = rng.choice((1, 1, 2, 3))
+    step_coef = rng.choice((None, 1.0, rng.uniform(0.1, 1.0), rng.uniform(0.1, 1.0), math.nan))
+    nonfinite_rank = rng.choice((None, None, None, 1))
+    by_class: dict[tuple[int, tuple[int, ...]], float] = {}
+    ranks = {}
+    for rank in range(4):
+        held = (True, rng.random() < 0.8, rng.random() < 0.5)
+        terms = []
+        for i, group in enumerate(groups):
+            members = (rank,) if group.replica_group is None else topology.group_of(group.replica_group, rank)
+            by_class.setdefault((i, members), rng.choice((0.0, rng.uniform(0.1, 4.0), rng.uniform(0.1, 4.0))))
+            terms.append(by_class[(i, members)] if held[i] else 0.0)
+        nonfinite = rank == nonfinite_rank
+        coef = step_coef if rng.random() < 0.9 else rng.choice((None, math.nan))
+        local = max(terms) if math.isinf(norm_type) else sum(terms) ** (1 / norm_type)
+        ranks[rank] = RankSummary(
+            rank=rank,
+            terms=tuple(terms),
+            held=held,
+            num_nan=(1 if nonfinite else 0, 0, 0),
+            applied_coef=coef,
+            calls=tuple(
+                CallSummary(
+                    reported_norm=rng.choice((rng.uniform(0.5, 3.0), local)),
+                    max_norm=MAX_NORM,
+                    norm_type=norm_type,
+                    terms=tuple(t * (c + 1) for t in terms),
+                )
+                for c in range(num_calls)
+            ),
+            num_calls=num_calls,
+            topology=topology,
+        )
+    return LiveStep(step=3, world_size=4, max_norm=MAX_NORM, norm_type=norm_type, groups=groups, ranks=ranks)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed):
+    """norm_input(live) gives the diagnosis measuring the guard's stats-mode dump gives (the oracle)."""
+    from gradaudit.analysis.diagnosis import diagnose, diagnose_step
+    from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.live.analysis_input import norm_input
+    from gradaudit.measure.measure import measure_step
+
+    live = _random_live_step(seed)
+    step = step_dump(live)
+    with TensorReader(step) as reader:
+        measured = measure_step(step, reader, workers=1)
+    assert repr(diagnose(step, norm_input(live))) == repr(diagnose_step(step, measured))

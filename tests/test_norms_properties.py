@@ -149,3 +149,45 @@ def test_the_coverage_sweep_counts_gaps_and_overlaps_like_a_dense_count_of_every
         if bool((counts[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))] > 1).any()):
             shared.add(tag)
     assert result.overlapping_tags == shared
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cut=cut_tensors(),
+    norm_type=st.sampled_from(NORM_TYPES),
+    seed=st.integers(0, 1000),
+    chosen=st.sets(st.integers(0, 3), min_size=1),
+)
+def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed, chosen):
+    """NormSet (the diagnosis' one norm of a set of entries) against the object path, its oracle:
+    any set of ranks, replicas once through the first rank's copy or every copy counted."""
+    import dataclasses
+
+    from gradaudit.analysis.norm_input import Entries, NormSet
+    from gradaudit.measure.columns import flags_of_stats, term_of
+
+    _, pieces = cut
+    rng = random.Random(seed)
+    values = {(region,): v for region, v in pieces}
+    measured = [  # copies that drifted apart, so that which rank's copy counts shows
+        dataclasses.replace(
+            p, stats={"grad": stats_of_tensor(values[p.regions] * (1 + p.rank / 8), norm_type)}
+        )
+        for p in sorted(_measurements(pieces, norm_type, rng), key=lambda p: (p.rank, p.index))
+    ]
+    ids = {}
+    entries = Entries.of(
+        [
+            (p.rank, ids.setdefault(p.layout_key, len(ids)), term_of(p.stats["grad"], norm_type), 0)
+            for p in measured
+        ]
+    )
+    assert all(flags_of_stats(p.stats["grad"], term_of(p.stats["grad"], norm_type)) == 0 for p in measured)
+    norms = NormSet(entries, norm_type)
+    inside = [p for p in measured if p.rank in chosen]
+    first = rng.choice(sorted(chosen))
+    firsts = sorted(inside, key=lambda p: (p.rank != first, p.rank, p.index))
+    once, repeated = norms.norm(tuple(chosen), True, first=first)
+    assert once == norm_of_pieces(list({p.layout_key: p for p in reversed(firsts)}.values()), norm_type)
+    assert norms.norm(tuple(chosen), False)[0] == norm_of_pieces(inside, norm_type)
+    assert repeated == (len({p.layout_key for p in inside}) < len(inside))

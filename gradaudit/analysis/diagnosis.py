@@ -7,26 +7,23 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-from ..measure.columns import StepColumns, fsum_array, norm_of_term_array
+from ..measure.columns import StepColumns, flags_of_stats, term_of
 from ..measure.measurements import PieceMeasurement, StepMeasurements
-from ..model import ClipRecord, Piece, RankDump, StepDump, TensorKind, TensorStats
-from ..norms import (
-    CLIP_EPS,
-    divide_by_power,
-    expected_clip_coef,
-    is_inf_norm,
-    norm_of_terms,
-    norm_rtol,
-    relative_difference,
-    safe_fsum,
-)
+from ..model import StepDump, TensorKind
+from ..norms import CLIP_EPS, expected_clip_coef, norm_of_terms, norm_rtol, relative_difference
 from ..ranksets import compact_ranks
 from .hypotheses import (
-    Extra,
+    CORRECT,
+    DOUBLE_COUNTED,
+    LOCAL_ONLY,
+    UNEXPLAINED,
+    WRONG_GROUP,
+    Candidate,
+    Hypothesis,
     NormOf,
     ParamGroup,
     averaged_candidates,
@@ -35,31 +32,19 @@ from .hypotheses import (
     groups_of,
     overflow_candidates,
 )
-
-if TYPE_CHECKING:
-    import numpy as np
+from .norm_input import (
+    Entries,
+    NormInput,
+    NormSet,
+    norm_input_of,
+    norm_of_flagged,
+    param_signatures,
+    shares_of_squared_norm,
+)
 
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
 gradients, norms and coefficients are often computed or logged in float32."""
-
-CORRECT = "correct"
-LOCAL_ONLY = "local_only"
-DOUBLE_COUNTED = "replicas_double_counted"
-WRONG_GROUP = "wrong_group"
-LOSS_SCALED = "loss_scaled"
-UNEXPLAINED = "unexplained"
-
-
-def stats_term(stats: TensorStats, norm_type: float) -> float | None:
-    """The piece's term of the p-norm (sum |x|^p, or max |x| for inf); None when the stats lack it."""
-    if is_inf_norm(norm_type):
-        return stats.max_abs
-    if stats.norm_type == norm_type:
-        return stats.sum_pow
-    if norm_type == 2.0:
-        return stats.sum_sq
-    return None
 
 
 def norm_of_pieces(
@@ -70,29 +55,10 @@ def norm_of_pieces(
     Pieces without the kind count as zero (a parameter without gradient); None when a piece's stats
     were taken for another norm type and cannot give this one.
     """
-    terms, has_nan, has_inf = [], False, False
-    inf_norm = is_inf_norm(norm_type)
-    for piece in pieces:
-        stats = piece.stats.get(kind)
-        if stats is None:
-            continue
-        if inf_norm:  # stats_term, inlined: this runs once per piece of the step
-            term = stats.max_abs
-        elif stats.norm_type == norm_type:
-            term = stats.sum_pow
-        elif norm_type == 2.0:
-            term = stats.sum_sq
-        else:
-            return None
-        terms.append(term)
-        if stats.num_nan or stats.num_posinf or stats.num_neginf:
-            has_nan |= stats.num_nan > 0
-            has_inf |= (stats.num_posinf + stats.num_neginf) > 0
-    if has_nan:
-        return math.nan
-    if has_inf:
-        return math.inf
-    return norm_of_terms(terms, norm_type)
+    stats = [s for s in (piece.stats.get(kind) for piece in pieces) if s is not None]
+    terms = [term_of(s, norm_type) for s in stats]
+    found = functools.reduce(operator.or_, map(flags_of_stats, stats, terms), 0)
+    return norm_of_flagged(found, lambda: norm_of_terms([t or 0.0 for t in terms], norm_type))
 
 
 _RANK_AND_INDEX = operator.attrgetter("rank", "index")
@@ -107,17 +73,6 @@ def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Candidate:
-    """A norm some accounting (correct or mistaken) produces from this step's pieces."""
-
-    hypothesis: str
-    """The accounting's name ("correct", "local_only", "wrong_group:tp", "loss_scaled:...")."""
-    value: float
-    description: str
-    """What it counts, in words, for the report."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class Match:
     """What a rank's number (reported, or implied by its coefficient) matched, within tolerance."""
 
@@ -125,11 +80,11 @@ class Match:
     what: str
     """"reported norm" or "norm implied by the applied coefficient"."""
     candidate: Candidate | None
-    coinciding: tuple[str, ...] = ()
+    coinciding: tuple[Hypothesis, ...] = ()
     """Other hypotheses that give the same number within tolerance: they cannot be told apart."""
 
     @property
-    def hypothesis(self) -> str:
+    def hypothesis(self) -> Hypothesis:
         return UNEXPLAINED if self.candidate is None else self.candidate.hypothesis
 
 
@@ -152,7 +107,7 @@ class RankDiagnosis:
     """Every norm an accounting (right or mistaken) gives for this rank, in order of plausibility."""
     reported_match: Match | None
     implied_match: Match | None
-    hypothesis: str | None
+    hypothesis: Hypothesis | None
     """What the clipping (or, with `logging_bug`, the logging) used; None when nothing to match."""
     detail: str
     """One sentence saying what matched what, for the report's rank rows."""
@@ -243,35 +198,12 @@ def reported_norm_of(step: StepDump, rank: int) -> float | None:
     return None
 
 
-def applied_coef_of(
-    step: StepDump, rank: int, pieces: Sequence[PieceMeasurement], max_norm: float | None
+def _applied_coef(
+    step: StepDump, rank: int, norms: NormInput, max_norm: float | None
 ) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
-    from ..measure.table import TablePieces
-
-    if isinstance(pieces, TablePieces) and "grad_clipped" not in pieces.table.kinds:
-        pieces = ()  # statistics of the gradient before clipping only: they give no coefficient
-    # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
-    pre_post = [(p.dot_pre_post, cast(float, p.dot_pre_pre)) for p in pieces if p.dot_pre_post is not None]
-    if pre_post:
-        denominator = safe_fsum(b for _, b in pre_post)
-        if denominator > 0:
-            return safe_fsum(a for a, _ in pre_post) / denominator, "gradients"
-    stat_pairs = [
-        (p.stats["grad"], p.stats["grad_clipped"])
-        for p in pieces
-        if "grad" in p.stats and "grad_clipped" in p.stats
-    ]
-    if stat_pairs and len(stat_pairs) == len([p for p in pieces if "grad" in p.stats]):
-        if sum(b.num_nonfinite for _, b in stat_pairs) > sum(a.num_nonfinite for a, _ in stat_pairs):
-            return (
-                math.nan,
-                "gradients",
-            )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        pre = safe_fsum(a.sum_sq for a, _ in stat_pairs)
-        post = safe_fsum(b.sum_sq for _, b in stat_pairs)
-        if pre > 0:
-            return math.sqrt(post / pre), "gradients"
+    if rank in norms.measured_coef:
+        return norms.measured_coef[rank], "gradients"
     clip = step.ranks[rank].clip
     if clip is not None and clip.clip_coef is not None:
         return clip.clip_coef, "reported"
@@ -281,91 +213,12 @@ def applied_coef_of(
     return None, None
 
 
-class _RankSetNorms:
-    """Norms of the pieces of any set of ranks, with replicas counted once or per copy, from one index.
-
-    Layouts are numbered once, and each rank's pieces become arrays (layout, term, flags), so that a
-    set of ranks is combined with array operations (the set of every rank is every piece of the
-    step), and every rank set is computed once per step (groups are shared by their members).
-    """
-
-    _UNKNOWN, _NAN, _INF = 1, 2, 4
-
-    def __init__(self, columns: StepColumns, norm_type: float, chosen: np.ndarray | None = None) -> None:
-        """From the step's columns: every piece with a gradient (those where `chosen`, when given),
-        grouped by rank."""
-        import numpy as np
-
-        self.norm_type = norm_type
-        self._columns = columns
-        order = columns.by_rank_order
-        keep = columns.has_grad[order] if chosen is None else columns.has_grad[order] & chosen[order]
-        order = order[keep]
-        ranks = columns.rank[order]
-        distinct, starts = np.unique(ranks, return_index=True)
-        bounds = [*starts.tolist(), ranks.size]
-        self._rows: dict[int, np.ndarray] = {
-            rank: order[bounds[i] : bounds[i + 1]]  # a view: the columns are taken when asked
-            for i, rank in enumerate(distinct.tolist())
-        }
-        """Rank -> the positions of its pieces in the columns, by piece index."""
-        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
-
-    def _part(self, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        part, columns = self._rows[rank], self._columns
-        return columns.layout[part], columns.term[part], columns.flags[part]
-
-    def norm(
-        self, ranks: tuple[int, ...], dedupe: bool, *, first: int | None = None
-    ) -> tuple[float | None, bool]:
-        """(norm, whether any layout appears more than once among these ranks); with `first`, that
-        rank's copies of replicated pieces are the ones counted."""
-        import numpy as np
-
-        order = tuple(sorted(ranks))
-        if first is not None:
-            order = (first,) + tuple(r for r in order if r != first)
-        key = (order, dedupe)
-        if key not in self._cache:
-            parts = [self._part(rank) for rank in order if rank in self._rows]
-            if len(parts) == 1:
-                layouts, terms, flags = parts[0]
-            elif parts:
-                layouts, terms, flags = (np.concatenate([part[i] for part in parts]) for i in range(3))
-            else:
-                layouts, terms, flags = (
-                    np.zeros(0, dtype=np.int64),
-                    np.zeros(0),
-                    np.zeros(0, dtype=np.int64),
-                )
-            if self._columns.distinct_layouts:
-                repeated = False  # no two pieces of the step share a layout
-            else:
-                distinct, first_seen = np.unique(layouts, return_index=True)
-                repeated = distinct.size < layouts.size
-            if dedupe and repeated:  # each layout through its first copy in `order`
-                keep = np.sort(first_seen)
-                terms, flags = terms[keep], flags[keep]
-            found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
-            value: float | None
-            if found & self._UNKNOWN:
-                value = None
-            elif found & self._NAN:
-                value = math.nan
-            elif found & self._INF:
-                value = math.inf
-            else:  # norm_of_terms sums exactly (fsum) or takes the max: the order does not matter
-                value = norm_of_term_array(terms, self.norm_type)
-            self._cache[key] = (value, bool(repeated))
-        return self._cache[key]
-
-
 class _StepWide:
     """What the candidates of every rank share, computed once per step: the set of all ranks, their
     norm with every replica counted, and each process group's members, sorted (a many-rank step
     would otherwise build and sort them again for every rank)."""
 
-    def __init__(self, step: StepDump, norms: _RankSetNorms) -> None:
+    def __init__(self, step: StepDump, norms: NormSet) -> None:
         self.all_ranks = tuple(step.ranks_present)
         self.everyone = frozenset(self.all_ranks)
         self.double, self.repeated = norms.norm(self.all_ranks, False)
@@ -389,7 +242,7 @@ class _StepWide:
 def _candidates(
     step: StepDump,
     rank: int,
-    norms: _RankSetNorms,
+    norms: NormSet,
     true_norm: float | None,
     loss_scale: float | None,
     rank_true: float | None,
@@ -399,7 +252,7 @@ def _candidates(
     signatures: set[tuple[frozenset[int], bool]] = set()
 
     def add(
-        hypothesis: str, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
+        hypothesis: Hypothesis, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
     ) -> None:
         signature = (ranks, dedupe)
         if signature in signatures or value is None:
@@ -418,11 +271,7 @@ def _candidates(
                 )
             )
     add(
-        LOCAL_ONLY,
-        frozenset((rank,)),
-        False,
-        f"rank {rank}'s own pieces only",
-        norms.norm((rank,), False)[0],
+        LOCAL_ONLY, frozenset((rank,)), False, f"rank {rank}'s own pieces only", norms.norm((rank,), False)[0]
     )
     if not step.missing_ranks and shared.repeated:
         add(DOUBLE_COUNTED, shared.everyone, False, "all ranks' pieces, every replica counted", shared.double)
@@ -438,26 +287,14 @@ def _candidates(
         if members == (rank,):
             continue
         once, repeated = norms.norm(members, True)
-        add(
-            f"{WRONG_GROUP}:{name}",
-            member_set,
-            True,
-            f"ranks {list(members)} of group {name}, replicas once",
-            once,
-        )
+        wrong, shown = Hypothesis(kind=WRONG_GROUP, what=name), f"ranks {list(members)} of group {name}"
+        add(wrong, member_set, True, f"{shown}, replicas once", once)
         if repeated:
-            every = norms.norm(members, False)[0]
-            add(
-                f"{WRONG_GROUP}:{name}",
-                member_set,
-                False,
-                f"ranks {list(members)} of group {name}, every replica counted",
-                every,
-            )
+            add(wrong, member_set, False, f"{shown}, every replica counted", norms.norm(members, False)[0])
     if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
         found.extend(
             Candidate(
-                hypothesis=f"{LOSS_SCALED}:{c.hypothesis}",
+                hypothesis=c.hypothesis.scaled(),
                 value=c.value * loss_scale,
                 description=f"{c.description}, times the loss scale {loss_scale:g}",
             )
@@ -485,7 +322,7 @@ def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> fl
 
 def _decide(
     reported: Match | None, implied: Match | None, coef_is_one: bool = False
-) -> tuple[str | None, bool, str]:
+) -> tuple[Hypothesis | None, bool, str]:
     """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
     if implied is None:
         if reported is None:
@@ -515,46 +352,48 @@ def _describe(match: Match) -> str:
     # without changing the conclusion, so only a coincidence that would is said.
     coinciding = [h for h in match.coinciding if not _same_conclusion(match.candidate.hypothesis, h)]
     if coinciding:
-        text += f"; indistinguishable here from {', '.join(coinciding)}"
+        text += f"; indistinguishable here from {', '.join(h.text for h in coinciding)}"
     return text
 
 
-def _same_conclusion(chosen: str, coinciding: str) -> bool:
+def _same_conclusion(chosen: Hypothesis, coinciding: Hypothesis) -> bool:
     """A local-only norm that equals the true one (each rank holds everything) is right on this layout."""
-    prefix = f"{LOSS_SCALED}:" if chosen.startswith(f"{LOSS_SCALED}:") else ""
-    return chosen == f"{prefix}{CORRECT}" and coinciding == f"{prefix}{LOCAL_ONLY}"
+    scaled = chosen.loss_scaled
+    return chosen == CORRECT.scaled(scaled) and coinciding == LOCAL_ONLY.scaled(scaled)
 
 
 def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:
-    """The true global norm, the expected coefficient, and every present rank's diagnosis
-    (`columns`: the measurements' StepColumns, when the caller has them already)."""
-    norm_type = m.norm_type
+    """The diagnosis of a loaded step from its measurements (`columns`: their StepColumns, when the
+    caller has them already)."""
+    return diagnose(step, norm_input_of(step, m, StepColumns(m) if columns is None else columns))
+
+
+def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
+    """The true global norm, the expected coefficient, and every present rank's diagnosis: the
+    numbers from `terms` (a loaded dump's or the guard's), the clip records and topology from `step`."""
+    norm_type = terms.norm_type
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
-    if columns is None:
-        columns = StepColumns(m)
-    by_rank = columns.by_rank()
-    cover = columns.cover()
-    true_norm, note, lower_bound = _true_norm(step, cover, norm_type, columns)
-    post_clip = None
-    known = true_norm is not None or lower_bound is not None
-    if columns.cover_all_have("grad_clipped") and cover and known:
-        post_clip = norm_of_pieces(cover, norm_type, kind="grad_clipped")
-    expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
-    rtol = max(norm_rtol(set(columns.dtypes)), MIN_RTOL)
-    loss_scale = loss_scale_of(step)
-    num_calls_max, call_norms, mixed, moment = _moment(step, norm_type, rtol)
-    own_sq = columns.cover_sum_sq_by_rank()
-    total_sq = fsum_array(columns.cover_grad_sum_sq())
-    norms = _RankSetNorms(columns, norm_type)
-    drifted = _ranks_with_drifted_replicas(m)
-    further = _FurtherCandidates(step, columns, norms, norm_type)
+    norms = NormSet(terms.grad, norm_type)
     shared = _StepWide(step, norms)
+    true_norm, note, lower_bound = _true_norm(step, terms, norms.norm(shared.all_ranks, True)[0])
+    post_clip = None
+    if (
+        terms.clipped is not None
+        and terms.grad.rank.size
+        and (true_norm is not None or lower_bound is not None)
+    ):
+        post_clip = NormSet(terms.clipped, norm_type).norm(shared.all_ranks, True)[0]
+    expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
+    rtol = max(norm_rtol(set(terms.dtypes)), MIN_RTOL)
+    loss_scale = loss_scale_of(step)
+    num_calls_max, call_norms, mixed, moment = _moment(step, terms, rtol)
+    shares = shares_of_squared_norm(terms, shared.all_ranks, norms)
+    further = _FurtherCandidates(step, terms, norms)
     ranks = {}
     for rank in step.ranks_present:
-        own = by_rank.get(rank, [])
         rank_true = true_norm
-        if true_norm is not None and rank in drifted:
+        if true_norm is not None and rank in terms.drifted:
             rank_true = norms.norm(shared.all_ranks, True, first=rank)[0]
         candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true, shared)
         rank_clip = step.ranks[rank].clip
@@ -565,7 +404,7 @@ def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | No
         if mixed and num_calls > 1:
             coef, source = None, None
         else:
-            coef, source = applied_coef_of(step, rank, own, max_norm)
+            coef, source = _applied_coef(step, rank, terms, max_norm)
         implied = _implied_norm(coef, max_norm, rtol) if source != "reported_norm" else None
         if mixed and num_calls > 1:
             reported_match = implied_match = None
@@ -594,7 +433,6 @@ def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | No
                 detail = bounded.detail(hypothesis, detail)
             if num_calls > 1:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
-        rank_sq = fsum_array(own_sq[rank]) if rank in own_sq else 0.0
         ranks[rank] = RankDiagnosis(
             rank=rank,
             local_norm=norms.norm((rank,), False)[0],
@@ -608,7 +446,7 @@ def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | No
             hypothesis=hypothesis,
             detail=detail,
             logging_bug=logging_bug,
-            share_of_squared_norm=rank_sq / total_sq if total_sq > 0 else 0.0,
+            share_of_squared_norm=shares.get(rank, 0.0),
             rtol=rtol,
             true_norm=rank_true,
             expected_coef=None
@@ -637,63 +475,59 @@ def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | No
 class _FurtherCandidates:
     """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
 
-    def __init__(self, step: StepDump, columns: StepColumns, norms: _RankSetNorms, norm_type: float) -> None:
-        self.step, self.columns, self.norms, self.norm_type = step, columns, norms, norm_type
-        self._groups: tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]] | None = None
-        self._averaged: dict[tuple[str, tuple[int, ...]], list[Extra]] = {}
+    def __init__(self, step: StepDump, terms: NormInput, norms: NormSet) -> None:
+        self.step, self.terms, self.norms = step, terms, norms
+        self._groups: tuple[tuple[ParamGroup, ...], dict[str, NormSet]] | None = None
+        self._averaged: dict[tuple[str, tuple[int, ...]], list[Candidate]] = {}
 
-    def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, _RankSetNorms]]:
+    def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, NormSet]]:
         if self._groups is None:
             import numpy as np
 
-            columns = self.columns
-            groups = groups_of(columns.param_signatures())
-            per_group: dict[str, _RankSetNorms] = {}
-            ids = {name: i for i, name in enumerate(columns.param_names)}
+            terms = self.terms
+            groups = groups_of(param_signatures(terms))
+            ids = {name: i for i, name in enumerate(terms.param_names)}
+            per_group: dict[str, NormSet] = {}
             for group in groups:
-                inside = np.zeros(len(columns.param_names), dtype=bool)
+                inside = np.zeros(len(terms.param_names), dtype=bool)
                 inside[[ids[name] for name in group.params]] = True
-                per_group[group.label] = _RankSetNorms(columns, self.norm_type, inside[columns.param])
+                per_group[group.label] = NormSet(terms.grad.subset(inside[terms.param]), terms.norm_type)
             self._groups = (groups, per_group)
         return self._groups
 
     def for_rank(self, rank: int, true_norm: float | None) -> tuple[Candidate, ...]:
         groups, per_group = self._param_groups()
+        norm_type = self.terms.norm_type
         extras = []
         if groups and true_norm is not None:
             norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
-            extras += group_candidates(self.step, rank, groups, norm_of, self.norm_type)
+            extras += group_candidates(self.step, rank, groups, norm_of, norm_type)
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
-        extras += every_copy_candidates(self.step, rank, _norm_fn(self.norms), self.norm_type)
-        extras += overflow_candidates(true_norm, self.norm_type, sorted(self.columns.dtypes))
-        return tuple(
-            Candidate(hypothesis=e.hypothesis, value=e.value, description=e.description) for e in extras
-        )
+        extras += every_copy_candidates(self.step, rank, _norm_fn(self.norms), norm_type)
+        extras += overflow_candidates(true_norm, norm_type, sorted(self.terms.dtypes))
+        return tuple(extras)
 
 
-def _norm_fn(norms: _RankSetNorms) -> NormOf:
+def _norm_fn(norms: NormSet) -> NormOf:
     return lambda ranks, dedupe: norms.norm(ranks, dedupe)[0]
 
 
 def _true_norm(
-    step: StepDump, cover: Iterable[PieceMeasurement], norm_type: float, columns: StepColumns | None = None
+    step: StepDump, terms: NormInput, value: float | None
 ) -> tuple[float | None, str, float | None]:
     """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are
-    missing); `columns`, when given, are the step's, and `cover` their cover."""
-    if columns is None:
-        cover = list(cover)
-    value = norm_of_pieces(cover, norm_type) if columns is None else columns.cover_norm()
+    missing), from `value`, the norm of the present ranks' entries, each layout once."""
     if value is None:
-        return None, f"the dumped statistics were taken for another norm type than {norm_type:g}", None
-    if step.missing_ranks and not _covers_every_param(step, cover):
+        return None, f"the dumped statistics were taken for another norm type than {terms.norm_type:g}", None
+    if step.missing_ranks and not terms.covers_every_param:
         bound = value if math.isfinite(value) else None
         return None, f"{missing_text(step.missing_ranks)} and held parts of the gradient", bound
     return value, "", None
 
 
-def _moment(step: StepDump, norm_type: float, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
+def _moment(step: StepDump, terms: NormInput, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
     """(most clip calls on a rank, true norm before each call, whether the dumped pre- and post-clip
     gradients are of different moments, when the dumped pre-clip gradient was taken)."""
     num_calls = max(
@@ -702,7 +536,9 @@ def _moment(step: StepDump, norm_type: float, rtol: float) -> tuple[int, tuple[C
     )
     if num_calls <= 1:
         return num_calls, (), False, ""
-    call_norms = _call_norms(step, norm_type, rtol)
+    call_norms = tuple(
+        _call_norm(call + 1, entries, terms.norm_type, rtol) for call, entries in enumerate(terms.calls)
+    )
     mixed = not call_norms
     return (
         num_calls,
@@ -724,18 +560,16 @@ def _match_both(
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
 
     def both(tried: tuple[Candidate, ...]) -> tuple[Match | None, Match | None]:
-        found: list[Match | None] = []
-        for observed, what in (
-            (reported, "reported norm"),
-            (implied, "norm implied by the applied coefficient"),
-        ):
+        def one(observed: float | None, what: str) -> Match | None:
             if observed is None:
-                found.append(None)
-            elif bounded is not None:
-                found.append(bounded.match(observed, what, tried))
-            else:
-                found.append(match_norm(observed, what, tried, rtol))
-        return found[0], found[1]
+                return None
+            return (
+                match_norm(observed, what, tried, rtol)
+                if bounded is None
+                else bounded.match(observed, what, tried)
+            )
+
+        return one(reported, "reported norm"), one(implied, "norm implied by the applied coefficient")
 
     reported_match, implied_match = both(candidates)
     if bounded is None and any(
@@ -762,9 +596,7 @@ class _BoundedMatcher:
     present ranks and no other accounting, partly held by the missing ranks, could also give it.
     """
 
-    def __init__(
-        self, step: StepDump, rank: int, norms: _RankSetNorms, lower_bound: float, rtol: float
-    ) -> None:
+    def __init__(self, step: StepDump, rank: int, norms: NormSet, lower_bound: float, rtol: float) -> None:
         self.lower_bound = lower_bound
         self.rtol = rtol
         self.undecided: list[str] = []
@@ -779,7 +611,7 @@ class _BoundedMatcher:
             if value is not None:
                 self.partial_groups.append((name, value))
 
-    def detail(self, hypothesis: str | None, detail: str) -> str:
+    def detail(self, hypothesis: Hypothesis | None, detail: str) -> str:
         """The rank's detail, saying what the bound decided or why it could not."""
         if hypothesis is None:
             return "; ".join(self.undecided) if self.undecided else detail
@@ -810,94 +642,18 @@ class _BoundedMatcher:
         return found
 
 
-def _scaled_term(stats: TensorStats, norm_type: float, scale: float) -> float | None:
-    term = stats_term(stats, norm_type)
-    if term is None or scale == 1.0:
-        return term
-    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
+def _call_norm(call: int, entries: Entries, norm_type: float, rtol: float) -> CallNorm:
+    """The true global norm before clip call `call`: replicas count once through their lowest-rank
+    copy (copies that differ at the call are noted)."""
+    import numpy as np
 
-
-def _call_scale(dump_clip: ClipRecord | None, call: int) -> float:
-    """How many times the true gradient the gradient before clip call `call` was (the loss scale
-    when that call ran before GradScaler.unscale_)."""
-    calls = () if dump_clip is None else dump_clip.calls
-    if call >= len(calls):
-        return 1.0
-    c = calls[call]
-    if c.unscaled is False and c.loss_scale is not None and math.isfinite(c.loss_scale) and c.loss_scale > 0:
-        return c.loss_scale
-    return 1.0
-
-
-def _call_norms(step: StepDump, norm_type: float, rtol: float) -> tuple[CallNorm, ...]:
-    """The true global norm before each clip call, from the pieces' per-call statistics: replicas
-    count once through their lowest-rank copy (copies that differ at a call are noted)."""
-    num_calls = max(
-        (len(p.call_stats) for r in step.ranks_present for p in _pieces_with_call_stats(step.ranks[r])),
-        default=0,
-    )
-    found = []
-    for call in range(num_calls):
-        chosen: dict[tuple[Any, ...], float] = {}
-        terms: list[float] = []
-        has_nan = has_inf = unknown = differ = False
-        for rank in step.ranks_present:
-            dump = step.ranks[rank]
-            scale = _call_scale(dump.clip, call)
-            for piece in sorted(dump.pieces, key=operator.attrgetter("index")):
-                if len(piece.call_stats) <= call:
-                    continue
-                stats = piece.call_stats[call]
-                sum_sq = stats.sum_sq / scale**2
-                key = piece.layout_key
-                if key in chosen:
-                    differ |= relative_difference(chosen[key], sum_sq) > rtol
-                    continue
-                chosen[key] = sum_sq
-                term = _scaled_term(stats, norm_type, scale)
-                unknown |= term is None
-                if term is not None:
-                    terms.append(term)
-                has_nan |= stats.num_nan > 0
-                has_inf |= stats.num_posinf + stats.num_neginf > 0
-        if unknown:
-            value = None
-        elif has_nan:
-            value = math.nan
-        elif has_inf:
-            value = math.inf
-        else:
-            value = norm_of_terms(terms, norm_type)
-        found.append(CallNorm(call=call + 1, norm=value, replicas_differ=differ))
-    return tuple(found)
-
-
-def _pieces_with_call_stats(dump: RankDump) -> Sequence[Piece]:
-    """The rank's pieces, or none for format-1.1 columns (they hold no per-call statistics)."""
-    from ..dumpfile.columnar import ColumnarPieces
-
-    return () if isinstance(dump.pieces, ColumnarPieces) else dump.pieces
-
-
-def _ranks_with_drifted_replicas(m: StepMeasurements) -> set[int]:
-    """Ranks holding a copy of a replicated piece that is not exactly the lowest rank's copy."""
-    found: set[int] = set()
-    for pm in m.params.values():
-        for rs in pm.replica_sets:
-            for copy in rs.copies:
-                if (
-                    (copy.max_abs_diff or 0.0) > 0
-                    or (copy.num_nonfinite_mismatch or 0) > 0
-                    or (copy.fingerprint_delta or 0.0) > 0
-                ):
-                    found.add(copy.rank)
-    return found
-
-
-def _covers_every_param(step: StepDump, cover: Iterable[PieceMeasurement]) -> bool:
-    """Whether the present ranks' distinct pieces hold as many elements as every parameter has
-    (the exact overlap/gap check is GA102/GA103; this only tells whether missing ranks mattered)."""
-    held: dict[str, int] = {}
-    for piece in cover:
-        held[piece.param] = held.get(piece.param, 0) + piece.numel
-    return all(held.get(name, 0) >= info.numel for name, info in step.params.items())
+    norm, repeated = NormSet(entries, norm_type).norm(sorted(set(entries.rank.tolist())), True)
+    differ = False
+    if repeated:
+        _, first, inverse = np.unique(entries.layout, return_index=True, return_inverse=True)
+        base = entries.term[first][inverse]  # each entry's first copy (itself, for a first copy)
+        differ = any(
+            relative_difference(a, b) > rtol
+            for a, b in zip(base.tolist(), entries.term.tolist(), strict=True)
+        )
+    return CallNorm(call=call, norm=norm, replicas_differ=differ)

@@ -5,24 +5,59 @@ precision (pure: works on measurements only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..measure.measurements import PieceMeasurement
 from ..model import StepDump
 from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from ..ranksets import compact_ranks
 
+
+@dataclass(frozen=True, kw_only=True)
+class Hypothesis:
+    """An accounting (right or mistaken) a rank's norm may come from; `text` is how the reports and
+    the evidence write it ("local_only", "wrong_group:tp", "loss_scaled:param_group:experts:dropped")."""
+
+    kind: str
+    """One of the kinds below: correct, local_only, replicas_double_counted, wrong_group, param_group,
+    averaged, every_copy, overflow, unexplained."""
+    what: str = ""
+    """What the kind is about: the process group (wrong_group, averaged, every_copy), the dtype
+    (overflow), or "<label>:<how>" of a parameter group, <how> one of dropped, every_copy, local,
+    over:<group>; "" for the others."""
+    loss_scaled: bool = False
+    """The accounting's norm of gradients still multiplied by the loss scale."""
+
+    @property
+    def text(self) -> str:
+        text = f"{self.kind}:{self.what}" if self.what else self.kind
+        return f"loss_scaled:{text}" if self.loss_scaled else text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def scaled(self, loss_scaled: bool = True) -> Hypothesis:
+        """This accounting, of loss-scaled gradients or (False) not."""
+        return dataclasses.replace(self, loss_scaled=loss_scaled)
+
+
+CORRECT = Hypothesis(kind="correct")
+LOCAL_ONLY = Hypothesis(kind="local_only")
+DOUBLE_COUNTED = Hypothesis(kind="replicas_double_counted")
+UNEXPLAINED = Hypothesis(kind="unexplained")
+WRONG_GROUP = "wrong_group"
+"""Kind: the norm reduced over process group `what` only."""
 PARAM_GROUP = "param_group"
-"""Hypothesis prefix: "param_group:<label>:<how>", <how> one of dropped, every_copy, local, over:<group>."""
+"""Kind: one parameter group (`what`: "<label>:<how>") accounted wrongly, the rest right."""
 AVERAGED = "averaged"
-"""Hypothesis prefix: "averaged:<group>", the mean of the group's local norms (or of their squares)."""
+"""Kind: the mean of the local norms of group `what` (or of their squares)."""
 EVERY_COPY = "every_copy"
-"""Hypothesis prefix: "every_copy:<group>", the group's norm computed in full on each of its ranks and
-their p-th powers summed over the group again: |group|^(1/p) times the group's norm."""
+"""Kind: group `what`'s norm computed in full on each of its ranks and their p-th powers summed over
+the group again: |group|^(1/p) times the group's norm."""
 OVERFLOW = "overflow"
-"""Hypothesis prefix: "overflow:<dtype>", the true norm, which overflows in that dtype."""
+"""Kind: the true norm, which overflows in dtype `what`."""
 
 DTYPE_MAX = {"float32": 3.4028234663852886e38, "float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 """Largest finite value of the dtypes a norm is commonly accumulated in."""
@@ -49,22 +84,9 @@ class ParamGroup:
         )
 
 
-def param_groups(pieces: Sequence[PieceMeasurement]) -> tuple[ParamGroup, ...]:
-    """The step's parameters grouped by how they are held; a single group when they are all alike."""
-    holders: dict[str, set[int]] = {}
-    copies: dict[tuple[str, object], int] = {}
-    for piece in pieces:
-        holders.setdefault(piece.param, set()).add(piece.rank)
-        key = (piece.param, piece.regions)
-        copies[key] = copies.get(key, 0) + 1
-    most_copies: dict[str, int] = {}
-    for (param, _), n in copies.items():
-        most_copies[param] = max(most_copies.get(param, 0), n)
-    return groups_of({param: (len(ranks), most_copies[param]) for param, ranks in holders.items()})
-
-
 def groups_of(signatures: Mapping[str, tuple[int, int]]) -> tuple[ParamGroup, ...]:
-    """`param_groups` from each parameter's (number of ranks holding it, most copies of one layout)."""
+    """The step's parameters grouped by how they are held, from each parameter's (number of ranks
+    holding it, most copies of one layout); none when they are all alike."""
     by_signature: dict[tuple[int, int], set[str]] = {}
     for param, signature in signatures.items():
         by_signature.setdefault(signature, set()).add(param)
@@ -99,10 +121,13 @@ def _label(params: set[str], others: Sequence[str]) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Extra:
-    hypothesis: str
+class Candidate:
+    """A norm some accounting (correct or mistaken) produces from this step's numbers."""
+
+    hypothesis: Hypothesis
     value: float
     description: str
+    """What it counts, in words, for the report."""
 
 
 def group_candidates(
@@ -111,14 +136,14 @@ def group_candidates(
     groups: Sequence[ParamGroup],
     norm_of_group: Mapping[str, NormOf],
     norm_type: float,
-) -> list[Extra]:
+) -> list[Candidate]:
     """Every accounting where one parameter group departs from the correct one and the rest is right."""
     present = tuple(step.ranks_present)
     maybe = {g.label: _term(norm_of_group[g.label](present, True), norm_type) for g in groups}
     correct = {label: v for label, v in maybe.items() if v is not None}
     if len(correct) < len(maybe):
         return []
-    found: list[Extra] = []
+    found: list[Candidate] = []
     for group in groups:
         norm = norm_of_group[group.label]
         options: list[tuple[str, str, float | None]] = [
@@ -126,38 +151,25 @@ def group_candidates(
             ("every_copy", "counted on every rank (every replica)", _term(norm(present, False), norm_type)),
             ("local", f"taken from rank {rank}'s own pieces only", _term(norm((rank,), False), norm_type)),
         ]
-        for name in sorted(step.topology.groups):
-            members = step.topology.group_of(name, rank)
-            if not members or any(m in step.missing_ranks for m in members):
-                continue
-            members = tuple(sorted(members))
+        for name, members in _complete_groups(step, rank):
+            over = f"process group {name!r}"
             options.append(
-                (
-                    f"over:{name}",
-                    f"reduced over process group {name!r} only",
-                    _term(norm(members, True), norm_type),
-                )
+                (f"over:{name}", f"reduced over {over} only", _term(norm(members, True), norm_type))
             )
             every = _term(norm(members, False), norm_type)
-            options.append(
-                (
-                    f"over:{name}",
-                    f"summed over process group {name!r} with every replica counted",
-                    every,
-                )
-            )
+            options.append((f"over:{name}", f"summed over {over} with every replica counted", every))
         seen: list[float] = []
         for how, text, term in options:
             if term is None or relative_difference(term, correct[group.label]) == 0:
                 continue
             rest = [v for label, v in correct.items() if label != group.label]
-            value = _combine(rest + [term], norm_type)
+            value = norm_of_terms([*rest, term], norm_type)
             if any(relative_difference(value, s) == 0 for s in seen):
                 continue
             seen.append(value)
             found.append(
-                Extra(
-                    hypothesis=f"{PARAM_GROUP}:{group.label}:{how}",
+                Candidate(
+                    hypothesis=Hypothesis(kind=PARAM_GROUP, what=f"{group.label}:{how}"),
                     value=value,
                     description=f"{group.description} {text}, every other parameter counted once",
                 )
@@ -169,47 +181,41 @@ def averaged_candidates(
     step: StepDump,
     rank: int,
     local_norm: Callable[[int], float | None],
-    memo: dict[tuple[str, tuple[int, ...]], list[Extra]] | None = None,
-) -> list[Extra]:
+    memo: dict[tuple[str, tuple[int, ...]], list[Candidate]],
+) -> list[Candidate]:
     """Each named group's (and the world's) mean of per-rank local norms, and root mean square
     (`memo` keeps them per group, shared by its members: a world of thousands of ranks is one group)."""
-    found: list[Extra] = []
-    lists = [(name, step.topology.group_of(name, rank)) for name in sorted(step.topology.groups)]
-    for name, members in lists:
-        if not members or len(members) < 2 or any(m in step.missing_ranks for m in members):
-            continue
-        key = (name, tuple(members))
-        if memo is not None and key in memo:
-            found += memo[key]
-            continue
-        here = _averaged(name, tuple(members), local_norm)
-        if memo is not None:
-            memo[key] = here
-        found += here
+    found: list[Candidate] = []
+    for key in _complete_groups(step, rank, 2):
+        if key not in memo:
+            memo[key] = _averaged(*key, local_norm)
+        found += memo[key]
     return found
 
 
-def _averaged(name: str, members: tuple[int, ...], local_norm: Callable[[int], float | None]) -> list[Extra]:
+def _averaged(
+    name: str, members: tuple[int, ...], local_norm: Callable[[int], float | None]
+) -> list[Candidate]:
     norms = [local_norm(m) for m in members]
     values = [float(n) for n in norms if n is not None and math.isfinite(n)]
     if len(values) < len(norms):
         return []
     shown = f"ranks {compact_ranks(members)} (group {name})"
     return [
-        Extra(
-            hypothesis=f"{AVERAGED}:{name}",
+        Candidate(
+            hypothesis=Hypothesis(kind=AVERAGED, what=name),
             value=safe_fsum(values) / len(values),
             description=f"the mean of the local norms of {shown}, instead of the root of their summed squares",
         ),
-        Extra(
-            hypothesis=f"{AVERAGED}:{name}",
+        Candidate(
+            hypothesis=Hypothesis(kind=AVERAGED, what=name),
             value=math.sqrt(safe_fsum(v * v for v in values) / len(values)),
             description=f"the root of the mean of the squared local norms of {shown}, instead of their sum",
         ),
     ]
 
 
-def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type: float) -> list[Extra]:
+def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type: float) -> list[Candidate]:
     """For each named group of this rank (the world and the pipeline group included): the group's norm
     (replicas once) counted once per member, as when every rank computes the full norm (a DTensor's
     `full_tensor()`, ZeRO-3's `safe_get_full_grad`) and the squares are all-reduced over the group again.
@@ -219,22 +225,19 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
     data-parallel group."""
     if is_inf_norm(norm_type):
         return []  # a max counted many times is the same max
-    found: list[Extra] = []
+    found: list[Candidate] = []
     seen: set[tuple[int, ...]] = set()
-    for name in sorted(step.topology.groups):
-        members = step.topology.group_of(name, rank)
-        if not members or len(members) < 2 or members in seen:
-            continue
-        if any(m in step.missing_ranks for m in members):
+    for name, members in _complete_groups(step, rank, 2):
+        if members in seen:
             continue
         seen.add(members)
-        norm = norm_of(tuple(members), True)
+        norm = norm_of(members, True)
         if norm is None or not math.isfinite(norm):
             continue
         count = len(members)
         found.append(
-            Extra(
-                hypothesis=f"{EVERY_COPY}:{name}",
+            Candidate(
+                hypothesis=Hypothesis(kind=EVERY_COPY, what=name),
                 value=norm * count ** (1.0 / norm_type),
                 description=(
                     f"the norm of ranks {compact_ranks(members)} (group {name}) computed in full on each of its "
@@ -245,25 +248,38 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
     return found
 
 
-def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Extra]:
+def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Candidate]:
     """The true norm computed in a dtype where the sum of |g|^p (or g itself) is beyond the largest value."""
     if true_norm is None or not math.isfinite(true_norm) or is_inf_norm(norm_type):
         return []
-    total = _term(true_norm, norm_type)
+    total = power(true_norm, norm_type)
+    kinds = [
+        d
+        for d in ("float16", "bfloat16", "float32")
+        if (d in dtypes or d == "float32") and total > DTYPE_MAX[d]
+    ]
+    if not kinds:
+        return []
+    dtype = kinds[0]
+    return [
+        Candidate(
+            hypothesis=Hypothesis(kind=OVERFLOW, what=dtype),
+            value=math.inf,
+            description=f"the true norm {true_norm:.6g} computed in {dtype}, whose sum of |g|^{norm_type:g} "
+            f"({total:.6g}) overflows to inf",
+        )
+    ]
+
+
+def _complete_groups(step: StepDump, rank: int, smallest: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, members as the topology lists them) of each named group of this rank with at least
+    `smallest` members, none of them missing (not sorted: a world of thousands of ranks is one tuple,
+    shared by its members, and the norms sort their rank sets themselves)."""
     found = []
-    for dtype in ("float16", "bfloat16", "float32"):
-        if dtype not in dtypes and dtype != "float32":
-            continue
-        if total is not None and total > DTYPE_MAX[dtype]:
-            found.append(
-                Extra(
-                    hypothesis=f"{OVERFLOW}:{dtype}",
-                    value=math.inf,
-                    description=f"the true norm {true_norm:.6g} computed in {dtype}, whose sum of |g|^{norm_type:g} "
-                    f"({total:.6g}) overflows to inf",
-                )
-            )
-            break
+    for name in sorted(step.topology.groups):
+        members = step.topology.group_of(name, rank)
+        if members and len(members) >= smallest and not any(m in step.missing_ranks for m in members):
+            found.append((name, tuple(members)))
     return found
 
 
@@ -273,7 +289,3 @@ def _term(norm: float | None, norm_type: float) -> float | None:
     if is_inf_norm(norm_type) or not math.isfinite(norm):
         return norm
     return power(norm, norm_type)
-
-
-def _combine(terms: list[float], norm_type: float) -> float:
-    return norm_of_terms(terms, norm_type)

@@ -3,35 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import overload
 
-from ..analysis.diagnosis import (
+from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
+from ..analysis.hypotheses import (
+    AVERAGED,
     DOUBLE_COUNTED,
+    EVERY_COPY,
     LOCAL_ONLY,
-    LOSS_SCALED,
+    OVERFLOW,
+    PARAM_GROUP,
     UNEXPLAINED,
     WRONG_GROUP,
-    RankDiagnosis,
-    StepDiagnosis,
+    Hypothesis,
 )
-from ..analysis.hypotheses import AVERAGED, EVERY_COPY, OVERFLOW, PARAM_GROUP
 from ..norms import CLIP_EPS
 from ..report.sentences import fold_sentences
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
-
-
-@overload
-def base_hypothesis(hypothesis: str) -> tuple[str, bool]: ...
-@overload
-def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]: ...
-def base_hypothesis(hypothesis: str | None) -> tuple[str | None, bool]:
-    """("local_only", True) for "loss_scaled:local_only": the mistake, and whether the loss scale was in it."""
-    if hypothesis is not None and hypothesis.startswith(LOSS_SCALED + ":"):
-        return hypothesis[len(LOSS_SCALED) + 1 :], True
-    return hypothesis, False
 
 
 def diagnosis_or_skip(inputs: AuditInputs) -> StepDiagnosis | Skip:
@@ -57,11 +47,12 @@ def diagnosis_or_skip(inputs: AuditInputs) -> StepDiagnosis | Skip:
     return diagnosis
 
 
-def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[str], bool]) -> list[RankDiagnosis]:
+def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[Hypothesis], bool]) -> list[RankDiagnosis]:
+    """The ranks whose clipping used an accounting `wanted` accepts (of loss-scaled gradients or not)."""
     return [
         d
         for d in diagnosis.ranks.values()
-        if not d.logging_bug and d.hypothesis is not None and wanted(base_hypothesis(d.hypothesis)[0])
+        if not d.logging_bug and d.hypothesis is not None and wanted(d.hypothesis.scaled(False))
     ]
 
 
@@ -90,7 +81,7 @@ def _update_unaffected(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> 
 
 def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
     first = ranks[0]
-    scaled = any(base_hypothesis(d.hypothesis)[1] for d in ranks)
+    scaled = any(d.hypothesis is not None and d.hypothesis.loss_scaled for d in ranks)
     if diagnosis.true_norm is None:
         truth = (
             f"true global norm at least {num(diagnosis.norm_lower_bound)} ({diagnosis.true_norm_note}; a lower "
@@ -172,29 +163,22 @@ def wrong_group(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def _hypothesis_of(d: RankDiagnosis) -> str:
-    """The base hypothesis of a rank `_ranks_with` chose (such a rank has one)."""
-    hypothesis = base_hypothesis(d.hypothesis)[0]
-    assert hypothesis is not None
-    return hypothesis
-
-
 def _by_hypothesis(
     inputs: AuditInputs,
-    prefix: str,
+    kind: str,
     lead: Callable[[str], str],
     *,
     evidence_key: str = "hypothesis",
 ) -> CheckResult:
-    """One hit per hypothesis starting with `prefix`, naming what it is (the part after the prefix,
-    also given as evidence under `evidence_key`)."""
+    """One hit per hypothesis of this kind, naming what it is about (its `what`, also given as
+    evidence under `evidence_key`)."""
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h.startswith(prefix + ":"))
+    ranks = _ranks_with(diagnosis, lambda h: h.kind == kind)
     by_what: dict[str, list[RankDiagnosis]] = {}
     for d in ranks:
-        by_what.setdefault(_hypothesis_of(d).split(":", 1)[1], []).append(d)
+        by_what.setdefault(d.hypothesis.what if d.hypothesis is not None else "", []).append(d)
     hits = []
     for what, members in sorted(by_what.items()):
         hit = _hit(diagnosis, members, lead(what))
@@ -247,7 +231,7 @@ def unexplained(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
         return ()
     hit = _hit(diagnosis, ranks, "clipping used a norm that matches no known accounting mistake")
     tried = ranks[0].candidates
-    candidates = ", ".join(f"{c.hypothesis} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
+    candidates = ", ".join(f"{c.hypothesis.text} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
     if len(tried) > MAX_CANDIDATES_IN_MESSAGE:
         candidates += f", and {len(tried) - MAX_CANDIDATES_IN_MESSAGE} more"
     return (
@@ -270,7 +254,7 @@ def logging_bug(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     assert first.reported_match is not None  # a logging bug is a reported norm that matched
     message = (
         f"wrong reported norm but right applied coefficient on {ranks_named(d.rank for d in ranks)}: "
-        f"rank {first.rank} reported {num(first.reported_norm)} ({first.reported_match.hypothesis}) while the true "
+        f"rank {first.rank} reported {num(first.reported_norm)} ({first.reported_match.hypothesis.text}) while the true "
         f"global norm is {num(diagnosis.true_norm)} and its applied coefficient {num(first.applied_coef)} implies "
         f"{num(first.implied_norm)}; clipping is right, the logged number is not"
     )
@@ -283,7 +267,7 @@ def logging_bug(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
                 "reported_norm": first.reported_norm,
                 "implied_norm": first.implied_norm,
                 "applied_clip_coef": first.applied_coef,
-                "reported_hypothesis": first.reported_match.hypothesis,
+                "reported_hypothesis": first.reported_match.hypothesis.text,
             },
         ),
     )

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
-from .norm import base_hypothesis
 
 if TYPE_CHECKING:
     from ..analysis.diagnosis import CallNorm
@@ -89,7 +88,7 @@ def clipped_scaled_gradients(inputs: AuditInputs, options: AuditOptions) -> Chec
             flagged[rank] = "its record says GradScaler.unscale_ had not run"
     if step.clip is not None:
         for rank, d in inputs.diagnosis.ranks.items():
-            if base_hypothesis(d.hypothesis)[1] and not d.logging_bug:
+            if d.hypothesis is not None and d.hypothesis.loss_scaled and not d.logging_bug:
                 flagged.setdefault(rank, f"its norm matches the loss-scaled one ({d.detail})")
     if not flagged:
         return ()

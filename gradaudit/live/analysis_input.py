@@ -1,12 +1,13 @@
 """The boundary between the guard and the analysis: the per-rank summary every rank gathered, turned
 into the analysis' input, so that the guard's verdict and `gradaudit check` come from one diagnosis.
 
-Until the analysis takes per-group norms directly, the summary becomes what loading a stats-mode
-dump gives: one `RankDump` per rank whose pieces are the rank's ownership groups, each a one-element
-piece whose value is the group's norm, and the offline pipeline runs on it stage by stage
+The diagnosis reads the summary directly: `norm_input` makes it the diagnosis' own input
+(`analysis.norm_input.NormInput`: one entry per rank and ownership group it holds, replicas of a group
+sharing a layout, so every accounting the diagnosis tries gives the number it would from the real
+pieces). The other checks read a stats-mode dump, which the guard also writes on an anomaly: one
+`RankDump` per rank whose pieces are the rank's ownership groups, each a one-element piece whose
+value is the group's norm (`rank_dumps`); `report_of` runs the offline stages on the two
 (`measure_step` -> `audit.analyse` -> `audit.build_report`, as `audit.audit_step` assembles them).
-Replicas of a group hold the same layout, so every accounting the diagnosis tries (local, every
-replica, the wrong group, replicas once) gives the same number it would from the real pieces.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..model import (
     ClipCall,
@@ -30,6 +31,7 @@ from ..model import (
 )
 
 if TYPE_CHECKING:
+    from ..analysis.norm_input import NormInput
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -114,9 +116,48 @@ class LiveStep:
     """Where the step's dump is (or would be) written; the reports name it."""
 
 
+class _Held(NamedTuple):
+    """One ownership group on one rank that holds it, what its piece of the guard's dump and its entry
+    of the diagnosis' input are made of: its replica class's element (`position`) in the group's
+    one-dimensional parameter; sum |g|^p (max |g| for the inf-norm; nonfinite as 0, the counts tell);
+    the term after clipping (the same elements scaled by the sample's coefficient; None unless that
+    is finite and the group too); the term before each clip call when the rank made two or more."""
+
+    rank: int
+    group: int
+    position: int
+    term: float
+    num_nan: int
+    num_inf: int
+    clipped: float | None
+    calls: tuple[float, ...]
+
+
+def _held(live: LiveStep) -> dict[int, list[_Held]]:
+    """Rank -> every group it holds, in group order; the ranks in order."""
+    layouts, p = _layouts(live), live.norm_type
+    by_rank: dict[int, list[_Held]] = {}
+    for rank, summary in sorted(live.ranks.items()):
+        coef, found = summary.applied_coef, by_rank.setdefault(rank, [])
+        for i, group in enumerate(live.groups):
+            if not summary.held[i]:
+                continue
+            num_nan = summary.num_nan[i] if summary.num_nan else 0
+            num_inf = summary.num_inf[i] if summary.num_inf else 0
+            term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
+            clipped = None
+            if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
+                clipped = term * abs(coef) ** p if not math.isinf(p) else term * abs(coef)
+            calls = () if len(summary.calls) < 2 else summary.calls
+            call_terms = tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
+            position = layouts[i][_class_of(live, group, summary)]
+            found.append(_Held(rank, i, position, term, num_nan, num_inf, clipped, call_terms))
+    return by_rank
+
+
 def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
-    layouts = _layouts(live)
+    layouts, p, held = _layouts(live), live.norm_type, _held(live)
     params = tuple(
         ParamInfo(name=g.param, global_shape=(len(layouts[i]),), dtype=g.dtype)
         for i, g in enumerate(live.groups)
@@ -125,20 +166,23 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     dumps = {}
     for rank, summary in sorted(live.ranks.items()):
         pieces: list[Piece] = []
-        for i, group in enumerate(live.groups):
-            if not summary.held[i]:
-                continue
-            position = layouts[i][_class_of(live, group, summary)]
+        for h in held[rank]:
+            group = live.groups[h.group]
+            stats: dict[TensorKind, TensorStats] = {
+                "grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)
+            }
+            if h.clipped is not None:
+                stats["grad_clipped"] = _one_element(h.clipped, p)
             pieces.append(
                 Piece(
                     index=len(pieces),
                     param=group.param,
-                    regions=(FlatRange(start=position, stop=position + 1),),
+                    regions=(FlatRange(start=h.position, stop=h.position + 1),),
                     local_shape=(1,),
                     dtype=summary.grad_dtype or group.dtype,
                     replica_group=group.replica_group,
-                    stats=_stats_of(summary, i, live.norm_type),
-                    call_stats=_call_stats(summary, i, live.norm_type),
+                    stats=stats,
+                    call_stats=tuple(_one_element(term, p) for term in h.calls),
                 )
             )
         dumps[rank] = RankDump(
@@ -155,6 +199,50 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
             capture_api="guard",
         )
     return dumps
+
+
+def norm_input(live: LiveStep) -> NormInput:
+    """The diagnosis' input from the gathered summary: one entry per rank and ownership group it
+    holds, the replicas of a group on one layout (the entries of `rank_dumps`' pieces, read without
+    their statistics)."""
+    import numpy as np
+
+    from ..analysis.norm_input import Entries, NormInput
+    from ..measure.columns import INF, NAN, UNKNOWN
+    from ..norms import safe_fsum
+
+    layouts, p, by_rank = _layouts(live), live.norm_type, _held(live)
+    held = [h for own in by_rank.values() for h in own]
+    offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
+    params = [i for i, classes in enumerate(layouts) if classes]
+    at = [(h.rank, offsets[h.group] + h.position) for h in held]  # (rank, layout) of each entry
+    coefs = {}
+    for r, own in by_rank.items():  # what measuring the dump's pieces gives
+        pre = safe_fsum(_square(h.term, p) for h in own)
+        if own and all(h.clipped is not None for h in own) and pre > 0:
+            coefs[r] = math.sqrt(safe_fsum(_square(h.clipped or 0.0, p) for h in own) / pre)
+    clipped = [
+        (*a, h.clipped or 0.0, UNKNOWN if h.clipped is None else 0) for a, h in zip(at, held, strict=True)
+    ]
+    return NormInput(
+        norm_type=p,
+        grad=Entries.of(
+            [
+                (*a, h.term, (NAN if h.num_nan else 0) | (INF if h.num_inf else 0))
+                for a, h in zip(at, held, strict=True)
+            ]
+        ),
+        param=np.array([params.index(h.group) for h in held], dtype=np.int64),
+        param_names=tuple(live.groups[i].param for i in params),
+        sum_sq=np.array([_square(h.term, p) for h in held], dtype=np.float64),
+        clipped=None if all(h.clipped is None for h in held) else Entries.of(clipped),
+        calls=tuple(
+            Entries.of([(*a, h.calls[call], 0) for a, h in zip(at, held, strict=True) if len(h.calls) > call])
+            for call in range(max((len(h.calls) for h in held), default=0))
+        ),
+        dtypes=frozenset(live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h in held),
+        measured_coef=coefs,
+    )
 
 
 def step_dump(live: LiveStep) -> StepDump:
@@ -183,9 +271,7 @@ def _layouts(live: LiveStep) -> list[dict[tuple[int, ...], int]]:
 
 def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: int = 0) -> TensorStats:
     """Statistics of one element whose magnitude is the group's norm: sum |x|^p is the group's term."""
-    magnitude = term
-    if not math.isinf(norm_type):
-        magnitude = term ** (1.0 / norm_type) if term > 0 else 0.0
+    magnitude = term if math.isinf(norm_type) else term ** (1.0 / norm_type) if term > 0 else 0.0
     return TensorStats(
         numel=1,
         norm_type=norm_type,
@@ -197,28 +283,9 @@ def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: in
     )
 
 
-def _stats_of(summary: RankSummary, i: int, norm_type: float) -> dict[TensorKind, TensorStats]:
-    num_nan = summary.num_nan[i] if summary.num_nan else 0
-    num_inf = summary.num_inf[i] if summary.num_inf else 0
-    term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
-    stats: dict[TensorKind, TensorStats] = {
-        "grad": _one_element(term, norm_type, num_nan=num_nan, num_inf=num_inf)
-    }
-    coef = summary.applied_coef
-    if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
-        # The sample gives the coefficient; the clipped gradient is the same elements scaled by it.
-        scaled = term * abs(coef) ** norm_type if not math.isinf(norm_type) else term * abs(coef)
-        stats["grad_clipped"] = _one_element(scaled, norm_type)
-    return stats
-
-
-def _call_stats(summary: RankSummary, i: int, norm_type: float) -> tuple[TensorStats, ...]:
-    if len(summary.calls) < 2:
-        return ()
-    return tuple(
-        _one_element(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0, norm_type)
-        for c in summary.calls
-    )
+def _square(term: float, norm_type: float) -> float:
+    """sum x^2 of the one element whose term of the p-norm is `term`."""
+    return _one_element(term, norm_type).sum_sq
 
 
 def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
@@ -247,7 +314,7 @@ def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
 def report_of(live: LiveStep) -> Report:
     """The report `gradaudit check` gives for the live step: the offline pipeline's own stages
     (measure_step -> audit.analyse -> audit.build_report), as audit.audit_step runs them without a
-    reference, on the step the guard's dump amounts to."""
+    reference, on the step the guard's dump amounts to, the diagnosis reading `norm_input(live)`."""
     from ..audit import analyse, build_report, command_for
     from ..checks.base import AuditOptions
     from ..dumpfile.reader import TensorReader
@@ -258,6 +325,6 @@ def report_of(live: LiveStep) -> Report:
     options = AuditOptions()
     with TensorReader(step) as reader:
         measurements = measure_step(step, reader, params=checked_params(step), workers=1)
-    inputs = analyse(step, measurements, update_judgements={})
+    inputs = analyse(step, measurements, update_judgements={}, terms=norm_input(live))
     command = command_for(live.directory, options) if live.directory else ""
     return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.columns))

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..norms import is_inf_norm, norm_from_total
+from ..model import TensorStats
+from ..norms import divide_by_power, is_inf_norm, norm_from_total
 from .measurements import PieceMeasurement, StepMeasurements
 from .table import PieceTable, TablePieces
 
@@ -18,9 +19,6 @@ class StepColumns:
     """Every measured piece of a step as columns (in `m.pieces` order), from one pass over the pieces:
     what the diagnosis and the per-rank rows need for all pieces at once, as arrays, so that a
     many-rank step is not walked piece by piece once per question."""
-
-    UNKNOWN, NAN, INF = 1, 2, 4
-    """Bits of `flags`: the stats cannot give this norm type's term, a nan, an infinity."""
 
     def __init__(self, m: StepMeasurements) -> None:
         self.norm_type = m.norm_type
@@ -34,6 +32,7 @@ class StepColumns:
             | (self.counts[:, 0] > 0).astype(np.int8) << 1
             | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
         )
+        """Per piece, the UNKNOWN, NAN and INF bits of its gradient's term (see `flags_of_stats`)."""
         self.by_rank_order = np.lexsort((self.index, self.rank))
         self.distinct_layouts = (
             bool(np.unique(self.layout).size == self.layout.size)
@@ -42,7 +41,7 @@ class StepColumns:
         )
         """No two pieces share a layout (no replicas)."""
         self._cover: np.ndarray | None = None
-        """Positions sorted by (rank, piece index), as disjoint_cover and _RankSetNorms visit them."""
+        """Positions sorted by (rank, piece index), as disjoint_cover visits them."""
 
     def _from_objects(self, pieces: tuple[PieceMeasurement, ...]) -> None:
         norm_type = self.norm_type
@@ -64,25 +63,13 @@ class StepColumns:
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
-        unknown = np.zeros(len(pieces), dtype=bool)
-        if is_inf_norm(norm_type):  # stats_term, column by column
-            term = [0.0 if g is None else g.max_abs for g in grads]
-        else:
-            own = np.array([g is None or g.norm_type == norm_type for g in grads], dtype=bool)
-            term = [0.0 if g is None else g.sum_pow for g in grads]
-            if not own.all():
-                if norm_type == 2.0:
-                    term = [
-                        t if o or g is None else g.sum_sq
-                        for t, o, g in zip(term, own.tolist(), grads, strict=True)
-                    ]
-                else:
-                    unknown = ~own
-        self.unknown = unknown
-        self.term = np.array(term, dtype=np.float64)
+        self.has_products = any(p.dot_pre_post is not None for p in pieces)
+        """Some piece holds the dense dumps' products of its gradient before and after clipping."""
+        terms = [0.0 if g is None else term_of(g, norm_type) for g in grads]
+        self.unknown = np.array([t is None for t in terms], dtype=bool)
+        self.term = np.array([math.nan if t is None else t for t in terms], dtype=np.float64)
         self.sum_pow = np.array([0.0 if g is None else g.sum_pow for g in grads], dtype=np.float64)
         self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
-        self.term[unknown] = math.nan
         self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
         for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
             self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
@@ -102,6 +89,7 @@ class StepColumns:
         self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
         self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
         self.has_update = np.zeros(n, dtype=bool)
+        self.has_products = False
         self.unknown = np.zeros(n, dtype=bool)
         if "grad" not in table.kinds:
             self.has_grad = np.zeros(n, dtype=bool)
@@ -141,20 +129,6 @@ class StepColumns:
                 self._cover = order[np.sort(first)]
         return self._cover
 
-    def cover_norm(self) -> float | None:
-        """norm_of_pieces(cover) of the gradients: None when a piece's stats cannot give this norm
-        type, nan when any holds a nan, inf when any an infinity."""
-        chosen = self.cover_positions()
-        chosen = chosen[self.has_grad[chosen]]
-        found = int(np.bitwise_or.reduce(self.flags[chosen])) if chosen.size else 0
-        if found & self.UNKNOWN:
-            return None
-        if found & self.NAN:
-            return math.nan
-        if found & self.INF:
-            return math.inf
-        return norm_of_term_array(self.term[chosen], self.norm_type)
-
     def cover(self) -> Sequence[PieceMeasurement]:
         return self._subset(self.cover_positions())
 
@@ -168,32 +142,6 @@ class StepColumns:
             return pieces.table.pieces(chosen + span.start if span.start else chosen)
         return tuple(pieces[i] for i in chosen.tolist())
 
-    def by_rank(self) -> dict[int, Sequence[PieceMeasurement]]:
-        """Rank -> its pieces, in `m.pieces` order (built when iterated, for a table's pieces)."""
-        order = np.argsort(self.rank, kind="stable")
-        ranks = self.rank[order]
-        distinct, starts = np.unique(ranks, return_index=True)
-        bounds = [*starts.tolist(), ranks.size]
-        if isinstance(self.pieces, TablePieces):
-            return {
-                rank: self._subset(order[bounds[k] : bounds[k + 1]])
-                for k, rank in enumerate(distinct.tolist())
-            }
-        pieces, positions = self.pieces, order.tolist()
-        return {
-            rank: [pieces[i] for i in positions[bounds[k] : bounds[k + 1]]]
-            for k, rank in enumerate(distinct.tolist())
-        }
-
-    def cover_all_have(self, kind: str) -> bool:
-        """Whether every cover piece with a gradient also holds `kind` ("grad_clipped")."""
-        chosen = self.cover_positions()
-        chosen = chosen[self.has_grad[chosen]]
-        column = self.has_clipped if kind == "grad_clipped" else None
-        if column is None:
-            return all(kind in self.pieces[i].stats for i in chosen.tolist())
-        return bool(column[chosen].all())
-
     def cover_with_updates(self) -> list[PieceMeasurement]:
         """The cover's pieces that hold an update (parameters dumped before and after the step)."""
         chosen = self.cover_positions()
@@ -203,36 +151,6 @@ class StepColumns:
         """The pieces whose gradient sum of squares or of |x|^p is inf, in `m.pieces` order."""
         chosen = np.flatnonzero(self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow)))
         return list(self._subset(chosen))
-
-    def param_signatures(self) -> dict[str, tuple[int, int]]:
-        """Parameter -> (ranks holding a piece of it, most pieces with one layout): what
-        hypotheses.param_groups counts, from the columns."""
-        if not self.rank.size:
-            return {}
-        pairs = np.unique(np.stack([self.param.astype(np.int64), self.rank.astype(np.int64)], axis=1), axis=0)
-        params, holders = np.unique(pairs[:, 0], return_counts=True)
-        copies = np.bincount(self.layout)[self.layout]
-        most = np.zeros(len(self.param_names), dtype=np.int64)
-        np.maximum.at(most, self.param, copies)
-        names = self.param_names
-        return {names[p]: (h, int(most[p])) for p, h in zip(params.tolist(), holders.tolist(), strict=True)}
-
-    def cover_grad_sum_sq(self) -> np.ndarray:
-        """The gradient sums of squares of the cover's pieces that hold a gradient."""
-        chosen = self.cover_positions()
-        values: np.ndarray = self.sum_sq[chosen[self.has_grad[chosen]]]
-        return values
-
-    def cover_sum_sq_by_rank(self) -> dict[int, np.ndarray]:
-        """Rank -> the gradient sums of squares of its pieces in the disjoint cover."""
-        chosen = self.cover_positions()
-        chosen = chosen[self.has_grad[chosen]]
-        ranks, values = self.rank[chosen], self.sum_sq[chosen]
-        order = np.argsort(ranks, kind="stable")
-        distinct, starts = np.unique(ranks[order], return_index=True)
-        bounds = [*starts.tolist(), order.size]
-        ordered = values[order]
-        return {rank: ordered[bounds[k] : bounds[k + 1]] for k, rank in enumerate(distinct.tolist())}
 
     def with_nonfinite_grad(self) -> list[PieceMeasurement]:
         """The pieces whose gradient holds a nan or an infinity, in `m.pieces` order."""
@@ -268,6 +186,33 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
     if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
         return table, range(ends[-1])  # every parameter's pieces, one after the other
     return table, np.concatenate([p.positions for p in parts])
+
+
+UNKNOWN, NAN, INF = 1, 2, 4
+"""Bits of a term's flags: the statistics cannot give this norm type's term, a nan, an infinity."""
+
+
+def term_of(stats: TensorStats, norm_type: float, scale: float = 1.0) -> float | None:
+    """The term of the p-norm of a piece's statistics (sum |x|^p, or max |x| for the inf-norm),
+    divided by `scale`'s effect; None when the stats were taken for another norm type."""
+    if is_inf_norm(norm_type):
+        term = stats.max_abs
+    elif stats.norm_type == norm_type:
+        term = stats.sum_pow
+    elif norm_type == 2.0:
+        term = stats.sum_sq
+    else:
+        return None
+    if scale == 1.0:
+        return term
+    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
+
+
+def flags_of_stats(stats: TensorStats | None, term: float | None) -> int:
+    """The UNKNOWN, NAN and INF bits of a piece's statistics and its term_of."""
+    if stats is None or term is None:
+        return UNKNOWN
+    return (NAN if stats.num_nan else 0) | (INF if stats.num_posinf + stats.num_neginf else 0)
 
 
 _CHUNK = 1 << 16

@@ -1,0 +1,304 @@
+"""The diagnosis' input: the terms of the p-norm each rank holds, per entry (a piece of a loaded dump,
+or an ownership group of the guard's gathered summary) and per clip call, whatever produced them, and
+the one implementation of the norm of a set of entries (replicas once through the first rank's copy,
+or every copy counted) that the true norm, the candidates, the per-call norms and the parameter-group
+hypotheses all use.
+
+`norm_input_of` builds it from a loaded step's measurements; `live/analysis_input.py` builds it from
+the guard's gathered summary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..measure.columns import (
+    INF,
+    NAN,
+    UNKNOWN,
+    StepColumns,
+    flags_of_stats,
+    fsum_array,
+    norm_of_term_array,
+    term_of,
+)
+from ..measure.measurements import PieceMeasurement, StepMeasurements
+from ..model import ClipCall, StepDump
+from ..norms import safe_fsum
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Entries:
+    """Terms of the p-norm the ranks hold, one per entry, as columns in (rank, entry) order: among
+    copies of one layout, the first is the lowest rank's."""
+
+    rank: np.ndarray
+    """int64, ascending: the rank holding the entry."""
+    layout: np.ndarray
+    """int64: entries with equal ids hold the same elements (replicas of each other)."""
+    term: np.ndarray
+    """float64: sum |x|^p of the entry (max |x| for the inf-norm; 0 for an entry without a gradient);
+    meaningless where `flags` has UNKNOWN."""
+    flags: np.ndarray
+    """int8: the UNKNOWN, NAN and INF bits of the entry."""
+    replicated: bool = True
+    """Some layout is held by more than one entry (False: no replicas to look for)."""
+
+    @staticmethod
+    def of(rows: Sequence[tuple[int, int, float, int]]) -> Entries:
+        """From (rank, layout, term, flags) rows in (rank, entry) order."""
+        rank, layout, term, flags = zip(*rows, strict=True) if rows else ((), (), (), ())
+        return Entries(
+            rank=np.array(rank, dtype=np.int64),
+            layout=np.array(layout, dtype=np.int64),
+            term=np.array(term, dtype=np.float64),
+            flags=np.array(flags, dtype=np.int8),
+        )
+
+    def subset(self, inside: np.ndarray) -> Entries:
+        """The entries where the boolean `inside` is set."""
+        return Entries(
+            rank=self.rank[inside],
+            layout=self.layout[inside],
+            term=self.term[inside],
+            flags=self.flags[inside],
+            replicated=self.replicated,
+        )
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class NormInput:
+    """Everything numeric the diagnosis reads of a step (the clip records, the topology and the
+    missing ranks it reads from the StepDump)."""
+
+    norm_type: float
+    grad: Entries
+    """The gradient before clipping (before the last clip call when there were several)."""
+    param: np.ndarray
+    """Per `grad` entry: its parameter (live: its ownership group), an index into `param_names`."""
+    param_names: tuple[str, ...]
+    sum_sq: np.ndarray
+    """Per `grad` entry: sum x^2, of which each rank's share of the squared norm is taken."""
+    clipped: Entries | None
+    """The gradient after clipping, entry for entry as `grad` (UNKNOWN where an entry with a gradient
+    lacks it); None when no entry has one."""
+    calls: tuple[Entries, ...] = ()
+    """Per clip call, when a rank made two or more: the gradient just before it, in true-gradient
+    scale (the loss scale divided out of a call that ran before GradScaler.unscale_)."""
+    dtypes: frozenset[str]
+    """The entries' dtypes (the matching tolerance and the overflow hypotheses read them)."""
+    measured_coef: Mapping[int, float]
+    """Rank -> the clip coefficient measured on its gradients before and after clipping (nan when
+    clipping turned finite values nonfinite); ranks where they do not give one are absent."""
+    drifted: frozenset[int] = frozenset()
+    """Ranks holding a copy of a replicated entry that is not exactly the lowest rank's copy."""
+    covers_every_param: bool = True
+    """The present ranks' distinct entries hold as many elements as every parameter has (whether
+    missing ranks held parts of the gradient)."""
+
+
+class NormSet:
+    """The norm of the entries of any set of ranks: each layout once, through its copy on the first
+    rank of the set, or every copy counted; every rank set computed once (groups are shared by their
+    members). The one implementation of the norm of a set of entries."""
+
+    def __init__(self, entries: Entries, norm_type: float) -> None:
+        self.entries, self.norm_type = entries, norm_type
+        starts = [0, *(np.flatnonzero(np.diff(entries.rank)) + 1).tolist()] if entries.rank.size else []
+        ends = [*starts[1:], entries.rank.size][: len(starts)]
+        self._span = {int(entries.rank[b]): (b, e) for b, e in zip(starts, ends, strict=True)}
+        """Rank -> the span of its entries."""
+        self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
+
+    def rows(self, ranks: Sequence[int], dedupe: bool) -> tuple[np.ndarray | slice, bool]:
+        """(positions of the entries counted, whether a layout appears more than once among these
+        ranks' entries), the ranks' entries taken in the order of `ranks`."""
+        spans = [self._span[r] for r in ranks if r in self._span]
+        if len(spans) == 1 or (spans and len(spans) == len(self._span) and list(ranks) == sorted(ranks)):
+            rows: np.ndarray | slice = slice(spans[0][0], spans[-1][1])  # contiguous, in order
+        else:
+            rows = np.concatenate([np.arange(b, e) for b, e in spans] or [np.zeros(0, dtype=np.int64)])
+        if not self.entries.replicated:
+            return rows, False
+        layouts = self.entries.layout[rows]
+        distinct, first_seen = np.unique(layouts, return_index=True)
+        repeated = distinct.size < layouts.size
+        if dedupe and repeated:  # each layout through its first copy
+            chosen = np.sort(first_seen)
+            rows = chosen + rows.start if isinstance(rows, slice) else rows[chosen]
+        return rows, repeated
+
+    def norm(
+        self, ranks: Sequence[int], dedupe: bool, *, first: int | None = None
+    ) -> tuple[float | None, bool]:
+        """(norm, whether a layout appears more than once among these ranks); None when an entry's
+        statistics cannot give this norm type, nan when any holds a nan, inf when any an infinity.
+        With `first`, that rank's copies of replicated entries are the ones counted."""
+        order = tuple(sorted(ranks))
+        if first is not None:
+            order = (first, *(r for r in order if r != first))
+        key = (order, dedupe)
+        if key not in self._cache:
+            rows, repeated = self.rows(order, dedupe)
+            self._cache[key] = (self.norm_of(rows), repeated)
+        return self._cache[key]
+
+    def norm_of(self, rows: np.ndarray | slice) -> float | None:
+        """The norm of the entries at these positions, each counted."""
+        flags = self.entries.flags[rows]
+        found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
+        return norm_of_flagged(found, lambda: norm_of_term_array(self.entries.term[rows], self.norm_type))
+
+
+def norm_of_flagged(found: int, norm: Callable[[], float]) -> float | None:
+    """From the bits of the entries counted: None with UNKNOWN, nan with NAN, inf with INF, else norm()."""
+    if found & UNKNOWN:
+        return None
+    return math.nan if found & NAN else math.inf if found & INF else norm()
+
+
+def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
+    """Parameter -> (ranks holding an entry of it, most entries with one layout): how
+    hypotheses.groups_of tells parameter groups apart."""
+    grad = norms.grad
+    if not grad.rank.size:
+        return {}
+    pairs = np.unique(np.stack([norms.param, grad.rank], axis=1), axis=0)
+    params, holders = np.unique(pairs[:, 0], return_counts=True)
+    copies = np.bincount(grad.layout)[grad.layout]
+    most = np.zeros(len(norms.param_names), dtype=np.int64)
+    np.maximum.at(most, norms.param, copies)
+    names = norms.param_names
+    return {names[p]: (h, int(most[p])) for p, h in zip(params.tolist(), holders.tolist(), strict=True)}
+
+
+def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet) -> dict[int, float]:
+    """Rank -> its part of the squared true norm: the sums of squares of its entries among each
+    layout's first copies (`grad`: the NormSet of `norms.grad`)."""
+    rows, _ = grad.rows(sorted(ranks), True)
+    values, holders = norms.sum_sq[rows], norms.grad.rank[rows]
+    total = fsum_array(values)
+    bounds = np.searchsorted(holders, [*sorted(ranks), math.inf])
+    return {
+        rank: fsum_array(values[bounds[k] : bounds[k + 1]]) / total if total > 0 else 0.0
+        for k, rank in enumerate(sorted(ranks))
+    }
+
+
+def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> NormInput:
+    """The diagnosis' input from a loaded step's measurements and their columns."""
+    order = columns.by_rank_order
+    rank = columns.rank[order]
+    layout = columns.layout[order]
+    grad = Entries(
+        rank=rank,
+        layout=layout,
+        term=np.where(columns.has_grad[order], columns.term[order], 0.0),
+        flags=np.where(columns.has_grad[order], columns.flags[order], 0).astype(np.int8),
+        replicated=not columns.distinct_layouts,
+    )
+    pieces = columns.pieces
+    clipped = None
+    if columns.has_clipped.any():  # an entry with a gradient but no clipped one is UNKNOWN
+        stats = [pieces[i].stats.get("grad_clipped") for i in order.tolist()]
+        terms = [None if s is None else term_of(s, m.norm_type) for s in stats]
+        has_grad = columns.has_grad[order].tolist()
+        flags = [flags_of_stats(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)]
+        clipped = Entries.of(
+            [*zip(rank.tolist(), layout.tolist(), [t or 0.0 for t in terms], flags, strict=True)]
+        )
+    by_rank: dict[int, list[PieceMeasurement]] = {}
+    if columns.has_clipped.any() or columns.has_products:  # else no piece gives a coefficient
+        for piece in pieces:
+            by_rank.setdefault(piece.rank, []).append(piece)
+    measured = {r: c for r, own in by_rank.items() if (c := _coef_from_gradients(own)) is not None}
+    return NormInput(
+        norm_type=m.norm_type,
+        grad=grad,
+        param=columns.param[order],
+        param_names=tuple(columns.param_names),
+        sum_sq=np.where(columns.has_grad[order], columns.sum_sq[order], 0.0),
+        clipped=clipped,
+        calls=_call_entries(step, m.norm_type),
+        dtypes=columns.dtypes,
+        measured_coef=measured,
+        drifted=_ranks_with_drifted_replicas(m),
+        covers_every_param=not step.missing_ranks or _covers_every_param(step, columns.cover()),
+    )
+
+
+def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
+    """Per clip call, the pieces' per-call statistics (read only when a rank made two or more calls;
+    format-1.1 columns hold none)."""
+    if all(len(c.calls) < 2 for c in (step.ranks[r].clip for r in step.ranks_present) if c is not None):
+        return ()
+    ids: dict[tuple[object, ...], int] = {}
+    rows: list[list[tuple[int, int, float, int]]] = []
+    for rank in step.ranks_present:
+        dump = step.ranks[rank]
+        scales = [_call_scale(c) for c in (dump.clip.calls if dump.clip is not None else ())]
+        for piece in sorted(dump.pieces, key=lambda p: p.index):
+            layout = ids.setdefault(piece.layout_key, len(ids))
+            for call, stats in enumerate(piece.call_stats):
+                rows += [[] for _ in range(call + 1 - len(rows))]
+                term = term_of(stats, norm_type, scales[call] if call < len(scales) else 1.0)
+                rows[call].append((rank, layout, term or 0.0, flags_of_stats(stats, term)))
+    return tuple(Entries.of(found) for found in rows)
+
+
+def _call_scale(call: ClipCall) -> float:
+    """How many times the true gradient the gradient before this clip call was (the loss scale when
+    the call ran before GradScaler.unscale_)."""
+    scale = call.loss_scale
+    return (
+        scale if call.unscaled is False and scale is not None and math.isfinite(scale) and scale > 0 else 1.0
+    )
+
+
+def _coef_from_gradients(pieces: Sequence[PieceMeasurement]) -> float | None:
+    """The coefficient a rank's gradients before and after clipping show: from their dot products
+    (dense dumps), else from the ratio of their sums of squares; nan when clipping turned finite
+    values nonfinite."""
+    # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
+    pre_post = [(p.dot_pre_post, p.dot_pre_pre or 0.0) for p in pieces if p.dot_pre_post is not None]
+    if pre_post:
+        denominator = safe_fsum(b for _, b in pre_post)
+        if denominator > 0:
+            return safe_fsum(a for a, _ in pre_post) / denominator
+    pairs = [
+        (p.stats["grad"], p.stats["grad_clipped"])
+        for p in pieces
+        if "grad" in p.stats and "grad_clipped" in p.stats
+    ]
+    if pairs and len(pairs) == len([p for p in pieces if "grad" in p.stats]):
+        if sum(b.num_nonfinite for _, b in pairs) > sum(a.num_nonfinite for a, _ in pairs):
+            return math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+        pre = safe_fsum(a.sum_sq for a, _ in pairs)
+        if pre > 0:
+            return math.sqrt(safe_fsum(b.sum_sq for _, b in pairs) / pre)
+    return None
+
+
+def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:
+    return frozenset(
+        copy.rank
+        for pm in m.params.values()
+        for rs in pm.replica_sets
+        for copy in rs.copies
+        if (copy.max_abs_diff or 0.0) > 0
+        or (copy.num_nonfinite_mismatch or 0) > 0
+        or (copy.fingerprint_delta or 0.0) > 0
+    )
+
+
+def _covers_every_param(step: StepDump, cover: Sequence[PieceMeasurement]) -> bool:
+    """Whether the present ranks' distinct pieces hold as many elements as every parameter has
+    (the exact overlap/gap check is GA102/GA103; this only tells whether missing ranks mattered)."""
+    held: dict[str, int] = {}
+    for piece in cover:
+        held[piece.param] = held.get(piece.param, 0) + piece.numel
+    return all(held.get(name, 0) >= info.numel for name, info in step.params.items())
