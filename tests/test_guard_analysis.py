@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +159,26 @@ def test_check_of_a_guarded_run_folder_shows_the_trend(tmp_path, capsys):
         "check", str(_trend(tmp_path / "bad", [_line(1), _line(2, ("GA201",))])), capsys=capsys
     )
     assert code == 1 and "step 2: GA201" in out
+
+
+def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards_dumps(tmp_path, capsys):
+    import dataclasses
+
+    (tmp_path / "run").mkdir()
+    folder = _trend(tmp_path / "run", [_line(4), _line(5, ("GA201",), reported=0.7), _line(6)])
+    wrong = live_step((0.6, 0.9), (math.sqrt(0.6), math.sqrt(0.9)), directory=str(folder / "step_5"))
+    right = live_step((0.6, 0.9), (math.sqrt(1.5), math.sqrt(1.5)), directory=str(folder / "full" / "step_6"))
+    for live, step in ((wrong, 5), (right, 6)):
+        for dump in rank_dumps(live).values():
+            write_rank_file(live.directory, dataclasses.replace(dump, step=step), {})
+    result = audit_folder(folder, AuditOptions())
+    assert [(s.step, Path(s.directory).relative_to(folder).as_posix()) for s in result.summary] == [
+        (5, "step_5"),
+        (6, "full/step_6"),
+    ]
+    code, out, _ = run("check", str(folder), capsys=capsys)
+    assert (
+        code == 1
+        and f"step 6 captured in full (the step after an anomaly): gradaudit check {folder}/full/step_6"
+        in out
+    )

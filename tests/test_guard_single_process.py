@@ -82,3 +82,19 @@ def test_the_guard_refuses_a_call_without_optimizer_or_out_dir(tmp_path):
         gradaudit.guard(model, max_norm=MAX_NORM, out_dir=tmp_path)
     with pytest.raises(CaptureError, match="on_anomaly"):
         gradaudit.guard(model, max_norm=MAX_NORM, optimizer=_setup()[1], out_dir=tmp_path, on_anomaly="log")
+
+
+def test_the_trend_of_a_step_clipped_per_micro_batch_holds_the_norm_before_its_first_clip(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        first = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # micro-batch 1, clipped alone
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GuardWarning)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+    (line,) = _trend(tmp_path)
+    assert guard.anomalies == [(1, ("GA501",))] and line["codes"] == ["GA501"]
+    assert first > 10 * MAX_NORM and line["true_norm"] == pytest.approx(first, rel=1e-6)
