@@ -180,6 +180,8 @@ class LocalSummary:
 
         if sampled is None:
             sampled = tuple((i, g) for i in self._sampled if (g := self._readers[i]()) is not None)
+        else:  # a gradient freed since it was read (ZeRO frees its partitions inside the step) gives none
+            sampled = tuple((i, g) for i, g in sampled if self._readers[i]() is not None)
         taken = []
         for i, grad in sampled:
             if not grad.is_contiguous():
