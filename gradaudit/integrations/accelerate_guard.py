@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import CaptureError
 from ..live.guard import Guard
 from ..live.trend import TrendLine
 
@@ -39,6 +40,11 @@ def accelerate_guard(
 ) -> Guard:
     """`gradaudit.guard` on a prepared model and optimizer, logging through `accelerator.log`; other
     keywords go to the guard (every, on_anomaly, on_verdict, ...). `guard.remove()` stops it."""
+    if getattr(accelerator, "scaler", None) is not None:
+        raise CaptureError(
+            "accelerate_guard does not check fp16 with a GradScaler yet (Accelerate unscales inside "
+            "clip_grad_norm_, after the guard has measured); audit chosen steps with AccelerateAudit instead"
+        )
     return Guard(
         model,
         max_norm=max_norm,

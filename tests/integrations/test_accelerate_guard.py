@@ -40,3 +40,17 @@ def test_a_clip_on_every_micro_batch_is_ga501_from_the_step_it_starts(runs):
         assert all("GA501" in codes for _, codes in anomalies)
         assert any(f"step {MISTAKE_FROM}: GA501" in w for w in result["clip_every_microbatch"]["warnings"])
     assert (out_root / "clip_every_microbatch" / f"step_{MISTAKE_FROM}").is_dir()
+
+
+def test_fp16_with_a_grad_scaler_is_refused_in_one_line(tmp_path):
+    import torch
+    from accelerate_workers import _fp16_accelerator
+
+    from gradaudit.errors import CaptureError
+    from gradaudit.integrations.accelerate_guard import accelerate_guard
+
+    accelerator = _fp16_accelerator(init_scale=2.0**12)
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters()))
+    with pytest.raises(CaptureError, match=r"fp16 with a GradScaler.*AccelerateAudit"):
+        accelerate_guard(accelerator, model, optimizer, tmp_path, max_norm=1.0)
