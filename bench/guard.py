@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,40 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     ]
 
 
+def _measure(
+    guard: Any, model: torch.nn.Module, own: list, reference: list, accessors: list, order: random.Random
+) -> None:
+    """The guard's own measuring on the final gradients (its group terms and the coefficient's two
+    samples), against the stack's own norm pass over the same local gradients; and the same measuring
+    through the pieces' own gradient accessors (DTensor.to_local() per parameter: the guard before it
+    read `_local_tensor`). The three in a shuffled order (the same on both ranks)."""
+    summary = guard._summary
+    fast = summary._readers
+    through_accessors = tuple(piece.grad for piece in summary.pieces)
+
+    def timed(kind: str) -> float:
+        if kind == "reference":
+            grads = _local_grads(model)
+            start = time.perf_counter()
+            torch._foreach_norm(grads, 2.0)
+            return time.perf_counter() - start
+        summary._readers = fast if kind == "own" else through_accessors
+        start = time.perf_counter()
+        summary.terms()
+        summary.sample()
+        summary.sample()
+        elapsed = time.perf_counter() - start
+        summary._readers = fast
+        return elapsed
+
+    kinds = ["reference", "own", "accessors"]
+    order.shuffle(kinds)
+    times = {kind: timed(kind) for kind in kinds}
+    reference.append(times["reference"])
+    own.append(times["own"])
+    accessors.append(times["accessors"])
+
+
 def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -90,7 +125,9 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
         gen = torch.Generator().manual_seed(rank)
         seq, batch = config["seq"], config["batch"]
         times: dict[str, list[float]] = {"none": [], "guard": [], "attached": []}
-        own, reference = [], []
+        own: list[float] = []
+        reference: list[float] = []
+        accessors: list[float] = []
 
         def step() -> float:
             tokens = torch.randint(0, config["model"]["vocab"], (batch, seq + 1), generator=gen)
@@ -120,16 +157,9 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
                 guard.every = 1 if kind == "guard" else never
                 times[kind].append(step())
                 guard.resume()
-            # the guard's own measuring on the final gradients, against the stack's own norm pass
-            grads = _local_grads(model)
-            start = time.perf_counter()
-            torch._foreach_norm(grads, 2.0)
-            reference.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            guard._summary.terms()
-            guard._summary.sample()
-            guard._summary.sample()
-            own.append(time.perf_counter() - start)
+            _measure(guard, model, own, reference, accessors, order)
+        for _ in range(config["repeats"]):
+            _measure(guard, model, own, reference, accessors, order)
         anomalies = list(guard.anomalies)
         guard.remove()
         assert not anomalies, f"a correct run was flagged: {anomalies}"
@@ -139,6 +169,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
             "times": times,
             "own": own,
             "reference": reference,
+            "accessors": accessors,
         }
     finally:
         dist.destroy_process_group()
@@ -154,11 +185,25 @@ def _run_stack(stack: str, config: dict) -> dict:
     return dict(results)
 
 
+def _quartiles(values: list[float]) -> str:
+    if len(values) < 2:
+        return "-"
+    low, _, high = statistics.quantiles(values, n=4)
+    return f"{low:.3f}..{high:.3f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a smoke run: a small model, two rounds")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--stacks", default="ddp,fsdp2")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="measure the guard's own cost this many more times after the rounds (with --rounds 0: "
+        "only that, which a loaded machine can still resolve: each ratio is taken within one repeat)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         config = {
@@ -167,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": 2,
             "rounds": 2,
             "warmup": 1,
+            "repeats": args.repeats,
         }
     else:
         config = {
@@ -174,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             "seq": 512,
             "batch": 2,
             "rounds": args.rounds,
-            "warmup": 2,
+            "warmup": 2 if args.rounds else 1,
+            "repeats": args.repeats,
         }
     with tempfile.TemporaryDirectory() as out_dir:
         config["out_dir"] = out_dir
@@ -186,19 +233,31 @@ def main(argv: list[str] | None = None) -> int:
             )
             for rank in sorted(results):
                 r = results[rank]
-                none, guard, attached = (
-                    statistics.median(r["times"][k]) for k in ("none", "guard", "attached")
-                )
                 own, ref = statistics.median(r["own"]), statistics.median(r["reference"])
+                if r["times"]["none"]:
+                    none, guard, attached = (
+                        statistics.median(r["times"][k]) for k in ("none", "guard", "attached")
+                    )
+                    print(
+                        f"rank {rank}: step median without {none:.3f} s, guard checking {guard:.3f} s, "
+                        f"attached unchecked {attached:.3f} s"
+                    )
+                    for kind in ("none", "guard", "attached"):
+                        print(f"  {kind:>8}: " + " ".join(f"{t:.2f}" for t in r["times"][kind]))
+                    print(f"RATIO {stack} rank {rank} step guard/none = {guard / none:.4f}")
+                    print(f"RATIO {stack} rank {rank} step attached/none = {attached / none:.4f}")
                 print(
-                    f"rank {rank}: step median without {none:.3f} s, guard checking {guard:.3f} s, "
-                    f"attached unchecked {attached:.3f} s; measuring {own * 1e3:.2f} ms vs _foreach_norm {ref * 1e3:.2f} ms"
+                    f"rank {rank}: measuring {own * 1e3:.2f} ms (through the accessors "
+                    f"{statistics.median(r['accessors']) * 1e3:.2f} ms) vs _foreach_norm {ref * 1e3:.2f} ms, "
+                    f"medians of {len(r['own'])}"
                 )
-                for kind in ("none", "guard", "attached"):
-                    print(f"  {kind:>8}: " + " ".join(f"{t:.2f}" for t in r["times"][kind]))
-                print(f"RATIO {stack} rank {rank} step guard/none = {guard / none:.4f}")
-                print(f"RATIO {stack} rank {rank} step attached/none = {attached / none:.4f}")
-                print(f"RATIO {stack} rank {rank} measuring/_foreach_norm = {own / ref:.3f}")
+                for kind in ("own", "accessors"):
+                    ratios = sorted(t / f for t, f in zip(r[kind], r["reference"], strict=True))
+                    spread = f"quartiles {_quartiles(ratios)}, range {ratios[0]:.3f}..{ratios[-1]:.3f}"
+                    print(
+                        f"RATIO {stack} rank {rank} measuring{'' if kind == 'own' else ' through the accessors'}"
+                        f"/_foreach_norm = {statistics.median(ratios):.3f} (per repeat: {spread})"
+                    )
     return 0
 
 

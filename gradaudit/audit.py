@@ -369,6 +369,27 @@ def summarize(report: Report, directory: str) -> StepSummary:
     )
 
 
+FULL_CAPTURES = "full"
+"""The guard's subfolder of full captures (the step after each anomaly), beside its step_<N> dumps."""
+
+
+def run_step_dirs(path: str | Path) -> list[Path]:
+    """The step folders of `path` (see find_step_dirs), with a run folder's full/step_<N> (the guard's
+    full captures) among its own step_<N>, by step number."""
+    from .dumpfile import find_step_dirs
+    from .dumpfile.writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
+
+    path = Path(path)
+    own = find_step_dirs(path)
+    full = path / FULL_CAPTURES
+    captured = [d for d in find_step_dirs(full) if d != full] if full.is_dir() else []
+    is_step_folder = any(path.glob(f"*{RANK_FILE_SUFFIX}"))
+    if not captured or is_step_folder:
+        return own
+    steps = [d for d in own if d != path] + captured
+    return sorted(steps, key=lambda d: (int(d.name.removeprefix(STEP_DIR_PREFIX)), str(d)))
+
+
 def audit_folder(
     path: str | Path,
     options: AuditOptions,
@@ -378,9 +399,7 @@ def audit_folder(
     load_files: LoadFiles | None = None,
 ) -> Report | MultiStepReport:
     """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
-    from .dumpfile import find_step_dirs
-
-    step_dirs = find_step_dirs(path)
+    step_dirs = run_step_dirs(path)
     if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
         return audit_step_dir(path, options, progress=progress, measure=measure, load_files=load_files)
     reports = [

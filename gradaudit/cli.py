@@ -178,16 +178,23 @@ def check(
 def _guard_trend_first(directory: Path, *, show: bool) -> bool:
     """Print the guard's trend of a run folder (failing steps first); True when that is all the
     folder holds (a guarded run with no anomaly has no step to audit)."""
+    from .audit import FULL_CAPTURES, run_step_dirs
     from .live.trend import TREND_FILE, read_trend, trend_text
 
     path = directory / TREND_FILE
     if not path.is_file():
         return False
     lines = read_trend(path)
+    steps = run_step_dirs(directory)
+    full = [d for d in steps if d.parent == directory / FULL_CAPTURES]
     if show:
-        sys.stdout.write(trend_text(lines) + "\n\n")
-    if any(directory.glob("step_*")):
-        return False
+        captures = "".join(
+            f"  {d.name.replace('_', ' ')} captured in full (the step after an anomaly): gradaudit check {d}\n"
+            for d in full
+        )
+        sys.stdout.write(trend_text(lines) + "\n" + captures + "\n")
+    if steps != [directory]:
+        return False  # the guard's dumps and full captures are listed after the trend
     if any(not line.ok for line in lines):
         raise SystemExit(EXIT_FINDINGS)
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -230,15 +231,47 @@ def _random_live_step(seed):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed):
-    """norm_input(live) gives the diagnosis measuring the guard's stats-mode dump gives (the oracle)."""
+@pytest.mark.parametrize("clipped_before_unscale", [False, True])
+def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipped_before_unscale):
+    """norm_input(live) gives the diagnosis measuring the guard's stats-mode dump gives (the oracle);
+    with gradients measured before GradScaler.unscale_, both divide the loss scale out alike."""
+    import dataclasses
+
     from gradaudit.analysis.diagnosis import diagnose, diagnose_step
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.live.analysis_input import norm_input
     from gradaudit.measure.measure import measure_step
 
     live = _random_live_step(seed)
+    if clipped_before_unscale:
+        scaled = {"loss_scale": 256.0, "unscaled": False, "skipped": False, "grad_dtype": "float16"}
+        live = dataclasses.replace(
+            live, ranks={r: dataclasses.replace(s, **scaled) for r, s in live.ranks.items()}
+        )
     step = step_dump(live)
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, workers=1)
     assert repr(diagnose(step, norm_input(live))) == repr(diagnose_step(step, measured))
+
+
+def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards_dumps(tmp_path, capsys):
+    import dataclasses
+
+    (tmp_path / "run").mkdir()
+    folder = _trend(tmp_path / "run", [_line(4), _line(5, ("GA201",), reported=0.7), _line(6)])
+    wrong = live_step((0.6, 0.9), (math.sqrt(0.6), math.sqrt(0.9)), directory=str(folder / "step_5"))
+    right = live_step((0.6, 0.9), (math.sqrt(1.5), math.sqrt(1.5)), directory=str(folder / "full" / "step_6"))
+    for live, step in ((wrong, 5), (right, 6)):
+        for dump in rank_dumps(live).values():
+            write_rank_file(live.directory, dataclasses.replace(dump, step=step), {})
+    result = audit_folder(folder, AuditOptions())
+    assert [(s.step, Path(s.directory).relative_to(folder).as_posix()) for s in result.summary] == [
+        (5, "step_5"),
+        (6, "full/step_6"),
+    ]
+    code, out, _ = run("check", str(folder), capsys=capsys)
+    assert (
+        code == 1
+        and f"step 6 captured in full (the step after an anomaly): gradaudit check {folder}/full/step_6"
+        in out
+    )

@@ -134,3 +134,19 @@ def test_pieces_that_ranks_hold_alike_without_a_replica_group_are_one_group_over
     keys, added = _ownership_keys(every_rank)
     assert keys == [["ranks 0,1", "sharded", "sharded"], ["ranks 0,1", "sharded", "sharded"], ["world"]]
     assert added == {"ranks 0,1": ((0, 1),)}
+
+
+def test_the_trend_of_a_step_clipped_per_micro_batch_holds_the_norm_before_its_first_clip(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        first = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # micro-batch 1, clipped alone
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GuardWarning)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+    (line,) = _trend(tmp_path)
+    assert guard.anomalies == [(1, ("GA501",))] and line["codes"] == ["GA501"]
+    assert first > 10 * MAX_NORM and line["true_norm"] == pytest.approx(first, rel=1e-6)

@@ -54,14 +54,11 @@ class GuardCallback(Callback):
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         line = None if self.guard is None else self.guard.last
-        if line is None or line.step == self._logged_step or line.true_norm is None:
+        if line is None or line.step == self._logged_step:
             return
         self._logged_step = line.step
-        pl_module.log("gradaudit/true_norm", line.true_norm, rank_zero_only=True)
-        if line.reported_norm is not None and line.true_norm > 0:
-            pl_module.log(
-                "gradaudit/reported_over_true", line.reported_norm / line.true_norm, rank_zero_only=True
-            )
+        for name, value in line.metrics().items():
+            pl_module.log(name, value, rank_zero_only=True)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.guard is not None:

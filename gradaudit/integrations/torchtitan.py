@@ -40,14 +40,8 @@ class TorchtitanAudit:
     ) -> None:
         from torchtitan.distributed import utils as dist_utils  # type: ignore[import-untyped]
 
-        parts = list(getattr(trainer, "model_parts", ()))
-        if model is None and len(parts) != 1:
-            raise CaptureError(
-                f"this rank holds {len(parts)} model parts; pass model= a module whose parameter names are "
-                "the model's own (e.g. the one part that is being audited)"
-            )
         self.trainer = trainer
-        self.model = model if model is not None else parts[0]
+        self.model = model_of(trainer, model)
         self.out_dir = out_dir
         self.selection = select_steps(steps, every)
         self.audit_kwargs = audit_kwargs
@@ -59,18 +53,12 @@ class TorchtitanAudit:
     def remove(self) -> None:
         vars(self.trainer).pop("train_step", None)
 
-    def _groups(self) -> dict[str, Any]:
-        parallel_dims = getattr(self.trainer, "parallel_dims", None)
-        get_mesh = getattr(parallel_dims, "get_optional_mesh", None)
-        pp_mesh = get_mesh("pp") if callable(get_mesh) else None
-        return {} if pp_mesh is None else {"pp": pp_mesh.get_group()}
-
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
         step = int(self.trainer.step)
         if not self.selection.wants(step):
             return self._original(*args, **kwargs)
         config = self.trainer.config
-        audit_kwargs = {"groups": self._groups(), **self.audit_kwargs}
+        audit_kwargs = {"groups": pp_groups(self.trainer), **self.audit_kwargs}
         audit = AuditStep(
             self.model,
             self.out_dir,
@@ -90,3 +78,22 @@ class TorchtitanAudit:
         if path is not None:
             self.paths.append(path)
         return result
+
+
+def model_of(trainer: Any, model: Any) -> Any:
+    """The module to audit: `model` when given, else the trainer's one model part."""
+    parts = list(getattr(trainer, "model_parts", ()))
+    if model is None and len(parts) != 1:
+        raise CaptureError(
+            f"this rank holds {len(parts)} model parts; pass model= a module whose parameter names are "
+            "the model's own (e.g. the one part that is being audited)"
+        )
+    return model if model is not None else parts[0]
+
+
+def pp_groups(trainer: Any) -> dict[str, Any]:
+    """{"pp": the pipeline group} when the trainer's parallel_dims has a pp mesh, else {}."""
+    parallel_dims = getattr(trainer, "parallel_dims", None)
+    get_mesh = getattr(parallel_dims, "get_optional_mesh", None)
+    pp_mesh = get_mesh("pp") if callable(get_mesh) else None
+    return {} if pp_mesh is None else {"pp": pp_mesh.get_group()}

@@ -6,9 +6,11 @@
 The guard is attached when training begins (to the model and the torch optimizer behind the Trainer's)
 and removed when it ends. It sees the Trainer's own clip (`accelerator.clip_grad_norm_`) and any clip
 call of the user's code (a `training_step` override clipping each micro-batch is GA501). The true norm
-of the latest checked step and its ratio to the reported norm are added to the Trainer's logs as
-`gradaudit_true_norm` and `gradaudit_reported_over_true` (reporting integrations that run before this
-callback log without them; `state.log_history` has them).
+of the latest checked step and its ratio to the reported norm are added to each of the Trainer's log
+calls, beside its `grad_norm`, as `gradaudit_true_norm` and `gradaudit_reported_over_true`: in
+`state.log_history` and for every callback of the call, TensorBoard's and W&B's included (the callback
+moves itself to the front of the Trainer's callbacks when training begins, since the reporting ones
+are added before any of the user's).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class GuardCallback(TrainerCallback):
         self.guard: Guard | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._log_first()
         max_norm = self.max_norm if self.max_norm is not None else args.max_grad_norm
         if not max_norm:
             from ..errors import CaptureError
@@ -51,15 +54,31 @@ class GuardCallback(TrainerCallback):
             **self.guard_kwargs,
         )
 
+    def _log_first(self) -> None:
+        """Put this callback first in the Trainer's CallbackHandler list (the list that holds it and a
+        DefaultFlowCallback), so that each on_log hands its values to the reporting callbacks too. The
+        handler is iterating that list (on_train_begin): moving an earlier position to the front keeps
+        every later callback's position, so each is still called once."""
+        import gc
+
+        from transformers.trainer_callback import DefaultFlowCallback
+
+        for holder in gc.get_referrers(self):
+            if isinstance(holder, list) and any(isinstance(c, DefaultFlowCallback) for c in holder):
+                holder.remove(self)
+                holder.insert(0, self)
+
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
         line = None if self.guard is None else self.guard.last
-        if logs is None or line is None or line.true_norm is None:
+        values = {} if logs is None or line is None else line.metrics(prefix="gradaudit_")
+        if not values or logs is None:
             return
-        logs["gradaudit_true_norm"] = line.true_norm
-        if line.reported_norm is not None and line.true_norm > 0:
-            logs["gradaudit_reported_over_true"] = line.reported_norm / line.true_norm
+        logs.update(values)
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step and values.keys().isdisjoint(history[-1]):
+            history[-1].update(values)  # Trainer.log appended a copy of the logs before calling on_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.guard is not None:

@@ -29,6 +29,7 @@ from ..model import (
     TensorStats,
     Topology,
 )
+from ..norms import divide_by_power
 
 if TYPE_CHECKING:
     from ..analysis.norm_input import NormInput
@@ -211,16 +212,23 @@ def norm_input(live: LiveStep) -> NormInput:
     from ..measure.columns import INF, NAN, UNKNOWN
     from ..norms import safe_fsum
 
-    layouts, p, by_rank = _layouts(live), live.norm_type, _held(live)
+    layouts, p, raw = _layouts(live), live.norm_type, _held(live)
+    scales = {r: _gradient_scale(live, r) for r in raw}
+    by_rank = {r: _unscaled(own, scales[r], p) for r, own in raw.items()}
     held = [h for own in by_rank.values() for h in own]
+    sum_sq = [divide_by_power(_square(h.term, p), scales[h.rank], 2.0) for own in raw.values() for h in own]
     offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
     params = [i for i, classes in enumerate(layouts) if classes]
     at = [(h.rank, offsets[h.group] + h.position) for h in held]  # (rank, layout) of each entry
     coefs = {}
-    for r, own in by_rank.items():  # what measuring the dump's pieces gives
-        pre = safe_fsum(_square(h.term, p) for h in own)
+    for r, own in raw.items():  # what measuring the dump's pieces gives
+
+        def squares(terms: list[float], scale: float = scales[r]) -> float:
+            return safe_fsum(divide_by_power(_square(t, p), scale, 2.0) for t in terms)
+
+        pre = squares([h.term for h in own])
         if own and all(h.clipped is not None for h in own) and pre > 0:
-            coefs[r] = math.sqrt(safe_fsum(_square(h.clipped or 0.0, p) for h in own) / pre)
+            coefs[r] = math.sqrt(squares([h.clipped or 0.0 for h in own]) / pre)
     clipped = [
         (*a, h.clipped or 0.0, UNKNOWN if h.clipped is None else 0) for a, h in zip(at, held, strict=True)
     ]
@@ -234,7 +242,7 @@ def norm_input(live: LiveStep) -> NormInput:
         ),
         param=np.array([params.index(h.group) for h in held], dtype=np.int64),
         param_names=tuple(live.groups[i].param for i in params),
-        sum_sq=np.array([_square(h.term, p) for h in held], dtype=np.float64),
+        sum_sq=np.array(sum_sq, dtype=np.float64),
         clipped=None if all(h.clipped is None for h in held) else Entries.of(clipped),
         calls=tuple(
             Entries.of([(*a, h.calls[call], 0) for a, h in zip(at, held, strict=True) if len(h.calls) > call])
@@ -243,6 +251,32 @@ def norm_input(live: LiveStep) -> NormInput:
         dtypes=frozenset(live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h in held),
         measured_coef=coefs,
     )
+
+
+def _gradient_scale(live: LiveStep, rank: int) -> float:
+    """How many times the true gradient the rank's measured gradients are: the rule loading the
+    guard's dump applies to its clip record (the loss scale when clipping ran before unscale_)."""
+    from ..measure.measurements import gradient_scale_of
+
+    return gradient_scale_of(_clip_record(live, live.ranks[rank]))
+
+
+def _unscaled(held: list[_Held], scale: float, p: float) -> list[_Held]:
+    """`held` with `scale` divided out of every term, as loading the dump divides it out."""
+    if scale == 1.0:
+        return held
+
+    def divided(term: float) -> float:
+        return term / scale if math.isinf(p) else divide_by_power(term, scale, p)
+
+    return [
+        h._replace(
+            term=divided(h.term),
+            clipped=None if h.clipped is None else divided(h.clipped),
+            calls=tuple(divided(t) for t in h.calls),
+        )
+        for h in held
+    ]
 
 
 def step_dump(live: LiveStep) -> StepDump:

@@ -8,7 +8,7 @@ import json
 import math
 import os
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.hooks import RemovableHandle
 
+    from ..capture.ownership import LocalPiece
     from ..capture.session import AuditStep
     from ..report.model import Report
 
@@ -81,6 +82,7 @@ class Guard:
         run_id: str | None = None,
         capture_next: bool = True,
         on_verdict: Callable[[TrendLine], None] | None = None,
+        ownership: Sequence[LocalPiece] | None = None,
     ) -> None:
         from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
         from ..capture.optimizers import hookable_optimizer
@@ -124,6 +126,7 @@ class Guard:
         self.rank, self.world_size = rank_and_world_size()
         self._groups = normalize_groups(groups, world_size=self.world_size)
         self._aliases = dict(aliases or {})
+        self._ownership = None if ownership is None else tuple(ownership)
         self.step = first_step
         """The optimizer step now under way (counted by the optimizer's step hook)."""
         self.anomalies: list[tuple[int, tuple[str, ...]]] = []
@@ -155,7 +158,8 @@ class Guard:
             )
 
         ownership = infer_ownership(
-            self.model,
+            self.model if self._ownership is None else _no_parameters(),  # given pieces: nothing to infer
+            explicit=self._ownership or (),
             rank=self.rank,
             world_size=self.world_size,
             groups=self._groups,
@@ -182,7 +186,7 @@ class Guard:
         ]
         self.layout = VectorLayout(num_groups=len(self.groups))
         self._summary = LocalSummary(
-            ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type
+            ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
         )
         self._device = _device_of(self.model)
         if self._late is None:
@@ -557,8 +561,9 @@ class Guard:
         if step is None or step != self.step:
             return
         self._capture = AuditStep(
-            self.model,
+            self.model if self._ownership is None else _no_parameters(),
             self.out_dir / "full",
+            ownership=self._ownership,
             step=step,
             max_norm=self.max_norm,
             norm_type=self.norm_type,
@@ -657,6 +662,12 @@ def _device_of(model: Any) -> Any:
     return torch.device("cpu")
 
 
+def _no_parameters() -> torch.nn.Module:
+    import torch
+
+    return torch.nn.Module()
+
+
 def _torch_version() -> str:
     import torch
 
@@ -682,6 +693,7 @@ def guard(
     run_id: str | None = None,
     capture_next: bool = True,
     on_verdict: Callable[[TrendLine], None] | None = None,
+    ownership: Sequence[LocalPiece] | None = None,
 ) -> Guard:
     """Check the clipping of every training step from now on; attach once, before the loop.
 
@@ -706,7 +718,8 @@ def guard(
       on_anomaly ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
       steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
       no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
-      on_verdict: called on every rank with each checked step's TrendLine (to log the true norm).
+      on_verdict: called on every rank with each checked step's TrendLine (to log the true norm);
+      ownership: this rank's pieces, when they are not the model's parameters (DeepSpeed ZeRO).
     Returns the Guard: `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
     return Guard(
@@ -727,4 +740,5 @@ def guard(
         run_id=run_id,
         capture_next=capture_next,
         on_verdict=on_verdict,
+        ownership=ownership,
     )

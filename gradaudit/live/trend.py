@@ -50,6 +50,16 @@ class TrendLine:
             return None
         return self.max_coef - self.min_coef
 
+    def metrics(self, prefix: str = "gradaudit/") -> dict[str, float]:
+        """What the integrations log through the framework's logger: the true norm, and the reported
+        norm over it (1.0 when the clip used the true norm); empty when the step had no true norm."""
+        if self.true_norm is None or not math.isfinite(self.true_norm):
+            return {}
+        logged = {f"{prefix}true_norm": self.true_norm}
+        if self.reported_norm is not None and self.true_norm > 0:
+            logged[f"{prefix}reported_over_true"] = self.reported_norm / self.true_norm
+        return logged
+
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
@@ -83,12 +93,13 @@ def _number(doc: Mapping[str, Any], key: str, where: str) -> float | None:
 
 
 def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
-    """The trend line of a step from its report."""
+    """The trend line of a step from its report. With several clip calls in the step (GA501) the true
+    norm is the one before the first call: the later calls see a gradient the earlier ones clipped."""
     coefs = [r.applied_clip_coef for r in report.ranks if r.applied_clip_coef is not None]
     reported = next((r.reported_norm for r in report.ranks if r.reported_norm is not None), None)
     return TrendLine(
         step=report.step,
-        true_norm=report.global_norm,
+        true_norm=_first_call_norm(report, report.global_norm),
         reported_norm=reported,
         expected_coef=report.expected_clip_coef,
         min_coef=min(coefs) if coefs else None,
@@ -109,6 +120,15 @@ def skipped_line(live: LiveStep) -> TrendLine:
         max_coef=None,
         skipped=True,
     )
+
+
+def _first_call_norm(report: Report, otherwise: float | None) -> float | None:
+    """The true norm before the first clip call, from the evidence of the finding of repeated calls."""
+    for finding in report.findings:
+        first = finding.evidence.get("call_1_true_norm")
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return float(first)
+    return otherwise
 
 
 def read_trend(path: str | Path) -> list[TrendLine]:

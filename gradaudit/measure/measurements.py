@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..model import Piece, RankDump, Region, TensorKind, TensorStats
+from ..model import ClipRecord, Piece, RankDump, Region, TensorKind, TensorStats
 
 SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
@@ -189,7 +189,11 @@ class StepMeasurements:
 def dumped_gradient_scale(dump: RankDump) -> float:
     """How many times the true gradient the dumped gradients are: the loss scale when the rank's first
     clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
-    clip = dump.clip
+    return gradient_scale_of(dump.clip)
+
+
+def gradient_scale_of(clip: ClipRecord | None) -> float:
+    """`dumped_gradient_scale` of a rank whose clip record is `clip` (the guard's summary has one too)."""
     if clip is None:
         return 1.0
     first = clip.calls[0] if clip.calls else None

@@ -11,7 +11,16 @@ from hf_workers import MAX_GRAD_NORM, TokenData, _args, tiny_llama
 
 
 def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
+
+    class Recorder(TrainerCallback):
+        """A reporting callback as TensorBoard's: before the user's in the Trainer's list."""
+
+        def __init__(self) -> None:
+            self.logged: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logged.append(dict(logs or {}))
 
     from gradaudit.integrations.transformers_guard import GuardCallback
 
@@ -23,11 +32,11 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
 
     results = {}
     for name, trainer_class in (("ok", Trainer), ("step_clip", ClippingTrainer)):
-        callback = GuardCallback(os.path.join(out_root, name))
+        callback, recorder = GuardCallback(os.path.join(out_root, name)), Recorder()
+        args = _args(os.path.join(out_root, f"trainer_{name}"))
+        args.set_logging(strategy="steps", steps=1, report_to="none")
         trainer = trainer_class(
-            model=tiny_llama(),
-            args=_args(os.path.join(out_root, f"trainer_{name}")),
-            train_dataset=TokenData(),
+            model=tiny_llama(), args=args, train_dataset=TokenData(), callbacks=[recorder]
         )
         trainer.add_callback(callback)
         with warnings.catch_warnings(record=True) as caught:
@@ -37,5 +46,7 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
         results[name] = {
             "anomalies": [(step, list(codes)) for step, codes in callback.guard.anomalies],
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+            "reported": [log for log in recorder.logged if "grad_norm" in log],
+            "history": [log for log in trainer.state.log_history if "grad_norm" in log],
         }
     return results

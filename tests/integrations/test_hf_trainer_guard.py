@@ -20,3 +20,10 @@ def test_a_clip_per_micro_batch_in_training_step_is_caught_and_the_trainers_own_
         assert [step for step, _ in result["step_clip"]["anomalies"]][:1] == [1]
         assert all("GA501" in codes for _, codes in result["step_clip"]["anomalies"])
     assert (tmp_path / "step_clip" / "step_1").is_dir()
+    # the true norm is in each of the Trainer's log calls beside its grad_norm, for a reporting
+    # callback registered before the guard's too, and in state.log_history
+    for logs in (results[0]["ok"]["reported"], results[0]["ok"]["history"]):
+        assert len(logs) == 2
+        for log in logs:
+            assert log["gradaudit_true_norm"] == pytest.approx(log["grad_norm"], rel=1e-5)
+            assert log["gradaudit_reported_over_true"] == pytest.approx(1.0, rel=1e-5)

@@ -1,0 +1,64 @@
+"""torchtitan: the guard in one line beside a torchtitan `Trainer`; every step's clipping is checked.
+
+    trainer = Trainer(config)                          # torchtitan/train.py builds this
+    TorchtitanGuard(trainer, "audit")                  # the one added line
+    trainer.train()
+
+The guard hooks `trainer.optimizers` (an OptimizersContainer, a hookable torch optimizer), takes
+`config.training.max_norm` and, under pipeline parallelism, the pp group as `groups={"pp": ...}` (so a
+norm not reduced across stages is named), and follows `trainer.step` (also after a checkpoint load).
+Torchtitan's `dist_utils.clip_grad_norm_` is recorded as one clip call (its pp reduction and its
+EP/non-EP split included), and any other clip call of the step is seen too. With several model parts
+per rank pass `model=` a module whose parameter names are the logical ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from ..live.guard import Guard
+from .torchtitan import model_of, pp_groups
+
+
+class TorchtitanGuard:
+    """Wraps `trainer.train_step` and torchtitan's `clip_grad_norm_` until `remove()`; keywords go to the
+    guard (every, on_anomaly, groups, ...). `.guard` is the Guard."""
+
+    def __init__(
+        self, trainer: Any, out_dir: str | os.PathLike[str], *, model: Any = None, **guard_kwargs: Any
+    ) -> None:
+        from torchtitan.distributed import utils as dist_utils  # type: ignore[import-untyped]
+
+        self.trainer = trainer
+        self.guard = Guard(
+            model_of(trainer, model),
+            max_norm=float(trainer.config.training.max_norm),
+            optimizer=trainer.optimizers,
+            out_dir=out_dir,
+            first_step=int(trainer.step) + 1,
+            **{**guard_kwargs, "groups": {**pp_groups(trainer), **(guard_kwargs.get("groups") or {})}},
+        )
+        self._dist_utils = dist_utils
+        self._original_clip = dist_utils.clip_grad_norm_
+        self._original_step = trainer.train_step
+
+        @functools.wraps(self._original_clip)
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            return self.guard.clip(self._original_clip, *args, **kwargs)
+
+        self._clip = clip
+        dist_utils.clip_grad_norm_ = clip
+        trainer.train_step = self._train_step
+
+    def _train_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.guard.step = int(self.trainer.step)  # the step under way, as torchtitan counts it
+        return self._original_step(*args, **kwargs)
+
+    def remove(self) -> None:
+        """Stop the guard and restore `train_step` and `clip_grad_norm_`."""
+        self.guard.remove()
+        vars(self.trainer).pop("train_step", None)
+        if self._dist_utils.clip_grad_norm_ is self._clip:
+            self._dist_utils.clip_grad_norm_ = self._original_clip

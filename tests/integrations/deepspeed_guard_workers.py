@@ -1,0 +1,82 @@
+"""Rank workers for the guard under DeepSpeed ZeRO stages 1-3 on 2 gloo ranks (CPU accelerator):
+DeepSpeed's own clip (gradient_clipping) with 2 micro-batches per step, and a norm that is not reduced
+over the data-parallel group at one step (the mistake, put into ZeRO's own norm computation)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from models import MAX_NORM, batch, loss_of, rows, tiny_net
+
+NUM_STEPS = 4
+MISTAKE_AT = 3
+
+
+def _engine(stage: int):
+    import deepspeed
+
+    model = tiny_net()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": MAX_NORM,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, dist_init_required=False
+    )
+    return engine
+
+
+def _norm_over_one_rank(engine, own_group):
+    """ZeRO-1/2's own norm of the partitions, its all-reduce given a group of this rank alone: the norm
+    every rank clips with is its own partitions' (a norm reduced over the wrong group)."""
+    optimizer = engine.optimizer
+    original = optimizer.get_grad_norm_direct
+
+    def local(*args, **kwargs):
+        group, optimizer.dp_process_group = optimizer.dp_process_group, own_group
+        try:
+            return original(*args, **kwargs)
+        finally:
+            optimizer.dp_process_group = group
+
+    return local
+
+
+def guarded_deepspeed(rank: int, world_size: int, out_root: str) -> dict:
+    import torch.distributed as dist
+
+    from gradaudit.integrations.deepspeed_guard import DeepSpeedGuard
+
+    own_groups = [dist.new_group([r]) for r in range(world_size)]
+    x, y = batch()
+    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    results = {}
+    for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero2_local_norm", 2)):
+        engine = _engine(stage)
+        attached = DeepSpeedGuard(engine, os.path.join(out_root, name))
+        norms = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(1, NUM_STEPS + 1):
+                if name == "zero2_local_norm" and step == MISTAKE_AT:
+                    engine.optimizer.get_grad_norm_direct = _norm_over_one_rank(engine, own_groups[rank])
+                if name == "zero2_local_norm" and step == MISTAKE_AT + 1:
+                    del engine.optimizer.get_grad_norm_direct
+                for micro in range(2):
+                    engine.backward(loss_of(engine(rows(x, micro, 2)), rows(y, micro, 2)))
+                    engine.step()
+                norms.append(float(engine.get_global_grad_norm()))
+        attached.remove()
+        results[name] = {
+            "anomalies": [(step, list(codes)) for step, codes in attached.guard.anomalies],
+            "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+            "norms": norms,
+            "last": None if attached.guard.last is None else attached.guard.last.to_json(),
+        }
+        engine.destroy()
+    return results

@@ -1,0 +1,56 @@
+"""The guard in one line under Accelerate on 2 gloo ranks (DDP, gradient accumulation): the loop's own
+`accelerator.clip_grad_norm_` passes every step, a clip on every micro-batch is GA501 at the step it
+starts, and the true norm reaches the Accelerator's trackers."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from accelerate_guard_workers import MISTAKE_FROM, NUM_STEPS, guarded_accelerate
+from launcher import run_ranks
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_root = tmp_path_factory.mktemp("accelerate_guard")
+    return out_root, run_ranks(guarded_accelerate, 2, (str(out_root),), timeout_s=240)
+
+
+def test_accelerates_own_clip_is_never_flagged_and_its_true_norm_is_logged_through_the_trackers(runs):
+    _, results = runs
+    for result in results:
+        assert result["ok"]["anomalies"] == [] and result["ok"]["warnings"] == []
+    logged = results[0]["ok"]["logged"]  # accelerator.log reaches the trackers on the main process only
+    assert [step for step, _ in logged] == list(range(1, NUM_STEPS + 1))
+    for (_, values), returned in zip(logged, results[0]["ok"]["norms"], strict=True):
+        assert values["gradaudit/true_norm"] == pytest.approx(returned, rel=1e-5)
+        assert values["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
+    assert results[1]["ok"]["logged"] == []
+
+
+def test_a_clip_on_every_micro_batch_is_ga501_from_the_step_it_starts(runs):
+    out_root, results = runs
+    for result in results:
+        anomalies = result["clip_every_microbatch"]["anomalies"]
+        assert [step for step, _ in anomalies][:1] == [MISTAKE_FROM]
+        assert all("GA501" in codes for _, codes in anomalies)
+        assert any(f"step {MISTAKE_FROM}: GA501" in w for w in result["clip_every_microbatch"]["warnings"])
+    assert (out_root / "clip_every_microbatch" / f"step_{MISTAKE_FROM}").is_dir()
+
+
+def test_fp16_with_a_grad_scaler_is_refused_in_one_line(tmp_path):
+    import torch
+    from accelerate_workers import _fp16_accelerator
+
+    from gradaudit.errors import CaptureError
+    from gradaudit.integrations.accelerate_guard import accelerate_guard
+
+    accelerator = _fp16_accelerator(init_scale=2.0**12)
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters()))
+    with pytest.raises(CaptureError, match=r"fp16 with a GradScaler.*AccelerateAudit"):
+        accelerate_guard(accelerator, model, optimizer, tmp_path, max_norm=1.0)
