@@ -183,7 +183,7 @@ def test_check_of_a_guarded_run_folder_shows_the_trend(tmp_path, capsys):
 
 def _random_live_step(seed):
     """Four ranks (dp 2 x tp 2), a sharded group and groups replicated over dp or over every rank,
-    random terms, coefficients, nonfinite groups and clip calls."""
+    random terms, coefficients, nonfinite groups, replicas that differ and clip calls."""
     import random
 
     rng = random.Random(seed)
@@ -197,6 +197,7 @@ def _random_live_step(seed):
     num_calls = rng.choice((1, 1, 2, 3))
     step_coef = rng.choice((None, 1.0, rng.uniform(0.1, 1.0), rng.uniform(0.1, 1.0), math.nan))
     nonfinite_rank = rng.choice((None, None, None, 1))
+    nonfinite_replica, drifting = rng.random() < 0.3, rng.random() < 0.3
     by_class: dict[tuple[int, tuple[int, ...]], float] = {}
     ranks = {}
     for rank in range(4):
@@ -205,7 +206,8 @@ def _random_live_step(seed):
         for i, group in enumerate(groups):
             members = (rank,) if group.replica_group is None else topology.group_of(group.replica_group, rank)
             by_class.setdefault((i, members), rng.choice((0.0, rng.uniform(0.1, 4.0), rng.uniform(0.1, 4.0))))
-            terms.append(by_class[(i, members)] if held[i] else 0.0)
+            drift = 1.01 if rank == 3 and i > 0 and drifting else 1.0  # rank 3's replica differs
+            terms.append(by_class[(i, members)] * drift if held[i] else 0.0)
         nonfinite = rank == nonfinite_rank
         coef = step_coef if rng.random() < 0.9 else rng.choice((None, math.nan))
         local = max(terms) if math.isinf(norm_type) else sum(terms) ** (1 / norm_type)
@@ -213,7 +215,7 @@ def _random_live_step(seed):
             rank=rank,
             terms=tuple(terms),
             held=held,
-            num_nan=(1 if nonfinite else 0, 0, 0),
+            num_nan=(1 if nonfinite else 0, 1 if nonfinite and nonfinite_replica else 0, 0),
             applied_coef=coef,
             calls=tuple(
                 CallSummary(

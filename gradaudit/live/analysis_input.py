@@ -250,7 +250,21 @@ def norm_input(live: LiveStep) -> NormInput:
         ),
         dtypes=frozenset(live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h in held),
         measured_coef=coefs,
+        drifted=_drifted(raw, p),
     )
+
+
+def _drifted(by_rank: Mapping[int, list[_Held]], p: float) -> frozenset[int]:
+    """Ranks whose copy of a replicated group differs from its lowest rank's copy: what comparing
+    the replicas of the guard's dump gives (the one element's magnitude, its nonfinite count)."""
+    base: dict[tuple[int, int], tuple[float, int]] = {}
+    found = set()
+    for rank, own in sorted(by_rank.items()):
+        for h in own:
+            copy = (_one_element(h.term, p).max_abs, h.num_nan + h.num_inf)
+            if base.setdefault((h.group, h.position), copy) != copy:
+                found.add(rank)
+    return frozenset(found)
 
 
 def _gradient_scale(live: LiveStep, rank: int) -> float:
