@@ -134,8 +134,9 @@ def gradients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
                 evidence={"num_mismatched_params": len(missing)},
             )
         )
-    ours, theirs = _global_norms(inputs)
-    if ours is not None and theirs is not None and compared:
+    ours = None if step.missing_ranks else inputs.diagnosis.true_norm
+    theirs = reference_norm(m) if ours is not None and compared else None
+    if ours is not None and theirs is not None:
         rtol = max(tolerances(e.dtype, options)[0] for e in compared)
         if relative_difference(ours, theirs) > rtol:
             max_norm = step.clip.max_norm if step.clip is not None else None
@@ -161,14 +162,6 @@ def _moment(inputs: AuditInputs) -> str:
     if step.clip is None:
         return ""
     return inputs.diagnosis.moment
-
-
-def _global_norms(inputs: AuditInputs) -> tuple[float | None, float | None]:
-    step, m = inputs.step, inputs.measurements
-    if step.missing_ranks:
-        return None, None
-    ours = norm_of_pieces(inputs.columns.cover(), m.norm_type)
-    return ours, reference_norm(m)
 
 
 def clipped_or_next_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
