@@ -630,25 +630,7 @@ def audit_step(
             with gradaudit.audit_step(model, "audit", step=step, max_norm=1.0, every=100) as audit:
                 ...
     """
-    return AuditStep(
-        model,
-        out_dir,
-        step=step,
-        max_norm=max_norm,
-        norm_type=norm_type,
-        optimizer=optimizer,
-        scaler=scaler,
-        groups=groups,
-        aliases=aliases,
-        ownership=ownership,
-        mode=mode,
-        full_params=full_params,
-        strict=strict,
-        run_id=run_id,
-        steps=steps,
-        every=every,
-        enabled=enabled,
-    )
+    return AuditStep(**locals())  # every parameter above, as given
 
 
 def begin_audit(
@@ -682,26 +664,7 @@ def begin_audit(
     framework's wrapper that exposes the torch optimizer as `.optimizer` (Accelerate, HF Trainer,
     Lightning).
     """
-    return AuditStep(
-        model,
-        out_dir,
-        step=step,
-        max_norm=max_norm,
-        norm_type=norm_type,
-        optimizer=optimizer,
-        scaler=scaler,
-        groups=groups,
-        aliases=aliases,
-        ownership=ownership,
-        mode=mode,
-        full_params=full_params,
-        strict=strict,
-        run_id=run_id,
-        steps=steps,
-        every=every,
-        enabled=enabled,
-        capture_api="begin_audit",
-    ).begin()
+    return AuditStep(**locals(), capture_api="begin_audit").begin()
 
 
 def dump(
@@ -750,31 +713,11 @@ def dump(
     """
     if optimizer is not None:
         raise CaptureError("dump() records gradients as they are now; pass optimizer= to audit_step instead")
-    session = AuditStep(
-        model,
-        out_dir,
-        step=step,
-        max_norm=max_norm,
-        norm_type=norm_type,
-        scaler=scaler,
-        groups=groups,
-        aliases=aliases,
-        ownership=ownership,
-        mode=mode,
-        full_params=full_params,
-        strict=strict,
-        run_id=run_id,
-        steps=steps,
-        every=every,
-        enabled=enabled,
-        capture_api="dump",
-    )
+    given = locals()
+    recorded = {
+        name: given.pop(name) for name in ("reported_norm", "clip_coef", "loss", "tokens", "loss_reduction")
+    }
+    session = AuditStep(**given, capture_api="dump")
     with session:
-        session.record(
-            reported_norm=reported_norm,
-            clip_coef=clip_coef,
-            loss=loss,
-            tokens=tokens,
-            loss_reduction=loss_reduction,
-        )
+        session.record(**recorded)
     return session.path
