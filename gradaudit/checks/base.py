@@ -95,20 +95,6 @@ CheckFn = Callable[["AuditInputs", "AuditOptions"], CheckResult]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Explanation:
-    """The fixed sections `gradaudit explain CODE` prints."""
-
-    what: str
-    """What the check looks at."""
-    why: str
-    """Why a finding of it matters to training."""
-    example: str
-    """A training mistake that raises it."""
-    fix: str
-    """How to fix it; `checks/fixes.py` picks the line for the dump's stack."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class CheckSpec:
     """One finding code: everything gradaudit knows about it (a row of registry.CHECKS)."""
 
@@ -119,12 +105,18 @@ class CheckSpec:
     title: str
     """One line, printed with every finding of this code and by `gradaudit explain --all`."""
     run: CheckFn
-    """The check: (step, measurements, options) -> hits, or a Skip saying why it could not decide."""
+    """The check: (inputs, options) -> hits, or a Skip saying why it could not decide."""
     verdict_rank: int
     """Where this code stands when the verdict names one finding of several: lower first (causes
     before their consequences). Distinct per code, spaced by 10 so a new code can go between two."""
-    explanation: Explanation
-    """What `gradaudit explain CODE` prints."""
+    what: str
+    """What the check looks at (the sections `gradaudit explain CODE` prints: what, why, example, fix)."""
+    why: str
+    """Why a finding of it matters to training."""
+    example: str
+    """A training mistake that raises it."""
+    fix: str
+    """How to fix it; `checks/fixes.py` picks the line for the dump's stack."""
     decided_with_ranks_missing: bool = False
     """A clean result stands with ranks missing; otherwise it is "not checked" when ranks are missing."""
     decides_clipping: bool = False

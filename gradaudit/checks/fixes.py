@@ -79,10 +79,10 @@ def with_fixes(findings: Iterable[Finding], stack: str | None) -> tuple[Finding,
     for finding in findings:
         spec = BY_CODE.get(finding.code)
         if spec is not None and finding.severity is not Severity.INFO:
-            fix = fix_for(spec.explanation.fix, stack)
+            fix = fix_for(spec.fix, stack)
             lead = CAUSE_FIXES.get(finding.code, {}).get(str(finding.evidence.get("cause")))
             if lead is not None:
-                fix = next((s for s in _SENTENCE_END.split(spec.explanation.fix) if s.startswith(lead)), fix)
+                fix = next((s for s in _SENTENCE_END.split(spec.fix) if s.startswith(lead)), fix)
             finding = dataclasses.replace(finding, fix=fix)
         fixed.append(finding)
     return tuple(fixed)
