@@ -1,137 +1,50 @@
 """JSON rendering of a report: stable keys, strings for nonfinite numbers, complete (nothing abbreviated).
 
-The shape is the report schema (`gradaudit/report_schema.json`, described in docs/REPORT.md); change both
-together and bump `REPORT_VERSION`.
+The shape is the report schema (`gradaudit/report_schema.json`, described in docs/REPORT.md): the fields
+of the report's dataclasses (report/model.py), so a field added there is added to the schema too, with
+`REPORT_VERSION` bumped.
 Rank lists are runs of consecutive ranks, [first, last] inclusive: complete, and as long as the number
 of runs rather than the claimed world size."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Mapping
+from enum import Enum
 from typing import Any
 
 from ..ranksets import rank_runs
-from ..report.model import (
-    Environment,
-    Finding,
-    MultiStepReport,
-    NonfiniteCounts,
-    ParamComparison,
-    RankRow,
-    Report,
-    StepSummary,
-    TopologySummary,
-)
+from ..report.model import MultiStepReport, Report
 from .numbers import json_number
 
-
-def _nonfinite_to_dict(counts: NonfiniteCounts) -> dict[str, int]:
-    return {"nan": counts.nan, "posinf": counts.posinf, "neginf": counts.neginf}
-
-
-def _rank_to_dict(row: RankRow) -> dict[str, Any]:
-    return {
-        "rank": row.rank,
-        "local_norm": json_number(row.local_norm),
-        "reported_norm": json_number(row.reported_norm),
-        "applied_clip_coef": json_number(row.applied_clip_coef),
-        "applied_coef_source": row.applied_coef_source,
-        "diagnosis": row.diagnosis,
-        "diagnosis_detail": row.diagnosis_detail,
-        "share_of_squared_norm": json_number(row.share_of_squared_norm),
-        "nonfinite": _nonfinite_to_dict(row.nonfinite),
-    }
+_LEFT_OUT = frozenset({"fix"})
+"""`Finding.fix`, the line the human renderers print; a JSON reader looks the code up (`gradaudit explain`)."""
+_RANK_LISTS = frozenset({"ranks", "ranks_present", "missing_ranks"})
+"""Fields holding ranks, written as runs of consecutive ranks (a report's `ranks` holds its rows)."""
 
 
-def _finding_to_dict(finding: Finding) -> dict[str, Any]:
-    return {
-        "code": finding.code,
-        "severity": finding.severity.value,
-        "title": finding.title,
-        "message": finding.message,
-        "ranks": rank_runs(finding.ranks),
-        "params": list(finding.params),
-        "evidence": {str(key): json_number(value) for key, value in finding.evidence.items()},
-    }
-
-
-def _comparison_to_dict(comparison: ParamComparison) -> dict[str, Any]:
-    return {
-        "param": comparison.param,
-        "kind": comparison.kind,
-        "max_abs_error": json_number(comparison.max_abs_error),
-        "max_rel_error": json_number(comparison.max_rel_error),
-        "atol": json_number(comparison.atol),
-        "rtol": json_number(comparison.rtol),
-        "within_tolerance": comparison.within_tolerance,
-    }
-
-
-def environment_to_dict(env: Environment) -> dict[str, Any]:
-    return {
-        "auditor_version": env.auditor_version,
-        "dump_versions": list(env.dump_versions),
-        "torch_versions": list(env.torch_versions),
-        "hosts": list(env.hosts),
-        "modes": list(env.modes),
-        "world_size": env.world_size,
-        "run_ids": list(env.run_ids),
-    }
-
-
-def topology_to_dict(topology: TopologySummary) -> dict[str, Any]:
-    mesh = topology.mesh
-    return {
-        "groups": {name: [list(ranks) for ranks in lists] for name, lists in topology.groups.items()},
-        "mesh": None if mesh is None else {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names)},
-        "norm_group": topology.norm_group,
-    }
+def _plain(value: object, name: str = "") -> Any:
+    """A report value as JSON values: a dataclass as an object of its fields, an enum as its value,
+    tuples as lists (ranks as runs), numbers through `json_number`."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return {f.name: _plain(getattr(value, f.name), f.name) for f in fields if f.name not in _LEFT_OUT}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        if name in _RANK_LISTS and all(isinstance(rank, int) for rank in value):
+            return rank_runs(value)
+        return [_plain(item) for item in value]
+    return json_number(value)
 
 
 def report_to_dict(report: Report) -> dict[str, Any]:
     """The report as plain JSON values; lists keep the report's order."""
-    return {
-        "report_version": report.report_version,
-        "step": report.step,
-        "world_size": report.world_size,
-        "ranks_present": rank_runs(report.ranks_present),
-        "missing_ranks": rank_runs(report.missing_ranks),
-        "norm_type": json_number(report.norm_type),
-        "max_norm": json_number(report.max_norm),
-        "global_norm": json_number(report.global_norm),
-        "expected_clip_coef": json_number(report.expected_clip_coef),
-        "verdict": report.verdict,
-        "ranks": [_rank_to_dict(row) for row in report.ranks],
-        "findings": [_finding_to_dict(finding) for finding in report.findings],
-        "not_checked": [{"code": n.code, "title": n.title, "reason": n.reason} for n in report.not_checked],
-        "reference": [_comparison_to_dict(c) for c in report.reference],
-        "environment": environment_to_dict(report.environment),
-        "topology": topology_to_dict(report.topology),
-        "command": report.command,
-        "warnings": list(report.warnings),
-    }
-
-
-def _summary_to_dict(summary: StepSummary) -> dict[str, Any]:
-    return {
-        "step": summary.step,
-        "directory": summary.directory,
-        "global_norm": json_number(summary.global_norm),
-        "reported_norm": json_number(summary.reported_norm),
-        "expected_clip_coef": json_number(summary.expected_clip_coef),
-        "num_errors": summary.num_errors,
-        "num_warnings": summary.num_warnings,
-        "codes": list(summary.codes),
-    }
-
-
-def multi_to_dict(multi: MultiStepReport) -> dict[str, Any]:
-    return {
-        "report_version": multi.report_version,
-        "directory": multi.directory,
-        "summary": [_summary_to_dict(s) for s in multi.summary],
-        "steps": [report_to_dict(report) for report in multi.steps],
-    }
+    plain: dict[str, Any] = _plain(report)
+    return plain
 
 
 SCHEMA_FILE = "report_schema.json"
@@ -156,4 +69,4 @@ def render_report(report: Report) -> str:
 
 
 def render_multi(multi: MultiStepReport) -> str:
-    return _dumps(multi_to_dict(multi))
+    return _dumps(_plain(multi))
