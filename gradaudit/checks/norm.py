@@ -56,7 +56,7 @@ def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[Hypothesis], bool]) 
     ]
 
 
-def _evidence_lines(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> str:
+def _evidence_lines(ranks: list[RankDiagnosis]) -> str:
     # Ranks whose explanations differ only in their numbers share one sentence with a rank range.
     folded = fold_sentences([(d.rank, d.detail) for d in ranks])
     lines = [f"{ranks_named(f.ranks)}: {f.text}" for f in folded[:MAX_RANKS_IN_MESSAGE]]
@@ -90,7 +90,7 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     else:
         moment = f" {diagnosis.moment}" if diagnosis.moment else ""
         truth = f"true global norm {num(diagnosis.true_norm)}{moment}, expected coefficient {num(diagnosis.expected_coef)}"
-    message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(diagnosis, ranks)}"
+    message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(ranks)}"
     if scaled:
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
     if _update_unaffected(diagnosis, ranks):
@@ -120,27 +120,22 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     )
 
 
-def local_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def _matching(inputs: AuditInputs, hypothesis: Hypothesis, lead: str) -> CheckResult:
+    """One hit for the ranks whose clipping used the accounting `hypothesis`."""
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h == LOCAL_ONLY)
-    return (
-        (_hit(diagnosis, ranks, "clipping used each rank's local norm, never reduced across ranks"),)
-        if ranks
-        else ()
-    )
+    ranks = _ranks_with(diagnosis, lambda h: h == hypothesis)
+    return (_hit(diagnosis, ranks, lead),) if ranks else ()
+
+
+def local_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    return _matching(inputs, LOCAL_ONLY, "clipping used each rank's local norm, never reduced across ranks")
 
 
 def double_counted(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(inputs)
-    if isinstance(diagnosis, Skip):
-        return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h == DOUBLE_COUNTED)
-    replicas = (
-        (_hit(diagnosis, ranks, "clipping used a norm that counts every replica of replicated gradients"),)
-        if ranks
-        else ()
+    replicas = _matching(
+        inputs, DOUBLE_COUNTED, "clipping used a norm that counts every replica of replicated gradients"
     )
     copies = _by_hypothesis(
         inputs,
@@ -151,7 +146,9 @@ def double_counted(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
         ),
         evidence_key="group",
     )
-    return replicas + (copies if isinstance(copies, tuple) else ())
+    if isinstance(replicas, Skip) or isinstance(copies, Skip):
+        return replicas  # both read the one diagnosis: both skip, or neither
+    return replicas + copies
 
 
 def wrong_group(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
