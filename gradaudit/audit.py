@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from .analysis.diagnosis import StepDiagnosis, diagnose
 from .analysis.hypotheses import CORRECT, LOCAL_ONLY
-from .checks.base import AuditInputs, AuditOptions
+from .checks.base import AuditInputs, AuditOptions, num, ranks_named
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
@@ -54,41 +54,30 @@ Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
 
 
-def _fmt(value: float | None) -> str:
-    return "unknown" if value is None else f"{value:.6g}"
-
-
 def verdict(
     diagnosis: StepDiagnosis, findings: tuple[Finding, ...], not_checked: tuple[NotChecked, ...]
 ) -> str:
     """One sentence: the true norm (and the moment it is of), the expected coefficient and the
     principal finding; or that clipping was right, or could not be checked and why."""
     name = norm_name(diagnosis.norm_type)
+    moment = f" {diagnosis.moment}" if diagnosis.moment else ""
     if diagnosis.true_norm is not None:
-        head = f"True global {name} {_fmt(diagnosis.true_norm)}"
-        if diagnosis.moment:
-            head += f" {diagnosis.moment}"
-        if diagnosis.max_norm is not None:
-            head += f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient {_fmt(diagnosis.expected_coef)}"
+        head = f"True global {name} {num(diagnosis.true_norm)}{moment}"
+        coefficient = f"expected clip coefficient {num(diagnosis.expected_coef)}"
     elif diagnosis.norm_lower_bound is not None:
-        head = (
-            f"True global {name} at least {_fmt(diagnosis.norm_lower_bound)}"
-            f"{' ' + diagnosis.moment if diagnosis.moment else ''} ({diagnosis.true_norm_note})"
-        )
-        if diagnosis.max_norm is not None:
-            head += (
-                f" with max_norm {_fmt(diagnosis.max_norm)}: expected clip coefficient at most "
-                f"{_fmt(diagnosis.coef_upper_bound)}"
-            )
+        head = f"True global {name} at least {num(diagnosis.norm_lower_bound)}{moment} ({diagnosis.true_norm_note})"
+        coefficient = f"expected clip coefficient at most {num(diagnosis.coef_upper_bound)}"
     else:
-        head = f"The true global norm is unknown ({diagnosis.true_norm_note})"
+        head, coefficient = f"The true global norm is unknown ({diagnosis.true_norm_note})", ""
+    if coefficient and diagnosis.max_norm is not None:
+        head += f" with max_norm {num(diagnosis.max_norm)}: {coefficient}"
     serious = [f for f in findings if f.severity is not Severity.INFO]
     if [f.code for f in serious] == ["GA206"]:
         return f"{head}. Clipping not checked: {serious[0].evidence['reason']}."
     if serious:
         rank_of = {code: i for i, code in enumerate(CAUSES_FIRST)}
         principal = min(serious, key=lambda f: (rank_of.get(f.code, len(rank_of)), f.sort_key))
-        where = f" on {_ranks(principal.ranks)}" if principal.ranks else ""
+        where = f" on {ranks_named(principal.ranks)}" if principal.ranks else ""
         others = len(serious) - 1
         more = f" (and {others} more finding{'s' if others > 1 else ''})" if others else ""
         return f"{head}. {principal.code}: {principal.title}{where}{more}."
@@ -123,12 +112,6 @@ def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
         and LOCAL_ONLY in m.coinciding
         for m in matches
     )
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    from .checks.base import ranks_named
-
-    return ranks_named(ranks)
 
 
 def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
