@@ -140,7 +140,9 @@ def check(
     from .report.model import MultiStepReport
 
     if output is not None:
-        _refuse_output_path(output, [directory] + ([reference] if reference is not None else []))
+        from .reportfile import refuse_output_path
+
+        refuse_output_path(output, [directory] + ([reference] if reference is not None else []))
     try:
         options = AuditOptions(
             reference=None if reference is None else str(reference),
@@ -200,19 +202,13 @@ def _guard_trend_first(directory: Path, *, show: bool) -> bool:
     return True
 
 
-def _refuse_output_path(output: Path, dump_dirs: list[Path]) -> None:
-    from .reportfile import refuse_output_path
-
-    refuse_output_path(output, dump_dirs)
-
-
 def _emit_report(
     result: Report | MultiStepReport,
     format: OutputFormat,
     output: Path | None,
     *,
     fold: bool,
-    failing_only: bool = False,
+    failing_only: bool,
 ) -> None:
     from .errors import UsageError
 
@@ -233,7 +229,7 @@ def _render(
     *,
     fold: bool,
     to_file: bool,
-    failing_only: bool = False,
+    failing_only: bool,
 ) -> str:
     from .report.model import MultiStepReport
 
