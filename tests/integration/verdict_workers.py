@@ -19,8 +19,8 @@ def _microbatches(rank: int, world_size: int):
     return [(rows(x, i, NUM_MICROBATCHES), rows(y, i, NUM_MICROBATCHES)) for i in range(NUM_MICROBATCHES)]
 
 
-def fsdp2_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root: str) -> str:
-    """FSDP2, no gradient sync on the first micro-batch, a clip after each micro-batch."""
+def _fsdp2_net(world_size: int) -> torch.nn.Module:
+    """tiny_net with each layer and the root sharded by FSDP2 over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -29,6 +29,12 @@ def fsdp2_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root:
     for module in (model.fc1, model.fc2, model.norm, model.head):
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def fsdp2_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root: str) -> str:
+    """FSDP2, no gradient sync on the first micro-batch, a clip after each micro-batch."""
+    model = _fsdp2_net(world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out_dir = os.path.join(out_root, "fsdp2_accumulation")
     with gradaudit.audit_step(model, out_dir, step=1, max_norm=MAX_NORM, optimizer=opt, strict=True) as audit:
@@ -61,14 +67,7 @@ def ddp_accumulation_clip_per_microbatch(rank: int, world_size: int, out_root: s
 
 def fsdp2_local_clip(rank: int, world_size: int, out_root: str) -> str:
     """FSDP2 where each rank clips by the norm of its own `to_local()` shards (GA201)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    model = tiny_net()
-    for module in (model.fc1, model.fc2, model.norm, model.head):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _fsdp2_net(world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch()
 
@@ -90,14 +89,7 @@ def fsdp2_local_clip(rank: int, world_size: int, out_root: str) -> str:
 
 def fsdp2_dump_after_clipping(rank: int, world_size: int, out_root: str) -> str:
     """A correct FSDP2 step dumped by `gradaudit.dump()` from a hook after clipping, with no norm."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    model = tiny_net()
-    for module in (model.fc1, model.fc2, model.norm, model.head):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _fsdp2_net(world_size)
     x, y = batch()
     loss_of(model(rows(x, rank, world_size)), rows(y, rank, world_size)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -284,14 +276,8 @@ def fsdp2_hand_rolled_norm(rank: int, world_size: int, out_root: str, mistake: s
     """FSDP2 with a hand-rolled norm: "averaged" all-reduces the ranks' local norms with AVG (legacy
     DeepSpeed style); "overflow" puts a finite 1e20 in one gradient and sums squares in float32."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
-    model = tiny_net()
-    for module in (model.fc1, model.fc2, model.norm, model.head):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _fsdp2_net(world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = batch()
 
