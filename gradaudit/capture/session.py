@@ -305,12 +305,9 @@ class AuditStep:
                 "audit.clip() was called outside its audit; call it inside `with gradaudit.audit_step(...)`, "
                 "or between audit.begin() and audit.end()"
             )
-        if self._skipped:
+        # Inside: part of a clip call being recorded (torch's clip inside a framework's).
+        if self._skipped or intercept.inside():
             return fn(*args, **kwargs)
-        if intercept.inside():
-            return fn(
-                *args, **kwargs
-            )  # part of a clip call being recorded (torch's clip inside a framework's)
         with intercept.outermost():
             return self._record_clip(fn, args, kwargs)
 
