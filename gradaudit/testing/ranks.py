@@ -153,13 +153,12 @@ def run_ranks(
 
 def failure_text(failed: Sequence[RankOutcome]) -> str:
     """Each failed rank as a headed block: its traceback, or why it was lost."""
-    blocks = []
-    for outcome in failed:
-        if outcome.status == "raised":
-            blocks.append(f"--- rank {outcome.rank} raised:\n{outcome.traceback.rstrip()}")
-        else:
-            blocks.append(f"--- rank {outcome.rank} {outcome.message}")
-    return "\n".join(blocks)
+    return "\n".join(
+        f"--- rank {o.rank} raised:\n{o.traceback.rstrip()}"
+        if o.status == "raised"
+        else f"--- rank {o.rank} {o.message}"
+        for o in failed
+    )
 
 
 def free_port() -> int:
