@@ -19,6 +19,7 @@ import ast
 import importlib
 import importlib.machinery
 import importlib.util
+import math
 import pickle
 import sys
 from collections.abc import Mapping
@@ -171,10 +172,8 @@ def _mesh_axes(mesh: object, world_size: int) -> tuple[tuple[str, int], ...]:
         return (("dp", world_size),)
     if isinstance(mesh, Mapping) and mesh:
         axes = tuple((str(k), v) for k, v in mesh.items())
-        product = 1
-        for _, size in axes:
-            product *= size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 0
-        if product == world_size:
+        sizes = [s if isinstance(s, int) and not isinstance(s, bool) and s > 0 else 0 for _, s in axes]
+        if math.prod(sizes) == world_size:
             return axes
     pytest.fail(
         f"{MARKER}: mesh must be {{axis name: size}} with sizes multiplying to world_size {world_size}, e.g. "
