@@ -300,6 +300,8 @@ def _judge(reports: Sequence[Report], references: Sequence[Report], *, max_norm:
 
 
 def _step_text(title: str, report: Report, findings: Sequence[Finding], *, in_full: bool) -> str:
+    from ..checks.base import num
+
     lines = [f"{title}: ✗ {report.verdict}"]
     if not in_full:
         codes = sorted({f.code for f in findings})
@@ -307,9 +309,8 @@ def _step_text(title: str, report: Report, findings: Sequence[Finding], *, in_fu
     lines += [f"  {line}" for f in findings for line in _finding_lines(f)]
     lines.append("  ranks:")
     lines += [
-        f"    rank {row.rank}: local norm {_num(row.local_norm)}, reported norm {_num(row.reported_norm)}, "
-        f"applied coefficient {_num(row.applied_clip_coef)}"
-        + (f" ({row.diagnosis})" if row.diagnosis else "")
+        f"    rank {row.rank}: local norm {num(row.local_norm)}, reported norm {num(row.reported_norm)}, "
+        f"applied coefficient {num(row.applied_clip_coef)}" + (f" ({row.diagnosis})" if row.diagnosis else "")
         for row in report.ranks
     ]
     lines.append(f"  reproduce: {report.command}")
@@ -323,11 +324,3 @@ def _finding_lines(finding: Finding) -> list[str]:
         more = len(finding.params) - MAX_PARAMS_SHOWN
         lines.append(f"    parameters: {shown}" + (f" and {more} more" if more > 0 else ""))
     return lines
-
-
-def _num(value: object) -> str:
-    if value is None:
-        return "unknown"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
