@@ -39,7 +39,6 @@ class UpdateJudgement:
     max_abs_error: float
     base_tolerance: float
     """atol + rtol * max |reference next weights|: what GA603 allowed."""
-    num_elements: int
     num_near_zero_gradient: int
     """Elements whose error needed the near-zero-gradient allowance (their gradient is zero within tolerance)."""
     gradient_tolerance: float
@@ -74,7 +73,6 @@ def judge_elements(
         explained=explained,
         max_abs_error=float(error.max()) if error.size else 0.0,
         base_tolerance=base_tolerance,
-        num_elements=int(error.size),
         num_near_zero_gradient=int(needed.sum()),
         gradient_tolerance=gradient_tolerance,
         max_update=max_update,

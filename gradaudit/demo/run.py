@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import GradauditError
 from .launch import DEFAULT_TIMEOUT_S, run_ranks, run_single
-from .registry import STEP, Scenario, get_scenario
+from .registry import STEP, get_scenario
 
 REFERENCE_DIR = "reference"
 
@@ -20,8 +20,6 @@ class DemoOutputExists(GradauditError):
 
 @dataclass(frozen=True, kw_only=True)
 class DemoResult:
-    scenario: Scenario
-    """The scenario that ran."""
     step_dir: Path
     """The sharded dump: OUT_DIR/<scenario>/step_<N>/, one file per rank."""
     reference_step_dir: Path
@@ -54,7 +52,6 @@ def run_demo(
     scenario = get_scenario(name)
     sharded_root, reference_root = scenario_dirs(Path(out_dir), name)
     result = DemoResult(
-        scenario=scenario,
         step_dir=sharded_root / f"step_{STEP}",
         reference_step_dir=reference_root / f"step_{STEP}",
     )
