@@ -591,7 +591,7 @@ def run_checks(
     return tuple(sorted(findings, key=lambda f: f.sort_key)), tuple(not_checked)
 
 
-def explain(code: str, width: int = 88) -> str:
+def explain(code: str) -> str:
     """The text `gradaudit explain CODE` prints."""
     spec = BY_CODE[code.upper()]
     sections = (
@@ -601,7 +601,7 @@ def explain(code: str, width: int = 88) -> str:
         ("How to fix it", spec.fix),
     )
     body = "\n\n".join(
-        f"{heading}\n" + textwrap.fill(text, width=width, initial_indent="  ", subsequent_indent="  ")
+        f"{heading}\n" + textwrap.fill(text, width=88, initial_indent="  ", subsequent_indent="  ")
         for heading, text in sections
     )
     return f"{spec.code} ({spec.severity.value}): {spec.title}\n\n{body}\n"

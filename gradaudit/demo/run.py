@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GradauditError
-from .launch import DEFAULT_TIMEOUT_S, run_ranks, run_single
+from .launch import run_ranks, run_single
 from .registry import STEP, get_scenario
 
 REFERENCE_DIR = "reference"
@@ -42,7 +42,6 @@ def run_demo(
     name: str,
     out_dir: Path,
     *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Callable[[str], None] = lambda line: None,
 ) -> DemoResult:
     """Run scenario `name` and write its sharded and reference dumps under `out_dir/name`.
@@ -63,9 +62,7 @@ def run_demo(
             )
     module = f"{__package__}.scenarios.{scenario.name}"
     progress(f"running {name} on {scenario.world_size} gloo ranks (CPU)...")
-    run_ranks(
-        f"{module}:train_rank", world_size=scenario.world_size, out_dir=sharded_root, timeout_s=timeout_s
-    )
+    run_ranks(f"{module}:train_rank", world_size=scenario.world_size, out_dir=sharded_root)
     progress("running its unsharded reference in one process...")
-    run_single(f"{module}:train_reference", out_dir=reference_root, timeout_s=timeout_s)
+    run_single(f"{module}:train_reference", out_dir=reference_root)
     return result
