@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
 from ..analysis.param_coefs import LEFT_OUT, LISTED_TWICE, PER_CALL, CoefGroup, ParamCoefficients, clusters
@@ -106,17 +107,7 @@ def coefficient_vs_expected(inputs: AuditInputs, options: AuditOptions) -> Check
     ]
     if not wrong:
         return ()
-    alike: dict[tuple[str, str | None, str], list[int]] = {}
-    for d in wrong:
-        alike.setdefault((num(d.applied_coef), d.coef_source, _expected_text(diagnosis, d)), []).append(
-            d.rank
-        )
-    details = "; ".join(
-        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)}){expected}"
-        for (coef, source, expected), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
-    )
-    if len(alike) > 6:
-        details += f"; and {len(alike) - 6} more coefficients"
+    details = _applied_text(wrong, lambda d: _expected_text(diagnosis, d))
     moment = f" {diagnosis.moment}" if diagnosis.moment else ""
     lead = "the last clip call's coefficient: " if diagnosis.moment else ""
     return (
@@ -135,6 +126,18 @@ def coefficient_vs_expected(inputs: AuditInputs, options: AuditOptions) -> Check
             },
         ),
     )
+
+
+def _applied_text(wrong: list[RankDiagnosis], extra: Callable[[RankDiagnosis], str] = lambda d: "") -> str:
+    """The ranks grouped by the coefficient they applied, its source (and `extra`), first rank first."""
+    alike: dict[tuple[str, str | None, str], list[int]] = {}
+    for d in wrong:
+        alike.setdefault((num(d.applied_coef), d.coef_source, extra(d)), []).append(d.rank)
+    details = "; ".join(
+        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)}){tail}"
+        for (coef, source, tail), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
+    )
+    return details + (f"; and {len(alike) - 6} more coefficients" if len(alike) > 6 else "")
 
 
 def _close(a: float | None, b: float | None, rtol: float) -> bool:
@@ -166,13 +169,7 @@ def _above_bound(diagnosis: StepDiagnosis, known: list[RankDiagnosis]) -> CheckR
     ]
     if not wrong:
         return ()
-    alike: dict[tuple[str, str | None], list[int]] = {}
-    for d in wrong:
-        alike.setdefault((num(d.applied_coef), d.coef_source), []).append(d.rank)
-    details = "; ".join(
-        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)})"
-        for (coef, source), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
-    )
+    details = _applied_text(wrong)
     return (
         Hit(
             message=(
