@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 
+from ..checks.base import ranks_named
 from ..ranksets import compact_ranks
 from ..report.inventory import Inventory
+from .terminal import make_console
 from .text import rich_safe
 
 MAX_LISTED = 20
@@ -22,18 +24,10 @@ def _human_bytes(n: int) -> str:
 
 
 def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -> str:
-    from rich.console import Console
     from rich.table import Table
 
     out = io.StringIO()
-    console = Console(
-        file=out,
-        width=width,
-        color_system="standard" if color else None,
-        force_terminal=color,
-        highlight=False,
-        emoji=False,
-    )
+    console = make_console(out, width, color)
     missing = compact_ranks(inv.missing_ranks) or "none"
     console.print(f"[bold]Step {inv.step}[/bold]  {rich_safe(inv.directory)}")
     console.print(
@@ -73,8 +67,7 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
     if inv.not_captured:
         console.print(f"not captured ({len(inv.not_captured)}; their gradients are in no norm, GA104):")
         for left_out in inv.not_captured[:MAX_LISTED]:
-            held = left_out.ranks
-            where = f"rank {held[0]}" if len(held) == 1 else f"ranks {compact_ranks(held)}"
+            where = ranks_named(left_out.ranks)
             console.print(f"  {rich_safe(left_out.name)} on {where}: {rich_safe(left_out.reason)}")
         if len(inv.not_captured) > MAX_LISTED:
             console.print(f"  (and {len(inv.not_captured) - MAX_LISTED} more; --format json lists them all)")

@@ -55,7 +55,7 @@ Piece = str | tuple[str, str]
 def render_report(report: Report, *, width: int = 100, color: bool = False, fold: bool = True) -> str:
     """The report for a terminal; `fold=False` prints every rank on its own row."""
     out = io.StringIO()
-    console = _console(out, width, color)
+    console = make_console(out, width, color)
     _print_report(console, report, bar_width=_bar_width(width), fold=fold)
     return _strip_line_ends(out.getvalue())
 
@@ -65,7 +65,7 @@ def render_multi(
 ) -> str:
     """A folder of steps: failing steps first, clean steps folded into runs (left out with `failing_only`)."""
     out = io.StringIO()
-    console = _console(out, width, color)
+    console = make_console(out, width, color)
     failing = [r for r in multi.steps if is_failing(r)]
     console.print(
         _line(
@@ -90,7 +90,8 @@ def render_multi(
     return _strip_line_ends(out.getvalue())
 
 
-def _console(out: io.StringIO, width: int, color: bool) -> Console:
+def make_console(out: io.StringIO, width: int, color: bool) -> Console:
+    """A rich Console writing to `out`, every setting explicit."""
     from rich.console import Console
 
     # Every setting explicit, so that the environment (FORCE_COLOR, COLUMNS, a tty) cannot change the output.
