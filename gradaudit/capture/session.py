@@ -271,8 +271,8 @@ class AuditStep:
             left_out=tuple(uninferred.values()),
         )
         if self.optimizer is not None:
-            self._hooks.append(self.optimizer.register_step_pre_hook(self._before_optimizer_step))
-            self._hooks.append(self.optimizer.register_step_post_hook(self._after_optimizer_step))
+            self._hooks.append(self.optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step()))
+            self._hooks.append(self.optimizer.register_step_post_hook(lambda *_: self.after_optimizer_step()))
         self._ownership, self._snapshots = ownership, snapshots
 
     def _remove_hooks(self) -> None:
@@ -438,12 +438,6 @@ class AuditStep:
         """Record the parameters after the optimizer step (the `optimizer=` hooks call this)."""
         if self._recording:
             self._guard("capture", lambda: self._taken().take("param_after"))
-
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.before_optimizer_step()
-
-    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.after_optimizer_step()
 
     def _finish(self) -> None:
         snapshots = self._taken()
