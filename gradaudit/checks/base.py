@@ -121,6 +121,8 @@ class CheckSpec:
     """A clean result stands with ranks missing; otherwise it is "not checked" when ranks are missing."""
     decides_clipping: bool = False
     """The verdict calls clipping right only when every such check ran (none was "not checked")."""
+    norm_clipping: bool = False
+    """A check of a clip norm or its coefficient: "not checked" when the step clipped element-wise (GA506)."""
 
     def apply(self, inputs: AuditInputs, options: AuditOptions) -> list[Finding] | NotChecked:
         result = self.run(inputs, options)

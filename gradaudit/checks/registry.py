@@ -120,6 +120,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="clipping used a local norm",
         run=deferred("norm.local_norm"),
         verdict_rank=100,
+        norm_clipping=True,
         decides_clipping=True,
         what="Each rank's reported norm (or the norm its coefficient implies) against the norm of its own pieces only.",
         why="A norm that is never reduced across ranks is smaller than the global one: every shard can be under "
@@ -140,6 +141,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="norm counts replicated gradients more than once",
         run=deferred("norm.double_counted"),
         verdict_rank=110,
+        norm_clipping=True,
         decides_clipping=True,
         what="The reported norm against the norm of all ranks' pieces with every replica counted once per copy, "
         "and against each named group's norm counted once per member (every rank computed the group's full norm, "
@@ -159,6 +161,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="norm reduced over the wrong process group",
         run=deferred("norm.wrong_group"),
         verdict_rank=120,
+        norm_clipping=True,
         decides_clipping=True,
         what="The reported norm against the norm of the pieces held by one named process group of this rank.",
         why="Reducing over the wrong group (one pipeline stage, the shard axis without the others) gives each "
@@ -176,6 +179,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="norm matches no known mistake",
         run=deferred("norm.unexplained"),
         verdict_rank=160,
+        norm_clipping=True,
         decides_clipping=True,
         what="Whether the reported norm matches any candidate at all (true, local, double-counted, per process "
         "group, loss-scaled, one parameter group wrong (GA207), averaged (GA208), overflowed (GA209)).",
@@ -191,6 +195,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="reported norm is wrong but clipping used the right one",
         run=deferred("norm.logging_bug"),
         verdict_rank=250,
+        norm_clipping=True,
         what="Ranks whose reported norm is wrong while the coefficient they applied is the one the true norm asks for.",
         why="Clipping itself was right, but dashboards and alerts built on the logged norm are wrong, which "
         "hides real spikes or invents false ones.",
@@ -204,6 +209,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="clipping was not checked",
         run=deferred("norm.not_checked"),
         verdict_rank=260,
+        norm_clipping=True,
         what="Whether the dump holds the evidence the clipping checks need: the gradient before clipping and, "
         "on some rank, a reported norm, a clip coefficient or the gradient after clipping.",
         why="Without that evidence GA201-GA204 and GA302 cannot run, and a report with no error would look like "
@@ -219,6 +225,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="norm accounts one group of parameters wrongly",
         run=deferred("norm.param_group_mistake"),
         verdict_rank=130,
+        norm_clipping=True,
         decides_clipping=True,
         what="When no whole-step accounting explains a rank's norm: the norm in which one group of parameters "
         "(parameters held alike, e.g. the experts of an MoE layer) is left out, counted on every rank that "
@@ -238,6 +245,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="norm averages per-rank norms instead of summing squares",
         run=deferred("norm.averaged_norms"),
         verdict_rank=140,
+        norm_clipping=True,
         decides_clipping=True,
         what="Whether a rank's norm is the mean of the ranks' local norms (or the root of the mean of their "
         "squares) over a process group, instead of the root of the sum of their squares.",
@@ -252,6 +260,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="norm overflowed in its working precision",
         run=deferred("norm.overflowed"),
         verdict_rank=150,
+        norm_clipping=True,
         decides_clipping=True,
         what="Whether a rank's inf (or nan) norm is what the true norm becomes in a narrower working precision, "
         "while every gradient value is finite.",
@@ -268,6 +277,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="ranks applied different clip coefficients",
         run=deferred("coefficients.coefficients_differ"),
         verdict_rank=180,
+        norm_clipping=True,
         what="All ranks applied the same clip coefficient to the gradient (within the dtype's tolerance).",
         why="One logical update must be scaled by one number; different coefficients per rank change the "
         "direction of the update, not just its length.",
@@ -280,6 +290,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="applied coefficient differs from the expected one",
         run=deferred("coefficients.coefficient_vs_expected"),
         verdict_rank=190,
+        norm_clipping=True,
         decides_clipping=True,
         what="Each rank's applied coefficient (measured from pre/post-clip gradients, else reported) against "
         "min(1, max_norm / (true_norm + 1e-6)).",
@@ -295,6 +306,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="post-clip global norm exceeds max_norm",
         run=deferred("coefficients.post_clip_norm"),
         verdict_rank=200,
+        norm_clipping=True,
         decided_with_ranks_missing=True,
         what="The global norm of the post-clip gradients is at most max_norm.",
         why="After correct clipping the norm cannot exceed max_norm; if it does, some gradients were not scaled "
@@ -308,6 +320,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="parameters received different clip coefficients",
         run=deferred("coefficients.coefficients_by_parameter"),
         verdict_rank=28,
+        norm_clipping=True,
         decided_with_ranks_missing=True,
         what="Every parameter received the same clip coefficient, measured per parameter from its pre- and "
         "post-clip gradients (from the values in full mode, from the ratio of the sums of squares in stats "
@@ -406,6 +419,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="gradients were clipped before the recorded clip call",
         run=deferred("unrecorded.clipped_before_the_recorded_call"),
         verdict_rank=24,
+        norm_clipping=True,
         what="Whether the gradients the recorded clip call saw were clipped already: one clip call per rank was "
         "recorded, the true global norm just before it is max_norm itself (to the rounding of the gradients' "
         "dtype), and the call then scaled nothing (coefficient 1).",
@@ -424,6 +438,7 @@ CHECKS: tuple[CheckSpec, ...] = (
         title="no clip call although max_norm was declared",
         run=deferred("unrecorded.no_clip_call"),
         verdict_rank=26,
+        norm_clipping=True,
         what="Whether a clip ran at all: max_norm was declared and the optimizer step was recorded, but no rank "
         "recorded a clip call (every call of a known clip function made while the audit is open is recorded), "
         "a reported norm or a coefficient. The headline's norm is then that of the gradients the step used.",
@@ -574,13 +589,13 @@ def run_checks(
     inputs: AuditInputs, options: AuditOptions
 ) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
     """Run every check; findings sorted by (severity, code, ranks, params), not-checked by code."""
-    from .valueclip import NORM_CLIPPING_CODES, gate
+    from .valueclip import gate
 
     findings: list[Finding] = []
     not_checked: list[NotChecked] = []
     by_value = gate(inputs)
     for spec in CHECKS:
-        if by_value is not None and spec.code in NORM_CLIPPING_CODES:
+        if by_value is not None and spec.norm_clipping:
             not_checked.append(NotChecked(code=spec.code, title=spec.title, reason=by_value))
             continue
         result = spec.apply(inputs, options)

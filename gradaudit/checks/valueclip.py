@@ -5,25 +5,6 @@ from __future__ import annotations
 
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, num, ranks_named
 
-NORM_CLIPPING_CODES = (
-    "GA201",
-    "GA202",
-    "GA203",
-    "GA204",
-    "GA205",
-    "GA206",
-    "GA207",
-    "GA208",
-    "GA209",
-    "GA301",
-    "GA302",
-    "GA303",
-    "GA304",
-    "GA504",
-    "GA505",
-)
-"""The checks of a norm and its coefficient: with element-wise clipping there is neither to check."""
-
 
 def gate(inputs: AuditInputs) -> str | None:
     """Why the norm-clipping checks do not apply to this step (it clipped element-wise), or None."""
