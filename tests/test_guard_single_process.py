@@ -167,3 +167,14 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     assert report.global_norm is not None and abs(report.global_norm - first) > 0.1 * first
     note = "step 1: the true norm before the first of its 2 clip calls"
     assert note in render_multi(multi, width=200) and note in markdown_multi(multi)
+
+
+def test_line_of_a_step_reads_its_pending_verdict_and_never_gives_another_steps_line(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, late=True) as guard:
+        _steps(model, opt, 1)
+        assert guard.last is None  # late: read at the next step, or when asked for it
+        line = guard.line_of(1)
+        assert line is not None and line.step == 1 and line.ok and guard.line_of(2) is None
+        _steps(model, opt, 1)
+        assert guard.line_of(2) is not None and guard.line_of(1) is None  # the latest line is step 2's
