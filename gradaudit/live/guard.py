@@ -331,16 +331,30 @@ class Guard:
         with intercept.outermost():
             return self._measured(fn, args, kwargs)
 
-    def _before_call(self) -> tuple[Any, Any, Any]:
+    def _before_call(self) -> tuple[Any, Any, Any, bool | None]:
         terms, sampled = self._summary.measure()
-        return terms, self._summary.sample(sampled), sampled
+        unscaled = self._scaler.unscaled() if self._scaler is not None else None
+        return terms, self._summary.sample(sampled), sampled, unscaled
 
     def _record_call(
-        self, before: tuple[Any, Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
+        self,
+        before: tuple[Any, Any, Any, bool | None],
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        result: Any,
     ) -> None:
         from ..capture.arguments import clip_arguments, norm_results
 
-        terms, sample, sampled = before
+        terms, sample, sampled, unscaled_before = before
+        if self._scaler is not None:
+            self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
+            self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
+            scale, unscaled = self._scale_at_clip
+            if unscaled_before is False and unscaled and scale:
+                # the call unscaled the gradients before its norm (accelerator.clip_grad_norm_ does):
+                # what was measured before it is divided by the loss scale, as the call saw it
+                terms, sample = _unscaled(terms, sample, scale, self.norm_type, self.layout.num_groups)
         max_norm, norm_type = clip_arguments(fn, args, kwargs)
         record = CallRecord(
             terms=terms,
@@ -351,9 +365,6 @@ class Guard:
             before=sample,
             sampled=sampled,
         )
-        if self._scaler is not None:
-            self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
-            self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
         self._num_calls += 1
         if len(self._calls) < self.layout.max_calls:
             self._calls.append(record)
@@ -633,6 +644,17 @@ def _ownership_keys(
             keys.append(key)
         keys_of.append(keys)
     return keys_of, added
+
+
+def _unscaled(terms: Any, sample: Any, scale: float, norm_type: float, num_groups: int) -> tuple[Any, Any]:
+    """Group terms (p-th powers of norms, then nonfinite counts) and a sample measured on gradients
+    multiplied by the loss scale, as they are once it is divided out."""
+    import torch
+
+    if terms is not None:
+        power = scale if math.isinf(norm_type) else scale**norm_type
+        terms = torch.cat((terms[:num_groups] / power, terms[num_groups:]))
+    return terms, None if sample is None else sample / scale
 
 
 def _loosest_dtype(grads: Iterable[Any]) -> str | None:
