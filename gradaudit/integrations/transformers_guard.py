@@ -12,7 +12,8 @@ step not checked: one captured in full after an anomaly, or between every=): in 
 and for every callback of the call, TensorBoard's and W&B's included (the callback moves itself to
 the front of the Trainer's callbacks when training begins, since the reporting ones are added before
 any of the user's). On GPU the verdict of the step logged is read at its log call, where the Trainer
-syncs with the device for its loss anyway.
+syncs with the device for its loss anyway. With fp16 the guard takes Accelerate's GradScaler from the
+Trainer's optimizer (see `accelerate_guard`).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ class GuardCallback(TrainerCallback):
                 "GuardCallback needs the max_norm clipping should use: set TrainingArguments(max_grad_norm=...) "
                 "or pass GuardCallback(..., max_norm=...)"
             )
+        optimizer = kwargs["optimizer"]
         self.guard = Guard(
             kwargs["model"],
             max_norm=float(max_norm),
-            optimizer=kwargs["optimizer"],
+            optimizer=optimizer,
             out_dir=self.out_dir,
             first_step=state.global_step + 1,
-            **self.guard_kwargs,
+            # fp16: Accelerate's GradScaler, which its optimizer wrapper holds (None otherwise)
+            **{"scaler": getattr(optimizer, "scaler", None), **self.guard_kwargs},
         )
 
     def _log_first(self) -> None:
