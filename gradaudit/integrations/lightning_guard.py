@@ -7,6 +7,9 @@ removed when it ends. It sees Lightning's own clip (`torch.nn.utils.clip_grad_no
 of the user's hooks (`on_after_backward`, `configure_gradient_clipping`, `training_step`), so a clip
 per micro-batch under `accumulate_grad_batches` is GA501. The true norm and its ratio to the reported
 one are logged through `pl_module.log` as `gradaudit/true_norm` and `gradaudit/reported_over_true`.
+With `precision="16-mixed"` the guard takes the precision plugin's GradScaler: Lightning unscales before
+its clip, a clip of the user's hooks before that sees the gradients still multiplied by the loss scale
+(GA502), and a step the scaler skips for inf gradients is written to the trend as skipped.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class GuardCallback(Callback):
             optimizer=trainer.optimizers[0],
             out_dir=self.out_dir,
             first_step=trainer.global_step + 1,
-            **self.guard_kwargs,
+            # precision="16-mixed": the precision plugin's GradScaler (None otherwise)
+            **{"scaler": getattr(trainer.precision_plugin, "scaler", None), **self.guard_kwargs},
         )
 
     def on_train_batch_end(

@@ -16,6 +16,14 @@ from gradaudit.live.guard import GuardAnomaly
 NUM_STEPS = 4
 
 
+def trend_lines(out_dir: str) -> list[dict]:
+    """The guard's trend file of a run folder as JSON lines (none when it has none)."""
+    from gradaudit.live.trend import TREND_FILE, read_trend
+
+    path = os.path.join(out_dir, TREND_FILE)
+    return [line.to_json() for line in read_trend(path)] if os.path.exists(path) else []
+
+
 def _wrapped(stack: str, world_size: int) -> torch.nn.Module:
     model = tiny_net()
     if stack == "ddp":

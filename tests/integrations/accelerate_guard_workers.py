@@ -8,6 +8,7 @@ import warnings
 
 import torch
 from accelerate_workers import _fp16_accelerator
+from guard_workers import trend_lines
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_MICROBATCHES = 2
@@ -43,13 +44,6 @@ def _tracker():
             self.logged.append((step, dict(values)))
 
     return ListTracker()
-
-
-def _trend(out_dir: str) -> list[dict]:
-    from gradaudit.live.trend import TREND_FILE, read_trend
-
-    path = os.path.join(out_dir, TREND_FILE)
-    return [line.to_json() for line in read_trend(path)] if os.path.exists(path) else []
 
 
 def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
@@ -107,7 +101,7 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
             "logged": tracker.logged,
             "norms": norms,
             "scales": scales,
-            "trend": _trend(os.path.join(out_root, name)),
+            "trend": trend_lines(os.path.join(out_root, name)),
         }
         accelerator.free_memory()
     return results

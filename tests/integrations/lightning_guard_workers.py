@@ -7,9 +7,12 @@ import os
 import warnings
 
 import torch
+from guard_workers import trend_lines
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_STEPS = 3
+FP16_INIT_SCALE = 2.0**16
+"""GradScaler's default, as Lightning's 16-mixed makes it on GPU."""
 
 
 def _module(clip_in_hook: bool):
@@ -36,6 +39,7 @@ def _module(clip_in_hook: bool):
 
 def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
 
     from gradaudit.integrations.lightning_guard import GuardCallback
@@ -44,9 +48,22 @@ def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     micro = [(rows(x, i, 2), rows(y, i, 2)) for i in range(2)]
     results = {}
-    for name, clip_in_hook in (("ok", False), ("hook_clip", True)):
+    for name, clip_in_hook in (
+        ("ok", False),
+        ("hook_clip", True),
+        ("fp16_ok", False),
+        ("fp16_hook_clip", True),
+    ):
         callback = GuardCallback(os.path.join(out_root, name))
+        fp16 = name.startswith("fp16")
         trainer = pl.Trainer(
+            # precision="16-mixed" becomes bf16 on CPU; Lightning's own 16-mixed plugin takes a CPU
+            # GradScaler (the one it makes on GPU is torch.amp.GradScaler("cuda"))
+            plugins=[
+                MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=FP16_INIT_SCALE))
+            ]
+            if fp16
+            else None,
             accelerator="cpu",
             devices=world_size,
             strategy=DDPStrategy(),
@@ -69,6 +86,8 @@ def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
         results[name] = {
             "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+            "scaler": guard.scaler is not None,
+            "trend": trend_lines(os.path.join(out_root, name)),
             "logged": {
                 k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradaudit/")
             },
