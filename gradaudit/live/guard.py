@@ -331,6 +331,12 @@ class Guard:
         with intercept.outermost():
             return self._measured(fn, args, kwargs)
 
+    def applied(self, coef: Any) -> None:
+        """The coefficient the step's latest clip call applied, measured by an integration where the
+        guard's sample after the call cannot be read (ZeRO frees its gradient partitions in the step)."""
+        if self._calls:
+            self._calls[-1].coef = coef
+
     def _before_call(self) -> tuple[Any, Any, Any, bool | None]:
         terms, sampled = self._summary.measure()
         unscaled = self._scaler.unscaled() if self._scaler is not None else None
@@ -361,7 +367,7 @@ class Guard:
             reported=norm_results(result)[0],
             max_norm=max_norm,
             norm_type=norm_type,
-            coef=None,  # the step's coefficient is measured once, at the optimizer step (see _vector)
+            coef=None,  # measured once, at the optimizer step (see _vector), unless `applied` says it
             before=sample,
             sampled=sampled,
         )
@@ -380,8 +386,14 @@ class Guard:
     def _vector(self, *, skipped: bool) -> Any:
         if self._calls:
             last = self._calls[-1]
-            # the same gradient tensors the last call clipped in place, sampled again
-            terms, applied = last.terms, coefficient(last.before, self._summary.sample(last.sampled))
+            # the same gradient tensors the last call clipped in place, sampled again (or what an
+            # integration measured where they are gone by now, see `applied`)
+            applied = (
+                last.coef
+                if last.coef is not None
+                else coefficient(last.before, self._summary.sample(last.sampled))
+            )
+            terms = last.terms
         else:
             terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
         scaler: tuple[float | None, bool | None, bool | None] = (None, None, None)

@@ -8,7 +8,6 @@ import warnings
 
 import torch
 from accelerate_workers import _fp16_accelerator
-from guard_workers import trend_lines
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_MICROBATCHES = 2
@@ -101,7 +100,6 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
             "logged": tracker.logged,
             "norms": norms,
             "scales": scales,
-            "trend": trend_lines(os.path.join(out_root, name)),
         }
         accelerator.free_memory()
     return results

@@ -1,6 +1,7 @@
 """Rank workers for the guard under DeepSpeed ZeRO stages 1-3 on 2 gloo ranks (CPU accelerator):
 DeepSpeed's own clip (gradient_clipping) with 2 micro-batches per step, and a norm that is not reduced
-over the data-parallel group at one step (the mistake, put into ZeRO's own norm computation)."""
+over the data-parallel group at one step (the mistake, put into ZeRO's own norm computation), or ZeRO
+clipping to another max_norm than the config's at one step (its clip_grad changed)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,13 @@ def guarded_deepspeed(rank: int, world_size: int, out_root: str) -> dict:
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     results = {}
-    for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero2_local_norm", 2)):
+    for name, stage in (
+        ("zero1", 1),
+        ("zero2", 2),
+        ("zero3", 3),
+        ("zero2_local_norm", 2),
+        ("zero3_other_max_norm", 3),
+    ):
         engine = _engine(stage)
         attached = DeepSpeedGuard(engine, os.path.join(out_root, name))
         norms = []
@@ -67,6 +74,8 @@ def guarded_deepspeed(rank: int, world_size: int, out_root: str) -> dict:
                     engine.optimizer.get_grad_norm_direct = _norm_over_one_rank(engine, own_groups[rank])
                 if name == "zero2_local_norm" and step == MISTAKE_AT + 1:
                     del engine.optimizer.get_grad_norm_direct
+                if name == "zero3_other_max_norm":  # ZeRO clips to twice the config's, at one step
+                    engine.optimizer.clip_grad = MAX_NORM * (2 if step == MISTAKE_AT else 1)
                 for micro in range(2):
                     engine.backward(loss_of(engine(rows(x, micro, 2)), rows(y, micro, 2)))
                     engine.step()

@@ -7,7 +7,6 @@ import os
 import warnings
 
 import torch
-from guard_workers import trend_lines
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_STEPS = 3
@@ -87,7 +86,6 @@ def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
             "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
             "scaler": guard.scaler is not None,
-            "trend": trend_lines(os.path.join(out_root, name)),
             "logged": {
                 k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradaudit/")
             },

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from accelerate_guard_workers import MISTAKE_FROM, NUM_STEPS, guarded_accelerate
+from guard_workers import with_trends
 from launcher import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_root = tmp_path_factory.mktemp("accelerate_guard")
-    return out_root, run_ranks(guarded_accelerate, 2, (str(out_root),), timeout_s=240)
+    return out_root, with_trends(
+        run_ranks(guarded_accelerate, 2, (str(out_root),), timeout_s=240), str(out_root)
+    )
 
 
 def test_accelerates_own_clip_is_never_flagged_and_its_true_norm_is_logged_through_the_trackers(runs):

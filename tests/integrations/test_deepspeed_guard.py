@@ -1,6 +1,7 @@
 """The guard in one line under DeepSpeed ZeRO 1-3 on 2 gloo ranks: DeepSpeed's own clip passes every
 step with the true norm equal to the one DeepSpeed clipped with, and a norm that is not reduced over
-the data-parallel group is named at its step, with the code `gradaudit check` gives for the dump."""
+the data-parallel group is named at its step, with the code `gradaudit check` gives for the dump; the
+coefficient DeepSpeed applied is measured, so ZeRO clipping to another max_norm is GA302."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from deepspeed_guard_workers import MISTAKE_AT, NUM_STEPS, guarded_deepspeed
+from guard_workers import with_trends
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
 
@@ -18,7 +20,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_root = tmp_path_factory.mktemp("deepspeed_guard")
-    return out_root, run_ranks(guarded_deepspeed, 2, (str(out_root),), timeout_s=300)
+    return out_root, with_trends(
+        run_ranks(guarded_deepspeed, 2, (str(out_root),), timeout_s=300), str(out_root)
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -30,6 +34,11 @@ def test_deepspeeds_own_clip_is_never_flagged(runs, stage):
         assert run["last"]["step"] == NUM_STEPS
         assert run["last"]["true_norm"] == pytest.approx(run["norms"][-1], rel=1e-5)
         assert run["last"]["true_norm"] > 0.1  # DeepSpeed clipped
+        # the coefficient measured on ZeRO's fp32 partitions around its unscale_and_clip_grads
+        assert [line["verdict"] for line in run["trend"]] == ["ok"] * NUM_STEPS
+        for line in run["trend"]:
+            assert line["min_coef"] == pytest.approx(line["expected_coef"], rel=1e-5)
+            assert line["max_coef"] == pytest.approx(line["expected_coef"], rel=1e-5)
 
 
 def test_a_norm_not_reduced_over_the_data_parallel_group_is_named_at_its_step(runs):
@@ -39,3 +48,18 @@ def test_a_norm_not_reduced_over_the_data_parallel_group_is_named_at_its_step(ru
         assert [step for step, _ in anomalies] == [MISTAKE_AT]
         assert "GA201" in anomalies[0][1]
     assert "GA201" in error_codes(audit_report(out_root / "zero2_local_norm" / f"step_{MISTAKE_AT}"))
+
+
+def test_zero_clipping_to_another_max_norm_is_ga302_at_its_step_and_the_next_step_is_captured_in_full(runs):
+    out_root, results = runs
+    for result in results:
+        anomalies = result["zero3_other_max_norm"]["anomalies"]
+        assert [step for step, _ in anomalies] == [MISTAKE_AT]
+        assert "GA302" in anomalies[0][1]  # the reported norm is right; the coefficient applied is not
+        (line,) = [line for line in result["zero3_other_max_norm"]["trend"] if line["step"] == MISTAKE_AT]
+        assert line["min_coef"] == pytest.approx(2 * line["expected_coef"], rel=1e-4)
+    run = out_root / "zero3_other_max_norm"
+    assert "GA302" in error_codes(audit_report(run / f"step_{MISTAKE_AT}"))
+    assert (
+        error_codes(audit_report(run / "full" / f"step_{MISTAKE_AT + 1}")) == set()
+    )  # the step after: right

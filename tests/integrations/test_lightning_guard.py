@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from guard_workers import with_trends
 from launcher import run_ranks
 from lightning_guard_workers import NUM_STEPS, guarded_fit
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_root = tmp_path_factory.mktemp("lightning_guard")
-    return out_root, run_ranks(guarded_fit, 2, (str(out_root),), timeout_s=300)
+    return out_root, with_trends(run_ranks(guarded_fit, 2, (str(out_root),), timeout_s=300), str(out_root))
 
 
 def test_a_clip_per_micro_batch_in_a_hook_is_caught_and_lightnings_own_clip_passes(runs):
