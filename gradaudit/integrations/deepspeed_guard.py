@@ -15,9 +15,11 @@ The coefficient DeepSpeed applied is measured inside `engine.step()`: ZeRO divid
 gradient partition in place by loss scale x clip factor (`unscale_and_clip_grads`, stages 1-3, where
 clip factor = max(1, (norm + 1e-6) / gradient_clipping)); the guard samples a fixed set of elements of
 each partition before and after that call, so the coefficient is the one applied, not the one the
-formula gives (times the loss scale of the backward, 1 without fp16). The step after an anomaly is
+formula gives (times the loss scale of the backward, 1 without fp16). With fp16 the partitions carry
+DeepSpeed's loss scale, which the guard divides out of what it measures. The step after an anomaly is
 captured in full under out_dir/full/ (this rank's gradient partitions before `engine.step()`, the
-norm DeepSpeed clipped with, the update), as `DeepSpeedAudit` captures a chosen step. A clip call of
+norm DeepSpeed clipped with, the update), as `DeepSpeedAudit` captures a chosen step; not under a loss
+scale other than 1, which a capture does not record. A clip call of
 the user's own in the step is seen as under any stack.
 """
 
@@ -105,6 +107,7 @@ class DeepSpeedGuard:
             first_step=int(engine.global_steps) + 1,
             **guard_kwargs,
         )
+        self._capture_next = self.guard.capture_next
         self._original = engine.step
         engine.step = self._step
 
@@ -124,8 +127,11 @@ class DeepSpeedGuard:
             return self.engine.get_global_grad_norm()
 
         def step() -> Any:
-            scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)  # the backward's
-            norm = self.guard.clip(deepspeed_step, *args, **kwargs)
+            # the loss scale of the backward (1 without fp16): the partitions read before engine.step()
+            # carry it, and ZeRO divides it out with its clip factor
+            scale = float(getattr(self.engine.optimizer, "loss_scale", 1.0) or 1.0)
+            self.guard.capture_next = self._capture_next and scale == 1.0
+            norm = self.guard.clip_unscaling(scale, deepspeed_step, *args, **kwargs)
             if samples:
                 before, after = (torch.cat(s) for s in zip(*samples, strict=True))
                 self.guard.applied(coefficient(before, after) * scale)

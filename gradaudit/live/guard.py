@@ -116,6 +116,8 @@ class Guard:
         self._scale_at_clip: tuple[float | None, bool | None] | None = None
         """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first:"""
         self._scale_at_first_clip: tuple[float | None, bool | None] | None = None
+        self._call_unscales = 1.0
+        """The loss scale the clip call under way divides out itself (see `clip_unscaling`)."""
         self._stepped = False
         self._grad_dtype: str | None = None
         self.run_id = check_run_id(run_id)
@@ -331,6 +333,15 @@ class Guard:
         with intercept.outermost():
             return self._measured(fn, args, kwargs)
 
+    def clip_unscaling(self, loss_scale: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`clip` of a call that divides the gradients by the loss scale they carry before its norm (DeepSpeed's
+        `engine.step()` under fp16): what the guard measures before the call is divided by it too."""
+        self._call_unscales = loss_scale
+        try:
+            return self.clip(fn, *args, **kwargs)
+        finally:
+            self._call_unscales = 1.0
+
     def applied(self, coef: Any) -> None:
         """The coefficient the step's latest clip call applied, measured by an integration where the
         guard's sample after the call cannot be read (ZeRO frees its gradient partitions in the step)."""
@@ -361,6 +372,10 @@ class Guard:
                 # the call unscaled the gradients before its norm (accelerator.clip_grad_norm_ does):
                 # what was measured before it is divided by the loss scale, as the call saw it
                 terms, sample = _unscaled(terms, sample, scale, self.norm_type, self.layout.num_groups)
+        elif self._call_unscales != 1.0:
+            terms, sample = _unscaled(
+                terms, sample, self._call_unscales, self.norm_type, self.layout.num_groups
+            )
         max_norm, norm_type = clip_arguments(fn, args, kwargs)
         record = CallRecord(
             terms=terms,

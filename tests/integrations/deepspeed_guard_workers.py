@@ -12,6 +12,7 @@ from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_STEPS = 4
 MISTAKE_AT = 3
+LOSS_SCALE = 1024.0
 
 
 def _engine(stage: int):
@@ -63,8 +64,13 @@ def guarded_deepspeed(rank: int, world_size: int, out_root: str) -> dict:
         ("zero3", 3),
         ("zero2_local_norm", 2),
         ("zero3_other_max_norm", 3),
+        ("zero1_loss_scale", 1),
     ):
         engine = _engine(stage)
+        if name == "zero1_loss_scale":
+            # DeepSpeed's static loss scaling, as fp16 runs it (fp16 is refused on the CPU accelerator):
+            # engine.backward multiplies the loss by it, ZeRO divides it out with its clip factor
+            engine.optimizer.loss_scale = LOSS_SCALE
         attached = DeepSpeedGuard(engine, os.path.join(out_root, name))
         norms = []
         with warnings.catch_warnings(record=True) as caught:
