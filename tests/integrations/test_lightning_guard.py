@@ -10,7 +10,7 @@ pytest.importorskip("lightning")
 
 from guard_workers import with_trends
 from launcher import run_ranks
-from lightning_guard_workers import NUM_STEPS, guarded_fit
+from lightning_guard_workers import LATE_LOG_EVERY, NUM_STEPS, guarded_fit
 
 pytestmark = pytest.mark.integration
 
@@ -49,3 +49,15 @@ def test_16_mixed_with_its_grad_scaler_passes_lightnings_clip_and_catches_a_hook
         # the hook clips each micro-batch before Lightning unscales: from the first step not skipped
         assert wrong["anomalies"] == [(2, ["GA501", "GA502"])]
         assert [line["verdict"] for line in wrong["trend"]] == ["skipped", "anomaly"]
+
+
+def test_read_one_step_late_as_on_gpu_each_step_logged_carries_its_own_true_norm(runs):
+    _, results = runs
+    late = results[0]["late"]
+    assert late["anomalies"] == [] and late["warnings"] == []
+    trend = {line["step"]: line["true_norm"] for line in late["trend"]}
+    assert sorted(trend) == list(range(1, NUM_STEPS + 1))
+    # Lightning logs step 2 (log_every_n_steps=2): its own number, read at that log step, not step 1's
+    assert [values["gradaudit/true_norm"] for values in late["logger"]] == [
+        pytest.approx(trend[LATE_LOG_EVERY], rel=1e-6)
+    ]
