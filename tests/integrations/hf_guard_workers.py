@@ -9,6 +9,8 @@ import warnings
 import torch
 from hf_workers import MAX_GRAD_NORM, TokenData, _args, tiny_llama
 
+FP16_STEPS = 6
+
 
 def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
     from transformers import Trainer, TrainerCallback
@@ -52,7 +54,8 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
             # Accelerate creates its GradScaler only off CPU (accelerator.py: fp16 and device type not
             # "cpu"): the one it would create is installed before train() hands it to its optimizer
             trainer.accelerator.native_amp = True
-            trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            trainer.accelerator.scaler = torch.amp.GradScaler("cpu")  # 2**16, as on GPU
+            args.max_steps = FP16_STEPS
         trainer.add_callback(callback)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

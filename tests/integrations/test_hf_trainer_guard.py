@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_guard_workers import guarded_train
+from hf_guard_workers import FP16_STEPS, guarded_train
 from launcher import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,9 @@ def test_fp16_with_accelerates_grad_scaler_passes_the_trainers_clip_and_catches_
         assert ok["scaler"] and ok["anomalies"] == [] and ok["warnings"] == []
         # a clip in training_step sees the gradients still multiplied by the loss scale
         assert wrong["anomalies"][:1] == [(1, ["GA501", "GA502"])]
-    for log in results[0]["fp16_ok"]["history"]:
+    history = results[0]["fp16_ok"]["history"]
+    assert [log["step"] for log in history] == list(range(1, FP16_STEPS + 1))
+    for log in history:
         assert log["gradaudit_true_norm"] == pytest.approx(log["grad_norm"], rel=1e-5)
     step_1 = results[0]["fp16_step_clip"]["history"][0]
     assert step_1["gradaudit_reported_over_true"] < 1e-2  # the Trainer's grad_norm: a gradient clipped twice
