@@ -19,8 +19,8 @@ formula gives (times the loss scale of the backward, 1 without fp16). With fp16 
 DeepSpeed's loss scale, which the guard divides out of what it measures. The step after an anomaly is
 captured in full under out_dir/full/ (this rank's gradient partitions before `engine.step()`, the
 norm DeepSpeed clipped with, the update), as `DeepSpeedAudit` captures a chosen step; not under a loss
-scale other than 1, which a capture does not record. A clip call of
-the user's own in the step is seen as under any stack.
+scale other than 1, which a capture does not record. A clip call of the user's own in the step is seen
+as under any stack.
 """
 
 from __future__ import annotations
@@ -115,8 +115,7 @@ class DeepSpeedGuard:
         if not self.engine.is_gradient_accumulation_boundary():
             return self._original(*args, **kwargs)
         returned: list[Any] = []
-
-        samples: list[tuple[Any, Any]] = []
+        samples: list[tuple[Any, Any]] = []  # (before, after) of each unscale_and_clip_grads call
 
         def deepspeed_step(*args: Any, max_norm: float = self.guard.max_norm, **kwargs: Any) -> Any:
             try:

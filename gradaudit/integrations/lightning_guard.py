@@ -65,7 +65,7 @@ class GuardCallback(Callback):
         # this step's line, never an older one; on GPU (late=True) read from the device only on a step
         # Lightning logs, where it syncs for its own metrics anyway
         logs = bool(trainer.log_every_n_steps) and step % trainer.log_every_n_steps == 0
-        line = guard.line_of(step) if logs else guard.last if guard.last and guard.last.step == step else None
+        line = guard.line_of(step, read=logs)
         if line is None:
             return
         self._logged_step = step

@@ -517,11 +517,11 @@ class Guard:
             if report is not None:
                 self._judge(step, (live, report))
 
-    def line_of(self, step: int) -> TrendLine | None:
-        """The trend line of `step`, reading its verdict now if it is still pending (late=True: call this
-        where the training syncs with the device anyway, as at a log step); None for a step that was not
-        checked (every=, a step captured in full, the guard off), never another step's line."""
-        if self.active and self._pending is not None and self._pending[0] == step:
+    def line_of(self, step: int, *, read: bool = True) -> TrendLine | None:
+        """The trend line of `step`, reading its verdict now if it is still pending (late=True; `read`:
+        call this where the training syncs with the device anyway, as at a log step); None for a step
+        not checked (every=, a step captured in full, the guard off) or not read, never another step's."""
+        if read and self.active and self._pending is not None and self._pending[0] == step:
             self._read_pending()
         return self.last if self.last is not None and self.last.step == step else None
 
