@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from deepspeed_guard_workers import MISTAKE_AT, NUM_STEPS, guarded_deepspeed
+from deepspeed_guard_workers import MISTAKE_AT, NUM_STEPS, SCALE_GROWTH_AT, guarded_deepspeed
 from guard_workers import with_trends
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
@@ -64,3 +64,21 @@ def test_zero_clipping_to_another_max_norm_is_ga302_at_its_step_and_the_next_ste
     assert (
         error_codes(audit_report(run / "full" / f"step_{MISTAKE_AT + 1}")) == set()
     )  # the step after: right
+
+
+def test_the_halved_update_of_zero2_on_a_step_its_dynamic_loss_scale_grows_is_named_at_that_step(runs):
+    """DeepSpeed 0.19.8 (the pinned version), ZeRO-1/2 `step()`: `_update_scale` doubles the loss scale
+    before `unscale_and_clip_grads` divides the gradients by it, so on the step the scale grows they are
+    divided by twice the scale the backward used. With clipping active the clip factor cancels it; on a
+    step that clips nothing the update is halved, while the norm DeepSpeed reports is right: only the
+    coefficient measured on its partitions shows it (deepspeedai/DeepSpeed#8588 describes the same order
+    in FP16_UnfusedOptimizer). When a DeepSpeed release fixes it, this test says so."""
+    _, results = runs
+    for result in results:
+        run = result["zero2_scale_growth"]
+        assert [step for step, _ in run["anomalies"]] == [SCALE_GROWTH_AT]
+        assert "GA302" in run["anomalies"][0][1]
+        (line,) = [line for line in run["trend"] if line["step"] == SCALE_GROWTH_AT]
+        assert line["expected_coef"] == pytest.approx(1.0, rel=1e-5)
+        assert line["min_coef"] == pytest.approx(0.5, rel=1e-5)
+        assert line["reported_norm"] == pytest.approx(line["true_norm"], rel=1e-5)
