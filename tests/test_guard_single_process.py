@@ -136,7 +136,14 @@ def test_pieces_that_ranks_hold_alike_without_a_replica_group_are_one_group_over
     assert added == {"ranks 0,1": ((0, 1),)}
 
 
-def test_the_trend_of_a_step_clipped_per_micro_batch_holds_the_norm_before_its_first_clip(tmp_path):
+def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_the_trend_and_the_table(
+    tmp_path,
+):
+    from gradaudit.audit import AuditOptions, audit_folder
+    from gradaudit.render.markdown import render_multi as markdown_multi
+    from gradaudit.render.steps import step_rows
+    from gradaudit.render.terminal import render_multi
+
     model, opt = _setup()
     with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
         model(torch.randn(4, 8)).pow(2).sum().backward()
@@ -147,6 +154,27 @@ def test_the_trend_of_a_step_clipped_per_micro_batch_holds_the_norm_before_its_f
             warnings.simplefilter("ignore", GuardWarning)
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
+        _steps(model, opt, 1)  # captured in full: a second step of the run folder
     (line,) = _trend(tmp_path)
     assert guard.anomalies == [(1, ("GA501",))] and line["codes"] == ["GA501"]
     assert first > 10 * MAX_NORM and line["true_norm"] == pytest.approx(first, rel=1e-6)
+    multi = audit_folder(tmp_path, AuditOptions())
+    (row,) = [row for row in step_rows(multi)[0] if row.steps == (1,)]
+    # the run table shows the trend's number, not the report's norm before the last call
+    assert row.global_norm == (line["true_norm"], line["true_norm"]) and row.clip_calls == 2
+    assert row.ratio[0] == pytest.approx(line["reported_norm"] / line["true_norm"])
+    (report,) = [r for r in multi.steps if r.step == 1]
+    assert report.global_norm is not None and abs(report.global_norm - first) > 0.1 * first
+    note = "step 1: the true norm before the first of its 2 clip calls"
+    assert note in render_multi(multi, width=200) and note in markdown_multi(multi)
+
+
+def test_line_of_a_step_reads_its_pending_verdict_and_never_gives_another_steps_line(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, late=True) as guard:
+        _steps(model, opt, 1)
+        assert guard.last is None  # late: read at the next step, or when asked for it
+        line = guard.line_of(1)
+        assert line is not None and line.step == 1 and line.ok and guard.line_of(2) is None
+        _steps(model, opt, 1)
+        assert guard.line_of(2) is not None and guard.line_of(1) is None  # the latest line is step 2's

@@ -16,7 +16,10 @@ synced, so micro-batches are counted into their optimizer step) and sees every c
 `accelerator.clip_grad_norm_` and any torch clip of the user's code, so a clip on a micro-batch that
 does not sync is GA501. Each checked step's true norm and its ratio to the reported one go to the
 Accelerator's trackers (`accelerator.log`, main process only) as `gradaudit/true_norm` and
-`gradaudit/reported_over_true`, at the optimizer step's number.
+`gradaudit/reported_over_true`, at the optimizer step's number. With fp16 the guard takes the
+Accelerator's GradScaler: `accelerator.clip_grad_norm_` unscales the gradients before its norm, and the
+guard divides the loss scale out of what it measured before the call; a torch clip that skips that
+unscale is GA502, a step the scaler skips for inf gradients is written to the trend as skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import CaptureError
 from ..live.guard import Guard
 from ..live.trend import TrendLine
 
@@ -40,17 +42,16 @@ def accelerate_guard(
 ) -> Guard:
     """`gradaudit.guard` on a prepared model and optimizer, logging through `accelerator.log`; other
     keywords go to the guard (every, on_anomaly, on_verdict, ...). `guard.remove()` stops it."""
-    if getattr(accelerator, "scaler", None) is not None:
-        raise CaptureError(
-            "accelerate_guard does not check fp16 with a GradScaler yet (Accelerate unscales inside "
-            "clip_grad_norm_, after the guard has measured); audit chosen steps with AccelerateAudit instead"
-        )
     return Guard(
         model,
         max_norm=max_norm,
         optimizer=optimizer,
         out_dir=out_dir,
-        **{**guard_kwargs, "on_verdict": logging_to(accelerator.log, guard_kwargs.get("on_verdict"))},
+        **{
+            "scaler": getattr(accelerator, "scaler", None),
+            **guard_kwargs,
+            "on_verdict": logging_to(accelerator.log, guard_kwargs.get("on_verdict")),
+        },
     )
 
 

@@ -6,7 +6,12 @@ The guard is attached when training starts (to the LightningModule and the Train
 removed when it ends. It sees Lightning's own clip (`torch.nn.utils.clip_grad_norm_`) and any clip call
 of the user's hooks (`on_after_backward`, `configure_gradient_clipping`, `training_step`), so a clip
 per micro-batch under `accumulate_grad_batches` is GA501. The true norm and its ratio to the reported
-one are logged through `pl_module.log` as `gradaudit/true_norm` and `gradaudit/reported_over_true`.
+one are logged through `pl_module.log` as `gradaudit/true_norm` and `gradaudit/reported_over_true`,
+each step's own (nothing for a step not checked; on GPU, where the verdict is read one step late,
+on the steps Lightning logs).
+With `precision="16-mixed"` the guard takes the precision plugin's GradScaler: Lightning unscales before
+its clip, a clip of the user's hooks before that sees the gradients still multiplied by the loss scale
+(GA502), and a step the scaler skips for inf gradients is written to the trend as skipped.
 """
 
 from __future__ import annotations
@@ -47,16 +52,23 @@ class GuardCallback(Callback):
             optimizer=trainer.optimizers[0],
             out_dir=self.out_dir,
             first_step=trainer.global_step + 1,
-            **self.guard_kwargs,
+            # precision="16-mixed": the precision plugin's GradScaler (None otherwise)
+            **{"scaler": getattr(trainer.precision_plugin, "scaler", None), **self.guard_kwargs},
         )
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        line = None if self.guard is None else self.guard.last
-        if line is None or line.step == self._logged_step:
+        step, guard = trainer.global_step, self.guard
+        if guard is None or step == self._logged_step:
             return
-        self._logged_step = line.step
+        # this step's line, never an older one; on GPU (late=True) read from the device only on a step
+        # Lightning logs, where it syncs for its own metrics anyway
+        logs = bool(trainer.log_every_n_steps) and step % trainer.log_every_n_steps == 0
+        line = guard.line_of(step, read=logs)
+        if line is None:
+            return
+        self._logged_step = step
         for name, value in line.metrics().items():
             pl_module.log(name, value, rank_zero_only=True)
 

@@ -6,11 +6,14 @@
 The guard is attached when training begins (to the model and the torch optimizer behind the Trainer's)
 and removed when it ends. It sees the Trainer's own clip (`accelerator.clip_grad_norm_`) and any clip
 call of the user's code (a `training_step` override clipping each micro-batch is GA501). The true norm
-of the latest checked step and its ratio to the reported norm are added to each of the Trainer's log
-calls, beside its `grad_norm`, as `gradaudit_true_norm` and `gradaudit_reported_over_true`: in
-`state.log_history` and for every callback of the call, TensorBoard's and W&B's included (the callback
-moves itself to the front of the Trainer's callbacks when training begins, since the reporting ones
-are added before any of the user's).
+of the step logged and its ratio to the reported norm are added to each of the Trainer's log calls,
+beside its `grad_norm`, as `gradaudit_true_norm` and `gradaudit_reported_over_true` (nothing for a
+step not checked: one captured in full after an anomaly, or between every=): in `state.log_history`
+and for every callback of the call, TensorBoard's and W&B's included (the callback moves itself to
+the front of the Trainer's callbacks when training begins, since the reporting ones are added before
+any of the user's). On GPU the verdict of the step logged is read at its log call, where the Trainer
+syncs with the device for its loss anyway. With fp16 the guard takes Accelerate's GradScaler from the
+Trainer's optimizer (see `accelerate_guard`).
 """
 
 from __future__ import annotations
@@ -45,13 +48,15 @@ class GuardCallback(TrainerCallback):
                 "GuardCallback needs the max_norm clipping should use: set TrainingArguments(max_grad_norm=...) "
                 "or pass GuardCallback(..., max_norm=...)"
             )
+        optimizer = kwargs["optimizer"]
         self.guard = Guard(
             kwargs["model"],
             max_norm=float(max_norm),
-            optimizer=kwargs["optimizer"],
+            optimizer=optimizer,
             out_dir=self.out_dir,
             first_step=state.global_step + 1,
-            **self.guard_kwargs,
+            # fp16: Accelerate's GradScaler, which its optimizer wrapper holds (None otherwise)
+            **{"scaler": getattr(optimizer, "scaler", None), **self.guard_kwargs},
         )
 
     def _log_first(self) -> None:
@@ -71,7 +76,8 @@ class GuardCallback(TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        line = None if self.guard is None else self.guard.last
+        # the step just logged, or nothing (a step captured in full is not checked): never an older one
+        line = None if self.guard is None else self.guard.line_of(state.global_step)
         values = {} if logs is None or line is None else line.metrics(prefix="gradaudit_")
         if not values or logs is None:
             return

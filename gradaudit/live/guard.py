@@ -116,6 +116,8 @@ class Guard:
         self._scale_at_clip: tuple[float | None, bool | None] | None = None
         """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first:"""
         self._scale_at_first_clip: tuple[float | None, bool | None] | None = None
+        self._call_unscales = 1.0
+        """The loss scale the clip call under way divides out itself (see `clip_unscaling`)."""
         self._stepped = False
         self._grad_dtype: str | None = None
         self.run_id = check_run_id(run_id)
@@ -331,29 +333,59 @@ class Guard:
         with intercept.outermost():
             return self._measured(fn, args, kwargs)
 
-    def _before_call(self) -> tuple[Any, Any, Any]:
+    def clip_unscaling(self, loss_scale: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`clip` of a call that divides the gradients by the loss scale they carry before its norm (DeepSpeed's
+        `engine.step()` under fp16): what the guard measures before the call is divided by it too."""
+        self._call_unscales = loss_scale
+        try:
+            return self.clip(fn, *args, **kwargs)
+        finally:
+            self._call_unscales = 1.0
+
+    def applied(self, coef: Any) -> None:
+        """The coefficient the step's latest clip call applied, measured by an integration where the
+        guard's sample after the call cannot be read (ZeRO frees its gradient partitions in the step)."""
+        if self._calls:
+            self._calls[-1].coef = coef
+
+    def _before_call(self) -> tuple[Any, Any, Any, bool | None]:
         terms, sampled = self._summary.measure()
-        return terms, self._summary.sample(sampled), sampled
+        unscaled = self._scaler.unscaled() if self._scaler is not None else None
+        return terms, self._summary.sample(sampled), sampled, unscaled
 
     def _record_call(
-        self, before: tuple[Any, Any, Any], fn: Callable[..., Any], args: Any, kwargs: Any, result: Any
+        self,
+        before: tuple[Any, Any, Any, bool | None],
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
+        result: Any,
     ) -> None:
         from ..capture.arguments import clip_arguments, norm_results
 
-        terms, sample, sampled = before
+        terms, sample, sampled, unscaled_before = before
+        if self._scaler is not None:
+            self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
+            self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
+            scale, unscaled = self._scale_at_clip
+            if unscaled_before is False and unscaled and scale:
+                # the call unscaled the gradients before its norm (accelerator.clip_grad_norm_ does):
+                # what was measured before it is divided by the loss scale, as the call saw it
+                terms, sample = _unscaled(terms, sample, scale, self.norm_type, self.layout.num_groups)
+        elif self._call_unscales != 1.0:
+            terms, sample = _unscaled(
+                terms, sample, self._call_unscales, self.norm_type, self.layout.num_groups
+            )
         max_norm, norm_type = clip_arguments(fn, args, kwargs)
         record = CallRecord(
             terms=terms,
             reported=norm_results(result)[0],
             max_norm=max_norm,
             norm_type=norm_type,
-            coef=None,  # the step's coefficient is measured once, at the optimizer step (see _vector)
+            coef=None,  # measured once, at the optimizer step (see _vector), unless `applied` says it
             before=sample,
             sampled=sampled,
         )
-        if self._scaler is not None:
-            self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
-            self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
         self._num_calls += 1
         if len(self._calls) < self.layout.max_calls:
             self._calls.append(record)
@@ -369,8 +401,14 @@ class Guard:
     def _vector(self, *, skipped: bool) -> Any:
         if self._calls:
             last = self._calls[-1]
-            # the same gradient tensors the last call clipped in place, sampled again
-            terms, applied = last.terms, coefficient(last.before, self._summary.sample(last.sampled))
+            # the same gradient tensors the last call clipped in place, sampled again (or what an
+            # integration measured where they are gone by now, see `applied`)
+            applied = (
+                last.coef
+                if last.coef is not None
+                else coefficient(last.before, self._summary.sample(last.sampled))
+            )
+            terms = last.terms
         else:
             terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
         scaler: tuple[float | None, bool | None, bool | None] = (None, None, None)
@@ -478,6 +516,14 @@ class Guard:
             report = self._safely(lambda: report_of(live))
             if report is not None:
                 self._judge(step, (live, report))
+
+    def line_of(self, step: int, *, read: bool = True) -> TrendLine | None:
+        """The trend line of `step`, reading its verdict now if it is still pending (late=True; `read`:
+        call this where the training syncs with the device anyway, as at a log step); None for a step
+        not checked (every=, a step captured in full, the guard off) or not read, never another step's."""
+        if read and self.active and self._pending is not None and self._pending[0] == step:
+            self._read_pending()
+        return self.last if self.last is not None and self.last.step == step else None
 
     def live_step(self, step: int, rows: Any) -> LiveStep:
         ranks: dict[int, RankSummary] = {
@@ -625,6 +671,17 @@ def _ownership_keys(
             keys.append(key)
         keys_of.append(keys)
     return keys_of, added
+
+
+def _unscaled(terms: Any, sample: Any, scale: float, norm_type: float, num_groups: int) -> tuple[Any, Any]:
+    """Group terms (p-th powers of norms, then nonfinite counts) and a sample measured on gradients
+    multiplied by the loss scale, as they are once it is divided out."""
+    import torch
+
+    if terms is not None:
+        power = scale if math.isinf(norm_type) else scale**norm_type
+        terms = torch.cat((terms[:num_groups] / power, terms[num_groups:]))
+    return terms, None if sample is None else sample / scale
 
 
 def _loosest_dtype(grads: Iterable[Any]) -> str | None:

@@ -189,26 +189,31 @@ class LocalSummary:
     def sample(self, sampled: Sampled | None = None) -> torch.Tensor | None:
         """A fixed sample of this rank's gradient elements (float64, a few per large piece), from the
         gradients `measure` read (they are clipped in place, so they show the clip), or read now."""
-        import torch
-
         if sampled is None:
             sampled = tuple((i, g) for i in self._sampled if (g := self._readers[i]()) is not None)
         else:  # a gradient freed since it was read (ZeRO frees its partitions inside the step) gives none
             sampled = tuple((i, g) for i, g in sampled if self._readers[i]() is not None)
-        taken = []
-        for _, grad in sampled:
-            if not grad.is_contiguous():
-                continue
-            numel = grad.numel()
-            count = min(SAMPLE_PER_PIECE, numel)
-            stride = max(1, (numel - 1) // (count - 1)) if count > 1 else 1
-            # evenly spaced elements as one strided view (a third cheaper than index_select)
-            taken.append(grad.as_strided((count,), (stride,), grad.storage_offset()))
-        if not taken:
-            return None
-        if len({t.dtype for t in taken}) > 1:
-            taken = [t.to(torch.float64) for t in taken]
-        return torch.cat(taken).to(torch.float64)
+        return strided_sample([grad for _, grad in sampled], SAMPLE_PER_PIECE)
+
+
+def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> torch.Tensor | None:
+    """`per_tensor` evenly spaced elements of each contiguous tensor, as one float64 copy (None: none)."""
+    import torch
+
+    taken = []
+    for tensor in tensors:
+        if not tensor.is_contiguous():
+            continue
+        numel = tensor.numel()
+        count = min(per_tensor, numel)
+        stride = max(1, (numel - 1) // (count - 1)) if count > 1 else 1
+        # evenly spaced elements as one strided view (a third cheaper than index_select)
+        taken.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
+    if not taken:
+        return None
+    if len({t.dtype for t in taken}) > 1:
+        taken = [t.to(torch.float64) for t in taken]
+    return torch.cat(taken).to(torch.float64)
 
 
 def local_grad_readers(

@@ -93,13 +93,15 @@ def _number(doc: Mapping[str, Any], key: str, where: str) -> float | None:
 
 
 def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
-    """The trend line of a step from its report. With several clip calls in the step (GA501) the true
-    norm is the one before the first call: the later calls see a gradient the earlier ones clipped."""
+    """The trend line of a step from its report; its true norm is the one the run's summary table
+    shows (with several clip calls, GA501, the one before the first call)."""
+    from ..render.steps import first_call_norm
+
     coefs = [r.applied_clip_coef for r in report.ranks if r.applied_clip_coef is not None]
     reported = next((r.reported_norm for r in report.ranks if r.reported_norm is not None), None)
     return TrendLine(
         step=report.step,
-        true_norm=_first_call_norm(report, report.global_norm),
+        true_norm=first_call_norm(report)[0],
         reported_norm=reported,
         expected_coef=report.expected_clip_coef,
         min_coef=min(coefs) if coefs else None,
@@ -120,15 +122,6 @@ def skipped_line(live: LiveStep) -> TrendLine:
         max_coef=None,
         skipped=True,
     )
-
-
-def _first_call_norm(report: Report, otherwise: float | None) -> float | None:
-    """The true norm before the first clip call, from the evidence of the finding of repeated calls."""
-    for finding in report.findings:
-        first = finding.evidence.get("call_1_true_norm")
-        if isinstance(first, (int, float)) and not isinstance(first, bool):
-            return float(first)
-    return otherwise
 
 
 def read_trend(path: str | Path) -> list[TrendLine]:

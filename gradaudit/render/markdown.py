@@ -29,7 +29,7 @@ from .numbers import (
     replica_owners,
     unsaid_diagnosis_groups,
 )
-from .steps import StepRow, fmt_steps, is_failing, step_rows
+from .steps import StepRow, first_call_notes, fmt_steps, is_failing, step_rows
 from .text import clip_sentences, clip_text, join_limited, markdown_code_block, markdown_escape
 
 MAX_CHARS = 20_000
@@ -73,7 +73,7 @@ def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
         f"# gradaudit report: {len(multi.steps)} steps ({len(failing)} failing) in {_md(multi.directory)}"
     ]
     if rows:
-        summary = _summary_table(rows)
+        summary = "\n\n".join([_summary_table(rows), *(f"{note}." for note in first_call_notes(rows))])
         blocks.append(
             _details(f"Summary of the {len(multi.summary)} steps ({len(rows)} rows)", summary)
             if len(rows) > 3 * OPEN_ROWS

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..report.model import MultiStepReport, Report, Severity, StepSummary
 
@@ -34,6 +34,19 @@ class StepRow:
     """The distinct finding codes over the steps, sorted."""
     failing: bool
     """Whether the row is a failing step (see `is_failing`)."""
+    clip_calls: int = 1
+    """A failing step's clip calls; above 1, `global_norm` is the true norm before the first of them."""
+
+
+def first_call_norm(report: Report) -> tuple[float | None, int]:
+    """(the true norm a run's summary shows for a step, its clip calls). With several clip calls
+    (GA501) that is the norm before the first call, which the guard's trend shows and logs: the later
+    calls see a gradient the earlier ones clipped (the step's report gives the norm before the last)."""
+    for finding in report.findings:
+        first, calls = finding.evidence.get("call_1_true_norm"), finding.evidence.get("num_calls")
+        if isinstance(first, (int, float)) and not isinstance(first, bool) and isinstance(calls, int):
+            return float(first), calls
+    return report.global_norm, 1
 
 
 def is_failing(report: Report) -> bool:
@@ -48,8 +61,8 @@ def is_failing(report: Report) -> bool:
 def step_rows(multi: MultiStepReport, *, failing_only: bool = False) -> tuple[list[StepRow], list[int]]:
     """(the rows, the clean steps left out): failing steps first, in step order, then runs of clean
     steps (all left out with `failing_only`)."""
-    failing = {report.step for report in multi.steps if is_failing(report)}
-    rows = [_row([s], failing=True) for s in multi.summary if s.step in failing]
+    failing = {report.step: first_call_norm(report) for report in multi.steps if is_failing(report)}
+    rows = [_failing_row(s, *failing[s.step]) for s in multi.summary if s.step in failing]
     runs: list[list[StepSummary]] = []
     previous_failing = True
     for s in multi.summary:
@@ -85,6 +98,24 @@ def _row(run: Sequence[StepSummary], *, failing: bool) -> StepRow:
         codes=tuple(sorted({code for s in run for code in s.codes})),
         failing=failing,
     )
+
+
+def _failing_row(step: StepSummary, true_norm: float | None, clip_calls: int) -> StepRow:
+    row = _row([step], failing=True)
+    if clip_calls == 1:
+        return row
+    ratio = _ratio(step.reported_norm, true_norm)
+    return replace(row, global_norm=(true_norm, true_norm), ratio=(ratio, ratio), clip_calls=clip_calls)
+
+
+def first_call_notes(rows: Iterable[StepRow]) -> list[str]:
+    """A line under the summary for each row whose true norm is the one before the first clip call."""
+    return [
+        f"step {fmt_steps(row.steps)}: the true norm before the first of its {row.clip_calls} clip calls "
+        "(its report: before the last)"
+        for row in rows
+        if row.clip_calls > 1
+    ]
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

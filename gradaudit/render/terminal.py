@@ -30,7 +30,7 @@ from .numbers import (
     replica_owners,
     unsaid_diagnosis_groups,
 )
-from .steps import StepRow, fmt_steps, is_failing, step_rows
+from .steps import StepRow, first_call_notes, fmt_steps, is_failing, step_rows
 from .text import join_limited, printable
 
 if TYPE_CHECKING:
@@ -77,6 +77,8 @@ def render_multi(
     rows, hidden = step_rows(multi, failing_only=failing_only)
     if rows:
         console.print(_summary_table(rows))
+        for note in first_call_notes(rows):
+            console.print(_line((f"  {note}", "dim")))
     for report in failing:
         console.print()
         console.rule(_line(f"step {report.step}"), align="left", characters="─")

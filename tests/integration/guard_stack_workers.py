@@ -87,6 +87,12 @@ def _both(
     return found
 
 
+def _bf16(out_root: str, name: str, make: Callable[..., tuple], right: Callable, **kw) -> dict:
+    """A correct run (NUM_STEPS) of the stack in bfloat16: `make(torch.bfloat16)`."""
+    model, backward = make(torch.bfloat16)
+    return {name: _run(model, os.path.join(out_root, name), backward, right, num_steps=NUM_STEPS, **kw)}
+
+
 def _data_parallel_backward(model, rank: int, size: int, dtype=torch.float32):
     x, y = batch()
     x, y = rows(x, rank, size).to(dtype), rows(y, rank, size).to(dtype)
@@ -145,11 +151,11 @@ def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     models: list[Any] = []
 
-    def make():
-        model = tiny_net()
+    def make(dtype=torch.float32):
+        model = tiny_net().to(dtype)
         parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         models[:] = [model]
-        return model, _data_parallel_backward(model, 0, 1)  # every TP rank sees the whole batch
+        return model, _data_parallel_backward(model, 0, 1, dtype)  # every TP rank sees the whole batch
 
     def right(guard, step):
         return guard.clip(per_mesh_clip, list(models[0].parameters()), MAX_NORM)
@@ -157,26 +163,30 @@ def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:
     def wrong(guard, step):
         return guard.clip(world_allreduced_clip, list(models[0].parameters()), MAX_NORM)
 
-    return _both(out_root, "tp", make, right, wrong)
+    return {**_both(out_root, "tp", make, right, wrong), **_bf16(out_root, "tp_bf16", make, right)}
 
 
 def pipeline(rank: int, world_size: int, out_root: str) -> dict:
     tokens, targets = token_batch()
     stages: list[Any] = []
 
-    def make():
+    def make(dtype=torch.float32):
         full = tied_net()
-        stage = FirstStage(full) if rank == 0 else LastStage(full)
+        stage = (FirstStage(full) if rank == 0 else LastStage(full)).to(dtype)
         stages[:] = [stage]
         return stage, lambda step: _pipeline_backward(stage, rank, (tokens + step) % 10, targets)
 
     def clip(across: bool):
         return lambda guard, step: guard.clip(_pipeline_clip, stages[0], rank, MAX_NORM, across_stages=across)
 
-    aliases = {"lm_head.weight": "embed.weight"} if rank == 1 else None
-    return _both(
-        out_root, "pp", make, clip(True), clip(False), aliases=aliases, groups={"pp": dist.group.WORLD}
-    )
+    options = {
+        "aliases": {"lm_head.weight": "embed.weight"} if rank == 1 else None,
+        "groups": {"pp": dist.group.WORLD},
+    }
+    return {
+        **_both(out_root, "pp", make, clip(True), clip(False), **options),
+        **_bf16(out_root, "pp_bf16", make, clip(True), **options),
+    }
 
 
 def _fsdp2(model, mesh):
@@ -370,12 +380,12 @@ def moe(rank: int, world_size: int, out_root: str) -> dict:
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     models: list[Any] = []
 
-    def make():
-        model = TinyMoE(ep_index * NUM_LOCAL_EXPERTS, NUM_LOCAL_EXPERTS)
+    def make(dtype=torch.float32):
+        model = TinyMoE(ep_index * NUM_LOCAL_EXPERTS, NUM_LOCAL_EXPERTS).to(dtype)
         models[:] = [model]
 
         def backward(step: int) -> None:
-            loss_of(model(x * step), y).backward()
+            loss_of(model(x.to(dtype) * step), y.to(dtype)).backward()
             for n, p in model.named_parameters():
                 expert = "local_experts" in n
                 dist.all_reduce(p.grad, group=edp if expert else None)
@@ -397,11 +407,49 @@ def moe(rank: int, world_size: int, out_root: str) -> dict:
     def clip(group):
         return lambda guard, step: guard.clip(expert_clip, models[0], MAX_NORM, group)
 
-    return _both(out_root, "moe", make, clip(ep), clip(None), groups={"ep": [list(g) for g in EP_GROUPS]})
+    groups = {"ep": [list(g) for g in EP_GROUPS]}
+    return {
+        **_both(out_root, "moe", make, clip(ep), clip(None), groups=groups),
+        **_bf16(out_root, "moe_bf16", make, clip(ep), groups=groups),
+    }
+
+
+def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
+    """Two pipeline stages, each sharded with FSDP2 over 2 ranks, the embedding tied across stages; the
+    mistake: each stage clips by its own norm (not summed over the stages)."""
+    from scenarios_dtensor import _stage_clip, pipeline_fsdp2_backward
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("pp", "dp_shard"))
+    pp_index, dp_index = mesh.get_coordinate()
+    pp_group = mesh.get_group("pp")
+    peer = mesh.mesh[1 - pp_index, dp_index].item()
+    tokens, targets = token_batch()
+    tokens, targets = rows(tokens, dp_index, 2), rows(targets, dp_index, 2)
+    stages: list[Any] = []
+
+    def make():
+        full = tied_net()
+        stage = FirstStage(full) if pp_index == 0 else LastStage(full)
+        fully_shard(stage, mesh=mesh["dp_shard"])
+        stages[:] = [stage]
+        backward = lambda step: pipeline_fsdp2_backward(  # noqa: E731
+            stage, pp_index, peer, pp_group, (tokens + step) % 10, targets
+        )
+        return stage, backward
+
+    def clip(group):
+        return lambda guard, step: guard.clip(_stage_clip, stages[0], MAX_NORM, pp_group=group)
+
+    aliases = {"lm_head.weight": "embed.weight"} if pp_index == 1 else None
+    return _both(
+        out_root, "pp_fsdp2", make, clip(pp_group), clip(None), aliases=aliases, groups={"pp": pp_group}
+    )
 
 
 def world_of_four(rank: int, world_size: int, out_root: str) -> dict:
     found: dict = {}
-    for stacks in (hsdp, fsdp2_over_tp, moe):
+    for stacks in (hsdp, fsdp2_over_tp, moe, pipeline_over_fsdp2):
         found.update(stacks(rank, world_size, out_root))
     return found

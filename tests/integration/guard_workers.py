@@ -16,6 +16,18 @@ from gradaudit.live.guard import GuardAnomaly
 NUM_STEPS = 4
 
 
+def with_trends(results: list[dict], out_root: str) -> list[dict]:
+    """Each rank's result of each run, with the trend file rank 0 wrote in the run's folder (read once
+    every rank has finished: a rank reading it while training may miss rank 0's last lines)."""
+    from gradaudit.live.trend import TREND_FILE, read_trend
+
+    for result in results:
+        for name, run in result.items():
+            path = os.path.join(out_root, name, TREND_FILE)
+            run["trend"] = [line.to_json() for line in read_trend(path)] if os.path.exists(path) else []
+    return results
+
+
 def _wrapped(stack: str, world_size: int) -> torch.nn.Module:
     model = tiny_net()
     if stack == "ddp":

@@ -166,6 +166,26 @@ def _stage_clip(stage, max_norm: float, *, pp_group, dp_group=None) -> torch.Ten
     return norm
 
 
+def pipeline_fsdp2_backward(stage, pp_index: int, peer: int, pp_group, tokens, targets) -> None:
+    """One microbatch through the two FSDP2-sharded stages with send/recv to the peer stage's rank of
+    the same data-parallel index, then the tied-embedding all-reduce over the stages."""
+    if pp_index == 0:
+        hidden = stage(tokens)
+        dist.send(hidden.detach(), dst=peer)
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, src=peer)
+        hidden.backward(grad)
+        tied = stage.embed.weight.grad
+    else:
+        hidden = torch.empty(tokens.shape[0], 8)
+        dist.recv(hidden, src=peer)
+        hidden.requires_grad_(True)
+        torch.nn.functional.cross_entropy(stage(hidden), targets).backward()
+        dist.send(hidden.grad, dst=peer)
+        tied = stage.lm_head.weight.grad
+    dist.all_reduce(tied.to_local(), group=pp_group)  # both stages' shards of the tied weight
+
+
 def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     """Two pipeline stages, each sharded with FSDP2 over 2 ranks, the embedding tied across stages."""
     from models import tied_net, token_batch
@@ -202,21 +222,7 @@ def pipeline_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
             aliases=aliases,
             groups={"pp": pp_group},
         ) as audit:
-            if pp_index == 0:
-                hidden = stage(tokens)
-                dist.send(hidden.detach(), dst=peer)
-                grad = torch.empty_like(hidden)
-                dist.recv(grad, src=peer)
-                hidden.backward(grad)
-                tied = stage.embed.weight.grad
-            else:
-                hidden = torch.empty(tokens.shape[0], 8)
-                dist.recv(hidden, src=peer)
-                hidden.requires_grad_(True)
-                torch.nn.functional.cross_entropy(stage(hidden), targets).backward()
-                dist.send(hidden.grad, dst=peer)
-                tied = stage.lm_head.weight.grad
-            dist.all_reduce(tied.to_local(), group=pp_group)  # both stages' shards of the tied weight
+            pipeline_fsdp2_backward(stage, pp_index, peer, pp_group, tokens, targets)
             norm = audit.clip(_stage_clip, stage, MAX_NORM, pp_group=group, dp_group=wrong_dp)
             opt.step()
         results[name] = {"returned_norm": float(norm), "path": str(audit.path)}

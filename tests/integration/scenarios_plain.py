@@ -88,7 +88,7 @@ def _pipeline_backward(stage, rank, tokens, targets) -> None:
         hidden.backward(grad)
         tied = stage.embed.weight.grad
     else:
-        hidden = torch.empty(tokens.shape[0], 8)
+        hidden = torch.empty(tokens.shape[0], 8, dtype=next(stage.parameters()).dtype)
         dist.recv(hidden, src=0)
         hidden.requires_grad_(True)
         loss = torch.nn.functional.cross_entropy(stage(hidden), targets)

@@ -7,12 +7,16 @@ import os
 import warnings
 
 import torch
+from accelerate_workers import _fp16_accelerator
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_MICROBATCHES = 2
 NUM_STEPS = 4
 MISTAKE_FROM = 3
-"""The mistake run clips on every micro-batch (also the ones that do not sync) from this step on."""
+"""The mistake runs clip on every micro-batch (also the ones that do not sync), or in fp16 clip with
+torch's clip_grad_norm_ (the scaled gradients), from this step on."""
+FP16_INIT_SCALE = 2.0**16
+"""GradScaler's default, as Accelerate creates it on GPU."""
 
 
 def _tracker():
@@ -49,9 +53,19 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     results = {}
-    for name in ("ok", "clip_every_microbatch"):
+    for name in ("ok", "clip_every_microbatch", "fp16_ok", "fp16_torch_clip"):
         tracker = _tracker()
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=NUM_MICROBATCHES, log_with=[tracker])
+        kwargs = {"gradient_accumulation_steps": NUM_MICROBATCHES, "log_with": [tracker]}
+        fp16 = name.startswith("fp16")
+        if fp16:
+            # the mixed precision is process-wide state; the fp32 runs before set it (the process
+            # group, PartialState, stays)
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()
+        accelerator = (
+            _fp16_accelerator(FP16_INIT_SCALE, **kwargs) if fp16 else Accelerator(cpu=True, **kwargs)
+        )
         accelerator.init_trackers(name)
         model = tiny_net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -59,7 +73,7 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
         guard = accelerate_guard(
             accelerator, model, optimizer, os.path.join(out_root, name), max_norm=MAX_NORM
         )
-        norms = []
+        norms, scales = [], []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(1, NUM_STEPS + 1):
@@ -67,11 +81,16 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
                     with accelerator.accumulate(model):
                         xs, ys = rows(x, i, NUM_MICROBATCHES), rows(y, i, NUM_MICROBATCHES)
                         accelerator.backward(loss_of(model(xs), ys))
-                        wrong = name != "ok" and step >= MISTAKE_FROM
-                        if accelerator.sync_gradients or wrong:
+                        wrong = not name.endswith("ok") and step >= MISTAKE_FROM
+                        if name == "fp16_torch_clip" and wrong and accelerator.sync_gradients:
+                            # the mistake: torch's clip skips the unscale accelerator.clip_grad_norm_ makes
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                        elif accelerator.sync_gradients or (wrong and not fp16):
                             norm = accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
                             if accelerator.sync_gradients:
                                 norms.append(float(norm))
+                        if fp16 and accelerator.sync_gradients:
+                            scales.append(accelerator.scaler.get_scale())
                         optimizer.step()
                         optimizer.zero_grad()
         guard.remove()
@@ -80,6 +99,7 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
             "logged": tracker.logged,
             "norms": norms,
+            "scales": scales,
         }
         accelerator.free_memory()
     return results

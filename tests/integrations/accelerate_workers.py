@@ -43,7 +43,7 @@ def accelerate_runs(rank: int, world_size: int, out_root: str) -> dict:
     return results
 
 
-def _fp16_accelerator(init_scale: float):
+def _fp16_accelerator(init_scale: float, **kwargs):
     """A real Accelerator with mixed_precision="fp16" and a real CPU GradScaler. Accelerate creates its
     scaler only off CPU (accelerator.py: `self.state.mixed_precision == "fp16" and self.device.type !=
     "cpu"`), so the one it would create is installed by hand, before prepare() hands it to the
@@ -51,7 +51,7 @@ def _fp16_accelerator(init_scale: float):
     and update) is Accelerate's and torch's own code."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", **kwargs)
     accelerator.native_amp = True
     accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     return accelerator

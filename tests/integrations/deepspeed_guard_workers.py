@@ -1,26 +1,34 @@
 """Rank workers for the guard under DeepSpeed ZeRO stages 1-3 on 2 gloo ranks (CPU accelerator):
 DeepSpeed's own clip (gradient_clipping) with 2 micro-batches per step, and a norm that is not reduced
-over the data-parallel group at one step (the mistake, put into ZeRO's own norm computation)."""
+over the data-parallel group at one step (the mistake, put into ZeRO's own norm computation), or ZeRO
+clipping to another max_norm than the config's at one step (its clip_grad changed); and DeepSpeed's
+own loss scaling (static, and dynamic as fp16 makes it), on fp32 engines (the CPU accelerator refuses fp16)."""
 
 from __future__ import annotations
 
 import os
 import warnings
 
+import torch
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_STEPS = 4
 MISTAKE_AT = 3
+LOSS_SCALE = 1024.0
+UNCLIPPED = 100.0
+"""A gradient_clipping no step's norm reaches: the coefficient is 1 every step."""
+SCALE_GROWTH_AT = 3
+"""zero2_scale_growth: the step whose end doubles the loss scale (DynamicLossScaler, scale_window=2)."""
 
 
-def _engine(stage: int):
+def _engine(stage: int, clipping: float = MAX_NORM):
     import deepspeed
 
     model = tiny_net()
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
-        "gradient_clipping": MAX_NORM,
+        "gradient_clipping": clipping,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
@@ -56,8 +64,32 @@ def guarded_deepspeed(rank: int, world_size: int, out_root: str) -> dict:
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     results = {}
-    for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero2_local_norm", 2)):
-        engine = _engine(stage)
+    for name, stage in (
+        ("zero1", 1),
+        ("zero2", 2),
+        ("zero3", 3),
+        ("zero2_local_norm", 2),
+        ("zero3_other_max_norm", 3),
+        ("zero1_loss_scale", 1),
+        ("zero2_scale_growth", 2),
+    ):
+        engine = _engine(stage, UNCLIPPED if name == "zero2_scale_growth" else MAX_NORM)
+        if name == "zero1_loss_scale":
+            # DeepSpeed's static loss scaling, as fp16 runs it (fp16 is refused on the CPU accelerator):
+            # engine.backward multiplies the loss by it, ZeRO divides it out with its clip factor
+            engine.optimizer.loss_scale = LOSS_SCALE
+        if name == "zero2_scale_growth":
+            # DeepSpeed's dynamic loss scaler as fp16 makes it, growing every 2 steps without overflow
+            from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+            engine.optimizer.loss_scaler = DynamicLossScaler(
+                init_scale=LOSS_SCALE,
+                scale_window=2,
+                min_scale=1.0,
+                delayed_shift=1,
+                consecutive_hysteresis=False,
+                dtype=torch.half,
+            )
         attached = DeepSpeedGuard(engine, os.path.join(out_root, name))
         norms = []
         with warnings.catch_warnings(record=True) as caught:
@@ -67,6 +99,8 @@ def guarded_deepspeed(rank: int, world_size: int, out_root: str) -> dict:
                     engine.optimizer.get_grad_norm_direct = _norm_over_one_rank(engine, own_groups[rank])
                 if name == "zero2_local_norm" and step == MISTAKE_AT + 1:
                     del engine.optimizer.get_grad_norm_direct
+                if name == "zero3_other_max_norm":  # ZeRO clips to twice the config's, at one step
+                    engine.optimizer.clip_grad = MAX_NORM * (2 if step == MISTAKE_AT else 1)
                 for micro in range(2):
                     engine.backward(loss_of(engine(rows(x, micro, 2)), rows(y, micro, 2)))
                     engine.step()

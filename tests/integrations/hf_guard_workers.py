@@ -9,6 +9,8 @@ import warnings
 import torch
 from hf_workers import MAX_GRAD_NORM, TokenData, _args, tiny_llama
 
+FP16_STEPS = 6
+
 
 def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
     from transformers import Trainer, TrainerCallback
@@ -31,13 +33,29 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
             return loss
 
     results = {}
-    for name, trainer_class in (("ok", Trainer), ("step_clip", ClippingTrainer)):
+    for name, trainer_class in (
+        ("ok", Trainer),
+        ("step_clip", ClippingTrainer),
+        ("fp16_ok", Trainer),
+        ("fp16_step_clip", ClippingTrainer),
+    ):
+        fp16 = name.startswith("fp16")
+        if fp16:  # the mixed precision is process-wide state, which the fp32 runs set
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()
         callback, recorder = GuardCallback(os.path.join(out_root, name)), Recorder()
-        args = _args(os.path.join(out_root, f"trainer_{name}"))
+        args = _args(os.path.join(out_root, f"trainer_{name}"), fp16=fp16)
         args.set_logging(strategy="steps", steps=1, report_to="none")
         trainer = trainer_class(
             model=tiny_llama(), args=args, train_dataset=TokenData(), callbacks=[recorder]
         )
+        if fp16:
+            # Accelerate creates its GradScaler only off CPU (accelerator.py: fp16 and device type not
+            # "cpu"): the one it would create is installed before train() hands it to its optimizer
+            trainer.accelerator.native_amp = True
+            trainer.accelerator.scaler = torch.amp.GradScaler("cpu")  # 2**16, as on GPU
+            args.max_steps = FP16_STEPS
         trainer.add_callback(callback)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -48,5 +66,6 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
             "reported": [log for log in recorder.logged if "grad_norm" in log],
             "history": [log for log in trainer.state.log_history if "grad_norm" in log],
+            "scaler": callback.guard.scaler is not None,
         }
     return results

@@ -1,6 +1,8 @@
 """The guard in one line under Accelerate on 2 gloo ranks (DDP, gradient accumulation): the loop's own
 `accelerator.clip_grad_norm_` passes every step, a clip on every micro-batch is GA501 at the step it
-starts, and the true norm reaches the Accelerator's trackers."""
+starts, and the true norm reaches the Accelerator's trackers; in fp16 with Accelerate's GradScaler (set
+up as Accelerate does on GPU: it makes none on CPU) the loop passes every step and a torch clip that
+skips Accelerate's unscale is GA502."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from accelerate_guard_workers import MISTAKE_FROM, NUM_STEPS, guarded_accelerate
+from guard_workers import with_trends
 from launcher import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -17,7 +20,9 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_root = tmp_path_factory.mktemp("accelerate_guard")
-    return out_root, run_ranks(guarded_accelerate, 2, (str(out_root),), timeout_s=240)
+    return out_root, with_trends(
+        run_ranks(guarded_accelerate, 2, (str(out_root),), timeout_s=240), str(out_root)
+    )
 
 
 def test_accelerates_own_clip_is_never_flagged_and_its_true_norm_is_logged_through_the_trackers(runs):
@@ -42,15 +47,29 @@ def test_a_clip_on_every_micro_batch_is_ga501_from_the_step_it_starts(runs):
     assert (out_root / "clip_every_microbatch" / f"step_{MISTAKE_FROM}").is_dir()
 
 
-def test_fp16_with_a_grad_scaler_is_refused_in_one_line(tmp_path):
-    import torch
-    from accelerate_workers import _fp16_accelerator
+def test_fp16_with_accelerates_grad_scaler_is_never_flagged_and_its_skipped_step_is_written_as_skipped(runs):
+    _, results = runs
+    for result in results:
+        run = result["fp16_ok"]
+        assert run["anomalies"] == [] and run["warnings"] == []
+        # the default scale 2**16 overflows the first step (the scaler skips it), then halves
+        assert run["scales"] == [2.0**16, 2.0**15, 2.0**15, 2.0**15]
+        assert [line["verdict"] for line in run["trend"]] == ["skipped", "ok", "ok", "ok"]
+        for line, returned in zip(run["trend"][1:], run["norms"][1:], strict=True):
+            assert line["true_norm"] == pytest.approx(
+                returned, rel=1e-5
+            )  # unscaled, as Accelerate's clip saw
+            assert line["min_coef"] == pytest.approx(line["expected_coef"], rel=1e-4)
 
-    from gradaudit.errors import CaptureError
-    from gradaudit.integrations.accelerate_guard import accelerate_guard
 
-    accelerator = _fp16_accelerator(init_scale=2.0**12)
-    model = torch.nn.Linear(2, 2)
-    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters()))
-    with pytest.raises(CaptureError, match=r"fp16 with a GradScaler.*AccelerateAudit"):
-        accelerate_guard(accelerator, model, optimizer, tmp_path, max_norm=1.0)
+def test_fp16_clipped_with_torchs_clip_grad_norm_skipping_accelerates_unscale_is_ga502_at_its_step(runs):
+    from gradaudit.audit import AuditOptions, audit_folder
+
+    out_root, results = runs
+    for result in results:
+        run = result["fp16_torch_clip"]
+        assert [step for step, _ in run["anomalies"]] == [MISTAKE_FROM]
+        assert "GA502" in run["anomalies"][0][1]
+        assert any(f"step {MISTAKE_FROM}: GA502" in w for w in run["warnings"])
+    report = audit_folder(out_root / "fp16_torch_clip" / f"step_{MISTAKE_FROM}", AuditOptions())
+    assert "GA502" in {f.code for f in report.findings}
