@@ -204,3 +204,120 @@ def test_a_whole_replica_filled_in_directly_is_the_local_piece_its_constructor_m
     assert piece == made and vars(piece).keys() == {f.name for f in dataclasses.fields(LocalPiece)}
     assert torch.equal(piece.grad(), param.grad) and torch.equal(piece.value(), param.detach())
     assert whole_pieces("empty", None, torch.nn.Parameter(torch.zeros(0, 3)), None) == []
+
+
+class Plain(torch.nn.Module):
+    """What the whole replicas held as columns must carry as the per-object path does: many small
+    parameters, a non-contiguous gradient, bfloat16 and float64, a parameter without a gradient, one
+    without elements (this rank holds nothing of it), a frozen one, a larger one, and optional
+    pieces handed over with ownership= around them (a rank holding whole and sharded parameters)."""
+
+    def __init__(self, *, sharded: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.small = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(4)) for _ in range(30))
+        self.transposed = torch.nn.Parameter(torch.randn(5, 3))
+        self.narrow = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.bfloat16))
+        self.wide = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+        self.unused = torch.nn.Parameter(torch.randn(4))
+        self.empty = torch.nn.Parameter(torch.zeros(0, 3))
+        self.frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        self.large = torch.nn.Parameter(torch.randn(SMALL_ELEMENTS + 3))
+        self.sharded = torch.nn.Parameter(torch.randn(4, 6)) if sharded else None
+
+    def fill_gradients(self) -> None:
+        generator = torch.Generator().manual_seed(3)
+        for name, param in self.named_parameters():
+            if param.requires_grad and name not in ("unused", "empty"):
+                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+        self.transposed.grad = torch.randn(3, 5, generator=generator).t()
+        assert not self.transposed.grad.is_contiguous()
+        self.small[7].grad[2] = math.nan
+
+    def ownership(self) -> list[LocalPiece] | None:
+        if self.sharded is None:
+            return None
+        sharded = self.sharded
+        return [
+            LocalPiece(
+                param="sharded",
+                global_shape=(4, 6),
+                dtype="float32",
+                regions=(FlatRange(start=start, stop=stop),),
+                local_shape=(stop - start,),
+                grad=lambda start=start, stop=stop: sharded.grad.reshape(-1)[start:stop],
+                value=lambda start=start, stop=stop: sharded.detach().reshape(-1)[start:stop],
+                replica_group="dp",
+            )
+            for start, stop in ((0, 10), (10, 24))
+        ]
+
+
+def _written(tmp_path, name, model, monkeypatch, *, path: str, mode: str = "stats") -> dict[str, bytes]:
+    """The files one capture of `model` writes, by name, with the moment of writing blanked: the
+    fast path (columns from inference to the file), the per-object path (a LocalPiece per parameter,
+    the columns built from the objects) or the general one (a Piece per piece)."""
+    from gradaudit.capture import infer
+
+    model.fill_gradients()
+    with monkeypatch.context() as patched:
+        if path != "fast":
+            patched.setattr(infer, "_whole_replicas", lambda *args: None)
+        if path == "general":
+            patched.setattr(capture_write, "_columnar", lambda snapshots: None)
+        with gradaudit.audit_step(
+            model,
+            tmp_path / name,
+            step=1,
+            max_norm=MAX_NORM,
+            mode=mode,
+            strict=True,
+            groups={"dp": [0]},
+            ownership=model.ownership(),
+            run_id="same",
+        ):
+            pass
+    files = {}
+    for file in sorted((tmp_path / name / "step_1").iterdir()):
+        data = file.read_bytes()
+        stamp = data.find(b"created_at")
+        if stamp >= 0:  # the same length whatever the moment: "YYYY-MM-DDTHH:MM:SS+00:00"
+            data = data[: stamp + 16] + b"#" * 25 + data[stamp + 16 + 25 :]
+        files[file.name] = data
+    return files
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_whole_replicas_held_as_columns_write_the_bytes_the_per_object_path_writes(
+    tmp_path, monkeypatch, sharded
+):
+    from gradaudit.capture.infer import infer_ownership
+    from gradaudit.capture.plain import LocalPieces
+
+    model = Plain(sharded=sharded)
+    held = infer_ownership(
+        model, rank=0, world_size=1, groups={"dp": ((0,),)}, aliases={}, on_unsupported=print
+    ).pieces
+    assert isinstance(held, LocalPieces) and held.replicas is not None
+    assert "empty" not in held.replicas.names and "frozen" not in held.replicas.names
+    fast = _written(tmp_path, "fast", model, monkeypatch, path="fast")
+    assert fast == _written(tmp_path, "objects", model, monkeypatch, path="objects")
+    assert fast == _written(tmp_path, "general", model, monkeypatch, path="general")
+    dump = load_step(tmp_path / "fast" / "step_1").ranks[0]
+    assert isinstance(dump.pieces, ColumnarPieces)
+    by_param = {p.param: p for p in dump.pieces}
+    assert "unused" not in by_param and "empty" not in by_param and "frozen" not in by_param
+    assert by_param["transposed"].stats["grad"] == stats_of_tensor(model.transposed.grad, 2.0)
+    assert by_param["small.7"].stats["grad"].num_nan == 1
+    assert dump.param("narrow").dtype == "bfloat16" and dump.param("wide").dtype == "float64"
+    order = [p.param for p in dump.pieces]
+    assert order[:2] == ["transposed", "narrow"] and (order[-2:] == ["sharded", "sharded"]) == sharded
+
+
+def test_full_mode_and_values_of_chosen_parameters_read_the_whole_replicas_one_by_one(tmp_path, monkeypatch):
+    model = Plain(sharded=True)
+    fast = _written(tmp_path, "fast", model, monkeypatch, path="fast", mode="full")
+    assert fast == _written(tmp_path, "objects", model, monkeypatch, path="objects", mode="full")
+    dump = load_step(tmp_path / "fast" / "step_1").ranks[0]
+    assert not isinstance(dump.pieces, ColumnarPieces)
+    assert {p.param for p in dump.pieces} >= {"transposed", "narrow", "small.0", "sharded"}
