@@ -321,3 +321,21 @@ def test_full_mode_and_values_of_chosen_parameters_read_the_whole_replicas_one_b
     dump = load_step(tmp_path / "fast" / "step_1").ranks[0]
     assert not isinstance(dump.pieces, ColumnarPieces)
     assert {p.param for p in dump.pieces} >= {"transposed", "narrow", "small.0", "sharded"}
+
+
+def test_a_step_after_one_with_the_same_parameters_reuses_their_table_and_one_after_a_change_does_not(
+    tmp_path, monkeypatch
+):
+    model = Plain()
+    first = _written(tmp_path, "first", model, monkeypatch, path="fast")
+    assert _written(tmp_path, "again", model, monkeypatch, path="fast") == first
+    with torch.no_grad():
+        model.wide = torch.nn.Parameter(
+            torch.randn(2, 7, dtype=torch.float16)
+        )  # same name, new shape and dtype
+    changed = _written(tmp_path, "changed", model, monkeypatch, path="fast")
+    assert changed == _written(tmp_path, "changed_objects", model, monkeypatch, path="objects")
+    dump = load_step(tmp_path / "changed" / "step_1").ranks[0]
+    assert dump.param("wide").global_shape == (2, 7) and dump.param("wide").dtype == "float16"
+    first_dump = load_step(tmp_path / "first" / "step_1").ranks[0]
+    assert first_dump.param("wide").global_shape == (7,)

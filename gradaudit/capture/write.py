@@ -7,7 +7,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..dumpfile.columnar import ColumnarPieces
 from ..dumpfile.writer import step_dir, write_rank_file
@@ -162,8 +162,7 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     kept = columns.kept
     if not kept or any(not p[kept].all() for p in present):
         return None  # no piece, or kinds that differ between pieces
-    infos = columns.infos
-    params = tuple(infos[name] for name in sorted(infos))
+    params = columns.table()
     return params, pieces_from_rows(
         params=params,
         param_names=columns.names,
@@ -186,9 +185,40 @@ class _Columns:
         self.groups: list[str | None] = []
         self.ndims: list[int] = []
         self.coords: list[int] = []
+        self.known_table: list[Any] | None = None
+        """_last_table's entry of the replicas added, when they were the whole table."""
         self._layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
         """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
         numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
+
+    def _replica_infos(
+        self, names: list[str], codes: np.ndarray, kinds: Sequence[tuple[Any, ...]]
+    ) -> list[ParamInfo]:
+        """The ParamInfo of each replica, those of the step before when it had the same ones."""
+        key = (names, codes.tobytes(), list(kinds))
+        if _last_table[0] == key:
+            self.known_table = _last_table[1]
+            return self.known_table[0]  # type: ignore[no-any-return]
+        shapes = [kind[0] for kind in kinds]
+        dtypes = [dtype_name(kind[1]) for kind in kinds]
+        code_list = codes.tolist()
+        made = list(
+            map(_param_info, names, map(shapes.__getitem__, code_list), map(dtypes.__getitem__, code_list))
+        )
+        self.known_table = _last_table[1] = [made, None]
+        _last_table[0] = key
+        return made
+
+    def table(self) -> tuple[ParamInfo, ...]:
+        """The parameters, sorted by name (the table of the step before when it is the same)."""
+        known = self.known_table
+        if known is not None and known[1] is not None and len(known[1]) == len(self.infos):
+            return known[1]  # type: ignore[no-any-return]
+        infos = self.infos
+        params = tuple(map(infos.__getitem__, sorted(infos)))
+        if known is not None and len(known[0]) == len(params):
+            known[1] = params
+        return params
 
     def add_objects(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
         infos, layouts, not_captured = self.infos, self._layouts, snapshots.not_captured
@@ -235,12 +265,9 @@ class _Columns:
         every = len(chosen) == len(replicas.names)
         names = list(replicas.names) if every else [replicas.names[j] for j in chosen]
         codes = replicas.codes if every else replicas.codes[positions]
-        code_list = codes.tolist()
         shapes = [kind[0] for kind in kinds]
-        dtypes = [dtype_name(kind[1]) for kind in kinds]
         before = len(self.infos)
-        made = map(_param_info, names, map(shapes.__getitem__, code_list), map(dtypes.__getitem__, code_list))
-        self.infos.update(zip(names, made, strict=True))
+        self.infos.update(zip(names, self._replica_infos(names, codes, kinds), strict=True))
         if len(self.infos) != before + len(chosen):
             return False  # a name an object piece has too: the general checks decide
         ndims = np.array([len(shape) for shape in shapes], dtype=np.int64)
@@ -254,6 +281,12 @@ class _Columns:
         self.ndims += ndims[codes].tolist()
         self.coords += boxes[codes][laid_out[codes]].tolist()
         return True
+
+
+_last_table: list[Any] = [None, None]
+"""[(names, codes, kinds) of the last step's whole replicas, (their ParamInfo list, the sorted
+parameter table when they were all of it)]: a step like the one before reuses them, and the
+reader's checks find the table they validated last (10^5 parameters a rank happen)."""
 
 
 def _param_info(name: str, shape: tuple[int, ...], dtype: str) -> ParamInfo:
