@@ -125,6 +125,8 @@ class LocalPieces(Sequence[LocalPiece]):
         """The position of the first replica."""
         self.stop = self.start + (len(replicas.names) if replicas is not None else 0)
         """The position after the last replica."""
+        self._built: dict[int, LocalPiece] = {}
+        """The replicas' LocalPieces built so far (read one by one: full mode, values kept)."""
 
     def __len__(self) -> int:
         return self.stop + len(self.tail)
@@ -140,23 +142,28 @@ class LocalPieces(Sequence[LocalPiece]):
             return tuple(self[i] for i in range(*index.indices(len(self))))
         if index < 0:
             index += len(self)
+            if index < 0:
+                raise IndexError("piece index out of range")
         if index < self.start:
             return self.head[index]
         if index >= self.stop:
             return self.tail[index - self.stop]
-        replicas = self.replicas
-        assert replicas is not None
-        j = index - self.start
-        shape = replicas.shape(j)
-        return _piece(
-            replicas.names[j],
-            None,
-            replicas.tensors[j],
-            shape,
-            shape,
-            _whole_regions(shape),
-            replicas.replica_group,
-        )
+        built = self._built.get(index)
+        if built is None:
+            replicas = self.replicas
+            assert replicas is not None
+            j = index - self.start
+            shape = replicas.shape(j)
+            built = self._built[index] = _piece(
+                replicas.names[j],
+                None,
+                replicas.tensors[j],
+                shape,
+                shape,
+                _whole_regions(shape),
+                replicas.replica_group,
+            )
+        return built
 
     def __iter__(self) -> Iterator[LocalPiece]:
         yield from self.head
