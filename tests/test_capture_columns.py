@@ -339,3 +339,32 @@ def test_a_step_after_one_with_the_same_parameters_reuses_their_table_and_one_af
     assert dump.param("wide").global_shape == (2, 7) and dump.param("wide").dtype == "float16"
     first_dump = load_step(tmp_path / "first" / "step_1").ranks[0]
     assert first_dump.param("wide").global_shape == (7,)
+
+
+def test_the_parameters_walked_module_by_module_are_those_named_parameters_gives_in_its_order():
+    from gradaudit.capture.names import logical_name, logical_parameter_columns
+
+    class Wrapper(torch.nn.Module):  # what torch.compile inserts: its name leaves the logical one
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = inner
+
+    shared = torch.nn.Linear(3, 3)
+    inner = torch.nn.Sequential(shared, torch.nn.ReLU(), shared, torch.nn.Linear(3, 2, bias=False))
+    inner.register_parameter("none", None)
+    inner.tied = inner[3].weight  # one tensor under two names: listed once, at its first place
+    inner.extra = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(2)), inner[0].bias])
+    model = Wrapper(inner)
+    logicals, fqns, params = logical_parameter_columns(model)
+    named = list(model.named_parameters())
+    assert fqns == [n for n, _ in named] and all(a is b for a, (_, b) in zip(params, named, strict=True))
+    assert logicals == [logical_name(model, n) for n, _ in named]
+    assert (fqns[0], logicals[0], fqns[-1]) == ("_orig_mod.tied", "tied", "_orig_mod.extra.0")
+
+
+def test_a_model_that_names_its_parameters_its_own_way_is_asked_for_them():
+    from gradaudit.capture.names import logical_parameter_columns
+
+    model = torch.nn.Linear(2, 2)
+    model.named_parameters = lambda: iter([("only", model.weight)])  # an instance's own walk
+    assert logical_parameter_columns(model) == (["only"], ["only"], [model.weight])

@@ -60,6 +60,7 @@ def logical_parameter_columns(
     if (
         module_type.named_parameters is not torch.nn.Module.named_parameters
         or module_type.named_modules is not torch.nn.Module.named_modules
+        or not {"named_parameters", "named_modules"}.isdisjoint(vars(model))
     ):
         for fqn, param in model.named_parameters():
             logicals.append(logical_name(model, fqn))
