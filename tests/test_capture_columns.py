@@ -253,7 +253,9 @@ class Plain(torch.nn.Module):
         ]
 
 
-def _written(tmp_path, name, model, monkeypatch, *, path: str, mode: str = "stats") -> dict[str, bytes]:
+def _written(
+    tmp_path, name, model, monkeypatch, *, path: str, mode: str = "stats", **options
+) -> dict[str, bytes]:
     """The files one capture of `model` writes, by name, with the moment of writing blanked: the
     fast path (columns from inference to the file), the per-object path (a LocalPiece per parameter,
     the columns built from the objects) or the general one (a Piece per piece)."""
@@ -275,8 +277,11 @@ def _written(tmp_path, name, model, monkeypatch, *, path: str, mode: str = "stat
             groups={"dp": [0]},
             ownership=model.ownership(),
             run_id="same",
+            **options,
         ):
-            pass
+            if "optimizer" in options:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+                options["optimizer"].step()
     files = {}
     for file in sorted((tmp_path / name / "step_1").iterdir()):
         data = file.read_bytes()
@@ -368,3 +373,26 @@ def test_a_model_that_names_its_parameters_its_own_way_is_asked_for_them():
     model = torch.nn.Linear(2, 2)
     model.named_parameters = lambda: iter([("only", model.weight)])  # an instance's own walk
     assert logical_parameter_columns(model) == (["only"], ["only"], [model.weight])
+
+
+def test_a_stats_step_with_an_optimizer_and_values_of_chosen_parameters_writes_the_per_object_bytes(
+    tmp_path, monkeypatch
+):
+    model = Plain()
+    written = {}
+    for path in ("fast", "objects"):
+        torch.manual_seed(5)
+        fresh = Plain()
+        optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        written[path] = _written(
+            tmp_path, path, fresh, monkeypatch, path=path, optimizer=optimizer, full_params=["small.1*"]
+        )
+    assert written["fast"] == written["objects"]
+    dump = load_step(tmp_path / "fast" / "step_1").ranks[0]
+    kinds = {p.param: (set(p.tensors), set(p.stats)) for p in dump.pieces}
+    assert kinds["small.12"] == (
+        {"grad", "grad_clipped", "param_before", "param_after"},
+        {"grad", "grad_clipped"},
+    )
+    assert kinds["narrow"] == (set(), {"grad", "grad_clipped"})
+    assert model.small[12].grad is None  # the model of the comparison, untouched

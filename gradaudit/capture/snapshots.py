@@ -101,12 +101,17 @@ class Snapshots:
         gradient = kind in GRAD_KINDS
         replicas, start, stop = self.pieces.replicas, self.pieces.start, self.pieces.stop
         with torch.no_grad(), collection_paused():
-            if replicas is not None and summarize and not any(self._keep_values[start:stop]):
-                done = self._summarize_replicas(kind, replicas, start)
-                if done is False:
-                    return
-                replicas = None if done else replicas
-            for index, piece in self._objects(replicas is not None):
+            one_by_one = False  # the whole replicas too, as LocalPieces: values kept, or not dense
+            if replicas is not None:
+                keep_any = any(self._keep_values[start:stop])
+                if summarize and not keep_any:
+                    done = self._summarize_replicas(kind, replicas, start)
+                    if done is False:
+                        return
+                    one_by_one = done is None
+                else:
+                    one_by_one = keep_any or gradient
+            for index, piece in self._objects(one_by_one):
                 if (failed and index in failed) or piece.param in not_captured:
                     continue
                 keep = self._keep_values[index]
