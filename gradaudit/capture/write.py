@@ -7,7 +7,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..dumpfile.columnar import ColumnarPieces
 from ..dumpfile.writer import step_dir, write_rank_file
@@ -167,8 +167,8 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
         params=params,
         param_names=columns.names,
         groups=columns.groups,
-        ndims=columns.ndims,
-        coords=columns.coords,
+        ndims=cast("Sequence[int]", columns.column("ndims")),  # int64 arrays, as pieces_from_rows makes them
+        coords=cast("Sequence[int]", columns.column("coords")),
         rows={k: table.rows[k][kept] for k in kinds},
         norm_type=snapshots.norm_type,
     )
@@ -185,6 +185,8 @@ class _Columns:
         self.groups: list[str | None] = []
         self.ndims: list[int] = []
         self.coords: list[int] = []
+        self._blocks: dict[str, list[np.ndarray]] = {"ndims": [], "coords": []}
+        """The ndims and coords columns so far as arrays: the lists above, then the replicas'."""
         self.known_table: list[Any] | None = None
         """_last_table's entry of the replicas added, when they were the whole table."""
         self._layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
@@ -219,6 +221,22 @@ class _Columns:
         if known is not None and len(known[0]) == len(params):
             known[1] = params
         return params
+
+    def _flush(self) -> None:
+        import numpy as np
+
+        for name, values in (("ndims", self.ndims), ("coords", self.coords)):
+            if values:
+                self._blocks[name].append(np.array(values, dtype=np.int64))
+                values.clear()
+
+    def column(self, name: str) -> np.ndarray:
+        """The "ndims" or "coords" column of every piece added, in order."""
+        import numpy as np
+
+        self._flush()
+        blocks = self._blocks[name]
+        return blocks[0] if len(blocks) == 1 else np.concatenate([np.zeros(0, dtype=np.int64), *blocks])
 
     def add_objects(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
         infos, layouts, not_captured = self.infos, self._layouts, snapshots.not_captured
@@ -278,8 +296,9 @@ class _Columns:
         self.kept += (positions + start).tolist()
         self.names += names
         self.groups += [replicas.replica_group] * len(chosen)
-        self.ndims += ndims[codes].tolist()
-        self.coords += boxes[codes][laid_out[codes]].tolist()
+        self._flush()
+        self._blocks["ndims"].append(ndims[codes])
+        self._blocks["coords"].append(boxes[codes][laid_out[codes]])
         return True
 
 
