@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -84,9 +86,9 @@ def _infer_ownership(
     for name, lists in groups.items():
         topology.add_group(name, lists)
     logicals, fqns, tensors = logical_parameter_columns(model)
-    params = list(zip(logicals, fqns, tensors, strict=True))
     alias_of: dict[str, str] = {}
     if aliases:
+        params = list(zip(logicals, fqns, tensors, strict=True))
         _check_aliases(aliases, params)
         alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
 
@@ -99,12 +101,16 @@ def _infer_ownership(
 
     explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
-    plain: list[tuple[str, str, torch.Tensor]] = []
-    plain_types = (torch.Tensor, torch.nn.Parameter)
-    if not explicit_names and set(map(type, tensors)) <= set(plain_types):
-        plain = [entry for entry in params if entry[2].requires_grad]  # no DTensor: all plain
+    plain_types = {torch.Tensor, torch.nn.Parameter}
+    if not explicit_names and set(map(type, tensors)) <= plain_types:  # no DTensor: all plain
+        trained = list(map(operator.attrgetter("requires_grad"), tensors))
+        if not all(trained):
+            logicals = list(itertools.compress(logicals, trained))
+            fqns = list(itertools.compress(fqns, trained))
+            tensors = list(itertools.compress(tensors, trained))
     else:
-        for logical, fqn, param in params:
+        plain: list[tuple[str, str, torch.nn.Parameter]] = []
+        for logical, fqn, param in zip(logicals, fqns, tensors, strict=True):
             if not param.requires_grad or logical in explicit_names or fqn in explicit_names:
                 continue
             if type(param) not in plain_types and is_dtensor(param):
@@ -116,11 +122,15 @@ def _infer_ownership(
                 )
             else:
                 plain.append((logical, fqn, param))
+        logicals = [logical for logical, _, _ in plain]
+        fqns = [fqn for _, fqn, _ in plain]
+        tensors = [param for _, _, param in plain]
 
     replicas = None
-    if plain:
-        replicas = _whole_replicas(model, plain, topology, world_size, groups, alias_of)
+    if tensors:
+        replicas = _whole_replicas(model, logicals, tensors, topology, world_size, groups, alias_of)
         if replicas is None:
+            plain = list(zip(logicals, fqns, tensors, strict=True))
             pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
     held = LocalPieces(pieces, replicas, explicit)
     return Ownership(
@@ -130,19 +140,18 @@ def _infer_ownership(
 
 def _whole_replicas(
     model: torch.nn.Module,
-    plain: Sequence[tuple[str, str, torch.Tensor]],
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
     topology: TopologyBuilder,
     world_size: int,
     groups: Mapping[str, tuple[tuple[int, ...], ...]],
     alias_of: Mapping[str, str],
 ) -> WholeReplicas | None:
-    """The plain parameters as columns when every one is a torch.Tensor or Parameter of a float
-    dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
+    """The plain parameters `tensors` as columns when every one is a torch.Tensor or Parameter of a
+    float dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
     LocalPieces (the order of the pieces is the same either way)."""
     import torch
 
-    names = [logical for logical, _, _ in plain]
-    tensors = [param for _, _, param in plain]
     if not set(map(type, tensors)) <= {torch.Tensor, torch.nn.Parameter}:
         return None
     if any(map(vars, tensors)) and any(not _MARKS.isdisjoint(vars(t)) for t in tensors):
