@@ -183,10 +183,8 @@ class _Columns:
         self.kept: list[int] = []
         self.names: list[str] = []
         self.groups: list[str | None] = []
-        self.ndims: list[int] = []
-        self.coords: list[int] = []
         self._blocks: dict[str, list[np.ndarray]] = {"ndims": [], "coords": []}
-        """The ndims and coords columns so far as arrays: the lists above, then the replicas'."""
+        """The ndims and coords columns as int64 arrays, a run of pieces each."""
         self.known_table: list[Any] | None = None
         """_last_table's entry of the replicas added, when they were the whole table."""
         self._layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
@@ -222,24 +220,18 @@ class _Columns:
             known[1] = params
         return params
 
-    def _flush(self) -> None:
-        import numpy as np
-
-        for name, values in (("ndims", self.ndims), ("coords", self.coords)):
-            if values:
-                self._blocks[name].append(np.array(values, dtype=np.int64))
-                values.clear()
-
     def column(self, name: str) -> np.ndarray:
         """The "ndims" or "coords" column of every piece added, in order."""
         import numpy as np
 
-        self._flush()
-        blocks = self._blocks[name]
-        return blocks[0] if len(blocks) == 1 else np.concatenate([np.zeros(0, dtype=np.int64), *blocks])
+        return np.concatenate(self._blocks[name])  # the objects before the replicas, theirs, those after
 
     def add_objects(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
+        import numpy as np
+
         infos, layouts, not_captured = self.infos, self._layouts, snapshots.not_captured
+        ndims: list[int] = []
+        coords: list[int] = []
         for index in indices:
             local = snapshots.pieces[index]
             name = local.param
@@ -260,8 +252,10 @@ class _Columns:
             self.kept.append(index)
             self.names.append(name)
             self.groups.append(local.replica_group)
-            self.ndims.append(ndim)
-            self.coords += values
+            ndims.append(ndim)
+            coords += values
+        self._blocks["ndims"].append(np.array(ndims, dtype=np.int64))
+        self._blocks["coords"].append(np.array(coords, dtype=np.int64))
         return True
 
     def add_replicas(
@@ -296,7 +290,6 @@ class _Columns:
         self.kept += (positions + start).tolist()
         self.names += names
         self.groups += [replicas.replica_group] * len(chosen)
-        self._flush()
         self._blocks["ndims"].append(ndims[codes])
         self._blocks["coords"].append(boxes[codes][laid_out[codes]])
         return True
