@@ -396,3 +396,24 @@ def test_a_stats_step_with_an_optimizer_and_values_of_chosen_parameters_writes_t
     )
     assert kinds["narrow"] == (set(), {"grad", "grad_clipped"})
     assert model.small[12].grad is None  # the model of the comparison, untouched
+
+
+def test_the_pieces_of_a_parameter_are_found_among_objects_and_replicas_alike():
+    from gradaudit.capture.infer import infer_ownership
+
+    model = Plain(sharded=True)
+    held = infer_ownership(
+        model,
+        rank=0,
+        world_size=1,
+        groups={"dp": ((0,),)},
+        aliases={},
+        explicit=model.ownership(),
+        on_unsupported=print,
+    ).pieces
+    names = [p.param for p in held]
+    for name in ("sharded", "small.3", "large", "absent"):
+        assert held.positions_of(name) == [i for i, n in enumerate(names) if n == name]
+    assert held[-1].param == "sharded" and held[-len(held)].param == names[0]
+    with pytest.raises(IndexError):
+        held[-len(held) - 1]

@@ -126,6 +126,7 @@ class LocalPieces(Sequence[LocalPiece]):
         self.stop = self.start + (len(replicas.names) if replicas is not None else 0)
         """The position after the last replica."""
         self._built: dict[int, LocalPiece] = {}
+        self._positions: dict[str, list[int]] | None = None
         """The replicas' LocalPieces built so far (read one by one: full mode, values kept)."""
 
     def __len__(self) -> int:
@@ -191,11 +192,13 @@ class LocalPieces(Sequence[LocalPiece]):
         return piece.param, piece.local_name
 
     def positions_of(self, param: str) -> list[int]:
-        """The positions of `param`'s pieces."""
-        found = [i for i, piece in self.objects() if piece.param == param]
-        if self.replicas is not None:
-            found += [self.start + j for j, name in enumerate(self.replicas.names) if name == param]
-        return found
+        """The positions of `param`'s pieces (an index built at the first call: a step that leaves
+        out many parameters must not scan every piece for each)."""
+        if self._positions is None:
+            self._positions = {}
+            for index in range(len(self)):
+                self._positions.setdefault(self.param(index), []).append(index)
+        return self._positions.get(param, [])
 
 
 def whole_pieces(
