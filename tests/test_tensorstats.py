@@ -95,3 +95,19 @@ def test_narrow_dtypes_are_widened_exactly_before_summing(dtype):
     assert stats.max_abs == float(finite.abs().max())
     assert stats.sum_pow == pytest.approx(math.fsum(finite.abs().tolist()), rel=1e-12)
     assert stats.sum_sq == pytest.approx(math.fsum((finite * finite).tolist()), rel=1e-12)
+
+
+def test_rows_of_many_small_tensors_over_several_batches_and_given_groups_are_those_of_each_alone():
+    from gradaudit.capture.tensorstats import CPU_BATCH_ELEMENTS, stats_rows
+
+    generator = torch.Generator().manual_seed(4)
+    count = CPU_BATCH_ELEMENTS // 4 + 77  # two batches of 4-element tensors
+    tensors = [torch.randn(4, generator=generator) * 10 for _ in range(count)]
+    tensors[3][1] = math.inf
+    tensors += [torch.randn(2, 3, generator=generator).t() for _ in range(5)]  # non-contiguous
+    alone = [stats_rows([t], 2.0)[0] for t in tensors]
+    assert all((row == one).all() for row, one in zip(stats_rows(tensors, 2.0), alone, strict=True))
+    chosen = {((4,), torch.float32, torch.device("cpu")): list(range(1, count, 2))}
+    given = stats_rows(tensors, 2.0, chosen)
+    assert all((given[i] == alone[i]).all() for i in range(1, count, 2))
+    assert not given[0::2].any() and not given[count:].any()  # in no group: zeros

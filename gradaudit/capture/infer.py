@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import CaptureError
-from ..model import Topology
+from ..model import FLOAT_DTYPES, Topology
 from ..warn import warn_once
 from .dtensor import dtensor_pieces, is_dtensor
 from .errors import UnsupportedParameter
 from .experts import ExpertRank, expert_rank, global_expert_name, is_megatron_expert
-from .names import is_ddp, named_logical_parameters
+from .names import is_ddp, logical_parameter_columns
 from .ownership import LocalPiece
-from .plain import TensorParallelRank, is_megatron_sharded, plain_pieces, whole_pieces
+from .plain import (
+    LocalPieces,
+    TensorParallelRank,
+    WholeReplicas,
+    dtype_name,
+    is_megatron_sharded,
+    plain_pieces,
+    whole_pieces,
+    whole_replicas,
+)
 from .snapshots import collection_paused
 from .topology import WORLD, TopologyBuilder
 
@@ -25,14 +36,17 @@ if TYPE_CHECKING:
 
 TENSOR_PARALLEL_GROUP_NAMES = ("tp", "tensor_model_parallel", "tensor_parallel")
 """groups= keys that name the tensor-parallel group of Megatron-style (attribute-marked) parameters."""
+_MARKS = frozenset({"tensor_model_parallel", "allreduce", "shared"})
+"""The attributes Megatron marks its sharded, expert and tied parameters with."""
 DATA_PARALLEL_GROUP_NAME = "dp"
 """groups= key naming the group over which plain parameters are replicated (when no DDP wrapper says)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Ownership:
-    pieces: tuple[LocalPiece, ...]
-    """This rank's pieces, one per local part of a logical parameter."""
+    pieces: Sequence[LocalPiece]
+    """This rank's pieces, one per local part of a logical parameter (a LocalPieces: the whole
+    replicas of plain parameters held as columns)."""
     topology: Topology
     """The process groups and mesh the pieces name."""
     aliases: Mapping[str, str]
@@ -71,9 +85,10 @@ def _infer_ownership(
     topology = TopologyBuilder(rank=rank, world_size=world_size)
     for name, lists in groups.items():
         topology.add_group(name, lists)
-    params = list(named_logical_parameters(model))
+    logicals, fqns, tensors = logical_parameter_columns(model)
     alias_of: dict[str, str] = {}
     if aliases:
+        params = list(zip(logicals, fqns, tensors, strict=True))
         _check_aliases(aliases, params)
         alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
 
@@ -81,30 +96,80 @@ def _infer_ownership(
     if fsdp1 is not None:
         flat = [_aliased(p, alias_of) for p in fsdp1]
         return Ownership(
-            pieces=tuple(flat) + tuple(explicit), topology=topology.build(), aliases=_local_aliases(flat)
+            pieces=LocalPieces((*flat, *explicit)), topology=topology.build(), aliases=_local_aliases(flat)
         )
 
     explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
-    plain: list[tuple[str, str, torch.Tensor]] = []
-    plain_types = (torch.Tensor, torch.nn.Parameter)
-    for logical, fqn, param in params:
-        if logical in explicit_names or fqn in explicit_names or not param.requires_grad:
-            continue
-        if type(param) not in plain_types and is_dtensor(param):
-            _extend(
-                pieces,
-                on_unsupported,
-                logical,
-                functools.partial(_dtensor_pieces, logical, param, alias_of, topology),
-            )
-        else:
-            plain.append((logical, fqn, param))
+    plain_types = {torch.Tensor, torch.nn.Parameter}
+    if not explicit_names and set(map(type, tensors)) <= plain_types:  # no DTensor: all plain
+        trained = list(map(operator.attrgetter("requires_grad"), tensors))
+        if not all(trained):
+            logicals = list(itertools.compress(logicals, trained))
+            fqns = list(itertools.compress(fqns, trained))
+            tensors = list(itertools.compress(tensors, trained))
+    else:
+        plain: list[tuple[str, str, torch.nn.Parameter]] = []
+        for logical, fqn, param in zip(logicals, fqns, tensors, strict=True):
+            if not param.requires_grad or logical in explicit_names or fqn in explicit_names:
+                continue
+            if type(param) not in plain_types and is_dtensor(param):
+                _extend(
+                    pieces,
+                    on_unsupported,
+                    logical,
+                    functools.partial(_dtensor_pieces, logical, param, alias_of, topology),
+                )
+            else:
+                plain.append((logical, fqn, param))
+        logicals = [logical for logical, _, _ in plain]
+        fqns = [fqn for _, fqn, _ in plain]
+        tensors = [param for _, _, param in plain]
 
-    if plain:
-        pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
-    pieces.extend(explicit)
-    return Ownership(pieces=tuple(pieces), topology=topology.build(), aliases=_local_aliases(pieces))
+    replicas = None
+    if tensors:
+        replicas = _whole_replicas(model, logicals, tensors, topology, world_size, groups, alias_of)
+        if replicas is None:
+            plain = list(zip(logicals, fqns, tensors, strict=True))
+            pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
+    held = LocalPieces(pieces, replicas, explicit)
+    return Ownership(
+        pieces=held, topology=topology.build(), aliases=_local_aliases([p for _, p in held.objects()])
+    )
+
+
+def _whole_replicas(
+    model: torch.nn.Module,
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    topology: TopologyBuilder,
+    world_size: int,
+    groups: Mapping[str, tuple[tuple[int, ...], ...]],
+    alias_of: Mapping[str, str],
+) -> WholeReplicas | None:
+    """The plain parameters `tensors` as columns when every one is a torch.Tensor or Parameter of a
+    float dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
+    LocalPieces (the order of the pieces is the same either way)."""
+    import torch
+
+    if not set(map(type, tensors)) <= {torch.Tensor, torch.nn.Parameter}:
+        return None
+    if any(map(vars, tensors)) and any(not _MARKS.isdisjoint(vars(t)) for t in tensors):
+        return None
+    if alias_of and any(_names(logical, alias_of)[1] is not None for logical in names):
+        return None
+    replicas = whole_replicas(names, tensors, None)
+    if any(dtype_name(dtype) not in FLOAT_DTYPES for _, dtype, _ in replicas.kinds):
+        return None
+    if any(0 in shape for shape, _, _ in replicas.kinds):
+        kept = [i for i, t in enumerate(tensors) if t.numel()]
+        if not kept:
+            return None
+        replicas = whole_replicas([names[i] for i in kept], [tensors[i] for i in kept], None)
+    dp_group = _data_parallel_group(model, topology, groups)
+    tensor_parallel = _tensor_parallel_rank(topology, groups)
+    group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
+    return dataclasses.replace(replicas, replica_group=group)
 
 
 def _dtensor_pieces(

@@ -42,8 +42,58 @@ def logical_name(model: torch.nn.Module, fqn: str) -> str:
 
 def named_logical_parameters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(logical name, this rank's FQN, parameter) for each distinct parameter of `model`."""
-    for fqn, param in model.named_parameters():
-        yield logical_name(model, fqn), fqn, param
+    return zip(*logical_parameter_columns(model), strict=True)
+
+
+def logical_parameter_columns(
+    model: torch.nn.Module,
+) -> tuple[list[str], list[str], list[torch.nn.Parameter]]:
+    """The logical names, this rank's FQNs and the distinct parameters of `model`, in the order of
+    `model.named_parameters()`: walked module by module as torch's own walk does, with a module's
+    logical prefix found once (a rank may hold 10^5 parameters), unless the model overrides the walk."""
+    import torch
+
+    logicals: list[str] = []
+    fqns: list[str] = []
+    params: list[torch.nn.Parameter] = []
+    module_type = type(model)
+    if (
+        module_type.named_parameters is not torch.nn.Module.named_parameters
+        or module_type.named_modules is not torch.nn.Module.named_modules
+        or not {"named_parameters", "named_modules"}.isdisjoint(vars(model))
+    ):
+        for fqn, param in model.named_parameters():
+            logicals.append(logical_name(model, fqn))
+            fqns.append(fqn)
+            params.append(param)
+        return logicals, fqns, params
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        own = module._parameters
+        values = list(own.values())
+        ids = set(map(id, values))
+        if len(ids) == len(values) and id(None) not in ids and ids.isdisjoint(seen):
+            keys = list(own)
+            seen |= ids
+        else:  # a None, or a parameter listed twice: skipped after its first place, as torch does
+            keys, values = [], []
+            for key, value in own.items():
+                if value is not None and id(value) not in seen:
+                    seen.add(id(value))
+                    keys.append(key)
+                    values.append(value)
+        if not keys:
+            continue
+        own_fqns = [f"{prefix}.{key}" for key in keys] if prefix else keys
+        logical_prefix = logical_name(model, f"{prefix}._")[:-1] if prefix else ""
+        fqns += own_fqns
+        logicals += (
+            own_fqns
+            if not prefix or logical_prefix == f"{prefix}."
+            else [logical_prefix + key for key in keys]
+        )
+        params += values
+    return logicals, fqns, params
 
 
 def matches_any(name: str, patterns: Sequence[str]) -> bool:

@@ -454,7 +454,7 @@ class AuditStep:
                 f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}",
             )
             return
-        if self._calls:
+        if self._call_stats:  # the last of two or more calls (one call's would be dropped)
             self._call_stats.append(grad_stats_of_snapshot(snapshots))
         dump, tensors = build_rank_dump(
             snapshots,

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
 from .ownership import LocalPiece
-from .supported import screen_pieces, sparse_reason, warn_not_captured
+from .plain import LocalPieces, WholeReplicas
+from .supported import screen_parts, sparse_reason, warn_not_captured
 
 if TYPE_CHECKING:
     import numpy as np
@@ -54,7 +55,7 @@ class Snapshots:
         on_error: Callable[[str, Exception], None],
         left_out: Sequence[NotCapturedParam] = (),
     ) -> None:
-        self.pieces, screened_out = screen_pieces(pieces, norm_type)
+        self.pieces, screened_out = _screened(pieces, norm_type)
         self.not_captured: dict[str, NotCapturedParam] = {p.name: p for p in (*left_out, *screened_out)}
         """Parameters left out, by name: given (ownership inference refused them), screened out here,
         or found holding a sparse gradient."""
@@ -75,9 +76,8 @@ class Snapshots:
             (mode == "full",) * len(self.pieces)
             if mode == "full" or not full_params
             else tuple(
-                matches_any(p.param, full_params)
-                or (p.local_name is not None and matches_any(p.local_name, full_params))
-                for p in self.pieces
+                any(name is not None and matches_any(name, full_params) for name in self.pieces.names(i))
+                for i in range(len(self.pieces))
             )
         )
 
@@ -99,8 +99,19 @@ class Snapshots:
         tensors: list[torch.Tensor] = []
         strided, failed, not_captured = torch.strided, self.failed, self.not_captured
         gradient = kind in GRAD_KINDS
+        replicas, start, stop = self.pieces.replicas, self.pieces.start, self.pieces.stop
         with torch.no_grad(), collection_paused():
-            for index, piece in enumerate(self.pieces):
+            one_by_one = False  # the whole replicas too, as LocalPieces: values kept, or not dense
+            if replicas is not None:
+                keep_any = any(self._keep_values[start:stop])
+                if summarize and not keep_any:
+                    done = self._summarize_replicas(kind, replicas, start)
+                    if done is False:
+                        return
+                    one_by_one = done is None
+                else:
+                    one_by_one = keep_any or gradient
+            for index, piece in self._objects(one_by_one):
                 if (failed and index in failed) or piece.param in not_captured:
                     continue
                 keep = self._keep_values[index]
@@ -120,7 +131,7 @@ class Snapshots:
                     if keep or self.partial.get(index):
                         self.values[(index, kind)] = tensor.detach().clone() if copy else tensor.detach()
                 except Exception as exc:  # noqa: BLE001  one unreadable piece must not stop the step
-                    if not self._failed(piece, kind, exc):
+                    if not self._failed(piece.param, kind, exc):
                         return
                     continue
                 if summarize:
@@ -130,33 +141,88 @@ class Snapshots:
                 return
         warn_not_captured(sparse)
 
+    def _objects(self, with_replicas: bool) -> Iterator[tuple[int, LocalPiece]]:
+        """(position, piece) of the pieces to read one by one: those held as objects, and the whole
+        replicas too when `with_replicas` (values kept, or a gradient that is not dense)."""
+        if with_replicas:
+            yield from enumerate(self.pieces)
+        else:
+            yield from self.pieces.objects()
+
+    def _summarize_replicas(self, kind: str, replicas: WholeReplicas, start: int) -> bool | None:
+        """Statistics of the whole replicas' gradients, read as one list and reduced by the groups of
+        one shape, dtype and device that inference found (no Python work per parameter beyond reading
+        its `.grad`). None when a gradient is not dense: the replicas are then read one by one
+        (`take`), which says why; False when the step was abandoned."""
+        import torch
+
+        from .tensorstats import stats_rows
+
+        grads = [param.grad for param in replicas.tensors]
+        groups = replicas.groups
+        skip = self._skipped(replicas, start)
+        if skip or any(g is None for g in grads):
+            groups = {
+                key: kept
+                for key, positions in groups.items()
+                if (kept := [j for j in positions if grads[j] is not None and j not in skip])
+            }
+        strided = torch.strided
+        if any(grads[j].layout is not strided for positions in groups.values() for j in positions):  # type: ignore[union-attr]
+            return None
+        import numpy as np
+
+        if groups is replicas.groups:
+            taken = np.arange(len(grads))
+        else:
+            taken = np.array([j for positions in groups.values() for j in positions], dtype=np.int64)
+        if not taken.size:
+            return True
+        try:
+            rows = stats_rows(grads, self.norm_type, groups)  # type: ignore[arg-type]  # no group holds a None
+        except Exception:  # noqa: BLE001  _summarize tries again, then one tensor at a time
+            return self._summarize(kind, (taken + start).tolist(), [grads[j] for j in taken.tolist()])
+        self.stats.put(kind, taken + start, rows[taken])
+        return True
+
+    def _skipped(self, replicas: WholeReplicas, start: int) -> set[int]:
+        """The positions among the replicas of pieces that failed or whose parameter is left out."""
+        skip = {i - start for i in self.failed if start <= i < start + len(replicas.names)}
+        if self.not_captured:
+            skip.update(j for j, name in enumerate(replicas.names) if name in self.not_captured)
+        return skip
+
     def _summarize(self, kind: str, positions: list[int], tensors: list[torch.Tensor]) -> bool:
         """Statistics of `tensors` (of the pieces at `positions`) as one batch; when the batch fails,
         one tensor at a time, so that only the pieces that cannot be read are left out. False when
         the step was abandoned."""
         from .tensorstats import stats_rows
 
-        kept = [i for i, index in enumerate(positions) if self.pieces[index].param not in self.not_captured]
-        if len(kept) < len(positions):
+        param, not_captured = self.pieces.param, self.not_captured
+        kept = (
+            [i for i, index in enumerate(positions) if param(index) not in not_captured]
+            if not_captured
+            else []
+        )
+        if not_captured and len(kept) < len(positions):
             positions, tensors = [positions[i] for i in kept], [tensors[i] for i in kept]
         try:
             self.stats.put(kind, positions, stats_rows(tensors, self.norm_type))
             return True
         except Exception as exc:  # noqa: BLE001
             if _is_out_of_memory(exc):
-                return self._failed(self.pieces[positions[0]], kind, exc)
+                return self._failed(param(positions[0]), kind, exc)
         for index, tensor in zip(positions, tensors, strict=True):
-            piece = self.pieces[index]
-            if piece.param in self.not_captured:
+            if param(index) in not_captured:
                 continue
             try:
                 self.stats.put(kind, [index], stats_rows([tensor], self.norm_type))
             except Exception as exc:  # noqa: BLE001
-                if not self._failed(piece, kind, exc):
+                if not self._failed(param(index), kind, exc):
                     return False
         return True
 
-    def _failed(self, piece: LocalPiece, kind: str, exc: Exception) -> bool:
+    def _failed(self, param: str, kind: str, exc: Exception) -> bool:
         """Leave out the parameter whose tensor could not be read (False: out of memory, the step is
         abandoned)."""
         if _is_out_of_memory(exc):
@@ -164,8 +230,8 @@ class Snapshots:
             return False
         # Left out whole and said why (GA104): a piece missing from the dump would read as an
         # ownership gap, or shrink the true norm, instead.
-        self.on_error(piece.param, exc)
-        self._leave_out(piece.param, f"its {kind.replace('_', ' ')} could not be read: {exc}")
+        self.on_error(param, exc)
+        self._leave_out(param, f"its {kind.replace('_', ' ')} could not be read: {exc}")
         return True
 
     def _note_partial(self, index: int, group: str | None) -> str | None:
@@ -189,11 +255,10 @@ class Snapshots:
     def _leave_out(self, param: str, reason: str) -> None:
         """Forget whatever was taken of `param`'s pieces: a parameter is captured whole or not at all."""
         self.not_captured[param] = NotCapturedParam(name=param, reason=reason)
-        for index, piece in enumerate(self.pieces):
-            if piece.param == param:
-                for kind in list(self.kinds_taken):
-                    self.values.pop((index, kind), None)
-                    self.stats.pop((index, kind), None)
+        for index in self.pieces.positions_of(param):
+            for kind in list(self.kinds_taken):
+                self.values.pop((index, kind), None)
+                self.stats.pop((index, kind), None)
 
     def abandon(self, reason: str) -> None:
         """Give every copy back at once (the training step needs the memory more than the dump)."""
@@ -209,6 +274,17 @@ class Snapshots:
         """The kinds held for piece `index`, in the order they were first taken (a look-up per kind
         taken, not a scan of every snapshot: a rank may hold 10^5 pieces)."""
         return [k for k in self.kinds_taken if (index, k) in self.values or (index, k) in self.stats]
+
+
+def _screened(
+    pieces: Sequence[LocalPiece], norm_type: float
+) -> tuple[LocalPieces, tuple[NotCapturedParam, ...]]:
+    """The pieces the dump can hold (supported.screen_pieces), the whole replicas as they are
+    (inference took only float dtypes into them), and the parameters left out."""
+    if not isinstance(pieces, LocalPieces):
+        pieces = LocalPieces(pieces)
+    (head, tail), left_out = screen_parts([pieces.head, pieces.tail], norm_type)
+    return LocalPieces(head, pieces.replicas, tail), left_out
 
 
 def _is_out_of_memory(exc: Exception) -> bool:
@@ -227,7 +303,7 @@ class StatsTable:
         self.present: dict[str, np.ndarray] = {}
         """Per kind: which pieces have a row."""
 
-    def put(self, kind: str, positions: Sequence[int], rows: np.ndarray) -> None:
+    def put(self, kind: str, positions: Sequence[int] | np.ndarray, rows: np.ndarray) -> None:
         import numpy as np
 
         from .tensorstats import STATS_COLUMNS

@@ -25,24 +25,35 @@ def screen_pieces(
     norm of torch.view_as_real(grad): such a piece is captured as that real view, with a trailing
     dimension of 2 added to its parameter's shape. Other norms of a complex gradient are no norm of
     its real parts, and other dtypes are none the reader knows: those parameters are left out."""
-    kept: list[LocalPiece] = []
+    (kept,), not_captured = screen_parts([pieces], norm_type)
+    return kept, not_captured
+
+
+def screen_parts(
+    parts: Sequence[Sequence[LocalPiece]], norm_type: float
+) -> tuple[list[tuple[LocalPiece, ...]], tuple[NotCapturedParam, ...]]:
+    """`screen_pieces` of several lists of pieces at once (one warning): the pieces kept of each."""
+    kept_parts: list[tuple[LocalPiece, ...]] = []
     left_out: dict[str, str] = {}
-    for piece in pieces:
-        if piece.dtype in FLOAT_DTYPES:
-            kept.append(piece)
-        elif piece.dtype in REAL_OF_COMPLEX and norm_type == 2.0:
-            kept.append(_as_real_pairs(piece))
-        elif piece.dtype in REAL_OF_COMPLEX:
-            left_out.setdefault(
-                piece.param,
-                f"complex gradient ({piece.dtype}) under norm_type {norm_type:g}: only its 2-norm is the norm "
-                "of its real and imaginary parts",
-            )
-        else:
-            left_out.setdefault(piece.param, f"dtype {piece.dtype}, which the dump format cannot hold")
+    for pieces in parts:
+        kept: list[LocalPiece] = []
+        for piece in pieces:
+            if piece.dtype in FLOAT_DTYPES:
+                kept.append(piece)
+            elif piece.dtype in REAL_OF_COMPLEX and norm_type == 2.0:
+                kept.append(_as_real_pairs(piece))
+            elif piece.dtype in REAL_OF_COMPLEX:
+                left_out.setdefault(
+                    piece.param,
+                    f"complex gradient ({piece.dtype}) under norm_type {norm_type:g}: only its 2-norm is the "
+                    "norm of its real and imaginary parts",
+                )
+            else:
+                left_out.setdefault(piece.param, f"dtype {piece.dtype}, which the dump format cannot hold")
+        kept_parts.append(tuple(kept))
     not_captured = tuple(NotCapturedParam(name=n, reason=r) for n, r in left_out.items())
     warn_not_captured(not_captured)
-    return tuple(kept), not_captured
+    return kept_parts, not_captured
 
 
 def sparse_reason(tensor: torch.Tensor) -> str | None:

@@ -7,7 +7,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from ..dumpfile.columnar import ColumnarPieces
 from ..dumpfile.writer import step_dir, write_rank_file
@@ -27,9 +27,11 @@ from ..model import (
     numel_of,
 )
 from ..version import __version__
+from .plain import WholeReplicas, dtype_name
 from .snapshots import Snapshots, collection_paused
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -133,9 +135,9 @@ def _pieces(
 
 def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPieces] | None:
     """(the parameters, the pieces as format-1.1 columns) of a stats-only capture, built from the
-    snapshots' statistics rows as they are; None when a piece needs the general path (several
-    regions, a local name, a dtype other than its parameter's, kinds differing between pieces, a
-    0-D box, a region that does not match its tensor)."""
+    snapshots' statistics rows as they are, the whole replicas' from their columns; None when a
+    piece needs the general path (several regions, a local name, a dtype other than its
+    parameter's, kinds differing between pieces, a 0-D box, a region that does not match its tensor)."""
     import numpy as np
 
     from ..dumpfile.columnar import pieces_from_rows
@@ -145,50 +147,171 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     if not kinds or snapshots.failed:
         return None
     present = [table.present[k] for k in kinds]
-    not_captured, pieces = snapshots.not_captured, snapshots.pieces
-    infos: dict[str, ParamInfo] = {}
-    layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
-    """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
-    numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
-    kept: list[int] = []
-    names: list[str] = []
-    groups: list[str | None] = []
-    ndims: list[int] = []
-    coords: list[int] = []
-    for index in np.flatnonzero(np.logical_or.reduce(present)).tolist():
-        local = pieces[index]
-        name = local.param
-        if name in not_captured:
-            continue
-        info = infos.get(name)
-        if info is None:
-            infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
-        elif info.dtype != local.dtype:
-            return None
-        key = id(local.regions)
-        layout = layouts[key] if key in layouts else layouts.setdefault(key, _layout(local.regions))
-        if layout is None or local.local_name is not None:
-            return None
-        ndim, values, needs = layout
-        if needs != (local.local_shape if ndim else numel_of(local.local_shape)):
-            return None
-        kept.append(index)
-        names.append(name)
-        groups.append(local.replica_group)
-        ndims.append(ndim)
-        coords += values
+    held = np.logical_or.reduce(present)
+    pieces = snapshots.pieces
+    columns = _Columns()
+    start, stop = pieces.start, pieces.stop
+    if not columns.add_objects(snapshots, np.flatnonzero(held[:start]).tolist()):
+        return None
+    if pieces.replicas is not None and not columns.add_replicas(
+        snapshots, pieces.replicas, start, np.flatnonzero(held[start:stop])
+    ):
+        return None
+    if not columns.add_objects(snapshots, (np.flatnonzero(held[stop:]) + stop).tolist()):
+        return None
+    kept = columns.kept
     if not kept or any(not p[kept].all() for p in present):
         return None  # no piece, or kinds that differ between pieces
-    params = tuple(sorted(infos.values(), key=lambda i: i.name))
+    params = columns.table()
     return params, pieces_from_rows(
         params=params,
-        param_names=names,
-        groups=groups,
-        ndims=ndims,
-        coords=coords,
+        param_names=columns.names,
+        groups=columns.groups,
+        ndims=cast("Sequence[int]", columns.column("ndims")),  # int64 arrays, as pieces_from_rows makes them
+        coords=cast("Sequence[int]", columns.column("coords")),
         rows={k: table.rows[k][kept] for k in kinds},
         norm_type=snapshots.norm_type,
     )
+
+
+class _Columns:
+    """The lists `pieces_from_rows` takes, filled piece by piece (objects) or a block at a time (the
+    whole replicas)."""
+
+    def __init__(self) -> None:
+        self.infos: dict[str, ParamInfo] = {}
+        self.kept: list[int] = []
+        self.names: list[str] = []
+        self.groups: list[str | None] = []
+        self._blocks: dict[str, list[np.ndarray]] = {"ndims": [], "coords": []}
+        """The ndims and coords columns as int64 arrays, a run of pieces each."""
+        self.known_table: list[Any] | None = None
+        """_last_table's entry of the replicas added, when they were the whole table."""
+        self._layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
+        """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
+        numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
+
+    def _replica_infos(
+        self, names: list[str], codes: np.ndarray, kinds: Sequence[tuple[Any, ...]]
+    ) -> list[ParamInfo]:
+        """The ParamInfo of each replica, those of the step before when it had the same ones."""
+        key = (names, codes.tobytes(), list(kinds))
+        if _last_table[0] == key:
+            self.known_table = _last_table[1]
+            return self.known_table[0]  # type: ignore[no-any-return]
+        shapes = [kind[0] for kind in kinds]
+        dtypes = [dtype_name(kind[1]) for kind in kinds]
+        code_list = codes.tolist()
+        made = list(
+            map(_param_info, names, map(shapes.__getitem__, code_list), map(dtypes.__getitem__, code_list))
+        )
+        self.known_table = _last_table[1] = [made, None]
+        _last_table[0] = key
+        return made
+
+    def table(self) -> tuple[ParamInfo, ...]:
+        """The parameters, sorted by name (the table of the step before when it is the same)."""
+        known = self.known_table
+        if known is not None and known[1] is not None and len(known[1]) == len(self.infos):
+            return known[1]  # type: ignore[no-any-return]
+        infos = self.infos
+        params = tuple(map(infos.__getitem__, sorted(infos)))
+        if known is not None and len(known[0]) == len(params):
+            known[1] = params
+        return params
+
+    def column(self, name: str) -> np.ndarray:
+        """The "ndims" or "coords" column of every piece added, in order."""
+        import numpy as np
+
+        return np.concatenate(self._blocks[name])  # the objects before the replicas, theirs, those after
+
+    def add_objects(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
+        import numpy as np
+
+        infos, layouts, not_captured = self.infos, self._layouts, snapshots.not_captured
+        ndims: list[int] = []
+        coords: list[int] = []
+        for index in indices:
+            local = snapshots.pieces[index]
+            name = local.param
+            if name in not_captured:
+                continue
+            info = infos.get(name)
+            if info is None:
+                infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
+            elif info.dtype != local.dtype:
+                return False
+            key = id(local.regions)
+            layout = layouts[key] if key in layouts else layouts.setdefault(key, _layout(local.regions))
+            if layout is None or local.local_name is not None:
+                return False
+            ndim, values, needs = layout
+            if needs != (local.local_shape if ndim else numel_of(local.local_shape)):
+                return False
+            self.kept.append(index)
+            self.names.append(name)
+            self.groups.append(local.replica_group)
+            ndims.append(ndim)
+            coords += values
+        self._blocks["ndims"].append(np.array(ndims, dtype=np.int64))
+        self._blocks["coords"].append(np.array(coords, dtype=np.int64))
+        return True
+
+    def add_replicas(
+        self, snapshots: Snapshots, replicas: WholeReplicas, start: int, positions: np.ndarray
+    ) -> bool:
+        """The replicas at `positions` (among the replicas): one whole box each, its parameter's
+        ParamInfo filled in directly (their shapes are real tensors')."""
+        import numpy as np
+
+        kinds = replicas.kinds
+        if any(not shape for shape, _, _ in kinds):
+            return False  # a 0-D box
+        if snapshots.not_captured:
+            names = replicas.names
+            positions = np.array(
+                [j for j in positions.tolist() if names[j] not in snapshots.not_captured], dtype=np.int64
+            )
+        chosen = positions.tolist()
+        every = len(chosen) == len(replicas.names)
+        names = list(replicas.names) if every else [replicas.names[j] for j in chosen]
+        codes = replicas.codes if every else replicas.codes[positions]
+        shapes = [kind[0] for kind in kinds]
+        before = len(self.infos)
+        self.infos.update(zip(names, self._replica_infos(names, codes, kinds), strict=True))
+        if len(self.infos) != before + len(chosen):
+            return False  # a name an object piece has too: the general checks decide
+        ndims = np.array([len(shape) for shape in shapes], dtype=np.int64)
+        boxes = np.zeros((len(kinds), 2 * int(ndims.max())), dtype=np.int64)
+        for code, shape in enumerate(shapes):
+            boxes[code, len(shape) : 2 * len(shape)] = shape
+        laid_out = np.arange(boxes.shape[1]) < 2 * ndims[:, None]
+        self.kept += (positions + start).tolist()
+        self.names += names
+        self.groups += [replicas.replica_group] * len(chosen)
+        self._blocks["ndims"].append(ndims[codes])
+        self._blocks["coords"].append(boxes[codes][laid_out[codes]])
+        return True
+
+
+_last_table: list[Any] = [None, None]
+"""[(names, codes, kinds) of the last step's whole replicas, (their ParamInfo list, the sorted
+parameter table when they were all of it)]: a step like the one before reuses them, and the
+reader's checks find the table they validated last (10^5 parameters a rank happen)."""
+
+
+def _param_info(name: str, shape: tuple[int, ...], dtype: str) -> ParamInfo:
+    """A ParamInfo of a real tensor's shape, filled in directly (its __post_init__ checks dims a
+    tensor always has; a rank may hold 10^5)."""
+    info = _new(ParamInfo)
+    _set(info, "name", name)
+    _set(info, "global_shape", shape)
+    _set(info, "dtype", dtype)
+    return info
+
+
+_new, _set = object.__new__, object.__setattr__
 
 
 def _layout(regions: tuple[Region, ...]) -> tuple[int, tuple[int, ...], tuple[int, ...] | int] | None:
