@@ -162,34 +162,17 @@ def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
     """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank)."""
     import numpy as np
 
-    from ..dumpfile.columnar import ColumnarPieces, ParamIds
+    from ..dumpfile.columnar import ParamIds
 
     ids = ParamIds(list(step.params))
     columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]] = []
     for rank in step.ranks_present:
-        pieces = step.ranks[rank].pieces
-        if isinstance(pieces, ColumnarPieces):
-            rows, coords = pieces.rows, pieces.coords
-            first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
-            columns.append((ids.of(pieces), coords[first], coords[first + 1], rows[:, 3] == 0, rank))
-            continue
-        params, starts, stops, flats = [], [], [], []
-        for piece in pieces:
-            regions = piece.regions
-            params.append(ids.ids.setdefault(piece.param, len(ids.ids)))
-            region = regions[0] if len(regions) == 1 else None
-            flats.append(type(region) is FlatRange)
-            starts.append(region.start if isinstance(region, FlatRange) else 0)
-            stops.append(region.stop if isinstance(region, FlatRange) else 0)
-        columns.append(
-            (
-                np.array(params, dtype=np.int64),
-                np.array(starts, dtype=np.int64),
-                np.array(stops, dtype=np.int64),
-                np.array(flats, dtype=bool),
-                rank,
-            )
-        )
+        pieces = step.ranks[rank].columns
+        rows, coords = pieces.rows, pieces.coords
+        first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
+        flat = rows[:, 3] == 0
+        flat[list(pieces.extras.regions)] = False  # not one region
+        columns.append((ids.of(pieces), coords[first], coords[first + 1], flat, rank))
     if not columns:
         return {}
     param = np.concatenate([c[0] for c in columns])

@@ -87,11 +87,8 @@ def _load_rank_from(
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
-    from .columnar import ColumnarPieces
-
-    if isinstance(dump.pieces, ColumnarPieces):  # statistics only: no piece names a tensor
-        return
-    for piece in dump.pieces:
+    pieces = dump.columns
+    for piece in pieces.build(sorted({at for keys in pieces.extras.tensors.values() for at in keys})):
         for key in piece.tensors.values():
             entry = header.tensors.get(key)
             if entry is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from ..errors import DumpFormatError
@@ -813,6 +813,7 @@ def decode_rank(
             raise r.fail(f"params[{i}]", f"parameter {shown(info.name)} is listed twice")
         params[info.name] = info
     numels: dict[str, int] = {}
+    pieces: Sequence[Piece]
     if "columnar" in doc:
         from .columnar import from_columns
 

@@ -603,7 +603,6 @@ def _measure_from_table(
 
 def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
     """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
-    from ..dumpfile.columnar import ColumnarPieces
     from ..dumpfile.header import SAFETENSORS_DTYPES
 
     itemsize = dict(SAFETENSORS_DTYPES.values())
@@ -612,12 +611,13 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
         if dump is None:
             continue
         for rank in dump.ranks_present:
-            pieces = dump.ranks[rank].pieces
-            if isinstance(pieces, ColumnarPieces):  # statistics only: nothing to read
-                continue
-            for piece in pieces:
-                if piece.tensors and piece.param in cost:
-                    cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
+            pieces = dump.ranks[rank].columns
+            numel, dtypes = pieces.numel, pieces.extras.dtypes
+            for keys in pieces.extras.tensors.values():
+                for at in keys:
+                    info = pieces.params[int(pieces.rows[at, 0])]
+                    if info.name in cost:
+                        cost[info.name] += int(numel[at]) * itemsize.get(dtypes.get(at, info.dtype), 8)
     return cost
 
 

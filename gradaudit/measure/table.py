@@ -249,10 +249,10 @@ def piece_table(step: StepDump, names: Iterable[str]) -> PieceTable | None:
     sources = []
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        pieces = dump.pieces
+        pieces = dump.columns
         if not len(pieces):
             continue
-        if not isinstance(pieces, ColumnarPieces) or dumped_gradient_scale(dump) != 1.0:
+        if not pieces.stats_only or dumped_gradient_scale(dump) != 1.0:
             return None
         sources.append((rank, dump.path, pieces))
     if not sources:
