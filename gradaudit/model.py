@@ -389,8 +389,7 @@ class RankDump:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'stats', got {self.mode!r}")
-        if not isinstance(self.pieces, ColumnarPieces):
-            object.__setattr__(self, "pieces", as_columns(self.params, self.pieces))
+        object.__setattr__(self, "pieces", as_columns(self.params, self.pieces))
 
     @property
     def columns(self) -> ColumnarPieces:
@@ -793,93 +792,134 @@ def as_columns(params: Sequence[ParamInfo], pieces: Sequence[Piece]) -> Columnar
     """`pieces` (of parameters in `params`) as columns: the one conversion of Piece objects."""
     if isinstance(pieces, ColumnarPieces):
         return pieces
-    params = tuple(params)
-    index_of = {info.name: i for i, info in enumerate(params)}
-    kinds = sorted({kind for piece in pieces for kind in piece.stats})
-    first = next((s for piece in pieces for s in piece.stats.values()), None)
-    norm_type = first.norm_type if first is not None else 2.0
-    widths = {kind: next(len(p.stats[kind].fingerprint) for p in pieces if kind in p.stats) for kind in kinds}
-    groups = sorted({p.replica_group for p in pieces if p.replica_group is not None})
-    group_index = {g: i for i, g in enumerate(groups)}
-    n = len(pieces)
-    rows = np.zeros((n, 4), dtype=np.int64)
-    coords: list[int] = []
-    values = {kind: np.zeros((n, 3 + widths[kind]), dtype=np.float64) for kind in kinds}
-    counted = {kind: np.zeros((n, 3), dtype=np.int64) for kind in kinds}
-    tensors: dict[TensorKind, dict[int, str]] = {}
-    absent: dict[TensorKind, set[int]] = {}
-    odd: dict[tuple[int, TensorKind], TensorStats] = {}
-    extra: dict[str, dict[int, Any]] = {
-        name: {}
-        for name in (
-            "call_stats",
-            "regions",
-            "local_shapes",
-            "dtypes",
-            "local_names",
-            "partial_groups",
-            "indices",
-        )
-    }
-    for position, piece in enumerate(pieces):
-        if piece.param not in index_of:
-            raise ValueError(f"piece {piece.index} is of {piece.param!r}, which is not in the dump's params")
-        info = params[index_of[piece.param]]
-        regions = piece.regions
+    columns = PieceColumnsBuilder(params)
+    for piece in pieces:
+        columns.add(**{name: getattr(piece, name) for name in _PIECE_FIELDS})
+    return columns.result()
+
+
+_PIECE_FIELDS = tuple(f.name for f in dataclasses.fields(Piece))
+
+
+class PieceColumnsBuilder:
+    """Pieces appended field by field (a decoder's, or Piece objects' through `as_columns`), then
+    `result()`: their columns, what the columns have no place for in `PieceExtras`. The fields are
+    those of `Piece`, valid as its constructor checks them."""
+
+    def __init__(self, params: Sequence[ParamInfo]) -> None:
+        self.params = tuple(params)
+        self.index_of = {info.name: i for i, info in enumerate(self.params)}
+        self.rows: list[tuple[int, str | None, int, int]] = []
+        self.coords: list[int] = []
+        self.norm_type: float | None = None
+        self.stats: dict[
+            TensorKind, tuple[int, list[int], list[tuple[float, ...]], list[tuple[int, int, int]]]
+        ] = {}
+        self.tensors: dict[TensorKind, dict[int, str]] = {}
+        self.odd: dict[tuple[int, TensorKind], TensorStats] = {}
+        self.extra: dict[str, dict[int, Any]] = {
+            name: {}
+            for name in (
+                "call_stats",
+                "regions",
+                "local_shapes",
+                "dtypes",
+                "local_names",
+                "partial_groups",
+                "indices",
+            )
+        }
+
+    def add(
+        self,
+        *,
+        index: int,
+        param: str,
+        regions: tuple[Region, ...],
+        local_shape: tuple[int, ...],
+        dtype: str,
+        local_name: str | None,
+        replica_group: str | None,
+        tensors: Mapping[TensorKind, str],
+        stats: Mapping[TensorKind, TensorStats],
+        call_stats: tuple[TensorStats, ...],
+        partial_group: str | None,
+    ) -> None:
+        position = len(self.rows)
+        param_index = self.index_of.get(param)
+        if param_index is None:
+            raise ValueError(f"piece {index} is of {param!r}, which is not in the dump's params")
         region = regions[0] if len(regions) == 1 else None
-        implied: tuple[int, ...] = (piece.numel,)
-        rows[position, :3] = (index_of[piece.param], group_index.get(piece.replica_group, -1), len(coords))  # type: ignore[arg-type]
+        numel = math.prod(local_shape)
+        implied: tuple[int, ...] = (numel,)
+        coords, extra = self.coords, self.extra
         if type(region) is Box and region.shape:
-            rows[position, 3] = len(region.shape)
+            self.rows.append((param_index, replica_group, len(coords), len(region.shape)))
             coords += (*region.offsets, *region.shape)
             implied = region.shape
         else:
+            self.rows.append((param_index, replica_group, len(coords), 0))
             if type(region) is FlatRange:
                 coords += (region.start, region.stop)
             else:
                 coords += (0, 0)
                 extra["regions"][position] = regions
-        if piece.local_shape != implied:
-            extra["local_shapes"][position] = piece.local_shape
-        if piece.dtype != info.dtype:
-            extra["dtypes"][position] = piece.dtype
-        for name, value, default in (
-            ("call_stats", piece.call_stats, ()),
-            ("local_names", piece.local_name, None),
-            ("partial_groups", piece.partial_group, None),
-            ("indices", piece.index, position),
-        ):
-            if value != default:
-                extra[name][position] = value
-        for kind, key in piece.tensors.items():
-            tensors.setdefault(kind, {})[position] = key
-        for kind in kinds:
-            s = piece.stats.get(kind)
-            if s is None:
-                absent.setdefault(kind, set()).add(position)
-                continue
-            fingerprint = s.fingerprint[: widths[kind]] + (0.0,) * (widths[kind] - len(s.fingerprint))
-            values[kind][position] = (s.sum_pow, s.sum_sq, s.max_abs, *fingerprint)
-            counted[kind][position] = (s.num_nan, s.num_posinf, s.num_neginf)
+        if local_shape != implied:
+            extra["local_shapes"][position] = local_shape
+        if dtype != self.params[param_index].dtype:
+            extra["dtypes"][position] = dtype
+        if call_stats:
+            extra["call_stats"][position] = call_stats
+        if local_name is not None:
+            extra["local_names"][position] = local_name
+        if partial_group is not None:
+            extra["partial_groups"][position] = partial_group
+        if index != position:
+            extra["indices"][position] = index
+        for kind, key in tensors.items():
+            self.tensors.setdefault(kind, {})[position] = key
+        for kind, s in stats.items():
+            if self.norm_type is None:
+                self.norm_type = s.norm_type
+            width, positions, values, counts = self.stats.setdefault(kind, (len(s.fingerprint), [], [], []))
+            fingerprint = s.fingerprint[:width] + (0.0,) * (width - len(s.fingerprint))
+            positions.append(position)
+            values.append((s.sum_pow, s.sum_sq, s.max_abs, *fingerprint))
+            counts.append((s.num_nan, s.num_posinf, s.num_neginf))
             if not (
-                (s.norm_type == norm_type or (math.isnan(s.norm_type) and math.isnan(norm_type)))
-                and len(s.fingerprint) == widths[kind]
-                and s.numel == piece.numel
+                (s.norm_type == self.norm_type or (math.isnan(s.norm_type) and math.isnan(self.norm_type)))
+                and len(s.fingerprint) == width
+                and s.numel == numel
             ):
-                odd[(position, kind)] = s
-    extras = PieceExtras(
-        tensors=tensors,
-        absent={kind: frozenset(found) for kind, found in absent.items()},
-        odd_stats=odd,
-        **extra,
-    )
-    return ColumnarPieces(
-        rows,
-        np.array(coords, dtype=np.int64),
-        params,
-        groups,
-        values,
-        counted,
-        norm_type,
-        extras=extras if not extras.empty else NO_EXTRAS,
-    )
+                self.odd[(position, kind)] = s
+
+    def result(self) -> ColumnarPieces:
+        n = len(self.rows)
+        groups = sorted({g for _, g, _, _ in self.rows if g is not None})
+        group_index: dict[str | None, int] = {g: i for i, g in enumerate(groups)}
+        group_index[None] = -1
+        rows = np.array(
+            [(p, group_index[g], first, ndim) for p, g, first, ndim in self.rows], dtype=np.int64
+        ).reshape(n, 4)
+        values, counted, absent = {}, {}, {}
+        for kind in sorted(self.stats):
+            width, positions, kind_values, kind_counts = self.stats[kind]
+            values[kind] = np.zeros((n, 3 + width), dtype=np.float64)
+            counted[kind] = np.zeros((n, 3), dtype=np.int64)
+            values[kind][positions] = np.array(kind_values, dtype=np.float64).reshape(
+                len(positions), 3 + width
+            )
+            counted[kind][positions] = np.array(kind_counts, dtype=np.int64).reshape(len(positions), 3)
+            if len(positions) < n:
+                absent[kind] = frozenset(range(n)) - frozenset(positions)
+        extras = PieceExtras(tensors=self.tensors, absent=absent, odd_stats=self.odd, **self.extra)
+        return ColumnarPieces(
+            rows,
+            np.array(self.coords, dtype=np.int64),
+            self.params,
+            groups,
+            values,
+            counted,
+            self.norm_type if self.norm_type is not None else 2.0,
+            extras=extras if not extras.empty else NO_EXTRAS,
+        )
