@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Union, overload
 
 if TYPE_CHECKING:
     import numpy as np
@@ -170,15 +170,30 @@ def flags_of_stats(stats: TensorStats | None, term: float | None) -> int:
     return (NAN if stats.num_nan else 0) | (INF if stats.num_posinf + stats.num_neginf else 0)
 
 
-def divide_by_power(value: float, scale: float, exponent: float) -> float:
+@overload
+def divide_by_power(value: float, scale: float, exponent: float) -> float: ...
+
+
+@overload
+def divide_by_power(value: np.ndarray, scale: float, exponent: float) -> np.ndarray: ...
+
+
+def divide_by_power(value: float | np.ndarray, scale: float, exponent: float) -> float | np.ndarray:
     """value / scale**exponent for scale > 0, without overflow or division by zero in between:
-    the result is inf or 0 only when it is beyond float64 itself."""
+    the result is inf or 0 only when it is beyond float64 itself. `value` may be a float64 array
+    (each element as the float would be)."""
     try:
         divisor = float(scale**exponent)
         if divisor != 0.0 and math.isfinite(divisor):
             return value / divisor
     except OverflowError:
         pass
+    if not isinstance(value, float | int):
+        import numpy as np
+
+        return np.array(
+            [divide_by_power(float(v), scale, exponent) for v in value.tolist()], dtype=np.float64
+        )
     if value == 0.0 or not math.isfinite(value):
         return value
     log = math.log(abs(value)) - exponent * math.log(scale)

@@ -123,7 +123,7 @@ def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
     assert isinstance(back.params["emb"].pieces, tuple)
 
 
-def _random_step(tmp_path, seed: int, world_size: int = 4):
+def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
     """Ranks holding random flat ranges and boxes (some the same on several ranks: replicas), some
     with nonfinite values, as columns (v11) and as JSON (v10)."""
     import math
@@ -168,7 +168,7 @@ def _random_step(tmp_path, seed: int, world_size: int = 4):
             step=1,
             params={"f": (48,), "b": (8, 6)},
             pieces=pieces,
-            clip=ClipRecord(max_norm=1.0, reported_norm=3.0),
+            clip=clip or ClipRecord(max_norm=1.0, reported_norm=3.0),
             **FIXED,
         )
         _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
@@ -191,16 +191,31 @@ def _measured_by_objects(step):
         patch.undo()
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layouts(tmp_path, capsys, seed):
+@pytest.mark.parametrize(
+    ("seed", "norm_type", "loss_scale"),
+    [*((seed, 2.0, None) for seed in range(6)), (6, 2.0, 1024.0), (7, float("inf"), 3.0), (8, 3.0, 2.0**40)],
+)
+def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layouts(
+    tmp_path, capsys, seed, norm_type, loss_scale
+):
+    """The oracle is the object path; with a loss scale (the gradients dumped before unscale_) the
+    table divides its columns by it as each piece's statistics are."""
     import numpy as np
 
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step, overflow_notes
     from gradaudit.measure.table import TablePieces
+    from gradaudit.model import ClipRecord
 
-    json_step, columnar_step = _random_step(tmp_path, seed)
+    clip = ClipRecord(
+        max_norm=1.0,
+        reported_norm=3.0,
+        norm_type=norm_type,
+        loss_scale=loss_scale,
+        unscaled_before_clip=None if loss_scale is None else False,
+    )
+    json_step, columnar_step = _random_step(tmp_path, seed, clip=clip)
     expected = _measured_by_objects(json_step)
     with TensorReader(columnar_step) as reader:
         ours = measure_step(columnar_step, reader, workers=1)

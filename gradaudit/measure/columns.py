@@ -100,9 +100,9 @@ class StepColumns:
         self.sum_pow = table.kind_column("grad", 0)[chosen]
         # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
         # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
-        same = table.all_sources(
+        same = (table.norm_type == 2.0 or set(table.scales) == {1.0}) and table.all_sources(
             lambda pieces: np.array_equal(pieces.stats["grad"][:, 0], pieces.stats["grad"][:, 1])
-        )
+        )  # equal sums stay equal divided by the loss scale when they are both of squares
         self.sum_sq = self.sum_pow if same else table.kind_column("grad", 1)[chosen]
         if table.all_sources(lambda pieces: not pieces.counts["grad"].any()):
             self.counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
