@@ -240,7 +240,7 @@ def analyse(
         diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
-        value_clipping=value_clipping(step, m),
+        value_clipping=value_clipping(step, columns),
         param_coefficients=param_coefficients(step, m, diagnosis, columns),
     )
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..model import TensorKind
 from ..norms import INF, NAN, UNKNOWN, term_column, term_of
 
 __all__ = ["INF", "NAN", "UNKNOWN", "StepColumns"]
@@ -23,6 +24,7 @@ class StepColumns:
     def __init__(self, m: StepMeasurements) -> None:
         self.norm_type = m.norm_type
         table, positions = _table_positions(m)
+        self._table: tuple[PieceTable, slice | np.ndarray] | None = None
         if table is not None and positions is not None:
             self._from_table(table, positions)
         else:
@@ -82,6 +84,7 @@ class StepColumns:
             chosen: slice | np.ndarray = slice(positions.start, positions.stop)
         else:
             chosen = positions
+        self._table = (table, chosen)
         self.layout = table.layout[chosen]
         self.param, self.param_names = table.param[chosen], table.names
         self.rank = table.rank[chosen]
@@ -116,6 +119,26 @@ class StepColumns:
             self.term = (
                 table.kind_column("grad", 2)[chosen] if column == 2 else (self.sum_pow, self.sum_sq)[column]
             )
+
+    def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(whether each piece holds `kind`, its sum of squares, its max |x|; 0 where it does not),
+        in `m.pieces` order."""
+        n = self.rank.size
+        if self._table is not None:
+            table, chosen = self._table
+            if kind not in table.kinds:
+                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n)
+            return (
+                np.ones(n, dtype=bool),
+                table.kind_column(kind, 1)[chosen],
+                table.kind_column(kind, 2)[chosen],
+            )
+        stats = [p.stats.get(kind) for p in self.pieces]
+        return (
+            np.array([s is not None for s in stats], dtype=bool),
+            np.array([0.0 if s is None else s.sum_sq for s in stats], dtype=np.float64),
+            np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
+        )
 
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
