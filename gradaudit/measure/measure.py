@@ -598,12 +598,12 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
             continue
         for rank in dump.ranks_present:
             pieces = dump.ranks[rank].columns
-            numel, dtypes = pieces.numel, pieces.extras.dtypes
-            for keys in pieces.extras.tensors.values():
+            dtypes = pieces.extras.dtypes
+            for keys in pieces.extras.tensors.values():  # none for statistics only: nothing to read
                 for at in keys:
                     info = pieces.params[int(pieces.rows[at, 0])]
                     if info.name in cost:
-                        cost[info.name] += int(numel[at]) * itemsize.get(dtypes.get(at, info.dtype), 8)
+                        cost[info.name] += int(pieces.numel[at]) * itemsize.get(dtypes.get(at, info.dtype), 8)
     return cost
 
 
