@@ -1,8 +1,9 @@
-"""Stats-only pieces of format-1.1 ranks measured as columns: one table for the whole step instead
-of a PieceMeasurement per piece (millions of them in a many-rank stats dump).
+"""Stats-only pieces measured as columns: one table for the whole step instead of a
+PieceMeasurement per piece (millions of them in a many-rank stats dump).
 
-A piece of such a rank has nothing to read and no loss scale to divide by: its measurement is its
-stored statistics. The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank,
+A piece with statistics only has nothing to read: its measurement is its stored statistics, the
+gradient's divided by its rank's loss scale (`dumped_gradient_scale`, when the dump holds them
+before unscale_). The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank,
 index and layout of every piece; a PieceMeasurement is built only for the pieces a caller asks for
 (a finding that names a few, the copies of a replicated layout).
 """
@@ -32,7 +33,7 @@ _BATCH = 1024
 
 
 class PieceTable:
-    """Every piece of the chosen parameters on the step's format-1.1 ranks, by parameter (in the
+    """Every piece of the chosen parameters on the step's stats-only ranks, by parameter (in the
     order of `names`), then rank, then piece index: position `p` is piece `index[p]` of rank
     `rank[p]`, and a parameter's pieces are the positions `bounds[name]`."""
 
