@@ -610,6 +610,19 @@ class ColumnarPieces(Sequence[Piece]):
             self._numel = read_only(numel)
         return self._numel
 
+    def local_shape(self, position: int) -> tuple[int, ...]:
+        """`Piece.local_shape` of the piece at `position`, without building the piece."""
+        shape = self.extras.local_shapes.get(position)
+        if shape is not None:
+            return shape
+        if position in self.extras.regions:
+            return (int(self.numel[position]),)
+        _, _, first, ndim = self.rows[position].tolist()
+        if ndim == 0:
+            start, stop = self.coords[first : first + 2].tolist()
+            return (stop - start,)
+        return tuple(self.coords[first + ndim : first + 2 * ndim].tolist())
+
     def layout(self, width: int) -> np.ndarray:
         """[n, 2 + width]: param index, ndim, then the region's coordinates padded with -1: rows are
         equal exactly when the pieces' layout keys are (for the same parameter table; pieces of

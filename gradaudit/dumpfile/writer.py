@@ -146,22 +146,21 @@ def _with_tensor_keys(
             raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
     payload: dict[str, torch.Tensor] = {}
     keys: dict[TensorKind, dict[int, str]] = {}
-    positions = sorted({position_of[index] for index, _ in tensors})
-    for position, piece in zip(positions, pieces.build(positions), strict=True):
+    for position, index in sorted((position_of[i], i) for i in {index for index, _ in tensors}):
+        info = pieces.params[int(pieces.rows[position, 0])]
+        local_shape, dtype = pieces.local_shape(position), pieces.extras.dtypes.get(position, info.dtype)
         for kind in TENSOR_KINDS:
-            tensor = tensors.get((piece.index, kind))
+            tensor = tensors.get((index, kind))
             if tensor is None:
                 continue
-            if tuple(tensor.shape) != piece.local_shape:
+            if tuple(tensor.shape) != local_shape:
                 raise ValueError(
-                    f"{piece.param!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
-                    f"local shape {piece.local_shape}"
+                    f"{info.name!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
+                    f"local shape {local_shape}"
                 )
-            if str(tensor.dtype).removeprefix("torch.") != piece.dtype:
-                raise ValueError(
-                    f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}"
-                )
-            key = tensor_key(piece.param, kind, piece.index)
+            if str(tensor.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"{info.name!r} {kind}: tensor dtype {tensor.dtype} differs from {dtype}")
+            key = tensor_key(info.name, kind, index)
             payload[key] = tensor.detach().to("cpu").contiguous()
             keys.setdefault(kind, {})[position] = key
     return dataclasses.replace(dump, pieces=pieces.with_tensors(keys)), payload
