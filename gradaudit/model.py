@@ -610,6 +610,26 @@ class ColumnarPieces(Sequence[Piece]):
             self._numel = read_only(numel)
         return self._numel
 
+    def regions(self) -> list[tuple[Region, ...]]:
+        """`Piece.regions` of every piece, in position order, without building the pieces."""
+        coords, extra, found = self.coords.tolist(), self.extras.regions, []
+        for at, (_, _, first, ndim) in enumerate(self.rows.tolist()):
+            if at in extra:
+                found.append(extra[at])
+            elif ndim == 0:
+                found.append((FlatRange(start=coords[first], stop=coords[first + 1]),))
+            else:
+                end = first + 2 * ndim
+                found.append(
+                    (
+                        Box(
+                            offsets=tuple(coords[first : first + ndim]),
+                            shape=tuple(coords[first + ndim : end]),
+                        ),
+                    )
+                )
+        return found
+
     def local_shape(self, position: int) -> tuple[int, ...]:
         """`Piece.local_shape` of the piece at `position`, without building the piece."""
         shape = self.extras.local_shapes.get(position)

@@ -26,8 +26,10 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     """Parameter -> its distinct layouts (replicas merged) -> the ranks holding them, in one pass."""
     found: dict[str, Layouts] = {name: {} for name in step.params}
     for rank in step.ranks_present:
-        for piece in step.ranks[rank].pieces:
-            found.setdefault(piece.param, {}).setdefault(piece.regions, []).append(rank)
+        pieces = step.ranks[rank].columns
+        names = [info.name for info in pieces.params]
+        for param, regions in zip(pieces.rows[:, 0].tolist(), pieces.regions(), strict=True):
+            found.setdefault(names[param], {}).setdefault(regions, []).append(rank)
     return found
 
 
