@@ -104,9 +104,10 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     """The ownership checks (GA102 overlap, GA103 gap) of one parameter cut into `num_pieces` pieces
     spread over `num_ranks` ranks, on a StepDump built in memory. Returns the seconds of the checks
     alone (building the StepDump is not timed)."""
+    from gradaudit.analysis.coverage import coverage_by_param
     from gradaudit.analysis.diagnosis import diagnose_step
     from gradaudit.checks.base import AuditInputs, AuditOptions
-    from gradaudit.checks.coverage import coverage_by_param, ownership_gap, ownership_overlap
+    from gradaudit.checks.coverage import ownership_gap, ownership_overlap
     from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measurements import StepMeasurements
 

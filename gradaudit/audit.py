@@ -209,10 +209,10 @@ def analyse(
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
     `update_judgements`: judge_updates' result with a reference, {} without one; `terms`: the
     diagnosis' input when another source than the measurements gives it (the guard's summary)."""
+    from .analysis.coverage import coverage_by_param
     from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
-    from .checks.coverage import coverage_by_param
 
     columns = StepColumns(m)
     diagnosis = diagnose(step, norm_input_of(step, m, columns) if terms is None else terms)
@@ -223,7 +223,7 @@ def analyse(
         diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
-        value_clipping=value_clipping(step, m),
+        value_clipping=value_clipping(step, columns),
         param_coefficients=param_coefficients(step, m, diagnosis, columns),
     )
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, cast, get_args, overload
+
+import numpy as np
 
 TensorKind = Literal["grad", "grad_clipped", "param_before", "param_after"]
 """What a dumped tensor is: the gradient before clipping, after clipping, the parameter
@@ -359,7 +363,8 @@ class RankDump:
     params: tuple[ParamInfo, ...] = ()
     """Every logical parameter this rank knows, with its global shape and dtype."""
     pieces: Sequence[Piece] = ()
-    """A tuple, or for a format-1.1 stats file a dumpfile.columnar.ColumnarPieces (its columns)."""
+    """The pieces, always held as `ColumnarPieces` (`columns`): a sequence of Piece objects given
+    here is converted once (`as_columns`)."""
     aliases: Mapping[str, str] = field(default_factory=dict)
     """This rank's parameter name -> logical name, for the names that differ (wrapper prefixes)."""
     topology: Topology = field(default_factory=Topology)
@@ -384,6 +389,12 @@ class RankDump:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'stats', got {self.mode!r}")
+        object.__setattr__(self, "pieces", as_columns(self.params, self.pieces))
+
+    @property
+    def columns(self) -> ColumnarPieces:
+        """The pieces as columns (what `pieces` always holds)."""
+        return cast("ColumnarPieces", self.pieces)
 
     def param(self, name: str) -> ParamInfo | None:
         for info in self.params:
@@ -456,3 +467,492 @@ class StepDump:
         for rank in self.ranks_present:
             return self.ranks[rank].topology
         return Topology()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PieceExtras:
+    """What some pieces hold beyond the columns of `ColumnarPieces`, by position (all empty for the
+    pieces of a format-1.1 rank, which the columns hold whole): the format-1.0 fields."""
+
+    tensors: Mapping[TensorKind, Mapping[int, str]] = field(default_factory=dict)
+    """Tensor kind -> position -> its key in the rank's safetensors file (kinds dumped with values)."""
+    absent: Mapping[TensorKind, frozenset[int]] = field(default_factory=dict)
+    """Kind -> the positions whose piece holds no statistics of that kind (its column rows are zeros)."""
+    odd_stats: Mapping[tuple[int, TensorKind], TensorStats] = field(default_factory=dict)
+    """(position, kind) -> statistics the columns would not give back equal (another norm type,
+    fingerprint length or element count than the column's); the columns hold their sums too."""
+    call_stats: Mapping[int, tuple[TensorStats, ...]] = field(default_factory=dict)
+    """Position -> `Piece.call_stats`, for the pieces that have them."""
+    regions: Mapping[int, tuple[Region, ...]] = field(default_factory=dict)
+    """Position -> the regions of a piece that is not one flat range or one box of at least one dimension."""
+    local_shapes: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Position -> the local shape, where its regions do not imply it."""
+    dtypes: Mapping[int, str] = field(default_factory=dict)
+    """Position -> the dtype of the dumped values, where it is not the parameter's."""
+    local_names: Mapping[int, str] = field(default_factory=dict)
+    """Position -> `Piece.local_name`, where it is set."""
+    partial_groups: Mapping[int, str] = field(default_factory=dict)
+    """Position -> `Piece.partial_group`, where it is set."""
+    indices: Mapping[int, int] = field(default_factory=dict)
+    """Position -> `Piece.index`, where it is not the position."""
+
+    @property
+    def empty(self) -> bool:
+        return not any(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+NO_EXTRAS = PieceExtras()
+
+
+class ColumnarPieces(Sequence[Piece]):
+    """A rank's pieces as columns (read-only arrays, the layout of format 1.1: see
+    dumpfile/columnar.py) and, for what the columns have no place for, `extras`. A `Piece` is a
+    validated row built each time one is indexed or iterated, and not kept. Equal to any sequence
+    of equal pieces.
+
+    `rows` [n, 4]: param index, replica group index (-1: none), first coordinate in `coords`, ndim
+    (0: a flat range [start, stop), k: a k-D box); `stats[kind]` [n, 3+f]: sum_pow, sum_sq,
+    max_abs, fingerprint; `counts[kind]` [n, 3]: num_nan, num_posinf, num_neginf."""
+
+    __slots__ = ("_numel", "coords", "counts", "extras", "groups", "norm_type", "params", "rows", "stats")
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        coords: np.ndarray,
+        params: Sequence[ParamInfo],
+        groups: Sequence[str],
+        stats: Mapping[str, np.ndarray] | Mapping[TensorKind, np.ndarray],
+        counts: Mapping[str, np.ndarray] | Mapping[TensorKind, np.ndarray],
+        norm_type: float,
+        *,
+        extras: PieceExtras = NO_EXTRAS,
+    ) -> None:
+        self.rows, self.coords = read_only(rows), read_only(coords)
+        self.params, self.groups = tuple(params), tuple(groups)
+        self.stats: dict[TensorKind, np.ndarray] = {
+            cast("TensorKind", k): read_only(v) for k, v in stats.items()
+        }
+        by_kind: Mapping[Any, np.ndarray] = counts
+        self.counts: dict[TensorKind, np.ndarray] = {k: read_only(by_kind[k]) for k in self.stats}
+        self.norm_type = norm_type
+        self.extras = extras
+        self._numel: np.ndarray | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt through __init__, so that the columns are read-only again after the scaled-out
+        check has sent loaded ranks to another process."""
+        return (
+            _rebuild,
+            (
+                self.rows,
+                self.coords,
+                self.params,
+                self.groups,
+                self.stats,
+                self.counts,
+                self.norm_type,
+                self.extras,
+            ),
+        )
+
+    @property
+    def kinds(self) -> tuple[TensorKind, ...]:
+        return cast("tuple[TensorKind, ...]", tuple(self.stats))  # validated against TENSOR_KINDS
+
+    @property
+    def fingerprint_length(self) -> int:
+        return int(next(iter(self.stats.values())).shape[1]) - 3 if self.stats else 0
+
+    @property
+    def stats_only(self) -> bool:
+        """Whether the columns hold these pieces whole: statistics of one kind set, fingerprint
+        length and norm type, one flat range or box each, nothing else (format 1.1 can store them)."""
+        widths = {int(v.shape[1]) for v in self.stats.values()}
+        return bool(len(self) and self.stats and len(widths) == 1 and self.extras.empty)
+
+    @property
+    def tensor_kinds(self) -> tuple[TensorKind, ...]:
+        """The kinds some piece holds values of (a key in the safetensors file)."""
+        return tuple(kind for kind, keys in self.extras.tensors.items() if keys)
+
+    def with_tensors(self, tensors: Mapping[TensorKind, Mapping[int, str]]) -> ColumnarPieces:
+        """These pieces naming the tensors `tensors` (kind -> position -> key) too."""
+        merged = {k: dict(v) for k, v in self.extras.tensors.items()}
+        for kind, keys in tensors.items():
+            merged.setdefault(kind, {}).update(keys)
+        extras = dataclasses.replace(self.extras, tensors={k: v for k, v in merged.items() if v})
+        return ColumnarPieces(
+            self.rows,
+            self.coords,
+            self.params,
+            self.groups,
+            self.stats,
+            self.counts,
+            self.norm_type,
+            extras=extras,
+        )
+
+    @property
+    def numel(self) -> np.ndarray:
+        """Elements of each piece."""
+        if self._numel is None:
+            rows, coords = self.rows, self.coords
+            first, ndim = rows[:, 2], rows[:, 3]
+            numel = np.zeros(len(rows), dtype=np.int64)
+            flat = ndim == 0
+            numel[flat] = coords[first[flat] + 1] - coords[first[flat]]
+            for k in np.unique(ndim[~flat]).tolist():
+                chosen = np.flatnonzero(ndim == k)
+                numel[chosen] = np.prod(coords[first[chosen, None] + k + np.arange(k)], axis=1)
+            for position, regions in self.extras.regions.items():
+                numel[position] = sum(r.numel for r in regions)
+            self._numel = read_only(numel)
+        return self._numel
+
+    def regions(self) -> list[tuple[Region, ...]]:
+        """`Piece.regions` of every piece, in position order, without building the pieces."""
+        coords, extra, found = self.coords.tolist(), self.extras.regions, []
+        for at, (_, _, first, ndim) in enumerate(self.rows.tolist()):
+            if at in extra:
+                found.append(extra[at])
+            elif ndim == 0:
+                found.append((FlatRange(start=coords[first], stop=coords[first + 1]),))
+            else:
+                end = first + 2 * ndim
+                found.append(
+                    (
+                        Box(
+                            offsets=tuple(coords[first : first + ndim]),
+                            shape=tuple(coords[first + ndim : end]),
+                        ),
+                    )
+                )
+        return found
+
+    def local_shape(self, position: int) -> tuple[int, ...]:
+        """`Piece.local_shape` of the piece at `position`, without building the piece."""
+        shape = self.extras.local_shapes.get(position)
+        if shape is not None:
+            return shape
+        if position in self.extras.regions:
+            return (int(self.numel[position]),)
+        _, _, first, ndim = self.rows[position].tolist()
+        if ndim == 0:
+            start, stop = self.coords[first : first + 2].tolist()
+            return (stop - start,)
+        return tuple(self.coords[first + ndim : first + 2 * ndim].tolist())
+
+    def layout(self, width: int) -> np.ndarray:
+        """[n, 2 + width]: param index, ndim, then the region's coordinates padded with -1: rows are
+        equal exactly when the pieces' layout keys are (for the same parameter table; pieces of
+        one flat range or box each)."""
+        rows, coords = self.rows, self.coords
+        out = np.full((len(rows), 2 + width), -1, dtype=np.int64)
+        out[:, 0], out[:, 1] = rows[:, 0], rows[:, 3]
+        first, ndim = rows[:, 2], rows[:, 3]
+        for k in np.unique(ndim).tolist():
+            chosen = np.flatnonzero(ndim == k)
+            w = 2 if k == 0 else 2 * k
+            out[chosen, 2 : 2 + w] = coords[first[chosen, None] + np.arange(w)]
+        return out
+
+    def layout_column(self, column: int, width: int) -> np.ndarray:
+        """Column `column` of `layout(width)` alone."""
+        rows = self.rows
+        if column < 2:
+            return rows[:, 0] if column == 0 else rows[:, 3]
+        first, ndim = rows[:, 2], rows[:, 3]
+        span = np.where(ndim == 0, 2, 2 * ndim)
+        inside = column - 2 < span
+        return np.where(inside, self.coords[np.where(inside, first + column - 2, 0)], -1)
+
+    @property
+    def layout_width(self) -> int:
+        return max(2, 2 * int(self.rows[:, 3].max())) if len(self.rows) else 2
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    @overload
+    def __getitem__(self, index: int) -> Piece: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Piece, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Piece | tuple[Piece, ...]:
+        if isinstance(index, slice):
+            return tuple(self.build(range(len(self))[index]))
+        position = operator.index(index)
+        if position < 0:
+            position += len(self)
+        if not 0 <= position < len(self):
+            raise IndexError(f"piece index {index} out of range")
+        return self.build([position])[0]
+
+    def __iter__(self) -> Iterator[Piece]:
+        n = len(self)
+        for start in range(0, n, _BATCH):
+            yield from self.build(range(start, min(n, start + _BATCH)))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if (
+            isinstance(other, ColumnarPieces)
+            and len(self) == len(other)
+            and (
+                self.params == other.params
+                and self.groups == other.groups
+                and self.kinds == other.kinds
+                and self.norm_type == other.norm_type
+                and self.extras == other.extras
+                and np.array_equal(self.rows, other.rows)
+                and np.array_equal(self.coords, other.coords)
+                and all(np.array_equal(self.stats[k], other.stats[k]) for k in self.kinds)
+                and all(np.array_equal(self.counts[k], other.counts[k]) for k in self.kinds)
+            )
+        ):
+            return True
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ColumnarPieces({len(self)} pieces)"
+
+    def build(self, positions: Iterable[int]) -> list[Piece]:
+        """The pieces at these positions, as validated objects."""
+        params, coords, counts, norm_type, extras = (
+            self.params,
+            self.coords,
+            self.counts,
+            self.norm_type,
+            self.extras,
+        )
+        chosen = np.fromiter(positions, dtype=np.int64)
+        group_names: list[str | None] = [*self.groups, None]  # index -1: no group
+        stats_rows = [
+            (
+                kind,
+                values[chosen].tolist(),
+                counts[kind][chosen].tolist(),
+                extras.absent.get(kind, frozenset()),
+            )
+            for kind, values in self.stats.items()
+        ]
+        pieces = []
+        for at, (position, (param_index, group, first, ndim)) in enumerate(
+            zip(chosen.tolist(), self.rows[chosen].tolist(), strict=True)
+        ):
+            info = params[param_index]
+            regions: tuple[Region, ...]
+            if position in extras.regions:
+                regions = extras.regions[position]
+                numel = sum(r.numel for r in regions)
+                local_shape: tuple[int, ...] = (numel,)
+            elif ndim == 0:
+                start, stop = coords[first : first + 2].tolist()
+                regions, local_shape, numel = (
+                    (FlatRange(start=start, stop=stop),),
+                    (stop - start,),
+                    stop - start,
+                )
+            else:
+                values = coords[first : first + 2 * ndim].tolist()
+                offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
+                regions, local_shape, numel = (Box(offsets=offsets, shape=shape),), shape, math.prod(shape)
+            piece_stats: dict[TensorKind, TensorStats] = {}
+            for kind, kind_rows, kind_counts, absent in stats_rows:
+                if position in absent:
+                    continue
+                odd = extras.odd_stats.get((position, kind)) if extras.odd_stats else None
+                if odd is not None:
+                    piece_stats[kind] = odd
+                    continue
+                row = kind_rows[at]
+                nan, posinf, neginf = kind_counts[at]
+                sum_pow, sum_sq = row[0], row[1]
+                if sum_pow == sum_sq and sum_pow:  # the L2 norm's two sums: one float (24 B a piece)
+                    sum_pow = sum_sq
+                piece_stats[kind] = TensorStats(
+                    numel=numel,
+                    norm_type=norm_type,
+                    sum_pow=sum_pow,
+                    sum_sq=sum_sq,
+                    max_abs=row[2],
+                    num_nan=nan,
+                    num_posinf=posinf,
+                    num_neginf=neginf,
+                    fingerprint=tuple(row[3:]),
+                )
+            pieces.append(
+                Piece(
+                    index=extras.indices.get(position, position),
+                    param=info.name,
+                    regions=regions,
+                    local_shape=extras.local_shapes.get(position, local_shape),
+                    dtype=extras.dtypes.get(position, info.dtype),
+                    local_name=extras.local_names.get(position),
+                    replica_group=group_names[group],
+                    tensors={k: keys[position] for k, keys in extras.tensors.items() if position in keys},
+                    stats=piece_stats,
+                    call_stats=extras.call_stats.get(position, ()),
+                    partial_group=extras.partial_groups.get(position),
+                )
+            )
+        return pieces
+
+
+_BATCH = 1024
+
+
+def _rebuild(*args: Any) -> ColumnarPieces:
+    *columns, extras = args
+    return ColumnarPieces(*columns, extras=extras)
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    if array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+def as_columns(params: Sequence[ParamInfo], pieces: Sequence[Piece]) -> ColumnarPieces:
+    """`pieces` (of parameters in `params`) as columns: the one conversion of Piece objects."""
+    if isinstance(pieces, ColumnarPieces):
+        return pieces
+    columns = PieceColumnsBuilder(params)
+    for piece in pieces:
+        columns.add(**{name: getattr(piece, name) for name in _PIECE_FIELDS})
+    return columns.result()
+
+
+_PIECE_FIELDS = tuple(f.name for f in dataclasses.fields(Piece))
+
+
+class PieceColumnsBuilder:
+    """Pieces appended field by field (a decoder's, or Piece objects' through `as_columns`), then
+    `result()`: their columns, what the columns have no place for in `PieceExtras`. The fields are
+    those of `Piece`, valid as its constructor checks them."""
+
+    def __init__(self, params: Sequence[ParamInfo]) -> None:
+        self.params = tuple(params)
+        self.index_of = {info.name: i for i, info in enumerate(self.params)}
+        self.rows: list[tuple[int, str | None, int, int]] = []
+        self.coords: list[int] = []
+        self.norm_type: float | None = None
+        self.stats: dict[
+            TensorKind, tuple[int, list[int], list[tuple[float, ...]], list[tuple[int, int, int]]]
+        ] = {}
+        self.tensors: dict[TensorKind, dict[int, str]] = {}
+        self.odd: dict[tuple[int, TensorKind], TensorStats] = {}
+        self.extra: dict[str, dict[int, Any]] = {
+            name: {}
+            for name in (
+                "call_stats",
+                "regions",
+                "local_shapes",
+                "dtypes",
+                "local_names",
+                "partial_groups",
+                "indices",
+            )
+        }
+
+    def add(
+        self,
+        *,
+        index: int,
+        param: str,
+        regions: tuple[Region, ...],
+        local_shape: tuple[int, ...],
+        dtype: str,
+        local_name: str | None,
+        replica_group: str | None,
+        tensors: Mapping[TensorKind, str],
+        stats: Mapping[TensorKind, TensorStats],
+        call_stats: tuple[TensorStats, ...],
+        partial_group: str | None,
+    ) -> None:
+        position = len(self.rows)
+        param_index = self.index_of.get(param)
+        if param_index is None:
+            raise ValueError(f"piece {index} is of {param!r}, which is not in the dump's params")
+        region = regions[0] if len(regions) == 1 else None
+        numel = math.prod(local_shape)
+        implied: tuple[int, ...] = (numel,)
+        coords, extra = self.coords, self.extra
+        if type(region) is Box and region.shape:
+            self.rows.append((param_index, replica_group, len(coords), len(region.shape)))
+            coords += (*region.offsets, *region.shape)
+            implied = region.shape
+        else:
+            self.rows.append((param_index, replica_group, len(coords), 0))
+            if type(region) is FlatRange:
+                coords += (region.start, region.stop)
+            else:
+                coords += (0, 0)
+                extra["regions"][position] = regions
+        if local_shape != implied:
+            extra["local_shapes"][position] = local_shape
+        if dtype != self.params[param_index].dtype:
+            extra["dtypes"][position] = dtype
+        if call_stats:
+            extra["call_stats"][position] = call_stats
+        if local_name is not None:
+            extra["local_names"][position] = local_name
+        if partial_group is not None:
+            extra["partial_groups"][position] = partial_group
+        if index != position:
+            extra["indices"][position] = index
+        for kind, key in tensors.items():
+            self.tensors.setdefault(kind, {})[position] = key
+        for kind, s in stats.items():
+            if self.norm_type is None:
+                self.norm_type = s.norm_type
+            width, positions, values, counts = self.stats.setdefault(kind, (len(s.fingerprint), [], [], []))
+            fingerprint = s.fingerprint[:width] + (0.0,) * (width - len(s.fingerprint))
+            positions.append(position)
+            values.append((s.sum_pow, s.sum_sq, s.max_abs, *fingerprint))
+            counts.append((s.num_nan, s.num_posinf, s.num_neginf))
+            if not (
+                (s.norm_type == self.norm_type or (math.isnan(s.norm_type) and math.isnan(self.norm_type)))
+                and len(s.fingerprint) == width
+                and s.numel == numel
+            ):
+                self.odd[(position, kind)] = s
+
+    def result(self) -> ColumnarPieces:
+        n = len(self.rows)
+        groups = sorted({g for _, g, _, _ in self.rows if g is not None})
+        group_index: dict[str | None, int] = {g: i for i, g in enumerate(groups)}
+        group_index[None] = -1
+        rows = np.array(
+            [(p, group_index[g], first, ndim) for p, g, first, ndim in self.rows], dtype=np.int64
+        ).reshape(n, 4)
+        values, counted, absent = {}, {}, {}
+        for kind in sorted(self.stats):
+            width, positions, kind_values, kind_counts = self.stats[kind]
+            values[kind] = np.zeros((n, 3 + width), dtype=np.float64)
+            counted[kind] = np.zeros((n, 3), dtype=np.int64)
+            values[kind][positions] = np.array(kind_values, dtype=np.float64).reshape(
+                len(positions), 3 + width
+            )
+            counted[kind][positions] = np.array(kind_counts, dtype=np.int64).reshape(len(positions), 3)
+            if len(positions) < n:
+                absent[kind] = frozenset(range(n)) - frozenset(positions)
+        extras = PieceExtras(tensors=self.tensors, absent=absent, odd_stats=self.odd, **self.extra)
+        return ColumnarPieces(
+            rows,
+            np.array(self.coords, dtype=np.int64),
+            self.params,
+            groups,
+            values,
+            counted,
+            self.norm_type if self.norm_type is not None else 2.0,
+            extras=extras if not extras.empty else NO_EXTRAS,
+        )

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Union, overload
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .model import TensorStats
+
+Terms = Union[Iterable[float], "np.ndarray"]
+"""Floats, as any iterable or as a float64 array (summed chunk by chunk, never a Python float per
+value held at once): every function below takes either, with one implementation."""
 
 CLIP_EPS = 1e-6
 """The epsilon of torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)."""
@@ -36,24 +47,52 @@ def check_norm_type(norm_type: object) -> float:
     return value
 
 
-def safe_fsum(values: Iterable[float]) -> float:
+def safe_fsum(values: Terms) -> float:
     """math.fsum, but inf (or nan) instead of OverflowError/ValueError when the exact sum of finite
     values is beyond float64 or the values hold infinities of both signs."""
-    values = list(values)
+    values = _held(values)
     try:
-        return math.fsum(values)
+        return math.fsum(_floats(values))
     except OverflowError:
-        return math.inf if sum(1 for v in values if v > 0) >= sum(1 for v in values if v < 0) else -math.inf
+        return math.inf if _count(values, 1) >= _count(values, -1) else -math.inf
     except ValueError:
         return math.nan
 
 
-def combine_terms(terms: Iterable[float], norm_type: float) -> float:
+_CHUNK = 1 << 16
+
+
+def _held(values: Terms) -> list[float] | np.ndarray:
+    return values if hasattr(values, "dtype") else list(values)  # type: ignore[return-value]
+
+
+def _floats(values: list[float] | np.ndarray) -> Iterable[float]:
+    if isinstance(values, list):
+        return values
+    return itertools.chain.from_iterable(
+        values[i : i + _CHUNK].tolist() for i in range(0, values.size, _CHUNK)
+    )
+
+
+def _count(values: list[float] | np.ndarray, sign: int) -> int:
+    """How many values have this sign."""
+    if isinstance(values, list):
+        return sum(1 for v in values if v * sign > 0)
+    return int((values * sign > 0).sum())
+
+
+def _largest(values: list[float] | np.ndarray) -> float:
+    if isinstance(values, list):
+        return max(values, default=0.0)
+    return float(values.max()) if values.size else 0.0
+
+
+def combine_terms(terms: Terms, norm_type: float) -> float:
     """Combine per-piece terms (sum |x|^p, or max |x| for the inf norm) of a disjoint cover; inf
     when the sum exceeds float64 (norm_of_terms still finds a finite norm then)."""
-    terms = list(terms)
+    terms = _held(terms)
     if is_inf_norm(norm_type):
-        return max(terms, default=0.0)
+        return _largest(terms)
     return safe_fsum(terms)
 
 
@@ -77,29 +116,84 @@ def power(base: float, exponent: float) -> float:
         return math.inf
 
 
-def norm_of_terms(terms: Iterable[float], norm_type: float) -> float:
+def norm_of_terms(terms: Terms, norm_type: float) -> float:
     """The p-norm of a disjoint cover from its per-piece terms.
 
     When the plain sum of the terms overflows float64 but every term is finite, the largest term M
     is factored out: norm = M^(1/p) * (sum t/M)^(1/p), finite whenever the norm itself is."""
-    terms = list(terms)
+    terms = _held(terms)
     total = combine_terms(terms, norm_type)
-    if math.isinf(total) and total > 0 and not is_inf_norm(norm_type) and all(map(math.isfinite, terms)):
-        largest = max(terms)
-        scaled = math.fsum(t / largest for t in terms)
+    if (
+        math.isinf(total)
+        and total > 0
+        and not is_inf_norm(norm_type)
+        and all(map(math.isfinite, _floats(terms)))
+    ):
+        largest = _largest(terms)
+        scaled = safe_fsum([t / largest for t in terms] if isinstance(terms, list) else terms / largest)
         return norm_from_total(largest, norm_type) * norm_from_total(scaled, norm_type)
     return norm_from_total(total, norm_type)
 
 
-def divide_by_power(value: float, scale: float, exponent: float) -> float:
+UNKNOWN, NAN, INF = 1, 2, 4
+"""Bits of a term's flags: the statistics cannot give this norm type's term, a nan, an infinity."""
+
+
+def term_of(stats: TensorStats, norm_type: float, scale: float = 1.0) -> float | None:
+    """The term of the p-norm of a piece's statistics (sum |x|^p, or max |x| for the inf-norm),
+    divided by `scale`'s effect; None when the stats were taken for another norm type."""
+    column = term_column(stats.norm_type, norm_type)
+    if column is None:
+        return None
+    term = (stats.sum_pow, stats.sum_sq, stats.max_abs)[column]
+    if scale == 1.0:
+        return term
+    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
+
+
+def term_column(stats_norm_type: float, norm_type: float) -> int | None:
+    """Which of (sum_pow, sum_sq, max_abs), taken for `stats_norm_type`, is the term of the
+    `norm_type`-norm (the statistics columns' order too); None when none is."""
+    if is_inf_norm(norm_type):
+        return 2
+    if stats_norm_type == norm_type:
+        return 0
+    if norm_type == 2.0:
+        return 1
+    return None
+
+
+def flags_of_stats(stats: TensorStats | None, term: float | None) -> int:
+    """The UNKNOWN, NAN and INF bits of a piece's statistics and its term_of."""
+    if stats is None or term is None:
+        return UNKNOWN
+    return (NAN if stats.num_nan else 0) | (INF if stats.num_posinf + stats.num_neginf else 0)
+
+
+@overload
+def divide_by_power(value: float, scale: float, exponent: float) -> float: ...
+
+
+@overload
+def divide_by_power(value: np.ndarray, scale: float, exponent: float) -> np.ndarray: ...
+
+
+def divide_by_power(value: float | np.ndarray, scale: float, exponent: float) -> float | np.ndarray:
     """value / scale**exponent for scale > 0, without overflow or division by zero in between:
-    the result is inf or 0 only when it is beyond float64 itself."""
+    the result is inf or 0 only when it is beyond float64 itself. `value` may be a float64 array
+    (each element as the float would be)."""
     try:
         divisor = float(scale**exponent)
         if divisor != 0.0 and math.isfinite(divisor):
             return value / divisor
     except OverflowError:
         pass
+    if not isinstance(value, float | int):
+        import numpy as np
+
+        return np.array(
+            [divide_by_power(float(v), scale, exponent) for v in value.tolist()], dtype=np.float64
+        )
     if value == 0.0 or not math.isfinite(value):
         return value
     log = math.log(abs(value)) - exponent * math.log(scale)

@@ -136,7 +136,7 @@ def test_the_coverage_sweep_of_many_overlapping_strips_and_rows_is_not_quadratic
 def test_the_array_path_for_disjoint_flat_ranges_agrees_with_the_sweep():
     import random
 
-    from gradaudit.checks.coverage import _disjoint_flat_ranges, _param_coverage
+    from gradaudit.analysis.coverage import _disjoint_flat_ranges, _param_coverage
     from gradaudit.model import FlatRange
 
     rng = random.Random(7)
@@ -161,7 +161,7 @@ def test_the_array_path_for_disjoint_flat_ranges_agrees_with_the_sweep():
 def test_the_array_path_over_a_whole_parameter_merges_replicas_and_agrees_with_the_sweep():
     import random
 
-    from gradaudit.checks.coverage import _flat_param_coverage, _param_coverage
+    from gradaudit.analysis.coverage import _flat_param_coverage, _param_coverage
     from gradaudit.model import FlatRange, ParamInfo
 
     rng = random.Random(11)

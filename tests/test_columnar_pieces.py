@@ -22,8 +22,8 @@ def _both_forms(tmp_path, rank=1):
 
 def test_columnar_pieces_equal_the_tuple_the_json_form_of_the_same_rank_gives(tmp_path):
     columnar, json_form = _both_forms(tmp_path)
-    pieces, expected = columnar.pieces, json_form.pieces
-    assert isinstance(pieces, ColumnarPieces) and isinstance(expected, tuple)
+    pieces, expected = columnar.pieces, tuple(json_form.pieces)
+    assert isinstance(pieces, ColumnarPieces) and isinstance(json_form.pieces, ColumnarPieces)
     assert pieces == expected and expected == pieces
     assert (pieces != expected) is False
     assert tuple(pieces) == expected and list(pieces) == list(expected)
@@ -123,7 +123,7 @@ def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
     assert isinstance(back.params["emb"].pieces, tuple)
 
 
-def _random_step(tmp_path, seed: int, world_size: int = 4):
+def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
     """Ranks holding random flat ranges and boxes (some the same on several ranks: replicas), some
     with nonfinite values, as columns (v11) and as JSON (v10)."""
     import math
@@ -168,28 +168,57 @@ def _random_step(tmp_path, seed: int, world_size: int = 4):
             step=1,
             params={"f": (48,), "b": (8, 6)},
             pieces=pieces,
-            clip=ClipRecord(max_norm=1.0, reported_norm=3.0),
+            clip=clip or ClipRecord(max_norm=1.0, reported_norm=3.0),
             **FIXED,
         )
         _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
     return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layouts(tmp_path, capsys, seed):
+def _measured_by_objects(step):
+    """The oracle: `step` measured piece by piece as objects (the path of full-mode steps), not
+    through the column table every stats-only step now takes."""
+    from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.measure import table
+    from gradaudit.measure.measure import measure_step
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(table, "piece_table", lambda step, names: None)
+    try:
+        with TensorReader(step) as reader:
+            return measure_step(step, reader, workers=1)
+    finally:
+        patch.undo()
+
+
+@pytest.mark.parametrize(
+    ("seed", "norm_type", "loss_scale"),
+    [*((seed, 2.0, None) for seed in range(6)), (6, 2.0, 1024.0), (7, float("inf"), 3.0), (8, 3.0, 2.0**40)],
+)
+def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layouts(
+    tmp_path, capsys, seed, norm_type, loss_scale
+):
+    """The oracle is the object path; with a loss scale (the gradients dumped before unscale_) the
+    table divides its columns by it as each piece's statistics are."""
     import numpy as np
 
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step, overflow_notes
     from gradaudit.measure.table import TablePieces
+    from gradaudit.model import ClipRecord
 
-    json_step, columnar_step = _random_step(tmp_path, seed)
-    measured = []
-    for step in (json_step, columnar_step):
-        with TensorReader(step) as reader:
-            measured.append(measure_step(step, reader, workers=1))
-    expected, ours = measured
+    clip = ClipRecord(
+        max_norm=1.0,
+        reported_norm=3.0,
+        norm_type=norm_type,
+        loss_scale=loss_scale,
+        unscaled_before_clip=None if loss_scale is None else False,
+    )
+    json_step, columnar_step = _random_step(tmp_path, seed, clip=clip)
+    expected = _measured_by_objects(json_step)
+    with TensorReader(columnar_step) as reader:
+        ours = measure_step(columnar_step, reader, workers=1)
     assert ours == expected
     assert [pm.replica_sets for pm in ours.params.values()] == [
         pm.replica_sets for pm in expected.params.values()
@@ -236,13 +265,12 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
-def test_norms_of_term_arrays_equal_norm_of_terms_of_their_floats(norm_type):
+def test_norms_of_term_arrays_equal_those_of_their_floats(norm_type):
     import random
 
     import numpy as np
 
-    from gradaudit.measure.columns import _CHUNK, fsum_array, norm_of_term_array
-    from gradaudit.norms import norm_of_terms, safe_fsum
+    from gradaudit.norms import _CHUNK, norm_of_terms, safe_fsum
 
     rng = random.Random(int(norm_type) if norm_type != float("inf") else 7)
     cases = [[], [0.0], [1e308, 1e308], [float("inf"), 1.0], [1e-300] * 5]
@@ -252,8 +280,8 @@ def test_norms_of_term_arrays_equal_norm_of_terms_of_their_floats(norm_type):
         cases.append([rng.random() * scale for _ in range(size)])
     for terms in cases:
         array = np.array(terms, dtype=np.float64)
-        assert fsum_array(array) == safe_fsum(terms)
-        assert norm_of_term_array(array, norm_type) == norm_of_terms(terms, norm_type)
+        assert safe_fsum(array) == safe_fsum(terms)
+        assert norm_of_terms(array, norm_type) == norm_of_terms(terms, norm_type)
 
 
 def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_json_form(tmp_path, capsys):
@@ -274,9 +302,9 @@ def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_j
     step = load_step(mixed)
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, workers=1)
-    with TensorReader(json_step) as reader:
-        expected = measure_step(json_step, reader, workers=1)
-    assert not any(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
+    expected = _measured_by_objects(json_step)
+    assert all(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
+    assert not any(isinstance(pm.pieces, TablePieces) for pm in expected.params.values())
     assert measured == expected
     reports = []
     for directory in (tmp_path / "v10", mixed):

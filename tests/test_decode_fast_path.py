@@ -91,16 +91,18 @@ def _document() -> dict:
 
 
 def _careful_piece(raw, index: int):
-    """The careful decoder's answer: a Piece, or the DumpFormatError message."""
+    """The careful decoder's answer as a (validated) Piece, or the DumpFormatError message."""
     params = {p.name: p for p in PARAMS}
     try:
-        return _decode_piece(_Reader("f"), raw, f"pieces[{index}]", index, params)
+        return Piece(**_decode_piece(_Reader("f"), raw, f"pieces[{index}]", index, params))
     except DumpFormatError as exc:
         return f"error: {exc}"
 
 
 def _quick(raw, index: int):
-    return _quick_piece(raw, index, {p.name: p for p in PARAMS}, {})
+    """The quick decoder's answer as a (validated) Piece, or None."""
+    fields = _quick_piece(raw, index, {p.name: p for p in PARAMS}, {})
+    return None if fields is None else Piece(**fields)
 
 
 def test_quick_decoder_accepts_every_well_formed_piece_and_builds_the_same_piece():

@@ -164,7 +164,7 @@ def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed
     import dataclasses
 
     from gradaudit.analysis.norm_input import Entries, NormSet
-    from gradaudit.measure.columns import flags_of_stats, term_of
+    from gradaudit.norms import flags_of_stats, term_of
 
     _, pieces = cut
     rng = random.Random(seed)

@@ -11,10 +11,18 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..measure.columns import StepColumns, flags_of_stats, term_of
+from ..measure.columns import StepColumns
 from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import StepDump, TensorKind
-from ..norms import CLIP_EPS, expected_clip_coef, norm_of_terms, norm_rtol, relative_difference
+from ..norms import (
+    CLIP_EPS,
+    expected_clip_coef,
+    flags_of_stats,
+    norm_of_terms,
+    norm_rtol,
+    relative_difference,
+    term_of,
+)
 from ..ranksets import compact_ranks
 from .hypotheses import (
     CORRECT,

@@ -16,19 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..measure.columns import (
-    INF,
-    NAN,
-    UNKNOWN,
-    StepColumns,
-    flags_of_stats,
-    fsum_array,
-    norm_of_term_array,
-    term_of,
-)
+from ..measure.columns import StepColumns
 from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import ClipCall, StepDump
-from ..norms import safe_fsum
+from ..norms import INF, NAN, UNKNOWN, flags_of_stats, norm_of_terms, safe_fsum, term_of
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -151,7 +142,7 @@ class NormSet:
         """The norm of the entries at these positions, each counted."""
         flags = self.entries.flags[rows]
         found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
-        return norm_of_flagged(found, lambda: norm_of_term_array(self.entries.term[rows], self.norm_type))
+        return norm_of_flagged(found, lambda: norm_of_terms(self.entries.term[rows], self.norm_type))
 
 
 def norm_of_flagged(found: int, norm: Callable[[], float]) -> float | None:
@@ -181,10 +172,10 @@ def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet
     layout's first copies (`grad`: the NormSet of `norms.grad`)."""
     rows, _ = grad.rows(sorted(ranks), True)
     values, holders = norms.sum_sq[rows], norms.grad.rank[rows]
-    total = fsum_array(values)
+    total = safe_fsum(values)
     bounds = np.searchsorted(holders, [*sorted(ranks), math.inf])
     return {
-        rank: fsum_array(values[bounds[k] : bounds[k + 1]]) / total if total > 0 else 0.0
+        rank: safe_fsum(values[bounds[k] : bounds[k + 1]]) / total if total > 0 else 0.0
         for k, rank in enumerate(sorted(ranks))
     }
 

@@ -251,21 +251,15 @@ def _piece_columns(
 def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:
     """(rank, piece index) -> the piece's gradient sum of squares before each clip call (raw: the loss
     scale cancels in their ratios), for the pieces that hold per-call statistics."""
-    from ..dumpfile.columnar import ColumnarPieces
-
     found = {}
     for rank in step.ranks_present:
         dump = step.ranks[rank]
         clip = dump.clip
-        if (
-            clip is None
-            or len({c.unscaled for c in clip.calls}) > 1
-            or isinstance(dump.pieces, ColumnarPieces)
-        ):
+        if clip is None or len({c.unscaled for c in clip.calls}) > 1:
             continue  # unscale_ between calls changes the gradients by more than the clip coefficient
-        for piece in dump.pieces:
-            if piece.call_stats:
-                found[(rank, piece.index)] = tuple(s.sum_sq for s in piece.call_stats)
+        pieces = dump.columns
+        for at, stats in pieces.extras.call_stats.items():
+            found[(rank, pieces.extras.indices.get(at, at))] = tuple(s.sum_sq for s in stats)
     return found
 
 

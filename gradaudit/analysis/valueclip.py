@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..measure.measurements import StepMeasurements
+import numpy as np
+
+from ..measure.columns import StepColumns
 from ..model import StepDump
 
 CLAMP_RTOL = 1e-6
@@ -30,7 +32,7 @@ class ValueClipping:
     """No recorded call clipped by norm: the norm checks have nothing to check."""
 
 
-def value_clipping(step: StepDump, m: StepMeasurements) -> ValueClipping | None:
+def value_clipping(step: StepDump, columns: StepColumns) -> ValueClipping | None:
     """The step's element-wise clipping, from its recorded calls or from the clamp it left; else None."""
     values = {
         rank: call.clip_value
@@ -45,28 +47,35 @@ def value_clipping(step: StepDump, m: StepMeasurements) -> ValueClipping | None:
             ranks=tuple(sorted(values)),
             recognised="the recorded clip_grad_value_ call",
         )
-    return _clamp(m)
+    return _clamp(columns)
 
 
-def _clamp(m: StepMeasurements) -> ValueClipping | None:
-    pairs = [
-        (piece.rank, piece.stats["grad"], piece.stats["grad_clipped"])
-        for piece in m.pieces
-        if "grad" in piece.stats and "grad_clipped" in piece.stats
-    ]
-    if not pairs:
+def _clamp(columns: StepColumns) -> ValueClipping | None:
+    """The clamp every piece holding a gradient before and after clipping shows, from their columns."""
+    has_pre, pre_sq, pre_max = columns.kind_sums("grad")
+    has_post, post_sq, post_max = columns.kind_sums("grad_clipped")
+    both = has_pre & has_post
+    if not both.any():
         return None
-    value = max(post.max_abs for _, _, post in pairs)
+    pre_sq, pre_max, post_sq, post_max = pre_sq[both], pre_max[both], post_sq[both], post_max[both]
+    value = float(post_max.max())
     if not math.isfinite(value) or value <= 0:
         return None
-    cut = []
-    for rank, pre, post in pairs:
-        if not math.isclose(post.max_abs, min(pre.max_abs, value), rel_tol=CLAMP_RTOL):
-            return None  # some piece was scaled otherwise: not one clamp
-        if pre.max_abs > value * (1 + 1e-4) and pre.sum_sq > 0:
-            shrink = value / pre.max_abs
-            if math.sqrt(post.sum_sq / pre.sum_sq) > shrink * (1 + 1e-4):
-                cut.append(rank)
-    if not cut:
+    target = np.minimum(pre_max, value)
+    # math.isclose(post, target, rel_tol=CLAMP_RTOL) of each piece
+    close = (post_max == target) | (
+        np.isfinite(post_max)
+        & np.isfinite(target)
+        & (np.abs(post_max - target) <= CLAMP_RTOL * np.maximum(np.abs(post_max), np.abs(target)))
+    )
+    if not close.all():
+        return None  # some piece was scaled otherwise: not one clamp
+    cut = np.flatnonzero((pre_max > value * (1 + 1e-4)) & (pre_sq > 0))
+    with np.errstate(all="ignore"):
+        shrunk = np.sqrt(post_sq[cut] / pre_sq[cut]) > (value / pre_max[cut]) * (1 + 1e-4)
+    ranks = columns.rank[both][cut[shrunk]]
+    if not ranks.size:
         return None
-    return ValueClipping(clip_value=value, ranks=tuple(sorted(set(cut))), recognised="the clamp it left")
+    return ValueClipping(
+        clip_value=value, ranks=tuple(sorted(set(ranks.tolist()))), recognised="the clamp it left"
+    )

@@ -76,7 +76,7 @@ def build_rank_dump(
         gradaudit_version=__version__,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=params,
-        pieces=pieces if isinstance(pieces, ColumnarPieces) else tuple(pieces),
+        pieces=pieces,
         aliases=dict(aliases),
         topology=topology,
         clip=clip,

@@ -1,14 +1,10 @@
-"""GA100-GA103: is the step complete and consistent, and does every element have exactly one owner?"""
+"""GA100-GA104: is the step complete and consistent, and does every element have exactly one owner
+(the ownership coverage itself is analysis.coverage's)?"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeAlias, cast
-
-from ..analysis.geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
-from ..dumpfile.header import clipped, shown
-from ..errors import StepFolderError
-from ..measure.leftout import left_out_params
-from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
+from ..dumpfile.header import clipped
+from ..model import ParamInfo
 from .base import (
     MAX_FINDINGS_PER_CODE,
     MAX_FOLDED_PARAMS_LISTED,
@@ -19,9 +15,6 @@ from .base import (
     Skip,
     ranks_named,
 )
-
-if TYPE_CHECKING:
-    import numpy as np
 
 
 def missing_ranks(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
@@ -63,196 +56,6 @@ def metadata_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckRe
             )
         )
     return tuple(hits)
-
-
-Layouts = dict[tuple[Region, ...], list[int]]
-"""A parameter's distinct layouts (the regions of one piece) -> the ranks holding them."""
-
-ParamCoverage = tuple[ParamInfo, Coverage, list[int], list[int]]
-"""(the parameter, its coverage, ranks in overlaps, ranks holding it)."""
-
-
-def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
-    """Parameter -> its distinct layouts (replicas merged) -> the ranks holding them, in one pass."""
-    found: dict[str, Layouts] = {name: {} for name in step.params}
-    for rank in step.ranks_present:
-        for piece in step.ranks[rank].pieces:
-            found.setdefault(piece.param, {}).setdefault(piece.regions, []).append(rank)
-    return found
-
-
-def _disjoint_flat_ranges(shape: tuple[int, ...], layouts: list[tuple[Region, ...]]) -> Coverage | None:
-    """The coverage of single flat ranges none of which overlap another (a clean FSDP/ZeRO layout,
-    the common case of a many-rank dump), from sorted arrays; None when that is not the case."""
-    if any(len(regions) != 1 or type(regions[0]) is not FlatRange for regions in layouts):
-        return None
-    import numpy as np
-
-    flats = cast(list[FlatRange], [regions[0] for regions in layouts])
-    bounds = np.array([(f.start, f.stop) for f in flats], dtype=np.int64).reshape(-1, 2)
-    return _disjoint_bounds(bounds, numel_of(shape))
-
-
-def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
-    layouts = list(holders)
-    disjoint = _disjoint_flat_ranges(shape, layouts)
-    if disjoint is not None:
-        return disjoint, []
-    boxes: list[BoxTuple]
-    flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
-    if len(flat) == sum(len(regions) for regions in layouts):
-        # Flat ranges are intervals of the flattened parameter: a 1-D sweep, O(k log k). Cut into boxes
-        # of a 2-D parameter they would cost the rectangle sweep rows x columns (quadratic in k).
-        shape = (numel_of(shape),)
-        boxes = [
-            ((r.start,), (r.numel,), tag)
-            for tag, regions in enumerate(layouts)
-            for r in regions
-            if isinstance(r, FlatRange)
-        ]
-    else:
-        boxes = [
-            (offsets, sizes, tag)
-            for tag, regions in enumerate(layouts)
-            for region in regions
-            for offsets, sizes in region_boxes(region, shape)
-        ]
-    result = coverage(boxes, shape)
-    ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[cast(int, tag)]]})
-    return result, ranks
-
-
-def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
-    """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
-    the measurements (the ownership map is metadata), so it also runs on headers alone."""
-    flat = _flat_pieces_by_param(step)
-    layouts: dict[str, Layouts] | None = None
-    found: dict[str, ParamCoverage] = {}
-    holders: dict[bytes, list[int]] = {}
-    unheld: list[int] = []
-    left_out = left_out_params(step)  # not checked (GA104): part of them is in no rank's file
-    for name, info in step.params.items():
-        if name in left_out:
-            continue
-        if name not in flat:  # held by no rank: all of it is a gap (most of a table listing 10^6)
-            found[name] = (info, _all_gap(info), unheld, unheld)
-            continue
-        fast = _flat_param_coverage(info, flat[name], holders)
-        if fast is not None:
-            found[name] = fast
-            continue
-        if layouts is None:
-            layouts = layouts_by_param(step)
-        try:
-            result, ranks = _param_coverage(info.global_shape, layouts[name])
-        except CoverageTooIntricate as exc:
-            raise StepFolderError(
-                f"{step.directory}: the pieces of parameter {shown(name)} cannot be checked for overlaps and "
-                f"gaps: {exc}"
-            ) from None
-        found[name] = (info, result, ranks, sorted({r for rs in layouts[name].values() for r in rs}))
-    return found
-
-
-FlatPieces: TypeAlias = "tuple[np.ndarray, np.ndarray, np.ndarray] | None"
-"""A parameter's pieces as (starts, stops, ranks) when each is one flat range, else None."""
-
-
-def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
-    """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank)."""
-    import numpy as np
-
-    from ..dumpfile.columnar import ColumnarPieces, ParamIds
-
-    ids = ParamIds(list(step.params))
-    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]] = []
-    for rank in step.ranks_present:
-        pieces = step.ranks[rank].pieces
-        if isinstance(pieces, ColumnarPieces):
-            rows, coords = pieces.rows, pieces.coords
-            first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
-            columns.append((ids.of(pieces), coords[first], coords[first + 1], rows[:, 3] == 0, rank))
-            continue
-        params, starts, stops, flats = [], [], [], []
-        for piece in pieces:
-            regions = piece.regions
-            params.append(ids.ids.setdefault(piece.param, len(ids.ids)))
-            region = regions[0] if len(regions) == 1 else None
-            flats.append(type(region) is FlatRange)
-            starts.append(region.start if isinstance(region, FlatRange) else 0)
-            stops.append(region.stop if isinstance(region, FlatRange) else 0)
-        columns.append(
-            (
-                np.array(params, dtype=np.int64),
-                np.array(starts, dtype=np.int64),
-                np.array(stops, dtype=np.int64),
-                np.array(flats, dtype=bool),
-                rank,
-            )
-        )
-    if not columns:
-        return {}
-    param = np.concatenate([c[0] for c in columns])
-    start = np.concatenate([c[1] for c in columns])
-    stop = np.concatenate([c[2] for c in columns])
-    is_flat = np.concatenate([c[3] for c in columns])
-    ranks = np.concatenate([np.full(len(c[0]), c[4], dtype=np.int64) for c in columns])
-    order = np.argsort(param, kind="stable")
-    distinct, bounds = np.unique(param[order], return_index=True)
-    bounds = np.append(bounds, order.size)
-    names = list(ids.ids)
-    found: dict[str, FlatPieces] = {}
-    for k, param_id in enumerate(distinct.tolist()):
-        chosen = order[bounds[k] : bounds[k + 1]]
-        found[names[param_id]] = (
-            (start[chosen], stop[chosen], ranks[chosen]) if is_flat[chosen].all() else None
-        )
-    return found
-
-
-def _all_gap(info: ParamInfo) -> Coverage:
-    return Coverage(num_gap_elements=info.numel, num_overlap_elements=0, overlapping_tags=frozenset())
-
-
-def _flat_param_coverage(
-    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]] | None = None
-) -> ParamCoverage | None:
-    """The coverage of a parameter held as flat ranges that overlap nowhere (identical ranges are
-    replicas, one layout): the common case of a many-rank FSDP/ZeRO dump, from arrays; None when
-    another case (the sweep names the overlaps)."""
-    if pieces is None:
-        return None
-    import numpy as np
-
-    starts, stops, ranks = pieces
-    starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
-    order = np.lexsort((stops, starts))  # the distinct (start, stop) rows, sorted: np.unique(axis=0)
-    starts, stops = starts[order], stops[order]
-    distinct = np.ones(starts.size, dtype=bool)
-    distinct[1:] = (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
-    bounds = np.stack([starts[distinct], stops[distinct]], axis=1)
-    result = _disjoint_bounds(bounds, numel_of(info.global_shape))
-    if result is None:
-        return None
-    distinct = np.unique(ranks)
-    if holders is None:
-        return info, result, [], distinct.tolist()
-    key = distinct.astype(np.int64).tobytes()
-    if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
-        holders[key] = distinct.tolist()
-    return info, result, [], holders[key]
-
-
-def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
-    """Coverage of [start, stop) rows of `bounds` (distinct layouts) when none overlaps another."""
-    import numpy as np
-
-    bounds = bounds[bounds[:, 1] > bounds[:, 0]]
-    bounds = bounds[np.argsort(bounds[:, 0], kind="stable")]
-    if (bounds[1:, 0] < bounds[:-1, 1]).any():
-        return None  # overlaps: the sweep names them
-    covered = int((bounds[:, 1] - bounds[:, 0]).sum())
-    return Coverage(num_gap_elements=numel - covered, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
 def ownership_overlap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:

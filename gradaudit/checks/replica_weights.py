@@ -58,11 +58,5 @@ def replica_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckR
 
 
 def _any_weights(step: StepDump) -> bool:
-    """Whether any rank recorded parameter values (format-1.1 columns hold statistics only: none)."""
-    from ..dumpfile.columnar import ColumnarPieces
-
-    for rank in step.ranks_present:
-        pieces = step.ranks[rank].pieces
-        if not isinstance(pieces, ColumnarPieces) and any("param_before" in p.tensors for p in pieces):
-            return True
-    return False
+    """Whether any rank recorded parameter values."""
+    return any("param_before" in step.ranks[rank].columns.tensor_kinds for rank in step.ranks_present)

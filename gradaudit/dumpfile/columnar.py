@@ -24,31 +24,22 @@ by its bytes) and all ranks share one tuple of ParamInfo.
 
 `to_columns` gives None for a dump it cannot store losslessly (then the JSON form is written);
 `from_columns` validates every column against the parameter table as a whole and keeps the pieces
-as columns (ColumnarPieces): a Piece object is built only when one is indexed or iterated.
+as columns (model.ColumnarPieces, the one form of every rank's pieces): a Piece object is built
+only when one is indexed or iterated.
 """
 
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, cast, overload
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ..errors import DumpFormatError
-from ..model import (
-    FLOAT_DTYPES,
-    TENSOR_KINDS,
-    Box,
-    FlatRange,
-    ParamInfo,
-    Piece,
-    RankDump,
-    Region,
-    TensorKind,
-    TensorStats,
-)
+from ..model import FLOAT_DTYPES, TENSOR_KINDS, ColumnarPieces, ParamInfo, RankDump, TensorKind
+
+__all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
 
 PREFIX = "__gradaudit__."
 PIECES, COORDS = PREFIX + "pieces", PREFIX + "coords"
@@ -151,70 +142,11 @@ def counts_key(kind: TensorKind) -> str:
 
 
 def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, or None when any piece
-    would not come back equal from the columns (tensors, several regions, a local name, a dtype
-    other than its parameter's, differing norm types or fingerprint lengths)."""
-    pieces = dump.pieces
-    if not pieces:
-        return None
-    params = {info.name: i for i, info in enumerate(dump.params)}
-    kinds = sorted(pieces[0].stats)
-    first = pieces[0].stats[kinds[0]] if kinds else None
-    if first is None:
-        return None
-    fp_len = len(first.fingerprint)
-    names: list[str] = []
-    groups: list[str | None] = []
-    ndims: list[int] = []
-    coords: list[int] = []
-    rows: list[list[float]] = []
-    for position, piece in enumerate(pieces):
-        if (
-            piece.index != position
-            or piece.tensors
-            or sorted(piece.stats) != kinds
-            or len(piece.regions) != 1
-            or piece.param not in params
-            or piece.local_name is not None
-            or piece.partial_group is not None
-            or piece.dtype != dump.params[params[piece.param]].dtype
-        ):
-            return None
-        region = piece.regions[0]
-        if isinstance(region, FlatRange):
-            ndims.append(0)
-            coords += (region.start, region.stop)
-        elif region.shape:
-            ndims.append(len(region.shape))
-            coords += (*region.offsets, *region.shape)
-        else:
-            return None
-        names.append(piece.param)
-        groups.append(piece.replica_group)
-        row: list[float] = []
-        for kind in kinds:
-            s = piece.stats[kind]
-            if s.norm_type != first.norm_type and not (
-                math.isnan(s.norm_type) and math.isnan(first.norm_type)
-            ):
-                return None
-            if len(s.fingerprint) != fp_len or s.numel != piece.numel:
-                return None
-            row += (s.sum_pow, s.sum_sq, s.max_abs, *s.fingerprint, s.num_nan, s.num_posinf, s.num_neginf)
-        rows.append(row)
-    table = np.array(rows, dtype=np.float64).reshape(len(pieces), len(kinds), 6 + fp_len)
-    rebuilt = pieces_from_rows(
-        params=dump.params,
-        param_names=names,
-        groups=groups,
-        ndims=ndims,
-        coords=coords,
-        rows={kind: table[:, i] for i, kind in enumerate(kinds)},
-        norm_type=first.norm_type,
-    )
-    if rebuilt != tuple(pieces):
-        return None
-    return columns_of(rebuilt)
+    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, or None when the columns
+    would not hold them whole (tensors, several regions, a local name, a dtype other than its
+    parameter's, differing norm types or fingerprint lengths: `ColumnarPieces.stats_only`)."""
+    pieces = dump.columns
+    return columns_of(pieces) if pieces.stats_only else None
 
 
 def columns_of(pieces: ColumnarPieces) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -282,8 +214,8 @@ def pieces_from_rows(
 
 def from_columns(
     descriptor: Any, arrays: Mapping[str, np.ndarray], params: Sequence[ParamInfo], path: str
-) -> Sequence[Piece]:
-    """The pieces the columns describe (a ColumnarPieces), after checking every column (DumpFormatError naming `path`)."""
+) -> ColumnarPieces:
+    """The pieces the columns describe, after checking every column (DumpFormatError naming `path`)."""
 
     def fail(problem: str) -> DumpFormatError:
         return DumpFormatError(path, f"columnar pieces: {problem}", "the file is not a valid gradaudit dump")
@@ -333,16 +265,10 @@ def from_columns(
             raise fail(f"{kind} sums and max |x| must be non-negative numbers")
         if (counted < 0).any():
             raise fail(f"{kind} nonfinite counts must be non-negative")
-    return _pieces_from(
-        rows,
-        coords,
-        params,
-        groups,
-        {k: arrays[stats_key(k)] for k in kinds},
-        {k: arrays[counts_key(k)] for k in kinds},
-        float(norm_type),
-        fail=fail,
-    )
+    stats = {k: arrays[stats_key(k)] for k in kinds}
+    counts = {k: arrays[counts_key(k)] for k in kinds}
+    _check_extents(rows, coords, params, counts, fail)
+    return ColumnarPieces(rows, coords, params, groups, stats, counts, float(norm_type))
 
 
 def _check_rows(
@@ -456,271 +382,6 @@ def _more_than(counted: np.ndarray, numel: np.ndarray) -> np.ndarray:
     each_over = (counted > numel[:, None]).any(axis=1)
     over: np.ndarray = each_over | (np.minimum(counted, numel[:, None]).sum(axis=1) > numel)
     return over
-
-
-class ColumnarPieces(Sequence[Piece]):
-    """A format-1.1 rank's pieces kept as its validated columns (read-only arrays): a Piece is built
-    each time one is indexed or iterated, and not kept. Equal to any sequence of equal pieces.
-
-    `rows`, `coords`, `stats` and `counts` are the file's columns (see the module docstring);
-    `numel` and `layout` (param index, ndim, then the coordinates padded with -1) are derived."""
-
-    __slots__ = ("_numel", "coords", "counts", "groups", "norm_type", "params", "rows", "stats")
-
-    def __init__(
-        self,
-        rows: np.ndarray,
-        coords: np.ndarray,
-        params: Sequence[ParamInfo],
-        groups: Sequence[str],
-        stats: Mapping[str, np.ndarray],
-        counts: Mapping[str, np.ndarray],
-        norm_type: float,
-    ) -> None:
-        self.rows, self.coords = _read_only(rows), _read_only(coords)
-        self.params, self.groups = tuple(params), tuple(groups)
-        self.stats = {k: _read_only(v) for k, v in stats.items()}
-        self.counts = {k: _read_only(counts[k]) for k in stats}
-        self.norm_type = norm_type
-        self._numel: np.ndarray | None = None
-
-    def __reduce__(self) -> tuple[type[ColumnarPieces], tuple[Any, ...]]:
-        """Rebuilt through __init__, so that the columns are read-only again after the scaled-out
-        check has sent loaded ranks to another process."""
-        return (
-            ColumnarPieces,
-            (self.rows, self.coords, self.params, self.groups, self.stats, self.counts, self.norm_type),
-        )
-
-    @property
-    def kinds(self) -> tuple[TensorKind, ...]:
-        return cast("tuple[TensorKind, ...]", tuple(self.stats))  # validated against TENSOR_KINDS
-
-    @property
-    def fingerprint_length(self) -> int:
-        return int(next(iter(self.stats.values())).shape[1]) - 3
-
-    @property
-    def numel(self) -> np.ndarray:
-        """Elements of each piece."""
-        if self._numel is None:
-            rows, coords = self.rows, self.coords
-            first, ndim = rows[:, 2], rows[:, 3]
-            numel = np.zeros(len(rows), dtype=np.int64)
-            flat = ndim == 0
-            numel[flat] = coords[first[flat] + 1] - coords[first[flat]]
-            for k in np.unique(ndim[~flat]).tolist():
-                chosen = np.flatnonzero(ndim == k)
-                numel[chosen] = np.prod(coords[first[chosen, None] + k + np.arange(k)], axis=1)
-            self._numel = _read_only(numel)
-        return self._numel
-
-    def layout(self, width: int) -> np.ndarray:
-        """[n, 2 + width]: param index, ndim, then the region's coordinates padded with -1: rows are
-        equal exactly when the pieces' layout keys are (for the same parameter table)."""
-        rows, coords = self.rows, self.coords
-        out = np.full((len(rows), 2 + width), -1, dtype=np.int64)
-        out[:, 0], out[:, 1] = rows[:, 0], rows[:, 3]
-        first, ndim = rows[:, 2], rows[:, 3]
-        for k in np.unique(ndim).tolist():
-            chosen = np.flatnonzero(ndim == k)
-            w = 2 if k == 0 else 2 * k
-            out[chosen, 2 : 2 + w] = coords[first[chosen, None] + np.arange(w)]
-        return out
-
-    def layout_column(self, column: int, width: int) -> np.ndarray:
-        """Column `column` of `layout(width)` alone."""
-        rows = self.rows
-        if column < 2:
-            return rows[:, 0] if column == 0 else rows[:, 3]
-        first, ndim = rows[:, 2], rows[:, 3]
-        span = np.where(ndim == 0, 2, 2 * ndim)
-        inside = column - 2 < span
-        return np.where(inside, self.coords[np.where(inside, first + column - 2, 0)], -1)
-
-    @property
-    def layout_width(self) -> int:
-        return max(2, 2 * int(self.rows[:, 3].max())) if len(self.rows) else 2
-
-    def __len__(self) -> int:
-        return int(self.rows.shape[0])
-
-    @overload
-    def __getitem__(self, index: int) -> Piece: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> tuple[Piece, ...]: ...
-
-    def __getitem__(self, index: int | slice) -> Piece | tuple[Piece, ...]:
-        if isinstance(index, slice):
-            return tuple(self.build(range(len(self))[index]))
-        position = operator.index(index)
-        if position < 0:
-            position += len(self)
-        if not 0 <= position < len(self):
-            raise IndexError(f"piece index {index} out of range")
-        return self.build([position])[0]
-
-    def __iter__(self) -> Iterator[Piece]:
-        n = len(self)
-        for start in range(0, n, _BATCH):
-            yield from self.build(range(start, min(n, start + _BATCH)))
-
-    def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
-        if (
-            isinstance(other, ColumnarPieces)
-            and len(self) == len(other)
-            and (
-                self.params == other.params
-                and self.groups == other.groups
-                and self.kinds == other.kinds
-                and self.norm_type == other.norm_type
-                and np.array_equal(self.rows, other.rows)
-                and np.array_equal(self.coords, other.coords)
-                and all(np.array_equal(self.stats[k], other.stats[k]) for k in self.kinds)
-                and all(np.array_equal(self.counts[k], other.counts[k]) for k in self.kinds)
-            )
-        ):
-            return True
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"ColumnarPieces({len(self)} pieces)"
-
-    def build(self, positions: Iterable[int]) -> list[Piece]:
-        """The pieces at these positions, as objects."""
-        params, coords, counts, norm_type = self.params, self.coords, self.counts, self.norm_type
-        chosen = np.fromiter(positions, dtype=np.int64)
-        group_names: list[str | None] = [*self.groups, None]  # index -1: no group
-        stats_rows = [
-            (kind, values[chosen].tolist(), counts[kind][chosen].tolist())
-            for kind, values in self.stats.items()
-        ]
-        pieces = []
-        for at, (index, (param_index, group, first, ndim)) in enumerate(
-            zip(chosen.tolist(), self.rows[chosen].tolist(), strict=True)
-        ):
-            info = params[param_index]
-            region: Region
-            if ndim == 0:
-                start, stop = coords[first : first + 2].tolist()
-                region, local_shape, numel = _flat_range(start, stop), (stop - start,), stop - start
-            else:
-                values = coords[first : first + 2 * ndim].tolist()
-                offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
-                region, local_shape, numel = Box(offsets=offsets, shape=shape), shape, math.prod(shape)
-            piece_stats = {}
-            for kind, kind_rows, kind_counts in stats_rows:
-                row = kind_rows[at]
-                nan, posinf, neginf = kind_counts[at]
-                sum_pow, sum_sq = row[0], row[1]
-                if sum_pow == sum_sq and sum_pow:  # the L2 norm's two sums: one float (24 B a piece)
-                    sum_pow = sum_sq
-                piece_stats[kind] = _tensor_stats(
-                    numel, norm_type, sum_pow, sum_sq, row[2], nan, posinf, neginf, tuple(row[3:])
-                )
-            pieces.append(
-                _piece(index, info.name, (region,), local_shape, info.dtype, group_names[group], piece_stats)
-            )
-        return pieces
-
-
-_BATCH = 1024
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    if array.flags.writeable:
-        array = array.view()
-        array.flags.writeable = False
-    return array
-
-
-def _pieces_from(
-    rows: np.ndarray,
-    coords: np.ndarray,
-    params: Sequence[ParamInfo],
-    groups: Sequence[str],
-    stats: Mapping[str, np.ndarray],
-    counts: Mapping[str, np.ndarray],
-    norm_type: float,
-    *,
-    fail: Fail | None = None,
-) -> ColumnarPieces:
-    if fail is not None:
-        _check_extents(rows, coords, params, counts, fail)
-    return ColumnarPieces(rows, coords, params, groups, stats, counts, norm_type)
-
-
-# The columns were validated as a whole above (ranges inside their parameter, counts within each
-# piece, kinds and dimensions), so the objects are filled in directly rather than through their
-# __init__ and __post_init__, which check the same things again one piece at a time: for a
-# many-rank stats dump (millions of pieces) that was a third of the load.
-_new = object.__new__
-_set = object.__setattr__
-_NO_TENSORS: Mapping[str, str] = {}
-"""Shared by every columnar piece (they hold no tensors; nothing mutates a frozen piece's mapping),
-rather than one empty dict per piece: 64 bytes times millions. A plain dict, so pieces serialise as before."""
-
-
-def _flat_range(start: int, stop: int) -> FlatRange:
-    region = _new(FlatRange)
-    _set(region, "start", start)
-    _set(region, "stop", stop)
-    return region
-
-
-def _tensor_stats(
-    numel: int,
-    norm_type: float,
-    sum_pow: float,
-    sum_sq: float,
-    max_abs: float,
-    num_nan: int,
-    num_posinf: int,
-    num_neginf: int,
-    fingerprint: tuple[float, ...],
-) -> TensorStats:
-    stats = _new(TensorStats)
-    _set(stats, "numel", numel)
-    _set(stats, "norm_type", norm_type)
-    _set(stats, "sum_pow", sum_pow)
-    _set(stats, "sum_sq", sum_sq)
-    _set(stats, "max_abs", max_abs)
-    _set(stats, "num_nan", num_nan)
-    _set(stats, "num_posinf", num_posinf)
-    _set(stats, "num_neginf", num_neginf)
-    _set(stats, "fingerprint", fingerprint)
-    return stats
-
-
-def _piece(
-    index: int,
-    param: str,
-    regions: tuple[Region, ...],
-    local_shape: tuple[int, ...],
-    dtype: str,
-    replica_group: str | None,
-    stats: Mapping[str, TensorStats],
-) -> Piece:
-    piece = _new(Piece)
-    _set(piece, "index", index)
-    _set(piece, "param", param)
-    _set(piece, "regions", regions)
-    _set(piece, "local_shape", local_shape)
-    _set(piece, "dtype", dtype)
-    _set(piece, "local_name", None)
-    _set(piece, "replica_group", replica_group)
-    _set(piece, "tensors", _NO_TENSORS)
-    _set(piece, "stats", stats)
-    _set(piece, "call_stats", ())
-    _set(piece, "partial_group", None)
-    return piece
 
 
 class ParamIds:

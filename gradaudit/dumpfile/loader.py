@@ -87,26 +87,30 @@ def _load_rank_from(
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
-    from .columnar import ColumnarPieces
-
-    if isinstance(dump.pieces, ColumnarPieces):  # statistics only: no piece names a tensor
-        return
-    for piece in dump.pieces:
-        for key in piece.tensors.values():
+    pieces = dump.columns
+    extras = pieces.extras
+    for at in sorted({at for keys in extras.tensors.values() for at in keys}):
+        info = pieces.params[int(pieces.rows[at, 0])]
+        local_shape, dtype = pieces.local_shape(at), extras.dtypes.get(at, info.dtype)
+        for keys in extras.tensors.values():
+            key = keys.get(at)
+            if key is None:
+                continue
             entry = header.tensors.get(key)
             if entry is None:
                 raise DumpFormatError(
                     dump.path,
-                    f"piece {piece.index} ({shown(piece.param)}) names tensor {shown(key)}, which the file lacks",
+                    f"piece {extras.indices.get(at, at)} ({shown(info.name)}) names tensor {shown(key)}, "
+                    "which the file lacks",
                 )
-            if entry.shape != piece.local_shape:
+            if entry.shape != local_shape:
                 raise DumpFormatError(
                     dump.path,
-                    f"tensor {shown(key)} has shape {list(entry.shape)} but its piece says {list(piece.local_shape)}",
+                    f"tensor {shown(key)} has shape {list(entry.shape)} but its piece says {list(local_shape)}",
                 )
-            if entry.dtype != piece.dtype:
+            if entry.dtype != dtype:
                 raise DumpFormatError(
-                    dump.path, f"tensor {shown(key)} is {entry.dtype} but its piece says {piece.dtype}"
+                    dump.path, f"tensor {shown(key)} is {entry.dtype} but its piece says {dtype}"
                 )
 
 

@@ -25,6 +25,7 @@ from ..model import (
     NotCapturedParam,
     ParamInfo,
     Piece,
+    PieceColumnsBuilder,
     RankDump,
     Region,
     TensorStats,
@@ -55,6 +56,8 @@ _MAX_LIST = 10_000_000
 """The most entries any list in the metadata may hold unless a field says otherwise."""
 
 _T = TypeVar("_T")
+PieceFields = dict[str, Any]
+"""A decoded format-1.0 piece: the keyword arguments of `PieceColumnsBuilder.add` (Piece's fields)."""
 _D = TypeVar("_D")
 
 _VERSION = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9}){0,2}")
@@ -473,7 +476,7 @@ def _quick_param(raw: Any) -> ParamInfo | None:
 
 def _quick_piece(
     raw: Any, index: int, params: Mapping[str, ParamInfo], numels: dict[str, int]
-) -> Piece | None:
+) -> PieceFields | None:
     """`_decode_piece` of a well-formed entry, built without the careful path's per-field bookkeeping.
 
     Many-rank dumps hold millions of pieces, so this is the loader's hot loop. It accepts only plain,
@@ -543,19 +546,19 @@ def _quick_piece(
         if summary is None or summary.numel != covered:
             return None
         call_stats.append(summary)
-    return Piece(
-        index=index,
-        param=name,
-        regions=tuple(regions),
-        local_shape=local_shape,
-        dtype=dtype,
-        local_name=local_name,
-        replica_group=replica_group,
-        tensors=tensors,
-        stats=stats,
-        call_stats=tuple(call_stats),
-        partial_group=partial_group,
-    )
+    return {
+        "index": index,
+        "param": name,
+        "regions": tuple(regions),
+        "local_shape": local_shape,
+        "dtype": dtype,
+        "local_name": local_name,
+        "replica_group": replica_group,
+        "tensors": tensors,
+        "stats": stats,
+        "call_stats": tuple(call_stats),
+        "partial_group": partial_group,
+    }
 
 
 _MAX_CALLS = 10_000
@@ -566,7 +569,9 @@ _NO_VALUES: list[Any] = []
 """The defaults of absent keys in the quick decoders (read only, never returned)."""
 
 
-def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[str, ParamInfo]) -> Piece:
+def _decode_piece(
+    r: _Reader, raw: Any, where: str, index: int, params: Mapping[str, ParamInfo]
+) -> PieceFields:
     obj = r.obj(raw, where)
     name = r.get(obj, "param", where, r.str_)
     if name not in params:
@@ -621,19 +626,19 @@ def _decode_piece(r: _Reader, raw: Any, where: str, index: int, params: Mapping[
             raise r.fail(
                 f"{where}.call_stats[{i}].numel", f"is {summary.numel} but the piece holds {covered}"
             )
-    return Piece(
-        index=index,
-        param=name,
-        regions=regions,
-        local_shape=local_shape,
-        dtype=r.get(obj, "dtype", where, r.dtype),
-        local_name=r.get(obj, "local_name", where, r.str_, optional=True),
-        replica_group=r.get(obj, "replica_group", where, r.str_, optional=True),
-        tensors=tensors,
-        stats=stats,
-        call_stats=call_stats,
-        partial_group=r.get(obj, "partial_group", where, r.str_, optional=True),
-    )
+    return {
+        "index": index,
+        "param": name,
+        "regions": regions,
+        "local_shape": local_shape,
+        "dtype": r.get(obj, "dtype", where, r.dtype),
+        "local_name": r.get(obj, "local_name", where, r.str_, optional=True),
+        "replica_group": r.get(obj, "replica_group", where, r.str_, optional=True),
+        "tensors": tensors,
+        "stats": stats,
+        "call_stats": call_stats,
+        "partial_group": r.get(obj, "partial_group", where, r.str_, optional=True),
+    }
 
 
 def _region_text(region: Region) -> str:
@@ -819,11 +824,13 @@ def decode_rank(
         if r.get(doc, "pieces", "", r.list_):
             raise r.fail("pieces", "must be empty when the pieces are stored as columns")
         pieces = from_columns(doc["columnar"], arrays or {}, tuple(params.values()), path)
-    else:
-        pieces = tuple(
-            _quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params)
-            for i, raw in enumerate(r.get(doc, "pieces", "", r.list_))
-        )
+    else:  # format 1.0: each entry validated, then appended to the columns
+        columns = PieceColumnsBuilder(tuple(params.values()))
+        for i, raw in enumerate(r.get(doc, "pieces", "", r.list_)):
+            columns.add(
+                **(_quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params))
+            )
+        pieces = columns.result()
     aliases = {
         r.str_(k, "aliases"): r.str_(v, f"aliases.{k}")
         for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()

@@ -8,11 +8,11 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
-from ..model import TENSOR_KINDS, Piece, RankDump, TensorKind
-from .columnar import ColumnarPieces, columns_of, from_columns, to_columns
+from ..model import TENSOR_KINDS, RankDump, TensorKind
+from .columnar import from_columns, to_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
 from .schema import METADATA_KEY, decode_rank, encode_rank
@@ -74,11 +74,10 @@ def write_rank_file(
     """
     directory = Path(directory)
     final = directory / rank_file_name(dump.rank)
-    held_as_columns = columnar and not tensors and isinstance(dump.pieces, ColumnarPieces)
-    payload: dict[str, torch.Tensor] = {}
-    if not held_as_columns:
-        dump, payload = _with_tensor_keys(dump, tensors)
-    columns = None if payload or not columnar else _columns(dump, held_as_columns)
+    if dump.columns.params != tuple(dump.params):
+        raise ValueError("the columnar pieces refer to another parameter list than the dump's")
+    dump, payload = _with_tensor_keys(dump, tensors)
+    columns = None if payload or not columnar else to_columns(dump)
     # The JSON document is checked by the reader's own decoder; the columns below by its column checks.
     shown = dump
     if columns is not None:
@@ -138,57 +137,33 @@ def _with_tensor_keys(
 ) -> tuple[RankDump, dict[str, torch.Tensor]]:
     """`dump` with each piece naming its tensors' safetensors keys, and those tensors (CPU, contiguous)
     by key, after checking each against its piece."""
-    pieces = []
-    payload: dict[str, torch.Tensor] = {}
-    by_index = {p.index: p for p in dump.pieces}
+    if not tensors:
+        return dump, {}
+    pieces = dump.columns
+    position_of = {pieces.extras.indices.get(at, at): at for at in range(len(pieces))}
     for index, _kind in tensors:
-        if index not in by_index:
+        if index not in position_of:
             raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
-    for piece in dump.pieces:
-        keys = dict(piece.tensors)
+    payload: dict[str, torch.Tensor] = {}
+    keys: dict[TensorKind, dict[int, str]] = {}
+    for position, index in sorted((position_of[i], i) for i in {index for index, _ in tensors}):
+        info = pieces.params[int(pieces.rows[position, 0])]
+        local_shape, dtype = pieces.local_shape(position), pieces.extras.dtypes.get(position, info.dtype)
         for kind in TENSOR_KINDS:
-            tensor = tensors.get((piece.index, kind))
+            tensor = tensors.get((index, kind))
             if tensor is None:
                 continue
-            if tuple(tensor.shape) != piece.local_shape:
+            if tuple(tensor.shape) != local_shape:
                 raise ValueError(
-                    f"{piece.param!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
-                    f"local shape {piece.local_shape}"
+                    f"{info.name!r} {kind}: tensor shape {tuple(tensor.shape)} differs from the piece's "
+                    f"local shape {local_shape}"
                 )
-            if str(tensor.dtype).removeprefix("torch.") != piece.dtype:
-                raise ValueError(
-                    f"{piece.param!r} {kind}: tensor dtype {tensor.dtype} differs from {piece.dtype}"
-                )
-            key = tensor_key(piece.param, kind, piece.index)
+            if str(tensor.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"{info.name!r} {kind}: tensor dtype {tensor.dtype} differs from {dtype}")
+            key = tensor_key(info.name, kind, index)
             payload[key] = tensor.detach().to("cpu").contiguous()
-            keys[kind] = key
-        pieces.append(_naming(piece, keys) if keys != piece.tensors else piece)
-    return dataclasses.replace(dump, pieces=tuple(pieces)), payload
-
-
-def _naming(piece: Piece, keys: dict[TensorKind, str]) -> Piece:
-    """`piece` naming the tensors `keys` (of kinds it was validated with): a copy field by field,
-    not dataclasses.replace, which validates the whole piece again (a rank may write 10^5)."""
-    named = _new(Piece)
-    for name in _PIECE_FIELDS:
-        _set(named, name, getattr(piece, name))
-    _set(named, "tensors", keys)
-    return named
-
-
-_new, _set = object.__new__, object.__setattr__
-_PIECE_FIELDS = tuple(f.name for f in dataclasses.fields(Piece))
-
-
-def _columns(dump: RankDump, held_as_columns: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-    """The format-1.1 columns of a tensor-less dump: those its pieces already are (a capture's), else
-    `to_columns` of its Piece objects (None when they cannot be held losslessly)."""
-    if held_as_columns:
-        assert isinstance(dump.pieces, ColumnarPieces)
-        if dump.pieces.params != tuple(dump.params):
-            raise ValueError("the columnar pieces refer to another parameter list than the dump's")
-        return columns_of(dump.pieces)
-    return to_columns(dump)
+            keys.setdefault(kind, {})[position] = key
+    return dataclasses.replace(dump, pieces=pieces.with_tensors(keys)), payload
 
 
 def _publish_without_overwrite(temporary: Path, final: Path, dump: RankDump) -> None:

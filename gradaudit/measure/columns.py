@@ -3,14 +3,15 @@ many-rank step ask their questions of arrays instead of walking the pieces once 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from ..model import TensorStats
-from ..norms import divide_by_power, is_inf_norm, norm_from_total
+from ..model import TensorKind
+from ..norms import INF, NAN, UNKNOWN, term_column, term_of
+
+__all__ = ["INF", "NAN", "UNKNOWN", "StepColumns"]
 from .measurements import PieceMeasurement, StepMeasurements
 from .table import PieceTable, TablePieces
 
@@ -23,14 +24,15 @@ class StepColumns:
     def __init__(self, m: StepMeasurements) -> None:
         self.norm_type = m.norm_type
         table, positions = _table_positions(m)
+        self._table: tuple[PieceTable, slice | np.ndarray] | None = None
         if table is not None and positions is not None:
             self._from_table(table, positions)
         else:
             self._from_objects(tuple(m.pieces))
         self.flags = (
-            self.unknown.astype(np.int8)
-            | (self.counts[:, 0] > 0).astype(np.int8) << 1
-            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) << 2
+            self.unknown.astype(np.int8) * UNKNOWN
+            | (self.counts[:, 0] > 0).astype(np.int8) * NAN
+            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) * INF
         )
         """Per piece, the UNKNOWN, NAN and INF bits of its gradient's term (see `flags_of_stats`)."""
         self.by_rank_order = np.lexsort((self.index, self.rank))
@@ -82,6 +84,7 @@ class StepColumns:
             chosen: slice | np.ndarray = slice(positions.start, positions.stop)
         else:
             chosen = positions
+        self._table = (table, chosen)
         self.layout = table.layout[chosen]
         self.param, self.param_names = table.param[chosen], table.names
         self.rank = table.rank[chosen]
@@ -100,23 +103,42 @@ class StepColumns:
         self.sum_pow = table.kind_column("grad", 0)[chosen]
         # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
         # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
-        same = table.all_sources(
+        same = (table.norm_type == 2.0 or set(table.scales) == {1.0}) and table.all_sources(
             lambda pieces: np.array_equal(pieces.stats["grad"][:, 0], pieces.stats["grad"][:, 1])
-        )
+        )  # equal sums stay equal divided by the loss scale when they are both of squares
         self.sum_sq = self.sum_pow if same else table.kind_column("grad", 1)[chosen]
         if table.all_sources(lambda pieces: not pieces.counts["grad"].any()):
             self.counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
         else:
             self.counts = table.kind_counts("grad")[chosen]
-        if is_inf_norm(norm_type):
-            self.term = table.kind_column("grad", 2)[chosen]
-        elif table.norm_type == norm_type:
-            self.term = self.sum_pow
-        elif norm_type == 2.0:
-            self.term = self.sum_sq
-        else:
+        column = term_column(table.norm_type, norm_type)
+        if column is None:
             self.unknown = np.ones(n, dtype=bool)
             self.term = np.full(n, math.nan)
+        else:  # max |x| is gathered only for the inf-norm
+            self.term = (
+                table.kind_column("grad", 2)[chosen] if column == 2 else (self.sum_pow, self.sum_sq)[column]
+            )
+
+    def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(whether each piece holds `kind`, its sum of squares, its max |x|; 0 where it does not),
+        in `m.pieces` order."""
+        n = self.rank.size
+        if self._table is not None:
+            table, chosen = self._table
+            if kind not in table.kinds:
+                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n)
+            return (
+                np.ones(n, dtype=bool),
+                table.kind_column(kind, 1)[chosen],
+                table.kind_column(kind, 2)[chosen],
+            )
+        stats = [p.stats.get(kind) for p in self.pieces]
+        return (
+            np.array([s is not None for s in stats], dtype=bool),
+            np.array([0.0 if s is None else s.sum_sq for s in stats], dtype=np.float64),
+            np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
+        )
 
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
@@ -186,59 +208,3 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray
     if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
         return table, range(ends[-1])  # every parameter's pieces, one after the other
     return table, np.concatenate([p.positions for p in parts])
-
-
-UNKNOWN, NAN, INF = 1, 2, 4
-"""Bits of a term's flags: the statistics cannot give this norm type's term, a nan, an infinity."""
-
-
-def term_of(stats: TensorStats, norm_type: float, scale: float = 1.0) -> float | None:
-    """The term of the p-norm of a piece's statistics (sum |x|^p, or max |x| for the inf-norm),
-    divided by `scale`'s effect; None when the stats were taken for another norm type."""
-    if is_inf_norm(norm_type):
-        term = stats.max_abs
-    elif stats.norm_type == norm_type:
-        term = stats.sum_pow
-    elif norm_type == 2.0:
-        term = stats.sum_sq
-    else:
-        return None
-    if scale == 1.0:
-        return term
-    return term / scale if is_inf_norm(norm_type) else divide_by_power(term, scale, norm_type)
-
-
-def flags_of_stats(stats: TensorStats | None, term: float | None) -> int:
-    """The UNKNOWN, NAN and INF bits of a piece's statistics and its term_of."""
-    if stats is None or term is None:
-        return UNKNOWN
-    return (NAN if stats.num_nan else 0) | (INF if stats.num_posinf + stats.num_neginf else 0)
-
-
-_CHUNK = 1 << 16
-
-
-def fsum_array(values: np.ndarray) -> float:
-    """norms.safe_fsum of an array's values, without a Python float per value held at once: one
-    math.fsum over the values chunk by chunk is the same exact sum."""
-    try:
-        return math.fsum(
-            itertools.chain.from_iterable(
-                values[i : i + _CHUNK].tolist() for i in range(0, values.size, _CHUNK)
-            )
-        )
-    except OverflowError:
-        return math.inf if int((values > 0).sum()) >= int((values < 0).sum()) else -math.inf
-    except ValueError:
-        return math.nan
-
-
-def norm_of_term_array(terms: np.ndarray, norm_type: float) -> float:
-    """norms.norm_of_terms of an array of terms holding no nan (the callers' flags rule those out)."""
-    if is_inf_norm(norm_type):
-        return norm_from_total(float(terms.max()) if terms.size else 0.0, norm_type)
-    total = fsum_array(terms)
-    if math.isinf(total) and total > 0 and bool(np.isfinite(terms).all()):
-        largest = float(terms.max())
-        return norm_from_total(largest, norm_type) * norm_from_total(fsum_array(terms / largest), norm_type)
-    return norm_from_total(total, norm_type)

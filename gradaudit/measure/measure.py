@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..model import ParamInfo, Piece, StepDump, TensorKind, TensorStats
+from ..model import ParamInfo, Piece, StepDump, TensorKind
 from ..norms import divide_by_power
 from .measurements import (
     SCALED_KINDS,
@@ -28,6 +28,7 @@ from .measurements import (
     StepMeasurements,
     dumped_gradient_scale,
     stats_only_measurement,
+    unscaled_stats,
 )
 
 if TYPE_CHECKING:
@@ -79,21 +80,6 @@ def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
 _RANK_AND_INDEX = operator.attrgetter("rank", "index")
 
 
-def _unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
-    """The statistics of the gradient divided by `scale`; a sum whose quotient is beyond float64
-    becomes inf or 0 (as the float64 sum of the unscaled values would), never an exception."""
-    if scale == 1.0:
-        return stats
-    p = stats.norm_type
-    return replace(
-        stats,
-        sum_pow=stats.sum_pow / scale if math.isinf(p) else divide_by_power(stats.sum_pow, scale, p),
-        sum_sq=divide_by_power(stats.sum_sq, scale, 2.0),
-        max_abs=stats.max_abs / scale,
-        fingerprint=tuple(v / scale for v in stats.fingerprint),
-    )
-
-
 # ---------------------------------------------------------------- reading helpers
 
 
@@ -137,7 +123,7 @@ def _measure_piece(
     else:  # stats-only: nothing to read (the common case of many-rank dumps: kept cheap)
         stats, dot_pre_post, dot_pre_pre, update_sum_sq = dict(piece.stats), None, None, None
     if scale != 1.0:
-        stats = {k: _unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
+        stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
     if len(stats) > 1:
         stats = dict(sorted(stats.items()))
     if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
@@ -603,7 +589,6 @@ def _measure_from_table(
 
 def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str, int]:
     """Bytes of tensor data measuring each parameter reads: its pieces' tensors here and in the reference."""
-    from ..dumpfile.columnar import ColumnarPieces
     from ..dumpfile.header import SAFETENSORS_DTYPES
 
     itemsize = dict(SAFETENSORS_DTYPES.values())
@@ -612,12 +597,13 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
         if dump is None:
             continue
         for rank in dump.ranks_present:
-            pieces = dump.ranks[rank].pieces
-            if isinstance(pieces, ColumnarPieces):  # statistics only: nothing to read
-                continue
-            for piece in pieces:
-                if piece.tensors and piece.param in cost:
-                    cost[piece.param] += len(piece.tensors) * piece.numel * itemsize.get(piece.dtype, 8)
+            pieces = dump.ranks[rank].columns
+            dtypes = pieces.extras.dtypes
+            for keys in pieces.extras.tensors.values():  # none for statistics only: nothing to read
+                for at in keys:
+                    info = pieces.params[int(pieces.rows[at, 0])]
+                    if info.name in cost:
+                        cost[info.name] += int(pieces.numel[at]) * itemsize.get(dtypes.get(at, info.dtype), 8)
     return cost
 
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, TypeVar
 
 from ..model import ClipRecord, Piece, RankDump, Region, TensorKind, TensorStats
+from ..norms import divide_by_power
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
@@ -206,9 +211,43 @@ def gradient_scale_of(clip: ClipRecord | None) -> float:
     return 1.0
 
 
-def stats_only_measurement(rank: int, piece: Piece) -> PieceMeasurement:
-    """What _measure_piece gives for a piece with statistics only, nothing to read and no loss scale
-    to divide by, without its branches."""
+def unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
+    """The statistics of the gradient divided by `scale` (`dumped_gradient_scale`); a sum whose
+    quotient is beyond float64 becomes inf or 0 (as the float64 sum of the unscaled values would),
+    never an exception."""
+    if scale == 1.0:
+        return stats
+    sum_pow, sum_sq, max_abs = unscaled_sums(
+        stats.sum_pow, stats.sum_sq, stats.max_abs, scale, stats.norm_type
+    )
+    return replace(
+        stats,
+        sum_pow=sum_pow,
+        sum_sq=sum_sq,
+        max_abs=max_abs,
+        fingerprint=tuple(v / scale for v in stats.fingerprint),
+    )
+
+
+_F = TypeVar("_F", float, "np.ndarray")
+
+
+def unscaled_sums(sum_pow: _F, sum_sq: _F, max_abs: _F, scale: float, norm_type: float) -> tuple[_F, _F, _F]:
+    """(sum |x|^p, sum x^2, max |x|) of the values divided by `scale`, from those of the values
+    (taken for `norm_type`): floats, or the columns of many pieces. The one loss-scale rule of sums."""
+    return (
+        sum_pow / scale if math.isinf(norm_type) else divide_by_power(sum_pow, scale, norm_type),
+        divide_by_power(sum_sq, scale, 2.0),
+        max_abs / scale,
+    )
+
+
+def stats_only_measurement(rank: int, piece: Piece, scale: float = 1.0) -> PieceMeasurement:
+    """What _measure_piece gives for a piece with statistics only (nothing to read), its gradient
+    divided by `scale`, without its branches."""
+    stats: Mapping[TensorKind, TensorStats] = piece.stats
+    if scale != 1.0:
+        stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
     return PieceMeasurement(
         rank=rank,
         index=piece.index,
@@ -217,5 +256,6 @@ def stats_only_measurement(rank: int, piece: Piece) -> PieceMeasurement:
         dtype=piece.dtype,
         numel=math.prod(piece.local_shape),
         replica_group=piece.replica_group,
-        stats=dict(sorted(piece.stats.items())) if len(piece.stats) > 1 else piece.stats,
+        stats=dict(sorted(stats.items())) if len(stats) > 1 else stats,
+        value_scale=scale,
     )

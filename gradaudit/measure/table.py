@@ -1,8 +1,9 @@
-"""Stats-only pieces of format-1.1 ranks measured as columns: one table for the whole step instead
-of a PieceMeasurement per piece (millions of them in a many-rank stats dump).
+"""Stats-only pieces measured as columns: one table for the whole step instead of a
+PieceMeasurement per piece (millions of them in a many-rank stats dump).
 
-A piece of such a rank has nothing to read and no loss scale to divide by: its measurement is its
-stored statistics. The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank,
+A piece with statistics only has nothing to read: its measurement is its stored statistics, the
+gradient's divided by its rank's loss scale (`dumped_gradient_scale`, when the dump holds them
+before unscale_). The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank,
 index and layout of every piece; a PieceMeasurement is built only for the pieces a caller asks for
 (a finding that names a few, the copies of a replicated layout).
 """
@@ -19,18 +20,20 @@ import numpy as np
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, Region, StepDump, TensorKind
 from .measurements import (
+    SCALED_KINDS,
     PieceMeasurement,
     ReplicaCopy,
     ReplicaSet,
     dumped_gradient_scale,
     stats_only_measurement,
+    unscaled_sums,
 )
 
 _BATCH = 1024
 
 
 class PieceTable:
-    """Every piece of the chosen parameters on the step's format-1.1 ranks, by parameter (in the
+    """Every piece of the chosen parameters on the step's stats-only ranks, by parameter (in the
     order of `names`), then rank, then piece index: position `p` is piece `index[p]` of rank
     `rank[p]`, and a parameter's pieces are the positions `bounds[name]`."""
 
@@ -39,8 +42,11 @@ class PieceTable:
         sources: Sequence[tuple[int, str, ColumnarPieces]],
         names: Sequence[str],
         wanted: Iterable[str],
+        scales: Sequence[float] = (),
     ) -> None:
         self.sources = tuple(sources)
+        self.scales = tuple(scales) or (1.0,) * len(self.sources)
+        """Per source, `dumped_gradient_scale` of its rank: its gradients' columns are divided by it."""
         self.kinds = tuple(sorted(sources[0][2].kinds))
         self.norm_type = sources[0][2].norm_type
         self._source_of = {rank: k for k, (rank, _, _) in enumerate(sources)}
@@ -117,7 +123,18 @@ class PieceTable:
 
     def kind_column(self, kind: TensorKind, column: int) -> np.ndarray:
         """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs)."""
-        return self._gather(lambda _, pieces: pieces.stats[kind][:, column])
+        return self._gather(lambda k, pieces: self._unscaled(k, kind, pieces)[:, column])
+
+    def _unscaled(self, source: int, kind: TensorKind, pieces: ColumnarPieces) -> np.ndarray:
+        """The `kind` statistics of one source, its gradients divided by its loss scale."""
+        values, scale = pieces.stats[kind], self.scales[source]
+        if scale == 1.0 or kind not in SCALED_KINDS:
+            return values
+        out = values / scale  # max |x| and the fingerprint
+        out[:, 0], out[:, 1], out[:, 2] = unscaled_sums(
+            values[:, 0], values[:, 1], values[:, 2], scale, self.norm_type
+        )
+        return out
 
     def kind_counts(self, kind: TensorKind) -> np.ndarray:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
@@ -143,13 +160,17 @@ class PieceTable:
 
     def measurements(self, positions: Sequence[int] | np.ndarray) -> list[PieceMeasurement]:
         """The PieceMeasurement of each position, as _measure_piece gives for a stats-only piece."""
-        return [stats_only_measurement(rank, piece) for rank, _, piece in self.entries(positions)]
+        scales = self.scales
+        return [
+            stats_only_measurement(rank, piece, scales[self._source_of[rank]])
+            for rank, _, piece in self.entries(positions)
+        ]
 
     @functools.cached_property
     def _grad_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """sum_sq, max_abs, fingerprint [n, f] and nonfinite count of every position's gradient
         (gathered once, when the step has replicas to compare)."""
-        stats = self._gather(lambda _, pieces: pieces.stats["grad"])
+        stats = self._gather(lambda k, pieces: self._unscaled(k, "grad", pieces))
         counts = self._gather(lambda _, pieces: pieces.counts["grad"]).sum(axis=1)
         return stats[:, 1], stats[:, 2], stats[:, 3:], counts
 
@@ -244,17 +265,18 @@ def _count(chosen: np.ndarray | None, param: np.ndarray) -> int:
 
 def piece_table(step: StepDump, names: Iterable[str]) -> PieceTable | None:
     """The table of the step's pieces of these parameters, or None unless every present rank's
-    pieces are format-1.1 columns of one kind set, fingerprint length and norm type, without a
-    loss scale to divide by."""
-    sources = []
+    pieces are statistics only (`ColumnarPieces.stats_only`) of one kind set, fingerprint length
+    and norm type."""
+    sources, scales = [], []
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        pieces = dump.pieces
+        pieces = dump.columns
         if not len(pieces):
             continue
-        if not isinstance(pieces, ColumnarPieces) or dumped_gradient_scale(dump) != 1.0:
+        if not pieces.stats_only:
             return None
         sources.append((rank, dump.path, pieces))
+        scales.append(dumped_gradient_scale(dump))
     if not sources:
         return None
     first = sources[0][2]
@@ -266,7 +288,7 @@ def piece_table(step: StepDump, names: Iterable[str]) -> PieceTable | None:
             or pieces.norm_type != first.norm_type
         ):
             return None
-    return PieceTable(sources, list(step.params), names)
+    return PieceTable(sources, list(step.params), names, scales)
 
 
 class TablePieces(Sequence[PieceMeasurement]):
