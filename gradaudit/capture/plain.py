@@ -85,6 +85,7 @@ class WholeReplicas:
     groups: dict[tuple[Any, ...], list[int]]
     """Each kind -> the positions of its parameters, ascending."""
     replica_group: str | None
+    """The process group every one of them is replicated over (None: this rank alone holds them)."""
 
     def shape(self, position: int) -> tuple[int, ...]:
         return self.kinds[int(self.codes[position])][0]
