@@ -224,7 +224,7 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
 
 def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
     """Per clip call, the pieces' per-call statistics (read only when a rank made two or more calls;
-    format-1.1 columns hold none)."""
+    format-1.1 columns hold none): only the pieces holding some are built."""
     if all(len(c.calls) < 2 for c in (step.ranks[r].clip for r in step.ranks_present) if c is not None):
         return ()
     ids: dict[tuple[object, ...], int] = {}
@@ -232,7 +232,9 @@ def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
     for rank in step.ranks_present:
         dump = step.ranks[rank]
         scales = [_call_scale(c) for c in (dump.clip.calls if dump.clip is not None else ())]
-        for piece in sorted(dump.pieces, key=lambda p: p.index):
+        columns = dump.columns
+        with_calls = [p for p, stats in columns.extras.call_stats.items() if stats]
+        for piece in sorted(columns.build(with_calls), key=lambda p: p.index):
             layout = ids.setdefault(piece.layout_key, len(ids))
             for call, stats in enumerate(piece.call_stats):
                 rows += [[] for _ in range(call + 1 - len(rows))]
