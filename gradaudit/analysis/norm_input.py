@@ -11,14 +11,14 @@ the guard's gathered summary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..measure.columns import StepColumns
 from ..measure.measurements import PieceMeasurement, StepMeasurements
-from ..model import ClipCall, StepDump
+from ..model import ClipCall, StepDump, TensorKind
 from ..norms import INF, NAN, UNKNOWN, flags_of_stats, norm_of_terms, safe_fsum, term_of
 
 
@@ -49,6 +49,19 @@ class Entries:
             term=np.array(term, dtype=np.float64),
             flags=np.array(flags, dtype=np.int8),
         )
+
+    @staticmethod
+    def of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad") -> Entries:
+        """The `kind` terms of these pieces in (rank, index) order, copies of a layout sharing its id
+        (a piece without the kind counts as zero: a parameter without gradient)."""
+        ids: dict[tuple[object, ...], int] = {}
+        rows = []
+        for piece in sorted(pieces, key=lambda p: (p.rank, p.index)):
+            stats = piece.stats.get(kind)
+            term = None if stats is None else term_of(stats, norm_type)
+            flags = 0 if stats is None else flags_of_stats(stats, term)
+            rows.append((piece.rank, ids.setdefault(piece.layout_key, len(ids)), term or 0.0, flags))
+        return Entries.of(rows)
 
     def subset(self, inside: np.ndarray) -> Entries:
         """The entries where the boolean `inside` is set."""
@@ -139,17 +152,28 @@ class NormSet:
         return self._cache[key]
 
     def norm_of(self, rows: np.ndarray | slice) -> float | None:
-        """The norm of the entries at these positions, each counted."""
+        """The norm of the entries at these positions, each counted: None with an UNKNOWN entry, nan
+        with a NAN one, inf with an INF one."""
         flags = self.entries.flags[rows]
         found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
-        return norm_of_flagged(found, lambda: norm_of_terms(self.entries.term[rows], self.norm_type))
+        if found & UNKNOWN:
+            return None
+        return (
+            math.nan
+            if found & NAN
+            else math.inf
+            if found & INF
+            else norm_of_terms(self.entries.term[rows], self.norm_type)
+        )
 
 
-def norm_of_flagged(found: int, norm: Callable[[], float]) -> float | None:
-    """From the bits of the entries counted: None with UNKNOWN, nan with NAN, inf with INF, else norm()."""
-    if found & UNKNOWN:
-        return None
-    return math.nan if found & NAN else math.inf if found & INF else norm()
+def cover_norm(
+    pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad"
+) -> float | None:
+    """The norm of these pieces' `kind` statistics, each layout once through its lowest-rank copy
+    (NormSet's norm of their entries)."""
+    entries = Entries.of_pieces(pieces, norm_type, kind)
+    return NormSet(entries, norm_type).norm(sorted(set(entries.rank.tolist())), True)[0]
 
 
 def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
