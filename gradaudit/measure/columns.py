@@ -67,6 +67,12 @@ class StepColumns:
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
         self.has_products = any(p.dot_pre_post is not None for p in pieces)
         """Some piece holds the dense dumps' products of its gradient before and after clipping."""
+        self.has_dots = np.array(
+            [p.dot_pre_post is not None and p.dot_pre_pre is not None for p in pieces], dtype=bool
+        )
+        """Per piece, whether it holds both products (sum(pre * post), sum(pre * pre))."""
+        self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64)
+        self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64)
         terms = [0.0 if g is None else term_of(g, norm_type) for g in grads]
         self.unknown = np.array([t is None for t in terms], dtype=bool)
         self.term = np.array([math.nan if t is None else t for t in terms], dtype=np.float64)
@@ -93,6 +99,8 @@ class StepColumns:
         self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
         self.has_update = np.zeros(n, dtype=bool)
         self.has_products = False
+        self.has_dots = np.zeros(n, dtype=bool)
+        self.dot_pre_post = self.dot_pre_pre = np.zeros(n)
         self.unknown = np.zeros(n, dtype=bool)
         if "grad" not in table.kinds:
             self.has_grad = np.zeros(n, dtype=bool)
@@ -120,24 +128,26 @@ class StepColumns:
                 table.kind_column("grad", 2)[chosen] if column == 2 else (self.sum_pow, self.sum_sq)[column]
             )
 
-    def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(whether each piece holds `kind`, its sum of squares, its max |x|; 0 where it does not),
-        in `m.pieces` order."""
+    def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(whether each piece holds `kind`, its sum of squares, its max |x|, whether it holds a
+        nonfinite value; 0 where it does not hold the kind), in `m.pieces` order."""
         n = self.rank.size
         if self._table is not None:
             table, chosen = self._table
             if kind not in table.kinds:
-                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n)
+                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
             return (
                 np.ones(n, dtype=bool),
                 table.kind_column(kind, 1)[chosen],
                 table.kind_column(kind, 2)[chosen],
+                table.kind_counts(kind)[chosen].sum(axis=1) > 0,
             )
         stats = [p.stats.get(kind) for p in self.pieces]
         return (
             np.array([s is not None for s in stats], dtype=bool),
             np.array([0.0 if s is None else s.sum_sq for s in stats], dtype=np.float64),
             np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
+            np.array([s is not None and s.num_nonfinite > 0 for s in stats], dtype=bool),
         )
 
     def cover_positions(self) -> np.ndarray:
