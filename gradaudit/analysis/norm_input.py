@@ -226,11 +226,7 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
         clipped = Entries.of(
             [*zip(rank.tolist(), layout.tolist(), [t or 0.0 for t in terms], flags, strict=True)]
         )
-    by_rank: dict[int, list[PieceMeasurement]] = {}
-    if columns.has_clipped.any() or columns.has_products:  # else no piece gives a coefficient
-        for piece in pieces:
-            by_rank.setdefault(piece.rank, []).append(piece)
-    measured = {r: c for r, own in by_rank.items() if (c := _coef_from_gradients(own)) is not None}
+    measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_products else {}
     return NormInput(
         norm_type=m.norm_type,
         grad=grad,
@@ -276,28 +272,31 @@ def _call_scale(call: ClipCall) -> float:
     )
 
 
-def _coef_from_gradients(pieces: Sequence[PieceMeasurement]) -> float | None:
-    """The coefficient a rank's gradients before and after clipping show: from their dot products
+def _coefs_from_gradients(columns: StepColumns) -> dict[int, float]:
+    """Rank -> the coefficient its gradients before and after clipping show: from their dot products
     (dense dumps), else from the ratio of their sums of squares; nan when clipping turned finite
-    values nonfinite."""
-    # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
-    pre_post = [(p.dot_pre_post, p.dot_pre_pre or 0.0) for p in pieces if p.dot_pre_post is not None]
-    if pre_post:
-        denominator = safe_fsum(b for _, b in pre_post)
-        if denominator > 0:
-            return safe_fsum(a for a, _ in pre_post) / denominator
-    pairs = [
-        (p.stats["grad"], p.stats["grad_clipped"])
-        for p in pieces
-        if "grad" in p.stats and "grad_clipped" in p.stats
-    ]
-    if pairs and len(pairs) == len([p for p in pieces if "grad" in p.stats]):
-        if sum(b.num_nonfinite for _, b in pairs) > sum(a.num_nonfinite for a, _ in pairs):
-            return math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        pre = safe_fsum(a.sum_sq for a, _ in pairs)
-        if pre > 0:
-            return math.sqrt(safe_fsum(b.sum_sq for _, b in pairs) / pre)
-    return None
+    values nonfinite (ranks whose pieces tell neither: left out)."""
+    has_post, post_sq, _, post_nonfinite = columns.kind_sums("grad_clipped")
+    order = columns.by_rank_order
+    ranks = columns.rank[order]
+    starts = np.flatnonzero(np.concatenate(([True], ranks[1:] != ranks[:-1]))) if ranks.size else ranks
+    bounds = [*starts.tolist(), ranks.size]
+    found: dict[int, float] = {}
+    for k, rank in enumerate(ranks[starts].tolist()):
+        own = order[bounds[k] : bounds[k + 1]]
+        dots = own[columns.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
+        if dots.size and (denominator := safe_fsum(columns.dot_pre_pre[dots])) > 0:
+            found[rank] = safe_fsum(columns.dot_pre_post[dots]) / denominator
+            continue
+        grad = own[columns.has_grad[own]]
+        pairs = grad[has_post[grad]]
+        if not pairs.size or pairs.size != grad.size:
+            continue
+        if post_nonfinite[pairs].sum() > columns.counts[pairs].sum():
+            found[rank] = math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+        elif (pre := safe_fsum(columns.sum_sq[pairs])) > 0:
+            found[rank] = math.sqrt(safe_fsum(post_sq[pairs]) / pre)
+    return found
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:

@@ -221,7 +221,7 @@ def _piece_columns(
     before each clip call when every piece has them (with several calls)."""
     import numpy as np
 
-    _, post_sq, _, post_bad = columns.kind_sums("grad_clipped")
+    _, post_sq, _, post_nonfinite = columns.kind_sums("grad_clipped")
     dots = None
     if (columns.has_dots | ~columns.has_clipped).all():
         dots = (columns.dot_pre_post, columns.dot_pre_pre)
@@ -233,7 +233,7 @@ def _piece_columns(
         ]
         if all(len(f) == num_calls for f in found):
             calls = np.array(found, dtype=np.float64).reshape(len(found), num_calls)
-    return post_sq, post_bad, dots, calls
+    return post_sq, post_nonfinite > 0, dots, calls
 
 
 def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:

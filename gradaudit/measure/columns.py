@@ -129,25 +129,25 @@ class StepColumns:
             )
 
     def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(whether each piece holds `kind`, its sum of squares, its max |x|, whether it holds a
-        nonfinite value; 0 where it does not hold the kind), in `m.pieces` order."""
+        """(whether each piece holds `kind`, its sum of squares, its max |x|, its count of nonfinite
+        values; 0 where it does not hold the kind), in `m.pieces` order."""
         n = self.rank.size
         if self._table is not None:
             table, chosen = self._table
             if kind not in table.kinds:
-                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
+                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64)
             return (
                 np.ones(n, dtype=bool),
                 table.kind_column(kind, 1)[chosen],
                 table.kind_column(kind, 2)[chosen],
-                table.kind_counts(kind)[chosen].sum(axis=1) > 0,
+                table.kind_counts(kind)[chosen].sum(axis=1),
             )
         stats = [p.stats.get(kind) for p in self.pieces]
         return (
             np.array([s is not None for s in stats], dtype=bool),
             np.array([0.0 if s is None else s.sum_sq for s in stats], dtype=np.float64),
             np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
-            np.array([s is not None and s.num_nonfinite > 0 for s in stats], dtype=bool),
+            np.array([0 if s is None else s.num_nonfinite for s in stats], dtype=np.int64),
         )
 
     def cover_positions(self) -> np.ndarray:
@@ -166,13 +166,10 @@ class StepColumns:
 
     def _subset(self, chosen: np.ndarray) -> Sequence[PieceMeasurement]:
         """The pieces at these positions: a TablePieces of the same table, or a tuple."""
-        pieces = self.pieces
-        if isinstance(pieces, TablePieces):
-            span = pieces.span
-            if span is None:
-                return pieces.table.pieces(pieces.positions[chosen])
-            return pieces.table.pieces(chosen + span.start if span.start else chosen)
-        return tuple(pieces[i] for i in chosen.tolist())
+        if self._table is not None:
+            table, rows = self._table
+            return table.pieces(chosen + (rows.start or 0) if isinstance(rows, slice) else rows[chosen])
+        return tuple(self.pieces[i] for i in chosen.tolist())
 
     def cover_with_updates(self) -> list[PieceMeasurement]:
         """The cover's pieces that hold an update (parameters dumped before and after the step)."""
