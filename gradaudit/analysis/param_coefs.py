@@ -13,7 +13,7 @@ from ..measure.columns import StepColumns
 from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference, safe_fsum
-from .diagnosis import StepDiagnosis, disjoint_cover
+from .diagnosis import StepDiagnosis
 
 if TYPE_CHECKING:
     import numpy as np
@@ -161,7 +161,7 @@ def param_coefficients(
         expected_coef=_expected(diagnosis, per_call),
         cause=cause,
         by_values=by_values,
-        repeated_norm=_repeated_norm(m, diagnosis, groups) if cause == LISTED_TWICE else None,
+        repeated_norm=_repeated_norm(columns, diagnosis, groups) if cause == LISTED_TWICE else None,
         moment="" if per_call else diagnosis.moment,
     )
 
@@ -285,17 +285,19 @@ def _expected(diagnosis: StepDiagnosis, per_call: bool) -> float | None:
 
 
 def _repeated_norm(
-    m: StepMeasurements, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]
+    columns: StepColumns, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]
 ) -> float | None:
     """The L2 norm that counts each parameter of a powered group `power` times (once per listing)."""
-    if diagnosis.true_norm is None or m.norm_type != 2.0:
+    if diagnosis.true_norm is None or columns.norm_type != 2.0:
         return None
-    extra = safe_fsum(
-        (group.power - 1) * piece.stats["grad"].sum_sq
-        for group in groups
-        if group.power >= 2
-        for name in group.params
-        for piece in disjoint_cover(m.params[name].pieces)
-        if "grad" in piece.stats
-    )
+    import numpy as np
+
+    ids = {name: i for i, name in enumerate(columns.param_names)}
+    extra_times = np.zeros(len(ids))
+    for group in groups:
+        if group.power >= 2:
+            extra_times[[ids[name] for name in group.params if name in ids]] += group.power - 1
+    cover = columns.cover_positions()
+    cover = cover[columns.has_grad[cover]]
+    extra = safe_fsum(extra_times[columns.param[cover]] * columns.sum_sq[cover])
     return math.sqrt(diagnosis.true_norm**2 + extra)
