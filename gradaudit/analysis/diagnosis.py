@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ..measure.columns import StepColumns
-from ..measure.measurements import PieceMeasurement, StepMeasurements
+from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import (
     CLIP_EPS,
@@ -53,16 +53,11 @@ gradients, norms and coefficients are often computed or logged in float32."""
 _Item = TypeVar("_Item")
 
 
-def _placed(piece: PieceMeasurement) -> tuple[int, int, tuple[object, ...]]:
-    return piece.rank, piece.index, piece.layout_key
-
-
 def disjoint_cover(
-    pieces: Iterable[_Item],
-    placed: Callable[[_Item], tuple[int, int, tuple[object, ...]]] = _placed,  # type: ignore[assignment]
+    pieces: Iterable[_Item], placed: Callable[[_Item], tuple[int, int, tuple[object, ...]]]
 ) -> list[_Item]:
     """One piece per layout: replicas count once, through their lowest-rank copy (`placed`: an
-    item's rank, piece index and layout key; a PieceMeasurement's own by default)."""
+    item's rank, piece index and layout key)."""
     chosen: dict[tuple[object, ...], _Item] = {}
     for item in sorted(pieces, key=lambda item: placed(item)[:2]):
         chosen.setdefault(placed(item)[2], item)
