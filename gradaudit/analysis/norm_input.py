@@ -216,15 +216,14 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
         flags=np.where(columns.has_grad[order], columns.flags[order], 0).astype(np.int8),
         replicated=not columns.distinct_layouts,
     )
-    pieces = columns.pieces
     clipped = None
     if columns.has_clipped.any():  # an entry with a gradient but no clipped one is UNKNOWN
-        stats = [pieces[i].stats.get("grad_clipped") for i in order.tolist()]
-        terms = [None if s is None else term_of(s, m.norm_type) for s in stats]
-        has_grad = columns.has_grad[order].tolist()
-        flags = [flags_of_stats(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)]
-        clipped = Entries.of(
-            [*zip(rank.tolist(), layout.tolist(), [t or 0.0 for t in terms], flags, strict=True)]
+        term, flags = columns.kind_terms("grad_clipped")
+        clipped = Entries(
+            rank=rank,
+            layout=layout,
+            term=term[order],
+            flags=np.where(columns.has_grad[order], flags[order], 0).astype(np.int8),
         )
     measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_products else {}
     return NormInput(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..model import TensorKind
-from ..norms import INF, NAN, UNKNOWN, term_column, term_of
+from ..norms import INF, NAN, UNKNOWN, flags_of_stats, term_column, term_of
 
 __all__ = ["INF", "NAN", "UNKNOWN", "StepColumns"]
 from .measurements import PieceMeasurement, StepMeasurements
@@ -149,6 +149,22 @@ class StepColumns:
             np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
             np.array([0 if s is None else s.num_nonfinite for s in stats], dtype=np.int64),
         )
+
+    def kind_terms(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray]:
+        """(each piece's term of the p-norm of its `kind` statistics, 0 where it holds none; int8
+        UNKNOWN, NAN and INF bits of that term, UNKNOWN where it holds none), in `m.pieces` order."""
+        if self._table is None:
+            stats = [p.stats.get(kind) for p in self.pieces]
+            terms = [None if s is None else term_of(s, self.norm_type) for s in stats]
+            flags = [flags_of_stats(s, t) for s, t in zip(stats, terms, strict=True)]
+            return np.array([t or 0.0 for t in terms], dtype=np.float64), np.array(flags, dtype=np.int8)
+        table, chosen = self._table
+        column = term_column(table.norm_type, self.norm_type)
+        if kind not in table.kinds or column is None:
+            return np.zeros(self.rank.size), np.full(self.rank.size, UNKNOWN, dtype=np.int8)
+        counts = table.kind_counts(kind)[chosen]
+        flags = (counts[:, 0] > 0) * NAN | ((counts[:, 1] + counts[:, 2]) > 0) * INF
+        return table.kind_column(kind, column)[chosen], flags.astype(np.int8)
 
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
