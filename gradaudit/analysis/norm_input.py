@@ -225,7 +225,7 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
             term=term[order],
             flags=np.where(columns.has_grad[order], flags[order], 0).astype(np.int8),
         )
-    measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_products else {}
+    measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_dots.any() else {}
     return NormInput(
         norm_type=m.norm_type,
         grad=grad,

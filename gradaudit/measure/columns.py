@@ -65,12 +65,11 @@ class StepColumns:
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
-        self.has_products = any(p.dot_pre_post is not None for p in pieces)
-        """Some piece holds the dense dumps' products of its gradient before and after clipping."""
         self.has_dots = np.array(
             [p.dot_pre_post is not None and p.dot_pre_pre is not None for p in pieces], dtype=bool
         )
-        """Per piece, whether it holds both products (sum(pre * post), sum(pre * pre))."""
+        """Per piece, whether it holds the dense dumps' products of its gradient before and after
+        clipping (sum(pre * post), sum(pre * pre): set together)."""
         self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64)
         self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64)
         terms = [0.0 if g is None else term_of(g, norm_type) for g in grads]
@@ -98,7 +97,6 @@ class StepColumns:
         self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
         self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
         self.has_update = np.zeros(n, dtype=bool)
-        self.has_products = False
         self.has_dots = np.zeros(n, dtype=bool)
         self.dot_pre_post = self.dot_pre_pre = np.zeros(n)
         self.unknown = np.zeros(n, dtype=bool)
