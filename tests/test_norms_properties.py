@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradaudit.analysis.diagnosis import disjoint_cover, norm_of_pieces
 from gradaudit.analysis.geometry import coverage, region_boxes
+from gradaudit.analysis.norm_input import cover_norm
 from gradaudit.capture.tensorstats import stats_of_tensor
 from gradaudit.measure.measurements import PieceMeasurement
 from gradaudit.model import Box, FlatRange
@@ -83,7 +83,7 @@ def _measurements(pieces, norm_type, rng, num_ranks=4, replica_chance=0.5):
 def test_a_disjoint_cover_with_replicas_gives_the_norm_of_the_reassembled_tensor(cut, norm_type, seed):
     tensor, pieces = cut
     measured = _measurements(pieces, norm_type, random.Random(seed))
-    got = norm_of_pieces(disjoint_cover(measured), norm_type)
+    got = cover_norm(measured, norm_type)
     expected = float(torch.linalg.vector_norm(tensor, ord=norm_type))
     assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-300)
 
@@ -96,9 +96,7 @@ def test_permuting_pieces_changes_nothing(cut, norm_type, seed):
     measured = _measurements(pieces, norm_type, rng)
     shuffled = list(measured)
     rng.shuffle(shuffled)
-    assert norm_of_pieces(disjoint_cover(shuffled), norm_type) == norm_of_pieces(
-        disjoint_cover(measured), norm_type
-    )
+    assert cover_norm(shuffled, norm_type) == cover_norm(measured, norm_type)
 
 
 @settings(max_examples=40, deadline=None)
@@ -164,7 +162,7 @@ def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed
     import dataclasses
 
     from gradaudit.analysis.norm_input import Entries, NormSet
-    from gradaudit.norms import flags_of_stats, term_of
+    from gradaudit.norms import flags_of_stats, norm_of_terms, term_of
 
     _, pieces = cut
     rng = random.Random(seed)
@@ -188,6 +186,10 @@ def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed
     first = rng.choice(sorted(chosen))
     firsts = sorted(inside, key=lambda p: (p.rank != first, p.rank, p.index))
     once, repeated = norms.norm(tuple(chosen), True, first=first)
-    assert once == norm_of_pieces(list({p.layout_key: p for p in reversed(firsts)}.values()), norm_type)
-    assert norms.norm(tuple(chosen), False)[0] == norm_of_pieces(inside, norm_type)
+
+    def norm_of(counted):  # the oracle: every piece's term, as given
+        return norm_of_terms([term_of(p.stats["grad"], norm_type) for p in counted], norm_type)
+
+    assert once == norm_of(list({p.layout_key: p for p in reversed(firsts)}.values()))
+    assert norms.norm(tuple(chosen), False)[0] == norm_of(inside)
     assert repeated == (len({p.layout_key for p in inside}) < len(inside))

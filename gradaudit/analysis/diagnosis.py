@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar
 
 from ..measure.columns import StepColumns
-from ..measure.measurements import PieceMeasurement, StepMeasurements
-from ..model import StepDump, TensorKind
+from ..measure.measurements import StepMeasurements
+from ..model import StepDump
 from ..norms import (
     CLIP_EPS,
     expected_clip_coef,
-    flags_of_stats,
-    norm_of_terms,
     norm_rtol,
     relative_difference,
-    term_of,
 )
 from ..ranksets import compact_ranks
 from .hypotheses import (
@@ -45,7 +41,6 @@ from .norm_input import (
     NormInput,
     NormSet,
     norm_input_of,
-    norm_of_flagged,
     param_signatures,
     shares_of_squared_norm,
 )
@@ -55,28 +50,17 @@ MIN_RTOL = 1e-6
 gradients, norms and coefficients are often computed or logged in float32."""
 
 
-def norm_of_pieces(
-    pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad"
-) -> float | None:
-    """The p-norm of the given pieces, each counted as given; nan if any holds a nan, inf if any an inf.
-
-    Pieces without the kind count as zero (a parameter without gradient); None when a piece's stats
-    were taken for another norm type and cannot give this one.
-    """
-    stats = [s for s in (piece.stats.get(kind) for piece in pieces) if s is not None]
-    terms = [term_of(s, norm_type) for s in stats]
-    found = functools.reduce(operator.or_, map(flags_of_stats, stats, terms), 0)
-    return norm_of_flagged(found, lambda: norm_of_terms([t or 0.0 for t in terms], norm_type))
+_Item = TypeVar("_Item")
 
 
-_RANK_AND_INDEX = operator.attrgetter("rank", "index")
-
-
-def disjoint_cover(pieces: Iterable[PieceMeasurement]) -> list[PieceMeasurement]:
-    """One piece per layout: replicas count once, through their lowest-rank copy."""
-    chosen: dict[tuple[Any, ...], PieceMeasurement] = {}
-    for piece in sorted(pieces, key=_RANK_AND_INDEX):
-        chosen.setdefault(piece.layout_key, piece)
+def disjoint_cover(
+    pieces: Iterable[_Item], placed: Callable[[_Item], tuple[int, int, tuple[object, ...]]]
+) -> list[_Item]:
+    """One piece per layout: replicas count once, through their lowest-rank copy (`placed`: an
+    item's rank, piece index and layout key)."""
+    chosen: dict[tuple[object, ...], _Item] = {}
+    for item in sorted(pieces, key=lambda item: placed(item)[:2]):
+        chosen.setdefault(placed(item)[2], item)
     return list(chosen.values())
 
 

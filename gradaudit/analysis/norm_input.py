@@ -11,14 +11,14 @@ the guard's gathered summary.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..measure.columns import StepColumns
 from ..measure.measurements import PieceMeasurement, StepMeasurements
-from ..model import ClipCall, StepDump
+from ..model import ClipCall, StepDump, TensorKind
 from ..norms import INF, NAN, UNKNOWN, flags_of_stats, norm_of_terms, safe_fsum, term_of
 
 
@@ -49,6 +49,19 @@ class Entries:
             term=np.array(term, dtype=np.float64),
             flags=np.array(flags, dtype=np.int8),
         )
+
+    @staticmethod
+    def of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad") -> Entries:
+        """The `kind` terms of these pieces in (rank, index) order, copies of a layout sharing its id
+        (a piece without the kind counts as zero: a parameter without gradient)."""
+        ids: dict[tuple[object, ...], int] = {}
+        rows = []
+        for piece in sorted(pieces, key=lambda p: (p.rank, p.index)):
+            stats = piece.stats.get(kind)
+            term = None if stats is None else term_of(stats, norm_type)
+            flags = 0 if stats is None else flags_of_stats(stats, term)
+            rows.append((piece.rank, ids.setdefault(piece.layout_key, len(ids)), term or 0.0, flags))
+        return Entries.of(rows)
 
     def subset(self, inside: np.ndarray) -> Entries:
         """The entries where the boolean `inside` is set."""
@@ -139,17 +152,28 @@ class NormSet:
         return self._cache[key]
 
     def norm_of(self, rows: np.ndarray | slice) -> float | None:
-        """The norm of the entries at these positions, each counted."""
+        """The norm of the entries at these positions, each counted: None with an UNKNOWN entry, nan
+        with a NAN one, inf with an INF one."""
         flags = self.entries.flags[rows]
         found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
-        return norm_of_flagged(found, lambda: norm_of_terms(self.entries.term[rows], self.norm_type))
+        if found & UNKNOWN:
+            return None
+        return (
+            math.nan
+            if found & NAN
+            else math.inf
+            if found & INF
+            else norm_of_terms(self.entries.term[rows], self.norm_type)
+        )
 
 
-def norm_of_flagged(found: int, norm: Callable[[], float]) -> float | None:
-    """From the bits of the entries counted: None with UNKNOWN, nan with NAN, inf with INF, else norm()."""
-    if found & UNKNOWN:
-        return None
-    return math.nan if found & NAN else math.inf if found & INF else norm()
+def cover_norm(
+    pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad"
+) -> float | None:
+    """The norm of these pieces' `kind` statistics, each layout once through its lowest-rank copy
+    (NormSet's norm of their entries)."""
+    entries = Entries.of_pieces(pieces, norm_type, kind)
+    return NormSet(entries, norm_type).norm(sorted(set(entries.rank.tolist())), True)[0]
 
 
 def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
@@ -192,21 +216,16 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
         flags=np.where(columns.has_grad[order], columns.flags[order], 0).astype(np.int8),
         replicated=not columns.distinct_layouts,
     )
-    pieces = columns.pieces
     clipped = None
     if columns.has_clipped.any():  # an entry with a gradient but no clipped one is UNKNOWN
-        stats = [pieces[i].stats.get("grad_clipped") for i in order.tolist()]
-        terms = [None if s is None else term_of(s, m.norm_type) for s in stats]
-        has_grad = columns.has_grad[order].tolist()
-        flags = [flags_of_stats(s, t) if g else 0 for s, t, g in zip(stats, terms, has_grad, strict=True)]
-        clipped = Entries.of(
-            [*zip(rank.tolist(), layout.tolist(), [t or 0.0 for t in terms], flags, strict=True)]
+        term, flags = columns.kind_terms("grad_clipped")
+        clipped = Entries(
+            rank=rank,
+            layout=layout,
+            term=term[order],
+            flags=np.where(columns.has_grad[order], flags[order], 0).astype(np.int8),
         )
-    by_rank: dict[int, list[PieceMeasurement]] = {}
-    if columns.has_clipped.any() or columns.has_products:  # else no piece gives a coefficient
-        for piece in pieces:
-            by_rank.setdefault(piece.rank, []).append(piece)
-    measured = {r: c for r, own in by_rank.items() if (c := _coef_from_gradients(own)) is not None}
+    measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_dots.any() else {}
     return NormInput(
         norm_type=m.norm_type,
         grad=grad,
@@ -224,7 +243,7 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
 
 def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
     """Per clip call, the pieces' per-call statistics (read only when a rank made two or more calls;
-    format-1.1 columns hold none)."""
+    format-1.1 columns hold none): only the pieces holding some are built."""
     if all(len(c.calls) < 2 for c in (step.ranks[r].clip for r in step.ranks_present) if c is not None):
         return ()
     ids: dict[tuple[object, ...], int] = {}
@@ -232,7 +251,9 @@ def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
     for rank in step.ranks_present:
         dump = step.ranks[rank]
         scales = [_call_scale(c) for c in (dump.clip.calls if dump.clip is not None else ())]
-        for piece in sorted(dump.pieces, key=lambda p: p.index):
+        columns = dump.columns
+        with_calls = [p for p, stats in columns.extras.call_stats.items() if stats]
+        for piece in sorted(columns.build(with_calls), key=lambda p: p.index):
             layout = ids.setdefault(piece.layout_key, len(ids))
             for call, stats in enumerate(piece.call_stats):
                 rows += [[] for _ in range(call + 1 - len(rows))]
@@ -250,28 +271,31 @@ def _call_scale(call: ClipCall) -> float:
     )
 
 
-def _coef_from_gradients(pieces: Sequence[PieceMeasurement]) -> float | None:
-    """The coefficient a rank's gradients before and after clipping show: from their dot products
+def _coefs_from_gradients(columns: StepColumns) -> dict[int, float]:
+    """Rank -> the coefficient its gradients before and after clipping show: from their dot products
     (dense dumps), else from the ratio of their sums of squares; nan when clipping turned finite
-    values nonfinite."""
-    # dot_pre_pre is set together with dot_pre_post (both from the dumped values)
-    pre_post = [(p.dot_pre_post, p.dot_pre_pre or 0.0) for p in pieces if p.dot_pre_post is not None]
-    if pre_post:
-        denominator = safe_fsum(b for _, b in pre_post)
-        if denominator > 0:
-            return safe_fsum(a for a, _ in pre_post) / denominator
-    pairs = [
-        (p.stats["grad"], p.stats["grad_clipped"])
-        for p in pieces
-        if "grad" in p.stats and "grad_clipped" in p.stats
-    ]
-    if pairs and len(pairs) == len([p for p in pieces if "grad" in p.stats]):
-        if sum(b.num_nonfinite for _, b in pairs) > sum(a.num_nonfinite for a, _ in pairs):
-            return math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        pre = safe_fsum(a.sum_sq for a, _ in pairs)
-        if pre > 0:
-            return math.sqrt(safe_fsum(b.sum_sq for _, b in pairs) / pre)
-    return None
+    values nonfinite (ranks whose pieces tell neither: left out)."""
+    has_post, post_sq, _, post_nonfinite = columns.kind_sums("grad_clipped")
+    order = columns.by_rank_order
+    ranks = columns.rank[order]
+    starts = np.flatnonzero(np.concatenate(([True], ranks[1:] != ranks[:-1]))) if ranks.size else ranks
+    bounds = [*starts.tolist(), ranks.size]
+    found: dict[int, float] = {}
+    for k, rank in enumerate(ranks[starts].tolist()):
+        own = order[bounds[k] : bounds[k + 1]]
+        dots = own[columns.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
+        if dots.size and (denominator := safe_fsum(columns.dot_pre_pre[dots])) > 0:
+            found[rank] = safe_fsum(columns.dot_pre_post[dots]) / denominator
+            continue
+        grad = own[columns.has_grad[own]]
+        pairs = grad[has_post[grad]]
+        if not pairs.size or pairs.size != grad.size:
+            continue
+        if post_nonfinite[pairs].sum() > columns.counts[pairs].sum():
+            found[rank] = math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+        elif (pre := safe_fsum(columns.sum_sq[pairs])) > 0:
+            found[rank] = math.sqrt(safe_fsum(post_sq[pairs]) / pre)
+    return found
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:

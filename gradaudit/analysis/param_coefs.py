@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 
 from ..measure.columns import StepColumns
 from ..measure.measurements import StepMeasurements
-from ..measure.table import TablePieces
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference, safe_fsum
-from .diagnosis import StepDiagnosis, disjoint_cover
+from .diagnosis import StepDiagnosis
 
 if TYPE_CHECKING:
     import numpy as np
@@ -162,7 +161,7 @@ def param_coefficients(
         expected_coef=_expected(diagnosis, per_call),
         cause=cause,
         by_values=by_values,
-        repeated_norm=_repeated_norm(m, diagnosis, groups) if cause == LISTED_TWICE else None,
+        repeated_norm=_repeated_norm(columns, diagnosis, groups) if cause == LISTED_TWICE else None,
         moment="" if per_call else diagnosis.moment,
     )
 
@@ -222,30 +221,19 @@ def _piece_columns(
     before each clip call when every piece has them (with several calls)."""
     import numpy as np
 
-    pieces = columns.pieces
-    if isinstance(pieces, TablePieces):  # stats-only columns: no products, no per-call statistics
-        table, rows = pieces.table, pieces.positions
-        if "grad_clipped" not in table.kinds:
-            return np.zeros(len(rows)), np.zeros(len(rows), dtype=bool), None, None
-        counts = table.kind_counts("grad_clipped")[rows]
-        return table.kind_column("grad_clipped", 1)[rows], counts.sum(axis=1) > 0, None, None
-    clipped = [p.stats.get("grad_clipped") for p in pieces]
-    post_sq = np.array([0.0 if c is None else c.sum_sq for c in clipped])
-    post_bad = np.array([c is not None and c.num_nonfinite > 0 for c in clipped], dtype=bool)
+    _, post_sq, _, post_nonfinite = columns.kind_sums("grad_clipped")
     dots = None
-    with_values = [p.dot_pre_post is not None and p.dot_pre_pre is not None for p in pieces]
-    if all(v or not c for v, c in zip(with_values, columns.has_clipped.tolist(), strict=True)):
-        dots = (
-            np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64),
-            np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64),
-        )
+    if (columns.has_dots | ~columns.has_clipped).all():
+        dots = (columns.dot_pre_post, columns.dot_pre_pre)
     calls = None
     if num_calls > 1:
         by_piece = _call_sums(step)
-        found = [by_piece.get((p.rank, p.index), ()) for p in pieces]
+        found = [
+            by_piece.get(key, ()) for key in zip(columns.rank.tolist(), columns.index.tolist(), strict=True)
+        ]
         if all(len(f) == num_calls for f in found):
-            calls = np.array(found, dtype=np.float64).reshape(len(pieces), num_calls)
-    return post_sq, post_bad, dots, calls
+            calls = np.array(found, dtype=np.float64).reshape(len(found), num_calls)
+    return post_sq, post_nonfinite > 0, dots, calls
 
 
 def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:
@@ -297,17 +285,19 @@ def _expected(diagnosis: StepDiagnosis, per_call: bool) -> float | None:
 
 
 def _repeated_norm(
-    m: StepMeasurements, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]
+    columns: StepColumns, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]
 ) -> float | None:
     """The L2 norm that counts each parameter of a powered group `power` times (once per listing)."""
-    if diagnosis.true_norm is None or m.norm_type != 2.0:
+    if diagnosis.true_norm is None or columns.norm_type != 2.0:
         return None
-    extra = safe_fsum(
-        (group.power - 1) * piece.stats["grad"].sum_sq
-        for group in groups
-        if group.power >= 2
-        for name in group.params
-        for piece in disjoint_cover(m.params[name].pieces)
-        if "grad" in piece.stats
-    )
+    import numpy as np
+
+    ids = {name: i for i, name in enumerate(columns.param_names)}
+    extra_times = np.zeros(len(ids))
+    for group in groups:
+        if group.power >= 2:
+            extra_times[[ids[name] for name in group.params if name in ids]] += group.power - 1
+    cover = columns.cover_positions()
+    cover = cover[columns.has_grad[cover]]
+    extra = safe_fsum(extra_times[columns.param[cover]] * columns.sum_sq[cover])
     return math.sqrt(diagnosis.true_norm**2 + extra)

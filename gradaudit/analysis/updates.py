@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..model import Piece, StepDump, TensorKind
+from .diagnosis import disjoint_cover
 from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
@@ -89,9 +90,11 @@ def explain_update_errors(
     atol: float | None = None,
 ) -> Mapping[str, UpdateJudgement]:
     """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
+    from ..measure.measure import pieces_by_param
     from ..measure.reference import assemble_dense
 
     found: dict[str, UpdateJudgement] = {}
+    ref_held, our_held = pieces_by_param(reference), pieces_by_param(step)
     for name, pm in m.params.items():
         by_kind = {e.kind: e for e in pm.reference_errors}
         after = by_kind.get("param_after")
@@ -105,8 +108,8 @@ def explain_update_errors(
         if info is None:
             continue
         shape = tuple(info.global_shape)
-        ref_pieces = _holding(reference, name)
-        ours = _holding(step, name)
+        ref_pieces = _holding(ref_held.get(name, []))
+        ours = _holding(our_held.get(name, []))
         needed: tuple[TensorKind, ...] = ("param_before", "param_after", grad_kind)
         if not all(all(k in p.tensors for _, p in ref_pieces) and ref_pieces for k in needed):
             continue
@@ -134,15 +137,10 @@ def _within(error: ReferenceDifference, rtol: float | None, atol: float | None) 
     return within_reference_tolerance(error, *reference_tolerances(error.dtype, rtol, atol))
 
 
-def _holding(step: StepDump, name: str) -> list[tuple[str, Piece]]:
-    """(path, piece) of the lowest-rank copy of each layout of `name` in `step`."""
-    chosen: dict[tuple[object, ...], tuple[str, Piece]] = {}
-    for rank in step.ranks_present:
-        dump = step.ranks[rank]
-        for piece in dump.pieces:
-            if piece.param == name:
-                chosen.setdefault(piece.layout_key, (dump.path, piece))
-    return list(chosen.values())
+def _holding(held: list[tuple[int, str, Piece]]) -> list[tuple[str, Piece]]:
+    """(path, piece) of the lowest-rank copy of each layout among (rank, path, piece) `held`."""
+    cover = disjoint_cover(held, lambda c: (c[0], c[2].index, c[2].layout_key))
+    return [(path, piece) for _, path, piece in cover]
 
 
 def _scale(step: StepDump, kind: str) -> float:

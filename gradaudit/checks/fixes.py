@@ -10,7 +10,9 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from ..model import FlatRange, StepDump
+import numpy as np
+
+from ..model import ColumnarPieces, FlatRange, StepDump
 from ..report.model import Finding, Severity
 from .registry import BY_CODE
 
@@ -48,18 +50,26 @@ def stack_of(step: StepDump) -> str | None:
     by_api = CAPTURE_STACKS.get(dump.capture_api or "")
     if by_api is not None:
         return by_api
-    topology = dump.topology
-    if dump.capture_api not in GROUP_PIECE_APIS and any(
-        isinstance(region, FlatRange) for piece in dump.pieces for region in piece.regions
-    ):
+    topology, columns = dump.topology, dump.columns
+    if dump.capture_api not in GROUP_PIECE_APIS and _has_flat_range(columns):
         return "FSDP1"
     if topology.mesh is not None:
         return "DTensor" if set(topology.mesh.axis_names) <= _TENSOR_PARALLEL_AXES else "FSDP2"
     if _TENSOR_PARALLEL_AXES & set(topology.groups):
         return "Megatron-style"
-    if dump.pieces and all(piece.replica_group is not None for piece in dump.pieces):
+    if len(columns) and bool((columns.rows[:, 1] >= 0).all()):
         return "DDP"
     return None
+
+
+def _has_flat_range(columns: ColumnarPieces) -> bool:
+    """Whether some piece's region is a flat range (ndim 0 in the columns, or among its extra regions)."""
+    extra = columns.extras.regions
+    plain = np.ones(len(columns), dtype=bool)
+    plain[list(extra)] = False
+    return bool((plain & (columns.rows[:, 3] == 0)).any()) or any(
+        isinstance(region, FlatRange) for regions in extra.values() for region in regions
+    )
 
 
 def fix_for(fix_text: str, stack: str | None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..analysis.diagnosis import disjoint_cover, norm_of_pieces
+from ..analysis.norm_input import cover_norm
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
 from ..measure.measurements import ReferenceDifference, StepMeasurements
 from ..model import TensorKind
@@ -66,7 +66,7 @@ def reference_norm(m: StepMeasurements) -> float | None:
     pieces = [p for pm in m.params.values() for p in pm.reference_pieces]
     if not pieces:
         return None
-    return norm_of_pieces(disjoint_cover(pieces), m.norm_type)
+    return cover_norm(pieces, m.norm_type)
 
 
 def _describe(c: ParamComparison) -> str:

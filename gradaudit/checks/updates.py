@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..analysis.diagnosis import norm_of_pieces
+from ..analysis.norm_input import cover_norm
 from ..norms import safe_fsum
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num
 from .hints import record_parameters_hint
@@ -27,7 +27,7 @@ def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResul
     partial = len(cover) < len(everything)
     update_norm = math.sqrt(safe_fsum(p.update_sum_sq for p in cover if p.update_sum_sq is not None))
     clipped = all("grad_clipped" in p.stats for p in cover)
-    grad_norm = norm_of_pieces(cover, 2.0, "grad_clipped" if clipped else "grad")
+    grad_norm = cover_norm(cover, 2.0, "grad_clipped" if clipped else "grad")
     if grad_norm is None or not math.isfinite(grad_norm) or not math.isfinite(update_norm):
         return Skip(
             reason=f"the gradient or update norm is not finite ({num(grad_norm)}, {num(update_norm)}; see GA401)"

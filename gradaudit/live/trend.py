@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -227,8 +227,3 @@ def _numbers(line: TrendLine) -> str:
     if line.coef_spread is not None:
         parts.append(f"coefficients {_fmt(line.min_coef)}..{_fmt(line.max_coef)}")
     return " (" + ", ".join(parts) + ")"
-
-
-def trend_of(lines: Iterable[TrendLine]) -> dict[int, TrendLine]:
-    """The last line of each step (a step checked again after a restart replaces the earlier)."""
-    return {line.step: line for line in lines}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..model import TensorKind
-from ..norms import INF, NAN, UNKNOWN, term_column, term_of
+from ..norms import INF, NAN, UNKNOWN, flags_of_stats, term_column, term_of
 
 __all__ = ["INF", "NAN", "UNKNOWN", "StepColumns"]
 from .measurements import PieceMeasurement, StepMeasurements
@@ -65,8 +65,13 @@ class StepColumns:
         self.has_grad = np.array([g is not None for g in grads], dtype=bool)
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
-        self.has_products = any(p.dot_pre_post is not None for p in pieces)
-        """Some piece holds the dense dumps' products of its gradient before and after clipping."""
+        self.has_dots = np.array(
+            [p.dot_pre_post is not None and p.dot_pre_pre is not None for p in pieces], dtype=bool
+        )
+        """Per piece, whether it holds the dense dumps' products of its gradient before and after
+        clipping (sum(pre * post), sum(pre * pre): set together)."""
+        self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64)
+        self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64)
         terms = [0.0 if g is None else term_of(g, norm_type) for g in grads]
         self.unknown = np.array([t is None for t in terms], dtype=bool)
         self.term = np.array([math.nan if t is None else t for t in terms], dtype=np.float64)
@@ -92,7 +97,8 @@ class StepColumns:
         self.dtypes = frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist())
         self.has_clipped = np.full(n, "grad_clipped" in table.kinds)
         self.has_update = np.zeros(n, dtype=bool)
-        self.has_products = False
+        self.has_dots = np.zeros(n, dtype=bool)
+        self.dot_pre_post = self.dot_pre_pre = np.zeros(n)
         self.unknown = np.zeros(n, dtype=bool)
         if "grad" not in table.kinds:
             self.has_grad = np.zeros(n, dtype=bool)
@@ -120,25 +126,43 @@ class StepColumns:
                 table.kind_column("grad", 2)[chosen] if column == 2 else (self.sum_pow, self.sum_sq)[column]
             )
 
-    def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(whether each piece holds `kind`, its sum of squares, its max |x|; 0 where it does not),
-        in `m.pieces` order."""
+    def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(whether each piece holds `kind`, its sum of squares, its max |x|, its count of nonfinite
+        values; 0 where it does not hold the kind), in `m.pieces` order."""
         n = self.rank.size
         if self._table is not None:
             table, chosen = self._table
             if kind not in table.kinds:
-                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n)
+                return np.zeros(n, dtype=bool), np.zeros(n), np.zeros(n), np.zeros(n, dtype=np.int64)
             return (
                 np.ones(n, dtype=bool),
                 table.kind_column(kind, 1)[chosen],
                 table.kind_column(kind, 2)[chosen],
+                table.kind_counts(kind)[chosen].sum(axis=1),
             )
         stats = [p.stats.get(kind) for p in self.pieces]
         return (
             np.array([s is not None for s in stats], dtype=bool),
             np.array([0.0 if s is None else s.sum_sq for s in stats], dtype=np.float64),
             np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
+            np.array([0 if s is None else s.num_nonfinite for s in stats], dtype=np.int64),
         )
+
+    def kind_terms(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray]:
+        """(each piece's term of the p-norm of its `kind` statistics, 0 where it holds none; int8
+        UNKNOWN, NAN and INF bits of that term, UNKNOWN where it holds none), in `m.pieces` order."""
+        if self._table is None:
+            stats = [p.stats.get(kind) for p in self.pieces]
+            terms = [None if s is None else term_of(s, self.norm_type) for s in stats]
+            flags = [flags_of_stats(s, t) for s, t in zip(stats, terms, strict=True)]
+            return np.array([t or 0.0 for t in terms], dtype=np.float64), np.array(flags, dtype=np.int8)
+        table, chosen = self._table
+        column = term_column(table.norm_type, self.norm_type)
+        if kind not in table.kinds or column is None:
+            return np.zeros(self.rank.size), np.full(self.rank.size, UNKNOWN, dtype=np.int8)
+        counts = table.kind_counts(kind)[chosen]
+        flags = (counts[:, 0] > 0) * NAN | ((counts[:, 1] + counts[:, 2]) > 0) * INF
+        return table.kind_column(kind, column)[chosen], flags.astype(np.int8)
 
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
@@ -156,13 +180,10 @@ class StepColumns:
 
     def _subset(self, chosen: np.ndarray) -> Sequence[PieceMeasurement]:
         """The pieces at these positions: a TablePieces of the same table, or a tuple."""
-        pieces = self.pieces
-        if isinstance(pieces, TablePieces):
-            span = pieces.span
-            if span is None:
-                return pieces.table.pieces(pieces.positions[chosen])
-            return pieces.table.pieces(chosen + span.start if span.start else chosen)
-        return tuple(pieces[i] for i in chosen.tolist())
+        if self._table is not None:
+            table, rows = self._table
+            return table.pieces(chosen + (rows.start or 0) if isinstance(rows, slice) else rows[chosen])
+        return tuple(self.pieces[i] for i in chosen.tolist())
 
     def cover_with_updates(self) -> list[PieceMeasurement]:
         """The cover's pieces that hold an update (parameters dumped before and after the step)."""
