@@ -224,7 +224,7 @@ def analyse(
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
         value_clipping=value_clipping(step, columns),
-        param_coefficients=param_coefficients(step, m, diagnosis, columns),
+        param_coefficients=param_coefficients(step, diagnosis, columns),
     )
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..measure.columns import StepColumns
-from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference, safe_fsum
 from .diagnosis import StepDiagnosis
@@ -104,9 +103,7 @@ def _members_by_label(labels: np.ndarray, values: np.ndarray, num_labels: int) -
     return found
 
 
-def param_coefficients(
-    step: StepDump, m: StepMeasurements, diagnosis: StepDiagnosis, columns: StepColumns
-) -> ParamCoefficients:
+def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, columns: StepColumns) -> ParamCoefficients:
     """The step's per-parameter coefficients (none, with a note, when they cannot be measured; none
     without a note when fewer than two parameters have a nonzero finite gradient)."""
     num_calls = diagnosis.num_clip_calls
