@@ -8,7 +8,6 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from ..measure.columns import StepColumns
 from ..measure.measurements import StepMeasurements
@@ -48,20 +47,6 @@ from .norm_input import (
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
 gradients, norms and coefficients are often computed or logged in float32."""
-
-
-_Item = TypeVar("_Item")
-
-
-def disjoint_cover(
-    pieces: Iterable[_Item], placed: Callable[[_Item], tuple[int, int, tuple[object, ...]]]
-) -> list[_Item]:
-    """One piece per layout: replicas count once, through their lowest-rank copy (`placed`: an
-    item's rank, piece index and layout key)."""
-    chosen: dict[tuple[object, ...], _Item] = {}
-    for item in sorted(pieces, key=lambda item: placed(item)[:2]):
-        chosen.setdefault(placed(item)[2], item)
-    return list(chosen.values())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..measure.measurements import disjoint_cover
 from ..model import Piece, StepDump, TensorKind
-from .diagnosis import disjoint_cover
 from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:

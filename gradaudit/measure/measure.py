@@ -26,6 +26,7 @@ from .measurements import (
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
+    disjoint_cover,
     dumped_gradient_scale,
     stats_only_measurement,
     unscaled_stats,
@@ -320,8 +321,8 @@ def measure_param(
 
         held, partial = split_partial(held)
     by_layout: dict[tuple[object, ...], list[tuple[int, str, Piece]]] = {}
-    if reference is not None or len({entry[2].layout_key for entry in held}) < len(held):
-        for entry in held:  # replicas (or a reference to pair with): group the pieces by layout
+    if len({entry[2].layout_key for entry in held}) < len(held):
+        for entry in held:  # replicas: group the pieces by layout
             by_layout.setdefault(entry[2].layout_key, []).append(entry)
     with_values = any(entry[2].tensors for entry in held)
     fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
@@ -381,7 +382,7 @@ def measure_param(
             reader,
             infos,
             reference_held,
-            by_layout,
+            disjoint_cover(held, lambda c: (c[0], c[2].index, c[2].layout_key)),
             norm_type=norm_type,
             chunk=chunk_elements,
             scale_of=lambda rank: _scale_of(step, rank, scales),
@@ -431,7 +432,7 @@ def _measure_reference(
     reader: TensorReader,
     infos: tuple[ParamInfo | None, ParamInfo | None],
     ref_held: list[tuple[int, str, Piece]],
-    by_layout: Mapping[tuple[object, ...], list[tuple[int, str, Piece]]],
+    cover: list[tuple[int, str, Piece]],
     *,
     norm_type: float,
     chunk: int,
@@ -461,8 +462,7 @@ def _measure_reference(
     errors, notes = [], []
     for kind in COMPARED_KINDS:
         ref_with_values = [(path, piece) for _, path, piece in ref_held if kind in piece.tensors]
-        ours = [min(copies, key=lambda c: (c[0], c[2].index)) for copies in by_layout.values()]
-        ours = [(rank, path, piece) for rank, path, piece in ours if kind in piece.tensors]
+        ours = [(rank, path, piece) for rank, path, piece in cover if kind in piece.tensors]
         if not ours or not ref_with_values:
             continue
         if not covers(ref_with_values, ref_info.global_shape):
@@ -473,7 +473,7 @@ def _measure_reference(
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
         per_piece = [
             _compare_with_reference(reader, name, path, piece, source, kind, chunk, scale_of(rank))
-            for rank, path, piece in sorted(ours, key=lambda c: (c[0], c[2].index))
+            for rank, path, piece in ours
         ]
         errors.append(_merge_errors(per_piece))
     return reference_pieces, tuple(errors), tuple(notes)

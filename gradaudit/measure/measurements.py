@@ -5,7 +5,7 @@ the dumped gradients."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -259,3 +259,17 @@ def stats_only_measurement(rank: int, piece: Piece, scale: float = 1.0) -> Piece
         stats=dict(sorted(stats.items())) if len(stats) > 1 else stats,
         value_scale=scale,
     )
+
+
+_Item = TypeVar("_Item")
+
+
+def disjoint_cover(
+    pieces: Iterable[_Item], placed: Callable[[_Item], tuple[int, int, tuple[object, ...]]]
+) -> list[_Item]:
+    """One piece per layout: replicas count once, through their lowest-rank copy (`placed`: an
+    item's rank, piece index and layout key)."""
+    chosen: dict[tuple[object, ...], _Item] = {}
+    for item in sorted(pieces, key=lambda item: placed(item)[:2]):
+        chosen.setdefault(placed(item)[2], item)
+    return list(chosen.values())
