@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..model import TensorKind
-from ..norms import INF, NAN, UNKNOWN, flags_of_stats, term_column, term_of
+from ..norms import INF, NAN, UNKNOWN, term_column, term_of
 
 __all__ = ["INF", "NAN", "UNKNOWN", "StepColumns"]
 from .measurements import PieceMeasurement, StepMeasurements
@@ -29,11 +29,7 @@ class StepColumns:
             self._from_table(table, positions)
         else:
             self._from_objects(tuple(m.pieces))
-        self.flags = (
-            self.unknown.astype(np.int8) * UNKNOWN
-            | (self.counts[:, 0] > 0).astype(np.int8) * NAN
-            | ((self.counts[:, 1] + self.counts[:, 2]) > 0).astype(np.int8) * INF
-        )
+        self.flags = self.unknown.astype(np.int8) * UNKNOWN | _nonfinite_flags(self.counts)
         """Per piece, the UNKNOWN, NAN and INF bits of its gradient's term (see `flags_of_stats`)."""
         self.by_rank_order = np.lexsort((self.index, self.rank))
         self.distinct_layouts = (
@@ -46,7 +42,6 @@ class StepColumns:
         """Positions sorted by (rank, piece index), as disjoint_cover visits them."""
 
     def _from_objects(self, pieces: tuple[PieceMeasurement, ...]) -> None:
-        norm_type = self.norm_type
         self.pieces: Sequence[PieceMeasurement] = pieces
         # One comprehension per column: several times cheaper per piece than one loop of appends.
         ids: dict[tuple[object, ...], int] = {}
@@ -61,8 +56,8 @@ class StepColumns:
             [names.setdefault(p.param, len(names)) for p in pieces], dtype=np.int64
         )
         self.param_names = list(names)
-        grads = [p.stats.get("grad") for p in pieces]
-        self.has_grad = np.array([g is not None for g in grads], dtype=bool)
+        self.has_grad, sums, self.counts, self.term, self.unknown = self._object_kind("grad")
+        self.sum_pow, self.sum_sq = sums[:, 0], sums[:, 1]
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
         self.has_update = np.array([p.update_sum_sq is not None for p in pieces], dtype=bool)
         self.has_dots = np.array(
@@ -72,14 +67,21 @@ class StepColumns:
         clipping (sum(pre * post), sum(pre * pre): set together)."""
         self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces], dtype=np.float64)
         self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces], dtype=np.float64)
-        terms = [0.0 if g is None else term_of(g, norm_type) for g in grads]
-        self.unknown = np.array([t is None for t in terms], dtype=bool)
-        self.term = np.array([math.nan if t is None else t for t in terms], dtype=np.float64)
-        self.sum_pow = np.array([0.0 if g is None else g.sum_pow for g in grads], dtype=np.float64)
-        self.sum_sq = np.array([0.0 if g is None else g.sum_sq for g in grads], dtype=np.float64)
-        self.counts = np.zeros((len(pieces), 3), dtype=np.int64)
-        for column, field_name in enumerate(("num_nan", "num_posinf", "num_neginf")):
-            self.counts[:, column] = [0 if g is None else getattr(g, field_name) for g in grads]
+
+    def _object_kind(self, kind: TensorKind) -> tuple[np.ndarray, ...]:
+        """Per piece object: whether it holds `kind`; its [n, 3] (sum_pow, sum_sq, max_abs) and (nan,
+        +inf, -inf) counts, 0 where it holds none; its term (0 where it holds none, nan where unknown:
+        stats taken for another norm type); whether that term is unknown."""
+        stats = [p.stats.get(kind) for p in self.pieces]
+        rows = [
+            (0,) * 6 if s is None else (s.sum_pow, s.sum_sq, s.max_abs, s.num_nan, s.num_posinf, s.num_neginf)
+            for s in stats
+        ]
+        values = np.array(rows, dtype=np.float64).reshape(len(rows), 6)
+        terms = [0.0 if s is None else term_of(s, self.norm_type) for s in stats]
+        term = np.array([math.nan if t is None else t for t in terms], dtype=np.float64)
+        has = np.array([s is not None for s in stats], dtype=bool)
+        return has, values[:, :3], values[:, 3:].astype(np.int64), term, np.array([t is None for t in terms])
 
     def _from_table(self, table: PieceTable, positions: np.ndarray | range) -> None:
         """The same columns from a PieceTable's arrays (stats-only pieces: no products, no updates)."""
@@ -140,29 +142,21 @@ class StepColumns:
                 table.kind_column(kind, 2)[chosen],
                 table.kind_counts(kind)[chosen].sum(axis=1),
             )
-        stats = [p.stats.get(kind) for p in self.pieces]
-        return (
-            np.array([s is not None for s in stats], dtype=bool),
-            np.array([0.0 if s is None else s.sum_sq for s in stats], dtype=np.float64),
-            np.array([0.0 if s is None else s.max_abs for s in stats], dtype=np.float64),
-            np.array([0 if s is None else s.num_nonfinite for s in stats], dtype=np.int64),
-        )
+        has, sums, counts, _, _ = self._object_kind(kind)
+        return has, sums[:, 1], sums[:, 2], counts.sum(axis=1)
 
     def kind_terms(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray]:
         """(each piece's term of the p-norm of its `kind` statistics, 0 where it holds none; int8
         UNKNOWN, NAN and INF bits of that term, UNKNOWN where it holds none), in `m.pieces` order."""
         if self._table is None:
-            stats = [p.stats.get(kind) for p in self.pieces]
-            terms = [None if s is None else term_of(s, self.norm_type) for s in stats]
-            flags = [flags_of_stats(s, t) for s, t in zip(stats, terms, strict=True)]
-            return np.array([t or 0.0 for t in terms], dtype=np.float64), np.array(flags, dtype=np.int8)
+            has, _, counts, term, unknown = self._object_kind(kind)
+            flags = np.where(~has | unknown, UNKNOWN, _nonfinite_flags(counts)).astype(np.int8)
+            return np.where(unknown, 0.0, term), flags
         table, chosen = self._table
         column = term_column(table.norm_type, self.norm_type)
         if kind not in table.kinds or column is None:
             return np.zeros(self.rank.size), np.full(self.rank.size, UNKNOWN, dtype=np.int8)
-        counts = table.kind_counts(kind)[chosen]
-        flags = (counts[:, 0] > 0) * NAN | ((counts[:, 1] + counts[:, 2]) > 0) * INF
-        return table.kind_column(kind, column)[chosen], flags.astype(np.int8)
+        return table.kind_column(kind, column)[chosen], _nonfinite_flags(table.kind_counts(kind)[chosen])
 
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
@@ -209,6 +203,13 @@ class StepColumns:
                     inverse, weights=self.counts[:, column], minlength=ranks.size
                 ).astype(np.int64)
         return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
+
+
+def _nonfinite_flags(counts: np.ndarray) -> np.ndarray:
+    """Per row of [n, 3] (nan, +inf, -inf) counts, its int8 NAN and INF bits."""
+    infinite = (counts[:, 1] + counts[:, 2]) > 0
+    flags: np.ndarray = (counts[:, 0] > 0).astype(np.int8) * NAN | infinite.astype(np.int8) * INF
+    return flags
 
 
 def _table_positions(m: StepMeasurements) -> tuple[PieceTable | None, np.ndarray | range | None]:
