@@ -13,7 +13,7 @@ from ..norms import INF, NAN, UNKNOWN, term_column, term_of
 
 __all__ = ["INF", "NAN", "UNKNOWN", "StepColumns"]
 from .measurements import PieceMeasurement, StepMeasurements
-from .table import PieceTable, TablePieces
+from .table import PieceTable, TablePieces, lowest_copies
 
 
 class StepColumns:
@@ -161,12 +161,8 @@ class StepColumns:
     def cover_positions(self) -> np.ndarray:
         """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
         if self._cover is None:
-            order = self.by_rank_order
-            if self.distinct_layouts:  # no replicas: every piece is its layout's only copy
-                self._cover = order
-            else:
-                _, first = np.unique(self.layout[order], return_index=True)
-                self._cover = order[np.sort(first)]
+            order = self.by_rank_order  # no replicas: every piece is its layout's only copy
+            self._cover = order if self.distinct_layouts else lowest_copies(self.layout, order)
         return self._cover
 
     def cover(self) -> Sequence[PieceMeasurement]:

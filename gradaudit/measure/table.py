@@ -179,10 +179,8 @@ class PieceTable:
         """Layout -> (param, regions, dtype, numel) of its lowest (rank, index) copy, for every
         replicated layout of the step: built at once, one call per rank, and only these kept."""
         replicated = np.flatnonzero(self.copies[self.layout] > 1)
-        layout = self.layout[replicated]
-        order = np.lexsort((self.index[replicated], self.rank[replicated], layout))
-        ordered = layout[order]
-        bases = replicated[order][np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+        order = np.lexsort((self.index[replicated], self.rank[replicated]))
+        bases = replicated[lowest_copies(self.layout[replicated], order)]
         return {
             layout_id: (piece.param, piece.regions, piece.dtype, piece.numel)
             for layout_id, (_, _, piece) in zip(self.layout[bases].tolist(), self.entries(bases), strict=True)
@@ -236,6 +234,13 @@ class PieceTable:
 
     def pieces(self, positions: np.ndarray | range) -> TablePieces:
         return TablePieces(self, positions)
+
+
+def lowest_copies(layout: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Of the positions in `order` (sorted by rank, then piece index), each layout's first: the
+    disjoint cover's pieces, in that order."""
+    _, first = np.unique(layout[order], return_index=True)  # a stable sort: the first occurrence
+    return order[np.sort(first)]
 
 
 def _sorting(keys: list[np.ndarray]) -> np.ndarray:
