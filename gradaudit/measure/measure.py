@@ -116,13 +116,12 @@ def _measure_piece(
     *,
     fingerprint: bool = False,
 ) -> PieceMeasurement:
-    if piece.tensors:
-        read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
-            reader, path, piece, norm_type, fingerprint=fingerprint
-        )
-        stats = {**piece.stats, **read}  # values measured here win over stored summaries
-    else:  # stats-only: nothing to read (the common case of many-rank dumps: kept cheap)
-        stats, dot_pre_post, dot_pre_pre, update_sum_sq = dict(piece.stats), None, None, None
+    if not piece.tensors:  # stats-only: nothing to read
+        return stats_only_measurement(rank, piece, scale)
+    read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
+        reader, path, piece, norm_type, fingerprint=fingerprint
+    )
+    stats = {**piece.stats, **read}  # values measured here win over stored summaries
     if scale != 1.0:
         stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
     if len(stats) > 1:
@@ -332,21 +331,18 @@ def measure_param(
         scale = rank_scales.get(rank)
         if scale is None:
             scale = rank_scales[rank] = _scale_of(step, rank, scales)
-        if not piece.tensors and scale == 1.0 and len(piece.stats) <= 1:
-            measured_pieces.append(stats_only_measurement(rank, piece))  # most pieces of a many-rank dump
-        else:
-            measured_pieces.append(
-                _measure_piece(
-                    reader,
-                    kernel,
-                    rank,
-                    path,
-                    piece,
-                    norm_type,
-                    scale,
-                    fingerprint=(rank, piece.index) in fingerprinted,
-                )
+        measured_pieces.append(
+            _measure_piece(
+                reader,
+                kernel,
+                rank,
+                path,
+                piece,
+                norm_type,
+                scale,
+                fingerprint=(rank, piece.index) in fingerprinted,
             )
+        )
     if partial:
         from .partials import measure_partial_sums
 

@@ -243,8 +243,8 @@ def unscaled_sums(sum_pow: _F, sum_sq: _F, max_abs: _F, scale: float, norm_type:
 
 
 def stats_only_measurement(rank: int, piece: Piece, scale: float = 1.0) -> PieceMeasurement:
-    """What _measure_piece gives for a piece with statistics only (nothing to read), its gradient
-    divided by `scale`, without its branches."""
+    """The measurement of a piece with statistics only (nothing to read), its gradient divided by
+    `scale`."""
     stats: Mapping[TensorKind, TensorStats] = piece.stats
     if scale != 1.0:
         stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
