@@ -28,8 +28,7 @@ from .measurements import (
     StepMeasurements,
     disjoint_cover,
     dumped_gradient_scale,
-    stats_only_measurement,
-    unscaled_stats,
+    piece_measurement,
 )
 
 if TYPE_CHECKING:
@@ -117,31 +116,19 @@ def _measure_piece(
     fingerprint: bool = False,
 ) -> PieceMeasurement:
     if not piece.tensors:  # stats-only: nothing to read
-        return stats_only_measurement(rank, piece, scale)
+        return piece_measurement(rank, piece, scale)
     read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
         reader, path, piece, norm_type, fingerprint=fingerprint
     )
-    stats = {**piece.stats, **read}  # values measured here win over stored summaries
-    if scale != 1.0:
-        stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
-    if len(stats) > 1:
-        stats = dict(sorted(stats.items()))
     if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
         dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
         dot_pre_pre = divide_by_power(dot_pre_pre, scale, 2.0)
-    return PieceMeasurement(
-        rank=rank,
-        index=piece.index,
-        param=piece.param,
-        regions=piece.regions,
-        dtype=piece.dtype,
-        numel=piece.numel,
-        replica_group=piece.replica_group,
-        stats=stats,
-        dot_pre_post=dot_pre_post,
-        dot_pre_pre=dot_pre_pre,
-        update_sum_sq=update_sum_sq,
-        value_scale=scale,
+    return piece_measurement(
+        rank,
+        piece,
+        scale,
+        stats={**piece.stats, **read},  # values measured here win over stored summaries
+        products=(dot_pre_post, dot_pre_pre, update_sum_sq),
     )
 
 

@@ -242,10 +242,18 @@ def unscaled_sums(sum_pow: _F, sum_sq: _F, max_abs: _F, scale: float, norm_type:
     )
 
 
-def stats_only_measurement(rank: int, piece: Piece, scale: float = 1.0) -> PieceMeasurement:
-    """The measurement of a piece with statistics only (nothing to read), its gradient divided by
-    `scale`."""
-    stats: Mapping[TensorKind, TensorStats] = piece.stats
+def piece_measurement(
+    rank: int,
+    piece: Piece,
+    scale: float = 1.0,
+    *,
+    stats: Mapping[TensorKind, TensorStats] | None = None,
+    products: tuple[float | None, float | None, float | None] = (None, None, None),
+) -> PieceMeasurement:
+    """The measurement of a piece: its statistics (`stats`, by default those it holds: a piece with
+    statistics only has nothing to read), its gradient's divided by `scale`; `products`: its
+    dot_pre_post, dot_pre_pre and update_sum_sq, read from its values (already unscaled)."""
+    stats = piece.stats if stats is None else stats
     if scale != 1.0:
         stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
     return PieceMeasurement(
@@ -257,6 +265,9 @@ def stats_only_measurement(rank: int, piece: Piece, scale: float = 1.0) -> Piece
         numel=math.prod(piece.local_shape),
         replica_group=piece.replica_group,
         stats=dict(sorted(stats.items())) if len(stats) > 1 else stats,
+        dot_pre_post=products[0],
+        dot_pre_pre=products[1],
+        update_sum_sq=products[2],
         value_scale=scale,
     )
 

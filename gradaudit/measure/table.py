@@ -25,7 +25,7 @@ from .measurements import (
     ReplicaCopy,
     ReplicaSet,
     dumped_gradient_scale,
-    stats_only_measurement,
+    piece_measurement,
     unscaled_sums,
 )
 
@@ -162,7 +162,7 @@ class PieceTable:
         """The PieceMeasurement of each position, as _measure_piece gives for a stats-only piece."""
         scales = self.scales
         return [
-            stats_only_measurement(rank, piece, scales[self._source_of[rank]])
+            piece_measurement(rank, piece, scales[self._source_of[rank]])
             for rank, _, piece in self.entries(positions)
         ]
 
