@@ -312,24 +312,19 @@ def measure_param(
             by_layout.setdefault(entry[2].layout_key, []).append(entry)
     with_values = any(entry[2].tensors for entry in held)
     fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
-    measured_pieces = []
-    rank_scales: dict[int, float] = {}
-    for rank, path, piece in held:
-        scale = rank_scales.get(rank)
-        if scale is None:
-            scale = rank_scales[rank] = _scale_of(step, rank, scales)
-        measured_pieces.append(
-            _measure_piece(
-                reader,
-                kernel,
-                rank,
-                path,
-                piece,
-                norm_type,
-                scale,
-                fingerprint=(rank, piece.index) in fingerprinted,
-            )
+    measured_pieces = [
+        _measure_piece(
+            reader,
+            kernel,
+            rank,
+            path,
+            piece,
+            norm_type,
+            _scale_of(step, rank, scales),
+            fingerprint=(rank, piece.index) in fingerprinted,
         )
+        for rank, path, piece in held
+    ]
     if partial:
         from .partials import measure_partial_sums
 
