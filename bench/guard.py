@@ -96,9 +96,8 @@ def _measure(
             return time.perf_counter() - start
         summary._readers = fast if kind == "own" else through_accessors
         start = time.perf_counter()
-        _, sampled = summary.measure()  # as a checked step: the terms and the sample before the clip,
+        _, _, sampled = summary.measure()  # as a checked step: the terms and the sample before the clip,
         summary.sample(sampled)  # and the same elements after it
-        summary.sample(sampled)
         elapsed = time.perf_counter() - start
         summary._readers = fast
         return elapsed

@@ -150,16 +150,15 @@ class LocalSummary:
                 present.append(i)
         return grads, tuple(present)
 
-    def measure(self) -> tuple[torch.Tensor | None, Sampled]:
-        """This rank's group terms now (see `terms`), and the sampled pieces' elements as views of the
-        gradients read once (a clip in place shows in them)."""
+    def measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
+        """This rank's group terms now (see `terms`), the sample (see `sample`) of the gradients read
+        with them, and its elements as views of those gradients (a clip in place shows in them)."""
         grads, present = self._grads()
         by_piece = dict(zip(present, grads, strict=True))
         sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
         views = strided_views([grad for _, grad in sampled], SAMPLE_PER_PIECE)
-        return self._terms(grads, present), tuple(
-            (i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None
-        )
+        sampled = tuple((i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None)
+        return self._terms(grads, present), _float64_cat([view for _, view in sampled]), sampled
 
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
