@@ -80,8 +80,8 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
 def _measure(
     guard: Any, model: torch.nn.Module, own: list, reference: list, accessors: list, order: random.Random
 ) -> None:
-    """The guard's own measuring on the final gradients (its group terms and the coefficient's two
-    samples), against the stack's own norm pass over the same local gradients; and the same measuring
+    """The guard's own measuring on the final gradients as a checked step does it (its group terms and
+    the coefficient's two samples of the elements read with them), against the stack's own norm pass over the same local gradients; and the same measuring
     through the pieces' own gradient accessors (DTensor.to_local() per parameter: the guard before it
     read `_local_tensor`). The three in a shuffled order (the same on both ranks)."""
     summary = guard._summary
@@ -96,9 +96,8 @@ def _measure(
             return time.perf_counter() - start
         summary._readers = fast if kind == "own" else through_accessors
         start = time.perf_counter()
-        summary.terms()
-        summary.sample()
-        summary.sample()
+        _, _, sampled = summary.measure()  # as a checked step: the terms and the sample before the clip,
+        summary.sample(sampled)  # and the same elements after it
         elapsed = time.perf_counter() - start
         summary._readers = fast
         return elapsed

@@ -349,9 +349,9 @@ class Guard:
             self._calls[-1].coef = coef
 
     def _before_call(self) -> tuple[Any, Any, Any, bool | None]:
-        terms, sampled = self._summary.measure()
+        terms, sample, sampled = self._summary.measure()
         unscaled = self._scaler.unscaled() if self._scaler is not None else None
-        return terms, self._summary.sample(sampled), sampled, unscaled
+        return terms, sample, sampled, unscaled
 
     def _record_call(
         self,

@@ -150,12 +150,15 @@ class LocalSummary:
                 present.append(i)
         return grads, tuple(present)
 
-    def measure(self) -> tuple[torch.Tensor | None, Sampled]:
-        """This rank's group terms now (see `terms`), and the sampled pieces' gradients, read once."""
+    def measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
+        """This rank's group terms now (see `terms`), the sample (see `sample`) of the gradients read
+        with them, and its elements as views of those gradients (a clip in place shows in them)."""
         grads, present = self._grads()
         by_piece = dict(zip(present, grads, strict=True))
         sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
-        return self._terms(grads, present), sampled
+        views = strided_views([grad for _, grad in sampled], SAMPLE_PER_PIECE)
+        sampled = tuple((i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None)
+        return self._terms(grads, present), _float64_cat([view for _, view in sampled]), sampled
 
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
@@ -173,47 +176,55 @@ class LocalSummary:
         if index is None:
             index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
             self._index_cache[present] = index
-        g = self.layout.num_groups
         finite = norms.nan_to_num(0.0, 0.0, 0.0)
         power = finite if math.isinf(self.norm_type) else finite.pow(self.norm_type)
-        columns = torch.stack(
-            (power, norms.isnan().to(torch.float64), norms.isinf().to(torch.float64)), dim=1
-        )
-        out = torch.zeros((g, 3), dtype=torch.float64, device=device).index_add_(0, index, columns)
+        # [p-th powers, nan flags, inf flags] of the pieces, summed per group in one op (stack promotes)
+        columns = torch.stack((power, norms.isnan(), norms.isinf()))
+        out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
+        out.index_add_(1, index, columns)
         if math.isinf(self.norm_type):
-            out[:, 0] = torch.zeros(g, dtype=torch.float64, device=device).scatter_reduce_(
-                0, index, finite, "amax"
-            )
-        return out.t().reshape(-1)  # [terms per group, nan pieces per group, inf pieces per group]
+            out[0].zero_().scatter_reduce_(0, index, finite, "amax")  # the largest norm per group
+        return out.reshape(-1)  # [terms per group, nan pieces per group, inf pieces per group]
 
     def sample(self, sampled: Sampled | None = None) -> torch.Tensor | None:
         """A fixed sample of this rank's gradient elements (float64, a few per large piece), from the
-        gradients `measure` read (they are clipped in place, so they show the clip), or read now."""
+        views `measure` took (the gradients are clipped in place, so they show the clip), or read now."""
         if sampled is None:
-            sampled = tuple((i, g) for i in self._sampled if (g := self._readers[i]()) is not None)
-        else:  # a gradient freed since it was read (ZeRO frees its partitions inside the step) gives none
-            sampled = tuple((i, g) for i, g in sampled if self._readers[i]() is not None)
-        return strided_sample([grad for _, grad in sampled], SAMPLE_PER_PIECE)
+            return strided_sample(
+                [g for i in self._sampled if (g := self._readers[i]()) is not None], SAMPLE_PER_PIECE
+            )
+        # a gradient freed since it was read (ZeRO frees its partitions inside the step) gives none
+        return _float64_cat([view for i, view in sampled if self._readers[i]() is not None])
 
 
-def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> torch.Tensor | None:
-    """`per_tensor` evenly spaced elements of each contiguous tensor, as one float64 copy (None: none)."""
-    import torch
-
-    taken = []
+def strided_views(tensors: Sequence[torch.Tensor], per_tensor: int) -> list[torch.Tensor | None]:
+    """Per tensor, `per_tensor` evenly spaced elements as one strided view (None: not contiguous)."""
+    views: list[torch.Tensor | None] = []
     for tensor in tensors:
         if not tensor.is_contiguous():
+            views.append(None)
             continue
         numel = tensor.numel()
         count = min(per_tensor, numel)
         stride = max(1, (numel - 1) // (count - 1)) if count > 1 else 1
         # evenly spaced elements as one strided view (a third cheaper than index_select)
-        taken.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
-    if not taken:
+        views.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
+    return views
+
+
+def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> torch.Tensor | None:
+    """`per_tensor` evenly spaced elements of each contiguous tensor, as one float64 copy (None: none)."""
+    return _float64_cat([view for view in strided_views(tensors, per_tensor) if view is not None])
+
+
+def _float64_cat(views: list[torch.Tensor]) -> torch.Tensor | None:
+    import torch
+
+    if not views:
         return None
-    if len({t.dtype for t in taken}) > 1:
-        taken = [t.to(torch.float64) for t in taken]
-    return torch.cat(taken).to(torch.float64)
+    if len({t.dtype for t in views}) > 1:
+        views = [t.to(torch.float64) for t in views]
+    return torch.cat(views).to(torch.float64)
 
 
 def local_grad_readers(
@@ -246,7 +257,7 @@ def _local_tensor_reader(
         if grad is None:
             return None
         local = getattr(grad, "_local_tensor", None)
-        if local is None or tuple(grad.placements) != placements or local.shape != shape:
+        if local is None or grad._spec.placements != placements or local.shape != shape:
             return fallback()  # a pending sum or another layout: the accessor says what it is
         return local  # type: ignore[no-any-return]
 
@@ -254,7 +265,7 @@ def _local_tensor_reader(
 
 
 Sampled = tuple[tuple[int, "torch.Tensor"], ...]
-"""(piece index, its gradient tensor) of the sampled pieces, as read at one moment."""
+"""(piece index, a strided view of its sampled elements) of the sampled pieces, as read at one moment."""
 
 
 def coefficient(before: torch.Tensor | None, after: torch.Tensor | None) -> torch.Tensor | float:
