@@ -542,19 +542,11 @@ class ColumnarPieces(Sequence[Piece]):
     def __reduce__(self) -> tuple[Any, ...]:
         """Rebuilt through __init__, so that the columns are read-only again after the scaled-out
         check has sent loaded ranks to another process."""
-        return (
-            _rebuild,
-            (
-                self.rows,
-                self.coords,
-                self.params,
-                self.groups,
-                self.stats,
-                self.counts,
-                self.norm_type,
-                self.extras,
-            ),
-        )
+        return (_rebuild, (*self._columns(), self.extras))
+
+    def _columns(self) -> tuple[Any, ...]:
+        """The constructor's positional arguments: the columns without the extras."""
+        return (self.rows, self.coords, self.params, self.groups, self.stats, self.counts, self.norm_type)
 
     @property
     def kinds(self) -> tuple[TensorKind, ...]:
@@ -582,16 +574,7 @@ class ColumnarPieces(Sequence[Piece]):
         for kind, keys in tensors.items():
             merged.setdefault(kind, {}).update(keys)
         extras = dataclasses.replace(self.extras, tensors={k: v for k, v in merged.items() if v})
-        return ColumnarPieces(
-            self.rows,
-            self.coords,
-            self.params,
-            self.groups,
-            self.stats,
-            self.counts,
-            self.norm_type,
-            extras=extras,
-        )
+        return ColumnarPieces(*self._columns(), extras=extras)
 
     @property
     def numel(self) -> np.ndarray:
