@@ -163,9 +163,10 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     # the run table shows the trend's number, not the report's norm before the last call
     assert row.global_norm == (line["true_norm"], line["true_norm"]) and row.clip_calls == 2
     assert row.ratio[0] == pytest.approx(line["reported_norm"] / line["true_norm"])
+    assert row.expected_clip_coef[0] == pytest.approx(MAX_NORM / (first + 1e-6))  # at that moment too
     (report,) = [r for r in multi.steps if r.step == 1]
     assert report.global_norm is not None and abs(report.global_norm - first) > 0.1 * first
-    note = "step 1: the true norm before the first of its 2 clip calls"
+    note = "step 1: the true norm and expected coef before the first of its 2 clip calls"
     assert note in render_multi(multi, width=200) and note in markdown_multi(multi)
 
 

@@ -167,3 +167,30 @@ def test_an_inf_norm_step_names_its_norm_the_same_in_the_verdict_and_the_headlin
     assert report.verdict.startswith("True global Linf norm 0.75"), report.verdict
     assert "inf-norm" not in render_report(report, width=120)
     assert "true global Linf norm 0.75" in render_report(report, width=120)
+
+
+def test_run_table_notes_name_each_step_clipped_several_times_once_per_number_of_calls():
+    from gradaudit.render.steps import StepRow, first_call_notes
+
+    def row(step: int, calls: int) -> StepRow:
+        span = (1.0, 1.0)
+        return StepRow(
+            steps=(step,),
+            reported_norm=span,
+            global_norm=span,
+            ratio=span,
+            expected_clip_coef=span,
+            num_errors=1,
+            num_warnings=0,
+            codes=("GA501",),
+            failing=True,
+            clip_calls=calls,
+        )
+
+    notes = first_call_notes([row(1, 3), row(2, 1), row(5, 3), row(7, 2)])
+    assert notes == [
+        "steps 1, 5: the true norm and expected coef before the first of their 3 clip calls "
+        "(their reports: before the last)",
+        "step 7: the true norm and expected coef before the first of its 2 clip calls "
+        "(its report: before the last)",
+    ]

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from ..norms import expected_clip_coef
 from ..report.model import MultiStepReport, Report, Severity, StepSummary
 
 Span = tuple[float | None, float | None]
@@ -35,7 +36,8 @@ class StepRow:
     failing: bool
     """Whether the row is a failing step (see `is_failing`)."""
     clip_calls: int = 1
-    """A failing step's clip calls; above 1, `global_norm` is the true norm before the first of them."""
+    """A failing step's clip calls; above 1, `global_norm` is the true norm before the first of them
+    and `expected_clip_coef` the coefficient correct clipping applies to it."""
 
 
 def first_call_norm(report: Report) -> tuple[float | None, int]:
@@ -61,7 +63,11 @@ def is_failing(report: Report) -> bool:
 def step_rows(multi: MultiStepReport, *, failing_only: bool = False) -> tuple[list[StepRow], list[int]]:
     """(the rows, the clean steps left out): failing steps first, in step order, then runs of clean
     steps (all left out with `failing_only`)."""
-    failing = {report.step: first_call_norm(report) for report in multi.steps if is_failing(report)}
+    failing = {
+        report.step: (*first_call_norm(report), report.max_norm)
+        for report in multi.steps
+        if is_failing(report)
+    }
     rows = [_failing_row(s, *failing[s.step]) for s in multi.summary if s.step in failing]
     runs: list[list[StepSummary]] = []
     previous_failing = True
@@ -100,21 +106,37 @@ def _row(run: Sequence[StepSummary], *, failing: bool) -> StepRow:
     )
 
 
-def _failing_row(step: StepSummary, true_norm: float | None, clip_calls: int) -> StepRow:
+def _failing_row(
+    step: StepSummary, true_norm: float | None, clip_calls: int, max_norm: float | None
+) -> StepRow:
     row = _row([step], failing=True)
     if clip_calls == 1:
         return row
     ratio = _ratio(step.reported_norm, true_norm)
-    return replace(row, global_norm=(true_norm, true_norm), ratio=(ratio, ratio), clip_calls=clip_calls)
+    coef = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
+    return replace(
+        row,
+        global_norm=(true_norm, true_norm),
+        ratio=(ratio, ratio),
+        expected_clip_coef=(coef, coef),
+        clip_calls=clip_calls,
+    )
 
 
 def first_call_notes(rows: Iterable[StepRow]) -> list[str]:
-    """A line under the summary for each row whose true norm is the one before the first clip call."""
+    """One line under the summary per number of clip calls, naming the rows whose true norm and
+    expected coefficient are those before the first call."""
+    steps_by_calls: dict[int, list[str]] = {}
+    for row in rows:
+        if row.clip_calls > 1:
+            steps_by_calls.setdefault(row.clip_calls, []).append(fmt_steps(row.steps))
     return [
-        f"step {fmt_steps(row.steps)}: the true norm before the first of its {row.clip_calls} clip calls "
+        f"step {steps[0]}: the true norm and expected coef before the first of its {calls} clip calls "
         "(its report: before the last)"
-        for row in rows
-        if row.clip_calls > 1
+        if len(steps) == 1
+        else f"steps {', '.join(steps)}: the true norm and expected coef before the first of their "
+        f"{calls} clip calls (their reports: before the last)"
+        for calls, steps in steps_by_calls.items()
     ]
 
 
