@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -185,8 +186,8 @@ class _Columns:
         self.groups: list[str | None] = []
         self._blocks: dict[str, list[np.ndarray]] = {"ndims": [], "coords": []}
         """The ndims and coords columns as int64 arrays, a run of pieces each."""
-        self.known_table: list[Any] | None = None
-        """_last_table's entry of the replicas added, when they were the whole table."""
+        self.known_table: _KnownTable | None = None
+        """The cached table of the replicas added (`_last_table`), when one was used or made."""
         self._layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
         """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
         numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
@@ -195,29 +196,30 @@ class _Columns:
         self, names: list[str], codes: np.ndarray, kinds: Sequence[tuple[Any, ...]]
     ) -> list[ParamInfo]:
         """The ParamInfo of each replica, those of the step before when it had the same ones."""
-        key = (names, codes.tobytes(), list(kinds))
-        if _last_table[0] == key:
-            self.known_table = _last_table[1]
-            return self.known_table[0]  # type: ignore[no-any-return]
+        key = (tuple(names), codes.tobytes(), tuple(kinds))
+        known = _last_table.get(key)
+        if known is not None:
+            self.known_table = known
+            return known.infos
         shapes = [kind[0] for kind in kinds]
         dtypes = [dtype_name(kind[1]) for kind in kinds]
         code_list = codes.tolist()
         made = list(
             map(_param_info, names, map(shapes.__getitem__, code_list), map(dtypes.__getitem__, code_list))
         )
-        self.known_table = _last_table[1] = [made, None]
-        _last_table[0] = key
+        _last_table.clear()
+        self.known_table = _last_table[key] = _KnownTable(infos=made)
         return made
 
     def table(self) -> tuple[ParamInfo, ...]:
         """The parameters, sorted by name (the table of the step before when it is the same)."""
         known = self.known_table
-        if known is not None and known[1] is not None and len(known[1]) == len(self.infos):
-            return known[1]  # type: ignore[no-any-return]
+        if known is not None and known.params is not None and len(known.params) == len(self.infos):
+            return known.params
         infos = self.infos
         params = tuple(map(infos.__getitem__, sorted(infos)))
-        if known is not None and len(known[0]) == len(params):
-            known[1] = params
+        if known is not None and len(known.infos) == len(params):
+            known.params = params
         return params
 
     def column(self, name: str) -> np.ndarray:
@@ -295,10 +297,20 @@ class _Columns:
         return True
 
 
-_last_table: list[Any] = [None, None]
-"""[(names, codes, kinds) of the last step's whole replicas, (their ParamInfo list, the sorted
-parameter table when they were all of it)]: a step like the one before reuses them, and the
-reader's checks find the table they validated last (10^5 parameters a rank happen)."""
+@dataclass
+class _KnownTable:
+    """The whole replicas' ParamInfo list of a step, and its sorted parameter table when they were
+    all of it: a step like the one before reuses them, and the reader's checks find the table they
+    validated last (10^5 parameters a rank happen)."""
+
+    infos: list[ParamInfo]
+    """The replicas' ParamInfo, in the order they were added."""
+    params: tuple[ParamInfo, ...] | None = None
+    """The step's whole parameter table, when it held the replicas alone."""
+
+
+_last_table: dict[tuple[Any, ...], _KnownTable] = {}
+"""(names, codes, kinds) of the last step's whole replicas -> their table (one entry at most)."""
 
 
 def _param_info(name: str, shape: tuple[int, ...], dtype: str) -> ParamInfo:
