@@ -140,6 +140,8 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     tmp_path,
 ):
     from gradaudit.audit import AuditOptions, audit_folder
+    from gradaudit.render.charts import trend_points
+    from gradaudit.render.json import render_multi as json_multi
     from gradaudit.render.markdown import render_multi as markdown_multi
     from gradaudit.render.steps import step_rows
     from gradaudit.render.terminal import render_multi
@@ -164,6 +166,11 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     assert row.global_norm == (line["true_norm"], line["true_norm"]) and row.clip_calls == 2
     assert row.ratio[0] == pytest.approx(line["reported_norm"] / line["true_norm"])
     assert row.expected_clip_coef[0] == pytest.approx(MAX_NORM / (first + 1e-6))  # at that moment too
+    assert line["expected_coef"] == row.expected_clip_coef[0]  # the trend file's coefficient too
+    (summary,) = [s for s in json.loads(json_multi(multi))["summary"] if s["step"] == 1]
+    (point,) = [p for p in trend_points(multi, {1}) if p.step == 1]  # the Markdown chart's
+    assert summary["global_norm"] == point.true_norm == line["true_norm"]
+    assert summary["expected_clip_coef"] == row.expected_clip_coef[0]
     (report,) = [r for r in multi.steps if r.step == 1]
     assert report.global_norm is not None and abs(report.global_norm - first) > 0.1 * first
     note = "step 1: the true norm and expected coef before the first of its 2 clip calls"
