@@ -186,3 +186,27 @@ def test_line_of_a_step_reads_its_pending_verdict_and_never_gives_another_steps_
         assert line is not None and line.step == 1 and line.ok and guard.line_of(2) is None
         _steps(model, opt, 1)
         assert guard.line_of(2) is not None and guard.line_of(1) is None  # the latest line is step 2's
+
+
+def test_max_dumps_and_cooldown_bound_the_dumps_of_a_mistake_that_persists_and_every_step_is_still_named(
+    tmp_path,
+):
+    model, opt = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradaudit.guard(
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, max_dumps=2, cooldown=3
+        ) as guard:
+            _steps(model, opt, 10, clips=2)  # GA501 on every step
+    # a dump arms a full capture of the next step (2, 5), checked offline instead of live
+    checked = [1, 3, 4, 6, 7, 8, 9, 10]
+    assert guard.anomalies == [(step, ("GA501",)) for step in checked]
+    assert [(line["step"], line["verdict"]) for line in _trend(tmp_path)] == [(s, "anomaly") for s in checked]
+    # step 3 is within the cooldown of step 1's dump, step 6 past max_dumps
+    assert [path.parent.name for path in guard.dumps] == ["step_1", "step_4"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["step_2", "step_5"]
+    messages = [str(w.message) for w in caught if "gradaudit guard" in str(w.message)]
+    assert [m.split(":")[1].strip() for m in messages] == [f"step {s}" for s in checked]
+    dumped = [m for m in messages if "its dump: gradaudit check" in m]
+    assert [m.split(":")[1].strip() for m in dumped] == ["step 1", "step 4"]
