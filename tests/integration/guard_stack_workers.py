@@ -301,9 +301,28 @@ def fsdp2_fp16(rank: int, world_size: int, out_root: str) -> dict:
     )
 
 
+def ddp_bf16(rank: int, world_size: int, out_root: str) -> dict:
+    """DDP with bfloat16 parameters and gradients (DDP in float32 is in test_guard.py). The mistake: the
+    ranks clip to different max_norms (a per-rank config), so they apply different coefficients."""
+    models: list[Any] = []
+
+    def make():
+        model = torch.nn.parallel.DistributedDataParallel(tiny_net().to(torch.bfloat16))
+        models[:] = [model]
+        return model, _data_parallel_backward(model, rank, world_size, torch.bfloat16)
+
+    def right(guard, step):
+        return torch.nn.utils.clip_grad_norm_(models[0].parameters(), MAX_NORM)
+
+    def wrong(guard, step):
+        return torch.nn.utils.clip_grad_norm_(models[0].parameters(), MAX_NORM * (1 + rank))
+
+    return _both(out_root, "ddp_bf16", make, right, wrong)
+
+
 def world_of_two(rank: int, world_size: int, out_root: str) -> dict:
     found: dict = {}
-    for stacks in (fsdp1, tensor_parallel, pipeline, fsdp2_bf16, ddp_fp16, fsdp2_fp16):
+    for stacks in (fsdp1, tensor_parallel, pipeline, fsdp2_bf16, ddp_fp16, fsdp2_fp16, ddp_bf16):
         found.update(stacks(rank, world_size, out_root))
     return found
 
@@ -350,12 +369,12 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     dp_index = mesh.get_coordinate()[0]
     models: list[Any] = []
 
-    def make():
-        model = tiny_net()
+    def make(dtype=torch.float32):
+        model = tiny_net().to(dtype)
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
         models[:] = [model]
-        return model, _data_parallel_backward(model, dp_index, 2)
+        return model, _data_parallel_backward(model, dp_index, 2, dtype)
 
     def right(guard, step):
         return guard.clip(per_mesh_clip, list(models[0].parameters()), MAX_NORM)
@@ -363,7 +382,10 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     def wrong(guard, step):
         return guard.clip(local_norm_clip, list(models[0].parameters()), MAX_NORM)
 
-    return _both(out_root, "fsdp2_tp", make, right, wrong)
+    return {
+        **_both(out_root, "fsdp2_tp", make, right, wrong),
+        **_bf16(out_root, "fsdp2_tp_bf16", make, right),
+    }
 
 
 def moe(rank: int, world_size: int, out_root: str) -> dict:
