@@ -210,3 +210,16 @@ def test_max_dumps_and_cooldown_bound_the_dumps_of_a_mistake_that_persists_and_e
     assert [m.split(":")[1].strip() for m in messages] == [f"step {s}" for s in checked]
     dumped = [m for m in messages if "its dump: gradaudit check" in m]
     assert [m.split(":")[1].strip() for m in dumped] == ["step 1", "step 4"]
+
+
+def test_a_framework_callback_clips_to_its_own_max_norm_else_the_frameworks_and_names_the_setting(tmp_path):
+    from gradaudit.live.guard import GuardCallbackOptions
+
+    model, opt = _setup()
+    with pytest.raises(CaptureError, match=r"set Trainer\(gradient_clip_val=\.\.\.\) or pass GuardCallback"):
+        GuardCallbackOptions(tmp_path).attach(model, opt, "Trainer(gradient_clip_val=...)", None)
+    options = GuardCallbackOptions(tmp_path, every=2, first_step=7)  # the user's keywords win
+    with options.attach(model, opt, "-", 0.5, first_step=3) as guard:
+        assert guard is options.guard and guard.max_norm == 0.5 and guard.every == 2 and guard.step == 7
+    with GuardCallbackOptions(tmp_path, max_norm=0.25).attach(model, opt, "-", 0.5) as guard:
+        assert guard.max_norm == 0.25

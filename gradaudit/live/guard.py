@@ -757,5 +757,34 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
+class GuardCallbackOptions:
+    """What a framework's GuardCallback holds until training starts: out_dir, max_norm (None: the
+    framework's own) and the guard's other keywords; `attach` makes the Guard, `.guard` holds it."""
+
+    def __init__(
+        self, out_dir: str | os.PathLike[str], *, max_norm: float | None = None, **guard_kwargs: Any
+    ) -> None:
+        self.out_dir, self.max_norm, self.guard_kwargs = out_dir, max_norm, guard_kwargs
+        self.guard: Guard | None = None
+
+    def attach(self, model: Any, optimizer: Any, setting: str, framework_max_norm: Any, **kw: Any) -> Guard:
+        """The Guard clipping to max_norm, else to the framework's (`setting` names where it is set);
+        `kw` (first_step, scaler) gives way to the guard keywords the user passed."""
+        max_norm = self.max_norm if self.max_norm is not None else framework_max_norm
+        if not max_norm:
+            raise CaptureError(
+                f"GuardCallback needs the max_norm clipping should use: set {setting} "
+                "or pass GuardCallback(..., max_norm=...)"
+            )
+        self.guard = Guard(
+            model,
+            max_norm=float(max_norm),
+            optimizer=optimizer,
+            out_dir=self.out_dir,
+            **{**kw, **self.guard_kwargs},
+        )
+        return self.guard
+
+
 guard = Guard
 """`gradaudit.guard(model, max_norm=..., optimizer=..., out_dir=...)`: the Guard, attached (see `Guard`)."""
