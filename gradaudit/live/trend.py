@@ -94,17 +94,16 @@ def _number(doc: Mapping[str, Any], key: str, where: str) -> float | None:
 
 def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
     """The trend line of a step from its report; its true norm and expected coefficient are those the
-    run's summary shows (with several clip calls, GA501, those before the first call)."""
-    from ..report.model import first_call_numbers
+    run's summary row shows (with several clip calls, GA501, those before the first call)."""
+    from ..audit import summarize
 
     coefs = [r.applied_clip_coef for r in report.ranks if r.applied_clip_coef is not None]
-    reported = next((r.reported_norm for r in report.ranks if r.reported_norm is not None), None)
-    true_norm, expected, _ = first_call_numbers(report)
+    row = summarize(report, "")
     return TrendLine(
         step=report.step,
-        true_norm=true_norm,
-        reported_norm=reported,
-        expected_coef=expected,
+        true_norm=row.global_norm,
+        reported_norm=row.reported_norm,
+        expected_coef=row.expected_clip_coef,
         min_coef=min(coefs) if coefs else None,
         max_coef=max(coefs) if coefs else None,
         codes=codes,
