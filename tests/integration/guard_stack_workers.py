@@ -357,7 +357,19 @@ def hsdp(rank: int, world_size: int, out_root: str) -> dict:
     found["hsdp_bf16"] = _run(
         model, os.path.join(out_root, "hsdp_bf16"), backward, right, num_steps=NUM_STEPS
     )
-    return found
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    # and float16 with FSDP2's ShardedGradScaler (found_inf all-reduced over the world)
+    return found | _fp16_runs(
+        rank,
+        world_size,
+        out_root,
+        "hsdp_fp16",
+        lambda model: fully_shard(model, mesh=mesh),
+        lambda: ShardedGradScaler("cpu", init_scale=2.0**10),
+        ("before_unscale",),
+        sharded=True,
+    )
 
 
 def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:

@@ -1,6 +1,6 @@
 """gradaudit.guard on every stack the issue names beside DDP and FSDP2 (tested in test_guard.py) and on
 pipeline stages sharded with FSDP2, in bfloat16 (DDP, TP, pipeline, MoE, FSDP1/2, HSDP, FSDP2+TP) and
-float16 with a GradScaler, on real gloo ranks: a correct run of 20 steps is never flagged
+float16 with a GradScaler (DDP, FSDP2, HSDP), on real gloo ranks: a correct run of 20 steps is never flagged
 and its trend's true norm is what the stack's clip returned; one known mistake per stack is named at the
 step it is first made, with the code `gradaudit check` gives for the dump the guard wrote.
 
@@ -37,6 +37,7 @@ STACKS_OF_TWO = {  # stack -> (the dtype of its gradients, the code of its mista
 STACKS_OF_FOUR = {
     "hsdp": ("float32", "GA202"),
     "hsdp_bf16": ("bfloat16", None),
+    "hsdp_fp16": ("float32", "GA502"),
     "fsdp2_tp": ("float32", "GA201"),
     "fsdp2_tp_bf16": ("bfloat16", None),
     "moe": ("float32", "GA207"),
