@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from guard_workers import found
 from models import MAX_NORM, batch, loss_of, rows, tied_net, tiny_net, token_batch
 from scenarios_dtensor import local_norm_clip, per_mesh_clip, world_allreduced_clip
 from scenarios_plain import FirstStage, LastStage, _pipeline_backward, _pipeline_clip
@@ -61,13 +62,7 @@ def _run(
                     opt.step()
         finally:
             guard.remove()
-    return {
-        "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
-        "dumps": [str(p) for p in guard.dumps],
-        "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
-        "norms": norms,
-        "out_dir": out_dir,
-    }
+    return {**found(guard, caught), "norms": norms, "out_dir": out_dir}
 
 
 def _both(

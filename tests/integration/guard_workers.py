@@ -86,11 +86,15 @@ def train(
             raised = {"step": exc.step, "codes": list(exc.codes), "at_step": step}
         finally:
             guard.remove()
+    return {**found(guard, caught), "raised": raised}
+
+
+def found(guard, caught) -> dict:
+    """What a rank's guard found: (step, codes) of its anomalies, its dumps, its warnings' texts."""
     return {
         "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
         "dumps": [str(p) for p in guard.dumps],
         "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
-        "raised": raised,
     }
 
 
