@@ -458,9 +458,9 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     tokens, targets = rows(tokens, dp_index, 2), rows(targets, dp_index, 2)
     stages: list[Any] = []
 
-    def make():
+    def make(dtype=torch.float32):
         full = tied_net()
-        stage = FirstStage(full) if pp_index == 0 else LastStage(full)
+        stage = (FirstStage(full) if pp_index == 0 else LastStage(full)).to(dtype)
         fully_shard(stage, mesh=mesh["dp_shard"])
         stages[:] = [stage]
         backward = lambda step: pipeline_fsdp2_backward(  # noqa: E731
@@ -472,9 +472,11 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
         return lambda guard, step: guard.clip(_stage_clip, stages[0], MAX_NORM, pp_group=group)
 
     aliases = {"lm_head.weight": "embed.weight"} if pp_index == 1 else None
-    return _both(
-        out_root, "pp_fsdp2", make, clip(pp_group), clip(None), aliases=aliases, groups={"pp": pp_group}
-    )
+    options = {"aliases": aliases, "groups": {"pp": pp_group}}
+    return {
+        **_both(out_root, "pp_fsdp2", make, clip(pp_group), clip(None), **options),
+        **_bf16(out_root, "pp_fsdp2_bf16", make, clip(pp_group), **options),
+    }
 
 
 def world_of_four(rank: int, world_size: int, out_root: str) -> dict:
