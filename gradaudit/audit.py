@@ -40,6 +40,7 @@ from .report.model import (
     Severity,
     StepSummary,
     TopologySummary,
+    first_call_numbers,
 )
 from .version import __version__
 
@@ -340,12 +341,13 @@ def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | No
 
 def summarize(report: Report, directory: str) -> StepSummary:
     reported = next((row.reported_norm for row in report.ranks if row.reported_norm is not None), None)
+    true_norm, coef, _ = first_call_numbers(report)
     return StepSummary(
         step=report.step,
         directory=directory,
-        global_norm=report.global_norm,
+        global_norm=true_norm,
         reported_norm=reported,
-        expected_clip_coef=report.expected_clip_coef,
+        expected_clip_coef=coef,
         num_errors=sum(f.severity is Severity.ERROR for f in report.findings),
         num_warnings=sum(f.severity is Severity.WARNING for f in report.findings),
         codes=tuple(sorted({f.code for f in report.findings})),

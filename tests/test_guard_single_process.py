@@ -140,6 +140,8 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     tmp_path,
 ):
     from gradaudit.audit import AuditOptions, audit_folder
+    from gradaudit.render.charts import trend_points
+    from gradaudit.render.json import render_multi as json_multi
     from gradaudit.render.markdown import render_multi as markdown_multi
     from gradaudit.render.steps import step_rows
     from gradaudit.render.terminal import render_multi
@@ -164,6 +166,11 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     assert row.global_norm == (line["true_norm"], line["true_norm"]) and row.clip_calls == 2
     assert row.ratio[0] == pytest.approx(line["reported_norm"] / line["true_norm"])
     assert row.expected_clip_coef[0] == pytest.approx(MAX_NORM / (first + 1e-6))  # at that moment too
+    assert line["expected_coef"] == row.expected_clip_coef[0]  # the trend file's coefficient too
+    (summary,) = [s for s in json.loads(json_multi(multi))["summary"] if s["step"] == 1]
+    (point,) = [p for p in trend_points(multi, {1}) if p.step == 1]  # the Markdown chart's
+    assert summary["global_norm"] == point.true_norm == line["true_norm"]
+    assert summary["expected_clip_coef"] == row.expected_clip_coef[0]
     (report,) = [r for r in multi.steps if r.step == 1]
     assert report.global_norm is not None and abs(report.global_norm - first) > 0.1 * first
     note = "step 1: the true norm and expected coef before the first of its 2 clip calls"
@@ -179,3 +186,40 @@ def test_line_of_a_step_reads_its_pending_verdict_and_never_gives_another_steps_
         assert line is not None and line.step == 1 and line.ok and guard.line_of(2) is None
         _steps(model, opt, 1)
         assert guard.line_of(2) is not None and guard.line_of(1) is None  # the latest line is step 2's
+
+
+def test_max_dumps_and_cooldown_bound_the_dumps_of_a_mistake_that_persists_and_every_step_is_still_named(
+    tmp_path,
+):
+    model, opt = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradaudit.guard(
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, max_dumps=2, cooldown=3
+        ) as guard:
+            _steps(model, opt, 10, clips=2)  # GA501 on every step
+    # a dump arms a full capture of the next step (2, 5), checked offline instead of live
+    checked = [1, 3, 4, 6, 7, 8, 9, 10]
+    assert guard.anomalies == [(step, ("GA501",)) for step in checked]
+    assert [(line["step"], line["verdict"]) for line in _trend(tmp_path)] == [(s, "anomaly") for s in checked]
+    # step 3 is within the cooldown of step 1's dump, step 6 past max_dumps
+    assert [path.parent.name for path in guard.dumps] == ["step_1", "step_4"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["step_2", "step_5"]
+    messages = [str(w.message) for w in caught if "gradaudit guard" in str(w.message)]
+    assert [m.split(":")[1].strip() for m in messages] == [f"step {s}" for s in checked]
+    dumped = [m for m in messages if "its dump: gradaudit check" in m]
+    assert [m.split(":")[1].strip() for m in dumped] == ["step 1", "step 4"]
+
+
+def test_a_framework_callback_clips_to_its_own_max_norm_else_the_frameworks_and_names_the_setting(tmp_path):
+    from gradaudit.live.guard import GuardCallbackOptions
+
+    model, opt = _setup()
+    with pytest.raises(CaptureError, match=r"set Trainer\(gradient_clip_val=\.\.\.\) or pass GuardCallback"):
+        GuardCallbackOptions(tmp_path).attach(model, opt, "Trainer(gradient_clip_val=...)", None)
+    options = GuardCallbackOptions(tmp_path, every=2, first_step=7)  # the user's keywords win
+    with options.attach(model, opt, "-", 0.5, first_step=3) as guard:
+        assert guard is options.guard and guard.max_norm == 0.5 and guard.every == 2 and guard.step == 7
+    with GuardCallbackOptions(tmp_path, max_norm=0.25).attach(model, opt, "-", 0.5) as guard:
+        assert guard.max_norm == 0.25

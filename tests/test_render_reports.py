@@ -208,6 +208,40 @@ def multi_report() -> MultiStepReport:
     return MultiStepReport(directory="./run", steps=steps, summary=summary)
 
 
+def clipped_twice_report(*, step: int) -> Report:
+    """A clip per micro-batch (GA501): the true norm 71 before the first call, 0.9 before the second."""
+    base = clean_report(step=step)
+    return replace(
+        base,
+        global_norm=0.9,
+        expected_clip_coef=1.0,
+        ranks=tuple(
+            replace(row, reported_norm=0.9, diagnosis="correct (last of 2 calls)") for row in base.ranks
+        ),
+        findings=(
+            Finding(
+                code="GA501",
+                severity=Severity.ERROR,
+                title="clipping ran more than once before one optimizer step",
+                message="ranks 0-3 clipped 2 times before one optimizer step (rank 0 reported norms 71, 0.9)",
+                ranks=(0, 1, 2, 3),
+                evidence={"call_1_true_norm": 71.0, "call_2_true_norm": 0.9, "first_rank": 0, "num_calls": 2},
+            ),
+        ),
+        verdict="True global L2 norm 0.9 before the last of 2 clip calls with max_norm 1",
+    )
+
+
+def multi_clipped_twice_report() -> MultiStepReport:
+    """A run folder whose step 2 clipped per micro-batch: its summary row, made by the audit's own
+    `summarize`, carries the true norm before the first call, and so do the table and the chart."""
+    from gradaudit.audit import summarize
+
+    steps = (clean_report(step=1), clipped_twice_report(step=2), clean_report(step=3))
+    summary = tuple(summarize(r, f"./run/step_{r.step}") for r in steps)
+    return MultiStepReport(directory="./run", steps=steps, summary=summary)
+
+
 def nonfinite_report() -> Report:
     """Rank 1 holds an inf and a nan: the global norm is nan, and so is everything derived from it."""
     base = seed_report(step=1400)
@@ -292,10 +326,34 @@ def test_single_step_rendering_matches_its_golden_file(request, scenario, suffix
     _check_golden(request, f"{scenario}.{suffix}", render_report(SINGLE_SCENARIOS[scenario]()))
 
 
+MULTI_SCENARIOS = {"multi": multi_report, "multi_clipped_twice": multi_clipped_twice_report}
+
+
 @pytest.mark.parametrize("suffix", sorted(RENDERERS))
-def test_multi_step_rendering_matches_its_golden_file(request, suffix):
+@pytest.mark.parametrize("scenario", sorted(MULTI_SCENARIOS))
+def test_multi_step_rendering_matches_its_golden_file(request, scenario, suffix):
     _, render_multi = RENDERERS[suffix]
-    _check_golden(request, f"multi.{suffix}", render_multi(multi_report()))
+    _check_golden(request, f"{scenario}.{suffix}", render_multi(MULTI_SCENARIOS[scenario]()))
+
+
+def test_a_step_clipped_twice_has_one_true_norm_in_the_table_the_chart_and_the_json_summary():
+    from gradaudit.render.charts import trend_points
+    from gradaudit.render.steps import step_rows
+
+    multi = multi_clipped_twice_report()
+    (row,) = [row for row in step_rows(multi)[0] if row.steps == (2,)]
+    (point,) = [p for p in trend_points(multi, {2}) if p.step == 2]
+    (summary,) = [s for s in json.loads(json_render.render_multi(multi))["summary"] if s["step"] == 2]
+    assert row.global_norm == (71.0, 71.0) and point.true_norm == 71.0 and summary["global_norm"] == 71.0
+    coef = 1.0 / (71.0 + 1e-6)
+    assert row.expected_clip_coef == (coef, coef) and summary["expected_clip_coef"] == coef
+    assert row.clip_calls == 2 and point.clip_calls == 2 and "GA501" in summary["codes"]
+    assert multi.steps[1].global_norm == 0.9  # the step's own report: before the last call
+    note = "step 2: the true norm and expected coef before the first of its 2 clip calls"
+    assert note in terminal_render.render_multi(multi, width=200)
+    markdown = markdown_render.render_multi(multi)
+    assert note in markdown and "Step 2, clipped more than once: the true norm before the first" in markdown
+    assert "line [0.5, 71, 0.5]" in markdown  # the chart's true-norm line
 
 
 # ---------------------------------------------------------------- what the seed report must say

@@ -3,13 +3,7 @@
     accelerator = Accelerator(gradient_accumulation_steps=4, log_with="tensorboard")
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerate_guard(accelerator, model, optimizer, "audit", max_norm=1.0)   # the one added line
-    for batch in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(loss_fn(model(batch)))
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
+    # ... the loop of gradaudit.integrations.accelerate, unchanged
 
 The guard hooks the torch optimizer behind the prepared one (it steps only when the gradients are
 synced, so micro-batches are counted into their optimizer step) and sees every clip call:

@@ -16,44 +16,29 @@ its clip, a clip of the user's hooks before that sees the gradients still multip
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from ..live.guard import Guard
+from ..live.guard import GuardCallbackOptions
 
 
-class GuardCallback(Callback):
-    """`gradaudit.guard` for a Lightning Trainer; keywords go to the guard (every, on_anomaly, ...).
-    `max_norm` defaults to the Trainer's `gradient_clip_val`."""
+class GuardCallback(GuardCallbackOptions, Callback):
+    """`gradaudit.guard` for a Lightning Trainer: GuardCallback(out_dir, max_norm=None, **guard_kwargs),
+    keywords going to the guard (every, on_anomaly, ...). `max_norm` defaults to the Trainer's
+    `gradient_clip_val`."""
 
-    def __init__(
-        self, out_dir: str | os.PathLike[str], *, max_norm: float | None = None, **guard_kwargs: Any
-    ) -> None:
-        self.out_dir = out_dir
-        self.max_norm = max_norm
-        self.guard_kwargs = guard_kwargs
-        self.guard: Guard | None = None
-        self._logged_step: int | None = None
+    _logged_step: int | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        max_norm = self.max_norm if self.max_norm is not None else trainer.gradient_clip_val
-        if not max_norm:
-            from ..errors import CaptureError
-
-            raise CaptureError(
-                "GuardCallback needs the max_norm clipping should use: set Trainer(gradient_clip_val=...) "
-                "or pass GuardCallback(..., max_norm=...)"
-            )
-        self.guard = Guard(
+        self.attach(
             pl_module,
-            max_norm=float(max_norm),
-            optimizer=trainer.optimizers[0],
-            out_dir=self.out_dir,
+            trainer.optimizers[0],
+            "Trainer(gradient_clip_val=...)",
+            trainer.gradient_clip_val,
             first_step=trainer.global_step + 1,
             # precision="16-mixed": the precision plugin's GradScaler (None otherwise)
-            **{"scaler": getattr(trainer.precision_plugin, "scaler", None), **self.guard_kwargs},
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
         )
 
     def on_train_batch_end(

@@ -18,45 +18,29 @@ Trainer's optimizer (see `accelerate_guard`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from transformers import TrainerCallback
 
-from ..live.guard import Guard
+from ..live.guard import GuardCallbackOptions
 
 
-class GuardCallback(TrainerCallback):
-    """`gradaudit.guard` for an HF Trainer; keywords go to the guard (every, on_anomaly, ...).
-    `max_norm` defaults to `TrainingArguments.max_grad_norm`."""
-
-    def __init__(
-        self, out_dir: str | os.PathLike[str], *, max_norm: float | None = None, **guard_kwargs: Any
-    ) -> None:
-        self.out_dir = out_dir
-        self.max_norm = max_norm
-        self.guard_kwargs = guard_kwargs
-        self.guard: Guard | None = None
+class GuardCallback(GuardCallbackOptions, TrainerCallback):
+    """`gradaudit.guard` for an HF Trainer: GuardCallback(out_dir, max_norm=None, **guard_kwargs),
+    keywords going to the guard (every, on_anomaly, ...). `max_norm` defaults to
+    `TrainingArguments.max_grad_norm`."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._log_first()
-        max_norm = self.max_norm if self.max_norm is not None else args.max_grad_norm
-        if not max_norm:
-            from ..errors import CaptureError
-
-            raise CaptureError(
-                "GuardCallback needs the max_norm clipping should use: set TrainingArguments(max_grad_norm=...) "
-                "or pass GuardCallback(..., max_norm=...)"
-            )
         optimizer = kwargs["optimizer"]
-        self.guard = Guard(
+        self.attach(
             kwargs["model"],
-            max_norm=float(max_norm),
-            optimizer=optimizer,
-            out_dir=self.out_dir,
+            optimizer,
+            "TrainingArguments(max_grad_norm=...)",
+            args.max_grad_norm,
             first_step=state.global_step + 1,
             # fp16: Accelerate's GradScaler, which its optimizer wrapper holds (None otherwise)
-            **{"scaler": getattr(optimizer, "scaler", None), **self.guard_kwargs},
+            scaler=getattr(optimizer, "scaler", None),
         )
 
     def _log_first(self) -> None:

@@ -60,7 +60,33 @@ class GuardWarning(UserWarning):
 
 
 class Guard:
-    """Checks the clipping of every `every`-th optimizer step until `remove()`; see `gradaudit.guard`."""
+    """Check the clipping of every training step from now on; attach once, before the loop.
+
+        gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir="audit")
+        for batch in loader:
+            loss(model(batch)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); opt.zero_grad()
+
+    The guard sees every clip call (torch.nn.utils.clip_grad_norm_ and FSDP1's) and the optimizer step
+    by itself. Per checked step each rank sums its gradients' norms per ownership group on their
+    device, and one all-gather of a small float64 vector gives every rank the same verdict, reached by
+    the analysis `gradaudit check` runs. A step whose clipping is wrong is named in a warning (or a
+    GuardAnomaly on every rank with on_anomaly="raise"), written as a dump `gradaudit check` reads, and
+    the next step is captured in full under out_dir/full/. Rank 0 appends one line per checked step to
+    out_dir/guard_trend.jsonl.
+
+    Keyword arguments: max_norm, optimizer, out_dir (all three required), norm_type, groups, aliases:
+      as `audit_step` takes them; scaler: the torch.amp.GradScaler of fp16 training (the loss scale and
+      whether unscale_ ran before the clip are accounted for, and a step the scaler skips for inf
+      gradients is written to the trend as skipped, not as an anomaly); every: check every N-th step;
+      on_anomaly ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
+      steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
+      no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
+      on_verdict: called on every rank with each checked step's TrendLine (to log the true norm);
+      ownership: this rank's pieces, when they are not the model's parameters (DeepSpeed ZeRO).
+    `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
+    """
 
     def __init__(
         self,
@@ -731,71 +757,34 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def guard(
-    model: torch.nn.Module,
-    *,
-    max_norm: float,
-    optimizer: Any = None,
-    out_dir: str | os.PathLike[str],
-    norm_type: float | str = 2.0,
-    groups: Mapping[str, Any] | None = None,
-    aliases: Mapping[str, str] | None = None,
-    scaler: Any = None,
-    every: int = 1,
-    on_anomaly: OnAnomaly = "warn",
-    max_dumps: int = 3,
-    cooldown: int = 100,
-    late: bool | None = None,
-    first_step: int = 1,
-    run_id: str | None = None,
-    capture_next: bool = True,
-    on_verdict: Callable[[TrendLine], None] | None = None,
-    ownership: Sequence[LocalPiece] | None = None,
-) -> Guard:
-    """Check the clipping of every training step from now on; attach once, before the loop.
+class GuardCallbackOptions:
+    """What a framework's GuardCallback holds until training starts: out_dir, max_norm (None: the
+    framework's own) and the guard's other keywords; `attach` makes the Guard, `.guard` holds it."""
 
-        gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir="audit")
-        for batch in loader:
-            loss(model(batch)).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step(); opt.zero_grad()
+    def __init__(
+        self, out_dir: str | os.PathLike[str], *, max_norm: float | None = None, **guard_kwargs: Any
+    ) -> None:
+        self.out_dir, self.max_norm, self.guard_kwargs = out_dir, max_norm, guard_kwargs
+        self.guard: Guard | None = None
 
-    The guard sees every clip call (torch.nn.utils.clip_grad_norm_ and FSDP1's) and the optimizer step
-    by itself. Per checked step each rank sums its gradients' norms per ownership group on their
-    device, and one all-gather of a small float64 vector gives every rank the same verdict, reached by
-    the analysis `gradaudit check` runs. A step whose clipping is wrong is named in a warning (or a
-    GuardAnomaly on every rank with on_anomaly="raise"), written as a dump `gradaudit check` reads, and
-    the next step is captured in full under out_dir/full/. Rank 0 appends one line per checked step to
-    out_dir/guard_trend.jsonl.
+    def attach(self, model: Any, optimizer: Any, setting: str, framework_max_norm: Any, **kw: Any) -> Guard:
+        """The Guard clipping to max_norm, else to the framework's (`setting` names where it is set);
+        `kw` (first_step, scaler) gives way to the guard keywords the user passed."""
+        max_norm = self.max_norm if self.max_norm is not None else framework_max_norm
+        if not max_norm:
+            raise CaptureError(
+                f"GuardCallback needs the max_norm clipping should use: set {setting} "
+                "or pass GuardCallback(..., max_norm=...)"
+            )
+        self.guard = Guard(
+            model,
+            max_norm=float(max_norm),
+            optimizer=optimizer,
+            out_dir=self.out_dir,
+            **{**kw, **self.guard_kwargs},
+        )
+        return self.guard
 
-    Keyword arguments: max_norm, optimizer, out_dir (all three required), norm_type, groups, aliases:
-      as `audit_step` takes them; scaler: the torch.amp.GradScaler of fp16 training (the loss scale and
-      whether unscale_ ran before the clip are accounted for, and a step the scaler skips for inf
-      gradients is written to the trend as skipped, not as an anomaly); every: check every N-th step;
-      on_anomaly ("warn" or "raise"); max_dumps (3) and cooldown (100 steps): at most that many dumps, that many
-      steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
-      no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
-      on_verdict: called on every rank with each checked step's TrendLine (to log the true norm);
-      ownership: this rank's pieces, when they are not the model's parameters (DeepSpeed ZeRO).
-    Returns the Guard: `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
-    """
-    return Guard(
-        model,
-        max_norm=max_norm,
-        optimizer=optimizer,
-        out_dir=out_dir,
-        norm_type=norm_type,
-        groups=groups,
-        aliases=aliases,
-        scaler=scaler,
-        every=every,
-        on_anomaly=on_anomaly,
-        max_dumps=max_dumps,
-        cooldown=cooldown,
-        late=late,
-        first_step=first_step,
-        run_id=run_id,
-        capture_next=capture_next,
-        on_verdict=on_verdict,
-        ownership=ownership,
-    )
+
+guard = Guard
+"""`gradaudit.guard(model, max_norm=..., optimizer=..., out_dir=...)`: the Guard, attached (see `Guard`)."""

@@ -93,17 +93,17 @@ def _number(doc: Mapping[str, Any], key: str, where: str) -> float | None:
 
 
 def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
-    """The trend line of a step from its report; its true norm is the one the run's summary table
-    shows (with several clip calls, GA501, the one before the first call)."""
-    from ..render.steps import first_call_norm
+    """The trend line of a step from its report; its true norm and expected coefficient are those the
+    run's summary row shows (with several clip calls, GA501, those before the first call)."""
+    from ..audit import summarize
 
     coefs = [r.applied_clip_coef for r in report.ranks if r.applied_clip_coef is not None]
-    reported = next((r.reported_norm for r in report.ranks if r.reported_norm is not None), None)
+    row = summarize(report, "")
     return TrendLine(
         step=report.step,
-        true_norm=first_call_norm(report)[0],
-        reported_norm=reported,
-        expected_coef=report.expected_clip_coef,
+        true_norm=row.global_norm,
+        reported_norm=row.reported_norm,
+        expected_coef=row.expected_clip_coef,
         min_coef=min(coefs) if coefs else None,
         max_coef=max(coefs) if coefs else None,
         codes=codes,

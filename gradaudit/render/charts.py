@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..norms import norm_name
-from ..report.model import MultiStepReport, Report
+from ..report.model import MultiStepReport, Report, first_call_numbers
 from .numbers import fmt_float
 
 MAX_CHART_RANKS = 16
@@ -111,16 +111,23 @@ class TrendPoint:
     """The norm the training code reported."""
     failing: bool
     """Whether the step has errors, warnings or missing ranks."""
+    clip_calls: int = 1
+    """The step's clip calls; above 1, `true_norm` is the one before the first (as in the run table)."""
 
 
 def trend_points(
     multi: MultiStepReport, failing: set[int], *, limit: int = MAX_TREND_STEPS
 ) -> list[TrendPoint]:
     """The steps with a known true and reported norm, every failing one kept, the clean ones thinned
-    evenly when there are more than `limit` in all."""
+    evenly when there are more than `limit` in all. The norms are the summary's (`first_call_numbers`)."""
+    calls = {report.step: first_call_numbers(report)[2] for report in multi.steps}
     points = [
         TrendPoint(
-            step=s.step, true_norm=s.global_norm, reported_norm=s.reported_norm, failing=s.step in failing
+            step=s.step,
+            true_norm=s.global_norm,
+            reported_norm=s.reported_norm,
+            failing=s.step in failing,
+            clip_calls=calls.get(s.step, 1),
         )
         for s in multi.summary
         if s.global_norm is not None

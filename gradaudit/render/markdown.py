@@ -374,7 +374,17 @@ def _trend_section(multi: MultiStepReport) -> str:
     if not drawn:
         return ""
     shown = "" if len(points) == len(multi.summary) else f" ({len(points)} of the {len(multi.summary)} steps)"
-    return f"## Trend\n\nTrue and reported norm per step{shown}; the summary table above has the numbers.\n\n{drawn}"
+    several = [p.step for p in points if p.clip_calls > 1]
+    first = (
+        f" Step{'s' if len(several) > 1 else ''} {fmt_rank_set(several, max_chars=200)}, clipped more "
+        "than once: the true norm before the first clip call, as in the table."
+        if several
+        else ""
+    )
+    return (
+        f"## Trend\n\nTrue and reported norm per step{shown}; the summary table above has the numbers.{first}"
+        f"\n\n{drawn}"
+    )
 
 
 def _diagnosis_details(report: Report) -> str:

@@ -7,8 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from ..norms import expected_clip_coef
-from ..report.model import MultiStepReport, Report, Severity, StepSummary
+from ..report.model import MultiStepReport, Report, Severity, StepSummary, first_call_numbers
 
 Span = tuple[float | None, float | None]
 
@@ -36,19 +35,8 @@ class StepRow:
     failing: bool
     """Whether the row is a failing step (see `is_failing`)."""
     clip_calls: int = 1
-    """A failing step's clip calls; above 1, `global_norm` is the true norm before the first of them
-    and `expected_clip_coef` the coefficient correct clipping applies to it."""
-
-
-def first_call_norm(report: Report) -> tuple[float | None, int]:
-    """(the true norm a run's summary shows for a step, its clip calls). With several clip calls
-    (GA501) that is the norm before the first call, which the guard's trend shows and logs: the later
-    calls see a gradient the earlier ones clipped (the step's report gives the norm before the last)."""
-    for finding in report.findings:
-        first, calls = finding.evidence.get("call_1_true_norm"), finding.evidence.get("num_calls")
-        if isinstance(first, (int, float)) and not isinstance(first, bool) and isinstance(calls, int):
-            return float(first), calls
-    return report.global_norm, 1
+    """A failing step's clip calls; above 1, `global_norm` and `expected_clip_coef` are those before
+    the first of them (StepSummary's, see `first_call_numbers`)."""
 
 
 def is_failing(report: Report) -> bool:
@@ -63,12 +51,12 @@ def is_failing(report: Report) -> bool:
 def step_rows(multi: MultiStepReport, *, failing_only: bool = False) -> tuple[list[StepRow], list[int]]:
     """(the rows, the clean steps left out): failing steps first, in step order, then runs of clean
     steps (all left out with `failing_only`)."""
-    failing = {
-        report.step: (*first_call_norm(report), report.max_norm)
-        for report in multi.steps
-        if is_failing(report)
-    }
-    rows = [_failing_row(s, *failing[s.step]) for s in multi.summary if s.step in failing]
+    failing = {report.step: first_call_numbers(report)[2] for report in multi.steps if is_failing(report)}
+    rows = [
+        replace(_row([s], failing=True), clip_calls=failing[s.step])
+        for s in multi.summary
+        if s.step in failing
+    ]
     runs: list[list[StepSummary]] = []
     previous_failing = True
     for s in multi.summary:
@@ -103,23 +91,6 @@ def _row(run: Sequence[StepSummary], *, failing: bool) -> StepRow:
         num_warnings=sum(s.num_warnings for s in run),
         codes=tuple(sorted({code for s in run for code in s.codes})),
         failing=failing,
-    )
-
-
-def _failing_row(
-    step: StepSummary, true_norm: float | None, clip_calls: int, max_norm: float | None
-) -> StepRow:
-    row = _row([step], failing=True)
-    if clip_calls == 1:
-        return row
-    ratio = _ratio(step.reported_norm, true_norm)
-    coef = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
-    return replace(
-        row,
-        global_norm=(true_norm, true_norm),
-        ratio=(ratio, ratio),
-        expected_clip_coef=(coef, coef),
-        clip_calls=clip_calls,
     )
 
 

@@ -211,6 +211,20 @@ class Report:
         return min((f.severity for f in self.findings), key=lambda s: s.rank, default=None)
 
 
+def first_call_numbers(report: Report) -> tuple[float | None, float | None, int]:
+    """(true norm, expected coefficient, clip calls) of a step as a run's summary, its trend line and
+    the guard's log show it. With several clip calls (GA501) the two numbers are those before the first
+    call: the later calls see a gradient the earlier ones clipped (the step's report: before the last)."""
+    for finding in report.findings:
+        first, calls = finding.evidence.get("call_1_true_norm"), finding.evidence.get("num_calls")
+        if isinstance(first, (int, float)) and not isinstance(first, bool) and isinstance(calls, int):
+            from ..norms import expected_clip_coef
+
+            max_norm = report.max_norm
+            return float(first), None if max_norm is None else expected_clip_coef(first, max_norm), calls
+    return report.global_norm, report.expected_clip_coef, 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepSummary:
     """One line of the multi-step table: reported vs true norm per step."""
@@ -220,11 +234,12 @@ class StepSummary:
     directory: str
     """The step folder."""
     global_norm: float | None
-    """The true global norm; None when it cannot be recomputed."""
+    """The true global norm (with several clip calls, GA501, the one before the first: see
+    `first_call_numbers`); None when it cannot be recomputed."""
     reported_norm: float | None
-    """The norm the training code reported (lowest rank that reported one)."""
+    """The norm the training code reported (lowest rank that reported one; its last clip call's)."""
     expected_clip_coef: float | None
-    """The coefficient correct clipping applies."""
+    """The coefficient correct clipping applies to `global_norm`."""
     num_errors: int
     """Findings of severity error."""
     num_warnings: int

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from guard_workers import found
 from models import MAX_NORM, batch, loss_of, rows, tied_net, tiny_net, token_batch
 from scenarios_dtensor import local_norm_clip, per_mesh_clip, world_allreduced_clip
 from scenarios_plain import FirstStage, LastStage, _pipeline_backward, _pipeline_clip
@@ -61,13 +62,7 @@ def _run(
                     opt.step()
         finally:
             guard.remove()
-    return {
-        "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
-        "dumps": [str(p) for p in guard.dumps],
-        "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
-        "norms": norms,
-        "out_dir": out_dir,
-    }
+    return {**found(guard, caught), "norms": norms, "out_dir": out_dir}
 
 
 def _both(
@@ -301,9 +296,28 @@ def fsdp2_fp16(rank: int, world_size: int, out_root: str) -> dict:
     )
 
 
+def ddp_bf16(rank: int, world_size: int, out_root: str) -> dict:
+    """DDP with bfloat16 parameters and gradients (DDP in float32 is in test_guard.py). The mistake: the
+    ranks clip to different max_norms (a per-rank config), so they apply different coefficients."""
+    models: list[Any] = []
+
+    def make():
+        model = torch.nn.parallel.DistributedDataParallel(tiny_net().to(torch.bfloat16))
+        models[:] = [model]
+        return model, _data_parallel_backward(model, rank, world_size, torch.bfloat16)
+
+    def right(guard, step):
+        return torch.nn.utils.clip_grad_norm_(models[0].parameters(), MAX_NORM)
+
+    def wrong(guard, step):
+        return torch.nn.utils.clip_grad_norm_(models[0].parameters(), MAX_NORM * (1 + rank))
+
+    return _both(out_root, "ddp_bf16", make, right, wrong)
+
+
 def world_of_two(rank: int, world_size: int, out_root: str) -> dict:
     found: dict = {}
-    for stacks in (fsdp1, tensor_parallel, pipeline, fsdp2_bf16, ddp_fp16, fsdp2_fp16):
+    for stacks in (fsdp1, tensor_parallel, pipeline, fsdp2_bf16, ddp_fp16, fsdp2_fp16, ddp_bf16):
         found.update(stacks(rank, world_size, out_root))
     return found
 
@@ -338,7 +352,19 @@ def hsdp(rank: int, world_size: int, out_root: str) -> dict:
     found["hsdp_bf16"] = _run(
         model, os.path.join(out_root, "hsdp_bf16"), backward, right, num_steps=NUM_STEPS
     )
-    return found
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    # and float16 with FSDP2's ShardedGradScaler (found_inf all-reduced over the world)
+    return found | _fp16_runs(
+        rank,
+        world_size,
+        out_root,
+        "hsdp_fp16",
+        lambda model: fully_shard(model, mesh=mesh),
+        lambda: ShardedGradScaler("cpu", init_scale=2.0**10),
+        ("before_unscale",),
+        sharded=True,
+    )
 
 
 def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
@@ -350,12 +376,12 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     dp_index = mesh.get_coordinate()[0]
     models: list[Any] = []
 
-    def make():
-        model = tiny_net()
+    def make(dtype=torch.float32):
+        model = tiny_net().to(dtype)
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
         models[:] = [model]
-        return model, _data_parallel_backward(model, dp_index, 2)
+        return model, _data_parallel_backward(model, dp_index, 2, dtype)
 
     def right(guard, step):
         return guard.clip(per_mesh_clip, list(models[0].parameters()), MAX_NORM)
@@ -363,7 +389,10 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     def wrong(guard, step):
         return guard.clip(local_norm_clip, list(models[0].parameters()), MAX_NORM)
 
-    return _both(out_root, "fsdp2_tp", make, right, wrong)
+    return {
+        **_both(out_root, "fsdp2_tp", make, right, wrong),
+        **_bf16(out_root, "fsdp2_tp_bf16", make, right),
+    }
 
 
 def moe(rank: int, world_size: int, out_root: str) -> dict:
@@ -429,9 +458,9 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     tokens, targets = rows(tokens, dp_index, 2), rows(targets, dp_index, 2)
     stages: list[Any] = []
 
-    def make():
+    def make(dtype=torch.float32):
         full = tied_net()
-        stage = FirstStage(full) if pp_index == 0 else LastStage(full)
+        stage = (FirstStage(full) if pp_index == 0 else LastStage(full)).to(dtype)
         fully_shard(stage, mesh=mesh["dp_shard"])
         stages[:] = [stage]
         backward = lambda step: pipeline_fsdp2_backward(  # noqa: E731
@@ -443,9 +472,11 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
         return lambda guard, step: guard.clip(_stage_clip, stages[0], MAX_NORM, pp_group=group)
 
     aliases = {"lm_head.weight": "embed.weight"} if pp_index == 1 else None
-    return _both(
-        out_root, "pp_fsdp2", make, clip(pp_group), clip(None), aliases=aliases, groups={"pp": pp_group}
-    )
+    options = {"aliases": aliases, "groups": {"pp": pp_group}}
+    return {
+        **_both(out_root, "pp_fsdp2", make, clip(pp_group), clip(None), **options),
+        **_bf16(out_root, "pp_fsdp2_bf16", make, clip(pp_group), **options),
+    }
 
 
 def world_of_four(rank: int, world_size: int, out_root: str) -> dict:

@@ -57,7 +57,11 @@ def clip_local_shards(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 def train(
     rank: int, world_size: int, out_dir: str, stack: str, mistake_at: tuple[int, ...], options: dict
 ) -> dict:
-    """NUM_STEPS steps; at the steps in `mistake_at` the clip goes local (the others clip correctly)."""
+    """NUM_STEPS steps (`num_steps=`); at the steps in `mistake_at` the clip goes local (the others clip
+    correctly); at the steps in `empty_at=` the last rank's batch is empty (its loss a sum over no rows
+    divided by its usual count, so its gradients are zero before the reduction)."""
+    empty_at = options.pop("empty_at", ())
+    num_steps = options.pop("num_steps", NUM_STEPS)
     model = _wrapped(stack, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     x, y = batch()
@@ -67,9 +71,12 @@ def train(
         warnings.simplefilter("always")
         guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, **options)
         try:
-            for step in range(1, options.get("num_steps", NUM_STEPS) + 1):
+            for step in range(1, num_steps + 1):
                 opt.zero_grad()
-                loss_of(model(x * step), y).backward()
+                if step in empty_at and rank == world_size - 1:
+                    ((model(x[:0]) - y[:0]).pow(2).sum() / y.numel()).backward()
+                else:
+                    loss_of(model(x * step), y).backward()
                 if step in mistake_at:
                     clip_local_shards(model, MAX_NORM)
                 else:
@@ -79,11 +86,15 @@ def train(
             raised = {"step": exc.step, "codes": list(exc.codes), "at_step": step}
         finally:
             guard.remove()
+    return {**found(guard, caught), "raised": raised}
+
+
+def found(guard, caught) -> dict:
+    """What a rank's guard found: (step, codes) of its anomalies, its dumps, its warnings' texts."""
     return {
         "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
         "dumps": [str(p) for p in guard.dumps],
         "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
-        "raised": raised,
     }
 
 

@@ -177,7 +177,7 @@ def pipeline_fsdp2_backward(stage, pp_index: int, peer: int, pp_group, tokens, t
         hidden.backward(grad)
         tied = stage.embed.weight.grad
     else:
-        hidden = torch.empty(tokens.shape[0], 8)
+        hidden = torch.empty(tokens.shape[0], 8, dtype=stage.lm_head.weight.dtype)
         dist.recv(hidden, src=peer)
         hidden.requires_grad_(True)
         torch.nn.functional.cross_entropy(stage(hidden), targets).backward()

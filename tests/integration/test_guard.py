@@ -28,12 +28,15 @@ def _train(tmp_path, stack, mistake_at=(), **options):
     return out, results, trend
 
 
+CORRECT_STEPS = 20
+
+
 @pytest.mark.parametrize("stack", ["ddp", "fsdp2"])
 def test_correct_runs_are_never_flagged(tmp_path, stack):
-    _, results, trend = _train(tmp_path, stack)
+    _, results, trend = _train(tmp_path, stack, num_steps=CORRECT_STEPS)
     for result in results:
         assert result["anomalies"] == [] and result["warnings"] == [] and result["dumps"] == []
-    assert [line["step"] for line in trend] == [1, 2, 3, 4]
+    assert [line["step"] for line in trend] == list(range(1, CORRECT_STEPS + 1))
     assert all(line["verdict"] == "ok" for line in trend)
     for line in trend:  # every step clips (the norm is above max_norm): the norms agree
         assert line["true_norm"] > 0.1
@@ -62,11 +65,14 @@ def test_a_local_clip_under_fsdp2_is_named_at_its_first_step_with_the_code_check
     assert [len(r["dumps"]) for r in results] == [1, 1]
 
 
-def test_an_intermittent_local_clip_is_caught_at_its_step_only(tmp_path):
-    out, results, trend = _train(tmp_path, "fsdp2", mistake_at=(3,))
+def test_an_intermittent_local_clip_on_the_step_a_ranks_batch_is_empty_is_caught_at_that_step_only(tmp_path):
+    # rank 1's batch is empty at steps 2 and 3; only at step 3 does the clip go local
+    out, results, trend = _train(tmp_path, "fsdp2", mistake_at=(3,), empty_at=(2, 3))
     for result in results:
         assert [step for step, _ in result["anomalies"]] == [3]
+        assert "GA201" in result["anomalies"][0][1]
     assert [line["verdict"] for line in trend] == ["ok", "ok", "anomaly"]
+    assert trend[1]["reported_norm"] == pytest.approx(trend[1]["true_norm"], rel=1e-5)  # empty, clipped right
     # step 4 is captured in full instead of checked live, and its clipping is right again
     full = audit_folder(out / "full" / "step_4", AuditOptions())
     assert [f.code for f in full.findings if f.severity.name == "ERROR"] == []

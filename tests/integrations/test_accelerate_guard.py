@@ -13,6 +13,7 @@ pytest.importorskip("accelerate")
 from accelerate_guard_workers import MISTAKE_FROM, NUM_STEPS, guarded_accelerate
 from guard_workers import with_trends
 from launcher import run_ranks
+from reassemble import audit_report, error_codes
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +45,13 @@ def test_a_clip_on_every_micro_batch_is_ga501_from_the_step_it_starts(runs):
         assert [step for step, _ in anomalies][:1] == [MISTAKE_FROM]
         assert all("GA501" in codes for _, codes in anomalies)
         assert any(f"step {MISTAKE_FROM}: GA501" in w for w in result["clip_every_microbatch"]["warnings"])
-    assert (out_root / "clip_every_microbatch" / f"step_{MISTAKE_FROM}").is_dir()
+    # the guard's dump of that step: `gradaudit check` gives the codes the guard named
+    (codes,) = {
+        tuple(c) for step, c in results[0]["clip_every_microbatch"]["anomalies"] if step == MISTAKE_FROM
+    }
+    assert error_codes(audit_report(out_root / "clip_every_microbatch" / f"step_{MISTAKE_FROM}")) == set(
+        codes
+    )
 
 
 def test_fp16_with_accelerates_grad_scaler_is_never_flagged_and_its_skipped_step_is_written_as_skipped(runs):

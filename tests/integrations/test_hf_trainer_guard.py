@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 from hf_guard_workers import FP16_STEPS, guarded_train
 from launcher import run_ranks
+from reassemble import audit_report, error_codes
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,9 @@ def test_a_clip_per_micro_batch_in_training_step_is_caught_and_the_trainers_own_
         assert result["ok"]["anomalies"] == [] and result["ok"]["warnings"] == []
         assert [step for step, _ in result["step_clip"]["anomalies"]][:1] == [1]
         assert all("GA501" in codes for _, codes in result["step_clip"]["anomalies"])
-    assert (tmp_path / "step_clip" / "step_1").is_dir()
+    # the guard's dump of step 1: `gradaudit check` gives the code the guard named
+    (codes,) = {tuple(codes) for step, codes in results[0]["step_clip"]["anomalies"] if step == 1}
+    assert error_codes(audit_report(tmp_path / "step_clip" / "step_1")) == set(codes)
     # the true norm is in each of the Trainer's log calls beside its grad_norm, for a reporting
     # callback registered before the guard's too, and in state.log_history
     for logs in (results[0]["ok"]["reported"], results[0]["ok"]["history"]):

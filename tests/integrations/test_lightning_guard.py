@@ -11,6 +11,7 @@ pytest.importorskip("lightning")
 from guard_workers import with_trends
 from launcher import run_ranks
 from lightning_guard_workers import LATE_LOG_EVERY, NUM_STEPS, guarded_fit
+from reassemble import audit_report, error_codes
 
 pytestmark = pytest.mark.integration
 
@@ -27,6 +28,9 @@ def test_a_clip_per_micro_batch_in_a_hook_is_caught_and_lightnings_own_clip_pass
         assert result["ok"]["anomalies"] == [] and result["ok"]["warnings"] == []
         assert [step for step, _ in result["hook_clip"]["anomalies"]][:1] == [1]
         assert all("GA501" in codes for _, codes in result["hook_clip"]["anomalies"])
+    # the guard's dump of step 1: `gradaudit check` gives the code the guard named
+    (codes,) = {tuple(codes) for step, codes in results[0]["hook_clip"]["anomalies"] if step == 1}
+    assert error_codes(audit_report(tmp_path / "hook_clip" / "step_1")) == set(codes)
     # the true norm is logged beside Lightning's own metrics, and matches what the clip reported
     logged = results[0]["ok"]["logged"]
     assert logged["gradaudit/true_norm"] > 0

@@ -10,7 +10,7 @@ pytest.importorskip("torchtitan.distributed.utils")
 
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
-from torchtitan_guard_workers import MISTAKE_AT, guarded_torchtitan
+from torchtitan_guard_workers import MISTAKE_AT, NUM_STEPS, guarded_torchtitan
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +26,12 @@ def test_torchtitans_clip_reduced_over_the_pp_mesh_is_never_flagged(runs):
     for result in results:
         assert result["ok"]["anomalies"] == [] and result["ok"]["warnings"] == []
         assert result["ok"]["true_norms"][0] == pytest.approx(result["ok"]["norms"][-1], rel=1e-5)
+        # on_verdict= gets every checked step's line, on every rank: the values to log
+        verdicts = result["ok"]["verdicts"]
+        assert [step for step, _ in verdicts] == list(range(1, NUM_STEPS + 1))
+        for (_, values), returned in zip(verdicts, result["ok"]["norms"], strict=True):
+            assert values["gradaudit/true_norm"] == pytest.approx(returned, rel=1e-5)
+            assert values["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
 
 
 def test_leaving_out_the_pp_mesh_is_named_at_its_step_with_the_code_check_gives(runs):

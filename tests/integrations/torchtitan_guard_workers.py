@@ -23,7 +23,8 @@ def guarded_torchtitan(rank: int, world_size: int, out_root: str) -> dict:
     results = {}
     for name in ("ok", "stage_norm"):
         trainer = MiniTrainer(mesh, reduce_over_pp=True)
-        attached = TorchtitanGuard(trainer, os.path.join(out_root, name))
+        verdicts: list = []  # what a user logs with, through on_verdict= (see the README)
+        attached = TorchtitanGuard(trainer, os.path.join(out_root, name), on_verdict=verdicts.append)
         x, y = batch()
         x, y = rows(x, trainer.dp_index, 2), rows(y, trainer.dp_index, 2)
         with warnings.catch_warnings(record=True) as caught:
@@ -38,5 +39,6 @@ def guarded_torchtitan(rank: int, world_size: int, out_root: str) -> dict:
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
             "norms": trainer.grad_norms,
             "true_norms": [] if attached.guard.last is None else [attached.guard.last.true_norm],
+            "verdicts": [(line.step, line.metrics()) for line in verdicts],
         }
     return results
