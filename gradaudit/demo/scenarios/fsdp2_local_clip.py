@@ -7,23 +7,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-
-import gradaudit
 
 from ..launch import RankContext
 from ..toy import (
-    STEP,
     TinyMLP,
     clip_by_norm_,
+    fsdp2_mlp_step,
     local_grads,
-    mse,
     reference_step,
     regression_batch,
-    rows_of,
     seeded,
-    sgd,
-    shard_each_layer,
     sum_of_squares,
 )
 
@@ -41,16 +34,7 @@ def clip_local_shards(parameters: Iterable[torch.Tensor], max_norm: float) -> to
 
 
 def train_rank(ctx: RankContext) -> None:
-    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp",))
-    model = shard_each_layer(seeded(TinyMLP), mesh)
-    inputs, targets = rows_of(regression_batch(target_scale=TARGET_SCALE), ctx.rank, ctx.world_size)
-    optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
-        mse(model, inputs, targets).backward()
-        audit.clip(clip_local_shards, list(model.parameters()), MAX_NORM)
-        optimizer.step()
+    fsdp2_mlp_step(ctx, max_norm=MAX_NORM, clip=clip_local_shards, target_scale=TARGET_SCALE)
 
 
 def train_reference(out_dir: Path) -> None:

@@ -12,12 +12,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import gradaudit
-
 from ..launch import RankContext
 from ..toy import (
-    STEP,
     TinyTPBlock,
+    audited,
     clip_by_norm_,
     local_grads,
     mse,
@@ -54,9 +52,7 @@ def train_rank(ctx: RankContext) -> None:
     )
     inputs, targets = _batch()  # tensor-parallel ranks all see the whole batch
     optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
+    with audited(model, ctx.out_dir, max_norm=MAX_NORM, optimizer=optimizer) as audit:
         mse(model, inputs, targets).backward()
         audit.clip(clip_with_tp_group_norm, list(model.parameters()), MAX_NORM, mesh.get_group("tp"))
         optimizer.step()
