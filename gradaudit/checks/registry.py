@@ -39,7 +39,7 @@ def deferred(target: str) -> DeferredCheck:
 ERROR, WARNING, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 
 # The table is laid out by hand (the formatter would put each field on a line of its own): a row's
-# first two lines are its head, the next four its explanation, what `gradaudit explain` prints.
+# head (code, severity, verdict rank, check, title, flags), then the four sections `gradaudit explain` prints.
 # fmt: off
 CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec(code="GA100", severity=ERROR, verdict_rank=210, run=deferred("coverage.missing_ranks"),
