@@ -219,17 +219,6 @@ def fsdp2_mlp_step(
         optimizer.step()
 
 
-def clip_by_norm_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale `grads` in place by min(1, max_norm / (total_norm + 1e-6)), as clip_grad_norm_ does."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coef)
-
-
-def sum_of_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-
-
 def shard_each_layer(model: ModuleT, mesh: DeviceMesh) -> ModuleT:
     """FSDP2 as usually applied: one fully_shard unit per child module that has parameters, then the root."""
     from torch.distributed.fsdp import fully_shard
@@ -241,9 +230,24 @@ def shard_each_layer(model: ModuleT, mesh: DeviceMesh) -> ModuleT:
     return model
 
 
-def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's gradient as this rank holds it: the local shard of a DTensor, else the tensor."""
+def hand_rolled_clip(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    reduce: Callable[[torch.Tensor], object] | None = None,
+) -> torch.Tensor:
+    """Clipping as the scenarios' mistakes write it by hand: the sum of squares of this rank's own
+    gradients (a DTensor's local shard), all-reduced in place by `reduce` when one is given; its root
+    is the total norm, and every gradient is scaled by min(1, max_norm / (norm + 1e-6)), as
+    clip_grad_norm_ does."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    total_sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    if reduce is not None:
+        reduce(total_sq)
+    total_norm = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef)
+    return total_norm

@@ -9,16 +9,7 @@ from pathlib import Path
 import torch
 
 from ..launch import RankContext
-from ..toy import (
-    TinyMLP,
-    clip_by_norm_,
-    fsdp2_mlp_step,
-    local_grads,
-    reference_step,
-    regression_batch,
-    seeded,
-    sum_of_squares,
-)
+from ..toy import TinyMLP, fsdp2_mlp_step, hand_rolled_clip, reference_step, regression_batch, seeded
 
 MAX_NORM = 1.0
 TARGET_SCALE = 1.5
@@ -27,10 +18,7 @@ TARGET_SCALE = 1.5
 
 def clip_local_shards(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The mistake: the norm of this rank's shards only, with no all-reduce across the shards."""
-    grads = local_grads(parameters)
-    total_norm = sum_of_squares(grads).sqrt()
-    clip_by_norm_(grads, total_norm, max_norm)
-    return total_norm
+    return hand_rolled_clip(parameters, max_norm)
 
 
 def train_rank(ctx: RankContext) -> None:

@@ -10,28 +10,14 @@ import torch
 import torch.distributed as dist
 
 from ..launch import RankContext
-from ..toy import (
-    TinyMLP,
-    clip_by_norm_,
-    fsdp2_mlp_step,
-    local_grads,
-    reference_step,
-    regression_batch,
-    seeded,
-    sum_of_squares,
-)
+from ..toy import TinyMLP, fsdp2_mlp_step, hand_rolled_clip, reference_step, regression_batch, seeded
 
 MAX_NORM = 0.5
 
 
 def clip_with_world_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The mistake: sums of squares all-reduced over every rank, replicas included."""
-    grads = local_grads(parameters)
-    total_sq = sum_of_squares(grads)
-    dist.all_reduce(total_sq)
-    total_norm = total_sq.sqrt()
-    clip_by_norm_(grads, total_norm, max_norm)
-    return total_norm
+    return hand_rolled_clip(parameters, max_norm, reduce=dist.all_reduce)
 
 
 def train_rank(ctx: RankContext) -> None:
