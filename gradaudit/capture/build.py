@@ -32,6 +32,7 @@ from ..model import (
     Topology,
 )
 from ..version import __version__
+from .write import torch_version
 
 if TYPE_CHECKING:
     import torch
@@ -217,7 +218,7 @@ def write_rank(
         mode="stats" if all_stats else "full",
         run_id=run_id,
         host=host if host is not None else socket.gethostname(),
-        torch_version=_torch_version(),
+        torch_version=torch_version(),
         gradaudit_version=__version__,
         created_at=created_at
         if created_at is not None
@@ -233,9 +234,3 @@ def write_rank(
     return write_rank_file(
         step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params
     )
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)

@@ -53,6 +53,7 @@ class Ownership:
     """This rank's parameter name -> logical name, for the names that differ."""
 
 
+@collection_paused()
 def infer_ownership(
     model: torch.nn.Module,
     *,
@@ -67,19 +68,6 @@ def infer_ownership(
 
     A parameter that cannot be described is reported to `on_unsupported` and left out.
     """
-    with collection_paused():
-        return _infer_ownership(model, rank, world_size, groups, aliases, explicit, on_unsupported)
-
-
-def _infer_ownership(
-    model: torch.nn.Module,
-    rank: int,
-    world_size: int,
-    groups: Mapping[str, tuple[tuple[int, ...], ...]],
-    aliases: Mapping[str, str],
-    explicit: Sequence[LocalPiece],
-    on_unsupported: Callable[[str, Exception], None],
-) -> Ownership:
     import torch
 
     topology = TopologyBuilder(rank=rank, world_size=world_size)

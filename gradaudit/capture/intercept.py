@@ -46,10 +46,6 @@ class ClipTarget:
     """True for torch's own modules (imported here when installing); False for frameworks, which are
     intercepted only when the training process imported them already."""
 
-    @property
-    def name(self) -> str:
-        return f"{self.module}.{self.attribute}"
-
 
 TARGETS: tuple[ClipTarget, ...] = (
     ClipTarget(module="torch.nn.utils", attribute="clip_grad_norm_", kind="norm", needs_import=True),

@@ -73,7 +73,7 @@ def build_rank_dump(
         mode=mode,
         run_id=run_id,
         host=socket.gethostname(),
-        torch_version=_torch_version(),
+        torch_version=torch_version(),
         gradaudit_version=__version__,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=params,
@@ -354,7 +354,8 @@ def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     return tensor.to(getattr(torch, dtype))
 
 
-def _torch_version() -> str:
+def torch_version() -> str:
+    """The running torch's version, as a dump records it."""
     import torch
 
     return str(torch.__version__)

@@ -7,9 +7,7 @@ CLI, a test) never imports torch or changes its global state (seeds, process gro
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -17,17 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..testing.ranks import free_port, prepare_rank_process, process_context
+
 if TYPE_CHECKING:
-    from multiprocessing.context import ForkServerContext, SpawnContext
     from multiprocessing.queues import SimpleQueue
 
 DEFAULT_TIMEOUT_S = 120.0
 """Wall-clock limit for all ranks together; a demo step takes seconds, so this only catches hangs."""
 
 COLLECTIVE_TIMEOUT_S = 60.0
-
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor"]
-"""Imported once by the fork server, so that each rank starts in a fraction of a second, not seconds."""
 
 
 class DemoRunFailed(RuntimeError):
@@ -54,14 +50,6 @@ class RankContext:
     """Where the sharded dump goes (audit_step writes out_dir/step_<N>/)."""
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def run_ranks(target: str, *, world_size: int, out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Spawn `world_size` processes, join them in a gloo group on 127.0.0.1, and call `target(ctx)` in each.
 
@@ -75,17 +63,9 @@ def run_single(target: str, *, out_dir: Path, timeout_s: float = DEFAULT_TIMEOUT
     _run(_single_main, (target, str(out_dir)), 1, timeout_s)
 
 
-def _context() -> ForkServerContext | SpawnContext:
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
-        return context
-    return multiprocessing.get_context("spawn")
-
-
 def _run(entry: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float) -> None:
     """Start `entry(index, *args)` in `nprocs` processes; stop them all as soon as one fails."""
-    context = _context()
+    context = process_context()
     errors: SimpleQueue[tuple[int, str]] = context.SimpleQueue()
     processes = [
         context.Process(target=_guarded, args=(entry, index, args, errors), daemon=True)
@@ -133,19 +113,8 @@ def _resolve(target: str) -> Callable[..., None]:
     return function
 
 
-def _prepare_child() -> None:
-    import warnings
-
-    import torch
-
-    # A few cores shared by all ranks: intra-op threads would only fight each other.
-    torch.set_num_threads(1)
-    # FSDP2 warns about every module that returns a view; the scenarios never modify outputs in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
 def _single_main(index: int, target: str, out_dir: str) -> None:
-    _prepare_child()
+    prepare_rank_process()
     _resolve(target)(Path(out_dir))
 
 
@@ -154,7 +123,7 @@ def _rank_main(rank: int, world_size: int, port: int, target: str, out_dir: str)
 
     import torch.distributed as dist
 
-    _prepare_child()
+    prepare_rank_process()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(

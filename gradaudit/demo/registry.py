@@ -28,71 +28,47 @@ class Scenario:
     (tests/test_samples_findings.py pins the exact codes)."""
 
 
+# The table is laid out by hand (the formatter would put each field on a line of its own).
+# fmt: off
 SCENARIOS: tuple[Scenario, ...] = (
-    Scenario(
-        name="fsdp2_correct",
-        world_size=2,
+    Scenario(name="fsdp2_correct", world_size=2,
         stack="FSDP2 fully_shard, 1-D mesh",
         mistake="none: clip_grad_norm_ on the DTensor gradients",
-        expected="no error finding",
-    ),
-    Scenario(
-        name="fsdp2_local_clip",
-        world_size=4,
+        expected="no error finding"),
+    Scenario(name="fsdp2_local_clip", world_size=4,
         stack="FSDP2 fully_shard, 1-D mesh",
         mistake="clips by the norm of each rank's to_local() shards",
-        expected="GA201 local norm, GA302 coefficient, GA303 post-clip norm; --reference: GA603",
-    ),
-    Scenario(
-        name="hsdp_world_allreduce",
-        world_size=4,
+        expected="GA201 local norm, GA302 coefficient, GA303 post-clip norm; --reference: GA603"),
+    Scenario(name="hsdp_world_allreduce", world_size=4,
         stack="HSDP, 2x2 (replicate, shard) mesh",
         mistake="hand-rolled norm all-reduced over the whole world",
-        expected="GA202 replicas counted twice, GA302 coefficient; --reference: GA603",
-    ),
-    Scenario(
-        name="tp_layernorm_double_count",
-        world_size=2,
+        expected="GA202 replicas counted twice, GA302 coefficient; --reference: GA603"),
+    Scenario(name="tp_layernorm_double_count", world_size=2,
         stack="tensor parallel (colwise, rowwise) + replicated LayerNorm",
         mistake="LayerNorm and bias gradients counted on every rank",
-        expected="GA202 replicas counted twice, GA302 coefficient; --reference: GA603",
-    ),
-    Scenario(
-        name="pipeline_stage_norm",
-        world_size=4,
+        expected="GA202 replicas counted twice, GA302 coefficient; --reference: GA603"),
+    Scenario(name="pipeline_stage_norm", world_size=4,
         stack="2 pipeline stages x FSDP2 over 2 ranks, tied embedding",
         mistake="each stage clips by its own stage norm",
-        expected="GA203 wrong group (dp), GA301 stages disagree, GA302, GA303; --reference: GA603",
-    ),
-    Scenario(
-        name="nonfinite_shard",
-        world_size=2,
+        expected="GA203 wrong group (dp), GA301 stages disagree, GA302, GA303; --reference: GA603"),
+    Scenario(name="nonfinite_shard", world_size=2,
         stack="FSDP2 fully_shard, 1-D mesh",
         mistake="rank 1's fc1.weight shard holds an inf and a nan",
-        expected="GA401 nonfinite values on rank 1; --reference: GA602, GA603",
-    ),
-    Scenario(
-        name="clip_before_unscale",
-        world_size=2,
+        expected="GA401 nonfinite values on rank 1; --reference: GA602, GA603"),
+    Scenario(name="clip_before_unscale", world_size=2,
         stack="DDP + GradScaler",
         mistake="clips before scaler.unscale_",
-        expected="GA502 clipped scaled gradients, GA302 coefficient; --reference: GA603",
-    ),
-    Scenario(
-        name="clip_per_microbatch",
-        world_size=2,
+        expected="GA502 clipped scaled gradients, GA302 coefficient; --reference: GA603"),
+    Scenario(name="clip_per_microbatch", world_size=2,
         stack="DDP, 2 microbatches of gradient accumulation (no_sync() on the first)",
         mistake="clips after every microbatch",
-        expected="GA501 clipped twice; --reference: GA602, GA603",
-    ),
-    Scenario(
-        name="ddp_drifted_replicas",
-        world_size=2,
+        expected="GA501 clipped twice; --reference: GA602, GA603"),
+    Scenario(name="ddp_drifted_replicas", world_size=2,
         stack="DDP, 2 microbatches of gradient accumulation",
         mistake="no_sync() around every microbatch: gradients never all-reduced",
-        expected="GA601 replicas differ, GA301 coefficients differ; --reference: GA602, GA603",
-    ),
+        expected="GA601 replicas differ, GA301 coefficients differ; --reference: GA602, GA603"),
 )
+# fmt: on
 
 
 def scenario_names() -> tuple[str, ...]:

@@ -5,7 +5,7 @@ Imported only inside a demo run (it imports torch at the top).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -13,10 +13,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .registry import STEP as STEP  # re-exported for the scenarios
+from .registry import STEP
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from ..capture.session import AuditStep, GroupSpec
+    from .launch import RankContext
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -135,6 +138,34 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
 
+def audited(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    max_norm: float,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None = None,
+    groups: Mapping[str, GroupSpec] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> AuditStep:
+    """`gradaudit.audit_step` as every demo step opens it: the demo's step, the 2-norm, and strict (a
+    capture that fails stops the demo instead of leaving a sample short)."""
+    from ..capture.session import audit_step
+
+    return audit_step(
+        model,
+        out_dir,
+        step=STEP,
+        max_norm=max_norm,
+        norm_type=2.0,
+        optimizer=optimizer,
+        scaler=scaler,
+        groups=groups,
+        aliases=aliases,
+        strict=True,
+    )
+
+
 def reference_step(
     model: nn.Module,
     out_dir: Path,
@@ -146,19 +177,8 @@ def reference_step(
 ) -> None:
     """One correct single-process step: accumulate every microbatch of the global batch, unscale when a
     scaler is used, clip once by the true norm, then step. Writes out_dir/step_<STEP>/."""
-    import gradaudit
-
     optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model,
-        out_dir,
-        step=STEP,
-        max_norm=max_norm,
-        norm_type=2.0,
-        optimizer=optimizer,
-        scaler=scaler,
-        strict=True,
-    ) as audit:
+    with audited(model, out_dir, max_norm=max_norm, optimizer=optimizer, scaler=scaler) as audit:
         for batch in microbatches:
             loss = loss_fn(model, *batch) / len(microbatches)
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -172,15 +192,31 @@ def reference_step(
             optimizer.step()
 
 
-def clip_by_norm_(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    """Scale `grads` in place by min(1, max_norm / (total_norm + 1e-6)), as clip_grad_norm_ does."""
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coef)
+def fsdp2_mlp_step(
+    ctx: RankContext,
+    *,
+    max_norm: float,
+    clip: Callable[..., torch.Tensor],
+    mesh_dims: Mapping[str, int] | None = None,
+    target_scale: float = 1.0,
+    fault: Callable[[TinyMLP], None] | None = None,
+) -> None:
+    """The FSDP2 scenarios' audited step: TinyMLP sharded per layer on a mesh of `mesh_dims` ({name: size};
+    {"dp": world size} by default), each rank its rows of the regression batch, then backward, `fault` (a
+    corruption of this rank's gradients, if any), `clip(parameters, max_norm)` and an SGD step."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-
-def sum_of_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    dims = mesh_dims or {"dp": ctx.world_size}
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    model = shard_each_layer(seeded(TinyMLP), mesh)
+    inputs, targets = rows_of(regression_batch(target_scale=target_scale), ctx.rank, ctx.world_size)
+    optimizer = sgd(model)
+    with audited(model, ctx.out_dir, max_norm=max_norm, optimizer=optimizer) as audit:
+        mse(model, inputs, targets).backward()
+        if fault is not None:
+            fault(model)
+        audit.clip(clip, list(model.parameters()), max_norm)
+        optimizer.step()
 
 
 def shard_each_layer(model: ModuleT, mesh: DeviceMesh) -> ModuleT:
@@ -194,9 +230,24 @@ def shard_each_layer(model: ModuleT, mesh: DeviceMesh) -> ModuleT:
     return model
 
 
-def local_grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's gradient as this rank holds it: the local shard of a DTensor, else the tensor."""
+def hand_rolled_clip(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    reduce: Callable[[torch.Tensor], object] | None = None,
+) -> torch.Tensor:
+    """Clipping as the scenarios' mistakes write it by hand: the sum of squares of this rank's own
+    gradients (a DTensor's local shard), all-reduced in place by `reduce` when one is given; its root
+    is the total norm, and every gradient is scaled by min(1, max_norm / (norm + 1e-6)), as
+    clip_grad_norm_ does."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
-    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    total_sq = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    if reduce is not None:
+        reduce(total_sq)
+    total_norm = total_sq.sqrt()
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef)
+    return total_norm

@@ -108,10 +108,10 @@ def launch(
     if world_size < 1:
         raise UsageError(f"world_size must be at least 1, got {world_size}")
     payload = sendable(f"{getattr(fn, '__qualname__', fn)!r} and its arguments", (fn, tuple(args)))
-    context = _context(start_method)
+    context = process_context(start_method)
     results: Queue[tuple[int, str, bytes]] = context.Queue()
     store_dir = tempfile.mkdtemp(prefix="gradaudit-ranks-")
-    port = _free_port()
+    port = free_port()
     processes = [
         context.Process(
             target=_rank_main,
@@ -161,14 +161,17 @@ def failure_text(failed: Sequence[RankOutcome]) -> str:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
 
 
-def _context(start_method: StartMethod) -> ForkServerContext | SpawnContext:
+def process_context(start_method: StartMethod = "forkserver") -> ForkServerContext | SpawnContext:
+    """The multiprocessing context for rank processes: a fork server that has imported torch already
+    when the platform has one and `start_method` asks for it, else spawn."""
     if start_method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(_PRELOAD)
@@ -263,7 +266,7 @@ def _rank_main(
                 "defined at module level in a module the rank processes can import: a package, or a test "
                 "file collected by pytest's default --import-mode=prepend (not importlib)"
             ) from None
-        _prepare()
+        prepare_rank_process()
         value = _run_in_group(fn, rank, world_size, args, store_dir, init_group)
         # Plain pickle: tensors travel by value, not as shared memory that dies with this process.
         results.put((rank, "ok", pickle.dumps(value)))
@@ -287,14 +290,15 @@ def _from_user_code(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def _prepare() -> None:
+def prepare_rank_process() -> None:
+    """What every rank process does first: one intra-op thread, and FSDP2's view warning silenced."""
     import warnings
 
     import torch
 
     # A few cores shared by all ranks: intra-op threads would only fight each other.
     torch.set_num_threads(1)
-    # FSDP2 warns about every module that returns a view; a test step does not modify outputs in place.
+    # FSDP2 warns about every module that returns a view; a rank's step does not modify outputs in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 

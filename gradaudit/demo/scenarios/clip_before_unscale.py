@@ -9,10 +9,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import gradaudit
-
 from ..launch import RankContext
-from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd
+from ..toy import TinyMLP, audited, mse, reference_step, regression_batch, rows_of, seeded, sgd
 
 MAX_NORM = 0.5
 LOSS_SCALE = 1024.0
@@ -23,16 +21,7 @@ def train_rank(ctx: RankContext) -> None:
     inputs, targets = rows_of(regression_batch(), ctx.rank, ctx.world_size)
     optimizer = sgd(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
-    with gradaudit.audit_step(
-        model,
-        ctx.out_dir,
-        step=STEP,
-        max_norm=MAX_NORM,
-        norm_type=2.0,
-        optimizer=optimizer,
-        scaler=scaler,
-        strict=True,
-    ) as audit:
+    with audited(model, ctx.out_dir, max_norm=MAX_NORM, optimizer=optimizer, scaler=scaler) as audit:
         scaler.scale(mse(model, inputs, targets)).backward()
         # The mistake: scaler.unscale_(optimizer) belongs here, before the norm is taken.
         audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)

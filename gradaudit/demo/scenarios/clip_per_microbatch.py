@@ -11,10 +11,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import gradaudit
-
 from ..launch import RankContext
-from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd
+from ..toy import TinyMLP, audited, mse, reference_step, regression_batch, rows_of, seeded, sgd
 
 MAX_NORM = 0.5
 NUM_MICROBATCHES = 2
@@ -25,9 +23,7 @@ def train_rank(ctx: RankContext) -> None:
     local_batch = rows_of(regression_batch(), ctx.rank, ctx.world_size)
     microbatches = [rows_of(local_batch, i, NUM_MICROBATCHES) for i in range(NUM_MICROBATCHES)]
     optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
+    with audited(model, ctx.out_dir, max_norm=MAX_NORM, optimizer=optimizer) as audit:
         for i, (inputs, targets) in enumerate(microbatches):
             last = i == NUM_MICROBATCHES - 1
             with contextlib.nullcontext() if last else model.no_sync():

@@ -9,10 +9,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import gradaudit
-
 from ..launch import RankContext
-from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd
+from ..toy import TinyMLP, audited, mse, reference_step, regression_batch, rows_of, seeded, sgd
 
 MAX_NORM = 0.5
 NUM_MICROBATCHES = 2
@@ -23,9 +21,7 @@ def train_rank(ctx: RankContext) -> None:
     local_batch = rows_of(regression_batch(), ctx.rank, ctx.world_size)
     microbatches = [rows_of(local_batch, i, NUM_MICROBATCHES) for i in range(NUM_MICROBATCHES)]
     optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
+    with audited(model, ctx.out_dir, max_norm=MAX_NORM, optimizer=optimizer) as audit:
         with model.no_sync():  # the mistake: the last microbatch must run outside no_sync()
             for inputs, targets in microbatches:
                 (mse(model, inputs, targets) / NUM_MICROBATCHES).backward()

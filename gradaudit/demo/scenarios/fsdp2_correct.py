@@ -5,27 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-
-import gradaudit
 
 from ..launch import RankContext
-from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd, shard_each_layer
+from ..toy import TinyMLP, fsdp2_mlp_step, reference_step, regression_batch, seeded
 
 MAX_NORM = 0.5
 
 
 def train_rank(ctx: RankContext) -> None:
-    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp",))
-    model = shard_each_layer(seeded(TinyMLP), mesh)
-    inputs, targets = rows_of(regression_batch(), ctx.rank, ctx.world_size)
-    optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
-        mse(model, inputs, targets).backward()
-        audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
-        optimizer.step()
+    fsdp2_mlp_step(ctx, max_norm=MAX_NORM, clip=torch.nn.utils.clip_grad_norm_)
 
 
 def train_reference(out_dir: Path) -> None:

@@ -8,12 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-
-import gradaudit
 
 from ..launch import RankContext
-from ..toy import STEP, TinyMLP, mse, reference_step, regression_batch, rows_of, seeded, sgd, shard_each_layer
+from ..toy import TinyMLP, fsdp2_mlp_step, reference_step, regression_batch, seeded
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -30,18 +27,8 @@ def corrupt_shard(model: TinyMLP) -> None:
 
 
 def train_rank(ctx: RankContext) -> None:
-    mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp",))
-    model = shard_each_layer(seeded(TinyMLP), mesh)
-    inputs, targets = rows_of(regression_batch(), ctx.rank, ctx.world_size)
-    optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
-        mse(model, inputs, targets).backward()
-        if ctx.rank == FAULTY_RANK:
-            corrupt_shard(model)
-        audit.clip(torch.nn.utils.clip_grad_norm_, model.parameters(), MAX_NORM)
-        optimizer.step()
+    fault = corrupt_shard if ctx.rank == FAULTY_RANK else None
+    fsdp2_mlp_step(ctx, max_norm=MAX_NORM, clip=torch.nn.utils.clip_grad_norm_, fault=fault)
 
 
 def train_reference(out_dir: Path) -> None:

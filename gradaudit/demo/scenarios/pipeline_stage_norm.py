@@ -12,14 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import gradaudit
-
 from ..launch import RankContext
 from ..toy import (
     D_MODEL,
     SEQ_LEN,
-    STEP,
     TinyLM,
+    audited,
     cross_entropy,
     reference_step,
     rows_of,
@@ -64,16 +62,13 @@ def train_rank(ctx: RankContext) -> None:
     tokens, targets = rows_of(token_batch(), dp_index, num_dp)
     optimizer = sgd(model)
     tied = model.embed.weight if stage == 0 else model.head.weight
-    with gradaudit.audit_step(
+    with audited(
         model,
         ctx.out_dir,
-        step=STEP,
         max_norm=MAX_NORM,
-        norm_type=2.0,
         optimizer=optimizer,
         groups={"pp": mesh.get_group("pp"), "dp": mesh.get_group("dp")},
         aliases={"head.weight": "embed.weight"} if stage == 1 else {},
-        strict=True,
     ) as audit:
         _pipeline_step(model, stage, peer, tokens, targets)
         # The first and last stage add up their parts of the tied weight's gradient (correct).

@@ -4,6 +4,7 @@ bias are replicated, so they are counted once per rank."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,21 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-import gradaudit
-
 from ..launch import RankContext
-from ..toy import (
-    STEP,
-    TinyTPBlock,
-    clip_by_norm_,
-    local_grads,
-    mse,
-    reference_step,
-    regression_batch,
-    seeded,
-    sgd,
-    sum_of_squares,
-)
+from ..toy import TinyTPBlock, audited, hand_rolled_clip, mse, reference_step, regression_batch, seeded, sgd
 
 MAX_NORM = 0.5
 
@@ -35,12 +23,7 @@ def clip_with_tp_group_norm(
     parameters: Iterable[torch.Tensor], max_norm: float, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """The mistake: every local gradient summed over the group, including the replicated ones."""
-    grads = local_grads(parameters)
-    total_sq = sum_of_squares(grads)
-    dist.all_reduce(total_sq, group=group)
-    total_norm = total_sq.sqrt()
-    clip_by_norm_(grads, total_norm, max_norm)
-    return total_norm
+    return hand_rolled_clip(parameters, max_norm, reduce=functools.partial(dist.all_reduce, group=group))
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +37,7 @@ def train_rank(ctx: RankContext) -> None:
     )
     inputs, targets = _batch()  # tensor-parallel ranks all see the whole batch
     optimizer = sgd(model)
-    with gradaudit.audit_step(
-        model, ctx.out_dir, step=STEP, max_norm=MAX_NORM, norm_type=2.0, optimizer=optimizer, strict=True
-    ) as audit:
+    with audited(model, ctx.out_dir, max_norm=MAX_NORM, optimizer=optimizer) as audit:
         mse(model, inputs, targets).backward()
         audit.clip(clip_with_tp_group_norm, list(model.parameters()), MAX_NORM, mesh.get_group("tp"))
         optimizer.step()
