@@ -2,7 +2,8 @@
 FSDP2 ranks): the norm reduced over the pp mesh passes every step, and leaving the pp mesh out is
 named at the step it happens, with the code `gradaudit check` gives for the guard's dump. The true norm
 and reported/true of each step torchtitan logs are in its TensorBoard events beside its grad_norm, read
-back with tensorboard's own reader."""
+back with tensorboard's own reader (the ok run reads its verdicts one step late, as on GPU: those of
+the steps torchtitan logs are read at its log call)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,12 @@ def guarded_torchtitan(rank: int, world_size: int, out_root: str) -> dict:
             metrics = metrics_processor(os.path.join(out_root, f"{name}_metrics"), world_size, LOG_FREQ)
         trainer = MiniTrainer(mesh, reduce_over_pp=True, metrics_processor=metrics)
         verdicts: list = []  # every checked step's line, through on_verdict= (see the README)
-        attached = TorchtitanGuard(trainer, os.path.join(out_root, name), on_verdict=verdicts.append)
+        attached = TorchtitanGuard(
+            trainer,
+            os.path.join(out_root, name),
+            on_verdict=verdicts.append,
+            late=name == "ok",  # as on GPU: each verdict read at the next step, or where torchtitan logs
+        )
         x, y = batch()
         x, y = rows(x, trainer.dp_index, 2), rows(y, trainer.dp_index, 2)
         with warnings.catch_warnings(record=True) as caught:
