@@ -10,12 +10,20 @@ norm not reduced across stages is named), and follows `trainer.step` (also after
 Torchtitan's `dist_utils.clip_grad_norm_` is recorded as one clip call (its pp reduction and its
 EP/non-EP split included), and any other clip call of the step is seen too. With several model parts
 per rank pass `model=` a module whose parameter names are the logical ones.
+
+Each checked step that torchtitan logs (`metrics.log_freq`) gets its true norm and reported/true, the
+reported norm being the `grad_norm` torchtitan logs, as `gradaudit/true_norm` and
+`gradaudit/reported_over_true` in the `extra_metrics` of torchtitan's own `trainer.metrics_processor.log`
+call: in the same TensorBoard/W&B step as that `grad_norm`. On GPU the step's verdict is read there,
+where torchtitan syncs for its loss anyway. A trainer without a metrics_processor is guarded all the
+same; `on_verdict=` gets every checked step's line.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from typing import Any
 
 from ..live.guard import Guard
@@ -23,8 +31,9 @@ from .torchtitan import model_of, pp_groups
 
 
 class TorchtitanGuard:
-    """Wraps `trainer.train_step` and torchtitan's `clip_grad_norm_` until `remove()`; keywords go to the
-    guard (every, on_anomaly, groups, ...). `.guard` is the Guard."""
+    """Wraps `trainer.train_step`, `trainer.metrics_processor.log` (when the trainer has one) and
+    torchtitan's `clip_grad_norm_` until `remove()`; keywords go to the guard (every, on_anomaly,
+    groups, on_verdict, ...). `.guard` is the Guard."""
 
     def __init__(
         self, trainer: Any, out_dir: str | os.PathLike[str], *, model: Any = None, **guard_kwargs: Any
@@ -51,14 +60,41 @@ class TorchtitanGuard:
         self._clip = clip
         dist_utils.clip_grad_norm_ = clip
         trainer.train_step = self._train_step
+        self._metrics = getattr(trainer, "metrics_processor", None)
+        if self._metrics is not None:
+            self._original_log = self._metrics.log
+            self._metrics.log = self._log
 
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
         self.guard.step = int(self.trainer.step)  # the step under way, as torchtitan counts it
         return self._original_step(*args, **kwargs)
 
+    def _log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> Any:
+        """torchtitan 0.3.0's MetricsProcessor.log, with this step's line (never an older one's) in
+        extra_metrics; reported/true is of the grad_norm logged beside it, this rank's (under pp the
+        logging rank is the last stage's, whose norm differs from rank 0's when the pp mesh is left out)."""
+        line = self.guard.line_of(int(step))
+        values = {} if line is None else replace(line, reported_norm=float(grad_norm)).metrics()
+        return self._original_log(
+            step,
+            global_avg_loss,
+            global_max_loss,
+            grad_norm,
+            extra_metrics={**(extra_metrics or {}), **values} or extra_metrics,
+        )
+
     def remove(self) -> None:
-        """Stop the guard and restore `train_step` and `clip_grad_norm_`."""
+        """Stop the guard and restore `train_step`, `metrics_processor.log` and `clip_grad_norm_`."""
         self.guard.remove()
         vars(self.trainer).pop("train_step", None)
+        if self._metrics is not None:
+            vars(self._metrics).pop("log", None)
         if self._dist_utils.clip_grad_norm_ is self._clip:
             self._dist_utils.clip_grad_norm_ = self._original_clip

@@ -1,6 +1,9 @@
 """The guard in one line beside torchtitan's clip_grad_norm_ on 4 gloo ranks (2 pipeline stages x 2
 FSDP2 ranks): the norm reduced over the pp mesh passes every step, and leaving the pp mesh out is
-named at the step it happens, with the code `gradaudit check` gives for the guard's dump."""
+named at the step it happens, with the code `gradaudit check` gives for the guard's dump. The true norm
+and reported/true of each step torchtitan logs are in its TensorBoard events beside its grad_norm, read
+back with tensorboard's own reader (the ok run reads its verdicts one step late, as on GPU: those of
+the steps torchtitan logs are read at its log call)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,26 @@ pytest.importorskip("torchtitan.distributed.utils")
 
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
-from torchtitan_guard_workers import MISTAKE_AT, NUM_STEPS, guarded_torchtitan
+from torchtitan_guard_workers import LOG_FREQ, MISTAKE_AT, NUM_STEPS, guarded_torchtitan
 
 pytestmark = pytest.mark.integration
+
+LOGGED = [step for step in range(1, NUM_STEPS + 1) if step == 1 or step % LOG_FREQ == 0]
+METRICS_RANK = 2
+"""The rank torchtitan's MetricsProcessor logs from under pp: the first of the last stage."""
+
+
+def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the one TensorBoard run under folder, as (step, value) per tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = folder.glob("tb/*/events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events.parent))
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
 
 
 @pytest.fixture(scope="module")
@@ -21,15 +41,17 @@ def runs(tmp_path_factory):
     return out_root, run_ranks(guarded_torchtitan, 4, (str(out_root),), timeout_s=300)
 
 
-def test_torchtitans_clip_reduced_over_the_pp_mesh_is_never_flagged(runs):
+@pytest.mark.parametrize("name", ["ok", "no_metrics"])
+def test_torchtitans_clip_reduced_over_the_pp_mesh_is_never_flagged(runs, name):
     _, results = runs
     for result in results:
-        assert result["ok"]["anomalies"] == [] and result["ok"]["warnings"] == []
-        assert result["ok"]["true_norms"][0] == pytest.approx(result["ok"]["norms"][-1], rel=1e-5)
-        # on_verdict= gets every checked step's line, on every rank: the values to log
-        verdicts = result["ok"]["verdicts"]
+        run = result[name]
+        assert run["anomalies"] == [] and run["warnings"] == [] and run["log_restored"]
+        assert run["true_norms"][0] == pytest.approx(run["norms"][-1], rel=1e-5)
+        # on_verdict= gets every checked step's line, on every rank
+        verdicts = run["verdicts"]
         assert [step for step, _ in verdicts] == list(range(1, NUM_STEPS + 1))
-        for (_, values), returned in zip(verdicts, result["ok"]["norms"], strict=True):
+        for (_, values), returned in zip(verdicts, run["norms"], strict=True):
             assert values["gradaudit/true_norm"] == pytest.approx(returned, rel=1e-5)
             assert values["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
 
@@ -41,3 +63,27 @@ def test_leaving_out_the_pp_mesh_is_named_at_its_step_with_the_code_check_gives(
         assert [step for step, _ in anomalies][:1] == [MISTAKE_AT]
         assert "GA203" in anomalies[0][1]
     assert "GA203" in error_codes(audit_report(out_root / "stage_norm" / f"step_{MISTAKE_AT}"))
+
+
+def test_true_norm_and_ratio_are_in_torchtitans_tensorboard_steps_beside_its_grad_norm(runs):
+    out_root, results = runs
+    assert LOGGED == [1, MISTAKE_AT]
+    for name in ("ok", "stage_norm"):
+        scalars = tensorboard_scalars(out_root / f"{name}_metrics")  # one run: the metrics rank's
+        lines, norms = dict(results[METRICS_RANK][name]["verdicts"]), results[METRICS_RANK][name]["norms"]
+        true_norms, ratios = scalars["gradaudit/true_norm"], scalars["gradaudit/reported_over_true"]
+        # the steps torchtitan logs (log_freq), each with its own step's values, none for another step
+        assert [step for step, _ in scalars["grad_norm"]] == LOGGED
+        assert [step for step, _ in true_norms] == [step for step, _ in ratios] == LOGGED
+        assert [value for _, value in scalars["grad_norm"]] == pytest.approx(
+            [norms[step - 1] for step in LOGGED], rel=1e-6
+        )
+        assert [value for _, value in true_norms] == pytest.approx(
+            [lines[step]["gradaudit/true_norm"] for step in LOGGED], rel=1e-6
+        )
+        assert [value for _, value in ratios] == pytest.approx(
+            [norms[step - 1] / lines[step]["gradaudit/true_norm"] for step in LOGGED], rel=1e-6
+        )
+        # 1 while the norm is reduced over the pp mesh; this stage's norm only, below 1, where it is not
+        assert ratios[0][1] == pytest.approx(1.0, rel=1e-5)
+        assert ratios[1][1] == pytest.approx(1.0, rel=1e-5) if name == "ok" else ratios[1][1] < 0.9

@@ -4,7 +4,8 @@
 `MiniTrainer` has the attributes and the `train_step` shape of torchtitan's Trainer that
 TorchtitanAudit uses (model_parts, optimizers, parallel_dims, config.training.max_norm, step):
 the real Trainer needs data sets and tokenizers that cannot be installed here; the clipping
-function is torchtitan's own.
+function is torchtitan's own, and so is its `metrics_processor` when one is given (built by
+`metrics_processor`, logged to as torchtitan's `train_step` does).
 """
 
 from __future__ import annotations
@@ -35,8 +36,41 @@ class LastStage(torch.nn.Module):
         return self.head(self.norm(hidden))
 
 
+def metrics_processor(dump_folder: str, world_size: int, log_freq: int):
+    """torchtitan's own MetricsProcessor for 2 pp stages x world_size // 2 FSDP ranks, with TensorBoard
+    under dump_folder, built as its Trainer builds it (`config.metrics.build(...)`). Only its
+    DeviceMemoryMonitor, which reads CUDA memory statistics, is one that reports none where there is no
+    CUDA (torchtitan has no CPU one; the loggers, the logging rank and `log` are torchtitan's)."""
+    from unittest import mock
+
+    from torchtitan.components import metrics
+    from torchtitan.distributed import ParallelDims
+
+    class NoDeviceMemory:
+        device_name = "cpu"
+
+        def get_peak_stats(self):
+            return metrics.DeviceMemStats(-1, -1, -1, -1, -1, -1)
+
+        def reset_peak_stats(self) -> None:
+            pass
+
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world_size // 2, cp=1, tp=1, pp=2, ep=1, world_size=world_size
+    )
+    config = metrics.MetricsProcessor.Config(enable_tensorboard=True, log_freq=log_freq)
+    with mock.patch.object(
+        metrics,
+        "build_device_memory_monitor",
+        metrics.build_device_memory_monitor if torch.cuda.is_available() else NoDeviceMemory,
+    ):
+        processor = config.build(parallel_dims=dims, dump_folder=dump_folder)
+    processor.num_flops_per_token = 1  # the Trainer sets it from the model's size
+    return processor
+
+
 class MiniTrainer:
-    def __init__(self, mesh, reduce_over_pp: bool) -> None:
+    def __init__(self, mesh, reduce_over_pp: bool, metrics_processor=None) -> None:
         from torch.distributed.fsdp import fully_shard
 
         self.pp_index, self.dp_index = mesh.get_coordinate()
@@ -52,11 +86,13 @@ class MiniTrainer:
         self.step = 0
         self.reduce_over_pp = reduce_over_pp
         self.grad_norms: list[float] = []
+        self.metrics_processor = metrics_processor
 
     def train_step(self, x, y) -> None:
         from torchtitan.distributed import utils as dist_utils
 
         stage = self.model_parts[0]
+        loss = torch.tensor(-1.0)  # torchtitan's loss on a stage that is not the last
         if self.pp_index == 0:
             hidden = stage(x)
             dist.send(hidden.detach(), dst=self.peer)
@@ -67,7 +103,8 @@ class MiniTrainer:
             hidden = torch.empty(x.shape[0], 8)
             dist.recv(hidden, src=self.peer)
             hidden.requires_grad_(True)
-            loss_of(stage(hidden), y).backward()
+            loss = loss_of(stage(hidden), y)
+            loss.backward()
             dist.send(hidden.grad, dst=self.peer)
         pp_mesh = self.parallel_dims.get_optional_mesh("pp") if self.reduce_over_pp else None
         grad_norm = dist_utils.clip_grad_norm_(
@@ -80,6 +117,13 @@ class MiniTrainer:
         self.grad_norms.append(float(grad_norm))
         self.optimizers.step()
         self.optimizers.zero_grad()
+        metrics = self.metrics_processor
+        if metrics is not None:  # as torchtitan's train_step logs (its data loader counts the tokens)
+            metrics.ntokens_since_last_log += y.numel()
+            metrics.data_loading_times.append(0.0)
+            if metrics.should_log(self.step):
+                loss = float(loss.detach())
+                metrics.log(self.step, loss, loss, float(grad_norm), extra_metrics={"n_tokens_seen": 0})
 
 
 def torchtitan_runs(rank: int, world_size: int, out_root: str) -> dict:
