@@ -206,7 +206,7 @@ def load_rank_files(
     read; with `stop_at_error`, None for the files after the first such one. The shared parameter
     tables read go into `tables` (the folder's unreferenced ones are warned about from it)."""
     outcomes: list[LoadOutcome] = []
-    params_cache: ParamsCache = {}
+    params_cache = ParamsCache()
     topologies: list[Topology] = []
     tables = SharedTables() if tables is None else tables
     failed = False
