@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DumpFormatError
-from ..model import FLOAT_DTYPES, TENSOR_KINDS, ColumnarPieces, ParamInfo, RankDump, TensorKind
+from ..model import FLOAT_DTYPES, TENSOR_KINDS, ColumnarPieces, ParamInfo, RankDump, TensorKind, Topology
 
 __all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
 
@@ -63,6 +63,9 @@ class ParamsCache:
         """The last arrays decoded, held so that they are not freed (identity compared)."""
         self.rows: tuple[np.ndarray, int, Sequence[ParamInfo], int, _Extents] | None = None
         """(rows, coordinate count, parameters, number of replica groups, extents) last found valid."""
+        self.topology: tuple[Any, int, Topology] | None = None
+        """(the JSON "topology" entry, the world size, its Topology) last decoded: every rank's file
+        lists the groups of every rank, the same entry (schema.decode_rank)."""
 
     def valid_rows(
         self, rows: np.ndarray, coords: np.ndarray, params: Sequence[ParamInfo], num_groups: int

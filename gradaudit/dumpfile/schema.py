@@ -858,7 +858,7 @@ def decode_rank(
         params=table,
         pieces=pieces,
         aliases=aliases,
-        topology=_decode_topology(r, doc.get("topology", {}), world_size),
+        topology=_topology_of(r, doc.get("topology", {}), world_size, params_cache),
         clip=_decode_clip(r, doc.get("clip")),
         data=DataRecord(
             tokens=r.get(data, "tokens", "data", r.int_, optional=True),
@@ -870,6 +870,17 @@ def decode_rank(
         capture_api=r.get(doc, "capture_api", "", r.str_, optional=True),
         trigger=r.get(doc, "trigger", "", r.str_, optional=True),
     )
+
+
+def _topology_of(r: _Reader, raw: Any, world_size: int, cache: ParamsCache | None) -> Topology:
+    """The decoded topology, the very one of the load's last rank when its entry is equal."""
+    known = None if cache is None else cache.topology
+    if known is not None and known[1] == world_size and known[0] == raw:
+        return known[2]
+    topology = _decode_topology(r, raw, world_size)
+    if cache is not None:
+        cache.topology = (raw, world_size, topology)
+    return topology
 
 
 def _decode_not_captured(r: _Reader, raw: Any) -> tuple[NotCapturedParam, ...]:
