@@ -129,7 +129,10 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
         first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
         flat = rows[:, 3] == 0
         flat[list(pieces.extras.regions)] = False  # not one region
-        columns.append((ids.of(pieces), coords[first], coords[first + 1], flat, rank))
+        if coords.size == 2 * first.size and flat.all():  # laid out piece after piece: start, stop, ...
+            columns.append((ids.of(pieces), coords[0::2], coords[1::2], flat, rank))
+        else:
+            columns.append((ids.of(pieces), coords[first], coords[first + 1], flat, rank))
     if not columns:
         return {}, {}, []
     held = columns[0][0]
@@ -149,7 +152,14 @@ def _uniform_flat_pieces(
     start = np.stack([c[1] for c in columns])  # ranks x parameters
     stop = np.stack([c[2] for c in columns])
     order = None
-    if (start[1:] < start[:-1]).any():  # not already by start (FSDP: rank r holds the r-th range)
+    if (start[1:] >= stop[:-1]).all():  # each rank's range after the previous rank's (FSDP): disjoint
+        covered = (stop - start).sum(axis=0)
+        return (
+            {},
+            {names[p]: n for p, n in zip(columns[0][0].tolist(), covered.tolist(), strict=True)},
+            ranks.tolist(),
+        )
+    if (start[1:] < start[:-1]).any():  # not already by start
         order = np.argsort(start, axis=0, kind="stable")
         start, stop = np.take_along_axis(start, order, 0), np.take_along_axis(stop, order, 0)
     same_start = start[1:] == start[:-1]
