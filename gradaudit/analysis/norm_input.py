@@ -28,6 +28,7 @@ from ..norms import (
     norm_from_total,
     norm_of_terms,
     safe_fsum,
+    segment_fsums,
     term_of,
 )
 
@@ -126,6 +127,7 @@ class NormSet:
         ends = [*starts[1:], entries.rank.size][: len(starts)]
         self.spans = {int(entries.rank[b]): (b, e) for b, e in zip(starts, ends, strict=True)}
         """Rank -> the span of its entries (ranks without any absent)."""
+        self._ranks = tuple(sorted(self.spans))
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
         self._sums: dict[tuple[tuple[int, ...], bool], float] = {}
         """safe_fsum of the terms counted, by the same keys (shares_of_squared_norm reads them too)."""
@@ -184,7 +186,19 @@ class NormSet:
         )  # the plain sum overflows: norm_of_terms factors the largest term out
 
     def term_sum(self, key: tuple[tuple[int, ...], bool], rows: np.ndarray | slice) -> float:
-        """safe_fsum of the terms at `rows`, the ones norm(*key) counts, computed once."""
+        """safe_fsum of the terms at `rows`, the ones norm(*key) counts, computed once. Without
+        replicas, every rank's own sum and the sum over all ranks are taken together, on first need."""
+        ranks, spans = self._ranks, self.spans
+        if (
+            key not in self._sums
+            and not (self.entries.replicated or key[1])
+            and (len(key[0]) == 1 or key[0] == ranks)
+            and ranks
+            and (ranks, False) not in self._sums
+        ):
+            sums, total = segment_fsums(self.entries.term, [spans[r][0] for r in ranks])
+            self._sums.update({((r,), False): value for r, value in zip(ranks, sums, strict=True)})
+            self._sums[(ranks, False)] = total
         if key not in self._sums:
             self._sums[key] = safe_fsum(self.entries.term[rows])
         return self._sums[key]
