@@ -123,7 +123,8 @@ class NormSet:
 
     def __init__(self, entries: Entries, norm_type: float) -> None:
         self.entries, self.norm_type = entries, norm_type
-        starts = [0, *(np.flatnonzero(np.diff(entries.rank)) + 1).tolist()] if entries.rank.size else []
+        rank = entries.rank
+        starts = [0, *(np.flatnonzero(rank[1:] != rank[:-1]) + 1).tolist()] if rank.size else []
         ends = [*starts[1:], entries.rank.size][: len(starts)]
         self.spans = {int(entries.rank[b]): (b, e) for b, e in zip(starts, ends, strict=True)}
         """Rank -> the span of its entries (ranks without any absent)."""
