@@ -117,7 +117,8 @@ def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
 
 def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
     step, diagnosis = inputs.step, inputs.diagnosis
-    by_rank = inputs.columns.grad_counts_by_rank()
+    columns = inputs.columns
+    by_rank = columns.grad_counts_by_rank() if columns.counts.any() else {}  # else every count is 0
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
     from .checks.valueclip import gate
 

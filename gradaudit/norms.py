@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Union, overload
 
 if TYPE_CHECKING:
@@ -60,6 +60,79 @@ def safe_fsum(values: Terms) -> float:
 
 
 _CHUNK = 1 << 16
+
+
+def segment_fsums(values: np.ndarray, starts: Sequence[int]) -> tuple[list[float], float]:
+    """(safe_fsum of each segment of the float64 array `values`, safe_fsum of all of it), bit for
+    bit, without a Python float per value. Segment k runs from starts[k] (ascending, the first 0) to
+    the next start, the last to the end.
+
+    Each value is an integer mantissa times a power of two; its two halves (27 bits each) are added
+    per segment and exponent in float64, exactly (integers below 2^53), carried into one bit per power
+    of two (int64), and each segment's bits become one Python int: its exact sum, rounded once by the
+    int division (correctly, as math.fsum rounds); the total is the sum of those ints. Values that are
+    nonfinite or so large that math.fsum could overflow on the way, and zero sums (math.fsum's sign),
+    go through safe_fsum itself."""
+    import numpy as np
+
+    bounds = [*starts, values.size]
+    if not (
+        values.size < 1 << 25
+        and np.isfinite(values).all()
+        and float(np.abs(values).max(initial=0.0)) * values.size < 2.0**1000
+    ):
+        return [safe_fsum(values[a:b]) for a, b in itertools.pairwise(bounds)], safe_fsum(values)
+    found: list[float] = []
+    total, total_shift = 0, 0
+    first = 0
+    while first < len(starts):  # a chunk of whole segments of about 2^20 values: small temporaries
+        last = first + 1
+        while last < len(starts) and bounds[last + 1] - bounds[first] <= 1 << 20:
+            last += 1
+        exact, shift = _exact_sums(
+            values[bounds[first] : bounds[last]], np.subtract(bounds[first : last + 1], bounds[first])
+        )
+        for k, value in enumerate(exact):
+            if value == 0:
+                found.append(safe_fsum(values[bounds[first + k] : bounds[first + k + 1]]))
+            else:
+                found.append(value / (1 << -shift) if shift < 0 else float(value << shift))
+        chunk = sum(exact)
+        if total == 0 or shift < total_shift:
+            total, total_shift = (total << (total_shift - shift)) + chunk, shift
+        else:
+            total += chunk << (shift - total_shift)
+        first = last
+    if total == 0:
+        return found, safe_fsum(values)
+    return found, total / (1 << -total_shift) if total_shift < 0 else float(total << total_shift)
+
+
+def _exact_sums(values: np.ndarray, bounds: np.ndarray) -> tuple[list[int], int]:
+    """([exact sum of values[bounds[k]:bounds[k+1]] as an int], shift): sum k is int k * 2^shift."""
+    import numpy as np
+
+    mantissa, exponent = np.frexp(values)
+    whole = mantissa * 2.0**53  # an integer of at most 53 bits: value = whole * 2^(exponent - 53)
+    high = np.floor(whole * 2.0**-27)
+    low = whole - high * 2.0**27  # 0 <= low < 2^27, |high| <= 2^26
+    lowest = int(exponent.min(initial=0))
+    span = int(exponent.max(initial=0)) - lowest + 28  # high's bits sit 27 places up
+    count = bounds.size - 1
+    at = np.repeat(np.arange(count) * span - lowest, np.diff(bounds)) + exponent
+    digits = np.bincount(at, weights=low, minlength=count * span)
+    digits += np.bincount(at + 27, weights=high, minlength=count * span)
+    rows = digits.astype(np.int64).reshape(count, span)  # sums of fewer than 2^25 halves: below 2^53
+    bits = np.empty((count, span), dtype=np.uint8)
+    carry = np.zeros(count, dtype=np.int64)
+    for e in range(span):
+        carried = rows[:, e] + carry
+        bits[:, e], carry = carried & 1, carried >> 1
+    packed = np.packbits(bits, axis=1, bitorder="little")
+    tops = carry.tolist()
+    return [
+        int.from_bytes(packed[k].tobytes(), "little") + (tops[k] << span) for k in range(count)
+    ], lowest - 53
 
 
 def _held(values: Terms) -> list[float] | np.ndarray:

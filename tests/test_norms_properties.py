@@ -193,3 +193,37 @@ def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed
     assert once == norm_of(list({p.layout_key: p for p in reversed(firsts)}.values()))
     assert norms.norm(tuple(chosen), False)[0] == norm_of(inside)
     assert repeated == (len({p.layout_key for p in inside}) < len(inside))
+
+
+_SUMMABLE = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(min_value=0.0, max_value=1e6),
+    st.floats(min_value=-1e-300, max_value=1e-300),  # subnormals among them
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 2.0**-1074, 1.7e308]),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.one_of(
+        st.lists(_SUMMABLE, max_size=60),
+        st.lists(st.floats(min_value=-1e6, max_value=1e6), max_size=60),  # the exact path, no fallback
+        st.lists(st.floats(min_value=-1e-300, max_value=1e-300), max_size=60),
+    ),
+    st.lists(st.integers(0, 60), max_size=6),
+)
+def test_segment_fsums_are_safe_fsum_of_each_segment_and_of_all_bit_for_bit(values, cuts):
+    import numpy as np
+
+    from gradaudit.norms import safe_fsum, segment_fsums
+
+    array = np.array(values, dtype=np.float64)
+    starts = sorted({0, *(c for c in cuts if c < max(len(values), 1))})
+    sums, total = segment_fsums(array, starts)
+    expected = [safe_fsum(values[a:b]) for a, b in itertools.pairwise([*starts, len(values)])]
+
+    def same(a: float, b: float) -> bool:
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+
+    assert len(sums) == len(expected) and all(same(a, b) for a, b in zip(sums, expected, strict=True))
+    assert same(total, safe_fsum(values))

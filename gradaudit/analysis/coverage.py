@@ -77,7 +77,7 @@ def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage,
 def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
     """Parameter -> (ParamInfo, Coverage, ranks in overlaps, ranks holding it). Needs the step only, not
     the measurements (the ownership map is metadata), so it also runs on headers alone."""
-    flat = _flat_pieces_by_param(step)
+    flat, covered, holding = _flat_pieces_by_param(step)
     layouts: dict[str, Layouts] | None = None
     found: dict[str, ParamCoverage] = {}
     holders: dict[bytes, list[int]] = {}
@@ -85,6 +85,9 @@ def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
     left_out = left_out_params(step)  # not checked (GA104): part of them is in no rank's file
     for name, info in step.params.items():
         if name in left_out:
+            continue
+        if name in covered:  # disjoint flat ranges, found for all parameters at once
+            found[name] = (info, _disjoint(numel_of(info.global_shape) - covered[name]), [], holding)
             continue
         if name not in flat:  # held by no rank: all of it is a gap (most of a table listing 10^6)
             found[name] = (info, _all_gap(info), unheld, unheld)
@@ -110,8 +113,10 @@ FlatPieces: TypeAlias = "tuple[np.ndarray, np.ndarray, np.ndarray] | None"
 """A parameter's pieces as (starts, stops, ranks) when each is one flat range, else None."""
 
 
-def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
-    """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank)."""
+def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[str, int], list[int]]:
+    """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank);
+    when every rank holds one flat range of the same parameters, in the same order (FSDP/ZeRO), the
+    elements covered by the disjoint ones instead, for all parameters at once, and the ranks."""
     import numpy as np
 
     from ..dumpfile.columnar import ParamIds
@@ -124,9 +129,67 @@ def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
         first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
         flat = rows[:, 3] == 0
         flat[list(pieces.extras.regions)] = False  # not one region
-        columns.append((ids.of(pieces), coords[first], coords[first + 1], flat, rank))
+        if coords.size == 2 * first.size and flat.all():  # laid out piece after piece: start, stop, ...
+            columns.append((ids.of(pieces), coords[0::2], coords[1::2], flat, rank))
+        else:
+            columns.append((ids.of(pieces), coords[first], coords[first + 1], flat, rank))
     if not columns:
-        return {}
+        return {}, {}, []
+    held = columns[0][0]
+    if np.unique(held).size == held.size and all(c[3].all() and np.array_equal(c[0], held) for c in columns):
+        return _uniform_flat_pieces(columns, list(ids.ids))
+    return _pieces_by_param(columns, list(ids.ids)), {}, []
+
+
+def _uniform_flat_pieces(
+    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]], names: list[str]
+) -> tuple[dict[str, FlatPieces], dict[str, int], list[int]]:
+    """Ranks x parameters held as one flat range each: the elements the distinct ranges cover where
+    none overlaps another; the pieces of any other parameter, for the sweep."""
+    import numpy as np
+
+    ranks = np.array([c[4] for c in columns], dtype=np.int64)
+    start = np.stack([c[1] for c in columns])  # ranks x parameters
+    stop = np.stack([c[2] for c in columns])
+    order = None
+    if (start[1:] >= stop[:-1]).all():  # each rank's range after the previous rank's (FSDP): disjoint
+        covered = (stop - start).sum(axis=0)
+        return (
+            {},
+            {names[p]: n for p, n in zip(columns[0][0].tolist(), covered.tolist(), strict=True)},
+            ranks.tolist(),
+        )
+    if (start[1:] < start[:-1]).any():  # not already by start
+        order = np.argsort(start, axis=0, kind="stable")
+        start, stop = np.take_along_axis(start, order, 0), np.take_along_axis(stop, order, 0)
+    same_start = start[1:] == start[:-1]
+    same = same_start & (stop[1:] == stop[:-1])  # replicas: one layout
+    counted = stop > start
+    counted[1:] &= ~same
+    reach = np.maximum.accumulate(np.where(counted, stop, np.iinfo(np.int64).min), axis=0)
+    # Ranges by start that overlap no earlier one; equal starts with other stops go to the sweep.
+    clean = ~((same_start & ~same).any(axis=0) | (counted[1:] & (start[1:] < reach[:-1])).any(axis=0))
+    covered = np.where(counted, stop - start, 0).sum(axis=0)
+    params = columns[0][0].tolist()
+    others: dict[str, FlatPieces] = {}
+    done: dict[str, int] = {}
+    for j, ok in enumerate(clean.tolist()):
+        if ok:
+            done[names[params[j]]] = int(covered[j])
+        else:
+            others[names[params[j]]] = (
+                start[:, j],
+                stop[:, j],
+                ranks if order is None else ranks[order[:, j]],
+            )
+    return others, done, sorted(set(ranks.tolist()))
+
+
+def _pieces_by_param(
+    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]], names: list[str]
+) -> dict[str, FlatPieces]:
+    import numpy as np
+
     param = np.concatenate([c[0] for c in columns])
     start = np.concatenate([c[1] for c in columns])
     stop = np.concatenate([c[2] for c in columns])
@@ -135,7 +198,6 @@ def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
     order = np.argsort(param, kind="stable")
     distinct, bounds = np.unique(param[order], return_index=True)
     bounds = np.append(bounds, order.size)
-    names = list(ids.ids)
     found: dict[str, FlatPieces] = {}
     for k, param_id in enumerate(distinct.tolist()):
         chosen = order[bounds[k] : bounds[k + 1]]
@@ -146,7 +208,11 @@ def _flat_pieces_by_param(step: StepDump) -> dict[str, FlatPieces]:
 
 
 def _all_gap(info: ParamInfo) -> Coverage:
-    return Coverage(num_gap_elements=info.numel, num_overlap_elements=0, overlapping_tags=frozenset())
+    return _disjoint(info.numel)
+
+
+def _disjoint(num_gap_elements: int) -> Coverage:
+    return Coverage(num_gap_elements=num_gap_elements, num_overlap_elements=0, overlapping_tags=frozenset())
 
 
 def _flat_param_coverage(
@@ -186,5 +252,4 @@ def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
     bounds = bounds[np.argsort(bounds[:, 0], kind="stable")]
     if (bounds[1:, 0] < bounds[:-1, 1]).any():
         return None  # overlaps: the sweep names them
-    covered = int((bounds[:, 1] - bounds[:, 0]).sum())
-    return Coverage(num_gap_elements=numel - covered, num_overlap_elements=0, overlapping_tags=frozenset())
+    return _disjoint(numel - int((bounds[:, 1] - bounds[:, 0]).sum()))

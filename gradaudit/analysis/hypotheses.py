@@ -5,7 +5,6 @@ precision (pure: works on measurements only)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,9 @@ class Hypothesis:
 
     def scaled(self, loss_scaled: bool = True) -> Hypothesis:
         """This accounting, of loss-scaled gradients or (False) not."""
-        return dataclasses.replace(self, loss_scaled=loss_scaled)
+        if loss_scaled == self.loss_scaled:
+            return self  # asked once per rank and check: no copy of an equal value
+        return Hypothesis(kind=self.kind, what=self.what, loss_scaled=loss_scaled)
 
 
 CORRECT = Hypothesis(kind="correct")

@@ -19,7 +19,18 @@ import numpy as np
 from ..measure.columns import StepColumns
 from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import ClipCall, StepDump, TensorKind
-from ..norms import INF, NAN, UNKNOWN, flags_of_stats, norm_of_terms, safe_fsum, term_of
+from ..norms import (
+    INF,
+    NAN,
+    UNKNOWN,
+    flags_of_stats,
+    is_inf_norm,
+    norm_from_total,
+    norm_of_terms,
+    safe_fsum,
+    segment_fsums,
+    term_of,
+)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -112,17 +123,21 @@ class NormSet:
 
     def __init__(self, entries: Entries, norm_type: float) -> None:
         self.entries, self.norm_type = entries, norm_type
-        starts = [0, *(np.flatnonzero(np.diff(entries.rank)) + 1).tolist()] if entries.rank.size else []
+        rank = entries.rank
+        starts = [0, *(np.flatnonzero(rank[1:] != rank[:-1]) + 1).tolist()] if rank.size else []
         ends = [*starts[1:], entries.rank.size][: len(starts)]
-        self._span = {int(entries.rank[b]): (b, e) for b, e in zip(starts, ends, strict=True)}
-        """Rank -> the span of its entries."""
+        self.spans = {int(entries.rank[b]): (b, e) for b, e in zip(starts, ends, strict=True)}
+        """Rank -> the span of its entries (ranks without any absent)."""
+        self._ranks = tuple(sorted(self.spans))
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
+        self._sums: dict[tuple[tuple[int, ...], bool], float] = {}
+        """safe_fsum of the terms counted, by the same keys (shares_of_squared_norm reads them too)."""
 
     def rows(self, ranks: Sequence[int], dedupe: bool) -> tuple[np.ndarray | slice, bool]:
         """(positions of the entries counted, whether a layout appears more than once among these
         ranks' entries), the ranks' entries taken in the order of `ranks`."""
-        spans = [self._span[r] for r in ranks if r in self._span]
-        if len(spans) == 1 or (spans and len(spans) == len(self._span) and list(ranks) == sorted(ranks)):
+        spans = [self.spans[r] for r in ranks if r in self.spans]
+        if len(spans) == 1 or (spans and len(spans) == len(self.spans) and list(ranks) == sorted(ranks)):
             rows: np.ndarray | slice = slice(spans[0][0], spans[-1][1])  # contiguous, in order
         else:
             rows = np.concatenate([np.arange(b, e) for b, e in spans] or [np.zeros(0, dtype=np.int64)])
@@ -145,26 +160,49 @@ class NormSet:
         order = tuple(sorted(ranks))
         if first is not None:
             order = (first, *(r for r in order if r != first))
-        key = (order, dedupe)
+        key = (order, dedupe and self.entries.replicated)  # without replicas both ways are one
         if key not in self._cache:
             rows, repeated = self.rows(order, dedupe)
-            self._cache[key] = (self.norm_of(rows), repeated)
+            self._cache[key] = (self.norm_of(rows, key), repeated)
         return self._cache[key]
 
-    def norm_of(self, rows: np.ndarray | slice) -> float | None:
+    def norm_of(
+        self, rows: np.ndarray | slice, key: tuple[tuple[int, ...], bool] | None = None
+    ) -> float | None:
         """The norm of the entries at these positions, each counted: None with an UNKNOWN entry, nan
-        with a NAN one, inf with an INF one."""
+        with a NAN one, inf with an INF one (`key`: norm's, under which the sum of the terms is kept)."""
         flags = self.entries.flags[rows]
         found = int(np.bitwise_or.reduce(flags)) if flags.size else 0
         if found & UNKNOWN:
             return None
+        if found & (NAN | INF):
+            return math.nan if found & NAN else math.inf
+        if key is None or is_inf_norm(self.norm_type):
+            return norm_of_terms(self.entries.term[rows], self.norm_type)
+        total = self.term_sum(key, rows)
         return (
-            math.nan
-            if found & NAN
-            else math.inf
-            if found & INF
+            norm_from_total(total, self.norm_type)
+            if math.isfinite(total)
             else norm_of_terms(self.entries.term[rows], self.norm_type)
-        )
+        )  # the plain sum overflows: norm_of_terms factors the largest term out
+
+    def term_sum(self, key: tuple[tuple[int, ...], bool], rows: np.ndarray | slice) -> float:
+        """safe_fsum of the terms at `rows`, the ones norm(*key) counts, computed once. Without
+        replicas, every rank's own sum and the sum over all ranks are taken together, on first need."""
+        ranks, spans = self._ranks, self.spans
+        if (
+            key not in self._sums
+            and not (self.entries.replicated or key[1])
+            and (len(key[0]) == 1 or key[0] == ranks)
+            and ranks
+            and (ranks, False) not in self._sums
+        ):
+            sums, total = segment_fsums(self.entries.term, [spans[r][0] for r in ranks])
+            self._sums.update({((r,), False): value for r, value in zip(ranks, sums, strict=True)})
+            self._sums[(ranks, False)] = total
+        if key not in self._sums:
+            self._sums[key] = safe_fsum(self.entries.term[rows])
+        return self._sums[key]
 
 
 def cover_norm(
@@ -194,44 +232,53 @@ def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
 def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet) -> dict[int, float]:
     """Rank -> its part of the squared true norm: the sums of squares of its entries among each
     layout's first copies (`grad`: the NormSet of `norms.grad`)."""
-    rows, _ = grad.rows(sorted(ranks), True)
+    ordered = sorted(ranks)
+    rows, _ = grad.rows(ordered, True)
     values, holders = norms.sum_sq[rows], norms.grad.rank[rows]
-    total = safe_fsum(values)
-    bounds = np.searchsorted(holders, [*sorted(ranks), math.inf])
-    return {
-        rank: safe_fsum(values[bounds[k] : bounds[k + 1]]) / total if total > 0 else 0.0
-        for k, rank in enumerate(sorted(ranks))
-    }
+    bounds = np.searchsorted(holders, [*ordered, math.inf]).tolist()
+    if norms.sum_sq is not grad.entries.term or grad.entries.replicated:
+        total = safe_fsum(values)
+        sums = [safe_fsum(values[bounds[k] : bounds[k + 1]]) for k in range(len(ordered))]
+    else:  # the L2 terms themselves, each rank's all counted: the sums the norms take (kept)
+        total = grad.term_sum((tuple(ordered), False), rows)
+        spans = grad.spans
+        sums = [grad.term_sum(((r,), False), slice(*spans[r])) if r in spans else 0.0 for r in ordered]
+    return {rank: sums[k] / total if total > 0 else 0.0 for k, rank in enumerate(ordered)}
 
 
 def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> NormInput:
     """The diagnosis' input from a loaded step's measurements and their columns."""
     order = columns.by_rank_order
-    rank = columns.rank[order]
+    held = None if columns.has_grad.all() else columns.has_grad[order]
+
+    def of_grad(values: np.ndarray, dtype: type) -> np.ndarray:
+        """`values` in (rank, index) order, 0 where a piece holds no gradient (gathered once, at random)."""
+        if not values.any():
+            return np.zeros(order.size, dtype=dtype)
+        chosen = values[order]
+        return (chosen if held is None else np.where(held, chosen, 0)).astype(dtype, copy=False)
+
+    rank = np.repeat(np.arange(columns.rank.max(initial=-1) + 1), np.bincount(columns.rank))  # rank[order]
     layout = columns.layout[order]
+    term = of_grad(columns.term, np.float64)
     grad = Entries(
         rank=rank,
         layout=layout,
-        term=np.where(columns.has_grad[order], columns.term[order], 0.0),
-        flags=np.where(columns.has_grad[order], columns.flags[order], 0).astype(np.int8),
+        term=term,
+        flags=of_grad(columns.flags, np.int8),
         replicated=not columns.distinct_layouts,
     )
     clipped = None
     if columns.has_clipped.any():  # an entry with a gradient but no clipped one is UNKNOWN
-        term, flags = columns.kind_terms("grad_clipped")
-        clipped = Entries(
-            rank=rank,
-            layout=layout,
-            term=term[order],
-            flags=np.where(columns.has_grad[order], flags[order], 0).astype(np.int8),
-        )
+        clipped_term, flags = columns.kind_terms("grad_clipped")
+        clipped = Entries(rank=rank, layout=layout, term=clipped_term[order], flags=of_grad(flags, np.int8))
     measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_dots.any() else {}
     return NormInput(
         norm_type=m.norm_type,
         grad=grad,
         param=columns.param[order],
         param_names=tuple(columns.param_names),
-        sum_sq=np.where(columns.has_grad[order], columns.sum_sq[order], 0.0),
+        sum_sq=term if columns.sum_sq is columns.term else of_grad(columns.sum_sq, np.float64),
         clipped=clipped,
         calls=_call_entries(step, m.norm_type),
         dtypes=columns.dtypes,

@@ -52,6 +52,8 @@ def value_clipping(step: StepDump, columns: StepColumns) -> ValueClipping | None
 
 def _clamp(columns: StepColumns) -> ValueClipping | None:
     """The clamp every piece holding a gradient before and after clipping shows, from their columns."""
+    if not columns.has_clipped.any():
+        return None  # no gradient after clipping: nothing to read the before of
     has_pre, pre_sq, pre_max, _ = columns.kind_sums("grad")
     has_post, post_sq, post_max, _ = columns.kind_sums("grad_clipped")
     both = has_pre & has_post

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DumpFormatError
-from ..model import FLOAT_DTYPES, TENSOR_KINDS, ColumnarPieces, ParamInfo, RankDump, TensorKind
+from ..model import FLOAT_DTYPES, TENSOR_KINDS, ColumnarPieces, ParamInfo, RankDump, TensorKind, Topology
 
 __all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
 
@@ -48,9 +48,44 @@ MAX_FINGERPRINT = 64
 MAX_DIMS = 64
 MAX_ELEMENTS = 2**53
 
-ParamsCache = dict[bytes, tuple[ParamInfo, ...]]
 Fail = Callable[[str], DumpFormatError]
-"""Decoded parameter tables by their bytes, shared by the ranks of one load."""
+
+
+class ParamsCache:
+    """What the ranks of one load share: decoded parameter tables, by the very arrays (the ranks naming
+    one shared table file hand over the same three), else by their bytes; and the last piece table
+    (`__gradaudit__.pieces`) found valid, with what its checks derive (the ranks of a step usually
+    hold pieces of the same parameters laid out alike)."""
+
+    def __init__(self) -> None:
+        self.by_bytes: dict[bytes, tuple[ParamInfo, ...]] = {}
+        self.by_arrays: list[tuple[tuple[np.ndarray, ...], tuple[ParamInfo, ...]]] = []
+        """The last arrays decoded, held so that they are not freed (identity compared)."""
+        self.rows: tuple[np.ndarray, int, Sequence[ParamInfo], int, _Extents] | None = None
+        """(rows, coordinate count, parameters, number of replica groups, extents) last found valid."""
+        self.topology: tuple[Any, int, Topology] | None = None
+        """(the JSON "topology" entry, the world size, its Topology) last decoded: every rank's file
+        lists the groups of every rank, the same entry (schema.decode_rank)."""
+
+    def valid_rows(
+        self, rows: np.ndarray, coords: np.ndarray, params: Sequence[ParamInfo], num_groups: int
+    ) -> _Extents | None:
+        known = self.rows
+        if known is None or known[1] != coords.size or known[3] != num_groups:
+            return None
+        if not (known[2] is params or known[2] == params) or not np.array_equal(known[0], rows):
+            return None
+        return known[4]
+
+    def of_arrays(self, arrays: tuple[np.ndarray, ...]) -> tuple[ParamInfo, ...] | None:
+        for known, params in self.by_arrays:
+            if all(a is b for a, b in zip(known, arrays, strict=True)):
+                return params
+        return None
+
+    def add(self, key: bytes, arrays: tuple[np.ndarray, ...], params: tuple[ParamInfo, ...]) -> None:
+        self.by_bytes[key] = params
+        self.by_arrays = [(arrays, params), *self.by_arrays[:7]]
 
 
 def params_to_columns(params: Sequence[ParamInfo]) -> dict[str, np.ndarray] | None:
@@ -96,9 +131,13 @@ def params_from_columns(
         raise fail("a parameter column has the wrong dtype or shape")
     if dims.dtype != np.int64 or dims.ndim != 1:
         raise fail("a parameter column has the wrong dtype or shape")
+    same = None if cache is None else cache.of_arrays((names, meta, dims))
+    if same is not None:
+        return same
     key = names.tobytes() + meta.tobytes() + dims.tobytes()
-    if cache is not None and key in cache:
-        return cache[key]
+    if cache is not None and key in cache.by_bytes:
+        cache.add(key, (names, meta, dims), cache.by_bytes[key])
+        return cache.by_bytes[key]
     ends, ndims, codes = meta[:, 0], meta[:, 1], meta[:, 2]
     if meta.shape[0] == 0:
         raise fail("the table is empty")
@@ -129,7 +168,7 @@ def params_from_columns(
         infos.append(ParamInfo(name=name, global_shape=shape, dtype=FLOAT_DTYPES[code]))
     result = tuple(infos)
     if cache is not None:
-        cache[key] = result
+        cache.add(key, (names, meta, dims), result)
     return result
 
 
@@ -213,9 +252,14 @@ def pieces_from_rows(
 
 
 def from_columns(
-    descriptor: Any, arrays: Mapping[str, np.ndarray], params: Sequence[ParamInfo], path: str
+    descriptor: Any,
+    arrays: Mapping[str, np.ndarray],
+    params: Sequence[ParamInfo],
+    path: str,
+    cache: ParamsCache | None = None,
 ) -> ColumnarPieces:
-    """The pieces the columns describe, after checking every column (DumpFormatError naming `path`)."""
+    """The pieces the columns describe, after checking every column (DumpFormatError naming `path`);
+    `cache` skips the checks of a piece table the load found valid already."""
 
     def fail(problem: str) -> DumpFormatError:
         return DumpFormatError(path, f"columnar pieces: {problem}", "the file is not a valid gradaudit dump")
@@ -258,16 +302,21 @@ def from_columns(
         if key not in expected and key not in (NAMES, META, DIMS):
             raise fail(f"tensor {key} is not one the 'columnar' entry describes")
     rows, coords = arrays[PIECES], arrays[COORDS]
-    _check_rows(rows, coords, params, len(groups), fail)
+    extents = None if cache is None else cache.valid_rows(rows, coords, params, len(groups))
+    if extents is None:
+        _check_rows(rows, coords, params, len(groups), fail)
+        extents = _Extents(rows, params)
+        if cache is not None:
+            cache.rows = (rows, coords.size, params, len(groups), extents)
     for kind in kinds:
         values, counted = arrays[stats_key(kind)], arrays[counts_key(kind)]
-        if np.isnan(values[:, :3]).any() or (values[:, :3] < 0).any():
+        if not (values[:, :3] >= 0).all():  # nan compares False too
             raise fail(f"{kind} sums and max |x| must be non-negative numbers")
         if (counted < 0).any():
             raise fail(f"{kind} nonfinite counts must be non-negative")
     stats = {k: arrays[stats_key(k)] for k in kinds}
     counts = {k: arrays[counts_key(k)] for k in kinds}
-    _check_extents(rows, coords, params, counts, fail)
+    _check_extents(extents, rows, coords, params, counts, fail)
     return ColumnarPieces(rows, coords, params, groups, stats, counts, float(norm_type))
 
 
@@ -307,7 +356,21 @@ def _param_columns(params: Sequence[ParamInfo]) -> tuple[np.ndarray, np.ndarray]
     return columns
 
 
+class _Extents:
+    """What the extent checks read of a valid piece table: the flat pieces, where their ranges
+    start in the coordinates, their parameters' element counts, and the boxes."""
+
+    def __init__(self, rows: np.ndarray, params: Sequence[ParamInfo]) -> None:
+        param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
+        self.flat = np.flatnonzero(ndim == 0)
+        self.all_flat = self.flat.size == ndim.size
+        self.first = first[self.flat]
+        self.limit = _param_columns(params)[1][param[self.flat]]
+        self.boxes = np.flatnonzero(ndim != 0)
+
+
 def _check_extents(
+    extents: _Extents,
     rows: np.ndarray,
     coords: np.ndarray,
     params: Sequence[ParamInfo],
@@ -316,24 +379,22 @@ def _check_extents(
 ) -> None:
     """Ranges and boxes inside their parameter and nonfinite counts within each piece's elements,
     for all pieces at once."""
-    param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
-    flat = np.flatnonzero(ndim == 0)
-    start, stop = coords[first[flat]], coords[first[flat] + 1]
-    limit = _param_columns(params)[1][param[flat]]
-    bad = (start < 0) | (start > stop) | (stop > limit)
+    flat = extents.flat
+    start, stop = coords[extents.first], coords[extents.first + 1]
+    bad = (start < 0) | (start > stop) | (stop > extents.limit)
     if bad.any():
         i = int(flat[np.argmax(bad)])
-        raise fail(
-            f"piece {i}: range [{coords[first[i]]}, {coords[first[i] + 1]}) is outside {params[param[i]].name!r:.60}"
-        )
+        at, param = int(rows[i, 2]), int(rows[i, 0])
+        raise fail(f"piece {i}: range [{coords[at]}, {coords[at + 1]}) is outside {params[param].name!r:.60}")
     numel = stop - start
     for kind, counted in counts.items():
-        over = _more_than(counted[flat], numel)
+        if not counted.any():
+            continue
+        over = _more_than(counted if extents.all_flat else counted[flat], numel)
         if over.any():
             raise fail(f"piece {int(flat[np.argmax(over)])}: more nonfinite {kind} values than elements")
-    boxes = np.flatnonzero(ndim != 0)
-    if boxes.size:
-        _check_boxes(boxes, rows, coords, params, counts, fail)
+    if extents.boxes.size:
+        _check_boxes(extents.boxes, rows, coords, params, counts, fail)
 
 
 def _check_boxes(

@@ -346,22 +346,34 @@ def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
     from .columnar import PREFIX
 
     dtypes = {"int64": np.int64, "float64": np.float64, "uint8": np.uint8}
-    arrays: dict[str, Any] = {}
-    for key, entry in header.tensors.items():
-        if not key.startswith(PREFIX):
-            continue
+    columns = {key: entry for key, entry in header.tensors.items() if key.startswith(PREFIX)}
+    for key, entry in columns.items():
         if entry.dtype not in dtypes:
             raise DumpFormatError(
                 path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
             )
-        try:
-            handle.seek(entry.begin)
-            raw = read_exactly(handle, entry.end - entry.begin)
-        except OSError as exc:
-            raise DumpFormatError(path, os_problem(exc)) from None
+    # One read when the columns are the data section (a stats-only file: _check_layout tiles it).
+    whole = columns and len(columns) == len(header.tensors)
+    begin = min((e.begin for e in columns.values()), default=0) if whole else 0
+    data = _read_span(handle, path, begin, max(e.end for e in columns.values())) if whole else b""
+    arrays: dict[str, Any] = {}
+    for key, entry in columns.items():
+        raw = (
+            data[entry.begin - begin : entry.end - begin]
+            if whole
+            else _read_span(handle, path, entry.begin, entry.end)
+        )
         if len(raw) != entry.end - entry.begin:
             raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
         arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
             entry.shape
         )
     return arrays
+
+
+def _read_span(handle: BinaryIO, path: str, begin: int, end: int) -> bytes:
+    try:
+        handle.seek(begin)
+        return read_exactly(handle, end - begin)
+    except OSError as exc:
+        raise DumpFormatError(path, os_problem(exc)) from None

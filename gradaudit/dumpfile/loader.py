@@ -206,7 +206,7 @@ def load_rank_files(
     read; with `stop_at_error`, None for the files after the first such one. The shared parameter
     tables read go into `tables` (the folder's unreferenced ones are warned about from it)."""
     outcomes: list[LoadOutcome] = []
-    params_cache: ParamsCache = {}
+    params_cache = ParamsCache()
     topologies: list[Topology] = []
     tables = SharedTables() if tables is None else tables
     failed = False
@@ -229,6 +229,8 @@ def _with_shared_topology(dump: RankDump, seen: list[Topology]) -> RankDump:
     lists the groups of every rank, so a copy per rank grows with the square of the world size
     (about 1 GiB of rank tuples for an HSDP step of 4096 ranks)."""
     for topology in seen:
+        if topology is dump.topology:
+            return dump
         if topology == dump.topology:
             return dataclasses.replace(dump, topology=topology)
     if len(seen) < 8:  # the distinct topologies of one step are few (one, or one per pipeline stage)
@@ -356,8 +358,16 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
     merged: dict[int, Topology] = {}  # by the id of the rank's own (shared where equal, see load_rank_files)
     for d in ranks.values():
         if id(d.topology) not in merged:
-            merged[id(d.topology)] = dataclasses.replace(d.topology, groups=merged_groups)
-    ranks = {rank: dataclasses.replace(d, topology=merged[id(d.topology)]) for rank, d in ranks.items()}
+            same = list(d.topology.groups.items()) == list(merged_groups.items())  # each listed all
+            merged[id(d.topology)] = (
+                d.topology if same else dataclasses.replace(d.topology, groups=merged_groups)
+            )
+    ranks = {
+        rank: d
+        if d.topology is merged[id(d.topology)]
+        else dataclasses.replace(d, topology=merged[id(d.topology)])
+        for rank, d in ranks.items()
+    }
     return StepDump(
         directory=directory,
         step=step,

@@ -797,13 +797,14 @@ def decode_rank(
     if rank >= world_size:
         raise r.fail("rank", f"rank {rank} is outside world size {world_size}")
     params: dict[str, ParamInfo] = {}
+    table: tuple[ParamInfo, ...] | None = None  # as columns: the very tuple every rank shares
     columnar = doc.get("columnar")
     if isinstance(columnar, dict) and columnar.get("params") == "columns":
         from .columnar import params_from_columns
 
         if r.get(doc, "params", "", r.list_):
             raise r.fail("params", "must be empty when the parameters are stored as columns")
-        params = {info.name: info for info in params_from_columns(arrays or {}, path, params_cache)}
+        table = params_from_columns(arrays or {}, path, params_cache)
     for i, raw in enumerate(r.get(doc, "params", "", r.list_)):
         info = _quick_param(raw)
         if info is None:
@@ -817,15 +818,16 @@ def decode_rank(
         if info.name in params:
             raise r.fail(f"params[{i}]", f"parameter {shown(info.name)} is listed twice")
         params[info.name] = info
+    table = tuple(params.values()) if table is None else table
     numels: dict[str, int] = {}
     if "columnar" in doc:
         from .columnar import from_columns
 
         if r.get(doc, "pieces", "", r.list_):
             raise r.fail("pieces", "must be empty when the pieces are stored as columns")
-        pieces = from_columns(doc["columnar"], arrays or {}, tuple(params.values()), path)
+        pieces = from_columns(doc["columnar"], arrays or {}, table, path, params_cache)
     else:  # format 1.0: each entry validated, then appended to the columns
-        columns = PieceColumnsBuilder(tuple(params.values()))
+        columns = PieceColumnsBuilder(table)
         for i, raw in enumerate(r.get(doc, "pieces", "", r.list_)):
             columns.add(
                 **(_quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params))
@@ -853,10 +855,10 @@ def decode_rank(
         torch_version=r.get(doc, "torch_version", "", r.str_, default=""),
         gradaudit_version=r.get(doc, "gradaudit_version", "", r.str_, default=""),
         created_at=r.get(doc, "created_at", "", r.str_, default=""),
-        params=tuple(params.values()),
+        params=table,
         pieces=pieces,
         aliases=aliases,
-        topology=_decode_topology(r, doc.get("topology", {}), world_size),
+        topology=_topology_of(r, doc.get("topology", {}), world_size, params_cache),
         clip=_decode_clip(r, doc.get("clip")),
         data=DataRecord(
             tokens=r.get(data, "tokens", "data", r.int_, optional=True),
@@ -868,6 +870,17 @@ def decode_rank(
         capture_api=r.get(doc, "capture_api", "", r.str_, optional=True),
         trigger=r.get(doc, "trigger", "", r.str_, optional=True),
     )
+
+
+def _topology_of(r: _Reader, raw: Any, world_size: int, cache: ParamsCache | None) -> Topology:
+    """The decoded topology, the very one of the load's last rank when its entry is equal."""
+    known = None if cache is None else cache.topology
+    if known is not None and known[1] == world_size and known[0] == raw:
+        return known[2]
+    topology = _decode_topology(r, raw, world_size)
+    if cache is not None:
+        cache.topology = (raw, world_size, topology)
+    return topology
 
 
 def _decode_not_captured(r: _Reader, raw: Any) -> tuple[NotCapturedParam, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
@@ -24,12 +25,24 @@ _RANK_LISTS = frozenset({"ranks", "ranks_present", "missing_ranks"})
 """Fields holding ranks, written as runs of consecutive ranks (a report's `ranks` holds its rows)."""
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+"""A report dataclass' field names, but the left-out ones (looked up once per class)."""
+_AS_IS = frozenset({str, bool, int, type(None)})
+
+
 def _plain(value: object, name: str = "") -> Any:
     """A report value as JSON values: a dataclass as an object of its fields, an enum as its value,
     tuples as lists (ranks as runs), numbers through `json_number`."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = dataclasses.fields(value)
-        return {f.name: _plain(getattr(value, f.name), f.name) for f in fields if f.name not in _LEFT_OUT}
+    kind = type(value)
+    if kind in _AS_IS:
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else json_number(value)  # type: ignore[arg-type]
+    names = _FIELDS.get(kind)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(value) if f.name not in _LEFT_OUT)
+    if names is not None:
+        return {field: _plain(getattr(value, field), field) for field in names}
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, Mapping):
