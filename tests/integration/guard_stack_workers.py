@@ -150,7 +150,7 @@ def fsdp1(rank: int, world_size: int, out_root: str) -> dict:
     wrap = partial(FullyShardedDataParallel, device_id=torch.device("cpu"), mixed_precision=half)
     make = _data_parallel(wrap, rank, world_size)
     clip = lambda model: lambda guard, step: model.clip_grad_norm_(MAX_NORM)  # noqa: E731
-    return found | _fp16_runs(rank, world_size, out_root, "fsdp1_fp16", make, _sharded_scaler, clip=clip)
+    return found | _sharded_fp16(rank, world_size, out_root, "fsdp1_fp16", make, clip=clip)
 
 
 def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:
@@ -187,7 +187,7 @@ def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "tp", make, right, wrong),
         **_bf16(out_root, "tp_bf16", make, right),
-        **_fp16_runs(rank, world_size, out_root, "tp_fp16", all_dtensor, _sharded_scaler),
+        **_sharded_fp16(rank, world_size, out_root, "tp_fp16", all_dtensor),
     }
 
 
@@ -219,9 +219,7 @@ def pipeline(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "pp", make, clip(True), clip(False), **options),
         **_bf16(out_root, "pp_bf16", make, clip(True), **options),
-        **_fp16_runs(
-            rank, world_size, out_root, "pp_fp16", make, _sharded_scaler, clip=lambda _: clip(True), **options
-        ),
+        **_sharded_fp16(rank, world_size, out_root, "pp_fp16", make, clip=lambda _: clip(True), **options),
     }
 
 
@@ -317,11 +315,15 @@ def _fp16_runs(
     return found
 
 
-def _sharded_scaler() -> Any:
-    """FSDP's ShardedGradScaler: found_inf all-reduced over the world, so every rank skips alike."""
+def _sharded_fp16(rank: int, world_size: int, out_root: str, stack: str, make, **kw) -> dict:
+    """_fp16_runs with FSDP's ShardedGradScaler, which all-reduces found_inf over the world: the inf in
+    rank 0's gradient at SKIPPED_STEP skips the step on every rank."""
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    return ShardedGradScaler("cpu", init_scale=2.0**10)
+    def scaler() -> Any:
+        return ShardedGradScaler("cpu", init_scale=2.0**10)
+
+    return _fp16_runs(rank, world_size, out_root, stack, make, scaler, sharded=True, **kw)
 
 
 def _data_parallel(wrap: Callable, rank: int, world_size: int) -> Callable[[], tuple]:
@@ -353,7 +355,7 @@ def fsdp2_fp16(rank: int, world_size: int, out_root: str) -> dict:
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     make = _data_parallel(lambda model: _fsdp2(model, mesh), rank, world_size)
-    return _fp16_runs(rank, world_size, out_root, "fsdp2_fp16", make, _sharded_scaler, sharded=True)
+    return _sharded_fp16(rank, world_size, out_root, "fsdp2_fp16", make)
 
 
 def ddp_bf16(rank: int, world_size: int, out_root: str) -> dict:
@@ -414,7 +416,7 @@ def hsdp(rank: int, world_size: int, out_root: str) -> dict:
     )
     # and float16 with FSDP2's ShardedGradScaler (found_inf all-reduced over the world)
     make = _data_parallel(lambda model: fully_shard(model, mesh=mesh), rank, world_size)
-    return found | _fp16_runs(rank, world_size, out_root, "hsdp_fp16", make, _sharded_scaler, sharded=True)
+    return found | _sharded_fp16(rank, world_size, out_root, "hsdp_fp16", make)
 
 
 def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
@@ -442,7 +444,7 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "fsdp2_tp", make, right, wrong),
         **_bf16(out_root, "fsdp2_tp_bf16", make, right),
-        **_fp16_runs(rank, world_size, out_root, "fsdp2_tp_fp16", make, _sharded_scaler, clip=_per_mesh),
+        **_sharded_fp16(rank, world_size, out_root, "fsdp2_tp_fp16", make, clip=_per_mesh),
     }
 
 
@@ -493,13 +495,12 @@ def moe(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "moe", make, clip(ep), clip(None), groups=groups),
         **_bf16(out_root, "moe_bf16", make, clip(ep), groups=groups),
-        **_fp16_runs(
+        **_sharded_fp16(
             rank,
             world_size,
             out_root,
             "moe_fp16",
             make,
-            _sharded_scaler,
             clip=lambda _: clip(ep),
             groups=groups,
         ),
@@ -539,13 +540,12 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "pp_fsdp2", make, clip(pp_group), clip(None), **options),
         **_bf16(out_root, "pp_fsdp2_bf16", make, clip(pp_group), **options),
-        **_fp16_runs(
+        **_sharded_fp16(
             rank,
             world_size,
             out_root,
             "pp_fsdp2_fp16",
             make,
-            _sharded_scaler,
             clip=lambda _: clip(pp_group),
             **options,
         ),
