@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -92,8 +93,11 @@ def _data_parallel_backward(model, rank: int, size: int, dtype=torch.float32):
     x, y = batch()
     x, y = rows(x, rank, size).to(dtype), rows(y, rank, size).to(dtype)
 
-    def backward(step: int) -> None:
-        loss_of(model(x * step), y).backward()
+    def backward(step: int, scaled=None) -> None:
+        """`scaled` (float16, see _fp16_runs): the forward under autocast, scaled(loss) backpropagated."""
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scaled is not None):
+            loss = loss_of(model(x * step), y)
+        (loss if scaled is None else scaled(loss)).backward()
 
     return backward
 
@@ -107,12 +111,17 @@ def _guarded(fn, *args):
     return lambda guard, step: guard.clip(fn, *args)
 
 
+def _per_mesh(model):
+    return _guarded(per_mesh_clip, list(model.parameters()), MAX_NORM)
+
+
 # -- world size 2 ------------------------------------------------------------------------------------
 
 
 def fsdp1(rank: int, world_size: int, out_root: str) -> dict:
-    """FSDP1 in float32, and with bfloat16 gradients of float32 parameters (keep_low_precision_grads:
-    the norm FSDP1 returns is a bfloat16 sum). The mistake: torch's clip of the flat local shards."""
+    """FSDP1 in float32, with bfloat16 gradients of float32 parameters (keep_low_precision_grads:
+    the norm FSDP1 returns is a bfloat16 sum), and in float16 with a ShardedGradScaler. The mistake:
+    torch's clip of the flat local shards."""
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     low = MixedPrecision(
@@ -136,11 +145,17 @@ def fsdp1(rank: int, world_size: int, out_root: str) -> dict:
             return torch.nn.utils.clip_grad_norm_(models[0].parameters(), MAX_NORM)
 
         found.update(_both(out_root, name, make, right, wrong))
-    return found
+    # float16 as FSDP1 runs it: MixedPrecision in float16, its ShardedGradScaler and its own clip
+    half = MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    wrap = partial(FullyShardedDataParallel, device_id=torch.device("cpu"), mixed_precision=half)
+    make = _data_parallel(wrap, rank, world_size)
+    clip = lambda model: lambda guard, step: model.clip_grad_norm_(MAX_NORM)  # noqa: E731
+    return found | _sharded_fp16(rank, world_size, out_root, "fsdp1_fp16", make, clip=clip)
 
 
 def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
@@ -158,7 +173,28 @@ def tensor_parallel(rank: int, world_size: int, out_root: str) -> dict:
     def wrong(guard, step):
         return guard.clip(world_allreduced_clip, list(models[0].parameters()), MAX_NORM)
 
-    return {**_both(out_root, "tp", make, right, wrong), **_bf16(out_root, "tp_bf16", make, right)}
+    def all_dtensor():
+        """float16: a scaler's unscale_ cannot take DTensor and plain gradients together (one foreach op
+        gets both), so norm and head are replicated DTensors too, as torchtitan makes every parameter,
+        and torch's clip_grad_norm_ takes them all."""
+        model, backward = make()
+        for module in (model.norm, model.head):
+            distribute_module(
+                module, mesh, input_fn=_replicated, output_fn=lambda m, out, mesh: out.to_local()
+            )
+        return model, backward
+
+    return {
+        **_both(out_root, "tp", make, right, wrong),
+        **_bf16(out_root, "tp_bf16", make, right),
+        **_sharded_fp16(rank, world_size, out_root, "tp_fp16", all_dtensor),
+    }
+
+
+def _replicated(module, inputs, mesh):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
 
 
 def pipeline(rank: int, world_size: int, out_root: str) -> dict:
@@ -169,7 +205,9 @@ def pipeline(rank: int, world_size: int, out_root: str) -> dict:
         full = tied_net()
         stage = (FirstStage(full) if rank == 0 else LastStage(full)).to(dtype)
         stages[:] = [stage]
-        return stage, lambda step: _pipeline_backward(stage, rank, (tokens + step) % 10, targets)
+        return stage, lambda step, scaled=None: _pipeline_backward(
+            stage, rank, (tokens + step) % 10, targets, scaled=scaled
+        )
 
     def clip(across: bool):
         return lambda guard, step: guard.clip(_pipeline_clip, stages[0], rank, MAX_NORM, across_stages=across)
@@ -181,6 +219,7 @@ def pipeline(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "pp", make, clip(True), clip(False), **options),
         **_bf16(out_root, "pp_bf16", make, clip(True), **options),
+        **_sharded_fp16(rank, world_size, out_root, "pp_fp16", make, clip=lambda _: clip(True), **options),
     }
 
 
@@ -219,49 +258,82 @@ SKIPPED_STEP = 5
 
 
 def _fp16_runs(
-    rank: int, world_size: int, out_root: str, stack: str, wrap, make_scaler, mistakes, *, sharded: bool
+    rank: int,
+    world_size: int,
+    out_root: str,
+    stack: str,
+    make: Callable[[], tuple],
+    make_scaler: Callable[[], Any],
+    mistakes: tuple[str, ...] = ("before_unscale",),
+    *,
+    sharded: bool = False,
+    clip: Callable[[Any], Callable] = _torch_clip,
+    **guard_options: Any,
 ) -> dict:
-    """Float16 autocast with a GradScaler: unscale_, clip, scaler.step, read one step late as on GPU. At
+    """Float16 autocast with a GradScaler: unscale_, clip, scaler.step, read one step late as on GPU.
+    `make()` gives (model, backward(step, scaled)): the forward under float16 autocast, scaled(loss)
+    backpropagated (by the rank that has a loss); `clip(model)` the stack's correct clip. At
     SKIPPED_STEP the gradients hold an inf and every rank's scaler skips the step (the loss is inf on
     every rank; `sharded`: only rank 0's shard has an inf, and the sharded scaler all-reduces found_inf).
-    The mistakes, at MISTAKE_STEP: clipping before
-    unscale_ ("before_unscale": the norm is the loss scale too big), and an inf in one rank's gradient
-    only ("inf"; under DDP after the all-reduce: a GradScaler does not all-reduce found_inf)."""
-    x, y = batch()
-    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    The mistakes, at MISTAKE_STEP: clipping before unscale_ ("before_unscale": the norm is the loss
+    scale too big), and an inf in one rank's gradient only ("inf"; under DDP after the all-reduce: a
+    GradScaler does not all-reduce found_inf)."""
     found = {}
     for mistake in (None, *mistakes):
         name = stack if mistake is None else f"{stack}{'_skip' if mistake == 'inf' else ''}_mistake"
-        model, scaler = wrap(tiny_net()), make_scaler()
+        (model, fp16_backward), scaler = make(), make_scaler()
+        scaler.scale(torch.ones(()))  # starts the loss scale on every rank (a first stage has no loss)
+        clip_norm = clip(model)
 
-        def backward(step: int, model=model, scaler=scaler, mistake=mistake) -> None:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = loss_of(model(x * step), y)
-            if step == SKIPPED_STEP and not sharded:
-                loss = loss * float("inf")
-            scaler.scale(loss.float()).backward()
+        def backward(
+            step: int, model=model, scaler=scaler, mistake=mistake, fp16_backward=fp16_backward
+        ) -> None:
+            inf = float("inf") if step == SKIPPED_STEP and not sharded else 1.0
+            fp16_backward(step, lambda loss: scaler.scale(loss.float() * inf))
             one_rank = (step == SKIPPED_STEP and sharded) or (mistake == "inf" and step == MISTAKE_STEP)
             if rank == 0 and one_rank:
                 grad = next(model.parameters()).grad
                 (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
 
-        def clip(guard, step, model=model, scaler=scaler, mistake=mistake):
+        def fp16_clip(guard, step, scaler=scaler, mistake=mistake, clip_norm=clip_norm):
             unscale_first = not (mistake == "before_unscale" and step == MISTAKE_STEP)
             if unscale_first:
                 scaler.unscale_(guard.optimizer)
-            norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            norm = _full(clip_norm(guard, step))
             return norm / (1.0 if unscale_first else scaler.get_scale())
 
         found[name] = _run(
             model,
             os.path.join(out_root, name),
             backward,
-            clip,
+            fp16_clip,
             num_steps=MISTAKE_STEPS if mistake else NUM_STEPS,
             scaler=scaler,
             late=True,
+            **guard_options,
         )
     return found
+
+
+def _sharded_fp16(rank: int, world_size: int, out_root: str, stack: str, make, **kw) -> dict:
+    """_fp16_runs with FSDP's ShardedGradScaler, which all-reduces found_inf over the world: the inf in
+    rank 0's gradient at SKIPPED_STEP skips the step on every rank."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    def scaler() -> Any:
+        return ShardedGradScaler("cpu", init_scale=2.0**10)
+
+    return _fp16_runs(rank, world_size, out_root, stack, make, scaler, sharded=True, **kw)
+
+
+def _data_parallel(wrap: Callable, rank: int, world_size: int) -> Callable[[], tuple]:
+    """`make` of a data-parallel stack: wrap(TinyNet), each rank its rows of the batch."""
+
+    def make() -> tuple:
+        model = wrap(tiny_net())
+        return model, _data_parallel_backward(model, rank, world_size)
+
+    return make
 
 
 def ddp_fp16(rank: int, world_size: int, out_root: str) -> dict:
@@ -270,10 +342,9 @@ def ddp_fp16(rank: int, world_size: int, out_root: str) -> dict:
         world_size,
         out_root,
         "ddp_fp16",
-        torch.nn.parallel.DistributedDataParallel,
+        _data_parallel(torch.nn.parallel.DistributedDataParallel, rank, world_size),
         lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10),
         ("before_unscale", "inf"),
-        sharded=False,
     )
 
 
@@ -281,19 +352,10 @@ def fsdp2_fp16(rank: int, world_size: int, out_root: str) -> dict:
     """FSDP2 with its ShardedGradScaler, which all-reduces found_inf: an inf in rank 0's shard skips the
     step on both ranks, and the guard writes it as skipped."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    return _fp16_runs(
-        rank,
-        world_size,
-        out_root,
-        "fsdp2_fp16",
-        lambda model: _fsdp2(model, mesh),
-        lambda: ShardedGradScaler("cpu", init_scale=2.0**10),
-        ("before_unscale",),
-        sharded=True,
-    )
+    make = _data_parallel(lambda model: _fsdp2(model, mesh), rank, world_size)
+    return _sharded_fp16(rank, world_size, out_root, "fsdp2_fp16", make)
 
 
 def ddp_bf16(rank: int, world_size: int, out_root: str) -> dict:
@@ -352,19 +414,9 @@ def hsdp(rank: int, world_size: int, out_root: str) -> dict:
     found["hsdp_bf16"] = _run(
         model, os.path.join(out_root, "hsdp_bf16"), backward, right, num_steps=NUM_STEPS
     )
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
     # and float16 with FSDP2's ShardedGradScaler (found_inf all-reduced over the world)
-    return found | _fp16_runs(
-        rank,
-        world_size,
-        out_root,
-        "hsdp_fp16",
-        lambda model: fully_shard(model, mesh=mesh),
-        lambda: ShardedGradScaler("cpu", init_scale=2.0**10),
-        ("before_unscale",),
-        sharded=True,
-    )
+    make = _data_parallel(lambda model: fully_shard(model, mesh=mesh), rank, world_size)
+    return found | _sharded_fp16(rank, world_size, out_root, "hsdp_fp16", make)
 
 
 def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
@@ -392,6 +444,7 @@ def fsdp2_over_tp(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "fsdp2_tp", make, right, wrong),
         **_bf16(out_root, "fsdp2_tp_bf16", make, right),
+        **_sharded_fp16(rank, world_size, out_root, "fsdp2_tp_fp16", make, clip=_per_mesh),
     }
 
 
@@ -413,8 +466,10 @@ def moe(rank: int, world_size: int, out_root: str) -> dict:
         model = TinyMoE(ep_index * NUM_LOCAL_EXPERTS, NUM_LOCAL_EXPERTS).to(dtype)
         models[:] = [model]
 
-        def backward(step: int) -> None:
-            loss_of(model(x.to(dtype) * step), y.to(dtype)).backward()
+        def backward(step: int, scaled=None) -> None:
+            with torch.autocast("cpu", dtype=torch.float16, enabled=scaled is not None):
+                loss = loss_of(model(x.to(dtype) * step), y.to(dtype))
+            (loss if scaled is None else scaled(loss)).backward()
             for n, p in model.named_parameters():
                 expert = "local_experts" in n
                 dist.all_reduce(p.grad, group=edp if expert else None)
@@ -440,6 +495,15 @@ def moe(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "moe", make, clip(ep), clip(None), groups=groups),
         **_bf16(out_root, "moe_bf16", make, clip(ep), groups=groups),
+        **_sharded_fp16(
+            rank,
+            world_size,
+            out_root,
+            "moe_fp16",
+            make,
+            clip=lambda _: clip(ep),
+            groups=groups,
+        ),
     }
 
 
@@ -463,8 +527,8 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
         stage = (FirstStage(full) if pp_index == 0 else LastStage(full)).to(dtype)
         fully_shard(stage, mesh=mesh["dp_shard"])
         stages[:] = [stage]
-        backward = lambda step: pipeline_fsdp2_backward(  # noqa: E731
-            stage, pp_index, peer, pp_group, (tokens + step) % 10, targets
+        backward = lambda step, scaled=None: pipeline_fsdp2_backward(  # noqa: E731
+            stage, pp_index, peer, pp_group, (tokens + step) % 10, targets, scaled=scaled
         )
         return stage, backward
 
@@ -476,6 +540,15 @@ def pipeline_over_fsdp2(rank: int, world_size: int, out_root: str) -> dict:
     return {
         **_both(out_root, "pp_fsdp2", make, clip(pp_group), clip(None), **options),
         **_bf16(out_root, "pp_fsdp2_bf16", make, clip(pp_group), **options),
+        **_sharded_fp16(
+            rank,
+            world_size,
+            out_root,
+            "pp_fsdp2_fp16",
+            make,
+            clip=lambda _: clip(pp_group),
+            **options,
+        ),
     }
 
 

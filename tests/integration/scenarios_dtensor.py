@@ -166,21 +166,29 @@ def _stage_clip(stage, max_norm: float, *, pp_group, dp_group=None) -> torch.Ten
     return norm
 
 
-def pipeline_fsdp2_backward(stage, pp_index: int, peer: int, pp_group, tokens, targets) -> None:
+def pipeline_fsdp2_backward(
+    stage, pp_index: int, peer: int, pp_group, tokens, targets, *, scaled=None
+) -> None:
     """One microbatch through the two FSDP2-sharded stages with send/recv to the peer stage's rank of
-    the same data-parallel index, then the tied-embedding all-reduce over the stages."""
+    the same data-parallel index, then the tied-embedding all-reduce over the stages. `scaled` (float16
+    with a GradScaler): as in scenarios_plain._pipeline_backward."""
+    amp = torch.autocast("cpu", dtype=torch.float16, enabled=scaled is not None)
     if pp_index == 0:
-        hidden = stage(tokens)
+        with amp:
+            hidden = stage(tokens)
         dist.send(hidden.detach(), dst=peer)
         grad = torch.empty_like(hidden)
         dist.recv(grad, src=peer)
         hidden.backward(grad)
         tied = stage.embed.weight.grad
     else:
-        hidden = torch.empty(tokens.shape[0], 8, dtype=stage.lm_head.weight.dtype)
+        dtype = torch.float16 if scaled is not None else stage.lm_head.weight.dtype
+        hidden = torch.empty(tokens.shape[0], 8, dtype=dtype)
         dist.recv(hidden, src=peer)
         hidden.requires_grad_(True)
-        torch.nn.functional.cross_entropy(stage(hidden), targets).backward()
+        with amp:
+            loss = torch.nn.functional.cross_entropy(stage(hidden), targets)
+        (loss if scaled is None else scaled(loss)).backward()
         dist.send(hidden.grad, dst=peer)
         tied = stage.lm_head.weight.grad
     dist.all_reduce(tied.to_local(), group=pp_group)  # both stages' shards of the tied weight

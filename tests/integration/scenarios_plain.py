@@ -78,21 +78,27 @@ class LastStage(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def _pipeline_backward(stage, rank, tokens, targets) -> None:
-    """One microbatch through two stages with send/recv, then the tied-embedding all-reduce."""
+def _pipeline_backward(stage, rank, tokens, targets, *, scaled=None) -> None:
+    """One microbatch through two stages with send/recv, then the tied-embedding all-reduce. `scaled`
+    (float16 with a GradScaler): the forward under autocast, the activations sent in float16, the last
+    stage backpropagating scaled(loss)."""
+    amp = torch.autocast("cpu", dtype=torch.float16, enabled=scaled is not None)
     if rank == 0:
-        hidden = stage(tokens)
+        with amp:
+            hidden = stage(tokens)
         dist.send(hidden.detach(), dst=1)
         grad = torch.empty_like(hidden)
         dist.recv(grad, src=1)
         hidden.backward(grad)
         tied = stage.embed.weight.grad
     else:
-        hidden = torch.empty(tokens.shape[0], 8, dtype=next(stage.parameters()).dtype)
+        dtype = torch.float16 if scaled is not None else next(stage.parameters()).dtype
+        hidden = torch.empty(tokens.shape[0], 8, dtype=dtype)
         dist.recv(hidden, src=0)
         hidden.requires_grad_(True)
-        loss = torch.nn.functional.cross_entropy(stage(hidden), targets)
-        loss.backward()
+        with amp:
+            loss = torch.nn.functional.cross_entropy(stage(hidden), targets)
+        (loss if scaled is None else scaled(loss)).backward()
         dist.send(hidden.grad, dst=0)
         tied = stage.lm_head.weight.grad
     dist.all_reduce(tied)  # both copies of the tied weight now hold its whole gradient

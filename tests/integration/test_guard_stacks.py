@@ -1,6 +1,6 @@
 """gradaudit.guard on every stack the issue names beside DDP and FSDP2 (tested in test_guard.py) and on
-pipeline stages sharded with FSDP2, in bfloat16 (DDP, TP, pipeline, pipeline+FSDP2, MoE, FSDP1/2, HSDP, FSDP2+TP) and
-float16 with a GradScaler (DDP, FSDP2, HSDP), on real gloo ranks: a correct run of 20 steps is never flagged
+pipeline stages sharded with FSDP2, in float32, bfloat16 and float16 with a GradScaler (DDP, FSDP1, FSDP2, HSDP,
+TP, FSDP2+TP, pipeline, pipeline+FSDP2, MoE), on real gloo ranks: a correct run of 20 steps is never flagged
 and its trend's true norm is what the stack's clip returned; one known mistake per stack is named at the
 step it is first made, with the code `gradaudit check` gives for the dump the guard wrote.
 
@@ -25,10 +25,13 @@ pytestmark = pytest.mark.integration
 STACKS_OF_TWO = {  # stack -> (the dtype of its gradients, the code of its mistake)
     "fsdp1": ("float32", "GA201"),
     "fsdp1_bf16": ("bfloat16", "GA201"),
+    "fsdp1_fp16": ("float32", "GA502"),
     "tp": ("float32", "GA202"),
     "tp_bf16": ("bfloat16", None),
+    "tp_fp16": ("float32", "GA502"),
     "pp": ("float32", "GA201"),
     "pp_bf16": ("bfloat16", None),
+    "pp_fp16": ("float32", "GA502"),
     "fsdp2_bf16": ("bfloat16", "GA201"),
     "ddp_fp16": ("float32", "GA502"),
     "fsdp2_fp16": ("float32", "GA502"),
@@ -40,10 +43,13 @@ STACKS_OF_FOUR = {
     "hsdp_fp16": ("float32", "GA502"),
     "fsdp2_tp": ("float32", "GA201"),
     "fsdp2_tp_bf16": ("bfloat16", None),
+    "fsdp2_tp_fp16": ("float32", "GA502"),
     "moe": ("float32", "GA207"),
     "moe_bf16": ("bfloat16", None),
+    "moe_fp16": ("float32", "GA502"),
     "pp_fsdp2": ("float32", "GA203"),
     "pp_fsdp2_bf16": ("bfloat16", None),
+    "pp_fsdp2_fp16": ("float32", "GA502"),
 }
 STACKS = {**STACKS_OF_TWO, **STACKS_OF_FOUR}
 MISTAKES = {f"{stack}_mistake": code for stack, (_, code) in STACKS.items() if code is not None}
