@@ -240,7 +240,7 @@ def clipped_twice_report(*, step: int) -> Report:
 
 def multi_clipped_twice_report() -> MultiStepReport:
     """A run folder whose step 2 clipped per micro-batch: its summary row, made by the audit's own
-    `summarize`, carries the true norm before the first call, and so do the table and the chart."""
+    `summarize`, carries the first call's norms, and so do the table and the chart."""
     from gradaudit.audit import summarize
 
     steps = (clean_report(step=1), clipped_twice_report(step=2), clean_report(step=3))
