@@ -341,14 +341,13 @@ def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | No
 
 
 def summarize(report: Report, directory: str) -> StepSummary:
-    reported = next((row.reported_norm for row in report.ranks if row.reported_norm is not None), None)
-    true_norm, coef, _ = first_call_numbers(report)
+    numbers = first_call_numbers(report)
     return StepSummary(
         step=report.step,
         directory=directory,
-        global_norm=true_norm,
-        reported_norm=reported,
-        expected_clip_coef=coef,
+        global_norm=numbers.true_norm,
+        reported_norm=numbers.reported_norm,
+        expected_clip_coef=numbers.expected_clip_coef,
         num_errors=sum(f.severity is Severity.ERROR for f in report.findings),
         num_warnings=sum(f.severity is Severity.WARNING for f in report.findings),
         codes=tuple(sorted({f.code for f in report.findings})),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,19 @@ def test_the_trend_reads_back_and_lists_the_failing_steps_first(tmp_path):
     text = trend_text(lines)
     assert text.splitlines()[0] == "guard trend: 3 checked steps, 1 with wrong clipping"
     assert text.splitlines()[1].startswith("  step 2: GA201")
+
+
+def test_a_step_clipped_twice_keeps_its_clip_calls_in_the_trend_and_names_the_last_as_the_coefficients(
+    tmp_path,
+):
+    twice = replace(_line(2, ("GA501",), true=71.0, reported=71.0), min_coef=0.5, clip_calls=2)
+    lines = [_line(1), twice]
+    assert read_trend(_trend(tmp_path, lines) / TREND_FILE) == lines
+    assert "clip_calls" not in _line(1).to_json() and twice.to_json()["clip_calls"] == 2  # once: as before
+    (failing,) = [row for row in trend_text(lines).splitlines() if row.startswith("  step 2:")]
+    assert failing.endswith(
+        "(true norm 71, reported 71, coefficients applied by the last of 2 clip calls 0.5..0.8)"
+    )
 
 
 def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_path):

@@ -136,7 +136,7 @@ def test_pieces_that_ranks_hold_alike_without_a_replica_group_are_one_group_over
     assert added == {"ranks 0,1": ((0, 1),)}
 
 
-def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_the_trend_and_the_table(
+def test_a_step_clipped_per_micro_batch_shows_its_first_clips_norms_in_the_trend_the_warning_and_the_table(
     tmp_path,
 ):
     from gradaudit.audit import AuditOptions, audit_folder
@@ -150,30 +150,40 @@ def test_a_step_clipped_per_micro_batch_shows_the_norm_before_its_first_clip_in_
     with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
         model(torch.randn(4, 8)).pow(2).sum().backward()
         first = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # micro-batch 1, clipped alone
+        reported = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))  # micro-batch 1
         model(torch.randn(4, 8)).pow(2).sum().backward()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", GuardWarning)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", GuardWarning)
+            last = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
             opt.step()
+        logged = guard.last.metrics() if guard.last is not None else {}
         _steps(model, opt, 1)  # captured in full: a second step of the run folder
     (line,) = _trend(tmp_path)
-    assert guard.anomalies == [(1, ("GA501",))] and line["codes"] == ["GA501"]
+    assert guard.anomalies == [(1, ("GA501",))] and line["codes"] == ["GA501"] and line["clip_calls"] == 2
     assert first > 10 * MAX_NORM and line["true_norm"] == pytest.approx(first, rel=1e-6)
+    # the first call's reported norm beside its true norm (ratio 1), not the last call's over the first's
+    assert (
+        line["reported_norm"] == pytest.approx(reported, rel=1e-6) and abs(last - reported) > 0.1 * reported
+    )
+    assert logged["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
+    (warned,) = [str(w.message) for w in caught if "GA501" in str(w.message)]
+    assert f"true norm {line['true_norm']:.6g}, reported {reported:.6g}" in warned
+    assert f"applied by the last of 2 clip calls {line['min_coef']:.6g}.." in warned
     multi = audit_folder(tmp_path, AuditOptions())
     (row,) = [row for row in step_rows(multi)[0] if row.steps == (1,)]
     # the run table shows the trend's number, not the report's norm before the last call
     assert row.global_norm == (line["true_norm"], line["true_norm"]) and row.clip_calls == 2
-    assert row.ratio[0] == pytest.approx(line["reported_norm"] / line["true_norm"])
+    assert row.ratio[0] == pytest.approx(line["reported_norm"] / line["true_norm"]) == pytest.approx(1.0)
     assert row.expected_clip_coef[0] == pytest.approx(MAX_NORM / (first + 1e-6))  # at that moment too
     assert line["expected_coef"] == row.expected_clip_coef[0]  # the trend file's coefficient too
     (summary,) = [s for s in json.loads(json_multi(multi))["summary"] if s["step"] == 1]
     (point,) = [p for p in trend_points(multi, {1}) if p.step == 1]  # the Markdown chart's
     assert summary["global_norm"] == point.true_norm == line["true_norm"]
+    assert summary["reported_norm"] == point.reported_norm == line["reported_norm"]
     assert summary["expected_clip_coef"] == row.expected_clip_coef[0]
     (report,) = [r for r in multi.steps if r.step == 1]
     assert report.global_norm is not None and abs(report.global_norm - first) > 0.1 * first
-    note = "step 1: the true norm and expected coef before the first of its 2 clip calls"
+    note = "step 1: reported norm, true norm and expected coef at the first of its 2 clip calls"
     assert note in render_multi(multi, width=200) and note in markdown_multi(multi)
 
 

@@ -225,7 +225,13 @@ def clipped_twice_report(*, step: int) -> Report:
                 title="clipping ran more than once before one optimizer step",
                 message="ranks 0-3 clipped 2 times before one optimizer step (rank 0 reported norms 71, 0.9)",
                 ranks=(0, 1, 2, 3),
-                evidence={"call_1_true_norm": 71.0, "call_2_true_norm": 0.9, "first_rank": 0, "num_calls": 2},
+                evidence={
+                    "call_1_reported_norm": 71.0,
+                    "call_1_true_norm": 71.0,
+                    "call_2_true_norm": 0.9,
+                    "first_rank": 0,
+                    "num_calls": 2,
+                },
             ),
         ),
         verdict="True global L2 norm 0.9 before the last of 2 clip calls with max_norm 1",
@@ -234,7 +240,7 @@ def clipped_twice_report(*, step: int) -> Report:
 
 def multi_clipped_twice_report() -> MultiStepReport:
     """A run folder whose step 2 clipped per micro-batch: its summary row, made by the audit's own
-    `summarize`, carries the true norm before the first call, and so do the table and the chart."""
+    `summarize`, carries the first call's norms, and so do the table and the chart."""
     from gradaudit.audit import summarize
 
     steps = (clean_report(step=1), clipped_twice_report(step=2), clean_report(step=3))
@@ -336,7 +342,7 @@ def test_multi_step_rendering_matches_its_golden_file(request, scenario, suffix)
     _check_golden(request, f"{scenario}.{suffix}", render_multi(MULTI_SCENARIOS[scenario]()))
 
 
-def test_a_step_clipped_twice_has_one_true_norm_in_the_table_the_chart_and_the_json_summary():
+def test_a_step_clipped_twice_shows_its_first_calls_norms_in_the_table_the_chart_and_the_json_summary():
     from gradaudit.render.charts import trend_points
     from gradaudit.render.steps import step_rows
 
@@ -345,15 +351,23 @@ def test_a_step_clipped_twice_has_one_true_norm_in_the_table_the_chart_and_the_j
     (point,) = [p for p in trend_points(multi, {2}) if p.step == 2]
     (summary,) = [s for s in json.loads(json_render.render_multi(multi))["summary"] if s["step"] == 2]
     assert row.global_norm == (71.0, 71.0) and point.true_norm == 71.0 and summary["global_norm"] == 71.0
+    # the first call's reported norm beside the first call's true norm: a ratio of 1, not 0.9 / 71
+    assert (
+        row.reported_norm == (71.0, 71.0) and point.reported_norm == 71.0 and summary["reported_norm"] == 71.0
+    )
+    assert row.ratio == (1.0, 1.0)
     coef = 1.0 / (71.0 + 1e-6)
     assert row.expected_clip_coef == (coef, coef) and summary["expected_clip_coef"] == coef
     assert row.clip_calls == 2 and point.clip_calls == 2 and "GA501" in summary["codes"]
     assert multi.steps[1].global_norm == 0.9  # the step's own report: before the last call
-    note = "step 2: the true norm and expected coef before the first of its 2 clip calls"
+    note = "step 2: reported norm, true norm and expected coef at the first of its 2 clip calls"
     assert note in terminal_render.render_multi(multi, width=200)
     markdown = markdown_render.render_multi(multi)
-    assert note in markdown and "Step 2, clipped more than once: the true norm before the first" in markdown
-    assert "line [0.5, 71, 0.5]" in markdown  # the chart's true-norm line
+    assert (
+        note in markdown
+        and "Step 2, clipped more than once: the true and reported norm at the first" in markdown
+    )
+    assert "line [0.5, 71, 0.5]\n    line [0.5, 71, 0.5]" in markdown  # the chart's true and reported lines
 
 
 # ---------------------------------------------------------------- what the seed report must say

@@ -25,7 +25,11 @@ def clipped_more_than_once(inputs: AuditInputs, options: AuditOptions) -> CheckR
     first_rank = min(repeated)
     norms = ", ".join(num(c.reported_norm) for c in repeated[first_rank][:MAX_CALLS_IN_MESSAGE])
     counts = sorted({len(c) for c in repeated.values()})
-    evidence: dict[str, int | float | str | None] = {"num_calls": max(counts), "first_rank": first_rank}
+    evidence: dict[str, int | float | str | None] = {
+        "num_calls": max(counts),
+        "first_rank": first_rank,
+        "call_1_reported_norm": repeated[first_rank][0].reported_norm,
+    }
     diagnosis = inputs.diagnosis
     if diagnosis.call_norms:
         true_norms = _call_norms_text(diagnosis.call_norms[:MAX_CALLS_IN_MESSAGE], diagnosis.max_norm)

@@ -28,7 +28,7 @@ from .summary import (
     ownership_groups,
     pack,
 )
-from .trend import TREND_FILE, TrendLine, skipped_line, trend_line
+from .trend import TREND_FILE, TrendLine, by_last_call, skipped_line, trend_line
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -732,7 +732,7 @@ def _numbers(line: TrendLine) -> str:
     if line.expected_coef is not None:
         parts.append(f"expected coefficient {line.expected_coef:.6g}")
     if line.min_coef is not None and line.max_coef is not None:
-        parts.append(f"applied {line.min_coef:.6g}..{line.max_coef:.6g}")
+        parts.append(f"applied{by_last_call(line)} {line.min_coef:.6g}..{line.max_coef:.6g}")
     return f" ({', '.join(parts)})" if parts else ""
 
 

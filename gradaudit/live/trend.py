@@ -30,15 +30,19 @@ class TrendLine:
     step: int
     true_norm: float | None
     reported_norm: float | None
-    """What the last clip call returned on rank 0 (None: no clip call)."""
+    """What the clip call returned on rank 0 (None: no clip call). With several calls, this, `true_norm`
+    and `expected_coef` are the first call's (see report.model.first_call_numbers)."""
     expected_coef: float | None
     min_coef: float | None
     max_coef: float | None
-    """The smallest and largest coefficient the ranks applied; their difference is the spread."""
+    """The smallest and largest coefficient the ranks applied (the last clip call's); their difference
+    is the spread."""
     codes: tuple[str, ...] = ()
     """The error codes of the step; empty when its clipping was right."""
     skipped: bool = False
     """Every rank's GradScaler skipped the step (inf gradients): not checked, and not an anomaly."""
+    clip_calls: int = 1
+    """The most clip calls a rank made in the step (GA501 above 1), when the true norm before each is known."""
 
     @property
     def ok(self) -> bool:
@@ -71,7 +75,7 @@ class TrendLine:
             "coef_spread": _finite_or_text(self.coef_spread),
             "verdict": "skipped" if self.skipped else "ok" if self.ok else "anomaly",
             "codes": list(self.codes),
-        }
+        } | ({"clip_calls": self.clip_calls} if self.clip_calls > 1 else {})
 
 
 def _finite_or_text(value: float | None) -> float | str | None:
@@ -93,20 +97,21 @@ def _number(doc: Mapping[str, Any], key: str, where: str) -> float | None:
 
 
 def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
-    """The trend line of a step from its report; its true norm and expected coefficient are those the
-    run's summary row shows (with several clip calls, GA501, those before the first call)."""
-    from ..audit import summarize
+    """The trend line of a step from its report; its norms and expected coefficient are those the
+    run's summary row shows (with several clip calls, GA501, the first call's)."""
+    from ..report.model import first_call_numbers
 
     coefs = [r.applied_clip_coef for r in report.ranks if r.applied_clip_coef is not None]
-    row = summarize(report, "")
+    numbers = first_call_numbers(report)
     return TrendLine(
         step=report.step,
-        true_norm=row.global_norm,
-        reported_norm=row.reported_norm,
-        expected_coef=row.expected_clip_coef,
+        true_norm=numbers.true_norm,
+        reported_norm=numbers.reported_norm,
+        expected_coef=numbers.expected_clip_coef,
         min_coef=min(coefs) if coefs else None,
         max_coef=max(coefs) if coefs else None,
         codes=codes,
+        clip_calls=numbers.clip_calls,
     )
 
 
@@ -146,6 +151,9 @@ def read_trend(path: str | Path) -> list[TrendLine]:
                     codes = doc.get("codes", [])
                     if not isinstance(codes, list) or not all(isinstance(c, str) for c in codes):
                         raise ValueError(f"{where}: codes must be a list of strings")
+                    calls = doc.get("clip_calls", 1)
+                    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+                        raise ValueError(f"{where}: clip_calls must be a positive integer")
                     lines.append(
                         TrendLine(
                             step=step,
@@ -156,6 +164,7 @@ def read_trend(path: str | Path) -> list[TrendLine]:
                             max_coef=_number(doc, "max_coef", where),
                             codes=tuple(codes),
                             skipped=doc.get("verdict") == "skipped",
+                            clip_calls=calls,
                         )
                     )
                 except ValueError as exc:  # json.JSONDecodeError is a ValueError
@@ -225,5 +234,11 @@ def _fmt(value: float | None) -> str:
 def _numbers(line: TrendLine) -> str:
     parts = [f"true norm {_fmt(line.true_norm)}", f"reported {_fmt(line.reported_norm)}"]
     if line.coef_spread is not None:
-        parts.append(f"coefficients {_fmt(line.min_coef)}..{_fmt(line.max_coef)}")
+        by = f" applied{by_last_call(line)}" if line.clip_calls > 1 else ""
+        parts.append(f"coefficients{by} {_fmt(line.min_coef)}..{_fmt(line.max_coef)}")
     return " (" + ", ".join(parts) + ")"
+
+
+def by_last_call(line: TrendLine) -> str:
+    """With several clip calls, that the coefficients are the last one's (only its is measured)."""
+    return "" if line.clip_calls == 1 else f" by the last of {line.clip_calls} clip calls"

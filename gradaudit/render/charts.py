@@ -112,7 +112,7 @@ class TrendPoint:
     failing: bool
     """Whether the step has errors, warnings or missing ranks."""
     clip_calls: int = 1
-    """The step's clip calls; above 1, `true_norm` is the one before the first (as in the run table)."""
+    """The step's clip calls; above 1, both norms are those at the first (as in the run table)."""
 
 
 def trend_points(
@@ -120,7 +120,7 @@ def trend_points(
 ) -> list[TrendPoint]:
     """The steps with a known true and reported norm, every failing one kept, the clean ones thinned
     evenly when there are more than `limit` in all. The norms are the summary's (`first_call_numbers`)."""
-    calls = {report.step: first_call_numbers(report)[2] for report in multi.steps}
+    calls = {report.step: first_call_numbers(report).clip_calls for report in multi.steps}
     points = [
         TrendPoint(
             step=s.step,

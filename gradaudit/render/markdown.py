@@ -377,7 +377,7 @@ def _trend_section(multi: MultiStepReport) -> str:
     several = [p.step for p in points if p.clip_calls > 1]
     first = (
         f" Step{'s' if len(several) > 1 else ''} {fmt_rank_set(several, max_chars=200)}, clipped more "
-        "than once: the true norm before the first clip call, as in the table."
+        "than once: the true and reported norm at the first clip call, as in the table."
         if several
         else ""
     )

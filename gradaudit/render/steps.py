@@ -35,8 +35,8 @@ class StepRow:
     failing: bool
     """Whether the row is a failing step (see `is_failing`)."""
     clip_calls: int = 1
-    """A failing step's clip calls; above 1, `global_norm` and `expected_clip_coef` are those before
-    the first of them (StepSummary's, see `first_call_numbers`)."""
+    """A failing step's clip calls; above 1, the norms and `expected_clip_coef` are those at the first
+    of them (StepSummary's, see `first_call_numbers`)."""
 
 
 def is_failing(report: Report) -> bool:
@@ -51,7 +51,9 @@ def is_failing(report: Report) -> bool:
 def step_rows(multi: MultiStepReport, *, failing_only: bool = False) -> tuple[list[StepRow], list[int]]:
     """(the rows, the clean steps left out): failing steps first, in step order, then runs of clean
     steps (all left out with `failing_only`)."""
-    failing = {report.step: first_call_numbers(report)[2] for report in multi.steps if is_failing(report)}
+    failing = {
+        report.step: first_call_numbers(report).clip_calls for report in multi.steps if is_failing(report)
+    }
     rows = [
         replace(_row([s], failing=True), clip_calls=failing[s.step])
         for s in multi.summary
@@ -95,18 +97,18 @@ def _row(run: Sequence[StepSummary], *, failing: bool) -> StepRow:
 
 
 def first_call_notes(rows: Iterable[StepRow]) -> list[str]:
-    """One line under the summary per number of clip calls, naming the rows whose true norm and
-    expected coefficient are those before the first call."""
+    """One line under the summary per number of clip calls, naming the rows whose norms and expected
+    coefficient are those at the first call."""
     steps_by_calls: dict[int, list[str]] = {}
     for row in rows:
         if row.clip_calls > 1:
             steps_by_calls.setdefault(row.clip_calls, []).append(fmt_steps(row.steps))
     return [
-        f"step {steps[0]}: the true norm and expected coef before the first of its {calls} clip calls "
-        "(its report: before the last)"
+        f"step {steps[0]}: reported norm, true norm and expected coef at the first of its {calls} clip "
+        "calls (its report: at the last)"
         if len(steps) == 1
-        else f"steps {', '.join(steps)}: the true norm and expected coef before the first of their "
-        f"{calls} clip calls (their reports: before the last)"
+        else f"steps {', '.join(steps)}: reported norm, true norm and expected coef at the first of their "
+        f"{calls} clip calls (their reports: at the last)"
         for calls, steps in steps_by_calls.items()
     ]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -211,18 +211,45 @@ class Report:
         return min((f.severity for f in self.findings), key=lambda s: s.rank, default=None)
 
 
-def first_call_numbers(report: Report) -> tuple[float | None, float | None, int]:
-    """(true norm, expected coefficient, clip calls) of a step as a run's summary, its trend line and
-    the guard's log show it. With several clip calls (GA501) the two numbers are those before the first
-    call: the later calls see a gradient the earlier ones clipped (the step's report: before the last)."""
-    for finding in report.findings:
-        first, calls = finding.evidence.get("call_1_true_norm"), finding.evidence.get("num_calls")
-        if isinstance(first, (int, float)) and not isinstance(first, bool) and isinstance(calls, int):
-            from ..norms import expected_clip_coef
+@dataclass(frozen=True, kw_only=True)
+class FirstCall:
+    """A step's numbers as a run's summary, its trend line and the guard's log show them. With several
+    clip calls (GA501) they are the first call's: its reported norm, the true norm and the expected
+    coefficient before it (the later calls see a gradient the earlier ones clipped; the step's own
+    report shows the last call's)."""
 
-            max_norm = report.max_norm
-            return float(first), None if max_norm is None else expected_clip_coef(first, max_norm), calls
-    return report.global_norm, report.expected_clip_coef, 1
+    true_norm: float | None
+    reported_norm: float | None
+    """The lowest rank's that reported one (with several calls, GA501's `first_rank`'s)."""
+    expected_clip_coef: float | None
+    clip_calls: int = 1
+    """Above 1, the numbers are the first call's, and the step's report differs from them."""
+
+
+def first_call_numbers(report: Report) -> FirstCall:
+    reported = next((row.reported_norm for row in report.ranks if row.reported_norm is not None), None)
+    numbers = FirstCall(
+        true_norm=report.global_norm, reported_norm=reported, expected_clip_coef=report.expected_clip_coef
+    )
+    for finding in report.findings:
+        evidence = finding.evidence
+        calls, first = evidence.get("num_calls"), _number(evidence.get("call_1_true_norm"))
+        if not isinstance(calls, int) or (first is None and "call_1_reported_norm" not in evidence):
+            continue
+        if "call_1_reported_norm" in evidence:  # absent from a report written before it was added
+            numbers = replace(numbers, reported_norm=_number(evidence["call_1_reported_norm"]))
+        if first is None:
+            # no per-call statistics: the dumped gradient, so the report's true norm, is before the first call
+            return numbers
+        from ..norms import expected_clip_coef
+
+        coef = None if report.max_norm is None else expected_clip_coef(first, report.max_norm)
+        return replace(numbers, true_norm=first, expected_clip_coef=coef, clip_calls=calls)
+    return numbers
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +264,8 @@ class StepSummary:
     """The true global norm (with several clip calls, GA501, the one before the first: see
     `first_call_numbers`); None when it cannot be recomputed."""
     reported_norm: float | None
-    """The norm the training code reported (lowest rank that reported one; its last clip call's)."""
+    """The norm the training code reported (lowest rank that reported one; with several clip calls
+    its first call's, see `first_call_numbers`)."""
     expected_clip_coef: float | None
     """The coefficient correct clipping applies to `global_norm`."""
     num_errors: int
