@@ -189,8 +189,8 @@ def test_run_table_notes_name_each_step_clipped_several_times_once_per_number_of
 
     notes = first_call_notes([row(1, 3), row(2, 1), row(5, 3), row(7, 2)])
     assert notes == [
-        "steps 1, 5: reported norm, true norm and expected coef at the first of their 3 clip calls "
-        "(their reports: at the last)",
-        "step 7: reported norm, true norm and expected coef at the first of its 2 clip calls "
-        "(its report: at the last)",
+        "steps 1, 5: reported norm, true norm and expected coef at the first of their 3 clip calls"
+        "; their own reports give the true norm before the last",
+        "step 7: reported norm, true norm and expected coef at the first of its 2 clip calls"
+        "; its own report gives the true norm before the last",
     ]

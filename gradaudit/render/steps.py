@@ -105,10 +105,10 @@ def first_call_notes(rows: Iterable[StepRow]) -> list[str]:
             steps_by_calls.setdefault(row.clip_calls, []).append(fmt_steps(row.steps))
     return [
         f"step {steps[0]}: reported norm, true norm and expected coef at the first of its {calls} clip "
-        "calls (its report: at the last)"
+        "calls; its own report gives the true norm before the last"
         if len(steps) == 1
         else f"steps {', '.join(steps)}: reported norm, true norm and expected coef at the first of their "
-        f"{calls} clip calls (their reports: at the last)"
+        f"{calls} clip calls; their own reports give the true norm before the last"
         for calls, steps in steps_by_calls.items()
     ]
 
