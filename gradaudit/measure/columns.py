@@ -126,13 +126,13 @@ class StepColumns:
 
     def grad_counts_by_rank(self) -> dict[int, tuple[int, int, int]]:
         """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any piece)."""
-        ranks, inverse = np.unique(self.rank, return_inverse=True)
+        held = np.bincount(self.rank)
+        ranks = np.flatnonzero(held)
         totals = np.zeros((ranks.size, 3), dtype=np.int64)
         for column in range(3):
             if self.counts[:, column].any():
-                totals[:, column] = np.bincount(
-                    inverse, weights=self.counts[:, column], minlength=ranks.size
-                ).astype(np.int64)
+                by_rank = np.bincount(self.rank, weights=self.counts[:, column], minlength=held.size)
+                totals[:, column] = by_rank[ranks].astype(np.int64)
         return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
