@@ -276,7 +276,7 @@ class PieceTable:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
         key = ("counts", kind, 0)
         if key not in self._cache:
-            stored = self._gather(lambda _, pieces: _counts(pieces, kind))
+            stored = self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3)
             self._cache[key] = self._overlay(kind, stored, lambda at: self._read_counts[kind][at])
         return self._cache[key]
 
