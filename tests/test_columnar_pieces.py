@@ -126,9 +126,10 @@ def test_measurements_of_columnar_ranks_pickle_as_their_table(tmp_path):
     assert np.array_equal(StepColumns(back).term, StepColumns(measured).term)
 
 
-def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
+def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=False):
     """Ranks holding random flat ranges and boxes (some the same on several ranks: replicas), some
-    with nonfinite values, as columns (v11) and as JSON (v10)."""
+    with nonfinite values, as columns (v11) and as JSON (v10); `values`: their gradients and
+    clipped gradients dumped with values too (full mode, v11 only)."""
     import math
     import random
 
@@ -152,7 +153,8 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
                 grad = torch.randn(size, generator=gen)
                 if rng.random() < 0.2:
                     grad[0] = math.inf
-                pieces.append(flat("f", start, grad=grad, stats_only=True))
+                extra = {"grad_clipped": grad * 0.5} if values else {"stats_only": True}
+                pieces.append(flat("f", start, grad=grad, **extra))
             else:
                 offsets, shape = (
                     (rng.randrange(0, 5), rng.randrange(0, 3)),
@@ -163,7 +165,8 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
                 grad = torch.randn(*shape, generator=gen)
                 if rng.random() < 0.2:
                     grad[0, 0] = math.nan
-                pieces.append(box("b", offsets, grad=grad, stats_only=True, replica_group="dp"))
+                extra = {"grad_clipped": grad * 0.5} if values else {"stats_only": True}
+                pieces.append(box("b", offsets, grad=grad, replica_group="dp", **extra))
         write_rank(
             tmp_path / "v11",
             rank=rank,
@@ -174,14 +177,19 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
             clip=clip or ClipRecord(max_norm=1.0, reported_norm=3.0),
             **FIXED,
         )
-        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
-    return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
+        if not values:
+            _write_json_1_0(
+                tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
+            )
+    return None if values else load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
 
 
 def _measured_by_objects(step):
     """The oracle: `step` measured piece object by piece object (each piece's stored statistics,
     the gradient's divided by its rank's loss scale; replicas compared by fingerprint one set at a
     time), not through the step's column table."""
+    from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.measure.kernel import ChunkKernel
     from gradaudit.measure.measure import _compare_replicas
     from gradaudit.measure.measurements import (
         ParamMeasurement,
@@ -189,13 +197,23 @@ def _measured_by_objects(step):
         dumped_gradient_scale,
         piece_measurement,
     )
+    from gradaudit.norms import divide_by_power
 
     norm_type = step.clip.norm_type if step.clip is not None else 2.0
-    held = {}
+    reader, held = TensorReader(step), {}
     for rank in step.ranks_present:
         dump = step.ranks[rank]
+        scale = dumped_gradient_scale(dump)
         for piece in dump.pieces:
-            measured = piece_measurement(rank, piece, dumped_gradient_scale(dump))
+            stats, products = piece.stats, (None, None, None)
+            if piece.tensors:  # read from the values, which win over the stored statistics
+                read, *products = ChunkKernel().read_piece(
+                    reader, dump.path, piece.tensors, piece.numel, norm_type
+                )
+                stats = {**piece.stats, **read}
+                if products[0] is not None and scale != 1.0:
+                    products[:2] = [divide_by_power(v, scale, 2.0) for v in products[:2]]
+            measured = piece_measurement(rank, piece, scale, stats=stats, products=tuple(products))
             held.setdefault(piece.param, []).append(((rank, dump.path, piece), measured))
     params = {}
     for name in sorted(step.params):
@@ -213,8 +231,9 @@ def _measured_by_objects(step):
             param=name,
             norm_type=norm_type,
             pieces=pieces,
-            replica_sets=tuple(_compare_replicas(None, copies, lookup, 1 << 16) for copies in replicated),
+            replica_sets=tuple(_compare_replicas(reader, copies, lookup, 1 << 16) for copies in replicated),
         )
+    reader.close()
     return StepMeasurements(norm_type=norm_type, params=params)
 
 
@@ -246,6 +265,9 @@ class _ObjectColumns:
         self.term = np.array([math.nan if t is None else t for t in terms])
         self.unknown = np.array([t is None for t in terms], dtype=bool)
         self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
+        self.has_dots = np.array([p.dot_pre_post is not None for p in pieces], dtype=bool)
+        self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces])
+        self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces])
         self.by_rank_order = np.lexsort((self.index, self.rank))
 
     def cover_positions(self):
@@ -341,6 +363,58 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
         report.pop("command"), report.pop("warnings")
         reports.append(report)
     assert reports[0] == reports[1]
+
+
+@pytest.mark.parametrize(
+    ("seed", "norm_type", "loss_scale"),
+    [(10, 2.0, None), (11, 2.0, 1024.0), (12, float("inf"), 3.0), (13, 3.0, 2.0)],
+)
+def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_one(
+    tmp_path, seed, norm_type, loss_scale
+):
+    """The tensor pass writes what it reads into the table; the oracle reads each piece's values
+    into an object, and compares the replicas value by value, one set at a time."""
+    import numpy as np
+
+    from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.measure.columns import StepColumns
+    from gradaudit.measure.measure import measure_step, overflow_notes
+    from gradaudit.model import ClipRecord
+
+    clip = ClipRecord(
+        max_norm=1.0,
+        reported_norm=3.0,
+        norm_type=norm_type,
+        loss_scale=loss_scale,
+        unscaled_before_clip=None if loss_scale is None else False,
+    )
+    _, step = _random_step(tmp_path, seed, clip=clip, values=True)
+    expected = _measured_by_objects(step)
+    with TensorReader(step) as reader:
+        ours = measure_step(step, reader, workers=1)
+    assert ours == expected
+    assert [pm.replica_sets for pm in ours.params.values()] == [
+        pm.replica_sets for pm in expected.params.values()
+    ]
+    compared = any(s.by_values for pm in ours.params.values() for s in pm.replica_sets)
+    assert compared or seed != 10  # seed 10 holds replicas, compared value by value
+    a, b = _ObjectColumns(expected), StepColumns(ours)
+    for name in (
+        "rank",
+        "index",
+        "has_grad",
+        "term",
+        "sum_sq",
+        "sum_pow",
+        "counts",
+        "unknown",
+        "has_clipped",
+    ):
+        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+    for name in ("has_dots", "dot_pre_post", "dot_pre_pre"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert b.has_dots.all() and np.array_equal(a.cover_positions(), b.cover_positions())
+    assert a.with_nonfinite_grad() == b.with_nonfinite_grad() and overflow_notes(a) == overflow_notes(b)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
