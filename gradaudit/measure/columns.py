@@ -63,8 +63,9 @@ class StepColumns:
             self.counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
         else:
             self.counts = table.kind_counts("grad")[chosen]
-        term, self.unknown = table.kind_term("grad", norm_type)
-        self.term, self.unknown = np.where(self.unknown, math.nan, term)[chosen], self.unknown[chosen]
+        term, unknown = table.kind_term("grad", norm_type)
+        self.term = np.where(unknown, math.nan, term)[chosen] if unknown.any() else term[chosen]
+        self.unknown = unknown[chosen]
         self.flags = self.unknown.astype(np.int8) * UNKNOWN | _nonfinite_flags(self.counts)
         """Per piece, the UNKNOWN, NAN and INF bits of its gradient's term (see `flags_of_stats`)."""
         self.by_rank_order = np.lexsort((self.index, self.rank))

@@ -139,7 +139,7 @@ class PieceTable:
         """Per position, the value scale of its gradients (1 for a partial sum's base), when some
         piece holds values (else its rank's, `scales`)."""
         self._cache: dict[tuple[str, TensorKind, int], np.ndarray] = {}
-        """Gathered columns, by (what, kind, column): asked for by several questions."""
+        """Gathered gradient columns, by (what, kind, column): asked for by several questions."""
 
     @functools.cached_property
     def stats_only(self) -> bool:
@@ -227,13 +227,24 @@ class PieceTable:
     def kind_column(self, kind: TensorKind, column: int) -> np.ndarray:
         """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs),
         its gradients divided by their loss scale; 0 where it holds none."""
-        key = ("column", kind, column)
-        if key not in self._cache:
-            stored = self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column))
-            self._cache[key] = self._overlay(
-                kind, stored, lambda read: self._unscaled_read(kind, read)[column]
-            )
-        return self._cache[key]
+        return self._kept(
+            ("column", kind, column),
+            lambda: self._overlay(
+                kind,
+                self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column)),
+                lambda read: self._unscaled_read(kind, read)[column],
+            ),
+        )
+
+    def _kept(self, key: tuple[str, TensorKind, int], compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """`compute()`, kept when it is a column of the gradient (asked again by the columns, which
+        hold it anyway): another kind's is gathered again when asked, not kept in memory."""
+        found = self._cache.get(key)
+        if found is None:
+            found = compute()
+            if key[1] == "grad":
+                self._cache[key] = found
+        return found
 
     def _unscaled(self, source: int, kind: TensorKind, pieces: ColumnarPieces, column: int) -> np.ndarray:
         """Column `column` of one source's `kind` statistics, its gradients divided by its loss scale."""
@@ -274,11 +285,14 @@ class PieceTable:
 
     def kind_counts(self, kind: TensorKind) -> np.ndarray:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
-        key = ("counts", kind, 0)
-        if key not in self._cache:
-            stored = self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3)
-            self._cache[key] = self._overlay(kind, stored, lambda at: self._read_counts[kind][at])
-        return self._cache[key]
+        return self._kept(
+            ("counts", kind, 0),
+            lambda: self._overlay(
+                kind,
+                self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3),
+                lambda at: self._read_counts[kind][at],
+            ),
+        )
 
     def kind_nonfinite(self, kind: TensorKind) -> np.ndarray:
         """The count of nonfinite values of every position's `kind`."""
