@@ -646,6 +646,9 @@ class ColumnarPieces(Sequence[Piece]):
         if column < 2:
             return rows[:, 0] if column == 0 else rows[:, 3]
         first, ndim = rows[:, 2], rows[:, 3]
+        if column < 4 and not ndim.any():  # flat ranges only: [start, stop)
+            found: np.ndarray = self.coords[first + column - 2]
+            return found
         span = np.where(ndim == 0, 2, 2 * ndim)
         inside = column - 2 < span
         return np.where(inside, self.coords[np.where(inside, first + column - 2, 0)], -1)

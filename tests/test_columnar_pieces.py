@@ -109,10 +109,13 @@ def test_measuring_columnar_ranks_gives_the_measurements_of_their_json_form(tmp_
     assert tuple(part.params["emb"].pieces) == tuple(expected.params["emb"].pieces)
 
 
-def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
+def test_measurements_of_columnar_ranks_pickle_as_their_table(tmp_path):
     import pickle
 
+    import numpy as np
+
     from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step
 
     _, columnar_step = _step_in_both_forms(tmp_path)
@@ -120,12 +123,13 @@ def test_measurements_of_columnar_ranks_pickle_as_their_objects(tmp_path):
         measured = measure_step(columnar_step, reader, workers=1)
     back = pickle.loads(pickle.dumps(measured))
     assert back == measured
-    assert isinstance(back.params["emb"].pieces, tuple)
+    assert np.array_equal(StepColumns(back).term, StepColumns(measured).term)
 
 
-def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
+def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=False):
     """Ranks holding random flat ranges and boxes (some the same on several ranks: replicas), some
-    with nonfinite values, as columns (v11) and as JSON (v10)."""
+    with nonfinite values, as columns (v11) and as JSON (v10); `values`: their gradients and
+    clipped gradients dumped with values too (full mode, v11 only)."""
     import math
     import random
 
@@ -149,7 +153,8 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
                 grad = torch.randn(size, generator=gen)
                 if rng.random() < 0.2:
                     grad[0] = math.inf
-                pieces.append(flat("f", start, grad=grad, stats_only=True))
+                extra = {"grad_clipped": grad * 0.5} if values else {"stats_only": True}
+                pieces.append(flat("f", start, grad=grad, **extra))
             else:
                 offsets, shape = (
                     (rng.randrange(0, 5), rng.randrange(0, 3)),
@@ -160,7 +165,8 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
                 grad = torch.randn(*shape, generator=gen)
                 if rng.random() < 0.2:
                     grad[0, 0] = math.nan
-                pieces.append(box("b", offsets, grad=grad, stats_only=True, replica_group="dp"))
+                extra = {"grad_clipped": grad * 0.5} if values else {"stats_only": True}
+                pieces.append(box("b", offsets, grad=grad, replica_group="dp", **extra))
         write_rank(
             tmp_path / "v11",
             rank=rank,
@@ -171,24 +177,118 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None):
             clip=clip or ClipRecord(max_norm=1.0, reported_norm=3.0),
             **FIXED,
         )
-        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
-    return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
+        if not values:
+            _write_json_1_0(
+                tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
+            )
+    return None if values else load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
 
 
 def _measured_by_objects(step):
-    """The oracle: `step` measured piece by piece as objects (the path of full-mode steps), not
-    through the column table every stats-only step now takes."""
+    """The oracle: `step` measured piece object by piece object (each piece's stored statistics,
+    the gradient's divided by its rank's loss scale; replicas compared by fingerprint one set at a
+    time), not through the step's column table."""
     from gradaudit.dumpfile.reader import TensorReader
-    from gradaudit.measure import table
-    from gradaudit.measure.measure import measure_step
+    from gradaudit.measure.kernel import ChunkKernel
+    from gradaudit.measure.measure import _compare_replicas
+    from gradaudit.measure.measurements import (
+        ParamMeasurement,
+        StepMeasurements,
+        dumped_gradient_scale,
+        piece_measurement,
+    )
+    from gradaudit.norms import divide_by_power
 
-    patch = pytest.MonkeyPatch()
-    patch.setattr(table, "piece_table", lambda step, names: None)
-    try:
-        with TensorReader(step) as reader:
-            return measure_step(step, reader, workers=1)
-    finally:
-        patch.undo()
+    norm_type = step.clip.norm_type if step.clip is not None else 2.0
+    reader, held = TensorReader(step), {}
+    for rank in step.ranks_present:
+        dump = step.ranks[rank]
+        scale = dumped_gradient_scale(dump)
+        for piece in dump.pieces:
+            stats, products = piece.stats, (None, None, None)
+            if piece.tensors:  # read from the values, which win over the stored statistics
+                read, *products = ChunkKernel().read_piece(
+                    reader, dump.path, piece.tensors, piece.numel, norm_type
+                )
+                stats = {**piece.stats, **read}
+                if products[0] is not None and scale != 1.0:
+                    products[:2] = [divide_by_power(v, scale, 2.0) for v in products[:2]]
+            measured = piece_measurement(rank, piece, scale, stats=stats, products=tuple(products))
+            held.setdefault(piece.param, []).append(((rank, dump.path, piece), measured))
+    params = {}
+    for name in sorted(step.params):
+        entries = held.get(name, [])
+        pieces = tuple(sorted((m for _, m in entries), key=lambda m: (m.rank, m.index)))
+        by_layout = {}
+        for entry, _ in entries:
+            by_layout.setdefault(entry[2].layout_key, []).append(entry)
+        lookup = {(m.rank, m.index): m for m in pieces}
+        replicated = sorted(
+            (copies for copies in by_layout.values() if len(copies) > 1),
+            key=lambda copies: min((r, p.index) for r, _, p in copies),
+        )
+        params[name] = ParamMeasurement(
+            param=name,
+            norm_type=norm_type,
+            pieces=pieces,
+            replica_sets=tuple(_compare_replicas(reader, copies, lookup, 1 << 16) for copies in replicated),
+        )
+    reader.close()
+    return StepMeasurements(norm_type=norm_type, params=params)
+
+
+class _ObjectColumns:
+    """The oracle of StepColumns: its columns computed from the measurement objects one by one."""
+
+    def __init__(self, m):
+        import math
+
+        import numpy as np
+
+        from gradaudit.norms import term_of
+
+        self.pieces = pieces = tuple(m.pieces)
+        ids = {}
+        self.layout = np.array([ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64)
+        self.rank = np.array([p.rank for p in pieces], dtype=np.int64)
+        self.index = np.array([p.index for p in pieces], dtype=np.int64)
+        self.dtypes = frozenset(p.dtype for p in pieces)
+        stats = [p.stats.get("grad") for p in pieces]
+        self.has_grad = np.array([s is not None for s in stats], dtype=bool)
+        self.sum_pow = np.array([0.0 if s is None else s.sum_pow for s in stats])
+        self.sum_sq = np.array([0.0 if s is None else s.sum_sq for s in stats])
+        self.counts = np.array(
+            [(0, 0, 0) if s is None else (s.num_nan, s.num_posinf, s.num_neginf) for s in stats],
+            dtype=np.int64,
+        ).reshape(len(stats), 3)
+        terms = [0.0 if s is None else term_of(s, m.norm_type) for s in stats]
+        self.term = np.array([math.nan if t is None else t for t in terms])
+        self.unknown = np.array([t is None for t in terms], dtype=bool)
+        self.has_clipped = np.array(["grad_clipped" in p.stats for p in pieces], dtype=bool)
+        self.has_dots = np.array([p.dot_pre_post is not None for p in pieces], dtype=bool)
+        self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces])
+        self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces])
+        self.by_rank_order = np.lexsort((self.index, self.rank))
+
+    def cover_positions(self):
+        import numpy as np
+
+        first = {}
+        for i in self.by_rank_order.tolist():
+            first.setdefault(self.pieces[i].layout_key, i)
+        return np.array(list(first.values()), dtype=np.int64)
+
+    def cover(self):
+        return tuple(self.pieces[i] for i in self.cover_positions().tolist())
+
+    def with_nonfinite_grad(self):
+        return [p for p, counts in zip(self.pieces, self.counts.tolist(), strict=True) if any(counts)]
+
+    def overflowing_grad(self):
+        import numpy as np
+
+        chosen = self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow))
+        return [p for p, inf in zip(self.pieces, chosen.tolist(), strict=True) if inf]
 
 
 @pytest.mark.parametrize(
@@ -223,8 +323,8 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     assert [pm.replica_sets for pm in ours.params.values()] == [
         pm.replica_sets for pm in expected.params.values()
     ]
-    a, b = StepColumns(expected), StepColumns(ours)
-    assert isinstance(b.pieces, TablePieces) and not isinstance(a.pieces, TablePieces)
+    a, b = _ObjectColumns(expected), StepColumns(ours)
+    assert isinstance(b.pieces, TablePieces)
     for name in (
         "rank",
         "index",
@@ -243,14 +343,15 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     assert np.array_equal(a.cover_positions(), b.cover_positions())
     assert a.cover() == tuple(b.cover()) and a.dtypes == b.dtypes
     assert a.with_nonfinite_grad() == b.with_nonfinite_grad()
-    assert a.cover_with_updates() == b.cover_with_updates() == []
+    assert b.cover_with_updates() == []
     assert overflow_notes(a) == overflow_notes(b)
     from gradaudit.analysis.hypotheses import groups_of
     from gradaudit.analysis.norm_input import norm_input_of, param_signatures
 
+    json_measured = measure_step(json_step, TensorReader(json_step), workers=1)
     signatures = [
-        param_signatures(norm_input_of(s, m, c))
-        for s, m, c in ((json_step, expected, a), (columnar_step, ours, b))
+        param_signatures(norm_input_of(s, m, StepColumns(m)))
+        for s, m in ((json_step, json_measured), (columnar_step, ours))
     ]
     assert signatures[0] == signatures[1]
     assert groups_of(signatures[1]) == _param_groups(tuple(expected.pieces))
@@ -262,6 +363,58 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
         report.pop("command"), report.pop("warnings")
         reports.append(report)
     assert reports[0] == reports[1]
+
+
+@pytest.mark.parametrize(
+    ("seed", "norm_type", "loss_scale"),
+    [(10, 2.0, None), (11, 2.0, 1024.0), (12, float("inf"), 3.0), (13, 3.0, 2.0)],
+)
+def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_one(
+    tmp_path, seed, norm_type, loss_scale
+):
+    """The tensor pass writes what it reads into the table; the oracle reads each piece's values
+    into an object, and compares the replicas value by value, one set at a time."""
+    import numpy as np
+
+    from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.measure.columns import StepColumns
+    from gradaudit.measure.measure import measure_step, overflow_notes
+    from gradaudit.model import ClipRecord
+
+    clip = ClipRecord(
+        max_norm=1.0,
+        reported_norm=3.0,
+        norm_type=norm_type,
+        loss_scale=loss_scale,
+        unscaled_before_clip=None if loss_scale is None else False,
+    )
+    _, step = _random_step(tmp_path, seed, clip=clip, values=True)
+    expected = _measured_by_objects(step)
+    with TensorReader(step) as reader:
+        ours = measure_step(step, reader, workers=1)
+    assert ours == expected
+    assert [pm.replica_sets for pm in ours.params.values()] == [
+        pm.replica_sets for pm in expected.params.values()
+    ]
+    compared = any(s.by_values for pm in ours.params.values() for s in pm.replica_sets)
+    assert compared or seed != 10  # seed 10 holds replicas, compared value by value
+    a, b = _ObjectColumns(expected), StepColumns(ours)
+    for name in (
+        "rank",
+        "index",
+        "has_grad",
+        "term",
+        "sum_sq",
+        "sum_pow",
+        "counts",
+        "unknown",
+        "has_clipped",
+    ):
+        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+    for name in ("has_dots", "dot_pre_post", "dot_pre_pre"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert b.has_dots.all() and np.array_equal(a.cover_positions(), b.cover_positions())
+    assert a.with_nonfinite_grad() == b.with_nonfinite_grad() and overflow_notes(a) == overflow_notes(b)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])

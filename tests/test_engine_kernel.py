@@ -43,7 +43,7 @@ def test_kernel_statistics_and_pair_sums_match_the_accumulator_with_nonfinite_va
     with TensorReader(step) as reader:
         for norm_type in (2.0, 1.0, 3.5, math.inf):
             stats, pre_post, pre_pre, update = ChunkKernel(1 << 14).read_piece(
-                reader, step.ranks[0].path, piece, norm_type
+                reader, step.ranks[0].path, piece.tensors, piece.numel, norm_type
             )
             for kind, values in (("grad", grad), ("grad_clipped", clipped)):
                 got, want = stats[kind], stats_of_tensor(values, norm_type)
@@ -77,9 +77,10 @@ def test_fingerprints_are_computed_only_when_asked_for_and_then_equal_the_accumu
         **FIXED,
     )
     step = load_step(tmp_path)
+    piece = step.ranks[0].pieces[0]
     with TensorReader(step) as reader:
         stats, *_ = ChunkKernel(1 << 12).read_piece(
-            reader, step.ranks[0].path, step.ranks[0].pieces[0], 2.0, fingerprint=True
+            reader, step.ranks[0].path, piece.tensors, piece.numel, 2.0, fingerprint=True
         )
     want = stats_of_tensor(values, 2.0).fingerprint
     assert len(stats["grad"].fingerprint) == len(want) > 0

@@ -15,7 +15,7 @@ order, so the same dump gives the same bits whichever way the parameters were sp
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +27,6 @@ from ..norms import safe_fsum
 
 if TYPE_CHECKING:
     from ..dumpfile.reader import TensorReader
-    from ..model import Piece
 
 KERNEL_CHUNK_ELEMENTS = 1 << 16
 """64K elements (a 512 KiB float64 buffer): small enough that the several reductions of one chunk
@@ -168,24 +167,25 @@ class ChunkKernel:
         self,
         reader: TensorReader,
         path: str,
-        piece: Piece,
+        tensors: Mapping[TensorKind, str],
+        numel: int,
         norm_type: float,
         *,
         fingerprint: bool = False,
     ) -> tuple[dict[TensorKind, TensorStats], float | None, float | None, float | None]:
-        """One pass over every tensor the piece holds, in aligned chunks: ({kind: TensorStats},
+        """One pass over every tensor a piece of `numel` elements holds (kind -> its key in the file
+        at `path`), in aligned chunks: ({kind: TensorStats},
         sum grad*grad_clipped, sum grad*grad, sum (param_after - param_before)^2), the sums over the
         elements finite in both tensors of the pair (None when the pair was not dumped).
 
         The fingerprint (a weighted sum per element position) is computed only when asked for:
         replicas with values are compared by value, so only a replica set that mixes values with
         stats-only copies needs it."""
-        kinds = sorted(piece.tensors)
-        dtypes = {kind: reader.entry(path, piece.tensors[kind]).dtype for kind in kinds}
-        numel = piece.numel
+        kinds = sorted(tensors)
+        dtypes = {kind: reader.entry(path, tensors[kind]).dtype for kind in kinds}
         sums = {kind: StatsSums(float(norm_type), fingerprint=fingerprint) for kind in kinds}
-        pre_post = "grad" in piece.tensors and "grad_clipped" in piece.tensors
-        update = "param_before" in piece.tensors and "param_after" in piece.tensors
+        pre_post = "grad" in tensors and "grad_clipped" in tensors
+        update = "param_before" in tensors and "param_after" in tensors
         pairs: dict[str, list[float]] = {"pre_post": [], "pre_pre": [], "update": []}
         with np.errstate(all="ignore"):
             for start, stop in self.windows(numel):
@@ -193,7 +193,7 @@ class ChunkKernel:
                 masks: dict[str, Mask | None] = {}
                 scratch = self.widener.buffer("scratch", stop - start)
                 for kind in kinds:
-                    raw = reader.raw(path, piece.tensors[kind], start, stop, kind)
+                    raw = reader.raw(path, tensors[kind], start, stop, kind)
                     wide[kind] = self.widener.widen(raw, dtypes[kind], kind)
                     narrow = raw if dtypes[kind] in NARROW_FLOATS else None
                     masks[kind] = sums[kind].add(wide[kind], scratch, narrow)

@@ -11,8 +11,7 @@ it is numpy, so that checking a dump never imports torch.
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -26,9 +25,7 @@ from .measurements import (
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
-    disjoint_cover,
     dumped_gradient_scale,
-    piece_measurement,
 )
 
 if TYPE_CHECKING:
@@ -77,9 +74,6 @@ def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
     return tuple(notes)
 
 
-_RANK_AND_INDEX = operator.attrgetter("rank", "index")
-
-
 # ---------------------------------------------------------------- reading helpers
 
 
@@ -104,32 +98,34 @@ def _piece_flat(
 # ---------------------------------------------------------------- one parameter
 
 
-def _measure_piece(
+def _read_values(
+    table: PieceTable,
+    positions: np.ndarray,
     reader: TensorReader,
     kernel: ChunkKernel,
-    rank: int,
-    path: str,
-    piece: Piece,
-    norm_type: float,
-    scale: float = 1.0,
-    *,
-    fingerprint: bool = False,
-) -> PieceMeasurement:
-    if not piece.tensors:  # stats-only: nothing to read
-        return piece_measurement(rank, piece, scale)
-    read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
-        reader, path, piece, norm_type, fingerprint=fingerprint
-    )
-    if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
-        dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
-        dot_pre_pre = divide_by_power(dot_pre_pre, scale, 2.0)
-    return piece_measurement(
-        rank,
-        piece,
-        scale,
-        stats={**piece.stats, **read},  # values measured here win over stored summaries
-        products=(dot_pre_post, dot_pre_pre, update_sum_sq),
-    )
+    fingerprinted: np.ndarray,
+) -> None:
+    """Read the values of the pieces at these positions that hold some, into the table: their
+    statistics (values measured here win over stored summaries) and two-tensor products."""
+    import numpy as np
+
+    if not table.with_values:
+        return
+    holding = np.zeros(positions.size, dtype=bool)
+    for flags in table.with_values.values():
+        holding |= flags[positions]
+    chosen = positions[holding]
+    wanted = set(fingerprinted.tolist())
+    for position, scale, (path, tensors, numel) in zip(
+        chosen.tolist(), table.scale_at[chosen].tolist(), table.tensors(chosen), strict=True
+    ):
+        read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
+            reader, path, tensors, numel, table.read_norm_type, fingerprint=position in wanted
+        )
+        if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
+            dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
+            dot_pre_pre = divide_by_power(dot_pre_pre, scale, 2.0)
+        table.record(position, read, (dot_pre_post, dot_pre_pre, update_sum_sq))
 
 
 def _compare_replicas(
@@ -275,120 +271,53 @@ def _dtype_looseness(dtype: str) -> float:
     return norm_rtol([dtype])
 
 
-def measure_param(
-    step: StepDump,
-    name: str,
-    reader: TensorReader,
-    *,
-    norm_type: float,
-    reference: StepDump | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
-    held: list[tuple[int, str, Piece]] | None = None,
-    reference_held: list[tuple[int, str, Piece]] | None = None,
-    infos: tuple[ParamInfo | None, ParamInfo | None] | None = None,
-    scales: Mapping[int, float] | None = None,
-    kernel: ChunkKernel | None = None,
-) -> ParamMeasurement:
-    """Measure one logical parameter: every piece on every present rank, its replicas, its reference.
+def _replica_sets(
+    table: PieceTable, positions: range, reader: TensorReader, chunk: int
+) -> tuple[ReplicaSet, ...]:
+    """The parameter's layouts held on two or more ranks, compared copy by copy: on the table's
+    columns for statistics only, else one set at a time (values when every copy has them)."""
+    import numpy as np
 
-    `held` / `reference_held` are this parameter's (rank, path, piece) entries, and `infos` its
-    ParamInfo here and in the reference, when the caller looked them up already for every parameter
-    (see `pieces_by_param`); `scales` maps ranks to `dumped_gradient_scale` of their files; `kernel`
-    holds the calling worker's read buffers."""
-    if held is None:
-        held = pieces_by_param(step).get(name, [])
-    if kernel is None:
-        from .kernel import ChunkKernel
-
-        kernel = ChunkKernel(chunk_elements)
-    partial: list[tuple[int, str, Piece]] = []
-    if any(entry[2].partial_group is not None for entry in held):
-        from .partials import split_partial
-
-        held, partial = split_partial(held)
-    by_layout: dict[tuple[object, ...], list[tuple[int, str, Piece]]] = {}
-    if len({entry[2].layout_key for entry in held}) < len(held):
-        for entry in held:  # replicas: group the pieces by layout
-            by_layout.setdefault(entry[2].layout_key, []).append(entry)
-    with_values = any(entry[2].tensors for entry in held)
-    fingerprinted = _needing_fingerprints(by_layout) if with_values else set()
-    measured_pieces = [
-        _measure_piece(
-            reader,
-            kernel,
-            rank,
-            path,
-            piece,
-            norm_type,
-            _scale_of(step, rank, scales),
-            fingerprint=(rank, piece.index) in fingerprinted,
-        )
-        for rank, path, piece in held
-    ]
-    if partial:
-        from .partials import measure_partial_sums
-
-        measured_pieces.extend(
-            measure_partial_sums(
-                step,
-                partial,
-                norm_type,
-                measure_one=lambda e: _measure_piece(
-                    reader, kernel, e[0], e[1], e[2], norm_type, _scale_of(step, e[0], scales)
-                ),
-                reader=reader,
-                scale_of=lambda rank: _scale_of(step, rank, scales),
-            )
-        )
-    measured_pieces.sort(key=_RANK_AND_INDEX)
-    replicated = [copies for copies in by_layout.values() if len(copies) > 1]
-    measured = {(pm.rank, pm.index): pm for pm in measured_pieces} if replicated else {}
-    replica_sets = tuple(
-        _compare_replicas(reader, copies, measured, chunk_elements)
-        for copies in sorted(replicated, key=lambda copies: min((r, p.index) for r, _, p in copies))
-    )
-    reference_pieces: tuple[PieceMeasurement, ...] = ()
-    reference_errors: tuple[ReferenceDifference, ...] = ()
-    notes: tuple[str, ...] = ()
-    if reference is not None:
-        if reference_held is None:
-            reference_held = pieces_by_param(reference).get(name, [])
-        if infos is None:
-            infos = (step.params.get(name), reference.params.get(name))
-        reference_pieces, reference_errors, notes = _measure_reference(
-            name,
-            reader,
-            infos,
-            reference_held,
-            disjoint_cover(held, lambda c: (c[0], c[2].index, c[2].layout_key)),
-            norm_type=norm_type,
-            chunk=chunk_elements,
-            scale_of=lambda rank: _scale_of(step, rank, scales),
-            reference=reference,
-            kernel=kernel,
-        )
-    return ParamMeasurement(
-        param=name,
-        norm_type=norm_type,
-        pieces=tuple(measured_pieces),
-        replica_sets=replica_sets,
-        reference_pieces=reference_pieces,
-        reference_errors=reference_errors,
-        notes=notes,
+    replicated = np.flatnonzero(table.copies[table.layout[positions.start : positions.stop]] > 1)
+    replicated += positions.start
+    found = table.replica_sets(replicated)
+    if found is not None or not replicated.size:
+        return found or ()
+    by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
+    for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
+        by_layout.setdefault(layout, []).append(entry)
+    lookup = {(pm.rank, pm.index): pm for pm in table.measurements(replicated)}
+    return tuple(
+        _compare_replicas(reader, copies, lookup, chunk)
+        for copies in sorted(by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p in copies))
     )
 
 
-def _needing_fingerprints(
-    by_layout: Mapping[tuple[object, ...], list[tuple[int, str, Piece]]],
-) -> set[tuple[int, int]]:
-    """(rank, piece index) of the pieces with values whose replica set also holds stats-only copies:
-    those are compared by fingerprint, so theirs must be computed (it costs several passes)."""
-    wanted = set()
-    for copies in by_layout.values():
-        with_values = [(rank, piece.index) for rank, _, piece in copies if "grad" in piece.tensors]
-        if len(copies) > 1 and len(with_values) < len(copies):
-            wanted.update(with_values)
-    return wanted
+def _fingerprinted(table: PieceTable, positions: range) -> np.ndarray:
+    """The positions with gradient values whose replica set also holds stats-only copies: those
+    are compared by fingerprint, so theirs must be computed (it costs several passes)."""
+    import numpy as np
+
+    values = table.with_values.get("grad")
+    layout = table.layout[positions.start : positions.stop]
+    if values is None or not (table.copies[layout] > 1).any():
+        return np.zeros(0, dtype=np.int64)
+    with_values = values[positions.start : positions.stop]
+    _, inverse, copies = np.unique(layout, return_inverse=True, return_counts=True)
+    holding = np.bincount(inverse, weights=with_values, minlength=copies.size)
+    mixed = (holding > 0) & (holding < copies)
+    return np.flatnonzero(mixed[inverse] & with_values) + positions.start
+
+
+def _cover(table: PieceTable, positions: range) -> list[tuple[int, str, Piece]]:
+    """(rank, path, piece) of each layout's lowest (rank, index) copy among these positions."""
+    import numpy as np
+
+    from .table import lowest_copies
+
+    at = np.arange(positions.start, positions.stop)
+    order = at[np.lexsort((table.index[at], table.rank[at]))]
+    return table.entries(lowest_copies(table.layout, order))
 
 
 def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
@@ -401,23 +330,18 @@ def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
     return found
 
 
-def _scale_of(step: StepDump, rank: int, scales: Mapping[int, float] | None) -> float:
-    return scales[rank] if scales is not None and rank in scales else dumped_gradient_scale(step.ranks[rank])
-
-
 def _measure_reference(
     name: str,
     reader: TensorReader,
     infos: tuple[ParamInfo | None, ParamInfo | None],
-    ref_held: list[tuple[int, str, Piece]],
+    ref_table: PieceTable,
     cover: list[tuple[int, str, Piece]],
     *,
-    norm_type: float,
     chunk: int,
     scale_of: Callable[[int], float],
     reference: StepDump,
     kernel: ChunkKernel,
-) -> tuple[tuple[PieceMeasurement, ...], tuple[ReferenceDifference, ...], tuple[str, ...]]:
+) -> tuple[Sequence[PieceMeasurement], tuple[ReferenceDifference, ...], tuple[str, ...]]:
     from .reference import ReferenceSource, covers
 
     info, ref_info = infos
@@ -431,12 +355,11 @@ def _measure_reference(
                 f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
             ),
         )
-    reference_pieces = tuple(
-        _measure_piece(
-            reader, kernel, rank, path, piece, norm_type, dumped_gradient_scale(reference.ranks[rank])
-        )
-        for rank, path, piece in ref_held
-    )
+    import numpy as np
+
+    positions = ref_table.param_positions(name)
+    _read_values(ref_table, np.arange(positions.start, positions.stop), reader, kernel, np.zeros(0))
+    ref_held = ref_table.entries(np.arange(positions.start, positions.stop))
     errors, notes = [], []
     for kind in COMPARED_KINDS:
         ref_with_values = [(path, piece) for _, path, piece in ref_held if kind in piece.tensors]
@@ -454,7 +377,7 @@ def _measure_reference(
             for rank, path, piece in ours
         ]
         errors.append(_merge_errors(per_piece))
-    return reference_pieces, tuple(errors), tuple(notes)
+    return ref_table.pieces(positions), tuple(errors), tuple(notes)
 
 
 def measure_step(
@@ -484,32 +407,44 @@ def measure_step(
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"parameters {unknown[:3]} are not in step {step.step}; pass names from step.params")
-    table = None
-    if reference is None:
-        from .table import piece_table
+    from .partials import partial_sums, record_sum
+    from .table import piece_table
 
-        table = piece_table(step, names)
-    held = pieces_by_param(step) if table is None else {}
-    reference_held = None if reference is None else pieces_by_param(reference)
+    sums, dropped = partial_sums(step)
+    table = piece_table(step, names, norm_type=norm_type, dropped=dropped)
+    ref_table = None if reference is None else piece_table(reference, names, norm_type=norm_type)
     reference_infos = {} if reference is None else reference.params
-    scales = {rank: dumped_gradient_scale(step.ranks[rank]) for rank in step.ranks_present}
 
     def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
-        if table is not None:
-            return _measure_from_table(table, name, norm_type, worker_reader, chunk_elements)
-        return measure_param(
-            step,
+        import numpy as np
+
+        positions = table.param_positions(name)
+        at = np.arange(positions.start, positions.stop)
+        _read_values(table, at, worker_reader, kernel, _fingerprinted(table, positions))
+        for members in sums.get(name, []):
+            record_sum(
+                table, members, norm_type, worker_reader, lambda rank: table.scales[table.source_of(rank)]
+            )
+        found = ParamMeasurement(
+            param=name,
+            norm_type=norm_type,
+            pieces=table.pieces(positions),
+            replica_sets=_replica_sets(table, positions, worker_reader, chunk_elements),
+        )
+        if ref_table is None or reference is None:
+            return found
+        pieces, errors, notes = _measure_reference(
             name,
             worker_reader,
-            norm_type=norm_type,
+            (known[name], reference_infos.get(name)),
+            ref_table,
+            _cover(table, positions),
+            chunk=chunk_elements,
+            scale_of=lambda rank: table.scales[table.source_of(rank)],
             reference=reference,
-            chunk_elements=chunk_elements,
-            held=held.pop(name, []),  # dropped once measured: a tuple per piece of the step
-            reference_held=None if reference_held is None else reference_held.get(name, []),
-            infos=(known[name], reference_infos.get(name)),
-            scales=scales,
             kernel=kernel,
         )
+        return replace(found, reference_pieces=pieces, reference_errors=errors, notes=notes)
 
     cost = bytes_to_read(step, reference)
     results = _measure_all(
@@ -531,37 +466,6 @@ def measure_step(
         reference_given=reference is not None,
         reference_step=None if reference is None else reference.step,
         reference_only_params=reference_only,
-    )
-
-
-def _measure_from_table(
-    table: PieceTable, name: str, norm_type: float, reader: TensorReader, chunk: int
-) -> ParamMeasurement:
-    """What measure_param gives for a parameter whose pieces are all in `table` (stats only): the
-    pieces stay in the table; replicas are compared on the table's columns."""
-    import numpy as np
-
-    positions = table.param_positions(name)
-    if positions.start == positions.stop:  # held by no rank (most of a table listing 10^6 parameters)
-        return ParamMeasurement(
-            param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=()
-        )
-    layouts = table.layout[positions.start : positions.stop]
-    replicated = np.flatnonzero(table.copies[layouts] > 1) + positions.start
-    replica_sets = table.replica_sets(replicated)
-    if replica_sets is None and replicated.size:
-        by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
-        for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
-            by_layout.setdefault(layout, []).append(entry)
-        lookup = {(pm.rank, pm.index): pm for pm in table.measurements(replicated)}
-        replica_sets = tuple(
-            _compare_replicas(reader, copies, lookup, chunk)
-            for copies in sorted(
-                by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p in copies)
-            )
-        )
-    return ParamMeasurement(
-        param=name, norm_type=norm_type, pieces=table.pieces(positions), replica_sets=replica_sets or ()
     )
 
 

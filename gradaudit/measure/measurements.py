@@ -4,10 +4,11 @@ the dumped gradients."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..model import ClipRecord, Piece, RankDump, Region, TensorKind, TensorStats
 from ..norms import divide_by_power
@@ -134,10 +135,10 @@ class ParamMeasurement:
     norm_type: float
     """`p` of the norm the statistics were taken for."""
     pieces: Sequence[PieceMeasurement]
-    """A tuple, or for format-1.1 stats-only pieces a table.TablePieces (built when iterated)."""
+    """Its rows of the step's table (a table.TablePieces: each built when indexed or iterated)."""
     replica_sets: tuple[ReplicaSet, ...] = ()
     """Its layouts held on two or more ranks, compared copy by copy."""
-    reference_pieces: tuple[PieceMeasurement, ...] = ()
+    reference_pieces: Sequence[PieceMeasurement] = ()
     """The reference dump's pieces of this parameter (their stats), when a reference was given."""
     reference_errors: tuple[ReferenceDifference, ...] = ()
     """Per tensor kind, the comparison with the reference (empty without one)."""
@@ -175,9 +176,18 @@ class StepMeasurements:
             raise ValueError(
                 f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
             )
+        params = dict(sorted({**self.params, **other.params}.items()))
+        pieces = [cast("Any", pm.pieces) for pm in (*self.params.values(), *other.params.values())]
+        tables = list({id(p.table): p.table for p in pieces}.values())
+        if tables:  # one table of both, the pieces of each parameter its rows
+            table = functools.reduce(lambda a, b: a.merged(b), tables)
+            params = {
+                name: replace(pm, pieces=table.pieces(table.param_positions(name)))
+                for name, pm in params.items()
+            }
         return StepMeasurements(
             norm_type=self.norm_type,
-            params=dict(sorted({**self.params, **other.params}.items())),
+            params=params,
             reference_given=self.reference_given,
             reference_step=self.reference_step,
             reference_only_params=tuple(

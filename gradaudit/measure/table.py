@@ -1,24 +1,25 @@
-"""Stats-only pieces measured as columns: one table for the whole step instead of a
-PieceMeasurement per piece (millions of them in a many-rank stats dump).
+"""A step's pieces measured as columns: one table for the whole step, whatever its ranks hold.
 
-A piece with statistics only has nothing to read: its measurement is its stored statistics, the
-gradient's divided by its rank's loss scale (`dumped_gradient_scale`, when the dump holds them
-before unscale_). The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank,
-index and layout of every piece; a PieceMeasurement is built only for the pieces a caller asks for
-(a finding that names a few, the copies of a replicated layout).
+The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank, index and layout of
+every piece. A piece's measurement is its stored statistics (the gradient's divided by its rank's
+loss scale, `dumped_gradient_scale`, when the dump holds them before unscale_), overwritten by what
+the tensor pass read from its values (`record`): arrays indexed by position. A PieceMeasurement is
+built only for the pieces a caller asks for (a finding that names a few, the copies of a
+replicated layout).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import overload
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
-from ..model import Piece, Region, StepDump, TensorKind
+from ..model import Piece, Region, StepDump, TensorKind, TensorStats
+from ..norms import term_column
 from .measurements import (
     SCALED_KINDS,
     PieceMeasurement,
@@ -26,16 +27,21 @@ from .measurements import (
     ReplicaSet,
     dumped_gradient_scale,
     piece_measurement,
+    unscaled_stats,
     unscaled_sums,
 )
 
 _BATCH = 1024
+_READ, _FINGERPRINTED, _REMOVED = 1, 2, -1
+"""A position's state per kind in the tensor pass: read from its values (with the fingerprint), or
+its statistics dropped (a partial sum's kind that the group's sum does not give)."""
 
 
 class PieceTable:
-    """Every piece of the chosen parameters on the step's stats-only ranks, by parameter (in the
-    order of `names`), then rank, then piece index: position `p` is piece `index[p]` of rank
-    `rank[p]`, and a parameter's pieces are the positions `bounds[name]`."""
+    """Every piece of the chosen parameters on the step's ranks, by parameter (in the order of
+    `names`), then rank, then piece index: position `p` is piece `index[p]` (`local[p]` in its
+    file) of rank `rank[p]`, and a parameter's pieces are the positions `bounds[name]`.
+    `dropped`: rank -> positions in its file left out (the members of a partial sum but its base)."""
 
     def __init__(
         self,
@@ -43,55 +49,132 @@ class PieceTable:
         names: Sequence[str],
         wanted: Iterable[str],
         scales: Sequence[float] = (),
+        *,
+        norm_type: float = 2.0,
+        dropped: Mapping[int, Iterable[int]] | None = None,
     ) -> None:
         self.sources = tuple(sources)
+        self.wanted = frozenset(wanted)
+        self.dropped = {rank: tuple(at) for rank, at in (dropped or {}).items()}
+        self.read_norm_type = float(norm_type)
+        """`p` of the statistics the tensor pass reads (the measurement's norm type)."""
         self.scales = tuple(scales) or (1.0,) * len(self.sources)
         """Per source, `dumped_gradient_scale` of its rank: its gradients' columns are divided by it."""
-        self.kinds = tuple(sorted(sources[0][2].kinds))
-        self.norm_type = sources[0][2].norm_type
-        self._source_of = {rank: k for k, (rank, _, _) in enumerate(sources)}
+        self.kinds = tuple(sorted({kind for _, _, pieces in sources for kind in pieces.kinds}))
+        self._source_of = {rank: k for k, (rank, _, _) in enumerate(self.sources)}
         ids = ParamIds(names)
-        per_source = [ids.of(pieces).astype(np.int32) for _, _, pieces in sources]
+        per_source = [ids.of(pieces).astype(np.int32) for _, _, pieces in self.sources]
         self.names = list(ids.ids)
         keep = np.zeros(len(self.names), dtype=bool)
-        keep[[ids.ids[name] for name in wanted]] = True
+        keep[[ids.ids[name] for name in self.wanted if name in ids.ids]] = True
         self._chosen: list[np.ndarray | None] = []
         """Per source, the local indices of the pieces kept (None: all)."""
-        for param in per_source:
+        for (rank, _, _), param in zip(self.sources, per_source, strict=True):
             kept = keep[param]
+            if self.dropped.get(rank):
+                kept = kept.copy()
+                kept[list(self.dropped[rank])] = False
             self._chosen.append(None if kept.all() else np.flatnonzero(kept))
         sizes = np.array(
             [_count(c, p) for c, p in zip(self._chosen, per_source, strict=True)], dtype=np.int64
         )
         self.size = int(sizes.sum())
-        param = np.concatenate([_take(p, c) for p, c in zip(per_source, self._chosen, strict=True)])
-        self._order = np.argsort(param, kind="stable")
+        empty = np.zeros(0, dtype=np.int32)
+        param = np.concatenate(
+            [_take(p, c) for p, c in zip(per_source, self._chosen, strict=True)] or [empty]
+        )
+        ranks = np.repeat(np.array([r for r, _, _ in self.sources], dtype=np.int32), sizes)
+        files = [
+            np.arange(len(p), dtype=np.int32) if c is None else c.astype(np.int32)
+            for p, c in zip(per_source, self._chosen, strict=True)
+        ]
+        local = np.concatenate(files or [empty])
+        index = local
+        if any(pieces.extras.indices for _, _, pieces in self.sources):
+            index = np.concatenate(
+                [_mapped(p.extras.indices, at) for (_, _, p), at in zip(self.sources, files, strict=True)]
+            )
+        if index is not local:
+            self._order = np.lexsort((index, ranks, param))
+        else:
+            self._order = np.argsort(param, kind="stable")
         """Rank-major position (the ranks' columns one after the other) of each position."""
-        self.param = param[self._order]
-        del param
-        self.rank = np.repeat(np.array([rank for rank, _, _ in sources], dtype=np.int32), sizes)[self._order]
-        self.index = np.concatenate(
-            [
-                np.arange(len(p), dtype=np.int32) if c is None else c.astype(np.int32)
-                for p, c in zip(per_source, self._chosen, strict=True)
-            ]
-        )[self._order]
-        del per_source
+        self.param, self.rank = param[self._order], ranks[self._order]
+        self.local = local[self._order]
+        self.index = self.local if index is local else index[self._order]
+        del param, per_source, ranks, local, index
         dtypes: dict[str, int] = {}
         codes: list[np.ndarray] = []
         seen: tuple[object, np.ndarray] = ((), np.zeros(0, dtype=np.int16))
-        for _, _, pieces in sources:
+        for _, _, pieces in self.sources:
             if not (seen[0] is pieces.params or seen[0] == pieces.params):
                 table = [dtypes.setdefault(p.dtype, len(dtypes)) for p in pieces.params]
                 seen = (pieces.params, np.array(table, dtype=np.int16))
-            codes.append(seen[1])
-        self.dtype = self._gather(lambda k, pieces: codes[k][pieces.rows[:, 0]])
+            own = {at: dtypes.setdefault(dtype, len(dtypes)) for at, dtype in pieces.extras.dtypes.items()}
+            codes.append(_with(seen[1][pieces.rows[:, 0]], own) if own else seen[1][pieces.rows[:, 0]])
+        self.dtype = self._gather(lambda k, _: codes[k])
         self.dtype_names = list(dtypes)
         bounds = np.searchsorted(self.param, np.arange(len(self.names) + 1))
         self.bounds = {name: (int(bounds[i]), int(bounds[i + 1])) for i, name in enumerate(self.names)}
         self.layout = self._layouts()
         self.copies = np.bincount(self.layout) if self.size else np.zeros(0, dtype=np.int64)
         """Pieces holding each layout: more than one are replicas."""
+        reads = sorted({kind for _, _, pieces in self.sources for kind in pieces.tensor_kinds})
+        if reads:  # a partial sum's base may lose a stored kind of these too
+            reads = sorted({*reads, *SCALED_KINDS})
+        n = self.size
+        self.with_values = {kind: self._gather(_tensor_flags(kind)) for kind in reads}
+        """Per kind some piece holds values of, whether each position does."""
+        self._state = {kind: np.zeros(n, dtype=np.int8) for kind in reads}
+        """Per kind read from some piece's values, each position's state in the tensor pass."""
+        self._read = {kind: np.zeros((n, 5)) for kind in reads}
+        """Per kind, (sum_pow, sum_sq, max_abs, fingerprint) read, as the values were dumped."""
+        self._read_counts = {kind: np.zeros((n, 3), dtype=np.int64) for kind in reads}
+        self._products = np.zeros((n, 3)) if reads else np.zeros((0, 3))
+        """dot_pre_post, dot_pre_pre (unscaled), update_sum_sq read from each piece's values."""
+        self._has_products = np.zeros((n, 3), dtype=bool) if reads else np.zeros((0, 3), dtype=bool)
+        self.scale_at = (
+            self._gather(lambda k, pieces: np.full(len(pieces), self.scales[k])) if reads else np.zeros(0)
+        )
+        """Per position, the value scale of its gradients (1 for a partial sum's base), when some
+        piece holds values (else its rank's, `scales`)."""
+        self._cache: dict[tuple[str, TensorKind, int], np.ndarray] = {}
+        """Gathered gradient columns, by (what, kind, column): asked for by several questions."""
+
+    @functools.cached_property
+    def stats_only(self) -> bool:
+        """Every rank's pieces are statistics only, of one kind set, fingerprint length and norm type."""
+        return _uniform(self.sources)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (self._arguments(), self._measured()))
+
+    def _arguments(self) -> tuple[object, ...]:
+        return (self.sources, self.names, self.wanted, self.scales, self.read_norm_type, self.dropped)
+
+    def _measured(self) -> list[np.ndarray]:
+        """What the tensor pass wrote, every array indexed by position."""
+        return [
+            *self._state.values(),
+            *self._read.values(),
+            *self._read_counts.values(),
+            self._products,
+            self._has_products,
+            self.scale_at,
+        ]
+
+    def merged(self, other: PieceTable) -> PieceTable:
+        """One table of both tables' parameters (of the same step, measured apart), with what each
+        read for its own."""
+        sources, names, _, *rest = self._arguments()
+        table = _rebuilt((sources, names, self.wanted | other.wanted, *rest), None)
+        for part in (self, other):
+            for name in part.wanted:
+                start, stop = part.bounds.get(name, (0, 0))
+                begin = table.bounds.get(name, (0, 0))[0]
+                for mine, theirs in zip(table._measured(), part._measured(), strict=True):
+                    mine[begin : begin + stop - start] = theirs[start:stop]
+        return table
 
     def _gather(self, column: Callable[[int, ColumnarPieces], np.ndarray]) -> np.ndarray:
         """`column(k, pieces)` of every source `k`, rows kept only, in position order."""
@@ -115,38 +198,223 @@ class PieceTable:
         del keys
         layout = np.empty(self.size, dtype=np.int64)
         layout[order] = np.cumsum(starts) - 1
+        if any(
+            pieces.extras.regions for _, _, pieces in self.sources
+        ):  # pieces of several regions: their key is the regions themselves
+            at = np.flatnonzero(self._gather(lambda _, pieces: _flags(len(pieces), pieces.extras.regions)))
+            ids: dict[tuple[object, ...], int] = {}
+            for position, (_, _, piece) in zip(at.tolist(), self.entries(at), strict=True):
+                layout[position] = self.size + ids.setdefault(piece.layout_key, len(ids))
         return layout
 
     def all_sources(self, test: Callable[[ColumnarPieces], bool]) -> bool:
         """Whether `test` holds for every rank's columns (all their pieces, kept or not)."""
         return all(test(pieces) for _, _, pieces in self.sources)
 
-    def kind_column(self, kind: TensorKind, column: int) -> np.ndarray:
-        """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs)."""
-        return self._gather(lambda k, pieces: self._unscaled(k, kind, pieces)[:, column])
+    def kind_has(self, kind: TensorKind) -> np.ndarray:
+        """Whether each position holds `kind` (statistics stored or read)."""
+        if self.all_sources(lambda pieces: kind in pieces.stats and not pieces.extras.absent.get(kind)):
+            has = np.ones(self.size, dtype=bool)
+        elif self.all_sources(lambda pieces: kind not in pieces.stats):
+            has = np.zeros(self.size, dtype=bool)
+        else:
+            has = self._gather(lambda _, pieces: _holds(pieces, kind))
+        state = self._state.get(kind)
+        if state is not None and state.any():
+            has = (has | (state > 0)) & (state != _REMOVED)
+        return has
 
-    def _unscaled(self, source: int, kind: TensorKind, pieces: ColumnarPieces) -> np.ndarray:
-        """The `kind` statistics of one source, its gradients divided by its loss scale."""
-        values, scale = pieces.stats[kind], self.scales[source]
-        if scale == 1.0 or kind not in SCALED_KINDS:
-            return values
-        out = values / scale  # max |x| and the fingerprint
-        out[:, 0], out[:, 1], out[:, 2] = unscaled_sums(
-            values[:, 0], values[:, 1], values[:, 2], scale, self.norm_type
+    def kind_column(self, kind: TensorKind, column: int) -> np.ndarray:
+        """Column `column` of every position's `kind` statistics (0 sum_pow, 1 sum_sq, 2 max_abs),
+        its gradients divided by their loss scale; 0 where it holds none."""
+        return self._kept(
+            ("column", kind, column),
+            lambda: self._overlay(
+                kind,
+                self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column)),
+                lambda read: self._unscaled_read(kind, read)[column],
+            ),
         )
+
+    def _kept(self, key: tuple[str, TensorKind, int], compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """`compute()`, kept when it is a column of the gradient (asked again by the columns, which
+        hold it anyway): another kind's is gathered again when asked, not kept in memory."""
+        found = self._cache.get(key)
+        if found is None:
+            found = compute()
+            if key[1] == "grad":
+                self._cache[key] = found
+        return found
+
+    def _unscaled(self, source: int, kind: TensorKind, pieces: ColumnarPieces, column: int) -> np.ndarray:
+        """Column `column` of one source's `kind` statistics, its gradients divided by its loss scale."""
+        values = pieces.stats.get(kind)
+        if values is None:
+            return np.zeros(len(pieces))
+        scale = self.scales[source]
+        if scale == 1.0 or kind not in SCALED_KINDS:
+            return values[:, column]
+        if column >= 3:
+            return values[:, column] / scale  # the fingerprint
+        return unscaled_sums(values[:, 0], values[:, 1], values[:, 2], scale, pieces.norm_type)[column]
+
+    def _unscaled_read(self, kind: TensorKind, at: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sum_pow, sum_sq, max_abs) read at these positions, gradients divided by their scale."""
+        read, scales = self._read[kind][at], self.scale_at[at]
+        out = read[:, 0].copy(), read[:, 1].copy(), read[:, 2].copy()
+        if kind in SCALED_KINDS:
+            for scale in np.unique(scales[scales != 1.0]).tolist():
+                chosen = scales == scale
+                pow_, sq, max_ = (column[chosen] for column in out)
+                sums = unscaled_sums(pow_, sq, max_, scale, self.read_norm_type)
+                for column, values in zip(out, sums, strict=True):
+                    column[chosen] = values
+        return out
+
+    def _overlay(
+        self, kind: TensorKind, stored: np.ndarray, read: Callable[[np.ndarray], np.ndarray]
+    ) -> np.ndarray:
+        state = self._state.get(kind)
+        if state is None or not state.any():
+            return stored
+        at = np.flatnonzero(state > 0)
+        out: np.ndarray = stored.copy()
+        out[at] = read(at)
+        out[state == _REMOVED] = 0
         return out
 
     def kind_counts(self, kind: TensorKind) -> np.ndarray:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
-        return self._gather(lambda _, pieces: pieces.counts[kind])
+        return self._kept(
+            ("counts", kind, 0),
+            lambda: self._overlay(
+                kind,
+                self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3),
+                lambda at: self._read_counts[kind][at],
+            ),
+        )
+
+    def kind_nonfinite(self, kind: TensorKind) -> np.ndarray:
+        """The count of nonfinite values of every position's `kind`."""
+        if self._state.get(kind) is not None:
+            total: np.ndarray = self.kind_counts(kind).sum(axis=1)
+            return total
+        return self._gather(lambda _, pieces: _counts(pieces, kind).sum(axis=1))
+
+    def kind_term(self, kind: TensorKind, norm_type: float) -> tuple[np.ndarray, np.ndarray]:
+        """(each position's term of the `norm_type`-norm of its `kind` statistics, 0 where it holds
+        none; whether that term is unknown: statistics taken for another norm type)."""
+
+        def stored(k: int, pieces: ColumnarPieces) -> np.ndarray:
+            column = term_column(pieces.norm_type, norm_type)
+            if column is None:
+                return np.full(len(pieces), math.nan)
+            term = self._unscaled(k, kind, pieces, column)
+            if pieces.extras.odd_stats:
+                term = term.copy()
+            for (at, odd_kind), stats in pieces.extras.odd_stats.items():
+                if odd_kind == kind:
+                    odd = stats if kind not in SCALED_KINDS else unscaled_stats(stats, self.scales[k])
+                    odd_column = term_column(odd.norm_type, norm_type)
+                    term[at] = (
+                        math.nan if odd_column is None else (odd.sum_pow, odd.sum_sq, odd.max_abs)[odd_column]
+                    )
+            return term
+
+        columns = {term_column(pieces.norm_type, norm_type) for _, _, pieces in self.sources}
+        if (
+            len(columns) == 1
+            and not self._state
+            and self.all_sources(lambda pieces: not pieces.extras.odd_stats)
+        ):
+            (only,) = columns
+            has = self.kind_has(kind)
+            if only is None:
+                return np.zeros(self.size), has
+            return self.kind_column(kind, only), np.zeros(self.size, dtype=bool)
+        column = term_column(self.read_norm_type, norm_type)
+        term = self._overlay(
+            kind,
+            self._gather(stored),
+            lambda at: (
+                np.full(at.size, math.nan) if column is None else self._unscaled_read(kind, at)[column]
+            ),
+        )
+        has = self.kind_has(kind)
+        unknown = has & np.isnan(term)
+        return np.where(has & ~unknown, term, 0.0), unknown
+
+    def products(self) -> tuple[np.ndarray, np.ndarray]:
+        """([n, 3] dot_pre_post, dot_pre_pre, update_sum_sq of each position; [n, 3] whether read)."""
+        if not self._products.size and self.size:
+            return (
+                np.broadcast_to(np.zeros((1, 3)), (self.size, 3)),
+                np.broadcast_to(np.zeros((1, 3), dtype=bool), (self.size, 3)),
+            )
+        return self._products, self._has_products
+
+    def record(
+        self,
+        position: int,
+        stats: Mapping[TensorKind, TensorStats],
+        products: tuple[float | None, float | None, float | None] | None = None,
+        *,
+        removed: Iterable[TensorKind] = (),
+        scale: float | None = None,
+    ) -> None:
+        """What the tensor pass read of the piece at `position`: statistics as the values were dumped,
+        (unscaled) products; `removed`: kinds it no longer holds; `scale`: its value scale now."""
+        self._cache.clear()
+        for kind, s in stats.items():
+            self._state[kind][position] = _FINGERPRINTED if s.fingerprint else _READ
+            self._read[kind][position] = (s.sum_pow, s.sum_sq, s.max_abs, *(s.fingerprint or (0.0, 0.0)))
+            self._read_counts[kind][position] = (s.num_nan, s.num_posinf, s.num_neginf)
+        for kind in removed:
+            self._state[kind][position] = _REMOVED
+        if products is not None:
+            self._products[position] = [0.0 if v is None else v for v in products]
+            self._has_products[position] = [v is not None for v in products]
+        if scale is not None:
+            self.scale_at[position] = scale
+
+    def _read_stats(self, position: int, numel: int) -> tuple[dict[TensorKind, TensorStats], set[TensorKind]]:
+        """(the statistics read at `position`, as dumped; the kinds removed there)."""
+        found, removed = {}, set()
+        for kind, state in self._state.items():
+            flag = int(state[position])
+            if flag == _REMOVED:
+                removed.add(kind)
+            elif flag:
+                sum_pow, sum_sq, max_abs, *fingerprint = self._read[kind][position].tolist()
+                nan, posinf, neginf = self._read_counts[kind][position].tolist()
+                found[kind] = TensorStats(
+                    numel=numel,
+                    norm_type=self.read_norm_type,
+                    sum_pow=sum_pow,
+                    sum_sq=sum_sq,
+                    max_abs=max_abs,
+                    num_nan=nan,
+                    num_posinf=posinf,
+                    num_neginf=neginf,
+                    fingerprint=tuple(fingerprint) if flag == _FINGERPRINTED else (),
+                )
+        return found, removed
+
+    def source_of(self, rank: int) -> int:
+        """The index in `sources` (and `scales`) of this rank's columns."""
+        return self._source_of[rank]
 
     def param_positions(self, name: str) -> range:
         return range(*self.bounds.get(name, (0, 0)))
 
+    def find(self, rank: int, local: int) -> int:
+        """The position of the piece at `local` in rank `rank`'s file."""
+        return int(np.flatnonzero((self.rank == rank) & (self.local == local))[0])
+
     def entries(self, positions: Sequence[int] | np.ndarray) -> list[tuple[int, str, Piece]]:
         """(rank, file path, piece) at each position, the piece built from its rank's columns."""
         positions = np.asarray(positions, dtype=np.int64)
-        ranks, indices = self.rank[positions], self.index[positions]
+        ranks, locals_ = self.rank[positions], self.local[positions]
         found: list[tuple[int, str, Piece] | None] = [None] * positions.size
         by_rank = np.argsort(ranks, kind="stable")
         distinct, starts = np.unique(ranks[by_rank], return_index=True)
@@ -154,25 +422,68 @@ class PieceTable:
         for k, rank in enumerate(distinct.tolist()):
             at = by_rank[bounds[k] : bounds[k + 1]]
             _, path, pieces = self.sources[self._source_of[rank]]
-            for i, piece in zip(at.tolist(), pieces.build(indices[at].tolist()), strict=True):
+            for i, piece in zip(at.tolist(), pieces.build(locals_[at].tolist()), strict=True):
                 found[i] = (rank, path, piece)
         return [entry for entry in found if entry is not None]
 
+    def tensors(self, positions: np.ndarray) -> list[tuple[str, dict[TensorKind, str], int]]:
+        """(file path, kind -> tensor key, elements) of the pieces at these positions."""
+        found = []
+        numel = self._numel
+        for position, rank, local in zip(
+            positions.tolist(), self.rank[positions].tolist(), self.local[positions].tolist(), strict=True
+        ):
+            _, path, pieces = self.sources[self._source_of[rank]]
+            keys = {kind: by[local] for kind, by in pieces.extras.tensors.items() if local in by}
+            found.append((path, keys, int(numel[position])))
+        return found
+
+    @functools.cached_property
+    def _numel(self) -> np.ndarray:
+        return self._gather(lambda _, pieces: pieces.numel)
+
     def measurements(self, positions: Sequence[int] | np.ndarray) -> list[PieceMeasurement]:
-        """The PieceMeasurement of each position, as _measure_piece gives for a stats-only piece."""
-        scales = self.scales
-        return [
-            piece_measurement(rank, piece, scales[self._source_of[rank]])
-            for rank, _, piece in self.entries(positions)
-        ]
+        """The PieceMeasurement of each position: its stored statistics, what was read overriding them."""
+        positions = np.asarray(positions, dtype=np.int64)
+        found = []
+        products, has = self.products()
+        scales = (
+            self.scale_at[positions].tolist()
+            if self.scale_at.size
+            else [self.scales[self._source_of[rank]] for rank in self.rank[positions].tolist()]
+        )
+        for position, scale, (rank, _, piece) in zip(
+            positions.tolist(), scales, self.entries(positions), strict=True
+        ):
+            stats: Mapping[TensorKind, TensorStats] = piece.stats
+            row: tuple[float | None, ...] = (None, None, None)
+            if self._state:
+                read, removed = self._read_stats(position, piece.numel)
+                if read or removed:
+                    stats = {k: v for k, v in {**piece.stats, **read}.items() if k not in removed}
+                row = tuple(
+                    v if h else None
+                    for v, h in zip(products[position].tolist(), has[position].tolist(), strict=True)
+                )
+            found.append(piece_measurement(rank, piece, scale, stats=stats, products=row))  # type: ignore[arg-type]
+        return found
 
     @functools.cached_property
     def _grad_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """sum_sq, max_abs, fingerprint [n, f] and nonfinite count of every position's gradient
         (gathered once, when the step has replicas to compare)."""
-        stats = self._gather(lambda k, pieces: self._unscaled(k, "grad", pieces))
+        width = 3 + self.sources[0][2].fingerprint_length
+        stats = [self._gather(self._grad_column(c)) for c in range(width)]
         counts = self._gather(lambda _, pieces: pieces.counts["grad"]).sum(axis=1)
-        return stats[:, 1], stats[:, 2], stats[:, 3:], counts
+        return (
+            stats[1],
+            stats[2],
+            np.stack(stats[3:], axis=1) if width > 3 else np.zeros((self.size, 0)),
+            counts,
+        )
+
+    def _grad_column(self, column: int) -> Callable[[int, ColumnarPieces], np.ndarray]:
+        return lambda k, pieces: self._unscaled(k, "grad", pieces, column)
 
     @functools.cached_property
     def _set_bases(self) -> dict[int, tuple[str, tuple[Region, ...], str, int]]:
@@ -189,9 +500,9 @@ class PieceTable:
     def replica_sets(self, positions: np.ndarray) -> tuple[ReplicaSet, ...] | None:
         """The replica sets of these replicated positions compared by fingerprint, as
         measure._compare_replicas gives them for stats-only copies, from the columns: objects only
-        for each set's base piece and its copies' results. None when the pieces hold no gradient
-        statistics (the object path then says so per copy)."""
-        if "grad" not in self.kinds or not positions.size:
+        for each set's base piece and its copies' results. None unless the step is statistics
+        only with gradient statistics (the copies are then compared one set at a time)."""
+        if not self.stats_only or "grad" not in self.kinds or not positions.size:
             return None
         layout, rank, index = self.layout[positions], self.rank[positions], self.index[positions]
         order = np.lexsort((index, rank, layout))
@@ -236,6 +547,64 @@ class PieceTable:
         return TablePieces(self, positions)
 
 
+def _rebuilt(arguments: tuple[Any, ...], measured: list[np.ndarray] | None) -> PieceTable:
+    sources, names, wanted, scales, norm_type, dropped = arguments
+    table = PieceTable(sources, names, wanted, scales, norm_type=norm_type, dropped=dropped)
+    for mine, theirs in zip(table._measured(), measured or table._measured(), strict=True):
+        mine[...] = theirs
+    return table
+
+
+def _uniform(sources: Sequence[tuple[int, str, ColumnarPieces]]) -> bool:
+    if not sources:
+        return False
+    first = sources[0][2]
+    kinds = sorted(first.kinds)
+    return all(
+        pieces.stats_only
+        and sorted(pieces.kinds) == kinds
+        and pieces.fingerprint_length == first.fingerprint_length
+        and pieces.norm_type == first.norm_type
+        for _, _, pieces in sources
+    )
+
+
+def _holds(pieces: ColumnarPieces, kind: TensorKind) -> np.ndarray:
+    if kind not in pieces.stats:
+        return np.zeros(len(pieces), dtype=bool)
+    absent = pieces.extras.absent.get(kind)
+    return ~_flags(len(pieces), absent) if absent else np.ones(len(pieces), dtype=bool)
+
+
+def _counts(pieces: ColumnarPieces, kind: TensorKind) -> np.ndarray:
+    counts = pieces.counts.get(kind)
+    return np.zeros((len(pieces), 3), dtype=np.int64) if counts is None else counts
+
+
+def _flags(n: int, positions: Iterable[int] | None) -> np.ndarray:
+    flags = np.zeros(n, dtype=bool)
+    if positions:
+        flags[list(positions)] = True
+    return flags
+
+
+def _tensor_flags(kind: TensorKind) -> Callable[[int, ColumnarPieces], np.ndarray]:
+    return lambda _, pieces: _flags(len(pieces), pieces.extras.tensors.get(kind))
+
+
+def _with(values: np.ndarray, changes: Mapping[int, int]) -> np.ndarray:
+    out: np.ndarray = values.copy()
+    out[list(changes)] = list(changes.values())
+    return out
+
+
+def _mapped(changes: Mapping[int, int], at: np.ndarray) -> np.ndarray:
+    """`Piece.index` of the pieces at these positions of their file."""
+    if not changes:
+        return at
+    return np.array([changes.get(i, i) for i in at.tolist()], dtype=np.int32)
+
+
 def lowest_copies(layout: np.ndarray, order: np.ndarray) -> np.ndarray:
     """Of the positions in `order` (sorted by rank, then piece index), each layout's first: the
     disjoint cover's pieces, in that order."""
@@ -268,38 +637,27 @@ def _count(chosen: np.ndarray | None, param: np.ndarray) -> int:
     return len(param) if chosen is None else int(chosen.size)
 
 
-def piece_table(step: StepDump, names: Iterable[str]) -> PieceTable | None:
-    """The table of the step's pieces of these parameters, or None unless every present rank's
-    pieces are statistics only (`ColumnarPieces.stats_only`) of one kind set, fingerprint length
-    and norm type."""
+def piece_table(
+    step: StepDump,
+    names: Iterable[str],
+    *,
+    norm_type: float = 2.0,
+    dropped: Mapping[int, Iterable[int]] | None = None,
+) -> PieceTable:
+    """The table of the step's pieces of these parameters on every present rank (`norm_type`: of
+    the statistics the tensor pass will read; `dropped`: see PieceTable)."""
     sources, scales = [], []
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        pieces = dump.columns
-        if not len(pieces):
-            continue
-        if not pieces.stats_only:
-            return None
-        sources.append((rank, dump.path, pieces))
-        scales.append(dumped_gradient_scale(dump))
-    if not sources:
-        return None
-    first = sources[0][2]
-    kinds, length = sorted(first.kinds), first.fingerprint_length
-    for _, _, pieces in sources:
-        if (
-            sorted(pieces.kinds) != kinds
-            or pieces.fingerprint_length != length
-            or pieces.norm_type != first.norm_type
-        ):
-            return None
-    return PieceTable(sources, list(step.params), names, scales)
+        if len(dump.columns):
+            sources.append((rank, dump.path, dump.columns))
+            scales.append(dumped_gradient_scale(dump))
+    return PieceTable(sources, list(step.params), names, scales, norm_type=norm_type, dropped=dropped)
 
 
 class TablePieces(Sequence[PieceMeasurement]):
     """Measurements of some positions of a PieceTable (a range, or an array of positions), built
-    when indexed or iterated (not kept); equal to any sequence of equal measurements, and pickled
-    as a tuple of them."""
+    when indexed or iterated (not kept); equal to any sequence of equal measurements."""
 
     __slots__ = ("_positions", "table")
 
@@ -337,8 +695,6 @@ class TablePieces(Sequence[PieceMeasurement]):
             yield from self.table.measurements(self._positions[start : start + _BATCH])
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, TablePieces) and other.table is self.table:
-            return bool(np.array_equal(self.positions, other.positions))
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
@@ -348,5 +704,5 @@ class TablePieces(Sequence[PieceMeasurement]):
     def __repr__(self) -> str:
         return f"TablePieces({len(self)} pieces)"
 
-    def __reduce__(self) -> tuple[type[tuple[PieceMeasurement, ...]], tuple[tuple[PieceMeasurement, ...]]]:
-        return tuple, (tuple(self),)
+    def __reduce__(self) -> tuple[object, ...]:
+        return TablePieces, (self.table, self._positions)
