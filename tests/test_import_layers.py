@@ -32,6 +32,7 @@ SHELLS = (
     "integrations",  # framework callbacks around the capture and the guard
     "testing",  # check_clip_parity runs a capture and an audit on gloo ranks
     "demo",  # writes a dump and checks it
+    "localranks",  # local CPU rank processes for the demo and the test helpers
     "live",  # the guard: training-side hooks (capture) that run the offline analysis (audit) on every step
 )
 """Top-level modules and folders that assemble stages; they may import anything, and no stage imports them."""

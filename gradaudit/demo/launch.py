@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..testing.ranks import free_port, prepare_rank_process, process_context
+from ..localranks import free_port, prepare_rank_process, process_context
 
 if TYPE_CHECKING:
     from multiprocessing.queues import SimpleQueue

@@ -14,12 +14,10 @@ failure, not a hung suite.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
 import queue
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -28,9 +26,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import UsageError
+from ..localranks import StartMethod, free_port, prepare_rank_process, process_context
 
 if TYPE_CHECKING:
-    from multiprocessing.context import ForkServerContext, SpawnContext
     from multiprocessing.process import BaseProcess
     from multiprocessing.queues import Queue
     from types import TracebackType
@@ -40,11 +38,6 @@ GRACE_S = 5.0
 """How long the other ranks may still report after one failed (a rank blocked in a collective with the
 failed one often gets its own error within this time; otherwise it is killed)."""
 COLLECTIVE_TIMEOUT_S = 60.0
-
-StartMethod = Literal["forkserver", "spawn"]
-
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor"]
-"""Imported once by the fork server, so that each rank starts in a fraction of a second, not seconds."""
 
 
 class RankFailure(AssertionError):
@@ -161,24 +154,6 @@ def failure_text(failed: Sequence[RankOutcome]) -> str:
     )
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def process_context(start_method: StartMethod = "forkserver") -> ForkServerContext | SpawnContext:
-    """The multiprocessing context for rank processes: a fork server that has imported torch already
-    when the platform has one and `start_method` asks for it, else spawn."""
-    if start_method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
-        return context
-    return multiprocessing.get_context("spawn")
-
-
 def _collect(
     processes: Sequence[BaseProcess], results: Queue[tuple[int, str, bytes]], timeout_s: float
 ) -> tuple[dict[int, tuple[str, bytes]], set[int], bool]:
@@ -288,18 +263,6 @@ def _from_user_code(tb: TracebackType | None) -> TracebackType | None:
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(here):
         tb = tb.tb_next
     return tb
-
-
-def prepare_rank_process() -> None:
-    """What every rank process does first: one intra-op thread, and FSDP2's view warning silenced."""
-    import warnings
-
-    import torch
-
-    # A few cores shared by all ranks: intra-op threads would only fight each other.
-    torch.set_num_threads(1)
-    # FSDP2 warns about every module that returns a view; a rank's step does not modify outputs in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def _run_in_group(
