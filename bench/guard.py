@@ -78,12 +78,18 @@ def _local_grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _measure(
-    guard: Any, model: torch.nn.Module, own: list, reference: list, accessors: list, order: random.Random
+    guard: Any,
+    model: torch.nn.Module,
+    own: list,
+    reference: list,
+    accessors: list,
+    order: random.Random,
+    clock: Any = time.perf_counter,
 ) -> None:
     """The guard's own measuring on the final gradients as a checked step does it (its group terms and
     the coefficient's two samples of the elements read with them), against the stack's own norm pass over the same local gradients; and the same measuring
     through the pieces' own gradient accessors (DTensor.to_local() per parameter: the guard before it
-    read `_local_tensor`). The three in a shuffled order (the same on both ranks)."""
+    read `_local_tensor`). The three in a shuffled order (the same on both ranks), timed by `clock`."""
     summary = guard._summary
     fast = summary._readers
     through_accessors = tuple(piece.grad for piece in summary.pieces)
@@ -91,14 +97,14 @@ def _measure(
     def timed(kind: str) -> float:
         if kind == "reference":
             grads = _local_grads(model)
-            start = time.perf_counter()
+            start = clock()
             torch._foreach_norm(grads, 2.0)
-            return time.perf_counter() - start
+            return clock() - start
         summary._readers = fast if kind == "own" else through_accessors
-        start = time.perf_counter()
+        start = clock()
         _, _, sampled = summary.measure()  # as a checked step: the terms and the sample before the clip,
         summary.sample(sampled)  # and the same elements after it
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         summary._readers = fast
         return elapsed
 
@@ -147,6 +153,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
             step()
         never = 1 << 60  # every=never: attached, but no step is checked
         order = random.Random(0)  # the same order on both ranks: they step together
+        clock = time.thread_time if config["clock"] == "thread" else time.perf_counter
         for _ in range(config["rounds"]):
             kinds = ["none", "guard", "attached"] * 2
             order.shuffle(kinds)  # no kind keeps a place in the round (load varies with time)
@@ -156,9 +163,9 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
                 guard.every = 1 if kind == "guard" else never
                 times[kind].append(step())
                 guard.resume()
-            _measure(guard, model, own, reference, accessors, order)
+            _measure(guard, model, own, reference, accessors, order, clock)
         for _ in range(config["repeats"]):
-            _measure(guard, model, own, reference, accessors, order)
+            _measure(guard, model, own, reference, accessors, order, clock)
         anomalies = list(guard.anomalies)
         guard.remove()
         assert not anomalies, f"a correct run was flagged: {anomalies}"
@@ -203,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         help="measure the guard's own cost this many more times after the rounds (with --rounds 0: "
         "only that, which a loaded machine can still resolve: each ratio is taken within one repeat)",
     )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="what times the guard's own measuring: wall time, or the rank's CPU time (time.thread_time: "
+        "what other processes take of a shared machine's cores does not count)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         config = {
@@ -212,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": 2,
             "warmup": 1,
             "repeats": args.repeats,
+            "clock": args.clock,
         }
     else:
         config = {
@@ -221,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "warmup": 2 if args.rounds else 1,
             "repeats": args.repeats,
+            "clock": args.clock,
         }
     with tempfile.TemporaryDirectory() as out_dir:
         config["out_dir"] = out_dir

@@ -158,7 +158,9 @@ class LocalSummary:
         sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
         views = strided_views([grad for _, grad in sampled], SAMPLE_PER_PIECE)
         sampled = tuple((i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None)
-        return self._terms(grads, present), _float64_cat([view for _, view in sampled]), sampled
+        # the sample first, while the gradients just read are in the caches the norm pass then sweeps
+        sample = _float64_cat([view for _, view in sampled])
+        return self._terms(grads, present), sample, sampled
 
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
@@ -176,11 +178,18 @@ class LocalSummary:
         if index is None:
             index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
             self._index_cache[present] = index
+        out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
+        if device.type == "cpu" and not math.isinf(self.norm_type):
+            # on the host the total is read at no cost: the pieces with a nan or an inf are counted only
+            # when it is not finite (four ops fewer in a step; on a device that read would wait for it)
+            out[0].index_add_(0, index, norms.pow(self.norm_type))
+            if math.isfinite(out[0].sum()):
+                return out.reshape(-1)
+            out.zero_()
         finite = norms.nan_to_num(0.0, 0.0, 0.0)
         power = finite if math.isinf(self.norm_type) else finite.pow(self.norm_type)
         # [p-th powers, nan flags, inf flags] of the pieces, summed per group in one op (stack promotes)
         columns = torch.stack((power, norms.isnan(), norms.isinf()))
-        out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
         out.index_add_(1, index, columns)
         if math.isinf(self.norm_type):
             out[0].zero_().scatter_reduce_(0, index, finite, "amax")  # the largest norm per group
@@ -222,9 +231,7 @@ def _float64_cat(views: list[torch.Tensor]) -> torch.Tensor | None:
 
     if not views:
         return None
-    if len({t.dtype for t in views}) > 1:
-        views = [t.to(torch.float64) for t in views]
-    return torch.cat(views).to(torch.float64)
+    return torch.cat(views).to(torch.float64)  # cat promotes mixed dtypes to the widest, exactly
 
 
 def local_grad_readers(
@@ -251,14 +258,16 @@ def _local_tensor_reader(
     param: Any, fallback: Callable[[], torch.Tensor | None]
 ) -> Callable[[], torch.Tensor | None]:
     placements, shape = tuple(param.placements), param._local_tensor.shape
+    known: list[Any] = [None]  # the spec of the last gradient found whole (FSDP2 gives every step's the same)
 
     def read() -> torch.Tensor | None:
         grad = param.grad
-        if grad is None:
-            return None
+        if grad is not None and grad._spec is known[0]:
+            return grad._local_tensor  # type: ignore[no-any-return]  # the spec fixes the local shape
         local = getattr(grad, "_local_tensor", None)
         if local is None or grad._spec.placements != placements or local.shape != shape:
-            return fallback()  # a pending sum or another layout: the accessor says what it is
+            return None if grad is None else fallback()  # a pending sum or another layout: the accessor says
+        known[0] = grad._spec
         return local  # type: ignore[no-any-return]
 
     return read
