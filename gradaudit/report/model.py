@@ -219,9 +219,11 @@ class FirstCall:
     report shows the last call's)."""
 
     true_norm: float | None
+    """The true global norm (with several calls, before the first)."""
     reported_norm: float | None
     """The lowest rank's that reported one (with several calls, GA501's `first_rank`'s)."""
     expected_clip_coef: float | None
+    """min(1, max_norm / (true_norm + 1e-6)), as that true norm expects."""
     clip_calls: int = 1
     """Above 1, the numbers are the first call's, and the step's report differs from them."""
 
