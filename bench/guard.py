@@ -116,13 +116,36 @@ def _measure(
     accessors.append(times["accessors"])
 
 
+def _time_own_hooks(guard_class: Any, spent: list[float]) -> None:
+    """Add to spent[0] the wall time inside the guard's own hooks (its work around each clip call and
+    before and after the optimizer step, the collective included), the outermost call only: the clip
+    and the optimizer step themselves are not in it."""
+    depth = [0]
+    for name in ("_before_call", "_record_call", "_before_step", "_after_step"):
+
+        def timed(self: Any, *args: Any, _original: Any = getattr(guard_class, name), **kwargs: Any) -> Any:
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - start
+
+        setattr(guard_class, name, timed)
+
+
 def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         import gradaudit
+        from gradaudit.live.guard import Guard
 
+        spent = [0.0]
+        _time_own_hooks(Guard, spent)  # this rank process's own copy of the class
         out = Path(config["out_dir"]) / config["stack"]
         model = _wrap(_model(**config["model"]), config["stack"], world_size)
         params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
@@ -130,6 +153,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
         gen = torch.Generator().manual_seed(rank)
         seq, batch = config["seq"], config["batch"]
         times: dict[str, list[float]] = {"none": [], "guard": [], "attached": []}
+        in_guard: list[float] = []  # the guard's own time in each checked step
         own: list[float] = []
         reference: list[float] = []
         accessors: list[float] = []
@@ -161,7 +185,10 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
                 if kind == "none":
                     guard.pause()
                 guard.every = 1 if kind == "guard" else never
+                before = spent[0]
                 times[kind].append(step())
+                if kind == "guard":
+                    in_guard.append(spent[0] - before)
                 guard.resume()
             _measure(guard, model, own, reference, accessors, order, clock)
         for _ in range(config["repeats"]):
@@ -173,6 +200,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
             "params": params,
             "tokens": batch * seq,
             "times": times,
+            "in_guard": in_guard,
             "own": own,
             "reference": reference,
             "accessors": accessors,
@@ -261,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {kind:>8}: " + " ".join(f"{t:.2f}" for t in r["times"][kind]))
                     print(f"RATIO {stack} rank {rank} step guard/none = {guard / none:.4f}")
                     print(f"RATIO {stack} rank {rank} step attached/none = {attached / none:.4f}")
+                    own_step = statistics.median(r["in_guard"])
+                    print(
+                        f"RATIO {stack} rank {rank} guard's own time in a checked step/step without = "
+                        f"{own_step / none:.4f} ({own_step * 1e3:.1f} ms in its hooks; target <= 0.01)"
+                    )
                 print(
                     f"rank {rank}: measuring {own * 1e3:.2f} ms (through the accessors "
                     f"{statistics.median(r['accessors']) * 1e3:.2f} ms) vs _foreach_norm {ref * 1e3:.2f} ms, "
