@@ -12,6 +12,19 @@ from gradaudit.dumpfile import load_rank_file
 from gradaudit.dumpfile.columnar import ColumnarPieces, ParamIds, counts_key
 from gradaudit.errors import DumpFormatError
 
+_COMPARED_COLUMNS = (
+    "rank",
+    "index",
+    "has_grad",
+    "term",
+    "sum_sq",
+    "sum_pow",
+    "counts",
+    "unknown",
+    "has_clipped",
+)
+"""The StepColumns columns the object oracle and the table must give alike."""
+
 
 def _both_forms(tmp_path, rank=1):
     path = _stats_step(tmp_path / "v11", rank=rank, world_size=2)
@@ -325,18 +338,7 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     ]
     a, b = _ObjectColumns(expected), StepColumns(ours)
     assert isinstance(b.pieces, TablePieces)
-    for name in (
-        "rank",
-        "index",
-        "has_grad",
-        "term",
-        "sum_sq",
-        "sum_pow",
-        "counts",
-        "unknown",
-        "has_clipped",
-        "by_rank_order",
-    ):
+    for name in (*_COMPARED_COLUMNS, "by_rank_order"):
         assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
     same = a.layout[:, None] == a.layout[None, :]
     assert np.array_equal(same, b.layout[:, None] == b.layout[None, :])
@@ -399,17 +401,7 @@ def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_o
     compared = any(s.by_values for pm in ours.params.values() for s in pm.replica_sets)
     assert compared or seed != 10  # seed 10 holds replicas, compared value by value
     a, b = _ObjectColumns(expected), StepColumns(ours)
-    for name in (
-        "rank",
-        "index",
-        "has_grad",
-        "term",
-        "sum_sq",
-        "sum_pow",
-        "counts",
-        "unknown",
-        "has_clipped",
-    ):
+    for name in _COMPARED_COLUMNS:
         assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
     for name in ("has_dots", "dot_pre_post", "dot_pre_pre"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
