@@ -7,7 +7,8 @@ The guard is attached when training begins (to the model and the torch optimizer
 and removed when it ends. It sees the Trainer's own clip (`accelerator.clip_grad_norm_`) and any clip
 call of the user's code (a `training_step` override clipping each micro-batch is GA501). The true norm
 of the step logged and its ratio to the reported norm are added to each of the Trainer's log calls,
-beside its `grad_norm`, as `gradaudit_true_norm` and `gradaudit_reported_over_true` (nothing for a
+beside its `grad_norm`, as `gradaudit_true_norm` and `gradaudit_reported_over_true` (that `grad_norm`
+over the true norm; nothing for a
 step not checked: one captured in full after an anomaly, or between every=): in `state.log_history`
 and for every callback of the call, TensorBoard's and W&B's included (the callback moves itself to
 the front of the Trainer's callbacks when training begins, since the reporting ones are added before
@@ -18,6 +19,7 @@ Trainer's optimizer (see `accelerate_guard`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from transformers import TrainerCallback
@@ -62,7 +64,12 @@ class GuardCallback(GuardCallbackOptions, TrainerCallback):
     ) -> None:
         # the step just logged, or nothing (a step captured in full is not checked): never an older one
         line = None if self.guard is None else self.guard.line_of(state.global_step)
-        values = {} if logs is None or line is None else line.metrics(prefix="gradaudit_")
+        if logs is None or line is None:
+            return
+        logged_norm = logs.get("grad_norm")
+        if isinstance(logged_norm, int | float):  # reported/true of the grad_norm beside it, as torchtitan's
+            line = replace(line, reported_norm=float(logged_norm))
+        values = line.metrics(prefix="gradaudit_")
         if not values or logs is None:
             return
         logs.update(values)
