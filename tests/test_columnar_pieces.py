@@ -26,6 +26,19 @@ _COMPARED_COLUMNS = (
 """The StepColumns columns the object oracle and the table must give alike."""
 
 
+def _clip(norm_type, loss_scale):
+    """The clip of the random steps measured both ways: reported 3 against max_norm 1, loss-scaled or not."""
+    from gradaudit.model import ClipRecord
+
+    return ClipRecord(
+        max_norm=1.0,
+        reported_norm=3.0,
+        norm_type=norm_type,
+        loss_scale=loss_scale,
+        unscaled_before_clip=None if loss_scale is None else False,
+    )
+
+
 def _both_forms(tmp_path, rank=1):
     path = _stats_step(tmp_path / "v11", rank=rank, world_size=2)
     columnar = load_rank_file(path)
@@ -319,15 +332,8 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step, overflow_notes
     from gradaudit.measure.table import TablePieces
-    from gradaudit.model import ClipRecord
 
-    clip = ClipRecord(
-        max_norm=1.0,
-        reported_norm=3.0,
-        norm_type=norm_type,
-        loss_scale=loss_scale,
-        unscaled_before_clip=None if loss_scale is None else False,
-    )
+    clip = _clip(norm_type, loss_scale)
     json_step, columnar_step = _random_step(tmp_path, seed, clip=clip)
     expected = _measured_by_objects(json_step)
     with TensorReader(columnar_step) as reader:
@@ -381,15 +387,8 @@ def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_o
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step, overflow_notes
-    from gradaudit.model import ClipRecord
 
-    clip = ClipRecord(
-        max_norm=1.0,
-        reported_norm=3.0,
-        norm_type=norm_type,
-        loss_scale=loss_scale,
-        unscaled_before_clip=None if loss_scale is None else False,
-    )
+    clip = _clip(norm_type, loss_scale)
     _, step = _random_step(tmp_path, seed, clip=clip, values=True)
     expected = _measured_by_objects(step)
     with TensorReader(step) as reader:
