@@ -287,7 +287,7 @@ def audit_step(
     from .measure.leftout import checked_params
 
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
-        with TensorReader(step) as reader:
+        with TensorReader(step, reference) as reader:
             m = (measure or measure_step)(
                 step, reader, reference=reference, progress=progress, params=checked_params(step)
             )

@@ -7,6 +7,7 @@ anything is read or allocated, and every defect becomes a DumpFormatError naming
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -73,6 +74,8 @@ class RawHeader:
     """Byte offset where the data section starts (8 + the header's length)."""
     file_size: int
     """Size of the file in bytes."""
+    digest: bytes
+    """A digest of the header's bytes: equal digests, equal headers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,7 +252,14 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise DumpFormatError(path, "header __metadata__ is not a map of strings")
     entries = {k: v for k, v in doc.items() if k != "__metadata__"}
-    return RawHeader(path=path, metadata=metadata, entries=entries, data_start=8 + length, file_size=size)
+    return RawHeader(
+        path=path,
+        metadata=metadata,
+        entries=entries,
+        data_start=8 + length,
+        file_size=size,
+        digest=hashlib.blake2b(raw, digest_size=16).digest(),
+    )
 
 
 def _first_line(exc: BaseException) -> str:

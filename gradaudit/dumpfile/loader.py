@@ -83,7 +83,7 @@ def _load_rank_from(
         arrays = resolve_shared(doc, arrays, path, tables or SharedTables())
     dump = decode_rank(doc, path, num_bytes=header.file_size, arrays=arrays, params_cache=params_cache)
     _check_tensors_against_header(dump, header)
-    return dump, header
+    return dataclasses.replace(dump, header_digest=raw.digest), header
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:

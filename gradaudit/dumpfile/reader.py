@@ -20,7 +20,15 @@ import numpy as np
 
 from ..errors import DumpFormatError
 from .dtypes import STORAGE
-from .header import Header, TensorEntry, open_regular_file, os_problem, shown
+from .header import (
+    Header,
+    TensorEntry,
+    open_regular_file,
+    os_problem,
+    read_raw_header_from,
+    shown,
+    validate_tensors,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -53,12 +61,19 @@ class TensorReader:
     """Reads tensors of a step's rank files as numpy arrays (and, for callers that want them, as
     torch tensors); see the module docstring."""
 
-    def __init__(self, step: StepDump | None = None, *, max_open: int | None = None) -> None:
-        self._expected = {d.path: d for d in step.ranks.values()} if step is not None else {}
+    def __init__(self, *steps: StepDump | None, max_open: int | None = None) -> None:
+        """`steps`: the loaded steps whose files this reads (a file changed since is refused)."""
+        self._expected = {d.path: d for step in steps if step is not None for d in step.ranks.values()}
         self._headers: dict[str, tuple[Header, _Identity]] = {}
         self._open_files: OrderedDict[str, BinaryIO] = OrderedDict()
         self._max_open = max(1, default_max_open() if max_open is None else max_open)
         self._scratch: dict[str, np.ndarray] = {}
+
+    def another(self) -> TensorReader:
+        """A reader of the same steps with its own open files and buffers (one per thread)."""
+        twin = TensorReader(max_open=self._max_open)
+        twin._expected = self._expected
+        return twin
 
     def _handle(self, path: str) -> tuple[BinaryIO, Header]:
         handle = self._open_files.get(path)
@@ -84,11 +99,22 @@ class TensorReader:
         return handle, self._headers[path][0]
 
     def _validate(self, handle: BinaryIO, path: str) -> Header:
+        """The file's header, refused when the step it was loaded as says it changed since: by the
+        header's digest when every piece is in the header (format 1.0), else by loading it again."""
+        from .columnar import PREFIX
         from .loader import _load_rank_from
 
-        dump, header = _load_rank_from(handle, path)
         expected = self._expected.get(path)
-        if expected is not None and (dump.pieces != expected.pieces or dump.num_bytes != expected.num_bytes):
+        raw = read_raw_header_from(handle, path)
+        header = validate_tensors(raw)
+        if expected is None:
+            return _load_rank_from(handle, path)[1]
+        if expected.header_digest and not any(key.startswith(PREFIX) for key in header.tensors):
+            unchanged = raw.digest == expected.header_digest
+        else:
+            dump = _load_rank_from(handle, path)[0]
+            unchanged = dump.pieces == expected.pieces
+        if not unchanged or raw.file_size != expected.num_bytes:
             raise DumpFormatError(
                 path,
                 "changed on disk after it was loaded",

@@ -452,7 +452,6 @@ def measure_step(
         cost,
         measure,
         reader,
-        step,
         workers=_default_workers(cost) if workers is None else workers,
         chunk_elements=chunk_elements,
         progress=progress,
@@ -494,7 +493,6 @@ def _measure_all(
     cost: Mapping[str, int],
     measure: Callable[[str, TensorReader, ChunkKernel], ParamMeasurement],
     reader: TensorReader,
-    step: StepDump,
     *,
     workers: int,
     chunk_elements: int,
@@ -502,7 +500,6 @@ def _measure_all(
 ) -> dict[str, ParamMeasurement]:
     """Parameters without tensor data (stats only) are measured here at once: reading nothing, they
     would only contend for the GIL. The others go to the worker threads, largest first."""
-    from ..dumpfile.reader import TensorReader
 
     results: dict[str, ParamMeasurement] = {}
     done = 0
@@ -534,7 +531,7 @@ def _measure_all(
 
     def in_worker(name: str) -> ParamMeasurement:
         if not hasattr(local, "reader"):
-            local.reader, local.kernel = TensorReader(step), ChunkKernel(chunk_elements)
+            local.reader, local.kernel = reader.another(), ChunkKernel(chunk_elements)
             with lock:
                 opened.append(local.reader)
         return measure(name, local.reader, local.kernel)
