@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..measure.measurements import disjoint_cover
-from ..model import Piece, StepDump, TensorKind
+from ..model import StepDump, TensorKind
 from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
     from ..dumpfile import TensorReader
-    from ..measure.measurements import ReferenceDifference, StepMeasurements
+    from ..measure.measurements import ParamMeasurement, ReferenceDifference, StepMeasurements
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,26 +89,22 @@ def explain_update_errors(
     atol: float | None = None,
 ) -> Mapping[str, UpdateJudgement]:
     """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
-    from ..measure.measure import pieces_by_param
     from ..measure.reference import assemble_dense
+    from ..measure.table import piece_table
 
+    judged = {
+        name: errors
+        for name, errors in ((name, _errors_to_judge(pm, rtol, atol)) for name, pm in m.params.items())
+        if errors is not None and name in reference.params
+    }
+    if not judged:
+        return {}
+    ref_table, our_table = piece_table(reference, judged), piece_table(step, judged)
     found: dict[str, UpdateJudgement] = {}
-    ref_held, our_held = pieces_by_param(reference), pieces_by_param(step)
-    for name, pm in m.params.items():
-        by_kind = {e.kind: e for e in pm.reference_errors}
-        after = by_kind.get("param_after")
-        grad_kind: TensorKind = "grad_clipped" if "grad_clipped" in by_kind else "grad"
-        grad = by_kind.get(grad_kind)
-        if after is None or grad is None or _within(after, rtol, atol):
-            continue
-        if not all(_within(e, rtol, atol) for k, e in by_kind.items() if k != "param_after"):
-            continue
-        info = reference.params.get(name)
-        if info is None:
-            continue
-        shape = tuple(info.global_shape)
-        ref_pieces = _holding(ref_held.get(name, []))
-        ours = _holding(our_held.get(name, []))
+    for name, (after, grad_kind, grad) in judged.items():
+        shape = tuple(reference.params[name].global_shape)
+        ref_pieces = [(path, piece) for _, path, piece in ref_table.cover(name)]
+        ours = [(path, piece) for _, path, piece in our_table.cover(name)]
         needed: tuple[TensorKind, ...] = ("param_before", "param_after", grad_kind)
         if not all(all(k in p.tensors for _, p in ref_pieces) and ref_pieces for k in needed):
             continue
@@ -133,14 +128,23 @@ def explain_update_errors(
     return found
 
 
+def _errors_to_judge(
+    pm: ParamMeasurement, rtol: float | None, atol: float | None
+) -> tuple[ReferenceDifference, TensorKind, ReferenceDifference] | None:
+    """(next weights' error, gradient kind, its error) when the next weights alone are outside tolerance."""
+    by_kind = {e.kind: e for e in pm.reference_errors}
+    after = by_kind.get("param_after")
+    grad_kind: TensorKind = "grad_clipped" if "grad_clipped" in by_kind else "grad"
+    grad = by_kind.get(grad_kind)
+    if after is None or grad is None or _within(after, rtol, atol):
+        return None
+    if not all(_within(e, rtol, atol) for k, e in by_kind.items() if k != "param_after"):
+        return None
+    return after, grad_kind, grad
+
+
 def _within(error: ReferenceDifference, rtol: float | None, atol: float | None) -> bool:
     return within_reference_tolerance(error, *reference_tolerances(error.dtype, rtol, atol))
-
-
-def _holding(held: list[tuple[int, str, Piece]]) -> list[tuple[str, Piece]]:
-    """(path, piece) of the lowest-rank copy of each layout among (rank, path, piece) `held`."""
-    cover = disjoint_cover(held, lambda c: (c[0], c[2].index, c[2].layout_key))
-    return [(path, piece) for _, path, piece in cover]
 
 
 def _scale(step: StepDump, kind: str) -> float:

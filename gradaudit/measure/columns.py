@@ -74,7 +74,7 @@ class StepColumns:
         )
         """No two pieces share a layout (no replicas)."""
         self._cover: np.ndarray | None = None
-        """Positions sorted by (rank, piece index), as disjoint_cover visits them."""
+        """The disjoint cover's positions, once computed (`cover_positions`)."""
 
     def kind_sums(self, kind: TensorKind) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(whether each piece holds `kind`, its sum of squares, its max |x|, its count of nonfinite
@@ -97,7 +97,7 @@ class StepColumns:
         return term[chosen], flags
 
     def cover_positions(self) -> np.ndarray:
-        """Positions of disjoint_cover(m.pieces): each layout's lowest (rank, index) piece, in that order."""
+        """The disjoint cover: each layout's lowest (rank, index) piece, in that order."""
         if self._cover is None:
             order = self.by_rank_order  # no replicas: every piece is its layout's only copy
             self._cover = order if self.distinct_layouts else lowest_copies(self.layout, order)

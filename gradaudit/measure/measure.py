@@ -309,27 +309,6 @@ def _fingerprinted(table: PieceTable, positions: range) -> np.ndarray:
     return np.flatnonzero(mixed[inverse] & with_values) + positions.start
 
 
-def _cover(table: PieceTable, positions: range) -> list[tuple[int, str, Piece]]:
-    """(rank, path, piece) of each layout's lowest (rank, index) copy among these positions."""
-    import numpy as np
-
-    from .table import lowest_copies
-
-    at = np.arange(positions.start, positions.stop)
-    order = at[np.lexsort((table.index[at], table.rank[at]))]
-    return table.entries(lowest_copies(table.layout, order))
-
-
-def pieces_by_param(step: StepDump) -> dict[str, list[tuple[int, str, Piece]]]:
-    """Parameter -> (rank, file path, piece) of every piece that holds part of it, by rank."""
-    found: dict[str, list[tuple[int, str, Piece]]] = {}
-    for rank in step.ranks_present:
-        dump = step.ranks[rank]
-        for piece in dump.pieces:
-            found.setdefault(piece.param, []).append((rank, dump.path, piece))
-    return found
-
-
 def _measure_reference(
     name: str,
     reader: TensorReader,
@@ -438,7 +417,7 @@ def measure_step(
             worker_reader,
             (known[name], reference_infos.get(name)),
             ref_table,
-            _cover(table, positions),
+            table.cover(name),
             chunk=chunk_elements,
             scale_of=lambda rank: table.scales[table.source_of(rank)],
             reference=reference,

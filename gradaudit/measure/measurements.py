@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -280,17 +280,3 @@ def piece_measurement(
         update_sum_sq=products[2],
         value_scale=scale,
     )
-
-
-_Item = TypeVar("_Item")
-
-
-def disjoint_cover(
-    pieces: Iterable[_Item], placed: Callable[[_Item], tuple[int, int, tuple[object, ...]]]
-) -> list[_Item]:
-    """One piece per layout: replicas count once, through their lowest-rank copy (`placed`: an
-    item's rank, piece index and layout key)."""
-    chosen: dict[tuple[object, ...], _Item] = {}
-    for item in sorted(pieces, key=lambda item: placed(item)[:2]):
-        chosen.setdefault(placed(item)[2], item)
-    return list(chosen.values())

@@ -407,6 +407,13 @@ class PieceTable:
     def param_positions(self, name: str) -> range:
         return range(*self.bounds.get(name, (0, 0)))
 
+    def cover(self, name: str) -> list[tuple[int, str, Piece]]:
+        """(rank, path, piece) of each layout's lowest (rank, index) copy among the parameter's
+        pieces: its disjoint cover, replicas through their lowest-rank copy."""
+        positions = self.param_positions(name)
+        at = np.arange(positions.start, positions.stop)
+        return self.entries(lowest_copies(self.layout, at[np.lexsort((self.index[at], self.rank[at]))]))
+
     def find(self, rank: int, local: int) -> int:
         """The position of the piece at `local` in rank `rank`'s file."""
         return int(np.flatnonzero((self.rank == rank) & (self.local == local))[0])
