@@ -233,3 +233,18 @@ def test_a_framework_callback_clips_to_its_own_max_norm_else_the_frameworks_and_
         assert guard is options.guard and guard.max_norm == 0.5 and guard.every == 2 and guard.step == 7
     with GuardCallbackOptions(tmp_path, max_norm=0.25).attach(model, opt, "-", 0.5) as guard:
         assert guard.max_norm == 0.25
+
+
+def test_steps_between_pause_and_resume_are_not_checked_and_the_step_count_goes_on(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(
+        model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, on_anomaly="raise"
+    ) as guard:
+        _steps(model, opt, 2)
+        guard.pause()
+        _steps(model, opt, 2, clips=2)  # GA501 at a checked step; paused, nothing is said
+        guard.resume()
+        _steps(model, opt, 1)
+        with pytest.raises(GuardAnomaly, match=r"step 6: GA501"):
+            _steps(model, opt, 1, clips=2)
+    assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 5, 6]

@@ -223,24 +223,16 @@ class Guard:
         self.active = True
 
     def pause(self) -> None:
-        """Take the guard's hooks off until `resume()`: the steps in between run as without it (every
-        rank must pause and resume at the same steps, or the ranks' collectives would not match)."""
-        if not self.active:
-            return
-        if self._pending is not None:
+        """Check no step until `resume()`: the steps in between are neither measured nor gathered,
+        and still counted, so the guard's step numbers stay the optimizer's (every rank must pause and
+        resume at the same steps, or the ranks' collectives would not match)."""
+        if self.active and self._pending is not None:
             self._read_pending()
-        self._uninstall()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
         self._paused = True
 
     def resume(self) -> None:
-        """Put the hooks back after `pause()`; the guard's step count goes on from the paused steps."""
-        if not self._paused or not self.active:
-            return
+        """Check again from the next step, as before `pause()`."""
         self._paused = False
-        self._install()
 
     def _install(self) -> None:
         assert self.optimizer is not None  # checked in __init__
@@ -265,7 +257,7 @@ class Guard:
         assert self.scaler is not None
         self._stepped = False
         result = type(self.scaler).step(self.scaler, optimizer, *args, **kwargs)
-        if not self._stepped and self.active and not self._paused:
+        if not self._stepped and self.active:
             self._end_of_step(skipped=True)
         return result
 
@@ -316,7 +308,7 @@ class Guard:
     def _checked(self) -> bool:
         # A step captured in full is not checked live: the capture's own route sees its clip calls
         # (the newest route gets them), and `gradaudit check` of its dump says what went wrong.
-        return self.active and self._capture is None and self.step % self.every == 0
+        return self.active and not self._paused and self._capture is None and self.step % self.every == 0
 
     def _intercepted(self, call: Any) -> Any:
         """Every clip call in the process (capture/intercept.py): measured around, made once."""
@@ -517,7 +509,7 @@ class Guard:
         self._calls, self._num_calls = [], 0
         self._scale_at_clip = self._scale_at_first_clip = None
         self.step += 1
-        if self._capture_step is not None and self.active:
+        if self._capture_step is not None and self.active and not self._paused:
             self._safely(self._begin_capture)
 
     # -- the verdict -----------------------------------------------------------------------------
