@@ -1,12 +1,14 @@
-"""The loader's quick decoders (the hot loop of many-rank dumps) agree with the careful decoder.
+"""Format 1.0's column decoder (`columnar.pieces_from_json`: the pieces collected into columns, then
+checked as columns) agrees with the careful per-piece decoder, the oracle here.
 
-For every entry the quick decoder either declines (returns None, and the careful decoder runs) or
-returns exactly what the careful decoder returns; it never accepts an entry the careful one refuses.
+For every document both give equal pieces, or both refuse it with the same message, naming the
+first bad piece; the quick parameter decoder never accepts an entry the careful one refuses.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -15,16 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaudit.dumpfile.header import parse_json
-from gradaudit.dumpfile.schema import (
-    _decode_piece,
-    _quick_param,
-    _quick_piece,
-    _Reader,
-    decode_rank,
-    encode_rank,
-)
+from gradaudit.dumpfile.schema import _decode_piece, _quick_param, _Reader, decode_rank, encode_rank
 from gradaudit.errors import DumpFormatError
-from gradaudit.model import Box, ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats
+from gradaudit.model import (
+    Box,
+    ClipRecord,
+    FlatRange,
+    ParamInfo,
+    Piece,
+    PieceColumnsBuilder,
+    PieceExtras,
+    RankDump,
+    TensorStats,
+)
 
 PARAMS = (
     ParamInfo(name="w", global_shape=(4, 6), dtype="float32"),
@@ -90,27 +95,50 @@ def _document() -> dict:
     return parse_json(json.dumps(encode_rank(dump)))  # exactly what the loader sees
 
 
-def _careful_piece(raw, index: int):
-    """The careful decoder's answer as a (validated) Piece, or the DumpFormatError message."""
-    params = {p.name: p for p in PARAMS}
+def form(pieces) -> object:
+    """Pieces as columns in a form that compares NaN equal to NaN (a fingerprint may hold one), or
+    an error message as is."""
+    if isinstance(pieces, str):
+        return pieces
+    extras = {f.name: sorted(getattr(pieces.extras, f.name).items()) for f in dataclasses.fields(PieceExtras)}
+    return repr(
+        (
+            list(pieces),
+            pieces.rows.tolist(),
+            pieces.coords.tolist(),
+            pieces.params,
+            pieces.groups,
+            pieces.norm_type,
+            {k: (v.tolist(), pieces.counts[k].tolist()) for k, v in pieces.stats.items()},
+            extras,
+        )
+    )
+
+
+def careful(doc: dict, params=PARAMS):
+    """The oracle: each piece through the careful decoder in order, then into columns as Piece
+    objects; or the first DumpFormatError's message."""
+    by_name, reader = {p.name: p for p in params}, _Reader("rank_00000.safetensors")
+    columns = PieceColumnsBuilder(params)
     try:
-        return Piece(**_decode_piece(_Reader("f"), raw, f"pieces[{index}]", index, params))
+        for i, raw in enumerate(doc["pieces"]):
+            columns.add(Piece(**_decode_piece(reader, raw, f"pieces[{i}]", i, by_name)))
+    except DumpFormatError as exc:
+        return f"error: {exc}"
+    return columns.result()
+
+
+def decoded(doc: dict):
+    """What the loader makes of the document's pieces, or its DumpFormatError's message."""
+    try:
+        return decode_rank(doc, "rank_00000.safetensors").pieces
     except DumpFormatError as exc:
         return f"error: {exc}"
 
 
-def _quick(raw, index: int):
-    """The quick decoder's answer as a (validated) Piece, or None."""
-    fields = _quick_piece(raw, index, {p.name: p for p in PARAMS}, {})
-    return None if fields is None else Piece(**fields)
-
-
-def test_quick_decoder_accepts_every_well_formed_piece_and_builds_the_same_piece():
+def test_the_column_decoder_builds_the_pieces_the_careful_one_does():
     doc = _document()
-    for index, raw in enumerate(doc["pieces"]):
-        quick = _quick(raw, index)
-        assert quick is not None, f"piece {index} fell back to the careful decoder"
-        assert quick == _careful_piece(raw, index) == _pieces()[index]
+    assert decoded(doc) == careful(doc) == _pieces()
     assert all(_quick_param(raw) == info for raw, info in zip(doc["params"], PARAMS, strict=False))
 
 
@@ -159,8 +187,9 @@ PIECE_FIELDS = (
     value=JSON_VALUES,
     new_key=st.sampled_from(PIECE_FIELDS),
 )
-def test_quick_decoder_never_accepts_what_the_careful_one_refuses(index, choice, action, value, new_key):
-    raw = copy.deepcopy(_document()["pieces"][index])
+def test_the_column_decoder_refuses_what_the_careful_one_refuses_alike(index, choice, action, value, new_key):
+    doc = _document()
+    raw = doc["pieces"][index]
     paths = list(_paths(raw))
     container_path, key = paths[choice % len(paths)]
     container = raw
@@ -174,8 +203,7 @@ def test_quick_decoder_never_accepts_what_the_careful_one_refuses(index, choice,
         container[new_key] = value
     else:
         container.append(value)
-    quick, careful = _quick(raw, index), _careful_piece(raw, index)
-    assert quick is None or quick == careful
+    assert form(decoded(doc)) == form(careful(doc))
 
 
 @pytest.mark.parametrize(
@@ -210,16 +238,15 @@ TRICKY_VALUES = (
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_every_field_of_a_piece_replaced_by_a_tricky_value_is_decoded_alike(index):
     """Exhaustive over the entry's fields: each replaced, and each deleted, one at a time."""
-    original = _document()["pieces"][index]
-    for container_path, key in list(_paths(original)):
+    original = _document()
+    for container_path, key in list(_paths(original["pieces"][index])):
         for value in (*TRICKY_VALUES, "<delete>"):
-            raw = copy.deepcopy(original)
-            container = raw
+            doc = copy.deepcopy(original)
+            container = doc["pieces"][index]
             for step in container_path:
                 container = container[step]
             if value == "<delete>":
                 del container[key]
             else:
                 container[key] = copy.deepcopy(value)
-            quick, careful = _quick(raw, index), _careful_piece(raw, index)
-            assert quick is None or quick == careful, (container_path, key, value, careful)
+            assert form(decoded(doc)) == form(careful(doc)), (container_path, key, value)
