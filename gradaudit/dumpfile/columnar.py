@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -541,11 +541,9 @@ class _Faults:
 def _float(value: Any) -> float | None:
     if type(value) is str:
         return float(value) if value in ("nan", "inf", "-inf") else None
-    if type(value) not in (int, float):
-        return None
     try:
-        return float(value)
-    except OverflowError:
+        return float(value) if type(value) in (int, float) else None
+    except OverflowError:  # an integer beyond float64
         return None
 
 
@@ -615,11 +613,10 @@ class _StatsColumns:
         faults.flag(_more_than(self.counts, covered[owner]), owner)
 
     def objects(self, rows: Iterable[int]) -> list[TensorStats]:
-        starts = _starts(self.lengths)
-        found = []
+        """The entries at these rows as TensorStats (the extras' call statistics, odd statistics)."""
+        ends, values, found = np.cumsum(self.lengths).tolist(), self.fingerprints.tolist(), []
         for i in rows:
             (sum_pow, sum_sq, max_abs), (nan, posinf, neginf) = self.sums[i].tolist(), self.counts[i].tolist()
-            start = int(starts[i])
             found.append(
                 TensorStats(
                     numel=int(self.numel[i]),
@@ -630,7 +627,7 @@ class _StatsColumns:
                     num_nan=nan,
                     num_posinf=posinf,
                     num_neginf=neginf,
-                    fingerprint=tuple(self.fingerprints[start : start + int(self.lengths[i])].tolist()),
+                    fingerprint=tuple(values[ends[i] - int(self.lengths[i]) : ends[i]]),
                 )
             )
         return found
@@ -651,6 +648,97 @@ class _StatsColumns:
 
 
 _COUNTS = ("num_nan", "num_posinf", "num_neginf")
+_DTYPE_CODES = {name: i for i, name in enumerate(FLOAT_DTYPES)}
+
+
+class _Regions:
+    """The pieces' region lists as one table of regions (each a flat range or a box, laid out as
+    format 1.1 lays out a piece's), checked inside their parameters by `region_extents`."""
+
+    def __init__(
+        self, faults: _Faults, lists: list[Any], param: np.ndarray, params: Sequence[ParamInfo]
+    ) -> None:
+        n = len(lists)
+        self.per_piece = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+        faults.flag(self.per_piece > MAX_LIST)
+        owner = np.repeat(np.arange(n, dtype=np.int64), self.per_piece)
+        kinds, values = _spans(faults.typed(list(itertools.chain.from_iterable(lists)), _DICT, {}, owner))
+        self.kind = np.array(kinds, dtype=np.int64)  # -1: a flat range, k: a k-D box
+        faults.flag(self.kind == -2, owner)
+        self.kind[self.kind == -2] = -1
+        self.widths = np.where(self.kind < 0, 2, 2 * self.kind)
+        self.coords = faults.ints(values, np.repeat(owner, self.widths))[0]
+        self.first = _starts(self.widths)
+        extents = _Extents(param[owner], self.first, np.maximum(self.kind, 0), self.kind < 0, params)
+        outside, numel = region_extents(extents, self.coords, params)
+        faults.flag(outside, owner)
+        self.single = self.per_piece == 1
+        self.region_of = _starts(self.per_piece)  # each piece's first region
+        self.covered = np.zeros(n, dtype=np.int64)
+        """Elements of each piece's regions (at most 2^53 + 1)."""
+        self.covered[self.single] = numel[self.region_of[self.single]]
+        numel_list = numel.tolist()
+        for p in np.flatnonzero(~self.single).tolist():
+            at = int(self.region_of[p])
+            self.covered[p] = min(sum(numel_list[at : at + int(self.per_piece[p])]), MAX_ELEMENTS + 1)
+        self.piece_kind = np.zeros(n, dtype=np.int64)
+        self.piece_kind[self.single] = self.kind[self.region_of[self.single]]
+        self.regular = self.single & (self.piece_kind != 0)
+        """Pieces of one flat range or one box of at least one dimension: a row of the columns."""
+
+    def fill(self, columns: PieceColumnsBuilder) -> None:
+        """The builder's region columns; the other pieces' coordinates are (0, 0), their regions extras."""
+        regular, first, widths, region_of = self.regular, self.first, self.widths, self.region_of
+        columns.ndim = np.maximum(self.piece_kind, 0) * regular
+        if regular.all():
+            columns.coords, columns.first = self.coords, first
+            return
+        source, kept = np.full(regular.size, self.coords.size), np.full(regular.size, 2)
+        source[regular], kept[regular] = first[region_of[regular]], widths[region_of[regular]]
+        columns.coords = np.concatenate((self.coords, [0, 0]))[_gather(source, kept)]
+        columns.first = _starts(kept)
+        listed = self.coords.tolist()
+        for p in np.flatnonzero(~regular).tolist():
+            at = int(region_of[p])
+            columns.extra["regions"][p] = tuple(
+                _region(int(self.kind[j]), listed[int(first[j]) : int(first[j] + widths[j])])
+                for j in range(at, at + int(self.per_piece[p]))
+            )
+
+    def other_shapes(
+        self, shapes: list[list[int]], lengths: np.ndarray, dims: np.ndarray
+    ) -> dict[int, tuple[int, ...]]:
+        """Position -> local shape, where it is not the one its regions imply (a box's shape, else
+        the element count), as `PieceColumnsBuilder.add` keeps them."""
+        is_box = self.regular & (self.piece_kind > 0)
+        differs = np.where(is_box, lengths != self.piece_kind, lengths != 1)
+        same = np.flatnonzero(is_box & ~differs)
+        if same.size:
+            k = lengths[same]
+            shape_at = _gather(self.first[self.region_of[same]] + k, k)
+            unequal = dims[_gather(_starts(lengths)[same], k)] != self.coords[shape_at]
+            differs[np.repeat(same, k)[unequal]] = True
+        return {p: tuple(shapes[p]) for p in np.flatnonzero(differs).tolist()}
+
+
+def _local_shapes(
+    faults: _Faults, shapes: list[Any], covered: np.ndarray
+) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    """(shapes, their lengths, their dimensions one after the other), each checked as a shape and
+    against the elements its piece's regions cover."""
+    n = len(shapes)
+    lengths = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+    faults.flag(lengths > MAX_DIMS)
+    dims, plain = faults.ints(list(itertools.chain.from_iterable(shapes)), np.repeat(np.arange(n), lengths))
+    if not plain:
+        listed = dims.tolist()
+        shapes = [listed[a : a + b] for a, b in zip(_starts(lengths).tolist(), lengths.tolist(), strict=True)]
+    sizes = list(map(math.prod, shapes))
+    if sizes and max(sizes) > MAX_ELEMENTS:
+        faults.flag(np.array([s > MAX_ELEMENTS for s in sizes], dtype=bool))
+        sizes = [min(s, MAX_ELEMENTS + 1) for s in sizes]
+    faults.flag(np.array(sizes, dtype=np.int64) != covered)
+    return shapes, lengths, dims
 
 
 def pieces_from_json(
@@ -670,133 +758,59 @@ def pieces_from_json(
         return [o.get(key, default) for o in objs]
 
     index_of = {p.name: i for i, p in enumerate(params)}
-    param = np.array(
-        [index_of.get(name, -1) for name in faults.typed(field("param"), _STR, None)], dtype=np.int64
-    )
+    names = faults.typed(field("param"), _STR, None)
+    param = np.array([index_of.get(name, -1) for name in names], dtype=np.int64)
     faults.flag(param < 0)
     param[param < 0] = 0
-    codes = {name: i for i, name in enumerate(FLOAT_DTYPES)}
     dtypes = faults.typed(field("dtype"), _STR, "")
-    dtype_code = np.array([codes.get(d, -1) for d in dtypes], dtype=np.int64)
+    dtype_code = np.array([_DTYPE_CODES.get(d, -1) for d in dtypes], dtype=np.int64)
     faults.flag(dtype_code < 0)
     local_names, groups, partials = (
         faults.typed(field(key), _OPTIONAL_STR, None)
         for key in ("local_name", "replica_group", "partial_group")
     )
-    region_lists = faults.typed(field("regions"), _LIST, [])
-    per_piece = np.fromiter(map(len, region_lists), dtype=np.int64, count=n)
-    faults.flag(per_piece > MAX_LIST)
-    owner = np.repeat(np.arange(n, dtype=np.int64), per_piece)
-    kinds, values = _spans(faults.typed(list(itertools.chain.from_iterable(region_lists)), _DICT, {}, owner))
-    kind = np.array(kinds, dtype=np.int64)
-    faults.flag(kind == -2, owner)
-    kind[kind == -2] = -1
-    widths = np.where(kind < 0, 2, 2 * kind)
-    coords = faults.ints(values, np.repeat(owner, widths))[0]
-    first, flat, ndim = _starts(widths), kind < 0, np.maximum(kind, 0)
-    outside, numel = region_extents(_Extents(param[owner], first, ndim, flat, params), coords, params)
-    faults.flag(outside, owner)
-    single = per_piece == 1
-    region_of = _starts(per_piece)  # each piece's first region
-    covered = np.zeros(n, dtype=np.int64)
-    covered[single] = numel[region_of[single]]
-    numel_list = numel.tolist()
-    for p in np.flatnonzero(~single).tolist():
-        at = int(region_of[p])
-        covered[p] = min(sum(numel_list[at : at + int(per_piece[p])]), MAX_ELEMENTS + 1)
-    shapes = faults.typed(field("local_shape"), _LIST, [])
-    shape_lengths = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
-    faults.flag(shape_lengths > MAX_DIMS)
-    dims, plain = faults.ints(
-        list(itertools.chain.from_iterable(shapes)), np.repeat(np.arange(n), shape_lengths)
-    )
-    if not plain:
-        listed = dims.tolist()
-        shapes = [
-            listed[a : a + b]
-            for a, b in zip(_starts(shape_lengths).tolist(), shape_lengths.tolist(), strict=True)
-        ]
-    sizes = list(map(math.prod, shapes))
-    if sizes and max(sizes) > MAX_ELEMENTS:
-        faults.flag(np.array([s > MAX_ELEMENTS for s in sizes], dtype=bool))
-        sizes = [min(s, MAX_ELEMENTS + 1) for s in sizes]
-    faults.flag(np.array(sizes, dtype=np.int64) != covered)
-
-    tensor_maps = faults.typed(field("tensors", {}), _DICT, {})
-    tensors = _by_kind(faults, tensor_maps)
+    regions = _Regions(faults, faults.typed(field("regions"), _LIST, []), param, params)
+    shapes = _local_shapes(faults, faults.typed(field("local_shape"), _LIST, []), regions.covered)
+    tensors = _by_kind(faults, faults.typed(field("tensors", {}), _DICT, {}))
     for keys in tensors.values():
         faults.typed(list(keys.values()), _STR, None, np.fromiter(keys, dtype=np.int64, count=len(keys)))
     stats_maps = faults.typed(field("stats", {}), _DICT, {})
     stats = {
         kind: _StatsColumns(
-            faults,
-            list(by_position.values()),
-            np.fromiter(by_position, dtype=np.int64, count=len(by_position)),
-            covered,
+            faults, list(rows.values()), np.fromiter(rows, np.int64, len(rows)), regions.covered
         )
-        for kind, by_position in _by_kind(faults, stats_maps).items()
+        for kind, rows in _by_kind(faults, stats_maps).items()
     }
     call_lists = faults.typed(field("call_stats", []), _LIST, [])
     calls_per_piece = np.fromiter(map(len, call_lists), dtype=np.int64, count=n)
     faults.flag(calls_per_piece > MAX_CLIP_CALLS)
-    calls = _StatsColumns(
-        faults,
-        list(itertools.chain.from_iterable(call_lists)),
-        np.repeat(np.arange(n), calls_per_piece),
-        covered,
-    )
+    all_calls = list(itertools.chain.from_iterable(call_lists))
+    calls = _StatsColumns(faults, all_calls, np.repeat(np.arange(n), calls_per_piece), regions.covered)
     if faults.first < n:
         raise explain(faults.first)
 
     columns = PieceColumnsBuilder(params)
-    columns.param, columns.groups, extra = param, groups, columns.extra
-    piece_kind = np.zeros(n, dtype=np.int64)
-    piece_kind[single] = kind[region_of[single]]
-    regular = single & (piece_kind != 0)  # one flat range, or one box of at least one dimension
-    columns.ndim = np.maximum(piece_kind, 0) * regular
-    if regular.all():
-        columns.coords, columns.first = coords, first
-    else:  # the others' coordinates are (0, 0), their regions extras
-        source, kept = np.full(n, coords.size), np.full(n, 2)
-        source[regular], kept[regular] = first[region_of[regular]], widths[region_of[regular]]
-        columns.coords = np.concatenate((coords, [0, 0]))[_gather(source, kept)]
-        columns.first = _starts(kept)
-        listed = coords.tolist()
-        for p in np.flatnonzero(~regular).tolist():
-            at = int(region_of[p])
-            extra["regions"][p] = tuple(
-                _region(int(kind[j]), listed[int(first[j]) : int(first[j] + widths[j])])
-                for j in range(at, at + int(per_piece[p]))
-            )
-    is_box = regular & (piece_kind > 0)
-    differs = np.where(is_box, shape_lengths != piece_kind, shape_lengths != 1)
-    same = np.flatnonzero(is_box & ~differs)
-    if same.size:  # a box's local shape is its shape, unless the file says otherwise
-        k = shape_lengths[same]
-        shape_at = _gather(first[region_of[same]] + k, k)
-        unequal = dims[_gather(_starts(shape_lengths)[same], k)] != coords[shape_at]
-        differs[np.repeat(same, k)[unequal]] = True
-    extra["local_shapes"] = {p: tuple(shapes[p]) for p in np.flatnonzero(differs).tolist()}
-    param_codes = np.array([codes.get(info.dtype, -1) for info in params], dtype=np.int64)
+    columns.param, columns.groups, columns.tensors, extra = param, groups, tensors, columns.extra
+    regions.fill(columns)
+    extra["local_shapes"] = regions.other_shapes(*shapes)
+    param_codes = np.array([_DTYPE_CODES.get(info.dtype, -1) for info in params], dtype=np.int64)
     extra["dtypes"] = {p: dtypes[p] for p in np.flatnonzero(dtype_code != param_codes[param]).tolist()}
     extra["local_names"] = {p: v for p, v in enumerate(local_names) if v is not None}
     extra["partial_groups"] = {p: v for p, v in enumerate(partials) if v is not None}
-    if calls.owner.size:
-        objects, starts = calls.objects(range(calls.owner.size)), _starts(calls_per_piece).tolist()
-        extra["call_stats"] = {
-            p: tuple(objects[starts[p] : starts[p] + int(calls_per_piece[p])])
-            for p in np.flatnonzero(calls_per_piece).tolist()
-        }
-    columns.tensors = cast("dict[TensorKind, dict[int, str]]", tensors)
+    objects, ends = calls.objects(range(calls.owner.size)), np.cumsum(calls_per_piece).tolist()
+    extra["call_stats"] = {
+        p: tuple(objects[ends[p] - int(calls_per_piece[p]) : ends[p]])
+        for p in np.flatnonzero(calls_per_piece).tolist()
+    }
     with_stats = next((p for p, m in enumerate(stats_maps) if m), None)
     if with_stats is not None:  # the norm type of the first statistics, as `add` takes it
         columns.norm_type = float(stats[next(iter(stats_maps[with_stats]))].norm_type[0])
-    for stats_kind, table in stats.items():
+    for kind, table in stats.items():
         width = int(table.lengths[0])
-        columns.stats[stats_kind] = (width, table.owner, table.rows(width), table.counts)
+        columns.stats[kind] = (width, table.owner, table.rows(width), table.counts)
         odd = np.flatnonzero((table.norm_type != columns.norm_type) | (table.lengths != width)).tolist()
         for i, summary in zip(odd, table.objects(odd), strict=True):
-            columns.odd[(int(table.owner[i]), stats_kind)] = summary
+            columns.odd[(int(table.owner[i]), kind)] = summary
     return columns.result()
 
 
