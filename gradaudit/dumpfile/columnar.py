@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -245,31 +245,19 @@ def pieces_from_rows(
     group, region (`ndims`: 0 for a flat range, else the box's; `coords` laid out piece after piece)
     and, per kind, a float64 row (sum_pow, sum_sq, max_abs, the fingerprint, num_nan, num_posinf,
     num_neginf). Not validated here: the writer checks the columns as the reader does."""
-    index_of = {info.name: i for i, info in enumerate(params)}
-    group_names = sorted({g for g in groups if g is not None})
-    group_index: dict[str | None, int] = {g: i for i, g in enumerate(group_names)}
-    group_index[None] = -1
-    ndim = np.array(ndims, dtype=np.int64)
-    width = np.where(ndim == 0, 2, 2 * ndim)
-    table = np.stack(
-        [
-            np.array([index_of[name] for name in param_names], dtype=np.int64),
-            np.array([group_index[g] for g in groups], dtype=np.int64),
-            np.concatenate(([0], np.cumsum(width)[:-1])).astype(np.int64),
-            ndim,
-        ],
-        axis=1,
+    columns, ndim = PieceColumnsBuilder(params), np.array(ndims, dtype=np.int64)
+    columns.param = [columns.index_of[name] for name in param_names]
+    columns.groups, columns.ndim, columns.first = (
+        list(groups),
+        ndim,
+        _starts(np.where(ndim == 0, 2, 2 * ndim)),
     )
-    kinds = sorted(rows)
-    return ColumnarPieces(
-        table,
-        np.array(coords, dtype=np.int64),
-        params,
-        group_names,
-        {k: np.ascontiguousarray(rows[k][:, :-3]) for k in kinds},
-        {k: rows[k][:, -3:].astype(np.int64) for k in kinds},
-        float(norm_type),
-    )
+    columns.coords, columns.norm_type = np.asarray(coords, dtype=np.int64), float(norm_type)
+    everyone = np.arange(ndim.size)
+    columns.stats = {
+        cast("TensorKind", k): (v.shape[1] - 6, everyone, v[:, :-3], v[:, -3:]) for k, v in rows.items()
+    }
+    return columns.result()
 
 
 def from_columns(
