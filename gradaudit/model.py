@@ -816,27 +816,29 @@ def as_columns(params: Sequence[ParamInfo], pieces: Sequence[Piece]) -> Columnar
         return pieces
     columns = PieceColumnsBuilder(params)
     for piece in pieces:
-        columns.add(**{name: getattr(piece, name) for name in _PIECE_FIELDS})
+        columns.add(piece)
     return columns.result()
 
 
-_PIECE_FIELDS = tuple(f.name for f in dataclasses.fields(Piece))
-
-
 class PieceColumnsBuilder:
-    """Pieces appended field by field (a decoder's, or Piece objects' through `as_columns`), then
-    `result()`: their columns, what the columns have no place for in `PieceExtras`. The fields are
-    those of `Piece`, valid as its constructor checks them."""
+    """The columns of pieces as lists (or arrays), filled a piece at a time from Piece objects
+    (`add`) or a column at a time by the format-1.0 decoder (dumpfile/columnar.py), then
+    `result()`: the columns, and what they have no place for in `PieceExtras`."""
 
     def __init__(self, params: Sequence[ParamInfo]) -> None:
         self.params = tuple(params)
         self.index_of = {info.name: i for i, info in enumerate(self.params)}
-        self.rows: list[tuple[int, str | None, int, int]] = []
-        self.coords: list[int] = []
+        self.param: list[int] | np.ndarray = []
+        """Per piece: its parameter's index in `params`; then its replica group, the position of
+        its region's first coordinate in `coords` and the region's ndim (0: a flat range)."""
+        self.groups: list[str | None] = []
+        self.first: list[int] | np.ndarray = []
+        self.ndim: list[int] | np.ndarray = []
+        self.coords: list[int] | np.ndarray = []
         self.norm_type: float | None = None
-        self.stats: dict[
-            TensorKind, tuple[int, list[int], list[tuple[float, ...]], list[tuple[int, int, int]]]
-        ] = {}
+        self.stats: dict[TensorKind, tuple[int, Any, Any, Any]] = {}
+        """Kind -> (fingerprint length, the positions that have it, their sum_pow, sum_sq, max_abs
+        and fingerprint rows, their num_nan, num_posinf, num_neginf rows)."""
         self.tensors: dict[TensorKind, dict[int, str]] = {}
         self.odd: dict[tuple[int, TensorKind], TensorStats] = {}
         self.extra: dict[str, dict[int, Any]] = {
@@ -852,35 +854,26 @@ class PieceColumnsBuilder:
             )
         }
 
-    def add(
-        self,
-        *,
-        index: int,
-        param: str,
-        regions: tuple[Region, ...],
-        local_shape: tuple[int, ...],
-        dtype: str,
-        local_name: str | None,
-        replica_group: str | None,
-        tensors: Mapping[TensorKind, str],
-        stats: Mapping[TensorKind, TensorStats],
-        call_stats: tuple[TensorStats, ...],
-        partial_group: str | None,
-    ) -> None:
-        position = len(self.rows)
-        param_index = self.index_of.get(param)
+    def add(self, piece: Piece) -> None:
+        param_index = self.index_of.get(piece.param)
         if param_index is None:
-            raise ValueError(f"piece {index} is of {param!r}, which is not in the dump's params")
+            raise ValueError(f"piece {piece.index} is of {piece.param!r}, which is not in the dump's params")
+        params, firsts, ndims, coords = cast(
+            "tuple[list[int], ...]", (self.param, self.first, self.ndim, self.coords)
+        )
+        position, regions, local_shape, extra = len(params), piece.regions, piece.local_shape, self.extra
         region = regions[0] if len(regions) == 1 else None
         numel = math.prod(local_shape)
         implied: tuple[int, ...] = (numel,)
-        coords, extra = self.coords, self.extra
+        params.append(param_index)
+        self.groups.append(piece.replica_group)
+        firsts.append(len(coords))
         if type(region) is Box and region.shape:
-            self.rows.append((param_index, replica_group, len(coords), len(region.shape)))
+            ndims.append(len(region.shape))
             coords += (*region.offsets, *region.shape)
             implied = region.shape
         else:
-            self.rows.append((param_index, replica_group, len(coords), 0))
+            ndims.append(0)
             if type(region) is FlatRange:
                 coords += (region.start, region.stop)
             else:
@@ -888,19 +881,19 @@ class PieceColumnsBuilder:
                 extra["regions"][position] = regions
         if local_shape != implied:
             extra["local_shapes"][position] = local_shape
-        if dtype != self.params[param_index].dtype:
-            extra["dtypes"][position] = dtype
-        if call_stats:
-            extra["call_stats"][position] = call_stats
-        if local_name is not None:
-            extra["local_names"][position] = local_name
-        if partial_group is not None:
-            extra["partial_groups"][position] = partial_group
-        if index != position:
-            extra["indices"][position] = index
-        for kind, key in tensors.items():
+        if piece.dtype != self.params[param_index].dtype:
+            extra["dtypes"][position] = piece.dtype
+        if piece.call_stats:
+            extra["call_stats"][position] = piece.call_stats
+        if piece.local_name is not None:
+            extra["local_names"][position] = piece.local_name
+        if piece.partial_group is not None:
+            extra["partial_groups"][position] = piece.partial_group
+        if piece.index != position:
+            extra["indices"][position] = piece.index
+        for kind, key in piece.tensors.items():
             self.tensors.setdefault(kind, {})[position] = key
-        for kind, s in stats.items():
+        for kind, s in piece.stats.items():
             if self.norm_type is None:
                 self.norm_type = s.norm_type
             width, positions, values, counts = self.stats.setdefault(kind, (len(s.fingerprint), [], [], []))
@@ -916,28 +909,28 @@ class PieceColumnsBuilder:
                 self.odd[(position, kind)] = s
 
     def result(self) -> ColumnarPieces:
-        n = len(self.rows)
-        groups = sorted({g for _, g, _, _ in self.rows if g is not None})
+        n = len(self.param)
+        groups = sorted({g for g in self.groups if g is not None})
         group_index: dict[str | None, int] = {g: i for i, g in enumerate(groups)}
         group_index[None] = -1
-        rows = np.array(
-            [(p, group_index[g], first, ndim) for p, g, first, ndim in self.rows], dtype=np.int64
-        ).reshape(n, 4)
+        rows = np.zeros((n, 4), dtype=np.int64)
+        rows[:, 0], rows[:, 2], rows[:, 3] = self.param, self.first, self.ndim
+        rows[:, 1] = [group_index[g] for g in self.groups]
         values, counted, absent = {}, {}, {}
         for kind in sorted(self.stats):
             width, positions, kind_values, kind_counts = self.stats[kind]
             values[kind] = np.zeros((n, 3 + width), dtype=np.float64)
             counted[kind] = np.zeros((n, 3), dtype=np.int64)
-            values[kind][positions] = np.array(kind_values, dtype=np.float64).reshape(
+            values[kind][positions] = np.asarray(kind_values, dtype=np.float64).reshape(
                 len(positions), 3 + width
             )
-            counted[kind][positions] = np.array(kind_counts, dtype=np.int64).reshape(len(positions), 3)
+            counted[kind][positions] = np.asarray(kind_counts, dtype=np.int64).reshape(len(positions), 3)
             if len(positions) < n:
-                absent[kind] = frozenset(range(n)) - frozenset(positions)
+                absent[kind] = frozenset(range(n)) - frozenset(np.asarray(positions).tolist())
         extras = PieceExtras(tensors=self.tensors, absent=absent, odd_stats=self.odd, **self.extra)
         return ColumnarPieces(
             rows,
-            np.array(self.coords, dtype=np.int64),
+            np.asarray(self.coords, dtype=np.int64),
             self.params,
             groups,
             values,

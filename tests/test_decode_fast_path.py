@@ -1,12 +1,15 @@
-"""The loader's quick decoders (the hot loop of many-rank dumps) agree with the careful decoder.
+"""Format 1.0's column decoder (`columnar.pieces_from_json`: the pieces collected into columns, then
+checked as columns) agrees with the careful per-piece decoder, the oracle here.
 
-For every entry the quick decoder either declines (returns None, and the careful decoder runs) or
-returns exactly what the careful decoder returns; it never accepts an entry the careful one refuses.
+For every document both give equal pieces, or both refuse it with the same message, naming the
+first bad piece; the quick parameter decoder never accepts an entry the careful one refuses.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 import json
 import math
 
@@ -15,16 +18,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaudit.dumpfile.header import parse_json
-from gradaudit.dumpfile.schema import (
-    _decode_piece,
-    _quick_param,
-    _quick_piece,
-    _Reader,
-    decode_rank,
-    encode_rank,
-)
+from gradaudit.dumpfile.schema import _decode_piece, _quick_param, _Reader, decode_rank, encode_rank
 from gradaudit.errors import DumpFormatError
-from gradaudit.model import Box, ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats
+from gradaudit.model import (
+    TENSOR_KINDS,
+    Box,
+    ClipRecord,
+    FlatRange,
+    ParamInfo,
+    Piece,
+    PieceColumnsBuilder,
+    PieceExtras,
+    RankDump,
+    TensorStats,
+)
 
 PARAMS = (
     ParamInfo(name="w", global_shape=(4, 6), dtype="float32"),
@@ -90,27 +97,62 @@ def _document() -> dict:
     return parse_json(json.dumps(encode_rank(dump)))  # exactly what the loader sees
 
 
-def _careful_piece(raw, index: int):
-    """The careful decoder's answer as a (validated) Piece, or the DumpFormatError message."""
-    params = {p.name: p for p in PARAMS}
+def form(pieces) -> object:
+    """Pieces as columns in a form that compares NaN equal to NaN (a fingerprint may hold one) and
+    mappings whatever their order, or an error message as is."""
+    if isinstance(pieces, str):
+        return pieces
+    extras = {f.name: sorted(getattr(pieces.extras, f.name).items()) for f in dataclasses.fields(PieceExtras)}
+    return repr(
+        (
+            as_rows(pieces),
+            pieces.rows.tolist(),
+            pieces.coords.tolist(),
+            pieces.params,
+            pieces.groups,
+            pieces.norm_type,
+            {k: (v.tolist(), pieces.counts[k].tolist()) for k, v in pieces.stats.items()},
+            extras,
+        )
+    )
+
+
+def as_rows(pieces) -> str:
+    """The pieces as Piece objects, their mappings sorted (the JSON form keeps them sorted)."""
+    return repr(
+        [
+            dataclasses.replace(
+                p, tensors=dict(sorted(p.tensors.items())), stats=dict(sorted(p.stats.items()))
+            )
+            for p in pieces
+        ]
+    )
+
+
+def careful(doc: dict, params=PARAMS):
+    """The oracle: each piece through the careful decoder in order, then into columns as Piece
+    objects; or the first DumpFormatError's message."""
+    by_name, reader = {p.name: p for p in params}, _Reader("rank_00000.safetensors")
+    columns = PieceColumnsBuilder(params)
     try:
-        return Piece(**_decode_piece(_Reader("f"), raw, f"pieces[{index}]", index, params))
+        for i, raw in enumerate(doc["pieces"]):
+            columns.add(Piece(**_decode_piece(reader, raw, f"pieces[{i}]", i, by_name)))
+    except DumpFormatError as exc:
+        return f"error: {exc}"
+    return columns.result()
+
+
+def decoded(doc: dict):
+    """What the loader makes of the document's pieces, or its DumpFormatError's message."""
+    try:
+        return decode_rank(doc, "rank_00000.safetensors").pieces
     except DumpFormatError as exc:
         return f"error: {exc}"
 
 
-def _quick(raw, index: int):
-    """The quick decoder's answer as a (validated) Piece, or None."""
-    fields = _quick_piece(raw, index, {p.name: p for p in PARAMS}, {})
-    return None if fields is None else Piece(**fields)
-
-
-def test_quick_decoder_accepts_every_well_formed_piece_and_builds_the_same_piece():
+def test_the_column_decoder_builds_the_pieces_the_careful_one_does():
     doc = _document()
-    for index, raw in enumerate(doc["pieces"]):
-        quick = _quick(raw, index)
-        assert quick is not None, f"piece {index} fell back to the careful decoder"
-        assert quick == _careful_piece(raw, index) == _pieces()[index]
+    assert decoded(doc) == careful(doc) == _pieces()
     assert all(_quick_param(raw) == info for raw, info in zip(doc["params"], PARAMS, strict=False))
 
 
@@ -159,8 +201,9 @@ PIECE_FIELDS = (
     value=JSON_VALUES,
     new_key=st.sampled_from(PIECE_FIELDS),
 )
-def test_quick_decoder_never_accepts_what_the_careful_one_refuses(index, choice, action, value, new_key):
-    raw = copy.deepcopy(_document()["pieces"][index])
+def test_the_column_decoder_refuses_what_the_careful_one_refuses_alike(index, choice, action, value, new_key):
+    doc = _document()
+    raw = doc["pieces"][index]
     paths = list(_paths(raw))
     container_path, key = paths[choice % len(paths)]
     container = raw
@@ -174,8 +217,7 @@ def test_quick_decoder_never_accepts_what_the_careful_one_refuses(index, choice,
         container[new_key] = value
     else:
         container.append(value)
-    quick, careful = _quick(raw, index), _careful_piece(raw, index)
-    assert quick is None or quick == careful
+    assert form(decoded(doc)) == form(careful(doc))
 
 
 @pytest.mark.parametrize(
@@ -210,16 +252,138 @@ TRICKY_VALUES = (
 @pytest.mark.parametrize("index", [0, 1, 2])
 def test_every_field_of_a_piece_replaced_by_a_tricky_value_is_decoded_alike(index):
     """Exhaustive over the entry's fields: each replaced, and each deleted, one at a time."""
-    original = _document()["pieces"][index]
-    for container_path, key in list(_paths(original)):
+    original = _document()
+    for container_path, key in list(_paths(original["pieces"][index])):
         for value in (*TRICKY_VALUES, "<delete>"):
-            raw = copy.deepcopy(original)
-            container = raw
+            doc = copy.deepcopy(original)
+            container = doc["pieces"][index]
             for step in container_path:
                 container = container[step]
             if value == "<delete>":
                 del container[key]
             else:
                 container[key] = copy.deepcopy(value)
-            quick, careful = _quick(raw, index), _careful_piece(raw, index)
-            assert quick is None or quick == careful, (container_path, key, value, careful)
+            assert form(decoded(doc)) == form(careful(doc)), (container_path, key, value)
+
+
+RANDOM_PARAMS = (
+    ParamInfo(name="s", global_shape=(), dtype="float32"),
+    ParamInfo(name="v", global_shape=(12,), dtype="bfloat16"),
+    ParamInfo(name="m", global_shape=(3, 4), dtype="float32"),
+    ParamInfo(name="t", global_shape=(2, 3, 2), dtype="float16"),
+)
+
+
+@st.composite
+def random_stats(draw, numel: int, norm_type: float, width: int) -> TensorStats:
+    nan = draw(st.integers(0, numel))
+    finite = st.floats(min_value=0, max_value=1e30) | st.just(math.inf)
+    return TensorStats(
+        numel=numel,
+        norm_type=draw(st.sampled_from([norm_type, norm_type, 1.0, math.inf])),
+        sum_pow=draw(finite),
+        sum_sq=draw(finite),
+        max_abs=draw(finite),
+        num_nan=nan,
+        num_posinf=draw(st.integers(0, numel - nan)),
+        fingerprint=tuple(
+            draw(st.lists(st.floats(allow_infinity=True), min_size=width, max_size=width))
+            if draw(st.integers(0, 9))
+            else draw(st.lists(st.floats(), max_size=3))
+        ),
+    )
+
+
+@st.composite
+def random_piece(draw, index: int, norm_type: float, width: int) -> Piece:
+    info = draw(st.sampled_from(RANDOM_PARAMS))
+    numel, shape = info.numel, info.global_shape
+    layout = draw(st.sampled_from(["range", "box", "ranges", "none"]))
+    if layout == "box" or (layout == "range" and not shape):
+        offsets = tuple(draw(st.integers(0, d)) for d in shape)
+        sizes = tuple(draw(st.integers(0, d - o)) for d, o in zip(shape, offsets, strict=True))
+        regions = (Box(offsets=offsets, shape=sizes),)
+        local_shape = sizes if draw(st.booleans()) else (math.prod(sizes),)
+    elif layout in ("range", "ranges"):
+        cuts = sorted(
+            draw(st.lists(st.integers(0, numel), min_size=2, max_size=2 if layout == "range" else 5))
+        )
+        regions = tuple(FlatRange(start=a, stop=b) for a, b in itertools.pairwise(cuts))
+        covered = sum(r.numel for r in regions)
+        local_shape = (covered,) if covered % 2 or draw(st.booleans()) else (2, covered // 2)
+    else:
+        regions, local_shape = (), (0,)
+    covered = math.prod(local_shape)
+    kinds = st.lists(st.sampled_from(TENSOR_KINDS), unique=True, max_size=2)
+    stats = {k: draw(random_stats(covered, norm_type, width)) for k in draw(kinds)}
+    names = st.none() | st.sampled_from(["dp", "tp", "w.0"])
+    return Piece(
+        index=index,
+        param=info.name,
+        regions=regions,
+        local_shape=local_shape,
+        dtype=draw(st.sampled_from([info.dtype, info.dtype, "float64"])),
+        local_name=draw(names),
+        replica_group=draw(names),
+        tensors={k: f"{info.name}::{k}::{index}" for k in draw(kinds) if k not in stats},
+        stats=stats,
+        call_stats=tuple(
+            draw(random_stats(covered, norm_type, width)) for _ in range(draw(st.sampled_from([0, 0, 2])))
+        ),
+        partial_group=draw(names),
+    )
+
+
+@st.composite
+def random_document(draw) -> tuple[tuple[Piece, ...], dict]:
+    norm_type, width = draw(st.sampled_from([2.0, 1.0, math.inf])), draw(st.integers(0, 3))
+    pieces = tuple(draw(random_piece(i, norm_type, width)) for i in range(draw(st.integers(0, 8))))
+    dump = RankDump(path="", rank=0, world_size=1, step=1, mode="stats", params=RANDOM_PARAMS, pieces=pieces)
+    return pieces, parse_json(json.dumps(encode_rank(dump), allow_nan=False))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(random_document())
+def test_random_valid_documents_decode_to_the_columns_of_their_pieces(case):
+    pieces, doc = case
+    before = RankDump(path="", rank=0, world_size=1, step=1, params=RANDOM_PARAMS, pieces=pieces).pieces
+    assert form(decoded(doc)) == form(careful(doc, RANDOM_PARAMS))
+    assert as_rows(decoded(doc)) == as_rows(before)  # the columns may differ: the norm type is the
+    # first statistics', which the JSON form's sorted kinds can change
+
+
+DEFECTS = {
+    "param unknown": lambda p: p.__setitem__("param", "nope"),
+    "param a number": lambda p: p.__setitem__("param", 3),
+    "dtype unknown": lambda p: p.__setitem__("dtype", "int8"),
+    "local shape too big": lambda p: p.__setitem__("local_shape", [math.prod(p["local_shape"]) + 1]),
+    "local shape negative": lambda p: p.__setitem__("local_shape", [-1]),
+    "regions not a list": lambda p: p.__setitem__("regions", {}),
+    "a region outside": lambda p: p["regions"].append({"range": [10**6, 10**6]}),
+    "a region of neither": lambda p: p["regions"].append({"other": 1}),
+    "an unknown tensor kind": lambda p: p.__setitem__("tensors", {"weights": "k"}),
+    "a tensor key not a string": lambda p: p.__setitem__("tensors", {"grad": 1}),
+    "an unknown stats kind": lambda p: p.__setitem__("stats", {"weights": {}}),
+    "stats numel off": lambda p: p.__setitem__("stats", {"grad": {"numel": -1, "norm_type": 2.0, "sum_pow": 0.0, "sum_sq": 0.0, "max_abs": 0.0}}),
+    "a negative sum": lambda p: p.__setitem__("stats", {"grad": {"numel": math.prod(p["local_shape"]), "norm_type": 2.0, "sum_pow": -1.0, "sum_sq": 0.0, "max_abs": 0.0}}),
+    "too many nonfinite": lambda p: p.__setitem__("call_stats", [{"numel": math.prod(p["local_shape"]), "norm_type": 2.0, "sum_pow": 0.0, "sum_sq": 0.0, "max_abs": 0.0, "num_nan": math.prod(p["local_shape"]) + 1}]),
+    "norm type zero": lambda p: p.__setitem__("call_stats", [{"numel": math.prod(p["local_shape"]), "norm_type": 0, "sum_pow": 0.0, "sum_sq": 0.0, "max_abs": 0.0}]),
+    "a fingerprint too long": lambda p: p.__setitem__("call_stats", [{"numel": math.prod(p["local_shape"]), "norm_type": 2.0, "sum_pow": 0.0, "sum_sq": 0.0, "max_abs": 0.0, "fingerprint": [0.0] * 65}]),
+    "a group not a string": lambda p: p.__setitem__("replica_group", ["dp"]),
+    "not an object": lambda p: p.clear(),
+}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(random_document(), st.integers(0, 7), st.sampled_from(sorted(DEFECTS)))
+def test_a_random_single_defect_is_refused_naming_its_piece(case, choice, defect):
+    _, doc = case
+    if not doc["pieces"]:
+        return
+    index = choice % len(doc["pieces"])
+    DEFECTS[defect](doc["pieces"][index])
+    if defect == "not an object":
+        doc["pieces"][index] = []
+    refused = decoded(doc)
+    assert isinstance(refused, str) and f"pieces[{index}]" in refused, (defect, refused)
+    assert refused == careful(doc, RANDOM_PARAMS)

@@ -30,14 +30,28 @@ only when one is indexed or iterated.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from ..errors import DumpFormatError
-from ..model import FLOAT_DTYPES, TENSOR_KINDS, ColumnarPieces, ParamInfo, RankDump, TensorKind, Topology
+from ..model import (
+    FLOAT_DTYPES,
+    TENSOR_KINDS,
+    Box,
+    ColumnarPieces,
+    FlatRange,
+    ParamInfo,
+    PieceColumnsBuilder,
+    RankDump,
+    Region,
+    TensorKind,
+    TensorStats,
+    Topology,
+)
 
 __all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
 
@@ -47,6 +61,13 @@ NAMES, META, DIMS = PREFIX + "params.names", PREFIX + "params.meta", PREFIX + "p
 MAX_FINGERPRINT = 64
 MAX_DIMS = 64
 MAX_ELEMENTS = 2**53
+"""No shape may claim more elements than this; nothing is ever allocated from a claimed shape."""
+MAX_INT = 2**63 - 1
+"""Counters (step, tokens, element counts) must fit in a signed 64-bit integer."""
+MAX_LIST = 10_000_000
+"""The most entries any list in the metadata may hold unless a field says otherwise."""
+MAX_CLIP_CALLS = 10_000
+"""Clip calls before one optimizer step: one per microbatch at the very most."""
 
 Fail = Callable[[str], DumpFormatError]
 
@@ -224,31 +245,19 @@ def pieces_from_rows(
     group, region (`ndims`: 0 for a flat range, else the box's; `coords` laid out piece after piece)
     and, per kind, a float64 row (sum_pow, sum_sq, max_abs, the fingerprint, num_nan, num_posinf,
     num_neginf). Not validated here: the writer checks the columns as the reader does."""
-    index_of = {info.name: i for i, info in enumerate(params)}
-    group_names = sorted({g for g in groups if g is not None})
-    group_index: dict[str | None, int] = {g: i for i, g in enumerate(group_names)}
-    group_index[None] = -1
-    ndim = np.array(ndims, dtype=np.int64)
-    width = np.where(ndim == 0, 2, 2 * ndim)
-    table = np.stack(
-        [
-            np.array([index_of[name] for name in param_names], dtype=np.int64),
-            np.array([group_index[g] for g in groups], dtype=np.int64),
-            np.concatenate(([0], np.cumsum(width)[:-1])).astype(np.int64),
-            ndim,
-        ],
-        axis=1,
+    columns, ndim = PieceColumnsBuilder(params), np.array(ndims, dtype=np.int64)
+    columns.param = [columns.index_of[name] for name in param_names]
+    columns.groups, columns.ndim, columns.first = (
+        list(groups),
+        ndim,
+        _starts(np.where(ndim == 0, 2, 2 * ndim)),
     )
-    kinds = sorted(rows)
-    return ColumnarPieces(
-        table,
-        np.array(coords, dtype=np.int64),
-        params,
-        group_names,
-        {k: np.ascontiguousarray(rows[k][:, :-3]) for k in kinds},
-        {k: rows[k][:, -3:].astype(np.int64) for k in kinds},
-        float(norm_type),
-    )
+    columns.coords, columns.norm_type = np.asarray(coords, dtype=np.int64), float(norm_type)
+    everyone = np.arange(ndim.size)
+    columns.stats = {
+        cast("TensorKind", k): (v.shape[1] - 6, everyone, v[:, :-3], v[:, -3:]) for k, v in rows.items()
+    }
+    return columns.result()
 
 
 def from_columns(
@@ -305,7 +314,7 @@ def from_columns(
     extents = None if cache is None else cache.valid_rows(rows, coords, params, len(groups))
     if extents is None:
         _check_rows(rows, coords, params, len(groups), fail)
-        extents = _Extents(rows, params)
+        extents = _Extents(rows[:, 0], rows[:, 2], rows[:, 3], rows[:, 3] == 0, params)
         if cache is not None:
             cache.rows = (rows, coords.size, params, len(groups), extents)
     for kind in kinds:
@@ -357,16 +366,57 @@ def _param_columns(params: Sequence[ParamInfo]) -> tuple[np.ndarray, np.ndarray]
 
 
 class _Extents:
-    """What the extent checks read of a valid piece table: the flat pieces, where their ranges
-    start in the coordinates, their parameters' element counts, and the boxes."""
+    """What the extent checks read of a valid table of regions (each a parameter index, its first
+    coordinate, its ndim and whether it is a flat range): the flat ones, where their ranges start,
+    their parameters' element counts, and the boxes."""
 
-    def __init__(self, rows: np.ndarray, params: Sequence[ParamInfo]) -> None:
-        param, first, ndim = rows[:, 0], rows[:, 2], rows[:, 3]
-        self.flat = np.flatnonzero(ndim == 0)
-        self.all_flat = self.flat.size == ndim.size
+    def __init__(
+        self,
+        param: np.ndarray,
+        first: np.ndarray,
+        ndim: np.ndarray,
+        flat: np.ndarray,
+        params: Sequence[ParamInfo],
+    ) -> None:
+        self.param, self.first_of, self.ndim = param, first, ndim
+        self.flat = np.flatnonzero(flat)
         self.first = first[self.flat]
         self.limit = _param_columns(params)[1][param[self.flat]]
-        self.boxes = np.flatnonzero(ndim != 0)
+        self.boxes = np.flatnonzero(~flat)
+
+
+def region_extents(
+    extents: _Extents, coords: np.ndarray, params: Sequence[ParamInfo]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(outside, numel) of every region at once, in both formats: whether it lies outside its
+    parameter (a box of another number of dimensions too), and its elements (0 when outside)."""
+    start, stop = coords[extents.first], coords[extents.first + 1]
+    bad = (start < 0) | (start > stop) | (stop > extents.limit)
+    if not extents.boxes.size:
+        return bad, np.where(bad, 0, stop - start)
+    outside = np.zeros(extents.param.size, dtype=bool)
+    numel = np.zeros(extents.param.size, dtype=np.int64)
+    outside[extents.flat], numel[extents.flat] = bad, np.where(bad, 0, stop - start)
+    boxes = extents.boxes
+    param, first, ndim = extents.param[boxes], extents.first_of[boxes], extents.ndim[boxes]
+    param_ndims = _param_columns(params)[0]
+    for k in np.unique(ndim).tolist():
+        chosen = np.flatnonzero(ndim == k)
+        offsets = coords[first[chosen, None] + np.arange(k)]
+        shape = coords[first[chosen, None] + k + np.arange(k)]
+        limits = np.array(
+            [p.global_shape if len(p.global_shape) == k else (0,) * k for p in params], dtype=np.int64
+        )
+        dims = limits.reshape(len(params), k)[param[chosen]]
+        # `shape > dims - offsets`, not `offsets + shape > dims`: with both below 2^63 the difference
+        # cannot wrap around, the sum can (offsets [2^62] + shape [2^62] is negative in int64).
+        out = (param_ndims[param[chosen]] != k) | (
+            (offsets < 0) | (shape < 0) | (offsets > dims) | (shape > dims - offsets)
+        ).any(axis=1)
+        outside[boxes[chosen]] = out
+        # Inside its parameter, a box's product is at most the parameter's (2^53): no wrap-around.
+        numel[boxes[chosen]] = np.prod(np.where(out[:, None], 0, shape), axis=1, dtype=np.int64)
+    return outside, numel
 
 
 def _check_extents(
@@ -378,63 +428,21 @@ def _check_extents(
     fail: Fail,
 ) -> None:
     """Ranges and boxes inside their parameter and nonfinite counts within each piece's elements,
-    for all pieces at once."""
-    flat = extents.flat
-    start, stop = coords[extents.first], coords[extents.first + 1]
-    bad = (start < 0) | (start > stop) | (stop > extents.limit)
-    if bad.any():
-        i = int(flat[np.argmax(bad)])
-        at, param = int(rows[i, 2]), int(rows[i, 0])
-        raise fail(f"piece {i}: range [{coords[at]}, {coords[at + 1]}) is outside {params[param].name!r:.60}")
-    numel = stop - start
+    for all pieces at once; the first bad piece is named, outside before too many nonfinite values."""
+    outside, numel = region_extents(extents, coords, params)
+    if outside.any():
+        i = int(np.argmax(outside))
+        k, at, name = int(rows[i, 3]), int(rows[i, 2]), params[int(rows[i, 0])].name
+        if k == 0:
+            raise fail(f"piece {i}: range [{coords[at]}, {coords[at + 1]}) is outside {name!r:.60}")
+        offsets, shape = coords[at : at + k].tolist(), coords[at + k : at + 2 * k].tolist()
+        raise fail(f"piece {i}: box {offsets} + {shape} is outside {name!r:.60}")
     for kind, counted in counts.items():
-        if not counted.any():
-            continue
-        over = _more_than(counted if extents.all_flat else counted[flat], numel)
-        if over.any():
-            raise fail(f"piece {int(flat[np.argmax(over)])}: more nonfinite {kind} values than elements")
-    if extents.boxes.size:
-        _check_boxes(extents.boxes, rows, coords, params, counts, fail)
-
-
-def _check_boxes(
-    boxes: np.ndarray,
-    rows: np.ndarray,
-    coords: np.ndarray,
-    params: Sequence[ParamInfo],
-    counts: Mapping[str, np.ndarray],
-    fail: Fail,
-) -> None:
-    """Boxes inside their parameter and nonfinite counts within their elements; the first bad box
-    (by position) is named, outside before too many nonfinite values."""
-    outside = np.zeros(boxes.size, dtype=bool)
-    too_many = np.zeros(boxes.size, dtype=bool)
-    param, first, ndim = rows[boxes, 0], rows[boxes, 2], rows[boxes, 3]
-    for k in np.unique(ndim).tolist():
-        chosen = np.flatnonzero(ndim == k)
-        offsets = coords[first[chosen, None] + np.arange(k)]
-        shape = coords[first[chosen, None] + k + np.arange(k)]
-        limits = np.array(
-            [p.global_shape if len(p.global_shape) == k else (0,) * k for p in params], dtype=np.int64
-        )
-        dims = limits.reshape(len(params), k)[param[chosen]]
-        # `shape > dims - offsets`, not `offsets + shape > dims`: with both below 2^63 the difference
-        # cannot wrap around, the sum can (offsets [2^62] + shape [2^62] is negative in int64).
-        out = ((offsets < 0) | (shape < 0) | (offsets > dims) | (shape > dims - offsets)).any(axis=1)
-        outside[chosen] = out
-        # Inside its parameter, a box's product is at most the parameter's (2^53): no wrap-around.
-        numel = np.prod(np.where(out[:, None], 0, shape), axis=1, dtype=np.int64)
-        for counted in counts.values():
-            too_many[chosen] |= _more_than(counted[boxes[chosen]], numel)
-    bad = outside | too_many
-    if bad.any():
-        j = int(np.argmax(bad))
-        i = int(boxes[j])
-        if outside[j]:
-            k, at, info = int(rows[i, 3]), int(rows[i, 2]), params[int(rows[i, 0])]
-            offsets, shape = coords[at : at + k].tolist(), coords[at + k : at + 2 * k].tolist()
-            raise fail(f"piece {i}: box {offsets} + {shape} is outside {info.name!r:.60}")
-        raise fail(f"piece {i}: more nonfinite values than elements")
+        if counted.any() and (over := _more_than(counted, numel)).any():
+            i = int(np.argmax(over))
+            raise fail(
+                f"piece {i}: more nonfinite {kind + ' ' if rows[i, 3] == 0 else ''}values than elements"
+            )
 
 
 def _more_than(counted: np.ndarray, numel: np.ndarray) -> np.ndarray:
@@ -466,3 +474,347 @@ class ParamIds:
         mapping = np.array([ids.setdefault(p.name, len(ids)) for p in params], dtype=np.int64)
         self._seen.append((params, mapping))
         return mapping
+
+
+# ---------------------------------------------------------------- format 1.0: JSON pieces as columns
+
+_DICT, _LIST, _STR, _INT, _FLOAT = (frozenset({t}) for t in (dict, list, str, int, float))
+_OPTIONAL_STR: frozenset[type] = frozenset({str, type(None)})
+_ABSENT = object()
+
+
+class _Faults:
+    """The first bad piece any column check found (`first`: the number of pieces when none yet)."""
+
+    def __init__(self, n: int) -> None:
+        self.first = n
+
+    def flag(self, bad: np.ndarray | np.bool_, owner: np.ndarray | None = None) -> None:
+        """Pieces (or rows of `owner`'s pieces, in piece order) where `bad` holds."""
+        at = np.flatnonzero(bad)
+        if at.size:
+            self.first = min(self.first, int(at[0] if owner is None else owner[at[0]]))
+
+    def typed(self, values: list[Any], types: frozenset[type], default: Any, owner: Any = None) -> list[Any]:
+        """`values`, each not exactly of one of `types` flagged and replaced by `default`."""
+        if set(map(type, values)) <= types:
+            return values
+        bad = [type(v) not in types for v in values]
+        self.flag(np.array(bad, dtype=bool), owner)
+        return [default if b else v for v, b in zip(values, bad, strict=True)]
+
+    def ints(self, values: list[Any], owner: Any = None) -> tuple[np.ndarray, bool]:
+        """(`values` as int64, whether all were integers in [0, 2^63)); the others flagged and 0."""
+        if set(map(type, values)) <= _INT:
+            try:
+                array = np.array(values, dtype=np.int64)
+            except OverflowError:
+                pass
+            else:
+                if not (array < 0).any():
+                    return array, True
+        ok = [type(v) is int and 0 <= v <= MAX_INT for v in values]
+        self.flag(~np.array(ok, dtype=bool), owner)
+        return np.array([v if k else 0 for v, k in zip(values, ok, strict=True)], dtype=np.int64), False
+
+    def floats(self, values: list[Any], owner: Any = None) -> np.ndarray:
+        """`values` as float64 (a number, or "nan", "inf", "-inf"); the others flagged and 0."""
+        if set(map(type, values)) <= _FLOAT:
+            return np.array(values, dtype=np.float64)
+        found = [_float(v) for v in values]
+        self.flag(np.array([f is None for f in found], dtype=bool), owner)
+        return np.array([0.0 if f is None else f for f in found], dtype=np.float64)
+
+
+def _float(value: Any) -> float | None:
+    if type(value) is str:
+        return float(value) if value in ("nan", "inf", "-inf") else None
+    try:
+        return float(value) if type(value) in (int, float) else None
+    except OverflowError:  # an integer beyond float64
+        return None
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of consecutive segments of these lengths starts."""
+    return np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+
+
+def _gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of the segments [start, start + length), one after the other."""
+    found: np.ndarray = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(
+        starts - _starts(lengths), lengths
+    )
+    return found
+
+
+def _spans(regions: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
+    """Each region entry's ndim (a box's, 0 and up; -1: a flat range; -2: neither) and all their
+    coordinates one after the other (a box's offsets then shape, a range's start and stop, (0, 0)
+    for neither), their values unchecked. One loop that allocates no object per region."""
+    kinds: list[int] = []
+    coords: list[Any] = []
+    for region in regions:
+        box = region.get("box", _ABSENT)
+        if box is _ABSENT:
+            bounds = region.get("range")
+            if type(bounds) is list and len(bounds) == 2:
+                kinds.append(-1)
+                coords += bounds
+                continue
+        elif type(box) is dict:
+            offsets, shape = box.get("offsets"), box.get("shape")
+            if type(offsets) is list and type(shape) is list and len(offsets) == len(shape) <= MAX_DIMS:
+                kinds.append(len(shape))
+                coords += offsets
+                coords += shape
+                continue
+        kinds.append(-2)
+        coords += (0, 0)
+    return kinds, coords
+
+
+class _StatsColumns:
+    """Statistics entries (of one kind of many pieces, or the call statistics) as columns, checked."""
+
+    def __init__(self, faults: _Faults, raws: list[Any], owner: np.ndarray, covered: np.ndarray) -> None:
+        raws = faults.typed(raws, _DICT, {}, owner)
+
+        def field(key: str, default: Any = None) -> list[Any]:
+            return [s.get(key, default) for s in raws]
+
+        self.owner = owner
+        self.numel = faults.ints(field("numel"), owner)[0]
+        self.norm_type = faults.floats(field("norm_type"), owner)
+        faults.flag(~(self.norm_type > 0), owner)
+        self.sums = np.stack(
+            [faults.floats(field(k), owner) for k in ("sum_pow", "sum_sq", "max_abs")], axis=1
+        )
+        faults.flag(~(self.sums >= 0).all(axis=1), owner)  # nan compares False too
+        self.counts = np.stack([faults.ints(field(k, 0), owner)[0] for k in _COUNTS], axis=1)
+        fingerprints = faults.typed(field("fingerprint", []), _LIST, [], owner)
+        self.lengths = np.fromiter(map(len, fingerprints), dtype=np.int64, count=len(raws))
+        faults.flag(self.lengths > MAX_FINGERPRINT, owner)
+        values = list(itertools.chain.from_iterable(fingerprints))
+        self.fingerprints = faults.floats(values, np.repeat(owner, self.lengths))
+        faults.flag(self.numel != covered[owner], owner)
+        faults.flag(_more_than(self.counts, covered[owner]), owner)
+
+    def objects(self, rows: Iterable[int]) -> list[TensorStats]:
+        """The entries at these rows as TensorStats (the extras' call statistics, odd statistics)."""
+        ends, values, found = np.cumsum(self.lengths).tolist(), self.fingerprints.tolist(), []
+        for i in rows:
+            (sum_pow, sum_sq, max_abs), (nan, posinf, neginf) = self.sums[i].tolist(), self.counts[i].tolist()
+            found.append(
+                TensorStats(
+                    numel=int(self.numel[i]),
+                    norm_type=float(self.norm_type[i]),
+                    sum_pow=sum_pow,
+                    sum_sq=sum_sq,
+                    max_abs=max_abs,
+                    num_nan=nan,
+                    num_posinf=posinf,
+                    num_neginf=neginf,
+                    fingerprint=tuple(values[ends[i] - int(self.lengths[i]) : ends[i]]),
+                )
+            )
+        return found
+
+    def rows(self, width: int) -> np.ndarray:
+        """[m, 3 + width]: the sums, then the fingerprint cut or padded with zeros to `width`."""
+        out = np.zeros((self.owner.size, 3 + width), dtype=np.float64)
+        out[:, :3] = self.sums
+        if (self.lengths == width).all():
+            out[:, 3:] = self.fingerprints.reshape(self.owner.size, width)
+        else:
+            for i, (start, length) in enumerate(
+                zip(_starts(self.lengths).tolist(), self.lengths.tolist(), strict=True)
+            ):
+                kept = min(length, width)
+                out[i, 3 : 3 + kept] = self.fingerprints[start : start + kept]
+        return out
+
+
+_COUNTS = ("num_nan", "num_posinf", "num_neginf")
+_DTYPE_CODES = {name: i for i, name in enumerate(FLOAT_DTYPES)}
+
+
+class _Regions:
+    """The pieces' region lists as one table of regions (each a flat range or a box, laid out as
+    format 1.1 lays out a piece's), checked inside their parameters by `region_extents`."""
+
+    def __init__(
+        self, faults: _Faults, lists: list[Any], param: np.ndarray, params: Sequence[ParamInfo]
+    ) -> None:
+        n = len(lists)
+        self.per_piece = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+        faults.flag(self.per_piece > MAX_LIST)
+        owner = np.repeat(np.arange(n, dtype=np.int64), self.per_piece)
+        kinds, values = _spans(faults.typed(list(itertools.chain.from_iterable(lists)), _DICT, {}, owner))
+        self.kind = np.array(kinds, dtype=np.int64)  # -1: a flat range, k: a k-D box
+        faults.flag(self.kind == -2, owner)
+        self.kind[self.kind == -2] = -1
+        self.widths = np.where(self.kind < 0, 2, 2 * self.kind)
+        self.coords = faults.ints(values, np.repeat(owner, self.widths))[0]
+        self.first = _starts(self.widths)
+        extents = _Extents(param[owner], self.first, np.maximum(self.kind, 0), self.kind < 0, params)
+        outside, numel = region_extents(extents, self.coords, params)
+        faults.flag(outside, owner)
+        self.single = self.per_piece == 1
+        self.region_of = _starts(self.per_piece)  # each piece's first region
+        self.covered = np.zeros(n, dtype=np.int64)
+        """Elements of each piece's regions (at most 2^53 + 1)."""
+        self.covered[self.single] = numel[self.region_of[self.single]]
+        numel_list = numel.tolist()
+        for p in np.flatnonzero(~self.single).tolist():
+            at = int(self.region_of[p])
+            self.covered[p] = min(sum(numel_list[at : at + int(self.per_piece[p])]), MAX_ELEMENTS + 1)
+        self.piece_kind = np.zeros(n, dtype=np.int64)
+        self.piece_kind[self.single] = self.kind[self.region_of[self.single]]
+        self.regular = self.single & (self.piece_kind != 0)
+        """Pieces of one flat range or one box of at least one dimension: a row of the columns."""
+
+    def fill(self, columns: PieceColumnsBuilder) -> None:
+        """The builder's region columns; the other pieces' coordinates are (0, 0), their regions extras."""
+        regular, first, widths, region_of = self.regular, self.first, self.widths, self.region_of
+        columns.ndim = np.maximum(self.piece_kind, 0) * regular
+        if regular.all():
+            columns.coords, columns.first = self.coords, first
+            return
+        source, kept = np.full(regular.size, self.coords.size), np.full(regular.size, 2)
+        source[regular], kept[regular] = first[region_of[regular]], widths[region_of[regular]]
+        columns.coords = np.concatenate((self.coords, [0, 0]))[_gather(source, kept)]
+        columns.first = _starts(kept)
+        listed = self.coords.tolist()
+        for p in np.flatnonzero(~regular).tolist():
+            at = int(region_of[p])
+            columns.extra["regions"][p] = tuple(
+                _region(int(self.kind[j]), listed[int(first[j]) : int(first[j] + widths[j])])
+                for j in range(at, at + int(self.per_piece[p]))
+            )
+
+    def other_shapes(
+        self, shapes: list[list[int]], lengths: np.ndarray, dims: np.ndarray
+    ) -> dict[int, tuple[int, ...]]:
+        """Position -> local shape, where it is not the one its regions imply (a box's shape, else
+        the element count), as `PieceColumnsBuilder.add` keeps them."""
+        is_box = self.regular & (self.piece_kind > 0)
+        differs = np.where(is_box, lengths != self.piece_kind, lengths != 1)
+        same = np.flatnonzero(is_box & ~differs)
+        if same.size:
+            k = lengths[same]
+            shape_at = _gather(self.first[self.region_of[same]] + k, k)
+            unequal = dims[_gather(_starts(lengths)[same], k)] != self.coords[shape_at]
+            differs[np.repeat(same, k)[unequal]] = True
+        return {p: tuple(shapes[p]) for p in np.flatnonzero(differs).tolist()}
+
+
+def _local_shapes(
+    faults: _Faults, shapes: list[Any], covered: np.ndarray
+) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    """(shapes, their lengths, their dimensions one after the other), each checked as a shape and
+    against the elements its piece's regions cover."""
+    n = len(shapes)
+    lengths = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
+    faults.flag(lengths > MAX_DIMS)
+    dims, plain = faults.ints(list(itertools.chain.from_iterable(shapes)), np.repeat(np.arange(n), lengths))
+    if not plain:
+        listed = dims.tolist()
+        shapes = [listed[a : a + b] for a, b in zip(_starts(lengths).tolist(), lengths.tolist(), strict=True)]
+    sizes = list(map(math.prod, shapes))
+    if sizes and max(sizes) > MAX_ELEMENTS:
+        faults.flag(np.array([s > MAX_ELEMENTS for s in sizes], dtype=bool))
+        sizes = [min(s, MAX_ELEMENTS + 1) for s in sizes]
+    faults.flag(np.array(sizes, dtype=np.int64) != covered)
+    return shapes, lengths, dims
+
+
+def pieces_from_json(
+    entries: list[Any], params: Sequence[ParamInfo], explain: Callable[[int], DumpFormatError]
+) -> ColumnarPieces:
+    """A format-1.0 document's pieces as columns. One pass per field collects its values into a
+    column (checking types only where a value could not go in one), then the checks run on whole
+    columns, those of format 1.1's (`region_extents`, `_more_than`) among them. The first bad
+    piece, by position, is handed to `explain`, whose error names it (the decoder's own message)."""
+    n = len(entries)
+    faults = _Faults(n)
+    if n and not params:
+        raise explain(0)
+    objs = faults.typed(entries, _DICT, {})
+
+    def field(key: str, default: Any = None) -> list[Any]:
+        return [o.get(key, default) for o in objs]
+
+    index_of = {p.name: i for i, p in enumerate(params)}
+    names = faults.typed(field("param"), _STR, None)
+    param = np.array([index_of.get(name, -1) for name in names], dtype=np.int64)
+    faults.flag(param < 0)
+    param[param < 0] = 0
+    dtypes = faults.typed(field("dtype"), _STR, "")
+    dtype_code = np.array([_DTYPE_CODES.get(d, -1) for d in dtypes], dtype=np.int64)
+    faults.flag(dtype_code < 0)
+    local_names, groups, partials = (
+        faults.typed(field(key), _OPTIONAL_STR, None)
+        for key in ("local_name", "replica_group", "partial_group")
+    )
+    regions = _Regions(faults, faults.typed(field("regions"), _LIST, []), param, params)
+    shapes = _local_shapes(faults, faults.typed(field("local_shape"), _LIST, []), regions.covered)
+    tensors = _by_kind(faults, faults.typed(field("tensors", {}), _DICT, {}))
+    for keys in tensors.values():
+        faults.typed(list(keys.values()), _STR, None, np.fromiter(keys, dtype=np.int64, count=len(keys)))
+    stats_maps = faults.typed(field("stats", {}), _DICT, {})
+    stats = {
+        kind: _StatsColumns(
+            faults, list(rows.values()), np.fromiter(rows, np.int64, len(rows)), regions.covered
+        )
+        for kind, rows in _by_kind(faults, stats_maps).items()
+    }
+    call_lists = faults.typed(field("call_stats", []), _LIST, [])
+    calls_per_piece = np.fromiter(map(len, call_lists), dtype=np.int64, count=n)
+    faults.flag(calls_per_piece > MAX_CLIP_CALLS)
+    all_calls = list(itertools.chain.from_iterable(call_lists))
+    calls = _StatsColumns(faults, all_calls, np.repeat(np.arange(n), calls_per_piece), regions.covered)
+    if faults.first < n:
+        raise explain(faults.first)
+
+    columns = PieceColumnsBuilder(params)
+    columns.param, columns.groups, columns.tensors, extra = param, groups, tensors, columns.extra
+    regions.fill(columns)
+    extra["local_shapes"] = regions.other_shapes(*shapes)
+    param_codes = np.array([_DTYPE_CODES.get(info.dtype, -1) for info in params], dtype=np.int64)
+    extra["dtypes"] = {p: dtypes[p] for p in np.flatnonzero(dtype_code != param_codes[param]).tolist()}
+    extra["local_names"] = {p: v for p, v in enumerate(local_names) if v is not None}
+    extra["partial_groups"] = {p: v for p, v in enumerate(partials) if v is not None}
+    objects, ends = calls.objects(range(calls.owner.size)), np.cumsum(calls_per_piece).tolist()
+    extra["call_stats"] = {
+        p: tuple(objects[ends[p] - int(calls_per_piece[p]) : ends[p]])
+        for p in np.flatnonzero(calls_per_piece).tolist()
+    }
+    with_stats = next((p for p, m in enumerate(stats_maps) if m), None)
+    if with_stats is not None:  # the norm type of the first statistics, as `add` takes it
+        columns.norm_type = float(stats[next(iter(stats_maps[with_stats]))].norm_type[0])
+    for kind, table in stats.items():
+        width = int(table.lengths[0])
+        columns.stats[kind] = (width, table.owner, table.rows(width), table.counts)
+        odd = np.flatnonzero((table.norm_type != columns.norm_type) | (table.lengths != width)).tolist()
+        for i, summary in zip(odd, table.objects(odd), strict=True):
+            columns.odd[(int(table.owner[i]), kind)] = summary
+    return columns.result()
+
+
+def _region(kind: int, coords: list[int]) -> Region:
+    if kind < 0:
+        return FlatRange(start=coords[0], stop=coords[1])
+    return Box(offsets=tuple(coords[:kind]), shape=tuple(coords[kind:]))
+
+
+_KINDS = frozenset(TENSOR_KINDS)
+
+
+def _by_kind(faults: _Faults, maps: list[dict[str, Any]]) -> dict[TensorKind, dict[int, Any]]:
+    """Kind -> position -> entry, of the pieces' objects keyed by tensor kind (the kinds in the order
+    they first appear); a piece naming another kind is flagged."""
+    kinds = dict.fromkeys(itertools.chain.from_iterable(maps))
+    if not _KINDS.issuperset(kinds):
+        faults.flag(np.array([not _KINDS.issuperset(m) for m in maps], dtype=bool))
+    return {kind: {p: m[kind] for p, m in enumerate(maps) if kind in m} for kind in kinds if kind in _KINDS}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 from ..errors import DumpFormatError
 from ..model import (
@@ -25,39 +25,33 @@ from ..model import (
     NotCapturedParam,
     ParamInfo,
     Piece,
-    PieceColumnsBuilder,
     RankDump,
     Region,
     TensorStats,
     Topology,
 )
 from ..version import FORMAT_MAJOR, FORMAT_NAME, FORMAT_VERSION
+from .columnar import (
+    MAX_CLIP_CALLS,
+    MAX_ELEMENTS,
+    MAX_LIST,
+    ParamsCache,
+    from_columns,
+    params_from_columns,
+    pieces_from_json,
+)
+from .columnar import MAX_INT as MAX_INT  # capture/arguments.py checks counters against it
 from .header import clipped, shown
-
-if TYPE_CHECKING:
-    from .columnar import ParamsCache
 
 METADATA_KEY = "gradaudit"
 """The key of the safetensors `__metadata__` entry that holds our JSON document."""
 
-MAX_ELEMENTS = 2**53
-"""No shape may claim more elements than this; nothing is ever allocated from a claimed shape."""
-
 MAX_WORLD_SIZE = 1 << 20
 """Larger than any job that exists; the loader lists missing ranks, so this bounds that list."""
 
-MAX_INT = 2**63 - 1
-"""Counters (step, tokens, element counts) must fit in a signed 64-bit integer."""
-
-MAX_CLIP_CALLS = 10_000
-"""Clip calls before one optimizer step: one per microbatch at the very most."""
-
-_MAX_LIST = 10_000_000
-"""The most entries any list in the metadata may hold unless a field says otherwise."""
-
 _T = TypeVar("_T")
 PieceFields = dict[str, Any]
-"""A decoded format-1.0 piece: the keyword arguments of `PieceColumnsBuilder.add` (Piece's fields)."""
+"""A decoded format-1.0 piece: Piece's fields by name, as `_decode_piece` gives them."""
 _D = TypeVar("_D")
 
 _VERSION = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9}){0,2}")
@@ -302,7 +296,7 @@ class _Reader:
             raise self.fail(where, f"claims {math.prod(dims)} elements, more than any real tensor")
         return dims
 
-    def list_(self, value: Any, where: str, limit: int = _MAX_LIST) -> list[Any]:
+    def list_(self, value: Any, where: str, limit: int = MAX_LIST) -> list[Any]:
         if not isinstance(value, list):
             raise self.fail(where, f"expected a list, got {_kind(value)}")
         if len(value) > limit:
@@ -374,7 +368,6 @@ def _decode_stats(r: _Reader, raw: Any, where: str) -> TensorStats:
     return stats
 
 
-_KNOWN_KINDS = frozenset(TENSOR_KINDS)
 _KNOWN_DTYPES = frozenset(FLOAT_DTYPES)
 
 
@@ -389,80 +382,6 @@ def _quick_dims(value: Any) -> tuple[int, ...] | None:
     return dims if math.prod(dims) <= MAX_ELEMENTS else None
 
 
-def _quick_stats(raw: Any) -> TensorStats | None:
-    """`_decode_stats` of a well-formed entry (plain JSON floats and integers), else None."""
-    if type(raw) is not dict:
-        return None
-    get = raw.get
-    numel, norm_type = get("numel"), get("norm_type")
-    sum_pow, sum_sq, max_abs = get("sum_pow"), get("sum_sq"), get("max_abs")
-    if type(norm_type) is not float:
-        if norm_type != "inf":  # an inf-norm run writes its norm type as the string "inf"
-            return None
-        norm_type = math.inf
-    if not (
-        type(numel) is int
-        and 0 <= numel <= MAX_INT
-        and norm_type > 0
-        and type(sum_pow) is float
-        and sum_pow >= 0
-        and type(sum_sq) is float
-        and sum_sq >= 0
-        and type(max_abs) is float
-        and max_abs >= 0
-    ):
-        return None
-    num_nan, num_posinf, num_neginf = get("num_nan", 0), get("num_posinf", 0), get("num_neginf", 0)
-    if not (
-        type(num_nan) is int
-        and type(num_posinf) is int
-        and type(num_neginf) is int
-        and 0 <= num_nan <= MAX_INT
-        and 0 <= num_posinf <= MAX_INT
-        and 0 <= num_neginf <= MAX_INT
-        and num_nan + num_posinf + num_neginf <= numel
-    ):
-        return None
-    fingerprint = get("fingerprint", _NO_VALUES)
-    if type(fingerprint) is not list or len(fingerprint) > 64:
-        return None
-    for v in fingerprint:
-        if type(v) is not float:
-            return None
-    return TensorStats(
-        numel=numel,
-        norm_type=norm_type,
-        sum_pow=sum_pow,
-        sum_sq=sum_sq,
-        max_abs=max_abs,
-        num_nan=num_nan,
-        num_posinf=num_posinf,
-        num_neginf=num_neginf,
-        fingerprint=tuple(fingerprint),
-    )
-
-
-def _quick_region(raw: Any) -> Region | None:
-    """`_decode_region` of a well-formed entry, else None."""
-    if type(raw) is not dict:
-        return None
-    if "box" in raw:
-        box = raw["box"]
-        if type(box) is not dict:
-            return None
-        offsets, shape = _quick_dims(box.get("offsets")), _quick_dims(box.get("shape"))
-        if offsets is None or shape is None or len(offsets) != len(shape):
-            return None
-        return Box(offsets=offsets, shape=shape)
-    bounds = raw.get("range")
-    if type(bounds) is not list or len(bounds) != 2:
-        return None
-    start, stop = bounds
-    if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= MAX_INT:
-        return None
-    return FlatRange(start=start, stop=stop)
-
-
 def _quick_param(raw: Any) -> ParamInfo | None:
     """A `params` entry decoded when well formed, else None (the careful decoder then names the defect)."""
     if type(raw) is not dict:
@@ -474,104 +393,12 @@ def _quick_param(raw: Any) -> ParamInfo | None:
     return ParamInfo(name=name, global_shape=global_shape, dtype=dtype)
 
 
-def _quick_piece(
-    raw: Any, index: int, params: Mapping[str, ParamInfo], numels: dict[str, int]
-) -> PieceFields | None:
-    """`_decode_piece` of a well-formed entry, built without the careful path's per-field bookkeeping.
-
-    Many-rank dumps hold millions of pieces, so this is the loader's hot loop. It accepts only plain,
-    valid JSON values and returns None on anything else (including every defect), so that the careful
-    decoder runs and names the problem: both give equal pieces for what this accepts.
-    """
-    if type(raw) is not dict:
-        return None
-    get = raw.get
-    name, regions_raw, dtype = get("param"), get("regions"), get("dtype")
-    if type(name) is not str or type(dtype) is not str or dtype not in _KNOWN_DTYPES:
-        return None
-    if type(regions_raw) is not list or len(regions_raw) > _MAX_LIST:
-        return None
-    info = params.get(name)
-    local_shape = _quick_dims(get("local_shape"))
-    if info is None or local_shape is None:
-        return None
-    regions = []
-    covered = 0
-    for region_raw in regions_raw:
-        region = _quick_region(region_raw)
-        if region is None:
-            return None
-        if type(region) is FlatRange:
-            numel = numels.get(name)
-            if numel is None:
-                numel = numels[name] = info.numel
-            if region.stop > numel:
-                return None
-        elif not region.fits_in(info.global_shape):
-            return None
-        regions.append(region)
-        covered += region.numel
-    if covered != math.prod(local_shape):
-        return None
-    local_name, replica_group = get("local_name"), get("replica_group")
-    if (local_name is not None and type(local_name) is not str) or (
-        replica_group is not None and type(replica_group) is not str
-    ):
-        return None
-    partial_group = get("partial_group")
-    if partial_group is not None and type(partial_group) is not str:
-        return None
-    tensors_raw, stats_raw = get("tensors", _NO_ENTRIES), get("stats", _NO_ENTRIES)
-    if type(tensors_raw) is not dict or type(stats_raw) is not dict:
-        return None
-    tensors = {}
-    for kind, key in tensors_raw.items():
-        if kind not in _KNOWN_KINDS or type(key) is not str:
-            return None
-        tensors[kind] = key
-    stats = {}
-    for kind, value in stats_raw.items():
-        if kind not in _KNOWN_KINDS:
-            return None
-        summary = _quick_stats(value)
-        if summary is None or summary.numel != covered:
-            return None
-        stats[kind] = summary
-    call_stats_raw = get("call_stats", _NO_VALUES)
-    if type(call_stats_raw) is not list or len(call_stats_raw) > _MAX_CALLS:
-        return None
-    call_stats = []
-    for value in call_stats_raw:
-        summary = _quick_stats(value)
-        if summary is None or summary.numel != covered:
-            return None
-        call_stats.append(summary)
-    return {
-        "index": index,
-        "param": name,
-        "regions": tuple(regions),
-        "local_shape": local_shape,
-        "dtype": dtype,
-        "local_name": local_name,
-        "replica_group": replica_group,
-        "tensors": tensors,
-        "stats": stats,
-        "call_stats": tuple(call_stats),
-        "partial_group": partial_group,
-    }
-
-
-_MAX_CALLS = 10_000
-"""The most clip calls one step may record statistics for."""
-
-_NO_ENTRIES: Mapping[str, Any] = {}
-_NO_VALUES: list[Any] = []
-"""The defaults of absent keys in the quick decoders (read only, never returned)."""
-
-
 def _decode_piece(
     r: _Reader, raw: Any, where: str, index: int, params: Mapping[str, ParamInfo]
 ) -> PieceFields:
+    """One format-1.0 piece, checked field by field, the first defect named. The loader runs it on the
+    one piece the column checks refused (`columnar.pieces_from_json`), for its message; the tests
+    hold the column decoder to it."""
     obj = r.obj(raw, where)
     name = r.get(obj, "param", where, r.str_)
     if name not in params:
@@ -618,7 +445,7 @@ def _decode_piece(
     call_stats = tuple(
         _decode_stats(r, value, f"{where}.call_stats[{i}]")
         for i, value in enumerate(
-            r.get(obj, "call_stats", where, lambda v, w: r.list_(v, w, _MAX_CALLS), default=[])
+            r.get(obj, "call_stats", where, lambda v, w: r.list_(v, w, MAX_CLIP_CALLS), default=[])
         )
     )
     for i, summary in enumerate(call_stats):
@@ -639,6 +466,17 @@ def _decode_piece(
         "call_stats": call_stats,
         "partial_group": r.get(obj, "partial_group", where, r.str_, optional=True),
     }
+
+
+def _piece_error(r: _Reader, raw: Any, index: int, params: Mapping[str, ParamInfo]) -> DumpFormatError:
+    """What is wrong with a piece the column checks refused, as the careful decoder says it."""
+    try:
+        _decode_piece(r, raw, f"pieces[{index}]", index, params)
+    except DumpFormatError as exc:
+        return exc
+    return r.fail(
+        f"pieces[{index}]", "is refused by the column checks but not by the decoder (a gradaudit bug)"
+    )
 
 
 def _region_text(region: Region) -> str:
@@ -696,7 +534,7 @@ def _decode_topology(r: _Reader, raw: Any, world_size: int) -> Topology:
             r.str_(v, f"topology.mesh.axis_names[{i}]")
             for i, v in enumerate(r.get(m, "axis_names", "topology.mesh", r.list_))
         )
-        ranks = _plain_ranks(m.get("ranks"), world_size, _MAX_LIST) or tuple(
+        ranks = _plain_ranks(m.get("ranks"), world_size, MAX_LIST) or tuple(
             r.int_(v, f"topology.mesh.ranks[{i}]", maximum=world_size - 1)
             for i, v in enumerate(r.get(m, "ranks", "topology.mesh", r.list_))
         )
@@ -800,8 +638,6 @@ def decode_rank(
     table: tuple[ParamInfo, ...] | None = None  # as columns: the very tuple every rank shares
     columnar = doc.get("columnar")
     if isinstance(columnar, dict) and columnar.get("params") == "columns":
-        from .columnar import params_from_columns
-
         if r.get(doc, "params", "", r.list_):
             raise r.fail("params", "must be empty when the parameters are stored as columns")
         table = params_from_columns(arrays or {}, path, params_cache)
@@ -819,20 +655,13 @@ def decode_rank(
             raise r.fail(f"params[{i}]", f"parameter {shown(info.name)} is listed twice")
         params[info.name] = info
     table = tuple(params.values()) if table is None else table
-    numels: dict[str, int] = {}
     if "columnar" in doc:
-        from .columnar import from_columns
-
         if r.get(doc, "pieces", "", r.list_):
             raise r.fail("pieces", "must be empty when the pieces are stored as columns")
         pieces = from_columns(doc["columnar"], arrays or {}, table, path, params_cache)
-    else:  # format 1.0: each entry validated, then appended to the columns
-        columns = PieceColumnsBuilder(table)
-        for i, raw in enumerate(r.get(doc, "pieces", "", r.list_)):
-            columns.add(
-                **(_quick_piece(raw, i, params, numels) or _decode_piece(r, raw, f"pieces[{i}]", i, params))
-            )
-        pieces = columns.result()
+    else:  # format 1.0: collected into columns, checked as columns; the decoder names a bad piece
+        entries = r.get(doc, "pieces", "", r.list_)
+        pieces = pieces_from_json(entries, table, lambda i: _piece_error(r, entries[i], i, params))
     aliases = {
         r.str_(k, "aliases"): r.str_(v, f"aliases.{k}")
         for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()
