@@ -841,18 +841,8 @@ class PieceColumnsBuilder:
         and fingerprint rows, their num_nan, num_posinf, num_neginf rows)."""
         self.tensors: dict[TensorKind, dict[int, str]] = {}
         self.odd: dict[tuple[int, TensorKind], TensorStats] = {}
-        self.extra: dict[str, dict[int, Any]] = {
-            name: {}
-            for name in (
-                "call_stats",
-                "regions",
-                "local_shapes",
-                "dtypes",
-                "local_names",
-                "partial_groups",
-                "indices",
-            )
-        }
+        self.extra: dict[str, dict[int, Any]] = {f.name: {} for f in dataclasses.fields(PieceExtras)[3:]}
+        """PieceExtras' fields by position (those after tensors, absent and odd_stats), by name."""
 
     def add(self, piece: Piece) -> None:
         param_index = self.index_of.get(piece.param)

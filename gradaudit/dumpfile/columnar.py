@@ -52,10 +52,11 @@ from ..model import (
     TensorStats,
     Topology,
 )
+from .header import PREFIX as PREFIX  # the column keys; reader.py imports it from here
+from .header import clipped, shown
 
 __all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
 
-PREFIX = "__gradaudit__."
 PIECES, COORDS = PREFIX + "pieces", PREFIX + "coords"
 NAMES, META, DIMS = PREFIX + "params.names", PREFIX + "params.meta", PREFIX + "params.dims"
 MAX_FINGERPRINT = 64
@@ -478,32 +479,64 @@ class ParamIds:
 
 # ---------------------------------------------------------------- format 1.0: JSON pieces as columns
 
-_DICT, _LIST, _STR, _INT, _FLOAT = (frozenset({t}) for t in (dict, list, str, int, float))
-_OPTIONAL_STR: frozenset[type] = frozenset({str, type(None)})
+
 _ABSENT = object()
+"""A field the entry does not have (its message says "missing")."""
+_Type = tuple[frozenset[type], Any, str]
+"""What a field must be: its types, what a wrong value is replaced by (never changed), in words."""
+_DICT: _Type = (frozenset({dict}), {}, "an object")
+_LIST: _Type = (frozenset({list}), [], "a list")
+_SHAPE: _Type = (frozenset({list}), [], f"a list of at most {MAX_DIMS} integers")
+_STR: _Type = (frozenset({str}), None, "a string")
+_OPTIONAL_STR: _Type = (frozenset({str, type(None)}), None, "a string")
+_INT, _FLOAT = frozenset({int}), frozenset({float})
+
+_Where = str | Callable[[int], str]
+"""The field under `pieces[i]` a check names: one for every row, or the row's (by its index)."""
+
+
+def _named(where: _Where, row: int) -> str:
+    return where if isinstance(where, str) else where(row)
+
+
+def kind_of(value: Any) -> str:
+    """How an error names the JSON type of an untrusted value."""
+    return _KIND_NAMES.get(type(value), "a number")
+
+
+_KIND_NAMES = {type(None): "null", dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
 
 
 class _Faults:
-    """The first bad piece any column check found (`first`: the number of pieces when none yet)."""
+    """The first bad piece any column check found (`first`: the number of pieces when none yet) and
+    what the first check to flag it says: (the field under `pieces[first]`, the problem)."""
 
     def __init__(self, n: int) -> None:
-        self.first = n
+        self.first, self.why = n, ("", "")
 
-    def flag(self, bad: np.ndarray | np.bool_, owner: np.ndarray | None = None) -> None:
-        """Pieces (or rows of `owner`'s pieces, in piece order) where `bad` holds."""
+    def flag(self, bad: np.ndarray, where: _Where, problem: Callable[[int], str], owner: Any = None) -> None:
+        """Pieces (or rows of `owner`'s pieces, in piece order) where `bad` holds; `where` and
+        `problem` say, from the first bad row's index, what is wrong with it."""
         at = np.flatnonzero(bad)
         if at.size:
-            self.first = min(self.first, int(at[0] if owner is None else owner[at[0]]))
+            row = int(at[0])
+            piece = row if owner is None else int(owner[row])
+            if piece < self.first:
+                self.first, self.why = piece, (_named(where, row), problem(row))
 
-    def typed(self, values: list[Any], types: frozenset[type], default: Any, owner: Any = None) -> list[Any]:
-        """`values`, each not exactly of one of `types` flagged and replaced by `default`."""
+    def error(self, fail: Callable[[str, str], DumpFormatError]) -> DumpFormatError:
+        return fail(f"pieces[{self.first}]{self.why[0]}", self.why[1])
+
+    def typed(self, values: list[Any], of: _Type, where: _Where, owner: Any = None) -> list[Any]:
+        """`values`, each not exactly of one of `of`'s types flagged and replaced by its default."""
+        types, default, what = of
         if set(map(type, values)) <= types:
             return values
         bad = [type(v) not in types for v in values]
-        self.flag(np.array(bad, dtype=bool), owner)
+        self.flag(np.array(bad, dtype=bool), where, lambda i: _expected(what, values[i]), owner)
         return [default if b else v for v, b in zip(values, bad, strict=True)]
 
-    def ints(self, values: list[Any], owner: Any = None) -> tuple[np.ndarray, bool]:
+    def ints(self, values: list[Any], where: _Where, owner: Any = None) -> tuple[np.ndarray, bool]:
         """(`values` as int64, whether all were integers in [0, 2^63)); the others flagged and 0."""
         if set(map(type, values)) <= _INT:
             try:
@@ -514,16 +547,45 @@ class _Faults:
                 if not (array < 0).any():
                     return array, True
         ok = [type(v) is int and 0 <= v <= MAX_INT for v in values]
-        self.flag(~np.array(ok, dtype=bool), owner)
+        self.flag(~np.array(ok, dtype=bool), where, lambda i: _int_problem(values[i]), owner)
         return np.array([v if k else 0 for v, k in zip(values, ok, strict=True)], dtype=np.int64), False
 
-    def floats(self, values: list[Any], owner: Any = None) -> np.ndarray:
+    def floats(self, values: list[Any], where: _Where, owner: Any = None) -> np.ndarray:
         """`values` as float64 (a number, or "nan", "inf", "-inf"); the others flagged and 0."""
         if set(map(type, values)) <= _FLOAT:
             return np.array(values, dtype=np.float64)
         found = [_float(v) for v in values]
-        self.flag(np.array([f is None for f in found], dtype=bool), owner)
+        self.flag(
+            np.array([f is None for f in found], dtype=bool),
+            where,
+            lambda i: _float_problem(values[i]),
+            owner,
+        )
         return np.array([0.0 if f is None else f for f in found], dtype=np.float64)
+
+
+def _expected(what: str, value: Any) -> str:
+    return "missing" if value is _ABSENT else f"expected {what}, got {kind_of(value)}"
+
+
+def _int_problem(value: Any) -> str:
+    if type(value) is not int:
+        return _expected("an integer", value)
+    return f"must be {'>= 0' if value < 0 else f'<= {MAX_INT}'}, got {clipped(str(value), 40)}"
+
+
+def _must(what: str, raws: list[Any]) -> Callable[[int], str]:
+    return lambda i: f"must be {what} number, got {shown(raws[i], 40)}"
+
+
+def _too_many(counts: np.ndarray, limit: int) -> Callable[[int], str]:
+    return lambda i: f"has {counts[i]} entries, more than {limit}"
+
+
+def _float_problem(value: Any) -> str:
+    if type(value) is int:
+        return "is a number too large for a float64"
+    return _expected("a number", value)
 
 
 def _float(value: Any) -> float | None:
@@ -546,6 +608,12 @@ def _gather(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         starts - _starts(lengths), lengths
     )
     return found
+
+
+def _segment(starts: np.ndarray, i: int) -> tuple[int, int]:
+    """(which segment, the position in it) of entry `i` of segments starting at `starts`."""
+    j = int(np.searchsorted(starts, i, side="right")) - 1
+    return j, i - int(starts[j])
 
 
 def _spans(regions: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
@@ -574,31 +642,69 @@ def _spans(regions: list[dict[str, Any]]) -> tuple[list[int], list[Any]]:
     return kinds, coords
 
 
+def _neither(region: dict[str, Any]) -> tuple[str, str]:
+    """(the field, the problem) of a region entry `_spans` found neither a box nor a range."""
+    if "box" in region:
+        if type(region["box"]) is not dict:
+            return ".box", _expected("an object", region["box"])
+        return ".box", f"expected offsets and shape, lists of at most {MAX_DIMS} integers of one length"
+    if "range" in region:
+        return ".range", "expected [start, stop]"
+    return "", 'expected a "box" or a "range"'
+
+
 class _StatsColumns:
-    """Statistics entries (of one kind of many pieces, or the call statistics) as columns, checked."""
+    """Statistics entries (of one kind of many pieces, or the call statistics) as columns, checked;
+    `where` names the entry at a row (".stats.grad", ".call_stats[1]")."""
 
-    def __init__(self, faults: _Faults, raws: list[Any], owner: np.ndarray, covered: np.ndarray) -> None:
-        raws = faults.typed(raws, _DICT, {}, owner)
+    def __init__(
+        self, faults: _Faults, raws: list[Any], owner: np.ndarray, covered: np.ndarray, where: _Where
+    ) -> None:
+        raws = faults.typed(raws, _DICT, where, owner)
 
-        def field(key: str, default: Any = None) -> list[Any]:
+        def field(key: str, default: Any = _ABSENT) -> list[Any]:
             return [s.get(key, default) for s in raws]
 
+        def at(key: str) -> Callable[[int], str]:
+            return lambda i: f"{_named(where, i)}.{key}"
+
         self.owner = owner
-        self.numel = faults.ints(field("numel"), owner)[0]
-        self.norm_type = faults.floats(field("norm_type"), owner)
-        faults.flag(~(self.norm_type > 0), owner)
-        self.sums = np.stack(
-            [faults.floats(field(k), owner) for k in ("sum_pow", "sum_sq", "max_abs")], axis=1
-        )
-        faults.flag(~(self.sums >= 0).all(axis=1), owner)  # nan compares False too
-        self.counts = np.stack([faults.ints(field(k, 0), owner)[0] for k in _COUNTS], axis=1)
-        fingerprints = faults.typed(field("fingerprint", []), _LIST, [], owner)
+        self.numel = faults.ints(field("numel"), at("numel"), owner)[0]
+        raw_norms = field("norm_type")
+        self.norm_type = faults.floats(raw_norms, at("norm_type"), owner)
+        faults.flag(~(self.norm_type > 0), at("norm_type"), _must("a positive", raw_norms), owner)
+        sums = []
+        for key in ("sum_pow", "sum_sq", "max_abs"):
+            raw = field(key)
+            sums.append(faults.floats(raw, at(key), owner))
+            faults.flag(~(sums[-1] >= 0), at(key), _must("a non-negative", raw), owner)  # nan: False too
+        self.sums = np.stack(sums, axis=1)
+        self.counts = np.stack([faults.ints(field(k, 0), at(k), owner)[0] for k in _COUNTS], axis=1)
+        fingerprints = faults.typed(field("fingerprint", []), _LIST, at("fingerprint"), owner)
         self.lengths = np.fromiter(map(len, fingerprints), dtype=np.int64, count=len(raws))
-        faults.flag(self.lengths > MAX_FINGERPRINT, owner)
-        values = list(itertools.chain.from_iterable(fingerprints))
-        self.fingerprints = faults.floats(values, np.repeat(owner, self.lengths))
-        faults.flag(self.numel != covered[owner], owner)
-        faults.flag(_more_than(self.counts, covered[owner]), owner)
+        faults.flag(
+            self.lengths > MAX_FINGERPRINT, at("fingerprint"), _too_many(self.lengths, MAX_FINGERPRINT), owner
+        )
+        values, value_starts = list(itertools.chain.from_iterable(fingerprints)), _starts(self.lengths)
+
+        def value_at(v: int) -> str:
+            row, k = _segment(value_starts, v)
+            return f"{_named(where, row)}.fingerprint[{k}]"
+
+        self.fingerprints = faults.floats(values, value_at, np.repeat(owner, self.lengths))
+        holds = covered[owner]
+        faults.flag(
+            _more_than(self.counts, holds),
+            where,
+            lambda i: f"counts {sum(self.counts[i].tolist())} nonfinite values in {holds[i]} elements",
+            owner,
+        )
+        faults.flag(
+            self.numel != holds,
+            at("numel"),
+            lambda i: f"is {self.numel[i]} but the piece holds {holds[i]}",
+            owner,
+        )
 
     def objects(self, rows: Iterable[int]) -> list[TensorStats]:
         """The entries at these rows as TensorStats (the extras' call statistics, odd statistics)."""
@@ -637,6 +743,7 @@ class _StatsColumns:
 
 _COUNTS = ("num_nan", "num_posinf", "num_neginf")
 _DTYPE_CODES = {name: i for i, name in enumerate(FLOAT_DTYPES)}
+_READ = ", ".join(FLOAT_DTYPES)
 
 
 class _Regions:
@@ -648,20 +755,44 @@ class _Regions:
     ) -> None:
         n = len(lists)
         self.per_piece = np.fromiter(map(len, lists), dtype=np.int64, count=n)
-        faults.flag(self.per_piece > MAX_LIST)
+        faults.flag(self.per_piece > MAX_LIST, ".regions", _too_many(self.per_piece, MAX_LIST))
+        self.region_of = _starts(self.per_piece)  # each piece's first region
         owner = np.repeat(np.arange(n, dtype=np.int64), self.per_piece)
-        kinds, values = _spans(faults.typed(list(itertools.chain.from_iterable(lists)), _DICT, {}, owner))
+
+        def named(j: int) -> str:
+            return f".regions[{j - int(self.region_of[owner[j]])}]"
+
+        raws = faults.typed(list(itertools.chain.from_iterable(lists)), _DICT, named, owner)
+        kinds, values = _spans(raws)
         self.kind = np.array(kinds, dtype=np.int64)  # -1: a flat range, k: a k-D box
-        faults.flag(self.kind == -2, owner)
-        self.kind[self.kind == -2] = -1
+        neither = self.kind == -2
+        faults.flag(neither, lambda j: named(j) + _neither(raws[j])[0], lambda j: _neither(raws[j])[1], owner)
+        self.kind[neither] = -1
         self.widths = np.where(self.kind < 0, 2, 2 * self.kind)
-        self.coords = faults.ints(values, np.repeat(owner, self.widths))[0]
         self.first = _starts(self.widths)
+
+        def coordinate(c: int) -> str:
+            j, k = _segment(self.first, c)
+            ndim = int(self.kind[j])
+            part = (
+                f"range[{k}]" if ndim < 0 else f"box.offsets[{k}]" if k < ndim else f"box.shape[{k - ndim}]"
+            )
+            return f"{named(j)}.{part}"
+
+        self.coords = faults.ints(values, coordinate, np.repeat(owner, self.widths))[0]
         extents = _Extents(param[owner], self.first, np.maximum(self.kind, 0), self.kind < 0, params)
         outside, numel = region_extents(extents, self.coords, params)
-        faults.flag(outside, owner)
+
+        def lies_outside(j: int) -> tuple[str, str]:
+            ndim, at, info = int(self.kind[j]), int(self.first[j]), params[int(param[owner[j]])]
+            c = self.coords[at : at + int(self.widths[j])].tolist()
+            if ndim < 0 and c[1] < c[0]:
+                return ".range", f"stop {c[1]} is before start {c[0]}"
+            text = f"flat range [{c[0]}, {c[1]})" if ndim < 0 else f"box offsets {c[:ndim]} shape {c[ndim:]}"
+            return "", f"{text} lies outside parameter {shown(info.name)} of shape {list(info.global_shape)}"
+
+        faults.flag(outside, lambda j: named(j) + lies_outside(j)[0], lambda j: lies_outside(j)[1], owner)
         self.single = self.per_piece == 1
-        self.region_of = _starts(self.per_piece)  # each piece's first region
         self.covered = np.zeros(n, dtype=np.int64)
         """Elements of each piece's regions (at most 2^53 + 1)."""
         self.covered[self.single] = numel[self.region_of[self.single]]
@@ -716,66 +847,88 @@ def _local_shapes(
     against the elements its piece's regions cover."""
     n = len(shapes)
     lengths = np.fromiter(map(len, shapes), dtype=np.int64, count=n)
-    faults.flag(lengths > MAX_DIMS)
-    dims, plain = faults.ints(list(itertools.chain.from_iterable(shapes)), np.repeat(np.arange(n), lengths))
+    faults.flag(
+        lengths > MAX_DIMS, ".local_shape", lambda p: f"expected {_SHAPE[2]}, got {lengths[p]} entries"
+    )
+    starts = _starts(lengths)
+    dims, plain = faults.ints(
+        list(itertools.chain.from_iterable(shapes)),
+        lambda d: ".local_shape[{1}]".format(*_segment(starts, d)),
+        np.repeat(np.arange(n), lengths),
+    )
     if not plain:
         listed = dims.tolist()
-        shapes = [listed[a : a + b] for a, b in zip(_starts(lengths).tolist(), lengths.tolist(), strict=True)]
-    sizes = list(map(math.prod, shapes))
+        shapes = [listed[a : a + b] for a, b in zip(starts.tolist(), lengths.tolist(), strict=True)]
+    sizes = claimed = list(map(math.prod, shapes))
     if sizes and max(sizes) > MAX_ELEMENTS:
-        faults.flag(np.array([s > MAX_ELEMENTS for s in sizes], dtype=bool))
+        faults.flag(
+            np.array([s > MAX_ELEMENTS for s in sizes], dtype=bool),
+            ".local_shape",
+            lambda p: f"claims {claimed[p]} elements, more than any real tensor",
+        )
         sizes = [min(s, MAX_ELEMENTS + 1) for s in sizes]
-    faults.flag(np.array(sizes, dtype=np.int64) != covered)
+    faults.flag(
+        np.array(sizes, dtype=np.int64) != covered,
+        ".regions",
+        lambda p: f"cover {covered[p]} elements but local_shape {list(shapes[p])} has {claimed[p]}",
+    )
     return shapes, lengths, dims
 
 
 def pieces_from_json(
-    entries: list[Any], params: Sequence[ParamInfo], explain: Callable[[int], DumpFormatError]
+    entries: list[Any], params: Sequence[ParamInfo], fail: Callable[[str, str], DumpFormatError]
 ) -> ColumnarPieces:
     """A format-1.0 document's pieces as columns. One pass per field collects its values into a
     column (checking types only where a value could not go in one), then the checks run on whole
     columns, those of format 1.1's (`region_extents`, `_more_than`) among them. The first bad
-    piece, by position, is handed to `explain`, whose error names it (the decoder's own message)."""
+    piece, by position, is refused: `fail(field, problem)` names its field (`pieces[3].regions[0]`)
+    and says what the first check to flag it found."""
     n = len(entries)
     faults = _Faults(n)
     if n and not params:
-        raise explain(0)
-    objs = faults.typed(entries, _DICT, {})
+        raise fail("pieces", f"has {n} entries but the params list is empty")
+    objs = faults.typed(entries, _DICT, "")
 
-    def field(key: str, default: Any = None) -> list[Any]:
+    def field(key: str, default: Any = _ABSENT) -> list[Any]:
         return [o.get(key, default) for o in objs]
 
     index_of = {p.name: i for i, p in enumerate(params)}
-    names = faults.typed(field("param"), _STR, None)
+    names = faults.typed(field("param"), _STR, ".param")
     param = np.array([index_of.get(name, -1) for name in names], dtype=np.int64)
-    faults.flag(param < 0)
+    faults.flag(param < 0, ".param", lambda p: f"names {shown(names[p])}, which is not in the params list")
     param[param < 0] = 0
-    dtypes = faults.typed(field("dtype"), _STR, "")
+    regions = _Regions(faults, faults.typed(field("regions"), _LIST, ".regions"), param, params)
+    shapes = _local_shapes(
+        faults, faults.typed(field("local_shape"), _SHAPE, ".local_shape"), regions.covered
+    )
+    tensors = _by_kind(faults, faults.typed(field("tensors", {}), _DICT, ".tensors"), ".tensors")
+    for kind, keys in tensors.items():
+        owner = np.fromiter(keys, dtype=np.int64, count=len(keys))
+        faults.typed(list(keys.values()), _STR, f".tensors.{kind}", owner)
+    stats_maps = faults.typed(field("stats", {}), _DICT, ".stats")
+    stats: dict[TensorKind, _StatsColumns] = {}
+    for kind, rows in _by_kind(faults, stats_maps, ".stats").items():
+        owner = np.fromiter(rows, np.int64, len(rows))
+        stats[kind] = _StatsColumns(faults, list(rows.values()), owner, regions.covered, f".stats.{kind}")
+    call_lists = faults.typed(field("call_stats", []), _LIST, ".call_stats")
+    calls_per_piece = np.fromiter(map(len, call_lists), dtype=np.int64, count=n)
+    faults.flag(calls_per_piece > MAX_CLIP_CALLS, ".call_stats", _too_many(calls_per_piece, MAX_CLIP_CALLS))
+    owner, all_calls = np.repeat(np.arange(n), calls_per_piece), list(itertools.chain(*call_lists))
+    number = np.arange(owner.size) - _starts(calls_per_piece)[owner]  # of each call in its piece
+    calls = _StatsColumns(faults, all_calls, owner, regions.covered, lambda i: f".call_stats[{number[i]}]")
+    dtypes = faults.typed(field("dtype"), _STR, ".dtype")
     dtype_code = np.array([_DTYPE_CODES.get(d, -1) for d in dtypes], dtype=np.int64)
-    faults.flag(dtype_code < 0)
+    faults.flag(
+        dtype_code < 0,
+        ".dtype",
+        lambda p: f"{shown(dtypes[p], 40)} is not a floating dtype gradaudit reads ({_READ})",
+    )
     local_names, groups, partials = (
-        faults.typed(field(key), _OPTIONAL_STR, None)
+        faults.typed(field(key, None), _OPTIONAL_STR, f".{key}")
         for key in ("local_name", "replica_group", "partial_group")
     )
-    regions = _Regions(faults, faults.typed(field("regions"), _LIST, []), param, params)
-    shapes = _local_shapes(faults, faults.typed(field("local_shape"), _LIST, []), regions.covered)
-    tensors = _by_kind(faults, faults.typed(field("tensors", {}), _DICT, {}))
-    for keys in tensors.values():
-        faults.typed(list(keys.values()), _STR, None, np.fromiter(keys, dtype=np.int64, count=len(keys)))
-    stats_maps = faults.typed(field("stats", {}), _DICT, {})
-    stats = {
-        kind: _StatsColumns(
-            faults, list(rows.values()), np.fromiter(rows, np.int64, len(rows)), regions.covered
-        )
-        for kind, rows in _by_kind(faults, stats_maps).items()
-    }
-    call_lists = faults.typed(field("call_stats", []), _LIST, [])
-    calls_per_piece = np.fromiter(map(len, call_lists), dtype=np.int64, count=n)
-    faults.flag(calls_per_piece > MAX_CLIP_CALLS)
-    all_calls = list(itertools.chain.from_iterable(call_lists))
-    calls = _StatsColumns(faults, all_calls, np.repeat(np.arange(n), calls_per_piece), regions.covered)
     if faults.first < n:
-        raise explain(faults.first)
+        raise faults.error(fail)
 
     columns = PieceColumnsBuilder(params)
     columns.param, columns.groups, columns.tensors, extra = param, groups, tensors, columns.extra
@@ -811,10 +964,15 @@ def _region(kind: int, coords: list[int]) -> Region:
 _KINDS = frozenset(TENSOR_KINDS)
 
 
-def _by_kind(faults: _Faults, maps: list[dict[str, Any]]) -> dict[TensorKind, dict[int, Any]]:
+def _by_kind(faults: _Faults, maps: list[dict[str, Any]], where: str) -> dict[TensorKind, dict[int, Any]]:
     """Kind -> position -> entry, of the pieces' objects keyed by tensor kind (the kinds in the order
     they first appear); a piece naming another kind is flagged."""
     kinds = dict.fromkeys(itertools.chain.from_iterable(maps))
     if not _KINDS.issuperset(kinds):
-        faults.flag(np.array([not _KINDS.issuperset(m) for m in maps], dtype=bool))
+
+        def unknown(p: int) -> str:
+            kind = next(k for k in maps[p] if k not in _KINDS)
+            return f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})"
+
+        faults.flag(np.array([not _KINDS.issuperset(m) for m in maps], dtype=bool), where, unknown)
     return {kind: {p: m[kind] for p, m in enumerate(maps) if kind in m} for kind in kinds if kind in _KINDS}

@@ -89,6 +89,10 @@ class Header:
     """Size of the file in bytes."""
 
 
+PREFIX = "__gradaudit__."
+"""The key prefix of format 1.1's column tensors (dumpfile/columnar.py)."""
+
+
 def clipped(text: str, limit: int = 120) -> str:
     """Untrusted text cut to `limit` characters, so that one error stays one short line."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -353,8 +357,6 @@ def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
     """The format-1.1 column tensors of a file as numpy arrays (their sizes were checked against
     the file by validate_tensors, so nothing here allocates more than the file holds)."""
     import numpy as np
-
-    from .columnar import PREFIX
 
     dtypes = {"int64": np.int64, "float64": np.float64, "uint8": np.uint8}
     columns = {key: entry for key, entry in header.tensors.items() if key.startswith(PREFIX)}

@@ -15,12 +15,10 @@ from ..errors import DumpFormatError
 from ..model import (
     FLOAT_DTYPES,
     MODES,
-    TENSOR_KINDS,
     Box,
     ClipCall,
     ClipRecord,
     DataRecord,
-    FlatRange,
     MeshInfo,
     NotCapturedParam,
     ParamInfo,
@@ -37,6 +35,7 @@ from .columnar import (
     MAX_LIST,
     ParamsCache,
     from_columns,
+    kind_of,
     params_from_columns,
     pieces_from_json,
 )
@@ -50,8 +49,6 @@ MAX_WORLD_SIZE = 1 << 20
 """Larger than any job that exists; the loader lists missing ranks, so this bounds that list."""
 
 _T = TypeVar("_T")
-PieceFields = dict[str, Any]
-"""A decoded format-1.0 piece: Piece's fields by name, as `_decode_piece` gives them."""
 _D = TypeVar("_D")
 
 _VERSION = re.compile(r"([0-9]{1,9})(?:\.[0-9]{1,9}){0,2}")
@@ -206,7 +203,7 @@ class _Reader:
 
     def obj(self, value: Any, where: str) -> dict[str, Any]:
         if not isinstance(value, dict):
-            raise self.fail(where, f"expected an object, got {_kind(value)}")
+            raise self.fail(where, f"expected an object, got {kind_of(value)}")
         return value
 
     @overload
@@ -248,7 +245,7 @@ class _Reader:
 
     def int_(self, value: Any, where: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise self.fail(where, f"expected an integer, got {_kind(value)}")
+            raise self.fail(where, f"expected an integer, got {kind_of(value)}")
         if value < minimum:
             raise self.fail(where, f"must be >= {minimum}, got {clipped(str(value), 40)}")
         if value > maximum:
@@ -257,12 +254,12 @@ class _Reader:
 
     def str_(self, value: Any, where: str) -> str:
         if not isinstance(value, str):
-            raise self.fail(where, f"expected a string, got {_kind(value)}")
+            raise self.fail(where, f"expected a string, got {kind_of(value)}")
         return value
 
     def bool_(self, value: Any, where: str) -> bool:
         if not isinstance(value, bool):
-            raise self.fail(where, f"expected true or false, got {_kind(value)}")
+            raise self.fail(where, f"expected true or false, got {kind_of(value)}")
         return value
 
     def float_(self, value: Any, where: str) -> float:
@@ -270,7 +267,7 @@ class _Reader:
         if isinstance(value, str) and value in ("nan", "inf", "-inf"):
             return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(where, f"expected a number, got {_kind(value)}")
+            raise self.fail(where, f"expected a number, got {kind_of(value)}")
         try:
             return float(value)
         except OverflowError:
@@ -280,12 +277,6 @@ class _Reader:
         number = self.float_(value, where)
         if not (number > 0):
             raise self.fail(where, f"must be a positive number, got {shown(value, 40)}")
-        return number
-
-    def nonneg_float(self, value: Any, where: str) -> float:
-        number = self.float_(value, where)
-        if not (number >= 0):
-            raise self.fail(where, f"must be a non-negative number, got {shown(value, 40)}")
         return number
 
     def shape(self, value: Any, where: str) -> tuple[int, ...]:
@@ -298,7 +289,7 @@ class _Reader:
 
     def list_(self, value: Any, where: str, limit: int = MAX_LIST) -> list[Any]:
         if not isinstance(value, list):
-            raise self.fail(where, f"expected a list, got {_kind(value)}")
+            raise self.fail(where, f"expected a list, got {kind_of(value)}")
         if len(value) > limit:
             raise self.fail(where, f"has {len(value)} entries, more than {limit}")
         return value
@@ -311,61 +302,6 @@ class _Reader:
                 f"{shown(name, 40)} is not a floating dtype gradaudit reads ({', '.join(FLOAT_DTYPES)})",
             )
         return name
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), "a number"
-    )
-
-
-def _decode_region(r: _Reader, raw: Any, where: str) -> Region:
-    obj = r.obj(raw, where)
-    if "box" in obj:
-        box = r.obj(obj["box"], f"{where}.box")
-        offsets = r.get(box, "offsets", f"{where}.box", r.shape)
-        shape = r.get(box, "shape", f"{where}.box", r.shape)
-        if len(offsets) != len(shape):
-            raise r.fail(f"{where}.box", f"offsets {list(offsets)} and shape {list(shape)} differ in length")
-        return Box(offsets=offsets, shape=shape)
-    if "range" in obj:
-        bounds = r.list_(obj["range"], f"{where}.range", limit=2)
-        if len(bounds) != 2:
-            raise r.fail(f"{where}.range", "expected [start, stop]")
-        start, stop = (r.int_(v, f"{where}.range[{i}]") for i, v in enumerate(bounds))
-        if stop < start:
-            raise r.fail(f"{where}.range", f"stop {stop} is before start {start}")
-        return FlatRange(start=start, stop=stop)
-    raise r.fail(where, 'expected a "box" or a "range"')
-
-
-def _decode_stats(r: _Reader, raw: Any, where: str) -> TensorStats:
-    obj = r.obj(raw, where)
-
-    def count(key: str) -> int:
-        return r.get(obj, key, where, r.int_, default=0)
-
-    stats = TensorStats(
-        numel=r.get(obj, "numel", where, r.int_),
-        norm_type=r.get(obj, "norm_type", where, r.pos_float),
-        sum_pow=r.get(obj, "sum_pow", where, r.nonneg_float),
-        sum_sq=r.get(obj, "sum_sq", where, r.nonneg_float),
-        max_abs=r.get(obj, "max_abs", where, r.nonneg_float),
-        num_nan=count("num_nan"),
-        num_posinf=count("num_posinf"),
-        num_neginf=count("num_neginf"),
-        fingerprint=tuple(
-            r.float_(v, f"{where}.fingerprint[{i}]")
-            for i, v in enumerate(
-                r.get(obj, "fingerprint", where, lambda v, w: r.list_(v, w, 64), default=[])
-            )
-        ),
-    )
-    if stats.num_nonfinite > stats.numel:
-        raise r.fail(where, f"counts {stats.num_nonfinite} nonfinite values in {stats.numel} elements")
-    return stats
 
 
 _KNOWN_DTYPES = frozenset(FLOAT_DTYPES)
@@ -391,98 +327,6 @@ def _quick_param(raw: Any) -> ParamInfo | None:
     if type(name) is not str or global_shape is None or type(dtype) is not str or dtype not in _KNOWN_DTYPES:
         return None
     return ParamInfo(name=name, global_shape=global_shape, dtype=dtype)
-
-
-def _decode_piece(
-    r: _Reader, raw: Any, where: str, index: int, params: Mapping[str, ParamInfo]
-) -> PieceFields:
-    """One format-1.0 piece, checked field by field, the first defect named. The loader runs it on the
-    one piece the column checks refused (`columnar.pieces_from_json`), for its message; the tests
-    hold the column decoder to it."""
-    obj = r.obj(raw, where)
-    name = r.get(obj, "param", where, r.str_)
-    if name not in params:
-        raise r.fail(f"{where}.param", f"names {shown(name)}, which is not in the params list")
-    info = params[name]
-    regions = tuple(
-        _decode_region(r, reg, f"{where}.regions[{i}]")
-        for i, reg in enumerate(r.get(obj, "regions", where, r.list_))
-    )
-    for i, region in enumerate(regions):
-        if not region.fits_in(info.global_shape):
-            raise r.fail(
-                f"{where}.regions[{i}]",
-                f"{_region_text(region)} lies outside parameter {shown(name)} of shape {list(info.global_shape)}",
-            )
-    local_shape = r.get(obj, "local_shape", where, r.shape)
-    covered = sum(reg.numel for reg in regions)
-    if covered != math.prod(local_shape):
-        raise r.fail(
-            f"{where}.regions",
-            f"cover {covered} elements but local_shape {list(local_shape)} has {math.prod(local_shape)}",
-        )
-    tensors_raw = r.get(obj, "tensors", where, r.obj, default={})
-    tensors = {}
-    for kind, key in tensors_raw.items():
-        if kind not in TENSOR_KINDS:
-            raise r.fail(
-                f"{where}.tensors",
-                f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})",
-            )
-        tensors[kind] = r.str_(key, f"{where}.tensors.{kind}")
-    stats_raw = r.get(obj, "stats", where, r.obj, default={})
-    stats = {}
-    for kind, value in stats_raw.items():
-        if kind not in TENSOR_KINDS:
-            raise r.fail(
-                f"{where}.stats", f"unknown tensor kind {shown(kind, 40)} (known: {', '.join(TENSOR_KINDS)})"
-            )
-        stats[kind] = _decode_stats(r, value, f"{where}.stats.{kind}")
-        if stats[kind].numel != covered:
-            raise r.fail(
-                f"{where}.stats.{kind}.numel", f"is {stats[kind].numel} but the piece holds {covered}"
-            )
-    call_stats = tuple(
-        _decode_stats(r, value, f"{where}.call_stats[{i}]")
-        for i, value in enumerate(
-            r.get(obj, "call_stats", where, lambda v, w: r.list_(v, w, MAX_CLIP_CALLS), default=[])
-        )
-    )
-    for i, summary in enumerate(call_stats):
-        if summary.numel != covered:
-            raise r.fail(
-                f"{where}.call_stats[{i}].numel", f"is {summary.numel} but the piece holds {covered}"
-            )
-    return {
-        "index": index,
-        "param": name,
-        "regions": regions,
-        "local_shape": local_shape,
-        "dtype": r.get(obj, "dtype", where, r.dtype),
-        "local_name": r.get(obj, "local_name", where, r.str_, optional=True),
-        "replica_group": r.get(obj, "replica_group", where, r.str_, optional=True),
-        "tensors": tensors,
-        "stats": stats,
-        "call_stats": call_stats,
-        "partial_group": r.get(obj, "partial_group", where, r.str_, optional=True),
-    }
-
-
-def _piece_error(r: _Reader, raw: Any, index: int, params: Mapping[str, ParamInfo]) -> DumpFormatError:
-    """What is wrong with a piece the column checks refused, as the careful decoder says it."""
-    try:
-        _decode_piece(r, raw, f"pieces[{index}]", index, params)
-    except DumpFormatError as exc:
-        return exc
-    return r.fail(
-        f"pieces[{index}]", "is refused by the column checks but not by the decoder (a gradaudit bug)"
-    )
-
-
-def _region_text(region: Region) -> str:
-    if isinstance(region, Box):
-        return f"box offsets {list(region.offsets)} shape {list(region.shape)}"
-    return f"flat range [{region.start}, {region.stop})"
 
 
 def _plain_ranks(values: Any, world_size: int, limit: int) -> tuple[int, ...] | None:
@@ -659,9 +503,8 @@ def decode_rank(
         if r.get(doc, "pieces", "", r.list_):
             raise r.fail("pieces", "must be empty when the pieces are stored as columns")
         pieces = from_columns(doc["columnar"], arrays or {}, table, path, params_cache)
-    else:  # format 1.0: collected into columns, checked as columns; the decoder names a bad piece
-        entries = r.get(doc, "pieces", "", r.list_)
-        pieces = pieces_from_json(entries, table, lambda i: _piece_error(r, entries[i], i, params))
+    else:  # format 1.0: collected into columns, checked as columns, the first bad piece named
+        pieces = pieces_from_json(r.get(doc, "pieces", "", r.list_), table, r.fail)
     aliases = {
         r.str_(k, "aliases"): r.str_(v, f"aliases.{k}")
         for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()
