@@ -329,7 +329,7 @@ class _stats_rank_dumps:
         """Rank `rank` as a RankDump value, built the ordinary way."""
         from torch import __version__ as torch_version
 
-        from gradaudit.model import FlatRange, Piece, RankDump
+        from gradaudit.model import FlatRange, Piece, RankDump, as_columns
         from gradaudit.version import __version__
 
         pieces = []
@@ -357,7 +357,7 @@ class _stats_rank_dumps:
             gradaudit_version=__version__,
             created_at="2026-01-01T00:00:00+00:00",
             params=self.infos,
-            pieces=tuple(pieces),
+            pieces=as_columns(self.infos, pieces),
             clip=self.clip,
         )
 
@@ -448,7 +448,7 @@ def write_replicated_stats_dump(
     import dataclasses
 
     from gradaudit.dumpfile.writer import write_rank_file
-    from gradaudit.model import Topology
+    from gradaudit.model import Topology, as_columns
 
     layout = _stats_rank_dumps(num_ranks=num_shards, num_params=num_params, seed=0)
     world = num_shards * num_replicas
@@ -468,7 +468,10 @@ def write_replicated_stats_dump(
                 shard,
                 rank=rank,
                 world_size=world,
-                pieces=tuple(dataclasses.replace(p, replica_group="dp_replicate") for p in shard.pieces),
+                pieces=as_columns(
+                    shard.params,
+                    [dataclasses.replace(p, replica_group="dp_replicate") for p in shard.pieces],
+                ),
                 topology=Topology(groups=groups),
             ),
             {},

@@ -157,7 +157,7 @@ def _coverage_regions(layout: str, num_pieces: int):
 
 def _coverage_step(layout: str, num_pieces: int, num_ranks: int):
     from gradaudit.dumpfile.loader import assemble_step
-    from gradaudit.model import ParamInfo, Piece, RankDump
+    from gradaudit.model import ParamInfo, Piece, RankDump, as_columns
 
     shape, regions = _coverage_regions(layout, num_pieces)
     info = ParamInfo(name="w", global_shape=shape, dtype="float32")
@@ -175,7 +175,12 @@ def _coverage_step(layout: str, num_pieces: int, num_ranks: int):
         )
     ranks = {
         rank: RankDump(
-            path=f"rank{rank}", rank=rank, world_size=num_ranks, step=1, params=(info,), pieces=tuple(pieces)
+            path=f"rank{rank}",
+            rank=rank,
+            world_size=num_ranks,
+            step=1,
+            params=(info,),
+            pieces=as_columns((info,), pieces),
         )
         for rank, pieces in enumerate(per_rank)
     }

@@ -362,9 +362,8 @@ class RankDump:
     """ISO 8601 time of writing (provenance only)."""
     params: tuple[ParamInfo, ...] = ()
     """Every logical parameter this rank knows, with its global shape and dtype."""
-    pieces: Sequence[Piece] = ()
-    """The pieces, always held as `ColumnarPieces` (`columns`): a sequence of Piece objects given
-    here is converted once (`as_columns`)."""
+    pieces: ColumnarPieces
+    """The pieces, as columns of `params` (`as_columns(params, pieces)` of Piece objects)."""
     aliases: Mapping[str, str] = field(default_factory=dict)
     """This rank's parameter name -> logical name, for the names that differ (wrapper prefixes)."""
     topology: Topology = field(default_factory=Topology)
@@ -392,12 +391,6 @@ class RankDump:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'stats', got {self.mode!r}")
-        object.__setattr__(self, "pieces", as_columns(self.params, self.pieces))
-
-    @property
-    def columns(self) -> ColumnarPieces:
-        """The pieces as columns (what `pieces` always holds)."""
-        return cast("ColumnarPieces", self.pieces)
 
     def param(self, name: str) -> ParamInfo | None:
         for info in self.params:
@@ -812,8 +805,6 @@ def read_only(array: np.ndarray) -> np.ndarray:
 
 def as_columns(params: Sequence[ParamInfo], pieces: Sequence[Piece]) -> ColumnarPieces:
     """`pieces` (of parameters in `params`) as columns: the one conversion of Piece objects."""
-    if isinstance(pieces, ColumnarPieces):
-        return pieces
     columns = PieceColumnsBuilder(params)
     for piece in pieces:
         columns.add(piece)

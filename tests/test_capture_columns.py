@@ -155,7 +155,7 @@ def test_a_capture_the_columns_cannot_hold_goes_the_general_way_and_loads_the_sa
 
     _, fast = _capture(tmp_path, "fast", columnar=True, monkeypatch=monkeypatch, model=WithScalar())
     _, slow = _capture(tmp_path, "slow", columnar=False, monkeypatch=monkeypatch, model=WithScalar())
-    assert not fast.columns.stats_only  # the JSON form (format 1.0), not the 1.1 columns
+    assert not fast.pieces.stats_only  # the JSON form (format 1.0), not the 1.1 columns
     _same_apart_from_the_moment(fast, slow)
     assert fast.pieces[0].stats["grad"].sum_sq == 0.25
 
@@ -324,7 +324,7 @@ def test_full_mode_and_values_of_chosen_parameters_read_the_whole_replicas_one_b
     fast = _written(tmp_path, "fast", model, monkeypatch, path="fast", mode="full")
     assert fast == _written(tmp_path, "objects", model, monkeypatch, path="objects", mode="full")
     dump = load_step(tmp_path / "fast" / "step_1").ranks[0]
-    assert not dump.columns.stats_only  # the JSON form (format 1.0), not the 1.1 columns
+    assert not dump.pieces.stats_only  # the JSON form (format 1.0), not the 1.1 columns
     assert {p.param for p in dump.pieces} >= {"transposed", "narrow", "small.0", "sharded"}
 
 

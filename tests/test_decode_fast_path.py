@@ -38,6 +38,7 @@ from gradaudit.model import (
     RankDump,
     Region,
     TensorStats,
+    as_columns,
 )
 
 # ---------------------------------------------------------------- the oracle: the careful per-piece decoder
@@ -233,7 +234,7 @@ def _document() -> dict:
         step=3,
         mode="stats",
         params=PARAMS,
-        pieces=_pieces(),
+        pieces=as_columns(PARAMS, _pieces()),
         clip=ClipRecord(max_norm=1.0),
     )
     return parse_json(json.dumps(encode_rank(dump)))  # exactly what the loader sees
@@ -500,7 +501,15 @@ def random_piece(draw, index: int, norm_type: float, width: int) -> Piece:
 def random_document(draw) -> tuple[tuple[Piece, ...], dict]:
     norm_type, width = draw(st.sampled_from([2.0, 1.0, math.inf])), draw(st.integers(0, 3))
     pieces = tuple(draw(random_piece(i, norm_type, width)) for i in range(draw(st.integers(0, 8))))
-    dump = RankDump(path="", rank=0, world_size=1, step=1, mode="stats", params=RANDOM_PARAMS, pieces=pieces)
+    dump = RankDump(
+        path="",
+        rank=0,
+        world_size=1,
+        step=1,
+        mode="stats",
+        params=RANDOM_PARAMS,
+        pieces=as_columns(RANDOM_PARAMS, pieces),
+    )
     return pieces, parse_json(json.dumps(encode_rank(dump), allow_nan=False))
 
 
@@ -508,7 +517,7 @@ def random_document(draw) -> tuple[tuple[Piece, ...], dict]:
 @given(random_document())
 def test_random_valid_documents_decode_to_the_columns_of_their_pieces(case):
     pieces, doc = case
-    before = RankDump(path="", rank=0, world_size=1, step=1, params=RANDOM_PARAMS, pieces=pieces).pieces
+    before = as_columns(RANDOM_PARAMS, pieces)
     agree(doc, RANDOM_PARAMS)
     assert as_rows(decoded(doc)) == as_rows(before)  # the columns may differ: the norm type is the
     # first statistics', which the JSON form's sorted kinds can change

@@ -26,7 +26,7 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     """Parameter -> its distinct layouts (replicas merged) -> the ranks holding them, in one pass."""
     found: dict[str, Layouts] = {name: {} for name in step.params}
     for rank in step.ranks_present:
-        pieces = step.ranks[rank].columns
+        pieces = step.ranks[rank].pieces
         names = [info.name for info in pieces.params]
         for param, regions in zip(pieces.rows[:, 0].tolist(), pieces.regions(), strict=True):
             found.setdefault(names[param], {}).setdefault(regions, []).append(rank)
@@ -124,7 +124,7 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
     ids = ParamIds(list(step.params))
     columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]] = []
     for rank in step.ranks_present:
-        pieces = step.ranks[rank].columns
+        pieces = step.ranks[rank].pieces
         rows, coords = pieces.rows, pieces.coords
         first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
         flat = rows[:, 3] == 0

@@ -298,7 +298,7 @@ def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
     for rank in step.ranks_present:
         dump = step.ranks[rank]
         scales = [_call_scale(c) for c in (dump.clip.calls if dump.clip is not None else ())]
-        columns = dump.columns
+        columns = dump.pieces
         with_calls = [p for p, stats in columns.extras.call_stats.items() if stats]
         for piece in sorted(columns.build(with_calls), key=lambda p: p.index):
             layout = ids.setdefault(piece.layout_key, len(ids))

@@ -242,7 +242,7 @@ def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:
         clip = dump.clip
         if clip is None or len({c.unscaled for c in clip.calls}) > 1:
             continue  # unscale_ between calls changes the gradients by more than the clip coefficient
-        pieces = dump.columns
+        pieces = dump.pieces
         for at, stats in pieces.extras.call_stats.items():
             found[(rank, pieces.extras.indices.get(at, at))] = tuple(s.sum_sq for s in stats)
     return found

@@ -30,6 +30,7 @@ from ..model import (
     TensorKind,
     TensorStats,
     Topology,
+    as_columns,
 )
 from ..version import __version__
 from .write import torch_version
@@ -224,7 +225,7 @@ def write_rank(
         if created_at is not None
         else datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=infos,
-        pieces=tuple(model_pieces),
+        pieces=as_columns(infos, model_pieces),
         aliases=dict(aliases or {}),
         topology=topology or Topology(),
         clip=clip,

@@ -25,6 +25,7 @@ from ..model import (
     TensorKind,
     TensorStats,
     Topology,
+    as_columns,
     numel_of,
 )
 from ..version import __version__
@@ -63,8 +64,9 @@ def build_rank_dump(
         if columns is not None:
             params, pieces = columns
         else:
-            pieces = _pieces(snapshots, infos, tensors, call_stats)
+            objects = _pieces(snapshots, infos, tensors, call_stats)  # fills infos
             params = tuple(sorted(infos.values(), key=lambda i: i.name))
+            pieces = as_columns(params, objects)
     dump = RankDump(
         path="",
         rank=rank,

@@ -50,7 +50,7 @@ def stack_of(step: StepDump) -> str | None:
     by_api = CAPTURE_STACKS.get(dump.capture_api or "")
     if by_api is not None:
         return by_api
-    topology, columns = dump.topology, dump.columns
+    topology, columns = dump.topology, dump.pieces
     if dump.capture_api not in GROUP_PIECE_APIS and _has_flat_range(columns):
         return "FSDP1"
     if topology.mesh is not None:

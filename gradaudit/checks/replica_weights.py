@@ -59,4 +59,4 @@ def replica_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckR
 
 def _any_weights(step: StepDump) -> bool:
     """Whether any rank recorded parameter values."""
-    return any("param_before" in step.ranks[rank].columns.tensor_kinds for rank in step.ranks_present)
+    return any("param_before" in step.ranks[rank].pieces.tensor_kinds for rank in step.ranks_present)

@@ -206,7 +206,7 @@ def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] |
     """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, or None when the columns
     would not hold them whole (tensors, several regions, a local name, a dtype other than its
     parameter's, differing norm types or fingerprint lengths: `ColumnarPieces.stats_only`)."""
-    pieces = dump.columns
+    pieces = dump.pieces
     return columns_of(pieces) if pieces.stats_only else None
 
 

@@ -87,7 +87,7 @@ def _load_rank_from(
 
 
 def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
-    pieces = dump.columns
+    pieces = dump.pieces
     extras = pieces.extras
     for at in sorted({at for keys in extras.tensors.values() for at in keys}):
         info = pieces.params[int(pieces.rows[at, 0])]

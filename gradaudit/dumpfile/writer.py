@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
-from ..model import TENSOR_KINDS, RankDump, TensorKind
+from ..model import TENSOR_KINDS, RankDump, TensorKind, as_columns
 from .columnar import from_columns, to_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
@@ -74,16 +74,15 @@ def write_rank_file(
     """
     directory = Path(directory)
     final = directory / rank_file_name(dump.rank)
-    if dump.columns.params != tuple(dump.params):
+    if dump.pieces.params != tuple(dump.params):
         raise ValueError("the columnar pieces refer to another parameter list than the dump's")
     dump, payload = _with_tensor_keys(dump, tensors)
     columns = None if payload or not columnar else to_columns(dump)
     # The JSON document is checked by the reader's own decoder; the columns below by its column checks.
     shown = dump
     if columns is not None:
-        shown = dataclasses.replace(
-            dump, pieces=(), params=() if columns[0]["params"] == "columns" else dump.params
-        )
+        params = () if columns[0]["params"] == "columns" else dump.params
+        shown = dataclasses.replace(dump, pieces=as_columns(params, ()), params=params)
     document = encode_rank(shown)
     text = json.dumps(document, sort_keys=True, allow_nan=False)
     try:
@@ -139,7 +138,7 @@ def _with_tensor_keys(
     by key, after checking each against its piece."""
     if not tensors:
         return dump, {}
-    pieces = dump.columns
+    pieces = dump.pieces
     position_of = {pieces.extras.indices.get(at, at): at for at in range(len(pieces))}
     for index, _kind in tensors:
         if index not in position_of:

@@ -28,6 +28,7 @@ from ..model import (
     TensorKind,
     TensorStats,
     Topology,
+    as_columns,
 )
 from ..norms import divide_by_power
 
@@ -186,6 +187,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
                     call_stats=tuple(_one_element(term, p) for term in h.calls),
                 )
             )
+        rank_params = tuple(p for p in params if any(piece.param == p.name for piece in pieces))
         dumps[rank] = RankDump(
             path="",
             rank=rank,
@@ -193,8 +195,8 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
             step=live.step,
             mode="stats",
             run_id=live.run_id,
-            params=tuple(p for p in params if any(piece.param == p.name for piece in pieces)),
-            pieces=tuple(pieces),
+            params=rank_params,
+            pieces=as_columns(rank_params, pieces),
             topology=summary.topology,
             clip=_clip_record(live, summary),
             capture_api="guard",

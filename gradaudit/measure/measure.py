@@ -457,7 +457,7 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
         if dump is None:
             continue
         for rank in dump.ranks_present:
-            pieces = dump.ranks[rank].columns
+            pieces = dump.ranks[rank].pieces
             dtypes = pieces.extras.dtypes
             for keys in pieces.extras.tensors.values():  # none for statistics only: nothing to read
                 for at in keys:

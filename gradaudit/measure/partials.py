@@ -37,10 +37,10 @@ def partial_sums(step: StepDump) -> tuple[dict[str, list[list[Member]]], dict[in
     sums: dict[tuple[object, tuple[int, ...]], list[Member]] = {}
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        at = sorted(dump.columns.extras.partial_groups)
+        at = sorted(dump.pieces.extras.partial_groups)
         if not at:
             continue
-        for local, piece in zip(at, dump.columns.build(at), strict=True):
+        for local, piece in zip(at, dump.pieces.build(at), strict=True):
             group = piece.partial_group
             assert group is not None  # listed in partial_groups
             group_ranks = dump.topology.group_of(group, rank)

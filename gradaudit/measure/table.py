@@ -656,8 +656,8 @@ def piece_table(
     sources, scales = [], []
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        if len(dump.columns):
-            sources.append((rank, dump.path, dump.columns))
+        if len(dump.pieces):
+            sources.append((rank, dump.path, dump.pieces))
             scales.append(dumped_gradient_scale(dump))
     return PieceTable(sources, list(step.params), names, scales, norm_type=norm_type, dropped=dropped)
 

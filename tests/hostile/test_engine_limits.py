@@ -16,7 +16,7 @@ from builders import FIXED, check
 
 from gradaudit.capture.build import flat, whole, write_rank
 from gradaudit.dumpfile.writer import write_rank_file
-from gradaudit.model import ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats
+from gradaudit.model import ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats, as_columns
 
 from .cli import assert_clean_refusal, assert_report_or_clean_refusal, run_cli
 from .corpus import (
@@ -188,16 +188,17 @@ def _stats_step(tmp_path: Path, stats: dict[str, TensorStats], norm_type: float 
         )
         for i, (name, s) in enumerate(stats.items())
     )
+    params = tuple(
+        ParamInfo(name=name, global_shape=(s.numel,), dtype="float64") for name, s in stats.items()
+    )
     dump = RankDump(
         path="",
         rank=0,
         world_size=1,
         step=1,
         mode="stats",
-        params=tuple(
-            ParamInfo(name=name, global_shape=(s.numel,), dtype="float64") for name, s in stats.items()
-        ),
-        pieces=pieces,
+        params=params,
+        pieces=as_columns(params, pieces),
         clip=ClipRecord(max_norm=1.0, norm_type=norm_type, **clip_fields),
         **FIXED,
     )
