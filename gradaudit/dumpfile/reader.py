@@ -105,10 +105,10 @@ class TensorReader:
         from .loader import _load_rank_from
 
         expected = self._expected.get(path)
-        raw = read_raw_header_from(handle, path)
-        header = validate_tensors(raw)
         if expected is None:
             return _load_rank_from(handle, path)[1]
+        raw = read_raw_header_from(handle, path)
+        header = validate_tensors(raw)
         if expected.header_digest and not any(key.startswith(PREFIX) for key in header.tensors):
             unchanged = raw.digest == expected.header_digest
         else:
