@@ -356,23 +356,36 @@ def summarize(report: Report, directory: str) -> StepSummary:
 
 FULL_CAPTURES = "full"
 """The guard's subfolder of full captures (the step after each anomaly), beside its step_<N> dumps."""
+ATTEMPT_PREFIX = "attempt_"
+"""A guarded run restarted into the same folder writes its dumps into attempt_<N>/ (N from 2)."""
 
 
 def run_step_dirs(path: str | Path) -> list[Path]:
     """The step folders of `path` (see find_step_dirs), with a run folder's full/step_<N> (the guard's
-    full captures) among its own step_<N>, by step number."""
+    full captures) and those of its restarts (attempt_<N>/) among its own step_<N>, by step number."""
     from .dumpfile import find_step_dirs
     from .dumpfile.writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
 
     path = Path(path)
     own = find_step_dirs(path)
-    full = path / FULL_CAPTURES
-    captured = [d for d in find_step_dirs(full) if d != full] if full.is_dir() else []
-    is_step_folder = any(path.glob(f"*{RANK_FILE_SUFFIX}"))
-    if not captured or is_step_folder:
+    if any(path.glob(f"*{RANK_FILE_SUFFIX}")):
         return own
-    steps = [d for d in own if d != path] + captured
-    return sorted(steps, key=lambda d: (int(d.name.removeprefix(STEP_DIR_PREFIX)), str(d)))
+    attempts = sorted(
+        (int(d.name.removeprefix(ATTEMPT_PREFIX)), d)
+        for d in path.glob(f"{ATTEMPT_PREFIX}*")
+        if d.name.removeprefix(ATTEMPT_PREFIX).isdigit() and d.is_dir()
+    )
+    steps = [(1, d) for d in own if d != path]
+    for number, root in ((1, path), *attempts):
+        if root != path:
+            steps += [(number, d) for d in find_step_dirs(root) if d != root]
+        full = root / FULL_CAPTURES
+        steps += [(number, d) for d in find_step_dirs(full) if d != full] if full.is_dir() else []
+    if not steps or (len(steps) == len(own) and not attempts):
+        return own
+    return [
+        d for _, _, d in sorted((int(d.name.removeprefix(STEP_DIR_PREFIX)), number, d) for number, d in steps)
+    ]
 
 
 def audit_folder(

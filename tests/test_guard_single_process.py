@@ -55,7 +55,7 @@ def test_two_clip_calls_in_one_step_raise_ga501_with_the_step(tmp_path):
     assert not getattr(torch.nn.utils.clip_grad_norm_, "__gradaudit_intercepted__", False)  # removed
 
 
-def test_a_failure_inside_the_guard_warns_once_and_switches_it_off(tmp_path):
+def test_a_failure_inside_the_guard_warns_and_three_failed_steps_in_a_row_switch_it_off(tmp_path):
     model, opt = _setup()
     guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path)
 
@@ -65,15 +65,36 @@ def test_a_failure_inside_the_guard_warns_once_and_switches_it_off(tmp_path):
     guard._summary.measure = broken  # type: ignore[method-assign]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _steps(model, opt, 3)  # training goes on
-    ours = [w for w in caught if issubclass(w.category, GuardWarning)]
-    assert (
-        len(ours) == 1
-        and "switches off" in str(ours[0].message)
-        and "summary exploded" in str(ours[0].message)
-    )
-    assert not guard.active
+        _steps(model, opt, 2)  # training goes on, the steps unchecked
+        assert guard.active and guard.anomalies == []
+        _steps(model, opt, 2)
+    ours = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+    assert len(ours) == 3, ours
+    assert "could not measure step 1" in ours[0] and "summary exploded" in ours[0]
+    assert "step 1 is not checked" in ours[1]
+    assert "3 steps in a row" in ours[2] and "the guard is off" in ours[2]
+    assert not guard.active and not (tmp_path / TREND_FILE).exists()
     assert not getattr(torch.nn.utils.clip_grad_norm_, "__gradaudit_intercepted__", False)  # switched off
+
+
+def test_one_failed_step_is_left_unchecked_and_the_next_is_checked_as_before(tmp_path):
+    model, opt = _setup()
+    guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, capture_next=False)
+    measure = guard._summary.measure
+
+    def broken_at_step_2():
+        if guard.step == 2:
+            raise RuntimeError("once")
+        return measure()
+
+    guard._summary.measure = broken_at_step_2  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        _steps(model, opt, 2)
+        _steps(model, opt, 2, clips=2)  # GA501 at steps 3 and 4: still found after the failure
+    assert guard.active
+    assert [line["step"] for line in _trend(tmp_path)] == [1, 3, 4]
+    assert [step for step, _ in guard.anomalies] == [3, 4]
 
 
 def test_the_guard_refuses_a_call_without_optimizer_or_out_dir(tmp_path):
@@ -248,3 +269,73 @@ def test_steps_between_pause_and_resume_are_not_checked_and_the_step_count_goes_
         with pytest.raises(GuardAnomaly, match=r"step 6: GA501"):
             _steps(model, opt, 1, clips=2)
     assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 5, 6]
+
+
+def test_a_second_guard_of_the_same_optimizer_is_refused_with_one_line_naming_the_first(tmp_path):
+    model, opt = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path / "first")
+        second = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path / "second")
+        _steps(model, opt, 3)
+    ours = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+    assert len(ours) == 1 and "already attached" in ours[0] and str(tmp_path / "first") in ours[0]
+    assert first.active and not second.active
+    assert first.anomalies == [] and [line["step"] for line in _trend(tmp_path / "first")] == [1, 2, 3]
+    first.remove()
+    third = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path / "third")
+    assert third.active  # once the first is removed, another may be attached
+    third.remove()
+
+
+@pytest.mark.parametrize("change", ["unfreeze_and_add_group", "swap_module", "load_state_dict_assign"])
+def test_parameters_that_change_mid_run_are_followed_without_a_false_finding(tmp_path, change):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    if change == "unfreeze_and_add_group":
+        model[2].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+            _steps(model, opt, 3)
+            if change == "unfreeze_and_add_group":
+                model[2].requires_grad_(True)
+                opt.add_param_group({"params": list(model[2].parameters())})
+            elif change == "swap_module":
+                model[0] = torch.nn.Linear(8, 8)
+                opt.add_param_group({"params": list(model[0].parameters())})
+            else:
+                model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+                opt.add_param_group({"params": list(model.parameters())})
+            _steps(model, opt, 10)
+    said = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+    assert guard.anomalies == [], said
+    assert len(said) == 1 and "step 4 is not checked: the trained parameters changed" in said[0]
+    assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 3, *range(5, 14)]
+    true_norms = [line["true_norm"] for line in _trend(tmp_path)]
+    assert all(t is not None and t > MAX_NORM for t in true_norms)
+
+
+def test_a_restart_into_the_same_out_dir_appends_the_trend_after_a_cut_line_and_writes_beside_earlier_dumps(
+    tmp_path,
+):
+    for attempt in (1, 2):
+        model, opt = _setup()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+                _steps(model, opt, 1)
+                _steps(model, opt, 1, clips=2)  # GA501 at step 2, dumped
+        if attempt == 1:
+            with open(tmp_path / TREND_FILE, "a", encoding="utf-8") as trend:
+                trend.write('{"step": 3, "true_n')  # the first attempt ran out of disk mid-line
+    assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 1, 2]
+    assert (tmp_path / "step_2").is_dir() and (tmp_path / "attempt_2" / "step_2").is_dir()
+    assert [p.relative_to(tmp_path).parts[0] for p in guard.dumps] == ["attempt_2"]
+    from gradaudit.audit import run_step_dirs
+
+    assert [d.relative_to(tmp_path).as_posix() for d in run_step_dirs(tmp_path)] == [
+        "step_2",
+        "attempt_2/step_2",
+    ]

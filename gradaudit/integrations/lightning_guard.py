@@ -63,5 +63,5 @@ class GuardCallback(GuardCallbackOptions, Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.guard is not None:
-            self.guard._pending = None  # the training failed: its exception matters, not the last verdict
+            self.guard.drop_pending()  # the training failed: its exception matters, not the last verdict
             self.guard.remove()

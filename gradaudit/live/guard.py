@@ -4,10 +4,13 @@ step, and dump the step that goes wrong."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import socket
+import traceback
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,19 +19,27 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
+from .agreement import Agreement, agree
 from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_of
+from .channel import WAIT_S, Channel, Exchange
 from .summary import (
     FAILED,
+    OFF,
+    SKIP,
+    STEP,
     CallRecord,
     LocalSummary,
     VectorLayout,
     coefficient,
-    failed_vector,
     group_key,
     ownership_groups,
     pack,
+    stamped,
+    status_vector,
 )
 from .trend import TREND_FILE, TrendLine, by_last_call, skipped_line, trend_line
+from .watch import ModelWatch
+from .writing import TrendAppender, attempt_folder, earlier_attempts
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -44,6 +55,10 @@ OnAnomaly = Literal["warn", "raise"]
 ON_ANOMALY = ("warn", "raise")
 TRIGGER = "guard"
 """The dump metadata's `trigger` for a step the guard wrote on an anomaly."""
+MAX_FAILED_STEPS = 3
+"""Checked steps in a row that some rank could not measure before every rank's guard stops."""
+MAX_REALIGNMENTS = 3
+"""Times ranks that skipped an optimizer step may catch up before the guard stops."""
 
 
 class GuardAnomaly(GradauditError):
@@ -70,11 +85,16 @@ class Guard:
 
     The guard sees every clip call (torch.nn.utils.clip_grad_norm_ and FSDP1's) and the optimizer step
     by itself. Per checked step each rank sums its gradients' norms per ownership group on their
-    device, and one all-gather of a small float64 vector gives every rank the same verdict, reached by
-    the analysis `gradaudit check` runs. A step whose clipping is wrong is named in a warning (or a
-    GuardAnomaly on every rank with on_anomaly="raise"), written as a dump `gradaudit check` reads, and
-    the next step is captured in full under out_dir/full/. Rank 0 appends one line per checked step to
-    out_dir/guard_trend.jsonl.
+    device, and one all-gather of a small float64 vector, on a process group of the guard's own, gives
+    every rank the same verdict, reached by the analysis `gradaudit check` runs. A step whose clipping
+    is wrong is named in a warning (or a GuardAnomaly on every rank with on_anomaly="raise"), written
+    as a dump `gradaudit check` reads, and the next step is captured in full under out_dir/full/.
+    Rank 0 appends one line per checked step to out_dir/guard_trend.jsonl.
+
+    The guard never stops or changes the training: a failure of its own, a file it cannot write, a
+    callback that raises, each costs a warning and the guard goes on; whatever one rank does (skips an
+    optimizer step, removes its guard, fails) the others never wait longer than `wait_s` for it, and
+    when the ranks cannot go on checking together every rank's guard switches off at the same step.
 
     Keyword arguments: max_norm, optimizer, out_dir (all three required), norm_type, groups, aliases:
       as `audit_step` takes them; scaler: the torch.amp.GradScaler of fp16 training (the loss scale and
@@ -84,7 +104,9 @@ class Guard:
       steps apart; late (on GPU by default): read each verdict at the next step, so that the check adds
       no host sync; first_step (1): the number of the first optimizer step; capture_next (True);
       on_verdict: called on every rank with each checked step's TrendLine (to log the true norm);
-      ownership: this rank's pieces, when they are not the model's parameters (DeepSpeed ZeRO).
+      ownership: this rank's pieces, when they are not the model's parameters (DeepSpeed ZeRO);
+      wait_s (10): how long a rank waits for the others' numbers of a step before reading them a step
+      later (a rank that never sends them switches the guard off after twice that).
     `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
 
@@ -109,6 +131,7 @@ class Guard:
         capture_next: bool = True,
         on_verdict: Callable[[TrendLine], None] | None = None,
         ownership: Sequence[LocalPiece] | None = None,
+        wait_s: float = WAIT_S,
     ) -> None:
         from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
         from ..capture.optimizers import hookable_optimizer
@@ -126,6 +149,8 @@ class Guard:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise CaptureError(f"{name} must be an integer of at least {least}, got {value!r}")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not wait_s > 0:
+            raise CaptureError(f"wait_s must be a number of seconds above 0, got {wait_s!r}")
         self.optimizer = hookable_optimizer(optimizer)
         if self.optimizer is None:
             raise CaptureError(
@@ -159,24 +184,62 @@ class Guard:
         """The optimizer step now under way (counted by the optimizer's step hook)."""
         self.anomalies: list[tuple[int, tuple[str, ...]]] = []
         """(step, codes) of every anomaly found so far."""
+        self.skipped_steps: list[tuple[int, tuple[int, ...]]] = []
+        """(step, ranks) of every optimizer step some ranks skipped while the others took it."""
         self.dumps: list[Path] = []
         self.active = False
         self._late = late
+        self._wait_s = float(wait_s)
         self._hooks: list[RemovableHandle] = []
         self._interception: Any = None
         self._calls: list[CallRecord] = []
         self._num_calls = 0
-        self._pending: tuple[int, Any, Any] | None = None
+        self._unmeasured = False
+        """A clip call of this step could not be measured: the step is sent as FAILED."""
+        self._channel: Channel | None = None
+        self._exchange: Exchange | None = None
+        """The step whose numbers were sent to the other ranks and are not read yet."""
+        self._staged: tuple[int, Any, Any] | None = None
+        """(step, vector, event) of a vector on the device, sent once its copy to the host is done."""
+        self._watch: ModelWatch | None = None
+        self._failed_in_a_row = 0
+        self._realignments = 0
+        self._num_dumped = 0
         self._last_dump_step: int | None = None
         self._capture: AuditStep | None = None
         self._capture_step: int | None = None
-        self._trend_file: Any = None
+        self._trend = TrendAppender(self.out_dir / TREND_FILE)
+        self._dump_dir = self.out_dir
         self._paused = False
-        self._attach()
+        self._warned: set[str] = set()
+        first = _attached_guard(model, self.optimizer)
+        if first is not None:
+            self._warn(
+                f"gradaudit guard: a guard is already attached to this model or optimizer (out_dir "
+                f"{os.fspath(first.out_dir)!r}); this one checks nothing. Attach one guard only: a "
+                "framework's GuardCallback already is one"
+            )
+            return
+        try:
+            self._channel = Channel.open(self.world_size, self._wait_s)
+            self._infer(attaching=True)
+        except GuardAnomaly:
+            raise
+        except Exception as exc:  # noqa: BLE001  the guard must never break training
+            self._warn(f"gradaudit guard: rank {self.rank} could not attach, the guard is off: {_said(exc)}")
+            return
+        self._device = _device_of(self.model)
+        if self._late is None:
+            self._late = self._device.type != "cpu"
+        self._install()
+        _ATTACHED[id(self.optimizer)] = self
+        self.active = True
 
     # -- attaching and removing -----------------------------------------------------------------
 
-    def _attach(self) -> None:
+    def _infer(self, *, attaching: bool = False) -> None:
+        """Infer this rank's ownership and exchange it with the other ranks (every rank at once: when
+        attaching, and when the agreed numbers of a step say some rank's parameters changed)."""
         from ..capture.infer import infer_ownership
         from ..warn import warn_once
 
@@ -185,24 +248,33 @@ class Guard:
                 f"guard:{param}", f"gradaudit guard: parameter {param!r} is left out of every check: {exc}"
             )
 
-        ownership = infer_ownership(
-            self.model if self._ownership is None else _no_parameters(),  # given pieces: nothing to infer
-            explicit=self._ownership or (),
-            rank=self.rank,
-            world_size=self.world_size,
-            groups=self._groups,
-            aliases=self._aliases,
-            on_unsupported=unsupported,
-        )
-        mine = [
-            (p.param, p.regions if math.prod(p.local_shape) else None, group_key(p), p.dtype)
-            for p in ownership.pieces
-        ]
-        every_rank = self._exchange_once((mine, ownership.topology))
-        keys_of, added = _ownership_keys([pieces for pieces, _ in every_rank])
+        assert self._channel is not None
+        try:
+            ownership = infer_ownership(
+                self.model if self._ownership is None else _no_parameters(),  # given pieces: nothing to infer
+                explicit=self._ownership or (),
+                rank=self.rank,
+                world_size=self.world_size,
+                groups=self._groups,
+                aliases=self._aliases,
+                on_unsupported=unsupported,
+            )
+            pieces = [
+                (p.param, p.regions if math.prod(p.local_shape) else None, group_key(p), p.dtype)
+                for p in ownership.pieces
+            ]
+            mine: Any = (pieces, ownership.topology, earlier_attempts(self.out_dir) if attaching else 0)
+        except Exception as exc:  # noqa: BLE001  every rank must still take part in the exchange
+            mine = f"rank {self.rank}: {_said(exc)}"
+        wait_s = max(self._wait_s, 300.0) if attaching else self._wait_s  # ranks start unevenly
+        every_rank = self._channel.exchange_objects(mine, wait_s)
+        failed = [m for m in every_rank if isinstance(m, str)]
+        if failed:
+            raise CaptureError(f"ownership could not be inferred: {'; '.join(failed)}")
+        keys_of, added = _ownership_keys([pieces for pieces, _, _ in every_rank])
         keys = keys_of[self.rank]
         dtype_of: dict[str, str] = {}
-        for (pieces, _), rank_keys in zip(every_rank, keys_of, strict=True):
+        for (pieces, _, _), rank_keys in zip(every_rank, keys_of, strict=True):
             for (*_, dtype), key in zip(pieces, rank_keys, strict=True):
                 dtype_of.setdefault(key, dtype)
         self.groups = ownership_groups([k for rank_keys in keys_of for k in rank_keys], dtype_of)
@@ -210,24 +282,26 @@ class Guard:
         self._held = [tuple(g.name in rank_keys for g in self.groups) for rank_keys in keys_of]
         self._topologies: list[Topology] = [
             dataclasses.replace(topology, groups={**topology.groups, **added}) if added else topology
-            for _, topology in every_rank
+            for _, topology, _ in every_rank
         ]
         self.layout = VectorLayout(num_groups=len(self.groups))
         self._summary = LocalSummary(
             ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
         )
-        self._device = _device_of(self.model)
-        if self._late is None:
-            self._late = self._device.type != "cpu"
-        self._install()
-        self.active = True
+        self._grad_dtype = None
+        if attaching:
+            self._dump_dir = attempt_folder(self.out_dir, max(earlier for _, _, earlier in every_rank))
+            self._watch = ModelWatch(
+                self.model, self.optimizer, follow=self._ownership is None, on_forward=self._new_forward
+            )
+        else:
+            assert self._watch is not None
+            self._watch.mark()
 
     def pause(self) -> None:
-        """Check no step until `resume()`: the steps in between are neither measured nor gathered,
-        and still counted, so the guard's step numbers stay the optimizer's (every rank must pause and
-        resume at the same steps, or the ranks' collectives would not match)."""
-        if self.active and self._pending is not None:
-            self._read_pending()
+        """Check no step until `resume()`: the steps in between are neither measured nor judged, and
+        still counted, so the guard's step numbers stay the optimizer's. Pause and resume every rank at
+        the same step: a rank paused alone makes the others' steps unchecked, never a wrong verdict."""
         self._paused = True
 
     def resume(self) -> None:
@@ -261,33 +335,30 @@ class Guard:
             self._end_of_step(skipped=True)
         return result
 
-    def _exchange_once(self, mine: Any) -> list[Any]:
-        """Every rank's ownership groups and topology, once when the guard is attached."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
-            return [mine]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        return gathered
-
     def remove(self) -> None:
-        """Stop checking (after reading a verdict still pending); the model and optimizer are left as they were."""
+        """Stop checking (after reading a verdict still pending); the model and optimizer are left as
+        they were. The other ranks' guards stop at the same step as this one (remove every rank's)."""
         try:
-            if self.active and self._pending is not None:
-                self._read_pending()
+            if self.active:
+                self._read(settle=True)
         finally:
+            if self.active and self._channel is not None and self._channel.group is not None:
+                # the others' next exchange pairs with this one and tells them this guard left
+                self._safely("leave", lambda: self._send(status_vector(self.layout, OFF)))
             self._switch_off()
-            if self._trend_file is not None:
-                self._trend_file.close()
-                self._trend_file = None
+            self._trend.close()
 
     def _switch_off(self) -> None:
         self.active = False
+        self._exchange = self._staged = None
         self._uninstall()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._watch is not None:
+            self._watch.remove()
+        if _ATTACHED.get(id(self.optimizer)) is self:
+            del _ATTACHED[id(self.optimizer)]
         if self._capture is not None:
             self._capture.cancel()
             self._capture = None
@@ -299,8 +370,12 @@ class Guard:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc_type is not None:
-            self._pending = None  # the training failed: its exception matters, not the last verdict
+            self.drop_pending()  # the training failed: its exception matters, not the last verdict
         self.remove()
+
+    def drop_pending(self) -> None:
+        """Forget the verdict not read yet (the training failed: its exception matters, not that verdict)."""
+        self._exchange = self._staged = None
 
     # -- inside the step ------------------------------------------------------------------------
 
@@ -333,10 +408,12 @@ class Guard:
         `fn` returns the norm the call clipped with."""
         if not self._checked:
             return fn(*args, **kwargs)
-        before = self._safely(self._before_call)
+        before = self._safely("measure", self._before_call)
         result = fn(*args, **kwargs)
-        if before is not None and self.active:
-            self._safely(lambda: self._record_call(before, fn_for_arguments or fn, args, kwargs, result))
+        recorded = before is not None and self._safely(
+            "measure", lambda: self._record_call(before, fn_for_arguments or fn, args, kwargs, result)
+        )
+        self._unmeasured = self._unmeasured or not recorded  # the step is sent as not measured
         return result
 
     def clip(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -378,7 +455,7 @@ class Guard:
         args: Any,
         kwargs: Any,
         result: Any,
-    ) -> None:
+    ) -> bool:
         from ..capture.arguments import clip_arguments, norm_results
 
         terms, sample, sampled, unscaled_before = before
@@ -409,12 +486,21 @@ class Guard:
             self._calls.append(record)
         else:
             self._calls[-1] = record
+        return True
+
+    def _new_forward(self) -> None:
+        """A training forward pass begins: clip calls recorded since the last optimizer step whose
+        gradients are gone (zero_grad) belonged to a step the training discarded, not to this one."""
+        if self._calls and not self._summary.has_gradients():
+            self._calls, self._num_calls = [], 0
+            self._scale_at_clip = self._scale_at_first_clip = None
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._pending is not None:
-            self._read_pending()  # a GuardAnomaly raised here stops every rank before this step
+        if self.active:
+            self._read()  # late: the last step's verdict; a GuardAnomaly raised here stops every rank before this step
         if self._capture is not None:
-            self._capture.before_optimizer_step()
+            capture = self._capture
+            self._safely("capture", capture.before_optimizer_step)
 
     def _vector(self, *, skipped: bool) -> Any:
         if self._calls:
@@ -451,37 +537,6 @@ class Guard:
             grad_dtype=self._grad_dtype,
         )
 
-    def _gather(self, vector: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
-        try:
-            if self._pending is not None:
-                self._read_pending()  # a step the scaler skipped has no optimizer pre-hook to read it
-            if self.world_size > 1:
-                gathered = torch.empty(
-                    self.world_size * vector.numel(), dtype=vector.dtype, device=vector.device
-                )
-                # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
-                gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                gather_single(gathered, vector)
-            else:
-                gathered = vector
-            if self._late:
-                host = gathered.to("cpu", non_blocking=True)
-                event = None
-                if gathered.device.type == "cuda":
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record()
-                self._pending = (self.step, host, event)
-            else:
-                self._pending = (self.step, gathered, None)
-                self._read_pending()
-        except GuardAnomaly:
-            raise
-        except Exception as exc:  # noqa: BLE001  a failing collective switches the guard off, not training
-            self._fail(exc)
-
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # The summary is sent after the step, not before: a closure (Lightning, LBFGS) runs the backward
         # and the clip inside optimizer.step(); optimizers leave the gradients as they were.
@@ -489,59 +544,198 @@ class Guard:
         self._end_of_step(skipped=False)
 
     def _end_of_step(self, *, skipped: bool) -> None:
-        if self._checked:
-            vector = self._safely(lambda: self._vector(skipped=skipped))
-            if vector is None and self.active:
-                vector = failed_vector(self.layout, self._device)
-            if vector is not None:
-                try:
-                    self._gather(vector)
-                except GuardAnomaly:
-                    self._end_step()
-                    raise
-        self._end_step()
+        try:
+            if self.active and self.step % self.every == 0:
+                self._take_part(skipped)
+        finally:
+            self._end_step()
+
+    def _take_part(self, skipped: bool) -> None:
+        """Send this step's numbers to the other ranks: measured, or a status when they are not. Every
+        rank sends one vector per step it would check, whatever happened to it, so that the ranks'
+        exchanges stay paired step for step."""
+        self._read(settle=True)  # the last step's numbers are read before this step's are sent
+        if not self.active or self.step % self.every != 0:  # switched off, or caught up a skipped step
+            return
+        vector, status = None, FAILED
+        if not self._checked:
+            status = SKIP  # paused, or captured in full: the capture's own route sees its clip calls
+        elif not self._unmeasured:
+            vector = self._safely("measure", lambda: self._vector(skipped=skipped))
+        if vector is None:
+            vector = status_vector(self.layout, status, self._device)
+        watch = self._watch
+        assert watch is not None
+        changed = self._safely("measure", watch.changed)
+        self._send(stamped(vector, step=self.step, clock=watch.forwards, changed=bool(changed)))
+        if not self._late:
+            self._read()
+
+    def _send(self, vector: Any) -> None:
+        """Post `vector` to the other ranks (a device vector once its copy to the host is done); a rank
+        that cannot post stops its guard (the others stop theirs when its numbers do not come)."""
+        import torch
+
+        try:
+            if vector.device.type == "cpu":
+                assert self._channel is not None
+                self._exchange = self._channel.post(self.step, vector)
+                return
+            host = vector.to("cpu", non_blocking=True)
+            event = None
+            if vector.device.type == "cuda":
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            self._staged = (self.step, host, event)
+            if not self._late:
+                self._post_staged()
+        except Exception as exc:
+            if _is_signal(exc):
+                raise
+            self._stop(f"it could not send its numbers of step {self.step} ({_said(exc)})", alone=True)
+
+    def _post_staged(self) -> None:
+        if self._staged is None:
+            return
+        step, host, event = self._staged
+        self._staged = None
+        if event is not None:
+            event.synchronize()  # a step late, the copy is long done: no wait in practice
+        assert self._channel is not None
+        self._exchange = self._channel.post(step, host)
 
     def _end_step(self) -> None:
         capture = self._capture
         if capture is not None:
             self._capture = None
-            self._safely(lambda: _end_capture(capture))
+            self._safely("write the full capture of", lambda: _end_capture(capture))
         self._calls, self._num_calls = [], 0
+        self._unmeasured = False
         self._scale_at_clip = self._scale_at_first_clip = None
         self.step += 1
         if self._capture_step is not None and self.active and not self._paused:
-            self._safely(self._begin_capture)
+            self._safely("begin the full capture of", self._begin_capture)
 
     # -- the verdict -----------------------------------------------------------------------------
 
-    def _read_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def _read(self, *, settle: bool = False) -> None:
+        """Read the numbers sent last once the other ranks' have come, waiting at most wait_s for them
+        (else they are read later). With `settle`, or when a wait already ran out for them once, the
+        others are taken to be gone: this rank's guard switches off rather than wait any longer."""
+        while self.active:
+            self._post_staged()
+            exchange = self._exchange
+            if exchange is None:
+                return
+            assert self._channel is not None
+            late_already = exchange.waited
+            try:
+                gathered = self._channel.read(exchange)
+            except Exception as exc:
+                if _is_signal(exc):
+                    raise
+                self._exchange = None
+                self._stop(
+                    f"its exchange of step {exchange.step} with the other ranks failed ({exc})", alone=True
+                )
+                return
+            if gathered is None:
+                if settle or late_already:
+                    self._exchange = None
+                    self._stop(
+                        f"rank(s) did not send their numbers of step {exchange.step} within "
+                        f"{2 * self._wait_s:g} s (a rank that skipped an optimizer step, or paused, removed or "
+                        "switched off its guard alone)",
+                        alone=True,
+                    )
+                return
+            self._exchange = None
+            rows = gathered.numpy().reshape(self.world_size, -1)
+            self._safely("judge", functools.partial(self._conclude, exchange, rows))
+
+    def _conclude(self, exchange: Exchange, rows: Any) -> None:
+        agreement = agree(rows)
+        step = exchange.step
+        conclusion = agreement.conclusion
+        if conclusion != "failed":
+            self._failed_in_a_row = 0
+        if conclusion == "judge":
+            self._realignments = 0
+            live = self._safely("judge", lambda: self.live_step(step, rows))
+            if live is not None and all(r.skipped for r in live.ranks.values()):
+                self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
+            elif live is not None:
+                report = self._safely("judge", lambda: report_of(live))
+                if report is not None:
+                    self._judge(step, (live, report))
+        elif conclusion == "off":
+            self._stop(f"rank(s) {list(agreement.ranks)} removed or switched off their guard at step {step}")
+        elif conclusion == "out_of_step":
+            self._stop(f"the ranks' guards are out of step ({agreement.detail})")
+        elif conclusion == "skipped_step":
+            self._caught_up(exchange, agreement)
+        elif conclusion == "failed":
+            self._failed_in_a_row += 1
+            ranks = list(agreement.ranks)
+            if self._failed_in_a_row >= MAX_FAILED_STEPS:
+                self._stop(f"rank(s) {ranks} could not measure {MAX_FAILED_STEPS} steps in a row")
+            else:
+                self._warn_once(
+                    "failed",
+                    f"gradaudit guard: step {step} is not checked: rank(s) {ranks} could not measure it",
+                )
+        elif conclusion == "changed":
+            try:
+                self._infer()
+            except Exception as exc:  # noqa: BLE001  the guard must never break training
+                self._stop(
+                    f"ownership could not be inferred again after the parameters changed ({_said(exc)})"
+                )
+                return
+            self._warn(
+                f"gradaudit guard: step {step} is not checked: the trained parameters changed on rank(s) "
+                f"{list(agreement.ranks)}; ownership is inferred again and checked from the next step"
+            )
+
+    def _caught_up(self, exchange: Exchange, agreement: Agreement) -> None:
+        """Some ranks skipped an optimizer step (`agreement.ranks`, whose forward passes ran ahead):
+        named, and those ranks count the step they skipped, so that the ranks' next exchanges pair the
+        same training step again; their numbers sent for this one stand for the others' next step."""
+        step = exchange.step
+        ranks = agreement.ranks
+        self.skipped_steps.append((step, ranks))
+        self._realignments += 1
+        if self._realignments > MAX_REALIGNMENTS:
+            self._stop(
+                f"rank(s) {list(ranks)} keep skipping optimizer steps the others take ({agreement.detail})"
+            )
             return
-        step, gathered, event = pending
-        if event is not None:
-            event.synchronize()
-        rows = gathered.cpu().numpy().reshape(self.world_size, self.layout.size)
-        if (rows[:, 0] == FAILED).any():
-            failed = [r for r in range(self.world_size) if rows[r, 0] == FAILED]
-            self._warn(f"gradaudit guard: rank(s) {failed} could not measure step {step}; the guard is off")
-            self._switch_off()
+        self._warn(
+            f"gradaudit guard: rank(s) {list(ranks)} skipped optimizer step {step} ({agreement.detail}): "
+            f"their parameters were not updated at that step and now differ from the other ranks'; step "
+            f"{step} is not checked"
+        )
+        if self.rank not in ranks:
             return
-        live = self._safely(lambda: self.live_step(step, rows))
-        if live is not None and all(r.skipped for r in live.ranks.values()):
-            self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
-        elif live is not None:
-            report = self._safely(lambda: report_of(live))
-            if report is not None:
-                self._judge(step, (live, report))
+        self.step += 1
+        if (step + 1) % self.every == 0:
+            vector = exchange.vector
+            vector[STEP] = float(step + 1)
+            assert self._channel is not None
+            self._exchange = self._channel.post(step + 1, vector)  # a failure: see _safely in _read
 
     def line_of(self, step: int, *, read: bool = True) -> TrendLine | None:
         """The trend line of `step`, reading its verdict now if it is still pending (late=True; `read`:
         call this where the training syncs with the device anyway, as at a log step); None for a step
         not checked (every=, a step captured in full, the guard off) or not read, never another step's."""
-        if read and self.active and self._pending is not None and self._pending[0] == step:
-            self._read_pending()
+        if read and self.active and step in self._unread_steps():
+            self._read()
         return self.last if self.last is not None and self.last.step == step else None
+
+    def _unread_steps(self) -> tuple[int, ...]:
+        return tuple(x.step for x in (self._exchange,) if x is not None) + tuple(
+            s[0] for s in (self._staged,) if s is not None
+        )
 
     def live_step(self, step: int, rows: Any) -> LiveStep:
         ranks: dict[int, RankSummary] = {
@@ -558,7 +752,7 @@ class Guard:
             groups=self.groups,
             ranks=ranks,
             run_id=self.run_id,
-            directory=str(self.out_dir / f"step_{step}"),
+            directory=str(self._dump_dir / f"step_{step}"),
         )
 
     def _judge(self, step: int, found: tuple[LiveStep, Report]) -> None:
@@ -572,11 +766,10 @@ class Guard:
         if not errors:
             return
         self.anomalies.append((step, codes))
-        dumped = self._safely(lambda: self._dump(live, step, codes))
+        dumped = self._dump(live, step)
         messages = [f"gradaudit guard: step {step}: {f.code} {f.message}{_numbers(line)}" for f in errors]
         where = f"; its dump: gradaudit check {live.directory}" if dumped else ""
         if self.on_anomaly == "raise":
-            self._pending = None
             raise GuardAnomaly("; ".join(messages) + where, step=step, codes=codes)
         for message in messages:
             self._warn(message + where)
@@ -584,38 +777,72 @@ class Guard:
     def _record_line(self, line: TrendLine) -> None:
         self.last = line
         if self.rank == 0:
-            self._safely(lambda: self._append_trend(line))
+            self._append_trend(line)
         if self.on_verdict is not None:
-            self._safely(lambda: self.on_verdict(line) if self.on_verdict is not None else None)
+            self._call_back(self.on_verdict, line)
 
     def _append_trend(self, line: TrendLine) -> None:
-        if self._trend_file is None:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._trend_file = open(self.out_dir / TREND_FILE, "a", encoding="utf-8")  # noqa: SIM115
-        self._trend_file.write(json.dumps(line.to_json(), sort_keys=True) + "\n")
-        self._trend_file.flush()
+        try:
+            self._trend.append(json.dumps(line.to_json(), sort_keys=True))
+        except OSError as exc:
+            self._cannot_write(self._trend.path, exc, "the trend")
 
-    def _dump(self, live: LiveStep, step: int, codes: tuple[str, ...]) -> bool:
+    def _cannot_write(self, path: Path, exc: OSError, what: str) -> None:
+        self._warn_once(
+            f"write:{path}",
+            f"gradaudit guard: cannot write {what} to {os.fspath(path)} ({exc.strerror or exc}); the guard "
+            "goes on checking and writes again when it can: free space, or pass another out_dir",
+        )
+
+    def _call_back(self, callback: Callable[[TrendLine], None], line: TrendLine) -> None:
+        try:
+            callback(line)
+        except Exception as exc:
+            if _is_signal(exc):
+                raise
+            text = "".join(traceback.format_exception(exc)).rstrip()
+            self._warn_once(
+                f"callback:{type(exc).__name__}",
+                f"gradaudit guard: on_verdict raised; the guard goes on:\n{text}",
+            )
+
+    def _dump(self, live: LiveStep, step: int) -> bool:
         """Write this rank's file of the step, and arm a full capture of the next; False when the
-        dump budget or the cooldown says no."""
+        dump budget or the cooldown says no, or when the file cannot be written (warned)."""
         from ..dumpfile.writer import write_rank_file
 
-        if len(self.dumps) >= self.max_dumps:
+        if self._num_dumped >= self.max_dumps:
             return False
         if self._last_dump_step is not None and step - self._last_dump_step < self.cooldown:
             return False
+        # counted whether or not this rank's file gets written: every rank decides alike
+        self._num_dumped += 1
         self._last_dump_step = step
-        dump = dataclasses.replace(
-            rank_dumps(live)[self.rank],
-            host=socket.gethostname(),
-            torch_version=_torch_version(),
-            gradaudit_version=__version__,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            trigger=TRIGGER,
-        )
-        self.dumps.append(write_rank_file(live.directory, dump, {}))
         if self.capture_next:
             self._capture_step = self.step + 1  # late or not, the verdict is read before this step ends
+        dump = self._safely(
+            "dump",
+            lambda: dataclasses.replace(
+                rank_dumps(live)[self.rank],
+                host=socket.gethostname(),
+                torch_version=_torch_version(),
+                gradaudit_version=__version__,
+                created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                trigger=TRIGGER,
+            ),
+        )
+        if dump is None:
+            return False
+        try:
+            self.dumps.append(write_rank_file(live.directory, dump, {}))
+        except OSError as exc:
+            self._cannot_write(Path(live.directory), exc, f"the dump of step {step}")
+            return False
+        except GradauditError as exc:  # a file left there by an earlier attempt, or refused by the reader
+            self._warn_once(
+                f"dump:{type(exc).__name__}", f"gradaudit guard: {exc}; the guard goes on checking"
+            )
+            return False
         return True
 
     def _begin_capture(self) -> None:
@@ -626,7 +853,7 @@ class Guard:
             return
         self._capture = AuditStep(
             self.model if self._ownership is None else _no_parameters(),
-            self.out_dir / "full",
+            self._dump_dir / "full",
             ownership=self._ownership,
             step=step,
             max_norm=self.max_norm,
@@ -640,29 +867,68 @@ class Guard:
 
     # -- failures ----------------------------------------------------------------------------------
 
-    def _safely(self, action: Callable[[], Any]) -> Any:
-        """Run a step of the guard's own work; a failure warns once and switches the guard off."""
+    def _safely(self, doing: str, action: Callable[[], Any]) -> Any:
+        """Run a part of the guard's own work; a failure is one warning, and the guard goes on (a rank
+        that cannot measure a step still sends its status: see `_take_part`)."""
         try:
             return action()
         except GuardAnomaly:
             raise
-        except Exception as exc:  # noqa: BLE001  the guard must never break training
-            self._fail(exc)
+        except Exception as exc:
+            if _is_signal(exc):
+                raise
+            self._warn_once(
+                f"{doing}:{type(exc).__name__}",
+                f"gradaudit guard: rank {self.rank} could not {doing} step {self.step}; training goes on "
+                f"({_said(exc)})",
+            )
             return None
 
-    def _fail(self, exc: Exception) -> None:
+    def _stop(self, reason: str, *, alone: bool = False) -> None:
+        """Switch this rank's guard off, saying why (every rank reaches the same reason at the same
+        step unless `alone`: this rank's own view, the others find theirs)."""
         if not self.active:
             return
+        where = "on this rank" if alone else "on every rank"
         self._warn(
-            f"gradaudit guard: rank {self.rank} failed at step {self.step} and switches off; training goes on "
-            f"without it ({type(exc).__name__}: {exc})"
+            f"gradaudit guard: {reason}; the guard is off {where} from step {self.step}; training goes on"
         )
         self._switch_off()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self._warn(message)
 
     def _warn(self, message: str) -> None:
         import warnings
 
         warnings.warn(message, GuardWarning, stacklevel=2)
+
+
+_ATTACHED: weakref.WeakValueDictionary[int, Guard] = weakref.WeakValueDictionary()
+"""The active guard of each optimizer (by id), so that a second guard of one is refused."""
+
+
+def _attached_guard(model: Any, optimizer: Any) -> Guard | None:
+    first = _ATTACHED.get(id(optimizer))
+    if first is not None and first.active and first.optimizer is optimizer:
+        return first
+    for guard in list(_ATTACHED.values()):
+        if guard.active and guard.model is model:
+            return guard
+    return None
+
+
+def _said(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_signal(exc: BaseException) -> bool:
+    """An exception a signal handler raised to stop the process (torchelastic's SignalException is an
+    Exception): it belongs to the training, and passes through the guard."""
+    return type(exc).__name__ == "SignalException"
 
 
 def _ownership_keys(

@@ -34,10 +34,16 @@ SAMPLE_PIECES = 16
 """The largest pieces of a rank each give SAMPLE_PER_PIECE elements to the coefficient's sample."""
 SAMPLE_PER_PIECE = 8
 
-OK, FAILED = 1.0, -1.0
-HEADER = 7
-"""status, clip calls, applied coefficient, loss scale, unscaled before clipping, step skipped, and the
-gradients' loosest dtype (its index in GRAD_DTYPES)."""
+OK, FAILED, OFF, SKIP = 1.0, -1.0, -2.0, -3.0
+"""A rank's status in its vector: measured; could not measure the step; its guard leaves (removed or
+switched off: every rank switches off with it); took part without measuring (paused, or the step is
+captured in full)."""
+HEADER = 10
+"""status, clip calls, applied coefficient, loss scale, unscaled before clipping, step skipped, the
+gradients' loosest dtype (its index in GRAD_DTYPES), and the stamp every rank must agree on: the guard's
+step, the training forward passes seen since the guard was attached, and whether this rank's parameters
+changed since ownership was inferred."""
+STEP, CLOCK, CHANGED = 7, 8, 9
 GRAD_DTYPES = tuple(NORM_RTOL_BY_DTYPE)
 
 
@@ -195,6 +201,10 @@ class LocalSummary:
             out[0].zero_().scatter_reduce_(0, index, finite, "amax")  # the largest norm per group
         return out.reshape(-1)  # [terms per group, nan pieces per group, inf pieces per group]
 
+    def has_gradients(self) -> bool:
+        """Whether any of the sampled pieces (the largest) holds a gradient now."""
+        return any(self._readers[i]() is not None for i in self._sampled)
+
     def sample(self, sampled: Sampled | None = None) -> torch.Tensor | None:
         """A fixed sample of this rank's gradient elements (float64, a few per large piece), from the
         views `measure` took (the gradients are clipped in place, so they show the clip), or read now."""
@@ -340,12 +350,18 @@ def pack(
     return vector
 
 
-def failed_vector(layout: VectorLayout, device: Any) -> torch.Tensor:
-    """The vector of a rank whose measuring failed: it still takes part, and every rank turns off."""
+def status_vector(layout: VectorLayout, status: float, device: Any = "cpu") -> torch.Tensor:
+    """The vector of a rank that takes part without measurements (FAILED, OFF or SKIP)."""
     import torch
 
     vector = torch.full((layout.size,), math.nan, dtype=torch.float64, device=device)
-    vector[0] = FAILED
+    vector[0] = status
+    return vector
+
+
+def stamped(vector: torch.Tensor, *, step: int, clock: int, changed: bool) -> torch.Tensor:
+    """`vector` with the stamp every rank compares before judging (see HEADER)."""
+    vector[STEP], vector[CLOCK], vector[CHANGED] = float(step), float(clock), float(changed)
     return vector
 
 

@@ -1,0 +1,115 @@
+"""The guard's own channel between ranks: a process group of its own, so that its collectives never pair
+with the training's, and exchanges whose waits are bounded, so that a rank that does not take part costs
+the others a bounded wait, never a hang.
+
+The group is gloo on the host whatever the training's backend (no second NCCL communicator and its
+device memory; a vector on a GPU is copied to the host one step late, see Guard). Every exchange is
+posted asynchronously and waited for with a timeout: a wait that runs out leaves the exchange posted
+(gloo completes it in the background when the other ranks post theirs), so the caller can read it
+later. The group's own timeout, much longer, ends an exchange that no other rank ever posts.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+WAIT_S = 10.0
+"""How long a rank waits for the others' part of an exchange before it reads it later instead."""
+GROUP_TIMEOUT_S = 600.0
+"""When gloo itself gives up an exchange no other rank posts (it then frees its worker thread)."""
+
+
+class ChannelError(Exception):
+    """An exchange failed (a peer's group closed, or gloo gave it up): this rank's guard must stop."""
+
+
+@dataclass(eq=False)
+class Exchange:
+    """One posted all-gather of a fixed-size vector: what was sent, where the result lands, its work."""
+
+    step: int
+    """The guard's step the vector belongs to."""
+    vector: Any
+    """What this rank sent (on the host)."""
+    gathered: Any
+    work: Any = None
+    """The asynchronous work (None: already complete, as in a world of one)."""
+    waited: bool = False
+    """A wait for it already ran out once (it is read later, or the others are gone)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Channel:
+    """Posts and reads the guard's exchanges on its own process group (none in a world of one)."""
+
+    def __init__(self, group: Any, world_size: int, wait_s: float) -> None:
+        self.group, self.world_size, self.wait_s = group, world_size, wait_s
+
+    @classmethod
+    def open(cls, world_size: int, wait_s: float = WAIT_S) -> Channel:
+        """The channel of a world of `world_size` ranks; every rank must open it at the same point."""
+        import torch.distributed as dist
+
+        if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return cls(None, 1, wait_s)
+        timeout = timedelta(seconds=max(GROUP_TIMEOUT_S, 4 * wait_s))
+        return cls(dist.new_group(backend="gloo", timeout=timeout), world_size, wait_s)
+
+    def post(self, step: int, vector: torch.Tensor) -> Exchange:
+        """All-gather `vector` (a 1-D host tensor, the same size on every rank) without waiting."""
+        import torch
+        import torch.distributed as dist
+
+        if self.group is None:
+            return Exchange(step=step, vector=vector, gathered=vector)
+        gathered = torch.empty(self.world_size * vector.numel(), dtype=vector.dtype)
+        # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
+        gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather_single(gathered, vector, group=self.group, async_op=True)
+        return Exchange(step=step, vector=vector, gathered=gathered, work=work)
+
+    def read(self, exchange: Exchange, wait_s: float | None = None) -> torch.Tensor | None:
+        """The gathered vector, every rank's in rank order; None when the others have not posted theirs
+        within `wait_s` (the exchange stays posted: read it again later). Raises ChannelError when the
+        exchange failed."""
+        if exchange.work is None:
+            return exchange.gathered  # type: ignore[no-any-return]
+        try:
+            if not exchange.work.is_completed():
+                exchange.work.wait(timeout=timedelta(seconds=self.wait_s if wait_s is None else wait_s))
+            exchange.work.wait()  # complete by now: raises the exchange's own error, if it failed
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() and not exchange.work.is_completed():
+                exchange.waited = True
+                return None
+            raise ChannelError(str(exc).splitlines()[0]) from exc
+        exchange.work = None
+        return exchange.gathered  # type: ignore[no-any-return]
+
+    def exchange_objects(self, mine: Any, wait_s: float) -> list[Any]:
+        """Every rank's `mine` (picklable), in rank order: sizes first, then the padded bytes, each wait
+        bounded by `wait_s`. Raises ChannelError when a rank does not take part in time."""
+        import torch
+
+        if self.group is None:
+            return [mine]
+        data = pickle.dumps(mine)
+        sizes = self._all(torch.tensor([float(len(data))], dtype=torch.float64), wait_s)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = self._all(padded, wait_s).reshape(self.world_size, longest)
+        return [pickle.loads(every[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
+
+    def _all(self, vector: torch.Tensor, wait_s: float) -> torch.Tensor:
+        exchange = self.post(-1, vector)
+        gathered = self.read(exchange, wait_s)
+        if gathered is None:
+            raise ChannelError(f"a rank did not take part in the guard's exchange within {wait_s:g} s")
+        return gathered
