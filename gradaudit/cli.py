@@ -13,6 +13,7 @@ import typer
 from .errors import GradauditError
 
 if TYPE_CHECKING:
+    from .live.trend import Trend
     from .report.model import MultiStepReport, Report
 
 EXIT_OK = 0
@@ -132,7 +133,8 @@ def check(
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
-    Exit codes: 0 nothing at or above --fail-on, 1 findings, 2 unusable input or usage, 3 internal error.
+    Exit codes: 0 nothing at or above --fail-on, 1 findings (or failing steps in the guard's trend),
+    2 unusable input or usage, 3 internal error.
     """
     from .audit import audit_folder
     from .checks.base import AuditOptions
@@ -157,7 +159,13 @@ def check(
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
-    if _guard_trend_first(directory, show=printing and format is OutputFormat.terminal and output is None):
+    trend, trend_only = _guard_trend_first(
+        directory, show=printing and format is OutputFormat.terminal and output is None, warn=printing
+    )
+    trend_fails = trend is not None and _trend_fails(trend, fail_on)
+    if trend_only:
+        if trend_fails:
+            raise SystemExit(EXIT_FINDINGS)
         return
     with (
         scaled_out(env) as shares,
@@ -173,20 +181,21 @@ def check(
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
         _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
-    if _fails(reports, fail_on):
+    if _fails(reports, fail_on) or trend_fails:
         raise SystemExit(EXIT_FINDINGS)
 
 
-def _guard_trend_first(directory: Path, *, show: bool) -> bool:
-    """Print the guard's trend of a run folder (failing steps first); True when that is all the
-    folder holds (a guarded run with no anomaly has no step to audit)."""
+def _guard_trend_first(directory: Path, *, show: bool, warn: bool) -> tuple[Trend | None, bool]:
+    """Print the guard's trend of a run folder (failing steps first), or with `warn` alone what of it
+    was not read (on stderr); the trend (None without one), and whether it is all the folder holds
+    (a guarded run with no anomaly has no step to audit)."""
     from .audit import FULL_CAPTURES, run_step_dirs
     from .live.trend import TREND_FILE, read_trend, trend_text
 
     path = directory / TREND_FILE
     if not path.is_file():
-        return False
-    lines = read_trend(path)
+        return None, False
+    trend = read_trend(path)
     steps = run_step_dirs(directory)
     full = [d for d in steps if d.parent == directory / FULL_CAPTURES]
     if show:
@@ -194,12 +203,16 @@ def _guard_trend_first(directory: Path, *, show: bool) -> bool:
             f"  {d.name.replace('_', ' ')} captured in full (the step after an anomaly): gradaudit check {d}\n"
             for d in full
         )
-        sys.stdout.write(trend_text(lines) + "\n" + captures + "\n")
-    if steps != [directory]:
-        return False  # the guard's dumps and full captures are listed after the trend
-    if any(not line.ok for line in lines):
-        raise SystemExit(EXIT_FINDINGS)
-    return True
+        sys.stdout.write(trend_text(trend) + "\n" + captures + "\n")
+    elif warn:
+        sys.stderr.write("".join(f"warning: {note}\n" for note in trend.notes))
+    return trend, steps == [directory]  # else the guard's dumps and full captures follow the trend
+
+
+def _trend_fails(trend: Trend, fail_on: FailOn) -> bool:
+    """A failing step of the trend fails the check as an error finding would (its codes are the
+    step's errors)."""
+    return fail_on is not FailOn.never and any(not line.ok for line in trend.lines)
 
 
 def _emit_report(
