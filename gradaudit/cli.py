@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
 from .errors import GradauditError
 
 if TYPE_CHECKING:
+    from .live.trend import Trend
     from .report.model import MultiStepReport, Report
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
+STOPPED_BY: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+"""The signals that stop a command cleanly: exit 128 + the signal's number (130, 143), one line on stderr."""
 
 app = typer.Typer(
     add_completion=False,
@@ -132,7 +137,8 @@ def check(
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
-    Exit codes: 0 nothing at or above --fail-on, 1 findings, 2 unusable input or usage, 3 internal error.
+    Exit codes: 0 nothing at or above --fail-on, 1 findings (or failing steps in the guard's trend),
+    2 unusable input or usage, 3 internal error, 130 and 143 stopped by SIGINT (Ctrl-C) and SIGTERM.
     """
     from .audit import audit_folder
     from .checks.base import AuditOptions
@@ -157,7 +163,13 @@ def check(
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
-    if _guard_trend_first(directory, show=printing and format is OutputFormat.terminal and output is None):
+    trend, trend_only = _guard_trend_first(
+        directory, show=printing and format is OutputFormat.terminal and output is None, warn=printing
+    )
+    trend_fails = trend is not None and _trend_fails(trend, fail_on)
+    if trend_only:
+        if trend_fails:
+            raise SystemExit(EXIT_FINDINGS)
         return
     with (
         scaled_out(env) as shares,
@@ -173,20 +185,21 @@ def check(
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
         _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
-    if _fails(reports, fail_on):
+    if _fails(reports, fail_on) or trend_fails:
         raise SystemExit(EXIT_FINDINGS)
 
 
-def _guard_trend_first(directory: Path, *, show: bool) -> bool:
-    """Print the guard's trend of a run folder (failing steps first); True when that is all the
-    folder holds (a guarded run with no anomaly has no step to audit)."""
+def _guard_trend_first(directory: Path, *, show: bool, warn: bool) -> tuple[Trend | None, bool]:
+    """Print the guard's trend of a run folder (failing steps first), or with `warn` alone what of it
+    was not read (on stderr); the trend (None without one), and whether it is all the folder holds
+    (a guarded run with no anomaly has no step to audit)."""
     from .audit import FULL_CAPTURES, run_step_dirs
     from .live.trend import TREND_FILE, read_trend, trend_text
 
     path = directory / TREND_FILE
     if not path.is_file():
-        return False
-    lines = read_trend(path)
+        return None, False
+    trend = read_trend(path)
     steps = run_step_dirs(directory)
     full = [d for d in steps if d.parent == directory / FULL_CAPTURES]
     if show:
@@ -194,12 +207,16 @@ def _guard_trend_first(directory: Path, *, show: bool) -> bool:
             f"  {d.name.replace('_', ' ')} captured in full (the step after an anomaly): gradaudit check {d}\n"
             for d in full
         )
-        sys.stdout.write(trend_text(lines) + "\n" + captures + "\n")
-    if steps != [directory]:
-        return False  # the guard's dumps and full captures are listed after the trend
-    if any(not line.ok for line in lines):
-        raise SystemExit(EXIT_FINDINGS)
-    return True
+        sys.stdout.write(trend_text(trend) + "\n" + captures + "\n")
+    elif warn:
+        sys.stderr.write("".join(f"warning: {note}\n" for note in trend.notes))
+    return trend, steps == [directory]  # else the guard's dumps and full captures follow the trend
+
+
+def _trend_fails(trend: Trend, fail_on: FailOn) -> bool:
+    """A failing step of the trend fails the check as an error finding would (its codes are the
+    step's errors)."""
+    return fail_on is not FailOn.never and any(not line.ok for line in trend.lines)
 
 
 def _emit_report(
@@ -357,33 +374,24 @@ def _single_threaded_blas() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user errors exit 2 with one line; anything unexpected exits 3."""
+    """Entry point: user errors exit 2 with one line; anything unexpected exits 3; SIGINT and SIGTERM
+    exit 130 and 143 with one line, after every `finally` ran (no report file is left half written)."""
     _single_threaded_blas()
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if debug:
         args.remove("--debug")
     try:
-        if args == ["--version"]:
-            _emit(_version_line(), None)  # answered before typer loads its parsers
-        elif args[:1] == ["explain"] and "--help" not in args:
-            # typer coerces every parameter, even the group's --help flag, through pydantic, which would
-            # double the time `explain` takes to print a paragraph; its arguments need no parser.
-            _explain(args[1:])
-        else:
-            from typer.main import get_command
-
-            from .cliparams import install_plain_params
-
-            command = get_command(app)
-            install_plain_params(command)  # no pydantic for paths, numbers and choices (see cliparams)
-            command.main(args=args, prog_name="gradaudit", standalone_mode=False)
+        with _stopped_by_signals():
+            code = _dispatch(args)
+    except _Stopped as stopped:
+        _fail(f"gradaudit: {STOPPED_BY[stopped.signum]}", 128 + stopped.signum, debug)
     except GradauditError as exc:
         _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
     except SystemExit:
         raise
-    except KeyboardInterrupt:
-        _fail("interrupted", 130, debug)
+    except KeyboardInterrupt:  # where no handler could be installed (main called off the main thread)
+        _fail(f"gradaudit: {STOPPED_BY[signal.SIGINT]}", 128 + signal.SIGINT, debug)
     except Exception as exc:  # noqa: BLE001 - the last line of defence
         if _is_usage_error(exc):
             exc.show()  # type: ignore[attr-defined]
@@ -396,7 +404,59 @@ def main(argv: list[str] | None = None) -> None:
             EXIT_INTERNAL,
             debug,
         )
-    sys.exit(EXIT_OK)
+    if code == 128 + signal.SIGINT:  # typer's answer to a KeyboardInterrupt it caught
+        _fail(f"gradaudit: {STOPPED_BY[signal.SIGINT]}", code, debug)
+    sys.exit(code)
+
+
+def _dispatch(args: list[str]) -> int:
+    """Run the command `args` names; its exit code when it returns."""
+    if args == ["--version"]:
+        _emit(_version_line(), None)  # answered before typer loads its parsers
+        return EXIT_OK
+    if args[:1] == ["explain"] and "--help" not in args:
+        # typer coerces every parameter, even the group's --help flag, through pydantic, which would
+        # double the time `explain` takes to print a paragraph; its arguments need no parser.
+        _explain(args[1:])
+        return EXIT_OK
+    from typer.main import get_command
+
+    from .cliparams import install_plain_params
+
+    command = get_command(app)
+    install_plain_params(command)  # no pydantic for paths, numbers and choices (see cliparams)
+    returned = command.main(args=args, prog_name="gradaudit", standalone_mode=False)
+    return returned if isinstance(returned, int) else EXIT_OK  # typer returns the code of an Exit
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM, raised where the main thread is: not an Exception (no `except Exception`
+    swallows it) nor a KeyboardInterrupt (typer turns that into a silent return)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    for other in STOPPED_BY:
+        signal.signal(other, signal.SIG_DFL)  # a second signal stops the process at once
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise _Stopped while the command runs; the previous handlers after it."""
+    try:
+        previous = {signum: signal.signal(signum, _raise_stopped) for signum in STOPPED_BY}
+    except ValueError:  # not the main thread: signals are its program's to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _is_usage_error(exc: Exception) -> bool:
@@ -404,7 +464,7 @@ def _is_usage_error(exc: Exception) -> bool:
     return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__) and hasattr(exc, "show")
 
 
-def _fail(message: str, code: int, debug: bool) -> None:
+def _fail(message: str, code: int, debug: bool) -> NoReturn:
     if debug:
         import traceback
 

@@ -62,9 +62,11 @@ def _file_with_identity(folder: Path, identity: tuple[int, int], depth: int) -> 
 
 
 def write_report_file(output: Path, text: str) -> None:
-    """Write `text` to `output` through a temporary in the same folder renamed into place, so that no
-    other name of the old file (a hard link) is changed and a failed write leaves the old report. A
-    symlink is followed to the file it names; a pipe or device (say /dev/stdout) is written to directly."""
+    """Write `text` to `output` through a temporary in the same folder, flushed to disk and renamed
+    into place, so that the old report stays whole until the new one is (a failed write, a signal, a
+    crash), and no other name of the old file (a hard link) is changed. The temporary is removed
+    whatever stops the write: the CLI turns SIGINT and SIGTERM into exceptions, so this `finally` runs.
+    A symlink is followed to the file it names; a pipe or device (say /dev/stdout) is written to directly."""
     from .dumpfile.tempfiles import create_exclusively, temporary_name
 
     data = text.encode("utf-8")
@@ -77,13 +79,14 @@ def write_report_file(output: Path, text: str) -> None:
         with open(target, "wb") as handle:
             handle.write(data)
         return
-    temporary = target.with_name(temporary_name(target.name))
-    fd = create_exclusively(temporary)
+    temporary = target.with_name(temporary_name(target.name))  # no other process's: pid and a token
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with os.fdopen(create_exclusively(temporary), "wb") as handle:
             handle.write(data)
             if existing is not None:
                 os.fchmod(handle.fileno(), stat.S_IMODE(existing.st_mode))
+            handle.flush()
+            os.fsync(handle.fileno())  # else a crash after the rename may leave an empty report
         os.replace(temporary, target)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -25,7 +25,7 @@ from gradaudit.live.analysis_input import (
     report_of,
     step_dump,
 )
-from gradaudit.live.trend import TREND_FILE, TrendLine, read_trend, trend_text
+from gradaudit.live.trend import TREND_FILE, Trend, TrendLine, read_trend, trend_text
 from gradaudit.model import Topology
 
 MAX_NORM = 1.0
@@ -132,8 +132,9 @@ def _line(step, codes=(), true=1.2, reported=1.2):
 def test_the_trend_reads_back_and_lists_the_failing_steps_first(tmp_path):
     lines = [_line(1), _line(2, ("GA201",), reported=0.7), _line(3, reported=math.inf)]
     folder = _trend(tmp_path, lines)
-    assert read_trend(folder / TREND_FILE) == lines
-    text = trend_text(lines)
+    trend = read_trend(folder / TREND_FILE)
+    assert trend == Trend(path=str(folder / TREND_FILE), lines=tuple(lines))
+    text = trend_text(trend)
     assert text.splitlines()[0] == "guard trend: 3 checked steps, 1 with wrong clipping"
     assert text.splitlines()[1].startswith("  step 2: GA201")
 
@@ -143,9 +144,10 @@ def test_a_step_clipped_twice_keeps_its_clip_calls_in_the_trend_and_names_the_la
 ):
     twice = replace(_line(2, ("GA501",), true=71.0, reported=71.0), min_coef=0.5, clip_calls=2)
     lines = [_line(1), twice]
-    assert read_trend(_trend(tmp_path, lines) / TREND_FILE) == lines
+    trend = read_trend(_trend(tmp_path, lines) / TREND_FILE)
+    assert trend.lines == tuple(lines)
     assert "clip_calls" not in _line(1).to_json() and twice.to_json()["clip_calls"] == 2  # once: as before
-    (failing,) = [row for row in trend_text(lines).splitlines() if row.startswith("  step 2:")]
+    (failing,) = [row for row in trend_text(trend).splitlines() if row.startswith("  step 2:")]
     assert failing.endswith(
         "(true norm 71, reported 71, coefficients applied by the last of 2 clip calls 0.5..0.8)"
     )
@@ -162,9 +164,10 @@ def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_pat
         skipped=True,
     )
     lines = [_line(1), skipped, _line(3)]
-    assert read_trend(_trend(tmp_path, lines) / TREND_FILE) == lines
+    trend = read_trend(_trend(tmp_path, lines) / TREND_FILE)
+    assert trend.lines == tuple(lines)
     assert skipped.to_json()["verdict"] == "skipped"
-    text = trend_text(lines)
+    text = trend_text(trend)
     assert text.splitlines()[0] == "guard trend: 3 checked steps, 0 with wrong clipping"
     assert any(
         row.strip().startswith("2 ") and row.endswith("skipped by the scaler") for row in text.splitlines()
@@ -173,7 +176,7 @@ def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_pat
 
 def test_a_damaged_trend_line_names_the_file_and_line(tmp_path):
     (tmp_path / TREND_FILE).write_text(json.dumps(_line(1).to_json()) + "\n{not json\n")
-    with pytest.raises(StepFolderError, match=r"guard_trend.jsonl:2: .*remove the line"):
+    with pytest.raises(StepFolderError, match=r"guard_trend.jsonl:2: not JSON .*remove the line"):
         read_trend(tmp_path / TREND_FILE)
 
 

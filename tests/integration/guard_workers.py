@@ -24,7 +24,7 @@ def with_trends(results: list[dict], out_root: str) -> list[dict]:
     for result in results:
         for name, run in result.items():
             path = os.path.join(out_root, name, TREND_FILE)
-            run["trend"] = [line.to_json() for line in read_trend(path)] if os.path.exists(path) else []
+            run["trend"] = [line.to_json() for line in read_trend(path).lines] if os.path.exists(path) else []
     return results
 
 
