@@ -162,7 +162,7 @@ def _train(rank, world_size, stack, out_dir, *, guarded, fault=None, fault_rank=
         "skipped_steps": [] if guard is None else [(s, list(r)) for s, r in guard.skipped_steps],
         "dumps": [] if guard is None else [str(p) for p in guard.dumps],
         "warnings": [str(w.message) for w in caught if "gradaudit" in str(w.message)],
-        "trend": [(t.step, list(t.codes)) for t in read_trend(trend_path)]
+        "trend": [(t.step, list(t.codes)) for t in read_trend(trend_path).lines]
         if os.path.isfile(trend_path)
         else [],
     }
@@ -284,7 +284,7 @@ def changes(rank: int, world_size: int, out_dir: str, stack: str) -> dict:
     return {
         "anomalies": [(s, list(c)) for s, c in guard.anomalies],
         "warnings": [str(w.message) for w in caught if "gradaudit" in str(w.message)],
-        "trend": [(t.step, list(t.codes)) for t in read_trend(trend_path)]
+        "trend": [(t.step, list(t.codes)) for t in read_trend(trend_path).lines]
         if os.path.isfile(trend_path)
         else [],
         "groups": [g.name for g in guard.groups],
