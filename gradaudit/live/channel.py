@@ -11,7 +11,6 @@ later. The group's own timeout, much longer, ends an exchange that no other rank
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -92,20 +91,19 @@ class Channel:
         exchange.work = None
         return exchange.gathered  # type: ignore[no-any-return]
 
-    def exchange_objects(self, mine: Any, wait_s: float) -> list[Any]:
-        """Every rank's `mine` (picklable), in rank order: sizes first, then the padded bytes, each wait
-        bounded by `wait_s`. Raises ChannelError when a rank does not take part in time."""
+    def exchange_bytes(self, mine: bytes, wait_s: float) -> list[bytes]:
+        """Every rank's `mine`, in rank order: sizes first, then the padded bytes, each wait bounded by
+        `wait_s`. Raises ChannelError when a rank does not take part in time."""
         import torch
 
         if self.group is None:
             return [mine]
-        data = pickle.dumps(mine)
-        sizes = self._all(torch.tensor([float(len(data))], dtype=torch.float64), wait_s)
+        sizes = self._all(torch.tensor([float(len(mine))], dtype=torch.float64), wait_s)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
         every = self._all(padded, wait_s).reshape(self.world_size, longest)
-        return [pickle.loads(every[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
+        return [every[r, : int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
 
     def _all(self, vector: torch.Tensor, wait_s: float) -> torch.Tensor:
         exchange = self.post(-1, vector)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
+from . import wire
 from .agreement import Agreement, agree
 from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_of
 from .channel import WAIT_S, Channel, Exchange
@@ -263,14 +264,16 @@ class Guard:
                 (p.param, p.regions if math.prod(p.local_shape) else None, group_key(p), p.dtype)
                 for p in ownership.pieces
             ]
-            mine: Any = (pieces, ownership.topology, earlier_attempts(self.out_dir) if attaching else 0)
+            attempts = earlier_attempts(self.out_dir) if attaching else 0
+            mine = b"+" + wire.encode(pieces, ownership.topology, attempts)
         except Exception as exc:  # noqa: BLE001  every rank must still take part in the exchange
-            mine = f"rank {self.rank}: {_said(exc)}"
+            mine = f"-rank {self.rank}: {_said(exc)}".encode()
         wait_s = max(self._wait_s, 300.0) if attaching else self._wait_s  # ranks start unevenly
-        every_rank = self._channel.exchange_objects(mine, wait_s)
-        failed = [m for m in every_rank if isinstance(m, str)]
+        told = self._channel.exchange_bytes(mine, wait_s)
+        failed = [data[1:].decode(errors="replace") for data in told if not data.startswith(b"+")]
         if failed:
             raise CaptureError(f"ownership could not be inferred: {'; '.join(failed)}")
+        every_rank = [wire.decode(data[1:]) for data in told]
         keys_of, added = _ownership_keys([pieces for pieces, _, _ in every_rank])
         keys = keys_of[self.rank]
         dtype_of: dict[str, str] = {}

@@ -1,0 +1,57 @@
+"""What the ranks' guards tell each other of their ownership when attaching (and when the parameters
+change), as JSON: each piece's parameter, regions, ownership group and dtype, the rank's topology, and
+how many earlier attempts wrote dumps into its out_dir. No torch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..model import Box, FlatRange, MeshInfo, Region, Topology
+
+PieceKey = tuple[str, "tuple[Region, ...] | None", str, str]
+"""(parameter, its regions on this rank or None for an empty piece, ownership group, dtype)."""
+
+
+def encode(pieces: list[PieceKey], topology: Topology, attempts: int) -> bytes:
+    mesh = topology.mesh
+    document = {
+        "pieces": [[param, _regions(regions), key, dtype] for param, regions, key, dtype in pieces],
+        "groups": {name: [list(ranks) for ranks in lists] for name, lists in topology.groups.items()},
+        "mesh": None if mesh is None else [list(mesh.shape), list(mesh.axis_names), list(mesh.ranks)],
+        "norm_group": topology.norm_group,
+        "attempts": attempts,
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> tuple[list[PieceKey], Topology, int]:
+    document = json.loads(data)
+    pieces: list[PieceKey] = [
+        (param, None if regions is None else tuple(map(_region, regions)), key, dtype)
+        for param, regions, key, dtype in document["pieces"]
+    ]
+    mesh = document["mesh"]
+    topology = Topology(
+        groups={name: tuple(tuple(ranks) for ranks in lists) for name, lists in document["groups"].items()},
+        mesh=None
+        if mesh is None
+        else MeshInfo(shape=tuple(mesh[0]), axis_names=tuple(mesh[1]), ranks=tuple(mesh[2])),
+        norm_group=document["norm_group"],
+    )
+    return pieces, topology, int(document["attempts"])
+
+
+def _regions(regions: tuple[Region, ...] | None) -> list[Any] | None:
+    if regions is None:
+        return None
+    return [
+        ["flat", r.start, r.stop] if isinstance(r, FlatRange) else ["box", list(r.offsets), list(r.shape)]
+        for r in regions
+    ]
+
+
+def _region(raw: list[Any]) -> Region:
+    if raw[0] == "flat":
+        return FlatRange(start=raw[1], stop=raw[2])
+    return Box(offsets=tuple(raw[1]), shape=tuple(raw[2]))
