@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -387,6 +387,19 @@ def audit_folder(
     step_dirs = run_step_dirs(path)
     if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
         return audit_step_dir(path, options, progress=progress, measure=measure, load_files=load_files)
+    return audit_steps(path, step_dirs, options, progress=progress, measure=measure, load_files=load_files)
+
+
+def audit_steps(
+    path: str | Path,
+    step_dirs: Sequence[Path],
+    options: AuditOptions,
+    *,
+    progress: Progress | None = None,
+    measure: Measure | None = None,
+    load_files: LoadFiles | None = None,
+) -> MultiStepReport:
+    """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more)."""
     reports = [
         (
             str(directory),

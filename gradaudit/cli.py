@@ -72,22 +72,52 @@ def _emit(text: str, output: Path | None) -> None:
 
 @app.command()
 def show(
-    directory: Path = typer.Argument(..., help="A step_<N> folder of rank files."),
+    directory: Path = typer.Argument(
+        ..., help="A step_<N> folder of rank files, or a folder of step_<N> folders (a guarded run's too)."
+    ),
     format: ShowFormat = typer.Option(ShowFormat.terminal, "--format", "-f", help="terminal or json."),
 ) -> None:
-    """List what a step folder holds: ranks, topology, parameters and who holds which part."""
-    from .dumpfile import load_step
+    """List what a step folder holds: ranks, topology, parameters and who holds which part.
+
+    For a run folder, each of its steps, after a guarded run's trend (the steps the guard found wrong).
+    """
+    from .dumpfile import find_step_dirs, load_step
+    from .live.trend import TREND_FILE
     from .report.inventory import build_inventory, inventory_to_json
 
-    inventory = build_inventory(load_step(directory))
+    if find_step_dirs(directory) == [directory] and not (directory / TREND_FILE).is_file():
+        inventory = build_inventory(load_step(directory))
+        if format is ShowFormat.json:
+            import json
+
+            _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True), None)
+        else:
+            from .render.inventory import render_inventory
+
+            _emit(render_inventory(inventory, width=_terminal_width(), color=sys.stdout.isatty()), None)
+        return
+    _show_run(directory, format)
+
+
+def _show_run(directory: Path, format: ShowFormat) -> None:
+    from .dumpfile import load_step
+    from .guardrun import read_guard_trend, step_dirs_of
+    from .report.inventory import RunInventory, build_inventory
+
+    step_dirs = step_dirs_of(directory)
+    run = RunInventory(
+        directory=str(directory),
+        guard_trend=read_guard_trend(directory, step_dirs),
+        steps=tuple(build_inventory(load_step(d)) for d in step_dirs),
+    )
     if format is ShowFormat.json:
-        import json
+        from .render.json import render_run_inventory
 
-        _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True), None)
+        _emit(render_run_inventory(run), None)
     else:
-        from .render.inventory import render_inventory
+        from .render.inventory import render_run_inventory as render_run_text
 
-        _emit(render_inventory(inventory, width=_terminal_width(), color=sys.stdout.isatty()), None)
+        _emit(render_run_text(run, width=_terminal_width(), color=sys.stdout.isatty()), None)
 
 
 class FailOn(str, enum.Enum):
@@ -134,9 +164,9 @@ def check(
 
     Exit codes: 0 nothing at or above --fail-on, 1 findings, 2 unusable input or usage, 3 internal error.
     """
-    from .audit import audit_folder
     from .checks.base import AuditOptions
     from .errors import UsageError
+    from .guardrun import audit_run
     from .report.model import MultiStepReport
 
     if output is not None:
@@ -157,13 +187,11 @@ def check(
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
-    if _guard_trend_first(directory, show=printing and format is OutputFormat.terminal and output is None):
-        return
     with (
         scaled_out(env) as shares,
         check_progress(enabled=printing and format is not OutputFormat.json) as progress,
     ):
-        result = audit_folder(
+        result = audit_run(
             directory,
             options,
             progress=progress,
@@ -173,33 +201,17 @@ def check(
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
         _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
-    if _fails(reports, fail_on):
+    if _fails(reports, fail_on) or (fail_on is not FailOn.never and _trend_alone_fails(result)):
         raise SystemExit(EXIT_FINDINGS)
 
 
-def _guard_trend_first(directory: Path, *, show: bool) -> bool:
-    """Print the guard's trend of a run folder (failing steps first); True when that is all the
-    folder holds (a guarded run with no anomaly has no step to audit)."""
-    from .audit import FULL_CAPTURES, run_step_dirs
-    from .live.trend import TREND_FILE, read_trend, trend_text
+def _trend_alone_fails(result: Report | MultiStepReport) -> bool:
+    """A guarded run whose failing steps have no dump to audit fails on its trend alone."""
+    from .report.model import MultiStepReport
 
-    path = directory / TREND_FILE
-    if not path.is_file():
+    if not isinstance(result, MultiStepReport) or result.guard_trend is None:
         return False
-    lines = read_trend(path)
-    steps = run_step_dirs(directory)
-    full = [d for d in steps if d.parent == directory / FULL_CAPTURES]
-    if show:
-        captures = "".join(
-            f"  {d.name.replace('_', ' ')} captured in full (the step after an anomaly): gradaudit check {d}\n"
-            for d in full
-        )
-        sys.stdout.write(trend_text(lines) + "\n" + captures + "\n")
-    if steps != [directory]:
-        return False  # the guard's dumps and full captures are listed after the trend
-    if any(not line.ok for line in lines):
-        raise SystemExit(EXIT_FINDINGS)
-    return True
+    return not result.steps and bool(result.guard_trend.failing)
 
 
 def _emit_report(

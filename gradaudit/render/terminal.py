@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from ..norms import norm_name
-from ..report.model import Finding, MultiStepReport, Report, Severity
+from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
+from . import guardtrend
 from .charts import MAX_CHART_RANKS, share_chart
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
@@ -63,9 +64,15 @@ def render_report(report: Report, *, width: int = 100, color: bool = False, fold
 def render_multi(
     multi: MultiStepReport, *, width: int = 100, color: bool = False, failing_only: bool = False
 ) -> str:
-    """A folder of steps: failing steps first, clean steps folded into runs (left out with `failing_only`)."""
+    """A folder of steps: a guarded run's trend first, then the failing steps first, clean steps folded
+    into runs (left out with `failing_only`)."""
     out = io.StringIO()
     console = make_console(out, width, color)
+    if multi.guard_trend is not None:
+        print_guard_trend(console, multi.guard_trend)
+        if not multi.steps:
+            return _strip_line_ends(out.getvalue())
+        console.print()
     failing = [r for r in multi.steps if is_failing(r)]
     console.print(
         _line(
@@ -90,6 +97,33 @@ def render_multi(
     if hidden:
         console.print(_line((f"  {len(hidden)} clean steps not listed (--failing-only)", "dim")))
     return _strip_line_ends(out.getvalue())
+
+
+def print_guard_trend(console: Console, trend: GuardTrend, *, chart: bool = True) -> None:
+    """The guard's verdicts during training: failing steps first, then the norms of the last steps."""
+    console.print(_line((guardtrend.headline(trend), "bold")))
+    for step in trend.failing[: guardtrend.SHOWN_FAILING]:
+        console.print(
+            _line(
+                "  ",
+                (guardtrend.failing_step(step, printable), "red"),
+                (" · not dumped" if step.dump is None else "", "yellow"),
+            )
+        )
+    if guardtrend.more_failing(trend):
+        console.print(_line((f"  {guardtrend.more_failing(trend)}", "dim")))
+    if trend.not_dumped:
+        console.print(_line("  ", (guardtrend.not_dumped(trend), "yellow")))
+    rows = guardtrend.chart_rows(trend, printable) if chart else []
+    if rows:
+        console.print(_line(f"  {guardtrend.chart_title(trend)}"))
+        for row in rows:
+            console.print(_line(f"  {row}"))
+    for directory in trend.full_captures:
+        # not wrapped: the command in it is copied whole
+        console.print(_line((f"  {guardtrend.full_capture(directory, printable)}", "dim")), soft_wrap=True)
+    if not trend.failing:
+        console.print(_line((f"✓ {guardtrend.all_clean(trend)}", "bold green")))
 
 
 def make_console(out: io.StringIO, width: int, color: bool) -> Console:
