@@ -399,16 +399,33 @@ def audit_steps(
     measure: Measure | None = None,
     load_files: LoadFiles | None = None,
 ) -> MultiStepReport:
-    """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more)."""
+    """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more); `progress`
+    sees one count over all of them."""
     reports = [
         (
             str(directory),
-            audit_step_dir(directory, options, progress=progress, measure=measure, load_files=load_files),
+            audit_step_dir(
+                directory,
+                options,
+                progress=None if progress is None else _over_steps(progress, index, len(step_dirs)),
+                measure=measure,
+                load_files=load_files,
+            ),
         )
-        for directory in step_dirs
+        for index, directory in enumerate(step_dirs)
     ]
     return MultiStepReport(
         directory=str(path),
         steps=tuple(r for _, r in reports),
         summary=tuple(summarize(r, d) for d, r in reports),
     )
+
+
+def _over_steps(progress: Progress, index: int, num_steps: int) -> Progress:
+    """Step `index`'s parameter count as part of one count over the folder's `num_steps` steps, each
+    taken to have as many parameters as this one (the steps of a run hold the same model)."""
+
+    def advance(done: int, total: int) -> None:
+        progress(index * total + done, num_steps * total)
+
+    return advance

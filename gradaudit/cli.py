@@ -40,6 +40,18 @@ class ShowFormat(str, enum.Enum):
     json = "json"
 
 
+class ColorChoice(str, enum.Enum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+COLOR_HELP = (
+    "auto (on a terminal, unless NO_COLOR is set; FORCE_COLOR=1 forces it, even piped), always or never. "
+    "A report written with --output has colour only with always."
+)
+
+
 def _print_version(value: bool) -> None:
     if value:
         _emit(_version_line(), None)
@@ -76,6 +88,7 @@ def show(
         ..., help="A step_<N> folder of rank files, or a folder of step_<N> folders (a guarded run's too)."
     ),
     format: ShowFormat = typer.Option(ShowFormat.terminal, "--format", "-f", help="terminal or json."),
+    color: ColorChoice = typer.Option(ColorChoice.auto, "--color", help=COLOR_HELP),
 ) -> None:
     """List what a step folder holds: ranks, topology, parameters and who holds which part.
 
@@ -94,12 +107,12 @@ def show(
         else:
             from .render.inventory import render_inventory
 
-            _emit(render_inventory(inventory, width=_terminal_width(), color=sys.stdout.isatty()), None)
+            _emit(render_inventory(inventory, width=_terminal_width(), color=_use_color(color)), None)
         return
-    _show_run(directory, format)
+    _show_run(directory, format, color)
 
 
-def _show_run(directory: Path, format: ShowFormat) -> None:
+def _show_run(directory: Path, format: ShowFormat, color: ColorChoice) -> None:
     from .dumpfile import load_step
     from .guardrun import read_guard_trend, step_dirs_of
     from .report.inventory import RunInventory, build_inventory
@@ -117,7 +130,7 @@ def _show_run(directory: Path, format: ShowFormat) -> None:
     else:
         from .render.inventory import render_run_inventory as render_run_text
 
-        _emit(render_run_text(run, width=_terminal_width(), color=sys.stdout.isatty()), None)
+        _emit(render_run_text(run, width=_terminal_width(), color=_use_color(color)), None)
 
 
 class FailOn(str, enum.Enum):
@@ -159,6 +172,7 @@ def check(
         help="For a folder of steps: list only the steps with errors, warnings or missing ranks "
         "(terminal and Markdown; JSON keeps every step).",
     ),
+    color: ColorChoice = typer.Option(ColorChoice.auto, "--color", help=COLOR_HELP),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
@@ -200,7 +214,8 @@ def check(
         )
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
-        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
+        color_on = _use_color(color, to_file=output is not None)
+        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only, color=color_on)
     if _fails(reports, fail_on) or (fail_on is not FailOn.never and _trend_alone_fails(result)):
         raise SystemExit(EXIT_FINDINGS)
 
@@ -214,6 +229,21 @@ def _trend_alone_fails(result: Report | MultiStepReport) -> bool:
     return not result.steps and bool(result.guard_trend.failing)
 
 
+def _use_color(choice: ColorChoice, *, to_file: bool = False) -> bool:
+    """--color always or never decides; auto: never into a file, then NO_COLOR (set: off), then
+    FORCE_COLOR (set: on, even piped; "0" or "false": off), then whether stdout is a terminal."""
+    import os
+
+    if choice is not ColorChoice.auto:
+        return choice is ColorChoice.always
+    if to_file or os.environ.get("NO_COLOR"):
+        return False
+    forced = os.environ.get("FORCE_COLOR")
+    if forced:
+        return forced.strip().lower() not in ("0", "false")
+    return sys.stdout.isatty()
+
+
 def _emit_report(
     result: Report | MultiStepReport,
     format: OutputFormat,
@@ -221,10 +251,13 @@ def _emit_report(
     *,
     fold: bool,
     failing_only: bool,
+    color: bool,
 ) -> None:
     from .errors import UsageError
 
-    text = _render(result, format, fold=fold, to_file=output is not None, failing_only=failing_only)
+    text = _render(
+        result, format, fold=fold, to_file=output is not None, failing_only=failing_only, color=color
+    )
     try:
         _emit(text, output)
     except OSError as exc:
@@ -242,6 +275,7 @@ def _render(
     fold: bool,
     to_file: bool,
     failing_only: bool,
+    color: bool,
 ) -> str:
     from .report.model import MultiStepReport
 
@@ -259,7 +293,6 @@ def _render(
         return markdown_renderer.render_report(result, fold=fold)
     from .render import terminal as terminal_renderer
 
-    color = not to_file and sys.stdout.isatty()
     width = 100 if to_file else _terminal_width()
     if isinstance(result, MultiStepReport):
         return terminal_renderer.render_multi(result, width=width, color=color, failing_only=failing_only)
@@ -339,11 +372,10 @@ def demo(
     except DemoRunFailed as exc:
         sys.stderr.write(exc.detail)
         raise
-    _emit(
+    _print_progress(  # status lines, on stderr: stdout is for what a command prints as its result
         f"wrote {result.step_dir} ({chosen.world_size} ranks: {chosen.stack}; mistake: {chosen.mistake})\n"
         f"wrote {result.reference_step_dir} (the same step, unsharded, in one process)\n"
-        f"next: {result.check_command}",
-        None,
+        f"next: {result.check_command}"
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..checks.base import count as _count
 from ..norms import norm_name
 from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
 from . import guardtrend
@@ -100,12 +101,15 @@ def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
     shown, not_shown = _take_within(sections, STEPS_BUDGET)
     blocks += shown
     if not_shown:
-        blocks.append(f"{len(not_shown)} more failing steps not shown; {SEE_JSON}.")
+        blocks.append(f"{_count(len(not_shown), 'more failing step')} not shown; {SEE_JSON}.")
     clean = [report.step for report in multi.steps if not is_failing(report)]
     if clean:
-        blocks.append(f"No errors, warnings or missing ranks in steps {fmt_rank_set(clean, max_chars=200)}.")
+        blocks.append(
+            f"No errors, warnings or missing ranks in {'step' if len(clean) == 1 else 'steps'} "
+            f"{fmt_rank_set(clean, max_chars=200)}."
+        )
     if hidden:
-        blocks.append(f"{len(hidden)} clean steps not listed (--failing-only).")
+        blocks.append(f"{_count(len(hidden), 'clean step')} not listed (--failing-only).")
     blocks.append(_version_line(multi.report_version))
     return _join(blocks)
 
@@ -258,7 +262,7 @@ def _findings(findings: Sequence[Finding]) -> list[str]:
     blocks = list(full)
     if rest:
         brief, hidden = _take_within([_finding_line(f) for f in findings[len(full) :]], FINDINGS_BRIEF_BUDGET)
-        summary = f"{len(rest)} more findings"
+        summary = _count(len(rest), "more finding")
         body = "\n".join(f"- {line}" for line in brief)
         if hidden:
             body += f"\n\n{len(hidden)} more not listed; {SEE_JSON}."
@@ -326,10 +330,6 @@ def _environment_section(report: Report) -> str:
     return _details(f"Versions, hosts and process groups ({summary})", _table(["", "value"], rows))
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def _names(values: Sequence[str], limit: int = 8) -> str:
     return join_limited(list(values), limit=limit, escape=lambda v: _md(v, 60)) if values else "-"
 
@@ -380,7 +380,8 @@ def _rank_section(report: Report, *, fold: bool) -> str:
     parts.append(table)
     if folded.hidden_ranks:
         parts.append(
-            f"{len(folded.hidden_ranks)} more ranks in {folded.num_hidden_groups} groups not shown "
+            f"{_count(len(folded.hidden_ranks), 'more rank')} in "
+            f"{_count(folded.num_hidden_groups, 'group')} not shown "
             f"(ranks {fmt_rank_set(folded.hidden_ranks)}); {SEE_JSON}."
         )
     details = _diagnosis_details(report)
@@ -417,7 +418,7 @@ def _share_section(report: Report) -> str:
         parts.append(drawn)
     parts.append(table)
     if chart.num_hidden:
-        parts.append(f"{chart.num_hidden} smaller ranks not drawn.")
+        parts.append(f"{_count(chart.num_hidden, 'smaller rank')} not drawn.")
     return "\n\n".join(parts)
 
 
@@ -450,7 +451,7 @@ def _diagnosis_details(report: Report) -> str:
         for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]
     ]
     if len(groups) > MAX_DETAIL_LINES:
-        lines.append(f"{len(groups) - MAX_DETAIL_LINES} more explanations not shown")
+        lines.append(f"{_count(len(groups) - MAX_DETAIL_LINES, 'more explanation')} not shown")
     return _bullets(lines)
 
 

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from ..checks.base import count
 from ..norms import norm_name
 from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
 from . import guardtrend
@@ -24,8 +25,8 @@ from .numbers import (
     fmt_finding_counts,
     fmt_float,
     fmt_percent,
-    fmt_ranks,
     fmt_replica_of,
+    fmt_steps_named,
     fmt_value,
     reference_worst_first,
     replica_owners,
@@ -77,7 +78,7 @@ def render_multi(
     console.print(
         _line(
             ("gradaudit", "bold"),
-            f" · {len(multi.steps)} steps ({len(failing)} failing) in {printable(multi.directory)}",
+            f" · {count(len(multi.steps), 'step')} ({len(failing)} failing) in {printable(multi.directory)}",
         )
     )
     console.print()
@@ -93,9 +94,9 @@ def render_multi(
     clean = [r.step for r in multi.steps if not is_failing(r)]
     if clean:
         console.print()
-        console.print(_line(f"No errors, warnings or missing ranks in steps {fmt_ranks(clean)}."))
+        console.print(_line(f"No errors, warnings or missing ranks in {fmt_steps_named(clean)}."))
     if hidden:
-        console.print(_line((f"  {len(hidden)} clean steps not listed (--failing-only)", "dim")))
+        console.print(_line((f"  {count(len(hidden), 'clean step')} not listed (--failing-only)", "dim")))
     return _strip_line_ends(out.getvalue())
 
 
@@ -190,7 +191,8 @@ def _print_verdict(console: Console, report: Report) -> None:
     )
     console.print(
         _line(
-            f"step {report.step} · {len(report.ranks_present)}/{report.world_size} ranks present · "
+            f"step {report.step} · {len(report.ranks_present)}/{report.world_size} "
+            f"{'rank' if report.world_size == 1 else 'ranks'} present · "
             f"{fmt_finding_counts(report.findings)}"
         )
     )
@@ -247,7 +249,8 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
         console.print(
             _line(
                 (
-                    f"  {len(folded.hidden_ranks)} more ranks in {folded.num_hidden_groups} groups not shown "
+                    f"  {count(len(folded.hidden_ranks), 'more rank')} in "
+                    f"{count(folded.num_hidden_groups, 'group')} not shown "
                     f"(ranks {fmt_rank_set(folded.hidden_ranks)}); the JSON report lists every rank",
                     "dim",
                 )
@@ -265,7 +268,8 @@ def _print_diagnosis_details(console: Console, report: Report) -> None:
             )
         )
     if len(groups) > MAX_DETAIL_LINES:
-        console.print(_line((f"  {len(groups) - MAX_DETAIL_LINES} more explanations not shown", "dim")))
+        hidden = count(len(groups) - MAX_DETAIL_LINES, "more explanation")
+        console.print(_line((f"  {hidden} not shown", "dim")))
 
 
 def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
@@ -298,7 +302,7 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
             _line(f"  {bar.label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
         )
     if chart.num_hidden:
-        console.print(_line((f"  {chart.num_hidden} smaller ranks not drawn", "dim")))
+        console.print(_line((f"  {count(chart.num_hidden, 'smaller rank')} not drawn", "dim")))
 
 
 def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
@@ -420,7 +424,8 @@ def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
         console.print(
             _line(
                 (
-                    f"  {len(warnings) - MAX_WARNINGS} more warnings not shown; the JSON report lists them",
+                    f"  {count(len(warnings) - MAX_WARNINGS, 'more warning')} not shown; "
+                    "the JSON report lists them",
                     "dim",
                 )
             )
