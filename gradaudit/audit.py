@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -400,15 +400,45 @@ def audit_folder(
     step_dirs = run_step_dirs(path)
     if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
         return audit_step_dir(path, options, progress=progress, measure=measure, load_files=load_files)
+    return audit_steps(path, step_dirs, options, progress=progress, measure=measure, load_files=load_files)
+
+
+def audit_steps(
+    path: str | Path,
+    step_dirs: Sequence[Path],
+    options: AuditOptions,
+    *,
+    progress: Progress | None = None,
+    measure: Measure | None = None,
+    load_files: LoadFiles | None = None,
+) -> MultiStepReport:
+    """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more); `progress`
+    sees one count over all of them."""
     reports = [
         (
             str(directory),
-            audit_step_dir(directory, options, progress=progress, measure=measure, load_files=load_files),
+            audit_step_dir(
+                directory,
+                options,
+                progress=None if progress is None else _over_steps(progress, index, len(step_dirs)),
+                measure=measure,
+                load_files=load_files,
+            ),
         )
-        for directory in step_dirs
+        for index, directory in enumerate(step_dirs)
     ]
     return MultiStepReport(
         directory=str(path),
         steps=tuple(r for _, r in reports),
         summary=tuple(summarize(r, d) for d, r in reports),
     )
+
+
+def _over_steps(progress: Progress, index: int, num_steps: int) -> Progress:
+    """Step `index`'s parameter count as part of one count over the folder's `num_steps` steps, each
+    taken to have as many parameters as this one (the steps of a run hold the same model)."""
+
+    def advance(done: int, total: int) -> None:
+        progress(index * total + done, num_steps * total)
+
+    return advance

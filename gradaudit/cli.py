@@ -15,7 +15,6 @@ import typer
 from .errors import GradauditError
 
 if TYPE_CHECKING:
-    from .live.trend import Trend
     from .report.model import MultiStepReport, Report
 
 EXIT_OK = 0
@@ -43,6 +42,18 @@ class OutputFormat(str, enum.Enum):
 class ShowFormat(str, enum.Enum):
     terminal = "terminal"
     json = "json"
+
+
+class ColorChoice(str, enum.Enum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+COLOR_HELP = (
+    "auto (on a terminal, unless NO_COLOR is set; FORCE_COLOR=1 forces it, even piped), always or never. "
+    "A report written with --output has colour only with always."
+)
 
 
 def _print_version(value: bool) -> None:
@@ -77,22 +88,53 @@ def _emit(text: str, output: Path | None) -> None:
 
 @app.command()
 def show(
-    directory: Path = typer.Argument(..., help="A step_<N> folder of rank files."),
+    directory: Path = typer.Argument(
+        ..., help="A step_<N> folder of rank files, or a folder of step_<N> folders (a guarded run's too)."
+    ),
     format: ShowFormat = typer.Option(ShowFormat.terminal, "--format", "-f", help="terminal or json."),
+    color: ColorChoice = typer.Option(ColorChoice.auto, "--color", help=COLOR_HELP),
 ) -> None:
-    """List what a step folder holds: ranks, topology, parameters and who holds which part."""
-    from .dumpfile import load_step
+    """List what a step folder holds: ranks, topology, parameters and who holds which part.
+
+    For a run folder, each of its steps, after a guarded run's trend (the steps the guard found wrong).
+    """
+    from .dumpfile import find_step_dirs, load_step
+    from .live.trend import TREND_FILE
     from .report.inventory import build_inventory, inventory_to_json
 
-    inventory = build_inventory(load_step(directory))
+    if find_step_dirs(directory) == [directory] and not (directory / TREND_FILE).is_file():
+        inventory = build_inventory(load_step(directory))
+        if format is ShowFormat.json:
+            import json
+
+            _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True), None)
+        else:
+            from .render.inventory import render_inventory
+
+            _emit(render_inventory(inventory, width=_terminal_width(), color=_use_color(color)), None)
+        return
+    _show_run(directory, format, color)
+
+
+def _show_run(directory: Path, format: ShowFormat, color: ColorChoice) -> None:
+    from .dumpfile import load_step
+    from .guardrun import read_guard_trend, step_dirs_of
+    from .report.inventory import RunInventory, build_inventory
+
+    step_dirs = step_dirs_of(directory)
+    run = RunInventory(
+        directory=str(directory),
+        guard_trend=read_guard_trend(directory, step_dirs),
+        steps=tuple(build_inventory(load_step(d)) for d in step_dirs),
+    )
     if format is ShowFormat.json:
-        import json
+        from .render.json import render_run_inventory
 
-        _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True), None)
+        _emit(render_run_inventory(run), None)
     else:
-        from .render.inventory import render_inventory
+        from .render.inventory import render_run_inventory as render_run_text
 
-        _emit(render_inventory(inventory, width=_terminal_width(), color=sys.stdout.isatty()), None)
+        _emit(render_run_text(run, width=_terminal_width(), color=_use_color(color)), None)
 
 
 class FailOn(str, enum.Enum):
@@ -134,15 +176,16 @@ def check(
         help="For a folder of steps: list only the steps with errors, warnings or missing ranks "
         "(terminal and Markdown; JSON keeps every step).",
     ),
+    color: ColorChoice = typer.Option(ColorChoice.auto, "--color", help=COLOR_HELP),
 ) -> None:
     """Recompute the true global gradient norm of a step and audit how it was clipped.
 
     Exit codes: 0 nothing at or above --fail-on, 1 findings (or failing steps in the guard's trend),
     2 unusable input or usage, 3 internal error, 130 and 143 stopped by SIGINT (Ctrl-C) and SIGTERM.
     """
-    from .audit import audit_folder
     from .checks.base import AuditOptions
     from .errors import UsageError
+    from .guardrun import audit_run
     from .report.model import MultiStepReport
 
     if output is not None:
@@ -163,19 +206,11 @@ def check(
 
     env = launch_env()  # under torchrun: files and parameters split among the processes, rank 0 prints
     printing = env is None or env.rank == 0
-    trend, trend_only = _guard_trend_first(
-        directory, show=printing and format is OutputFormat.terminal and output is None, warn=printing
-    )
-    trend_fails = trend is not None and _trend_fails(trend, fail_on)
-    if trend_only:
-        if trend_fails:
-            raise SystemExit(EXIT_FINDINGS)
-        return
     with (
         scaled_out(env) as shares,
         check_progress(enabled=printing and format is not OutputFormat.json) as progress,
     ):
-        result = audit_folder(
+        result = audit_run(
             directory,
             options,
             progress=progress,
@@ -184,39 +219,38 @@ def check(
         )
     reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     if printing:
-        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only)
-    if _fails(reports, fail_on) or trend_fails:
+        color_on = _use_color(color, to_file=output is not None)
+        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only, color=color_on)
+        trend = result.guard_trend if isinstance(result, MultiStepReport) else None
+        if trend is not None and (format is not OutputFormat.terminal or output is not None):
+            sys.stderr.write("".join(f"warning: {note}\n" for note in trend.notes))  # beside the report
+    if _fails(reports, fail_on) or _trend_fails(result, fail_on):
         raise SystemExit(EXIT_FINDINGS)
 
 
-def _guard_trend_first(directory: Path, *, show: bool, warn: bool) -> tuple[Trend | None, bool]:
-    """Print the guard's trend of a run folder (failing steps first), or with `warn` alone what of it
-    was not read (on stderr); the trend (None without one), and whether it is all the folder holds
-    (a guarded run with no anomaly has no step to audit)."""
-    from .audit import FULL_CAPTURES, run_step_dirs
-    from .live.trend import TREND_FILE, read_trend, trend_text
+def _trend_fails(result: Report | MultiStepReport, fail_on: FailOn) -> bool:
+    """A failing step of a guarded run's trend fails the check as an error finding would (its codes
+    are the step's errors), whether or not the guard dumped it."""
+    from .report.model import MultiStepReport
 
-    path = directory / TREND_FILE
-    if not path.is_file():
-        return None, False
-    trend = read_trend(path)
-    steps = run_step_dirs(directory)
-    full = [d for d in steps if d.parent == directory / FULL_CAPTURES]
-    if show:
-        captures = "".join(
-            f"  {d.name.replace('_', ' ')} captured in full (the step after an anomaly): gradaudit check {d}\n"
-            for d in full
-        )
-        sys.stdout.write(trend_text(trend) + "\n" + captures + "\n")
-    elif warn:
-        sys.stderr.write("".join(f"warning: {note}\n" for note in trend.notes))
-    return trend, steps == [directory]  # else the guard's dumps and full captures follow the trend
+    if fail_on is FailOn.never or not isinstance(result, MultiStepReport) or result.guard_trend is None:
+        return False
+    return bool(result.guard_trend.failing)
 
 
-def _trend_fails(trend: Trend, fail_on: FailOn) -> bool:
-    """A failing step of the trend fails the check as an error finding would (its codes are the
-    step's errors)."""
-    return fail_on is not FailOn.never and any(not line.ok for line in trend.lines)
+def _use_color(choice: ColorChoice, *, to_file: bool = False) -> bool:
+    """--color always or never decides; auto: never into a file, then NO_COLOR (set: off), then
+    FORCE_COLOR (set: on, even piped; "0" or "false": off), then whether stdout is a terminal."""
+    import os
+
+    if choice is not ColorChoice.auto:
+        return choice is ColorChoice.always
+    if to_file or os.environ.get("NO_COLOR"):
+        return False
+    forced = os.environ.get("FORCE_COLOR")
+    if forced:
+        return forced.strip().lower() not in ("0", "false")
+    return sys.stdout.isatty()
 
 
 def _emit_report(
@@ -226,10 +260,13 @@ def _emit_report(
     *,
     fold: bool,
     failing_only: bool,
+    color: bool,
 ) -> None:
     from .errors import UsageError
 
-    text = _render(result, format, fold=fold, to_file=output is not None, failing_only=failing_only)
+    text = _render(
+        result, format, fold=fold, to_file=output is not None, failing_only=failing_only, color=color
+    )
     try:
         _emit(text, output)
     except OSError as exc:
@@ -247,6 +284,7 @@ def _render(
     fold: bool,
     to_file: bool,
     failing_only: bool,
+    color: bool,
 ) -> str:
     from .report.model import MultiStepReport
 
@@ -264,7 +302,6 @@ def _render(
         return markdown_renderer.render_report(result, fold=fold)
     from .render import terminal as terminal_renderer
 
-    color = not to_file and sys.stdout.isatty()
     width = 100 if to_file else _terminal_width()
     if isinstance(result, MultiStepReport):
         return terminal_renderer.render_multi(result, width=width, color=color, failing_only=failing_only)
@@ -344,11 +381,10 @@ def demo(
     except DemoRunFailed as exc:
         sys.stderr.write(exc.detail)
         raise
-    _emit(
+    _print_progress(  # status lines, on stderr: stdout is for what a command prints as its result
         f"wrote {result.step_dir} ({chosen.world_size} ranks: {chosen.stack}; mistake: {chosen.mistake})\n"
         f"wrote {result.reference_step_dir} (the same step, unsharded, in one process)\n"
-        f"next: {result.check_command}",
-        None,
+        f"next: {result.check_command}"
     )
 
 

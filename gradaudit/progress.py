@@ -17,7 +17,8 @@ SHOW_AFTER_S = 1.0
 
 class DelayedProgress:
     """A `progress(done, total)` callback that draws a transient bar once the work has lasted
-    SHOW_AFTER_S; a new step (done going back, or another total) restarts the bar."""
+    SHOW_AFTER_S. A run folder's steps share the one bar: the audit counts over all of them (see
+    audit._over_steps), so the bar moves on from step to step instead of starting again."""
 
     def __init__(
         self,
@@ -32,12 +33,8 @@ class DelayedProgress:
         self._started = clock()
         self._bar: Progress | None = None
         self._task: TaskID | None = None
-        self._last = (0, 0)
 
     def __call__(self, done: int, total: int) -> None:
-        if done < self._last[0] or total != self._last[1]:
-            self._restart(total)
-        self._last = (done, total)
         if self._bar is None or self._task is None:
             if self._clock() - self._started < self._show_after_s:
                 return
@@ -62,10 +59,6 @@ class DelayedProgress:
         )
         bar.start()
         return bar, bar.add_task("measure", total=total)
-
-    def _restart(self, total: int) -> None:
-        if self._bar is not None and self._task is not None:
-            self._bar.reset(self._task, total=total)
 
     def close(self) -> None:
         if self._bar is not None:

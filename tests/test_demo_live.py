@@ -17,14 +17,15 @@ def demo(capsys, scenario: str, out_dir) -> str:
         main(["demo", scenario, str(out_dir)])
     out, err = capsys.readouterr()
     assert exited.value.code == 0, err
-    return out
+    assert out == ""  # what it wrote and the next command are status lines, on stderr
+    return err
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2_correct", "fsdp2_local_clip"])
 def test_live_demo_reproduces_the_committed_sample(scenario, capsys, tmp_path):
-    out = demo(capsys, scenario, tmp_path)
+    err = demo(capsys, scenario, tmp_path)
     live_step, live_reference = step_dir(scenario, tmp_path), reference_dir(scenario, tmp_path)
-    assert f"next: gradaudit check {live_step} --reference {live_reference}" in out
+    assert f"next: gradaudit check {live_step} --reference {live_reference}" in err
     assert sorted(p.name for p in live_step.iterdir()) == sorted(p.name for p in step_dir(scenario).iterdir())
     assert [p.name for p in live_reference.iterdir()] == ["rank_00000.safetensors"]
 

@@ -72,7 +72,7 @@ def test_failing_steps_in_the_trend_exit_1_even_when_every_dump_folder_is_clean(
     code, out, _ = check(folder, capsys=capsys)
     assert code == 1
     assert out.startswith("guard trend: 3 checked steps, 1 with wrong clipping\n  step 2: GA201")
-    assert "No errors, warnings or missing ranks in steps 1." in out  # the dump was audited: clean
+    assert "No errors, warnings or missing ranks in step 1." in out  # the dump was audited: clean
     assert check(folder, "--format", "json", capsys=capsys)[0] == 1
     assert check(folder, "--fail-on", "never", capsys=capsys)[0] == 0
     (tmp_path / "run" / TREND_FILE).write_bytes(b"".join(_line(step) for step in range(1, 4)))
@@ -97,10 +97,11 @@ def test_a_last_line_cut_short_ends_the_trend_with_a_warning_and_the_lines_befor
     assert out.splitlines()[:3] == [
         "guard trend: 4 checked steps, 1 with wrong clipping",
         "  " + warning,
-        "  step 3: GA201 (true norm 1.5, reported 0.5, coefficients 0.6..0.6)",
+        "  step 3: GA201 (true norm 1.5, reported 0.5, coefficients 0.6..0.6) · not dumped",
     ]
     code, out, err = check(folder, "--format", "json", capsys=capsys)
-    assert (code, out, err) == (1, "", warning + "\n")  # no trend in JSON: the warning goes to stderr
+    assert (code, err) == (1, warning + "\n")  # on stderr beside the report, and in it
+    assert json.loads(out)["guard_trend"]["notes"] == [warning.removeprefix("warning: ")]
 
 
 @pytest.mark.parametrize(
@@ -139,9 +140,9 @@ def test_a_trend_over_the_bound_is_read_from_its_newest_lines_and_names_a_failin
         "guard trend: the newest 1000 checked steps, 1 with wrong clipping",
         "  warning: guard_trend.jsonl: its 200 oldest lines were not read (only the newest 1000 are): "
         "a failing step among them is not counted",
-        "  step 1047: GA201 (true norm 1.5, reported 0.5, coefficients 0.6..0.6)",
+        "  step 1047: GA201 (true norm 1.5, reported 0.5, coefficients 0.6..0.6) · not dumped",
     ]
-    assert out.splitlines()[-2].split()[0] == "1200"  # the last step shown is the last written
+    assert out.splitlines()[-1].split()[0] == "1200"  # the last step shown is the last written
 
 
 def test_a_failing_step_among_the_older_lines_over_the_bound_is_not_read_and_the_warning_says_so(
@@ -151,11 +152,13 @@ def test_a_failing_step_among_the_older_lines_over_the_bound_is_not_read_and_the
     code, out, err = check(
         _run_folder(tmp_path, range(1, 1201), failing={150}), "--format", "json", capsys=capsys
     )
-    assert (code, out) == (0, "")
-    assert err == (
-        "warning: guard_trend.jsonl: its 200 oldest lines were not read (only the newest 1000 are): "
-        "a failing step among them is not counted\n"
+    warning = (
+        "guard_trend.jsonl: its 200 oldest lines were not read (only the newest 1000 are): "
+        "a failing step among them is not counted"
     )
+    assert code == 0 and err == f"warning: {warning}\n"
+    reported = json.loads(out)["guard_trend"]
+    assert (reported["num_unread"], reported["notes"], reported["failing"]) == (200, [warning], [])
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 1 << 20])

@@ -32,16 +32,17 @@ def test_a_check_shorter_than_a_second_never_draws_the_bar():
     assert not bar.shown and terminal.getvalue() == ""
 
 
-def test_a_longer_check_draws_the_bar_once_it_has_lasted_a_second_and_restarts_per_step():
+def test_a_longer_check_draws_the_bar_once_it_has_lasted_a_second_and_keeps_one_bar_over_the_steps():
     clock, terminal = Clock(), FakeTerminal()
     bar = DelayedProgress(terminal, clock=clock)
-    bar(1, 4)
+    bar(1, 8)
     assert not bar.shown
     clock.now = 1.5
-    bar(2, 4)
+    bar(2, 8)
     assert bar.shown
-    bar(1, 7)  # the next step of a multi-step folder
-    assert bar._bar.tasks[0].total == 7 and bar._bar.tasks[0].completed == 1
+    bar(5, 8)  # the second step of a two-step folder, counted on from the first (audit._over_steps)
+    (task,) = bar._bar.tasks
+    assert task.total == 8 and task.completed == 5
     bar.close()
     assert "measuring parameters" in terminal.getvalue()
 

@@ -523,7 +523,7 @@ def test_multi_step_json_holds_the_summary_and_every_complete_step():
     data = json.loads(json_render.render_multi(multi_report()))
     assert [s["step"] for s in data["summary"]] == [1100, 1200, 1300]
     assert data["steps"][1] == json_render.report_to_dict(seed_report())
-    assert data["directory"] == "./run" and data["report_version"] == REPORT_VERSION == 2
+    assert data["directory"] == "./run" and data["report_version"] == REPORT_VERSION == 3
 
 
 # ---------------------------------------------------------------- nonfinite numbers

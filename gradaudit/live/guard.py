@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..audit import FULL_CAPTURES
 from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
@@ -856,7 +857,7 @@ class Guard:
             return
         self._capture = AuditStep(
             self.model if self._ownership is None else _no_parameters(),
-            self._dump_dir / "full",
+            self._dump_dir / FULL_CAPTURES,
             ownership=self._ownership,
             step=step,
             max_norm=self.max_norm,

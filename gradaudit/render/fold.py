@@ -101,7 +101,9 @@ def fmt_ranks_labelled_short(ranks: Sequence[int], *, max_chars: int = 48) -> st
 def fmt_groups(groups: Sequence[Sequence[int]], *, max_groups: int = 4) -> str:
     """Process groups as text: "2 groups of 2 ranks: {0-1}, {2-3}", the first few shown."""
     sizes = sorted({len(g) for g in groups})
-    size_text = f"{sizes[0]} ranks" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]} ranks"
+    size_text = f"{sizes[0]} rank" if sizes == [1] else f"{sizes[0]} ranks"
+    if len(sizes) > 1:
+        size_text = f"{sizes[0]} to {sizes[-1]} ranks"
     count = "1 group" if len(groups) == 1 else f"{len(groups)} groups"
     shown = ", ".join(f"{{{fmt_rank_set(g, max_chars=32)}}}" for g in groups[:max_groups])
     more = ", …" if len(groups) > max_groups else ""

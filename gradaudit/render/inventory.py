@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import io
 
-from ..checks.base import ranks_named
+from ..checks.base import count, ranks_named
 from ..ranksets import compact_ranks
-from ..report.inventory import Inventory
-from .terminal import make_console
+from ..report.inventory import Inventory, RunInventory
+from .terminal import make_console, print_guard_trend
 from .text import rich_safe
 
 MAX_LISTED = 20
@@ -74,3 +74,17 @@ def render_inventory(inv: Inventory, *, width: int = 100, color: bool = False) -
     for warning in inv.warnings:
         console.print(f"warning: {rich_safe(warning)}")
     return out.getvalue()
+
+
+def render_run_inventory(run: RunInventory, *, width: int = 100, color: bool = False) -> str:
+    """A run folder: how many step folders, a guarded run's trend (failing steps first), then each step."""
+    out = io.StringIO()
+    console = make_console(out, width, color)
+    console.print(
+        f"[bold]Run folder[/bold]  {rich_safe(run.directory)}: {count(len(run.steps), 'step folder')}"
+    )
+    if run.guard_trend is not None:
+        print_guard_trend(console, run.guard_trend, chart=False)
+    return "\n".join(
+        [out.getvalue(), *(render_inventory(inv, width=width, color=color) for inv in run.steps)]
+    )

@@ -13,11 +13,14 @@ import json
 import math
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..ranksets import rank_runs
 from ..report.model import MultiStepReport, Report
 from .numbers import json_number
+
+if TYPE_CHECKING:
+    from ..report.inventory import RunInventory
 
 _LEFT_OUT = frozenset({"fix"})
 """`Finding.fix`, the line the human renderers print; a JSON reader looks the code up (`gradaudit explain`)."""
@@ -83,3 +86,17 @@ def render_report(report: Report) -> str:
 
 def render_multi(multi: MultiStepReport) -> str:
     return _dumps(_plain(multi))
+
+
+def render_run_inventory(run: RunInventory) -> str:
+    """`gradaudit show --format json` of a run folder: each step's inventory, and the guard's trend
+    as the report has it."""
+    from ..report.inventory import inventory_to_json
+
+    return _dumps(
+        {
+            "directory": run.directory,
+            "steps": [inventory_to_json(inventory) for inventory in run.steps],
+            "guard_trend": _plain(run.guard_trend),
+        }
+    )

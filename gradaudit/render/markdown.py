@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..checks.base import count as _count
 from ..norms import norm_name
-from ..report.model import Finding, MultiStepReport, Report, Severity
+from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
+from . import guardtrend
 from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
 from .fold import (
     fmt_groups,
@@ -30,7 +32,14 @@ from .numbers import (
     unsaid_diagnosis_groups,
 )
 from .steps import StepRow, first_call_notes, fmt_steps, is_failing, step_rows
-from .text import clip_sentences, clip_text, join_limited, markdown_code_block, markdown_escape
+from .text import (
+    clip_sentences,
+    clip_text,
+    join_limited,
+    markdown_code_block,
+    markdown_escape,
+    markdown_text_block,
+)
 
 MAX_CHARS = 20_000
 """A report must fit a ticket (GitHub refuses issue bodies over 65,536 characters) at any world size."""
@@ -65,13 +74,19 @@ def render_report(report: Report, *, fold: bool = True) -> str:
 
 
 def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
-    """A folder of steps: the summary (failing steps first, clean steps folded into runs, left out with
-    `failing_only`), then each failing step."""
+    """A folder of steps: a guarded run's trend first, then the summary (failing steps first, clean
+    steps folded into runs, left out with `failing_only`), then each failing step."""
     failing = [report for report in multi.steps if is_failing(report)]
+    counted = f"{_count(len(multi.steps), 'step')} ({len(failing)} failing)"
+    trend = multi.guard_trend
+    if trend is None:
+        blocks = [f"# gradaudit report: {counted} in {_md(multi.directory)}"]
+    else:
+        blocks = _guarded_run_blocks(multi.directory, trend, dumped=bool(multi.steps))
+        if not multi.steps:
+            return _join([*blocks, _version_line(multi.report_version)])
+        blocks.append(f"## Dumps: {counted}")
     rows, hidden = step_rows(multi, failing_only=failing_only)
-    blocks = [
-        f"# gradaudit report: {len(multi.steps)} steps ({len(failing)} failing) in {_md(multi.directory)}"
-    ]
     if rows:
         summary = "\n\n".join([_summary_table(rows), *(f"{note}." for note in first_call_notes(rows))])
         blocks.append(
@@ -79,21 +94,68 @@ def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
             if len(rows) > 3 * OPEN_ROWS
             else summary
         )
-    trend = _trend_section(multi)
-    if trend:
-        blocks.append(trend)
+    trend_chart = _trend_section(multi)
+    if trend_chart:
+        blocks.append(trend_chart)
     sections = ["\n\n".join([f"## Step {report.step}", *_step_brief(report)]) for report in failing]
     shown, not_shown = _take_within(sections, STEPS_BUDGET)
     blocks += shown
     if not_shown:
-        blocks.append(f"{len(not_shown)} more failing steps not shown; {SEE_JSON}.")
+        blocks.append(f"{_count(len(not_shown), 'more failing step')} not shown; {SEE_JSON}.")
     clean = [report.step for report in multi.steps if not is_failing(report)]
     if clean:
-        blocks.append(f"No errors, warnings or missing ranks in steps {fmt_rank_set(clean, max_chars=200)}.")
+        blocks.append(
+            f"No errors, warnings or missing ranks in {'step' if len(clean) == 1 else 'steps'} "
+            f"{fmt_rank_set(clean, max_chars=200)}."
+        )
     if hidden:
-        blocks.append(f"{len(hidden)} clean steps not listed (--failing-only).")
+        blocks.append(f"{_count(len(hidden), 'clean step')} not listed (--failing-only).")
     blocks.append(_version_line(multi.report_version))
     return _join(blocks)
+
+
+def _guarded_run_blocks(directory: str, trend: GuardTrend, *, dumped: bool) -> list[str]:
+    """The title and the guard's trend: what it found during training, failing steps first, those it
+    did not dump, then the norms of the last checked steps as a text chart."""
+    checked = f"{_count(trend.num_checked, 'step')} checked"
+    if trend.failing:
+        found = f"{len(trend.failing)} with wrong clipping"
+        parts = [f"{trend.num_clean} clean", found]
+        if trend.num_skipped:
+            parts.append(f"{trend.num_skipped} skipped by the scaler")
+        intro = (
+            f"**✗** The guard checked {_count(trend.num_checked, 'step')} during training: {', '.join(parts)}"
+        )
+    else:
+        found = "none with wrong clipping" if trend.num_skipped else "all clean"
+        intro = f"**✓** {guardtrend.all_clean(trend)}" + ("" if dumped else " The guard dumped nothing")
+    blocks = [
+        f"# gradaudit report: guarded run {_md(directory)}: {checked}, {found}",
+        "## Guard trend",
+        f"{intro} ({_md(trend.file)} has every step).",
+    ]
+    if trend.notes:
+        blocks.append(_bullets(f"**warning:** {_md(note, MAX_MESSAGE_CHARS)}" for note in trend.notes))
+    if trend.failing:
+        items = [
+            f"**step {step.step}** {', '.join(_md(code) for code in step.codes)}: {guardtrend.numbers(step)}"
+            + (" — **not dumped**" if step.dump is None else f" — dumped to {_md(step.dump)}")
+            for step in trend.failing[: guardtrend.SHOWN_FAILING]
+        ]
+        hidden = len(trend.failing) - len(items)
+        if hidden:
+            items.append(f"and {_count(hidden, 'more failing step')}; {SEE_JSON}")
+        blocks.append(_bullets(items))
+    if trend.not_dumped:
+        blocks.append(f"**{_md(guardtrend.not_dumped(trend))}.**")
+    rows = guardtrend.chart_rows(trend, lambda text: text)
+    if rows:
+        title = guardtrend.chart_title(trend)
+        chart = markdown_text_block(rows)
+        blocks.append(f"{title[0].upper()}{title[1:]}\n\n{chart}")
+    if trend.full_captures:
+        blocks.append(_bullets(guardtrend.full_capture(d, _md) for d in trend.full_captures))
+    return blocks
 
 
 def _join(blocks: Sequence[str]) -> str:
@@ -202,7 +264,7 @@ def _findings(findings: Sequence[Finding]) -> list[str]:
     blocks = list(full)
     if rest:
         brief, hidden = _take_within([_finding_line(f) for f in findings[len(full) :]], FINDINGS_BRIEF_BUDGET)
-        summary = f"{len(rest)} more findings"
+        summary = _count(len(rest), "more finding")
         body = "\n".join(f"- {line}" for line in brief)
         if hidden:
             body += f"\n\n{len(hidden)} more not listed; {SEE_JSON}."
@@ -270,10 +332,6 @@ def _environment_section(report: Report) -> str:
     return _details(f"Versions, hosts and process groups ({summary})", _table(["", "value"], rows))
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def _names(values: Sequence[str], limit: int = 8) -> str:
     return join_limited(list(values), limit=limit, escape=lambda v: _md(v, 60)) if values else "-"
 
@@ -324,7 +382,8 @@ def _rank_section(report: Report, *, fold: bool) -> str:
     parts.append(table)
     if folded.hidden_ranks:
         parts.append(
-            f"{len(folded.hidden_ranks)} more ranks in {folded.num_hidden_groups} groups not shown "
+            f"{_count(len(folded.hidden_ranks), 'more rank')} in "
+            f"{_count(folded.num_hidden_groups, 'group')} not shown "
             f"(ranks {fmt_rank_set(folded.hidden_ranks)}); {SEE_JSON}."
         )
     details = _diagnosis_details(report)
@@ -361,7 +420,7 @@ def _share_section(report: Report) -> str:
         parts.append(drawn)
     parts.append(table)
     if chart.num_hidden:
-        parts.append(f"{chart.num_hidden} smaller ranks not drawn.")
+        parts.append(f"{_count(chart.num_hidden, 'smaller rank')} not drawn.")
     return "\n\n".join(parts)
 
 
@@ -394,7 +453,7 @@ def _diagnosis_details(report: Report) -> str:
         for diagnosis, detail, ranks in groups[:MAX_DETAIL_LINES]
     ]
     if len(groups) > MAX_DETAIL_LINES:
-        lines.append(f"{len(groups) - MAX_DETAIL_LINES} more explanations not shown")
+        lines.append(f"{_count(len(groups) - MAX_DETAIL_LINES, 'more explanation')} not shown")
     return _bullets(lines)
 
 

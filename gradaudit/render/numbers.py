@@ -60,6 +60,11 @@ def fmt_ranks(ranks: Iterable[int]) -> str:
     return compact_ranks(ranks) or MISSING
 
 
+def fmt_steps_named(steps: Sequence[int]) -> str:
+    """ "step 7" or "steps 1-3, 7"."""
+    return f"{'step' if len(set(steps)) == 1 else 'steps'} {fmt_ranks(steps)}"
+
+
 def fmt_nonfinite(counts: NonfiniteCounts) -> str:
     """ "0", or the nonzero counts: "2 nan, 1 -inf"."""
     if counts.total == 0:

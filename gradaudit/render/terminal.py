@@ -13,8 +13,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from ..checks.base import count
 from ..norms import norm_name
-from ..report.model import Finding, MultiStepReport, Report, Severity
+from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
+from . import guardtrend
 from .charts import MAX_CHART_RANKS, share_chart
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
@@ -23,8 +25,8 @@ from .numbers import (
     fmt_finding_counts,
     fmt_float,
     fmt_percent,
-    fmt_ranks,
     fmt_replica_of,
+    fmt_steps_named,
     fmt_value,
     reference_worst_first,
     replica_owners,
@@ -63,14 +65,20 @@ def render_report(report: Report, *, width: int = 100, color: bool = False, fold
 def render_multi(
     multi: MultiStepReport, *, width: int = 100, color: bool = False, failing_only: bool = False
 ) -> str:
-    """A folder of steps: failing steps first, clean steps folded into runs (left out with `failing_only`)."""
+    """A folder of steps: a guarded run's trend first, then the failing steps first, clean steps folded
+    into runs (left out with `failing_only`)."""
     out = io.StringIO()
     console = make_console(out, width, color)
+    if multi.guard_trend is not None:
+        print_guard_trend(console, multi.guard_trend)
+        if not multi.steps:
+            return _strip_line_ends(out.getvalue())
+        console.print()
     failing = [r for r in multi.steps if is_failing(r)]
     console.print(
         _line(
             ("gradaudit", "bold"),
-            f" · {len(multi.steps)} steps ({len(failing)} failing) in {printable(multi.directory)}",
+            f" · {count(len(multi.steps), 'step')} ({len(failing)} failing) in {printable(multi.directory)}",
         )
     )
     console.print()
@@ -86,10 +94,39 @@ def render_multi(
     clean = [r.step for r in multi.steps if not is_failing(r)]
     if clean:
         console.print()
-        console.print(_line(f"No errors, warnings or missing ranks in steps {fmt_ranks(clean)}."))
+        console.print(_line(f"No errors, warnings or missing ranks in {fmt_steps_named(clean)}."))
     if hidden:
-        console.print(_line((f"  {len(hidden)} clean steps not listed (--failing-only)", "dim")))
+        console.print(_line((f"  {count(len(hidden), 'clean step')} not listed (--failing-only)", "dim")))
     return _strip_line_ends(out.getvalue())
+
+
+def print_guard_trend(console: Console, trend: GuardTrend, *, chart: bool = True) -> None:
+    """The guard's verdicts during training: failing steps first, then the norms of the last steps."""
+    console.print(_line((guardtrend.headline(trend), "bold")))
+    for note in trend.notes:  # not wrapped, as the stderr line of the same warning
+        console.print(_line("  ", ("warning:", "yellow"), f" {printable(note)}"), soft_wrap=True)
+    for step in trend.failing[: guardtrend.SHOWN_FAILING]:
+        console.print(
+            _line(
+                "  ",
+                (guardtrend.failing_step(step, printable), "red"),
+                (" · not dumped" if step.dump is None else "", "yellow"),
+            )
+        )
+    if guardtrend.more_failing(trend):
+        console.print(_line((f"  {guardtrend.more_failing(trend)}", "dim")))
+    if trend.not_dumped:
+        console.print(_line("  ", (guardtrend.not_dumped(trend), "yellow")))
+    rows = guardtrend.chart_rows(trend, printable) if chart else []
+    if rows:
+        console.print(_line(f"  {guardtrend.chart_title(trend)}"))
+        for row in rows:
+            console.print(_line(f"  {row}"))
+    for directory in trend.full_captures:
+        # not wrapped: the command in it is copied whole
+        console.print(_line((f"  {guardtrend.full_capture(directory, printable)}", "dim")), soft_wrap=True)
+    if not trend.failing:
+        console.print(_line((f"✓ {guardtrend.all_clean(trend)}", "bold green")))
 
 
 def make_console(out: io.StringIO, width: int, color: bool) -> Console:
@@ -156,7 +193,8 @@ def _print_verdict(console: Console, report: Report) -> None:
     )
     console.print(
         _line(
-            f"step {report.step} · {len(report.ranks_present)}/{report.world_size} ranks present · "
+            f"step {report.step} · {len(report.ranks_present)}/{report.world_size} "
+            f"{'rank' if report.world_size == 1 else 'ranks'} present · "
             f"{fmt_finding_counts(report.findings)}"
         )
     )
@@ -213,7 +251,8 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
         console.print(
             _line(
                 (
-                    f"  {len(folded.hidden_ranks)} more ranks in {folded.num_hidden_groups} groups not shown "
+                    f"  {count(len(folded.hidden_ranks), 'more rank')} in "
+                    f"{count(folded.num_hidden_groups, 'group')} not shown "
                     f"(ranks {fmt_rank_set(folded.hidden_ranks)}); the JSON report lists every rank",
                     "dim",
                 )
@@ -231,7 +270,8 @@ def _print_diagnosis_details(console: Console, report: Report) -> None:
             )
         )
     if len(groups) > MAX_DETAIL_LINES:
-        console.print(_line((f"  {len(groups) - MAX_DETAIL_LINES} more explanations not shown", "dim")))
+        hidden = count(len(groups) - MAX_DETAIL_LINES, "more explanation")
+        console.print(_line((f"  {hidden} not shown", "dim")))
 
 
 def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
@@ -264,7 +304,7 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
             _line(f"  {bar.label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
         )
     if chart.num_hidden:
-        console.print(_line((f"  {chart.num_hidden} smaller ranks not drawn", "dim")))
+        console.print(_line((f"  {count(chart.num_hidden, 'smaller rank')} not drawn", "dim")))
 
 
 def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
@@ -386,7 +426,8 @@ def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
         console.print(
             _line(
                 (
-                    f"  {len(warnings) - MAX_WARNINGS} more warnings not shown; the JSON report lists them",
+                    f"  {count(len(warnings) - MAX_WARNINGS, 'more warning')} not shown; "
+                    "the JSON report lists them",
                     "dim",
                 )
             )

@@ -82,11 +82,17 @@ def _escape_block_marker(marker: str) -> str:
 
 
 def markdown_code_block(text: str, *, info: str = "") -> str:
-    """A fenced code block holding `text` verbatim (control characters made visible).
+    """A fenced code block holding `text` verbatim (control characters, newlines too, made visible)."""
+    return _fenced(printable(text), info)
 
-    The fence is longer than any run of backticks in the text, so the text cannot close it.
-    """
-    body = printable(text)
+
+def markdown_text_block(lines: Sequence[str], *, info: str = "text") -> str:
+    """A fenced code block holding `lines` one per line, each verbatim (control characters made visible)."""
+    return _fenced("\n".join(printable(line) for line in lines), info)
+
+
+def _fenced(body: str, info: str) -> str:
+    """The fence is longer than any run of backticks in the body, so the body cannot close it."""
     longest = max((len(run) for run in re.findall(r"`+", body)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}{info}\n{body}\n{fence}\n"

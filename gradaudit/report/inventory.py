@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..model import Box, FlatRange, Mode, Piece, Region, StepDump
+from .model import GuardTrend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,18 @@ class Inventory:
     @property
     def total_bytes(self) -> int:
         return sum(n for _, n in self.bytes_by_rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInventory:
+    """What a run folder holds: each step folder's inventory, and a guarded run's trend."""
+
+    directory: str
+    """The run folder."""
+    steps: tuple[Inventory, ...]
+    """One inventory per step folder, by step number (the guard's full captures among them)."""
+    guard_trend: GuardTrend | None = None
+    """The guard's trend when the folder is a guarded run's; else None."""
 
 
 def _region_text(region: Region) -> str:

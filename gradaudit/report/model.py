@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # `gradaudit explain` reads the report's values without loading the dump's model
     from ..model import Mode, TensorKind
 
-REPORT_VERSION = 2
+REPORT_VERSION = 3
 """Bumped whenever the JSON report changes shape; docs/REPORT.md lists the versions and what changed."""
 
 Number = int | float
@@ -278,15 +278,145 @@ class StepSummary:
     """The distinct finding codes, sorted."""
 
 
+TrendVerdict = Literal["ok", "anomaly", "skipped"]
+
+CHART_STEPS = 12
+"""The last checked steps of a guarded run whose true and reported norm the report draws."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrendStep:
+    """One step the guard checked during training, as its trend file has it."""
+
+    step: int
+    """The optimizer step."""
+    verdict: TrendVerdict
+    """"ok" (clipping right), "anomaly" (an error found: `codes`) or "skipped" (every rank's GradScaler
+    skipped the step: nothing was clipped, nothing checked)."""
+    codes: tuple[str, ...] = ()
+    """The step's error codes, in the guard's order; empty unless `verdict` is "anomaly"."""
+    true_norm: float | None = None
+    """The true global norm (with several clip calls, before the first)."""
+    reported_norm: float | None = None
+    """What the clip call returned on rank 0 (with several, the first call's); None: no clip call."""
+    expected_coef: float | None = None
+    """The coefficient correct clipping applies to `true_norm`."""
+    min_coef: float | None = None
+    """The smallest coefficient the ranks applied (the last clip call's)."""
+    max_coef: float | None = None
+    """The largest coefficient the ranks applied (the last clip call's)."""
+    clip_calls: int = 1
+    """The most clip calls a rank made in the step (GA501 above 1)."""
+    dump: str | None = None
+    """The step's dump folder in the run folder; None when the guard wrote none (its max_dumps or
+    cooldown said no, or the step was clean)."""
+
+    def __post_init__(self) -> None:
+        if (self.verdict == "anomaly") != bool(self.codes):
+            raise ValueError(
+                f"step {self.step}: a trend step has codes exactly when its verdict is 'anomaly', "
+                f"got verdict {self.verdict!r} with codes {list(self.codes)}"
+            )
+        if self.clip_calls < 1:
+            raise ValueError(f"step {self.step}: clip_calls must be at least 1, got {self.clip_calls}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardTrend:
+    """A guarded run's trend file (one line per step gradaudit.guard checked) as the report shows it:
+    every failing step, those the guard warned about without dumping them, and the last steps' norms.
+    The file itself keeps every line."""
+
+    file: str
+    """The trend file (out_dir/guard_trend.jsonl)."""
+    num_checked: int
+    """Steps the guard checked (lines of the file)."""
+    num_clean: int
+    """Checked steps whose clipping was right."""
+    num_skipped: int
+    """Checked steps every rank's GradScaler skipped (neither clean nor failing)."""
+    failing: tuple[TrendStep, ...]
+    """Every step with wrong clipping, in file order, each with its dump folder if the guard wrote one."""
+    not_dumped: tuple[int, ...]
+    """The failing steps with no dump in the run folder: the guard warned (or raised) live, but its
+    max_dumps or cooldown kept it from writing one; only the trend tells of them."""
+    chart: tuple[TrendStep, ...]
+    """The last CHART_STEPS checked steps, in file order: the true vs reported norm."""
+    full_captures: tuple[str, ...] = ()
+    """The run folder's full/step_<N> folders (the step after an anomaly, captured in full)."""
+    num_unread: int = 0
+    """Older lines of the trend file not read (only the newest are, see live.trend.MAX_TREND_LINES):
+    their failing steps are not known."""
+    notes: tuple[str, ...] = ()
+    """What of the trend file was not read (older lines, a last line cut short), one sentence each."""
+
+    def __post_init__(self) -> None:
+        if self.num_unread < 0:
+            raise ValueError(f"{self.file}: num_unread must be 0 or more, got {self.num_unread}")
+        if self.num_clean + len(self.failing) + self.num_skipped != self.num_checked:
+            raise ValueError(
+                f"{self.file}: {self.num_checked} checked steps must be the clean ({self.num_clean}), "
+                f"failing ({len(self.failing)}) and skipped ({self.num_skipped}) ones; build it with guard_trend()"
+            )
+        unknown = set(self.not_dumped) - {s.step for s in self.failing}
+        if unknown:
+            raise ValueError(f"{self.file}: not_dumped names steps that are not failing: {sorted(unknown)}")
+
+
+def guard_trend(
+    steps: Iterable[TrendStep],
+    *,
+    file: str,
+    dumps: Mapping[int, str],
+    full_captures: Sequence[str] = (),
+    chart_steps: int = CHART_STEPS,
+    num_unread: int = 0,
+    notes: Sequence[str] = (),
+) -> GuardTrend:
+    """The report's view of a trend: `steps` in file order, `dumps` the run folder's step_<N> folders
+    by N (the guard's dumps)."""
+    num_checked = num_clean = num_skipped = 0
+    failing: list[TrendStep] = []
+    last: list[TrendStep] = []
+    for step in steps:
+        num_checked += 1
+        if step.verdict == "ok":
+            num_clean += 1
+        elif step.verdict == "skipped":
+            num_skipped += 1
+        dumped = dumps.get(step.step)
+        if dumped != step.dump:
+            step = replace(step, dump=dumped)
+        if step.verdict == "anomaly":
+            failing.append(step)
+        last.append(step)
+        if len(last) > 2 * chart_steps:
+            del last[:chart_steps]
+    return GuardTrend(
+        file=file,
+        num_checked=num_checked,
+        num_clean=num_clean,
+        num_skipped=num_skipped,
+        failing=tuple(failing),
+        not_dumped=tuple(dict.fromkeys(s.step for s in failing if s.dump is None)),
+        chart=tuple(last[-chart_steps:]) if chart_steps > 0 else (),
+        full_captures=tuple(full_captures),
+        num_unread=num_unread,
+        notes=tuple(notes),
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class MultiStepReport:
-    """A folder of step_<N> folders, checked step by step."""
+    """A folder of step_<N> folders, checked step by step; a guarded run's folder adds its trend."""
 
     directory: str
     """The run folder holding the step_<N> folders."""
     steps: tuple[Report, ...]
-    """One report per step, by step number."""
+    """One report per step, by step number (none for a guarded run the guard never dumped)."""
     summary: tuple[StepSummary, ...]
     """One summary row per step, in the order of `steps`."""
+    guard_trend: GuardTrend | None = None
+    """The guard's trend when the folder is a guarded run's (it holds guard_trend.jsonl); else None."""
     report_version: int = REPORT_VERSION
     """The JSON report's shape version (REPORT_VERSION)."""

@@ -1,0 +1,90 @@
+"""A guarded run's folder (gradaudit.guard's out_dir): its trend file read into the report's value,
+beside the dumps and full captures `audit` audits; what `check` and `show` read of any folder."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .audit import FULL_CAPTURES, Measure, Progress, audit_folder, audit_steps, run_step_dirs
+from .live.trend import TREND_FILE, TrendLine, read_trend
+from .report.model import GuardTrend, TrendStep, guard_trend
+
+if TYPE_CHECKING:
+    from .checks.base import AuditOptions
+    from .dumpfile.loader import LoadFiles
+    from .report.model import MultiStepReport, Report
+
+
+def is_guarded_run(path: str | Path) -> bool:
+    """Whether `path` is a guarded run's folder: it holds the guard's trend, and is no step folder."""
+    from .dumpfile.writer import RANK_FILE_SUFFIX
+
+    path = Path(path)
+    return (path / TREND_FILE).is_file() and not any(path.glob(f"*{RANK_FILE_SUFFIX}"))
+
+
+def step_dirs_of(path: str | Path) -> list[Path]:
+    """The step folders to read (see audit.run_step_dirs); none for a guarded run's folder that holds
+    only the trend (the guard dumps only what it finds wrong)."""
+    path = Path(path)
+    step_dirs = run_step_dirs(path)
+    return [d for d in step_dirs if d != path] if is_guarded_run(path) else step_dirs
+
+
+def audit_run(
+    path: str | Path,
+    options: AuditOptions,
+    *,
+    progress: Progress | None = None,
+    measure: Measure | None = None,
+    load_files: LoadFiles | None = None,
+) -> Report | MultiStepReport:
+    """`audit.audit_folder`, and of a guarded run's folder the MultiStepReport of its dumps (none or
+    more) with the guard's trend, read first (a damaged trend stops the check before any audit)."""
+    if not is_guarded_run(path):
+        return audit_folder(path, options, progress=progress, measure=measure, load_files=load_files)
+    step_dirs = step_dirs_of(path)
+    trend = read_guard_trend(path, step_dirs)
+    multi = audit_steps(path, step_dirs, options, progress=progress, measure=measure, load_files=load_files)
+    return replace(multi, guard_trend=trend)
+
+
+def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend | None:
+    """The trend of a guarded run's folder (None without a trend file), its failing steps matched
+    with the guard's dumps among `step_dirs`."""
+    from .dumpfile.writer import STEP_DIR_PREFIX
+
+    path = Path(path)
+    if not is_guarded_run(path):
+        return None
+    dumps: dict[int, str] = {}
+    full: list[str] = []
+    for directory in step_dirs:
+        number = directory.name.removeprefix(STEP_DIR_PREFIX)
+        if directory.parent == path / FULL_CAPTURES:
+            full.append(str(directory))
+        elif directory.parent == path and number.isdigit():
+            dumps[int(number)] = str(directory)
+    file = path / TREND_FILE
+    trend = read_trend(file)
+    steps = (_trend_step(line) for line in trend.lines)
+    return guard_trend(
+        steps, file=str(file), dumps=dumps, full_captures=full, num_unread=trend.num_unread, notes=trend.notes
+    )
+
+
+def _trend_step(line: TrendLine) -> TrendStep:
+    return TrendStep(
+        step=line.step,
+        verdict="anomaly" if line.codes else "skipped" if line.skipped else "ok",
+        codes=line.codes,
+        true_norm=line.true_norm,
+        reported_norm=line.reported_norm,
+        expected_coef=line.expected_coef,
+        min_coef=line.min_coef,
+        max_coef=line.max_coef,
+        clip_calls=line.clip_calls,
+    )
