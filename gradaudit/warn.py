@@ -23,12 +23,21 @@ def warn_once(key: str, message: str) -> None:
 
 def _caller_stacklevel() -> int:
     """The stacklevel of the first frame outside gradaudit, so that a warning names the user's line."""
+    return user_stacklevel(2, (__name__.split(".")[0],))
+
+
+def user_stacklevel(warner: int, packages: tuple[str, ...]) -> int:
+    """The stacklevel, for the `warnings.warn` of the function `warner` frames up from this one, of
+    the first frame outside `packages` (top-level names): the user's line that led there."""
     import sys
 
-    package = __name__.split(".")[0] + "."
-    frame: FrameType | None = sys._getframe(2)
+    prefixes = tuple(p + "." for p in packages)
+    frame: FrameType | None = sys._getframe(warner + 1)
     level = 2
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(package):
+    while frame is not None:
+        name = str(frame.f_globals.get("__name__", ""))
+        if not (name in packages or name.startswith(prefixes)):
+            break
         frame, level = frame.f_back, level + 1
     return level
 

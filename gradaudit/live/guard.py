@@ -3,9 +3,11 @@ step, and dump the step that goes wrong."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import socket
@@ -214,6 +216,9 @@ class Guard:
         self._dump_dir = self.out_dir
         self._paused = False
         self._warned: set[str] = set()
+        self._repeat: tuple[tuple[str, ...], list[int]] | None = None
+        """(codes, the later steps it was found at) of the anomaly warned last, while it repeats."""
+        self._num_judged = 0
         first = _attached_guard(model, self.optimizer)
         if first is not None:
             self._warn(
@@ -236,6 +241,7 @@ class Guard:
         self._install()
         _ATTACHED[id(self.optimizer)] = self
         self.active = True
+        atexit.register(_summary_at_exit, weakref.ref(self))
 
     # -- attaching and removing -----------------------------------------------------------------
 
@@ -345,6 +351,7 @@ class Guard:
         try:
             if self.active:
                 self._read(settle=True)
+                self._say_summary()
         finally:
             if self.active and self._channel is not None and self._channel.group is not None:
                 # the others' next exchange pairs with this one and tells them this guard left
@@ -687,6 +694,7 @@ class Guard:
                 self._warn_once(
                     "failed",
                     f"gradaudit guard: step {step} is not checked: rank(s) {ranks} could not measure it",
+                    shared=True,
                 )
         elif conclusion == "changed":
             try:
@@ -698,7 +706,8 @@ class Guard:
                 return
             self._warn(
                 f"gradaudit guard: step {step} is not checked: the trained parameters changed on rank(s) "
-                f"{list(agreement.ranks)}; ownership is inferred again and checked from the next step"
+                f"{list(agreement.ranks)}; ownership is inferred again and checked from the next step",
+                shared=True,
             )
 
     def _caught_up(self, exchange: Exchange, agreement: Agreement) -> None:
@@ -717,7 +726,8 @@ class Guard:
         self._warn(
             f"gradaudit guard: rank(s) {list(ranks)} skipped optimizer step {step} ({agreement.detail}): "
             f"their parameters were not updated at that step and now differ from the other ranks'; step "
-            f"{step} is not checked"
+            f"{step} is not checked",
+            shared=True,
         )
         if self.rank not in ranks:
             return
@@ -766,17 +776,25 @@ class Guard:
         errors = [f for f in report.findings if f.severity is Severity.ERROR]
         codes = tuple(dict.fromkeys(f.code for f in errors))
         line = trend_line(report, codes)
+        self._num_judged += 1
         self._record_line(line)
         if not errors:
+            self._end_repeat()
             return
         self.anomalies.append((step, codes))
         dumped = self._dump(live, step)
-        messages = [f"gradaudit guard: step {step}: {f.code} {f.message}{_numbers(line)}" for f in errors]
+        said = "; ".join(f"{f.code} {f.message}" for f in errors)
         where = f"; its dump: gradaudit check {live.directory}" if dumped else ""
+        message = f"gradaudit guard: step {step}: {said}{_numbers(line)}{where}"
         if self.on_anomaly == "raise":
-            raise GuardAnomaly("; ".join(messages) + where, step=step, codes=codes)
-        for message in messages:
-            self._warn(message + where)
+            raise GuardAnomaly(message, step=step, codes=codes)
+        if self._repeat is not None and self._repeat[0] == codes and not dumped:
+            self._repeat[1].append(step)  # said once; counted until it stops
+            logging.getLogger(__name__).debug(message)
+            return
+        self._end_repeat()
+        self._warn(message, shared=True)
+        self._repeat = (codes, [])
 
     def _record_line(self, line: TrendLine) -> None:
         self.last = line
@@ -894,21 +912,54 @@ class Guard:
         if not self.active:
             return
         where = "on this rank" if alone else "on every rank"
+        self._end_repeat()
         self._warn(
-            f"gradaudit guard: {reason}; the guard is off {where} from step {self.step}; training goes on"
+            f"gradaudit guard: {reason}; the guard is off {where} from step {self.step}; training goes on",
+            shared=not alone,
         )
         self._switch_off()
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, *, shared: bool = False) -> None:
         if key in self._warned:
             return
         self._warned.add(key)
-        self._warn(message)
+        self._warn(message, shared=shared)
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, *, shared: bool = False) -> None:
+        """Warn at the user's line (the clip call or the optimizer step that led here); a conclusion
+        every rank `shared` is warned by rank 0 alone, and logged by the others at debug level."""
         import warnings
 
-        warnings.warn(message, GuardWarning, stacklevel=2)
+        from ..warn import user_stacklevel
+
+        if shared and self.rank != 0:
+            logging.getLogger(__name__).debug(message)
+            return
+        warnings.warn(message, GuardWarning, stacklevel=user_stacklevel(1, ("gradaudit", "torch")))
+
+    def _end_repeat(self) -> None:
+        """Say how long the anomaly warned last went on repeating, once it stops (or the guard does)."""
+        repeat, self._repeat = self._repeat, None
+        if repeat is None or not repeat[1]:
+            return
+        codes, again = repeat
+        self._warn(f"gradaudit guard: {', '.join(codes)} again at {_step_list(again)}", shared=True)
+
+    def _say_summary(self) -> None:
+        """At removal: the anomalies of the whole run in one line, and the command that explains them."""
+        self._end_repeat()
+        if not self.anomalies:
+            return
+        by_codes: dict[tuple[str, ...], list[int]] = {}
+        for step, codes in self.anomalies:
+            by_codes.setdefault(codes, []).append(step)
+        parts = [f"{', '.join(codes)} at {_step_list(steps)}" for codes, steps in by_codes.items()]
+        count = len(self.anomalies)
+        self._warn(
+            f"gradaudit guard: {count} anomalous step{'' if count == 1 else 's'} of {self._num_judged} "
+            f"checked: {'; '.join(parts)}; gradaudit check {os.fspath(self.out_dir)}",
+            shared=True,
+        )
 
 
 _ATTACHED: weakref.WeakValueDictionary[int, Guard] = weakref.WeakValueDictionary()
@@ -923,6 +974,25 @@ def _attached_guard(model: Any, optimizer: Any) -> Guard | None:
         if guard.active and guard.model is model:
             return guard
     return None
+
+
+def _summary_at_exit(guard_ref: weakref.ref[Guard]) -> None:
+    """A guard still attached when the process exits says what it found, as `remove()` would."""
+    guard = guard_ref()
+    if guard is not None and guard.active:
+        guard._say_summary()
+
+
+def _step_list(steps: list[int]) -> str:
+    """ "step 7" or "steps 7, 9, 13-20": runs of consecutive steps folded."""
+    runs: list[list[int]] = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return f"step{'' if len(steps) == 1 else 's'} {text}"
 
 
 def _said(exc: BaseException) -> str:

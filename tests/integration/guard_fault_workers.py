@@ -15,7 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from guard_workers import _wrapped, clip_local_shards
+from guard_workers import GuardLog, _wrapped, clip_local_shards
 from models import MAX_NORM, batch, loss_of, rows
 
 import gradaudit
@@ -113,7 +113,7 @@ def _train(rank, world_size, stack, out_dir, *, guarded, fault=None, fault_rank=
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     guard = None
     current = {"step": 0}
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, GuardLog() as log:
         warnings.simplefilter("always")
         started = time.monotonic()
         if guarded:
@@ -162,6 +162,7 @@ def _train(rank, world_size, stack, out_dir, *, guarded, fault=None, fault_rank=
         "skipped_steps": [] if guard is None else [(s, list(r)) for s, r in guard.skipped_steps],
         "dumps": [] if guard is None else [str(p) for p in guard.dumps],
         "warnings": [str(w.message) for w in caught if "gradaudit" in str(w.message)],
+        "logged": list(log.lines),
         "trend": [(t.step, list(t.codes)) for t in read_trend(trend_path).lines]
         if os.path.isfile(trend_path)
         else [],
@@ -266,7 +267,7 @@ def changes(rank: int, world_size: int, out_dir: str, stack: str) -> dict:
     )
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, GuardLog() as log:
         warnings.simplefilter("always")
         guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, wait_s=WAIT_S)
         for step in range(1, 15):
@@ -284,6 +285,7 @@ def changes(rank: int, world_size: int, out_dir: str, stack: str) -> dict:
     return {
         "anomalies": [(s, list(c)) for s, c in guard.anomalies],
         "warnings": [str(w.message) for w in caught if "gradaudit" in str(w.message)],
+        "logged": list(log.lines),
         "trend": [(t.step, list(t.codes)) for t in read_trend(trend_path).lines]
         if os.path.isfile(trend_path)
         else [],

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from guard_workers import found
+from guard_workers import GuardLog, found
 from models import MAX_NORM, batch, loss_of, rows, tied_net, tiny_net, token_batch
 from scenarios_dtensor import local_norm_clip, per_mesh_clip, world_allreduced_clip
 from scenarios_plain import FirstStage, LastStage, _pipeline_backward, _pipeline_clip
@@ -45,7 +45,7 @@ def _run(
     """`backward(step)` makes the step's gradients, `clip(guard, step)` clips them (returns the norm)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     norms = []
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, GuardLog() as log:
         warnings.simplefilter("always")
         guard = gradaudit.guard(
             model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, scaler=scaler, **guard_options
@@ -63,7 +63,7 @@ def _run(
                     opt.step()
         finally:
             guard.remove()
-    return {**found(guard, caught), "norms": norms, "out_dir": out_dir}
+    return {**found(guard, caught, log), "norms": norms, "out_dir": out_dir}
 
 
 def _both(

@@ -3,6 +3,7 @@ gradaudit.guard attached once before the loop, correct or with a deliberate clip
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -67,7 +68,7 @@ def train(
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     raised = None
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, GuardLog() as log:
         warnings.simplefilter("always")
         guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, **options)
         try:
@@ -86,15 +87,37 @@ def train(
             raised = {"step": exc.step, "codes": list(exc.codes), "at_step": step}
         finally:
             guard.remove()
-    return {**found(guard, caught), "raised": raised}
+    return {**found(guard, caught, log), "raised": raised}
 
 
-def found(guard, caught) -> dict:
-    """What a rank's guard found: (step, codes) of its anomalies, its dumps, its warnings' texts."""
+class GuardLog(logging.Handler):
+    """The lines the guard logs at debug level (what another rank warns; the repeats it folds)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> GuardLog:
+        logger = logging.getLogger("gradaudit.live.guard")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("gradaudit.live.guard").removeHandler(self)
+
+
+def found(guard, caught, log: GuardLog | None = None) -> dict:
+    """What a rank's guard found: (step, codes) of its anomalies, its dumps, its warnings' texts, and
+    the lines it logged at debug level."""
     return {
         "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
         "dumps": [str(p) for p in guard.dumps],
         "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+        "logged": [] if log is None else list(log.lines),
     }
 
 

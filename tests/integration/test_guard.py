@@ -49,7 +49,10 @@ def test_a_local_clip_under_fsdp2_is_named_at_its_first_step_with_the_code_check
     for result in results:
         assert result["anomalies"][0][0] == 1
         assert "GA201" in result["anomalies"][0][1]
-        assert any(w.startswith("gradaudit guard: step 1: GA201") for w in result["warnings"])
+    # one line for the step, from rank 0; the other rank logs it at debug level
+    assert [w for w in results[0]["warnings"] if "step 1: GA201" in w] != []
+    assert [w for w in results[1]["warnings"] if "step 1: GA201" in w] == []
+    assert any(line.startswith("gradaudit guard: step 1: GA201") for line in results[1]["logged"])
     assert trend[0]["verdict"] == "anomaly" and "GA201" in trend[0]["codes"]
     report = audit_folder(out / "step_1", AuditOptions())
     codes = sorted({f.code for f in report.findings if f.severity.name == "ERROR"})
@@ -94,3 +97,20 @@ def test_a_checked_step_issues_one_collective(tmp_path, stack):
     for result in results:
         assert result["anomalies"] == []
         assert result["with"] - result["without"] == 3  # one all-gather per checked step, nothing else
+
+
+def test_on_four_ranks_a_repeating_mistake_is_one_line_a_step_from_rank_0_then_folded(tmp_path):
+    out = tmp_path / "four"
+    results = run_ranks(
+        guard_workers.train, 4, (str(out), "fsdp2", (3, 4, 5, 6, 7), {"num_steps": 8}), timeout_s=180
+    )
+    lines = results[0]["warnings"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("gradaudit guard: step 3: GA201") and "its dump: gradaudit check" in lines[0]
+    codes = ", ".join(results[0]["anomalies"][0][1])  # GA201 and what follows from it, as one set
+    assert "GA201" in codes
+    assert lines[1] == f"gradaudit guard: {codes} again at steps 5-7"  # step 4 is captured in full
+    assert lines[2].startswith(f"gradaudit guard: 4 anomalous steps of 7 checked: {codes} at steps 3, 5-7")
+    for result in results[1:]:
+        assert result["warnings"] == []  # the other ranks log the same lines at debug level
+        assert [line for line in result["logged"] if line in lines] == lines
