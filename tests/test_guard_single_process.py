@@ -346,3 +346,17 @@ def test_a_restart_into_the_same_out_dir_appends_the_trend_after_a_cut_line_and_
         "step_2",
         "attempt_2/step_2",
     ]
+
+
+def test_a_clip_call_with_max_norm_inf_reads_the_norm_and_is_no_second_clip_call(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            logged = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))  # to log the norm
+            clipped = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            assert logged == pytest.approx(clipped)
+            opt.step()
+    assert guard.anomalies == []
+    assert [line["verdict"] for line in _trend(tmp_path)] == ["ok", "ok", "ok"]

@@ -105,6 +105,16 @@ def clip_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[
     return call_argument(fn, args, kwargs, "max_norm"), call_argument(fn, args, kwargs, "norm_type")
 
 
+def clips_nothing(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a clip call passes max_norm=inf: `clip_grad_norm_(params, float("inf"))` is the common
+    way to read the total norm without clipping, a measurement, not a clip."""
+    max_norm = call_argument(fn, args, kwargs, "max_norm")
+    try:
+        return max_norm is not None and not isinstance(max_norm, bool) and float(max_norm) == math.inf
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
 def call_argument(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> Any:
     """The value a call `fn(*args, **kwargs)` passes for parameter `name` (its default when not
     passed), else None (no such parameter, or a signature that cannot be read or bound)."""

@@ -21,6 +21,7 @@ from .arguments import (
     check_step,
     check_tokens,
     clip_arguments,
+    clips_nothing,
     norm_results,
     opt_float,
     opt_int,
@@ -314,6 +315,8 @@ class AuditStep:
     def _record_clip(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clip_value: Any = None
     ) -> Any:
+        if clips_nothing(fn, args, kwargs):
+            return fn(*args, **kwargs)  # reads the norm, clips nothing: not a clip call
         call = _RecordedCall(clip_value=clip_value)
         if self._recording:
             call = self._guard("capture", lambda: self._before_clip(call)) or call

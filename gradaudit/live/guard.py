@@ -417,8 +417,10 @@ class Guard:
     ) -> Any:
         """Call fn; on a checked step, record the gradient's group norms and sample around the call.
         `fn` returns the norm the call clipped with."""
-        if not self._checked:
-            return fn(*args, **kwargs)
+        from ..capture.arguments import clips_nothing
+
+        if not self._checked or clips_nothing(fn_for_arguments or fn, args, kwargs):
+            return fn(*args, **kwargs)  # max_norm=inf reads the norm: a measurement, not a clip call
         before = self._safely("measure", self._before_call)
         result = fn(*args, **kwargs)
         recorded = before is not None and self._safely(
