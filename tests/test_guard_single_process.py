@@ -360,3 +360,38 @@ def test_a_clip_call_with_max_norm_inf_reads_the_norm_and_is_no_second_clip_call
             opt.step()
     assert guard.anomalies == []
     assert [line["verdict"] for line in _trend(tmp_path)] == ["ok", "ok", "ok"]
+
+
+def test_a_max_norm_schedule_given_as_a_function_of_the_step_is_followed(tmp_path):
+    model, opt = _setup()
+
+    def schedule(step):
+        return MAX_NORM * min(1.0, step / 3)  # warm-up over three steps
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradaudit.guard(model, max_norm=schedule, optimizer=opt, out_dir=tmp_path) as guard:
+            for step in range(1, 6):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).pow(2).sum().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), schedule(step))
+                opt.step()
+    assert guard.anomalies == []
+    assert [w for w in caught if issubclass(w.category, GuardWarning)] == []
+    expected = [line["expected_coef"] * line["true_norm"] for line in _trend(tmp_path)]
+    assert expected == pytest.approx([schedule(s) for s in range(1, 6)], rel=1e-5)
+
+
+def test_a_step_the_training_discards_after_clipping_is_not_counted_toward_the_next(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        for step in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step == 2 or not torch.isfinite(norm):  # the user's own "skip this batch"
+                opt.zero_grad()
+                continue
+            opt.step()
+    assert guard.anomalies == []  # before: GA501 at the step after the discarded one
+    assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 3]

@@ -77,6 +77,19 @@ def no_clip_call(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
         if above
         else "below max_norm, so this step was unaffected, but nothing would clip a larger one"
     )
+    local_norms = [d.local_norm for d in diagnosis.ranks.values()]
+    if above and len(local_norms) > 1 and all(_is(n, max_norm, diagnosis.rtol) for n in local_norms):
+        message = (
+            f"no clip call was recorded although max_norm {num(max_norm)} was declared, yet every rank's own "
+            "gradient norm is max_norm: the fingerprint of a hand-written clip of each rank's own shards by its "
+            f"local norm. {ranks_named(stepped).capitalize()} stepped the optimizer with gradients of global norm "
+            f"{num(true_norm)}, the norm after that clip (the one before it is unknown). Clip by the global norm "
+            "(torch.nn.utils.clip_grad_norm_ over the model's parameters), and route a clip of your own through "
+            "guard.clip(fn, ...) or audit.clip(fn, ...) so that it is measured"
+        )
+        return (
+            Hit(message=message, ranks=stepped, evidence={"norm_at_step": true_norm, "max_norm": max_norm}),
+        )
     return (
         Hit(
             message=(
@@ -89,3 +102,7 @@ def no_clip_call(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
             evidence={"true_norm": true_norm, "max_norm": max_norm, "expected_coef": diagnosis.expected_coef},
         ),
     )
+
+
+def _is(value: float | None, target: float, rtol: float) -> bool:
+    return value is not None and abs(value - target) <= rtol * target

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import traceback
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -118,7 +119,7 @@ class Guard:
         self,
         model: torch.nn.Module,
         *,
-        max_norm: float,
+        max_norm: float | Callable[[int], float],
         optimizer: Any = None,
         out_dir: str | os.PathLike[str],
         norm_type: float | str = 2.0,
@@ -142,7 +143,9 @@ class Guard:
         from ..capture.scaler import ScalerWatch
         from ..capture.topology import normalize_groups
 
-        self.max_norm = check_max_norm(max_norm)
+        self._schedule = max_norm if callable(max_norm) else None
+        self.max_norm = check_max_norm(max_norm(first_step) if callable(max_norm) else max_norm)
+        """The max_norm the step under way is checked against (a schedule's value at that step)."""
         self.norm_type = check_norm_type(norm_type)
         if on_anomaly not in ON_ANOMALY:
             raise CaptureError(f"on_anomaly must be 'warn' or 'raise', got {on_anomaly!r}")
@@ -200,6 +203,14 @@ class Guard:
         self._num_calls = 0
         self._unmeasured = False
         """A clip call of this step could not be measured: the step is sent as FAILED."""
+        self._sites: list[str] = []
+        """file:line of each clip call of the step under way, in the training code."""
+        self._first_norms: Any = None
+        """The per-piece norms of the step's gradients before its first clip call (see LocalSummary)."""
+        self._nonfinite_in: list[str] = []
+        """Of the step being judged: the parameters (and ranks) nonfinite before its first clip call."""
+        self._said_of: dict[int, tuple[tuple[str, ...], Any]] = {}
+        """Per step sent and not judged yet: its clip calls' sites and first per-piece norms."""
         self._channel: Channel | None = None
         self._exchange: Exchange | None = None
         """The step whose numbers were sent to the other ranks and are not read yet."""
@@ -458,6 +469,8 @@ class Guard:
 
     def _before_call(self) -> tuple[Any, Any, Any, bool | None]:
         terms, sample, sampled = self._summary.measure()
+        if not self._calls:  # the gradients before any clip of the step: where a nonfinite value began
+            self._first_norms = self._summary.last_norms
         unscaled = self._scaler.unscaled() if self._scaler is not None else None
         return terms, sample, sampled, unscaled
 
@@ -485,6 +498,7 @@ class Guard:
                 terms, sample, self._call_unscales, self.norm_type, self.layout.num_groups
             )
         max_norm, norm_type = clip_arguments(fn, args, kwargs)
+        self._sites.append(user_site())
         record = CallRecord(
             terms=terms,
             reported=norm_results(result)[0],
@@ -506,6 +520,7 @@ class Guard:
         gradients are gone (zero_grad) belonged to a step the training discarded, not to this one."""
         if self._calls and not self._summary.has_gradients():
             self._calls, self._num_calls = [], 0
+            self._sites, self._first_norms = [], None
             self._scale_at_clip = self._scale_at_first_clip = None
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -527,8 +542,10 @@ class Guard:
             )
             terms = last.terms
         else:
-            terms, applied = self._summary.terms(), 1.0  # no clip call: the optimizer steps with these
-        scaler: tuple[float | None, bool | None, bool | None] = (None, None, None)
+            # no clip call seen: the optimizer steps with these; what any clip applied is unknown
+            terms, applied = self._summary.terms(), math.nan
+            self._first_norms = self._summary.last_norms
+        scaler: tuple[float | None, bool | None, bool | None] = (None, None, skipped)
         if self._scaler is not None:
             scale, unscaled = self._scale_at_first_clip or (self._scaler.scale(), None)
             scaler = (scale, unscaled, skipped)
@@ -577,6 +594,9 @@ class Guard:
             vector = self._safely("measure", lambda: self._vector(skipped=skipped))
         if vector is None:
             vector = status_vector(self.layout, status, self._device)
+        self._said_of[self.step] = (tuple(self._sites), self._first_norms)
+        for old_step in [k for k in self._said_of if k < self.step - 2 * self.every]:
+            del self._said_of[old_step]
         watch = self._watch
         assert watch is not None
         changed = self._safely("measure", watch.changed)
@@ -623,6 +643,7 @@ class Guard:
             self._capture = None
             self._safely("write the full capture of", lambda: _end_capture(capture))
         self._calls, self._num_calls = [], 0
+        self._sites, self._first_norms = [], None
         self._unmeasured = False
         self._scale_at_clip = self._scale_at_first_clip = None
         self.step += 1
@@ -674,7 +695,8 @@ class Guard:
             self._failed_in_a_row = 0
         if conclusion == "judge":
             self._realignments = 0
-            live = self._safely("judge", lambda: self.live_step(step, rows))
+            self._ask_where_nonfinite(step, rows)
+            live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
                 self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
             elif live is not None:
@@ -711,6 +733,45 @@ class Guard:
                 f"{list(agreement.ranks)}; ownership is inferred again and checked from the next step",
                 shared=True,
             )
+
+    def _declared(self, step: int) -> float:
+        """The max_norm declared for `step`: the schedule's value, or the one number given."""
+        if self._schedule is None:
+            return self.max_norm
+        from ..capture.arguments import check_max_norm
+
+        self.max_norm = check_max_norm(self._schedule(step))
+        return self.max_norm
+
+    def _as_clipped(self, live: LiveStep) -> LiveStep | None:
+        """`live` checked against the max_norm its clip calls passed when every rank's last call
+        passed one other than the declared (named once); None when they passed another norm_type,
+        which the guard's measured norms cannot be compared with."""
+        last = [r.calls[-1] for r in live.ranks.values() if r.calls]
+        passed = {c.max_norm for c in last if c.max_norm is not None}
+        types = {c.norm_type for c in last if c.norm_type is not None}
+        if types and types != {live.norm_type}:
+            self._warn_once(
+                "norm_type",
+                f"gradaudit guard: the clip calls pass norm_type {', '.join(f'{t:g}' for t in sorted(types))}, "
+                f"the guard was told {live.norm_type:g}: no step is checked until they agree (pass the "
+                "norm_type your loop clips with)",
+                shared=True,
+            )
+            return None
+        if len(passed) != 1 or len(last) != len(live.ranks):
+            return live
+        (used,) = passed
+        if math.isclose(used, live.max_norm, rel_tol=1e-6):
+            return live
+        self._warn_once(
+            "max_norm",
+            f"gradaudit guard: step {live.step}: the clip call passes max_norm {used:g}, the guard was told "
+            f"{live.max_norm:g}: checked against {used:g} (pass the max_norm your loop clips with, or "
+            "max_norm=a function of the step for a schedule)",
+            shared=True,
+        )
+        return dataclasses.replace(live, max_norm=used)
 
     def _caught_up(self, exchange: Exchange, agreement: Agreement) -> None:
         """Some ranks skipped an optimizer step (`agreement.ranks`, whose forward passes ran ahead):
@@ -763,7 +824,7 @@ class Guard:
         return LiveStep(
             step=step,
             world_size=self.world_size,
-            max_norm=self.max_norm,
+            max_norm=self._declared(step),
             norm_type=self.norm_type,
             groups=self.groups,
             ranks=ranks,
@@ -785,7 +846,7 @@ class Guard:
             return
         self.anomalies.append((step, codes))
         dumped = self._dump(live, step)
-        said = "; ".join(f"{f.code} {f.message}" for f in errors)
+        said = "; ".join(f"{f.code} {f.message}{self._where(f.code, live)}" for f in errors)
         where = f"; its dump: gradaudit check {live.directory}" if dumped else ""
         message = f"gradaudit guard: step {step}: {said}{_numbers(line)}{where}"
         if self.on_anomaly == "raise":
@@ -797,6 +858,35 @@ class Guard:
         self._end_repeat()
         self._warn(message, shared=True)
         self._repeat = (codes, [])
+
+    def _where(self, code: str, live: LiveStep) -> str:
+        """Where in the training code or the model a finding happened: the clip calls' lines (GA501),
+        the parameters whose gradients were nonfinite before any clip (GA401, asked of every rank)."""
+        sites = self._said_of.get(live.step, ((), None))[0]
+        if code == "GA501" and sites:
+            return f" (clip calls at {', '.join(sites)} on rank {self.rank})"
+        if code == "GA401" and self._nonfinite_in:
+            return f" (nonfinite before any clip in {', '.join(self._nonfinite_in)})"
+        return ""
+
+    def _ask_where_nonfinite(self, step: int, rows: Any) -> None:
+        """On a step whose rows count nonfinite pieces (every rank sees them), every rank tells the
+        others which of its parameters were nonfinite before the step's first clip: one more exchange,
+        on that step only."""
+        from .summary import HEADER
+
+        g = self.layout.num_groups
+        self._nonfinite_in = []
+        if not (rows[:, HEADER + g : HEADER + 3 * g] > 0).any() or self._channel is None:
+            return
+        first_norms = self._said_of.get(step, ((), None))[1]
+        names = (
+            self._safely("measure", lambda: self._summary.nonfinite_params(first_norms, 4))
+            if first_norms
+            else []
+        )
+        told = self._channel.exchange_bytes(json.dumps(names or []).encode(), self._wait_s)
+        self._nonfinite_in = [f"{n} (rank {r})" for r, data in enumerate(told) for n in json.loads(data)][:8]
 
     def _record_line(self, line: TrendLine) -> None:
         self.last = line
@@ -978,6 +1068,17 @@ def _attached_guard(model: Any, optimizer: Any) -> Guard | None:
     return None
 
 
+def user_site() -> str:
+    """file:line of the first frame outside gradaudit and torch: the training code's line."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] in (
+        "gradaudit",
+        "torch",
+    ):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
 def _summary_at_exit(guard_ref: weakref.ref[Guard]) -> None:
     """A guard still attached when the process exits says what it found, as `remove()` would."""
     guard = guard_ref()
@@ -1059,11 +1160,13 @@ def _end_capture(capture: AuditStep) -> None:
 
 def _numbers(line: TrendLine) -> str:
     parts = []
-    if line.true_norm is not None:
-        parts.append(f"true norm {line.true_norm:.6g}")
+    if line.true_norm is not None:  # with no clip call seen, the norm the optimizer stepped with
+        parts.append(
+            f"{'true norm' if line.reported_norm is not None else 'norm at the step'} {line.true_norm:.6g}"
+        )
     if line.reported_norm is not None:
         parts.append(f"reported {line.reported_norm:.6g}")
-    if line.expected_coef is not None:
+    if line.expected_coef is not None and line.reported_norm is not None:
         parts.append(f"expected coefficient {line.expected_coef:.6g}")
     if line.min_coef is not None and line.max_coef is not None:
         parts.append(f"applied{by_last_call(line)} {line.min_coef:.6g}..{line.max_coef:.6g}")

@@ -144,6 +144,8 @@ class LocalSummary:
         self.layout = layout
         self.norm_type = norm_type
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self.last_norms: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        """The per-piece norms of the latest measuring and the pieces they are of (on the device)."""
         largest = sorted(range(len(self.pieces)), key=lambda i: (-math.prod(self.pieces[i].local_shape), i))
         self._sampled = tuple(i for i in largest if math.prod(self.pieces[i].local_shape) > 0)[:SAMPLE_PIECES]
 
@@ -180,6 +182,7 @@ class LocalSummary:
             return None
         device = grads[0].device
         norms = torch.stack(torch._foreach_norm(grads, self.norm_type)).to(torch.float64)
+        self.last_norms = (norms, present)
         index = self._index_cache.get(present)
         if index is None:
             index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
@@ -200,6 +203,12 @@ class LocalSummary:
         if math.isinf(self.norm_type):
             out[0].zero_().scatter_reduce_(0, index, finite, "amax")  # the largest norm per group
         return out.reshape(-1)  # [terms per group, nan pieces per group, inf pieces per group]
+
+    def nonfinite_params(self, norms: tuple[torch.Tensor, tuple[int, ...]], most: int) -> list[str]:
+        """The parameters of the pieces whose norm in `norms` is not finite (at most `most`)."""
+        values, present = norms
+        bad = (~values.isfinite()).nonzero().reshape(-1).tolist()
+        return list(dict.fromkeys(self.pieces[present[i]].param for i in bad))[:most]
 
     def has_gradients(self) -> bool:
         """Whether any of the sampled pieces (the largest) holds a gradient now."""
