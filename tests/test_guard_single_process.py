@@ -187,7 +187,9 @@ def test_a_step_clipped_per_micro_batch_shows_its_first_clips_norms_in_the_trend
     assert (
         line["reported_norm"] == pytest.approx(reported, rel=1e-6) and abs(last - reported) > 0.1 * reported
     )
-    assert logged["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
+    # logged: the last call's reported norm over the true norm (the first call's ratio would read 1)
+    assert logged["gradaudit/reported_over_true"] == pytest.approx(last / line["true_norm"], rel=1e-5)
+    assert logged["gradaudit/anomaly"] == 1.0
     (warned,) = [str(w.message) for w in caught if "GA501" in str(w.message)]
     assert f"true norm {line['true_norm']:.6g}, reported {reported:.6g}" in warned
     assert f"applied by the last of 2 clip calls {line['min_coef']:.6g}.." in warned

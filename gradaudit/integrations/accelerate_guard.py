@@ -8,10 +8,11 @@
 The guard hooks the torch optimizer behind the prepared one (it steps only when the gradients are
 synced, so micro-batches are counted into their optimizer step) and sees every clip call:
 `accelerator.clip_grad_norm_` and any torch clip of the user's code, so a clip on a micro-batch that
-does not sync is GA501. Each checked step's true norm and its ratio to the reported one go to the
-Accelerator's trackers (`accelerator.log`, main process only) as `gradaudit/true_norm` and
-`gradaudit/reported_over_true`, at the optimizer step's number. With fp16 the guard takes the
-Accelerator's GradScaler: `accelerator.clip_grad_norm_` unscales the gradients before its norm, and the
+does not sync is GA501. Each checked step's `TrendLine.metrics()` (`gradaudit/anomaly`,
+`gradaudit/true_norm`, `gradaudit/reported_over_true`) goes to the Accelerator's trackers
+(`accelerator.log`, main process only) at the optimizer step's number, the guard's; nothing for a step
+not checked (the step captured in full after an anomaly, steps between `every=`). With fp16 the guard
+takes the Accelerator's GradScaler: `accelerator.clip_grad_norm_` unscales the gradients before its norm, and the
 guard divides the loss scale out of what it measured before the call; a torch clip that skips that
 unscale is GA502, a step the scaler skips for inf gradients is written to the trend as skipped.
 """

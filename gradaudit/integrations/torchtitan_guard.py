@@ -11,22 +11,27 @@ Torchtitan's `dist_utils.clip_grad_norm_` is recorded as one clip call (its pp r
 EP/non-EP split included), and any other clip call of the step is seen too. With several model parts
 per rank pass `model=` a module whose parameter names are the logical ones.
 
-Each checked step that torchtitan logs (`metrics.log_freq`) gets its true norm and reported/true, the
-reported norm being the `grad_norm` torchtitan logs, as `gradaudit/true_norm` and
-`gradaudit/reported_over_true` in the `extra_metrics` of torchtitan's own `trainer.metrics_processor.log`
-call: in the same TensorBoard/W&B step as that `grad_norm`. On GPU the step's verdict is read there,
-where torchtitan syncs for its loss anyway. A trainer without a metrics_processor is guarded all the
-same; `on_verdict=` gets every checked step's line.
+Each checked step that torchtitan logs (`metrics.log_freq`) gets its `TrendLine.metrics()`
+(`gradaudit/anomaly`, `gradaudit/true_norm`, `gradaudit/reported_over_true`, the reported norm being
+the `grad_norm` torchtitan logs) in the `extra_metrics` of torchtitan's own
+`trainer.metrics_processor.log` call: in the same TensorBoard/W&B step as that `grad_norm`, the
+guard's number of the step (`trainer.step`). A step whose clipping is wrong and that torchtitan does not
+log goes to its loggers all the same (`metrics_processor.logger.log`, at its own step), so that an alert
+on `gradaudit/anomaly` fires whatever the log interval. Nothing for a step not checked (the step
+captured in full after an anomaly, steps between `every=`). On GPU the step's verdict is read at
+torchtitan's log call, where it syncs for its loss anyway; an anomaly of another step is logged at its
+own step once read, at the next. A trainer without a metrics_processor is guarded all the same;
+`on_verdict=` gets every checked step's line.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import replace
 from typing import Any
 
 from ..live.guard import Guard
+from ..live.trend import TrendLine
 from .torchtitan import model_of, pp_groups
 
 
@@ -41,13 +46,19 @@ class TorchtitanGuard:
         from torchtitan.distributed import utils as dist_utils  # type: ignore[import-untyped]
 
         self.trainer = trainer
+        self._metrics = getattr(trainer, "metrics_processor", None)
+        self._on_verdict = guard_kwargs.get("on_verdict")
         self.guard = Guard(
             model_of(trainer, model),
             max_norm=float(trainer.config.training.max_norm),
             optimizer=trainer.optimizers,
             out_dir=out_dir,
             first_step=int(trainer.step) + 1,
-            **{**guard_kwargs, "groups": {**pp_groups(trainer), **(guard_kwargs.get("groups") or {})}},
+            **{
+                **guard_kwargs,
+                "groups": {**pp_groups(trainer), **(guard_kwargs.get("groups") or {})},
+                "on_verdict": self._judged,
+            },
         )
         self._dist_utils = dist_utils
         self._original_clip = dist_utils.clip_grad_norm_
@@ -60,10 +71,18 @@ class TorchtitanGuard:
         self._clip = clip
         dist_utils.clip_grad_norm_ = clip
         trainer.train_step = self._train_step
-        self._metrics = getattr(trainer, "metrics_processor", None)
         if self._metrics is not None:
             self._original_log = self._metrics.log
             self._metrics.log = self._log
+
+    def _judged(self, line: TrendLine) -> None:
+        """Every checked step's line: an anomaly of a step torchtitan does not log goes to its loggers
+        (the metrics rank's; the others' log nothing), the rest waits for torchtitan's log call."""
+        metrics = self._metrics
+        if metrics is not None and not line.ok and not metrics.should_log(line.step):
+            metrics.logger.log(line.metrics(), line.step)
+        if self._on_verdict is not None:
+            self._on_verdict(line)
 
     def _train_step(self, *args: Any, **kwargs: Any) -> Any:
         self.guard.step = int(self.trainer.step)  # the step under way, as torchtitan counts it
@@ -81,7 +100,7 @@ class TorchtitanGuard:
         extra_metrics; reported/true is of the grad_norm logged beside it, this rank's (under pp the
         logging rank is the last stage's, whose norm differs from rank 0's when the pp mesh is left out)."""
         line = self.guard.line_of(int(step))
-        values = {} if line is None else replace(line, reported_norm=float(grad_norm)).metrics()
+        values = {} if line is None else line.metrics(reported_norm=float(grad_norm))
         return self._original_log(
             step,
             global_avg_loss,

@@ -48,6 +48,10 @@ class TrendLine:
     """Every rank's GradScaler skipped the step (inf gradients): not checked, and not an anomaly."""
     clip_calls: int = 1
     """The most clip calls a rank made in the step (GA501 above 1), when the true norm before each is known."""
+    last_reported_norm: float | None = None
+    """With several clip calls, what the last returned (on the lowest rank that reported one): the norm
+    the gradients the optimizer stepped with were last clipped by. Logged (see `metrics`), not written
+    to the trend file."""
 
     @property
     def ok(self) -> bool:
@@ -59,14 +63,37 @@ class TrendLine:
             return None
         return self.max_coef - self.min_coef
 
-    def metrics(self, prefix: str = "gradaudit/") -> dict[str, float]:
-        """What the integrations log through the framework's logger: the true norm, and the reported
-        norm over it (1.0 when the clip used the true norm); empty when the step had no true norm."""
-        if self.true_norm is None or not math.isfinite(self.true_norm):
+    def metrics(self, prefix: str = "gradaudit/", *, reported_norm: float | None = None) -> dict[str, float]:
+        """What the integrations log through the framework's logger at this step; nothing for a step
+        the scaler skipped (not checked):
+
+        - `anomaly`: the number of the step's error codes, 0 when its clipping was right (an alert's
+          trigger, logged on every checked step, whatever its norms);
+        - `true_norm`: the true global norm, before the step's first clip call, as the warning and
+          `gradaudit check`'s run table give it;
+        - `reported_over_true`: the norm the step's last clip call returned over that true norm, 1.0 when
+          clipping used the true norm. With one clip call it is that call's reported/true; with several
+          (GA501) the last call's reported norm, not the first's: each call of a correct clip function
+          reports the true norm of the gradient it sees, so the first call's ratio reads 1.0 however
+          many times the step clipped, while the last call sees a gradient already clipped (or
+          accumulated from clipped micro-batches) and its norm over the step's true norm shows by how
+          much the gradient the optimizer stepped with was scaled wrongly.
+
+        reported_norm: the norm the framework logs beside these as its grad_norm (its last clip call's
+        on the logging rank), in place of the guard's. true_norm and the ratio are left out when not
+        finite (a step with non-finite gradients still logs its anomaly)."""
+        if self.skipped:
             return {}
-        logged = {f"{prefix}true_norm": self.true_norm}
-        if self.reported_norm is not None and self.true_norm > 0:
-            logged[f"{prefix}reported_over_true"] = self.reported_norm / self.true_norm
+        logged = {f"{prefix}anomaly": float(len(self.codes))}
+        true_norm = self.true_norm
+        if true_norm is None or not math.isfinite(true_norm):
+            return logged
+        logged[f"{prefix}true_norm"] = true_norm
+        if reported_norm is None:
+            reported_norm = self.last_reported_norm if self.clip_calls > 1 else None
+            reported_norm = self.reported_norm if reported_norm is None else reported_norm
+        if reported_norm is not None and math.isfinite(reported_norm) and true_norm > 0:
+            logged[f"{prefix}reported_over_true"] = reported_norm / true_norm
         return logged
 
     def to_json(self) -> dict[str, Any]:
@@ -92,11 +119,14 @@ def _finite_or_text(value: float | None) -> float | str | None:
 
 def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
     """The trend line of a step from its report; its norms and expected coefficient are those the
-    run's summary row shows (with several clip calls, GA501, the first call's)."""
+    run's summary row shows (with several clip calls, GA501, the first call's), and the last call's
+    reported norm, which the framework loggers divide by the true norm (see `TrendLine.metrics`)."""
     from ..report.model import first_call_numbers
 
     coefs = [r.applied_clip_coef for r in report.ranks if r.applied_clip_coef is not None]
     numbers = first_call_numbers(report)
+    # the report's own rows are the last clip call's (first_call_numbers replaces them with the first's)
+    last = next((row.reported_norm for row in report.ranks if row.reported_norm is not None), None)
     return TrendLine(
         step=report.step,
         true_norm=numbers.true_norm,
@@ -106,6 +136,7 @@ def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
         max_coef=max(coefs) if coefs else None,
         codes=codes,
         clip_calls=numbers.clip_calls,
+        last_reported_norm=last if numbers.clip_calls > 1 else None,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ClipNotSeen",
     "ParityFailure",
     "RankFailure",
     "RankOutcome",
@@ -19,7 +20,7 @@ __all__ = [
     "sgd",
 ]
 
-_PARITY = ("ParityFailure", "check_clip_parity", "sgd")
+_PARITY = ("ClipNotSeen", "ParityFailure", "check_clip_parity", "sgd")
 _RANKS = ("RankFailure", "RankOutcome", "launch", "run_ranks")
 
 

@@ -9,9 +9,11 @@ test file (or a package): not lambdas, not nested functions.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..report.model import Finding, Report
-    from .parity_ranks import ReferenceFacts
+    from .parity_ranks import ReferenceFacts, UnseenClips
 
 LEARNING_RATE = 0.1
 MAX_PARAMS_SHOWN = 6
@@ -33,6 +35,11 @@ _SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 
 class ParityFailure(AssertionError):
     """The sharded step did not clip like its unsharded reference; the message is the diagnosis."""
+
+
+class ClipNotSeen(UserWarning):
+    """A passing check whose step clipped with no call the check records (inline): judged from the
+    gradients around it and the norm it returned; `clip=` would give each call's diagnosis."""
 
 
 def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -87,11 +94,14 @@ def check_clip_parity(
     that differ only along other axes, a tensor-parallel group, must get the same batch).
     optimizer(model): an optimizer factory (None: no optimizer step, and no next weights compared).
     clip: the clipping function (or functions) the step calls, recorded wherever the step's module or
-    the function's own module binds it; None: torch.nn.utils.clip_grad_norm_. reference_step: the step
-    for the unsharded model when `step` only works sharded. rtol, atol: the reference comparison's
-    tolerances (None: by dtype, as `gradaudit check --reference`). out_dir: where the dumps go (a fresh
-    folder); None: a temporary folder, deleted when the check passes and kept (named in the message)
-    when it fails.
+    the function's own module binds it; None: torch.nn.utils.clip_grad_norm_. A step that calls none of
+    them (its clip written inline) is judged all the same, from the gradients after its last backward,
+    the norm it returns and the gradients at the optimizer step, with a note saying so (in the failure,
+    or a ClipNotSeen warning when it passes) and naming clip= for a precise diagnosis.
+    reference_step: the step for the unsharded model when `step` only works sharded. rtol, atol: the
+    reference comparison's tolerances (None: by dtype, as `gradaudit check --reference`). out_dir: where
+    the dumps go (a fresh folder); None: a temporary folder, deleted when the check passes and kept
+    (named in the message) when it fails.
     """
     __tracebackhide__ = True  # pytest shows the assertion, not this function's code
     mesh_axes = _mesh(mesh, world_size)
@@ -146,10 +156,14 @@ def check_clip_parity(
 
     reports, reference_reports = _audit(root, steps, rtol=rtol, atol=atol)
     message = _judge(reports, reference_reports, max_norm=float(max_norm), fail_on=fail_on)
+    note = _unseen_note(_unseen(outcomes), facts.unseen_clips, clips)
     if message:
-        raise ParityFailure(f"{message}{kept}")
+        raise ParityFailure(message + (f"\n\n{note}" if note else "") + kept)
     if temporary:
         shutil.rmtree(root, ignore_errors=True)
+    if note:
+        warnings.warn(f"check_clip_parity passed; {note}", ClipNotSeen, stacklevel=2)
+        reports = tuple(dataclasses.replace(r, warnings=(*r.warnings, note)) for r in reports)
     return reports
 
 
@@ -243,6 +257,50 @@ def _input_problems(facts: ReferenceFacts, rank_specific_inputs: bool) -> list[s
             "with the rank), or pass rank_specific_inputs=False"
         )
     return problems
+
+
+def _unseen(outcomes: Sequence[Any]) -> UnseenClips:
+    """The sharded steps on which some rank saw no clip call."""
+    from .parity_ranks import UnseenClips
+
+    unseen = UnseenClips()
+    for outcome in outcomes:
+        unseen |= outcome.value
+    return unseen
+
+
+def _unseen_note(sharded: UnseenClips, reference: UnseenClips, clips: Sequence[Callable[..., Any]]) -> str:
+    """What the check could not see of a step that clipped inline, and how to let it; "" when it saw
+    a clip call on every step."""
+    runs = [(name, u) for name, u in (("sharded", sharded), ("reference", reference)) if u.steps]
+    if not runs:
+        return ""
+    names = (
+        ", ".join(f"{fn.__module__}.{fn.__qualname__}" for fn in clips) or "torch.nn.utils.clip_grad_norm_"
+    )
+    where = "; ".join(f"{name} step{_s(u.steps)} {_steps(u.steps)}" for name, u in runs)
+    note = (
+        f"note: no clip call was seen ({where}): step() called none of the clipping functions the check "
+        f"records ({names}). Its clipping was judged from the gradients after its last backward, the norm "
+        "it returned as the norm it clipped with, and the gradients at the optimizer step; each clip call's "
+        "own gradients and norm (a clip per micro-batch, GA501) are not seen so. For a precise diagnosis "
+        "pass the function your step clips with as clip= (defined at module level, called by its name)"
+    )
+    without = sorted({s for _, u in runs for s in u.without_norm})
+    if without:
+        note += (
+            f". step() returned no norm on step{_s(without)} {_steps(without)}: the norm it clipped with is "
+            "not diagnosed there (GA201-GA209); return it"
+        )
+    return note
+
+
+def _s(items: Sequence[Any]) -> str:
+    return "" if len(items) == 1 else "s"
+
+
+def _steps(steps: Sequence[int]) -> str:
+    return ", ".join(map(str, steps))
 
 
 def _audit(

@@ -3,16 +3,21 @@ steps on the unsharded model in one process. Loaded only there (it imports torch
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import gradaudit
 
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..capture.session import AuditStep
 
 TORCH_CLIPS: tuple[Callable[..., Any], ...] = (torch.nn.utils.clip_grad_norm_,)
 """Resolved when this module loads, before any audit begins: a binding that something else replaced
@@ -54,6 +59,23 @@ class ParitySpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class UnseenClips:
+    """The steps of one run (the sharded ranks', or the reference's) on which no clip call was seen."""
+
+    steps: tuple[int, ...] = ()
+    """Steps whose clipping was inline (or absent): judged from the gradients after the last backward
+    and the norm step() returned."""
+    without_norm: tuple[int, ...] = ()
+    """Those of them on which step() returned no norm either."""
+
+    def __or__(self, other: UnseenClips) -> UnseenClips:
+        return UnseenClips(
+            steps=tuple(sorted({*self.steps, *other.steps})),
+            without_norm=tuple(sorted({*self.without_norm, *other.without_norm})),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ReferenceFacts:
     """What the reference process learned about the user's inputs, for the caller to judge."""
 
@@ -66,13 +88,11 @@ class ReferenceFacts:
     coordinate (a tensor-parallel group) got different batches."""
     build_differs: bool
     """Two calls of build() gave different weights."""
+    unseen_clips: UnseenClips = UnseenClips()
+    """The reference's steps on which no clip call was seen."""
 
 
-class ClipNotRecorded(UsageError):
-    """The user's step called none of the clipping functions the check wraps."""
-
-
-def sharded_rank(rank: int, world_size: int, spec: ParitySpec) -> None:
+def sharded_rank(rank: int, world_size: int, spec: ParitySpec) -> UnseenClips:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(
@@ -84,8 +104,12 @@ def sharded_rank(rank: int, world_size: int, spec: ParitySpec) -> None:
             f"parallelize() returned {type(model).__name__}, not the model; return the module it sharded"
         )
     optimizer = None if spec.optimizer is None else spec.optimizer(model)
+    unseen = UnseenClips()
     for step in range(1, spec.steps + 1):
-        audited_step(model, optimizer, spec.make_batch(rank, step), spec, step, spec.sharded_dir, spec.step)
+        unseen |= audited_step(
+            model, optimizer, spec.make_batch(rank, step), spec, step, spec.sharded_dir, spec.step
+        )
+    return unseen
 
 
 def reference_process(rank: int, world_size: int, spec: ParitySpec) -> ReferenceFacts:
@@ -100,6 +124,7 @@ def _reference_steps(spec: ParitySpec) -> ReferenceFacts:
     representative = data_representatives(spec.mesh, spec.data_axes)
     data_ranks = tuple(sorted(set(representative)))
     identical, mismatched = [], []
+    unseen = UnseenClips()
     for step in range(1, spec.steps + 1):
         batches = [spec.make_batch(rank, step) for rank in range(len(representative))]
         mismatched += [
@@ -110,7 +135,7 @@ def _reference_steps(spec: ParitySpec) -> ReferenceFacts:
         if len(data_ranks) > 1 and all(same_batch(batches[r], batches[data_ranks[0]]) for r in data_ranks):
             identical.append(step)
         global_batch = concat_batches([batches[r] for r in data_ranks])
-        audited_step(
+        unseen |= audited_step(
             model, optimizer, global_batch, spec, step, spec.reference_dir, spec.reference_step or spec.step
         )
     return ReferenceFacts(
@@ -118,6 +143,7 @@ def _reference_steps(spec: ParitySpec) -> ReferenceFacts:
         identical_steps=tuple(identical),
         mismatched=tuple(mismatched),
         build_differs=build_differs,
+        unseen_clips=unseen,
     )
 
 
@@ -129,8 +155,11 @@ def audited_step(
     step: int,
     out_dir: str,
     step_fn: Callable[[torch.nn.Module, Any, float], Any],
-) -> None:
-    """The user's step inside an audit of it: its clip calls recorded, then the optimizer step."""
+) -> UnseenClips:
+    """The user's step inside an audit of it: its clip calls recorded, then the optimizer step. A step
+    that calls none of the recorded clipping functions (a clip written inline) is audited all the same:
+    the gradients after its last backward are its pre-clip gradients, the norm it returns the norm it
+    clipped with, the gradients at the optimizer step the clipped ones; returned so, it is named."""
     with gradaudit.audit_step(
         model,
         out_dir,
@@ -140,17 +169,12 @@ def audited_step(
         optimizer=optimizer,
         strict=True,
     ) as audit:
-        clips = spec.clip or TORCH_CLIPS
-        for owner, name in clip_sites(clips, step_fn):
+        for owner, name in clip_sites(spec.clip or TORCH_CLIPS, step_fn):
             audit.intercept_clip(owner, name)
-        returned = step_fn(model, batch, spec.max_norm)
-        if not audit.reported_norms:
-            names = ", ".join(f"{fn.__module__}.{fn.__qualname__}" for fn in clips)
-            raise ClipNotRecorded(
-                f"step() called none of the clipping functions the check records ({names}); pass the "
-                "function your step clips with as clip= (defined at module level, called by its name)"
-            )
-        if returned is not None and audit.reported_norms[-1] is None:
+        with _gradients_after_each_backward(audit):
+            returned = step_fn(model, batch, spec.max_norm)
+        seen = bool(audit.reported_norms)
+        if returned is not None and (not seen or audit.reported_norms[-1] is None):
             audit.record(reported_norm=returned)
         if optimizer is not None:
             optimizer.step()
@@ -158,6 +182,30 @@ def audited_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
+    if seen:
+        return UnseenClips()
+    return UnseenClips(steps=(step,), without_norm=(step,) if returned is None else ())
+
+
+@contextlib.contextmanager
+def _gradients_after_each_backward(audit: AuditStep) -> Iterator[None]:
+    """Record the gradients as each backward leaves them (FSDP2's reduce-scatter included: it ends
+    inside the backward call) until the first clip call is recorded, which takes its own: the pre-clip
+    gradients of a step whose clip no call shows."""
+    original = torch.autograd.backward
+
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if not audit.reported_norms:
+            audit.take_gradients(clipped=False)
+        return result
+
+    torch.autograd.backward = backward  # Tensor.backward looks it up here at each call
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
 
 
 def clip_sites(clips: Sequence[Callable[..., Any]], step_fn: Callable[..., Any]) -> Iterator[tuple[Any, str]]:

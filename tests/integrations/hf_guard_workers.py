@@ -1,5 +1,6 @@
 """Rank workers for the guard under HF Trainer on 2 gloo ranks: 2 micro-batches per optimizer step,
-the Trainer's own clip, and optionally a `training_step` override that also clips each micro-batch."""
+the Trainer's own clip, and optionally a `training_step` override that also clips each micro-batch
+(then over 4 steps, the Trainer logging every 2nd)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from hf_workers import MAX_GRAD_NORM, TokenData, _args, tiny_llama
 
 FP16_STEPS = 6
+STEP_CLIP_STEPS = 4
+STEP_CLIP_LOGGING_STEPS = 2
 
 
 def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
@@ -22,7 +25,7 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
             self.logged: list[dict] = []
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            self.logged.append(dict(logs or {}))
+            self.logged.append({**(logs or {}), "at_step": state.global_step})
 
     from gradaudit.integrations.transformers_guard import GuardCallback
 
@@ -46,7 +49,12 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
             AcceleratorState._reset_state()
         callback, recorder = GuardCallback(os.path.join(out_root, name)), Recorder()
         args = _args(os.path.join(out_root, f"trainer_{name}"), fp16=fp16)
-        args.set_logging(strategy="steps", steps=1, report_to="none")
+        step_clip = name == "step_clip"
+        args.set_logging(
+            strategy="steps", steps=STEP_CLIP_LOGGING_STEPS if step_clip else 1, report_to="none"
+        )
+        if step_clip:
+            args.max_steps = STEP_CLIP_STEPS
         trainer = trainer_class(
             model=tiny_llama(), args=args, train_dataset=TokenData(), callbacks=[recorder]
         )
@@ -66,6 +74,13 @@ def guarded_train(rank: int, world_size: int, out_root: str) -> dict:
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
             "reported": [log for log in recorder.logged if "grad_norm" in log],
             "history": [log for log in trainer.state.log_history if "grad_norm" in log],
+            # the values of a step the Trainer does not log, as the guard's callback logs them
+            "reported_alone": [
+                log for log in recorder.logged if "loss" not in log and "train_loss" not in log
+            ],
+            "history_alone": [
+                log for log in trainer.state.log_history if "loss" not in log and "train_loss" not in log
+            ],
             "scaler": callback.guard.scaler is not None,
         }
     return results

@@ -1,5 +1,6 @@
 """Rank workers for the guard under Lightning on 2 gloo ranks: DDP, 2 micro-batches per optimizer step,
-Lightning's own clip, and optionally a user's own clip in `on_after_backward` (every micro-batch)."""
+Lightning's own clip, and optionally a user's own clip in `on_after_backward` (every micro-batch) or a
+clip made three times at one step, logged to Lightning's CSVLogger."""
 
 from __future__ import annotations
 
@@ -11,17 +12,33 @@ from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_STEPS = 3
 LATE_LOG_EVERY = 2
+CSV_STEPS = 6
+CSV_LOG_EVERY = 2
+"""The CSVLogger run: 6 steps, Lightning logging every 2nd."""
+THRICE_AT = 3
+"""The CSVLogger run's step that clips three times (GA501); the next is captured in full."""
 FP16_INIT_SCALE = 2.0**16
 """GradScaler's default, as Lightning's 16-mixed makes it on GPU."""
 
 
-def _module(clip_in_hook: bool):
+def _module(clip_in_hook: bool, clip_thrice_at: int | None = None):
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = tiny_net()
+            self.thrice: list[float] = []
+            """The norms the three clip calls of step clip_thrice_at returned."""
+
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+        ):
+            if self.trainer.global_step + 1 != clip_thrice_at:  # global_step: the steps taken before
+                self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+                return
+            for _ in range(3):  # the mistake: clipping the clipped gradients again
+                self.thrice.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), MAX_NORM)))
 
         def training_step(self, data, index):
             x, y = data
@@ -61,13 +78,14 @@ def _logger():
         def log_metrics(self, metrics, step=None) -> None:
             kept = {k: float(v) for k, v in metrics.items() if k.startswith("gradaudit/")}
             if kept:
-                self.logged.append(kept)
+                self.logged.append((step, kept))
 
     return ListLogger()
 
 
 def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
     import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -83,11 +101,15 @@ def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
         ("fp16_ok", False),
         ("fp16_hook_clip", True),
         ("late", False),
+        ("csv", False),
+        ("csv_late", False),
     ):
         # late: the verdict read one step late, as on GPU; Lightning logs every LATE_LOG_EVERY steps
-        late = name == "late"
+        late = name.endswith("late")
         callback = GuardCallback(os.path.join(out_root, name), **({"late": True} if late else {}))
-        logger = _logger() if late else False
+        csv = name.startswith("csv")
+        logger = CSVLogger(os.path.join(out_root, f"{name}_logs")) if csv else _logger() if late else False
+        num_steps = CSV_STEPS if csv else NUM_STEPS
         fp16 = name.startswith("fp16")
         trainer = pl.Trainer(
             # precision="16-mixed" becomes bf16 on CPU; Lightning's own 16-mixed plugin takes a CPU
@@ -100,12 +122,12 @@ def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
             accelerator="cpu",
             devices=world_size,
             strategy=DDPStrategy(),
-            max_steps=NUM_STEPS,
+            max_steps=num_steps,
             gradient_clip_val=MAX_NORM,
             gradient_clip_algorithm="norm",
             callbacks=[callback],
             logger=logger,
-            log_every_n_steps=LATE_LOG_EVERY if late else 50,
+            log_every_n_steps=CSV_LOG_EVERY if csv else LATE_LOG_EVERY if late else 50,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -114,16 +136,19 @@ def guarded_fit(rank: int, world_size: int, out_root: str) -> dict:
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            loader = torch.utils.data.DataLoader(micro * NUM_STEPS, batch_size=None)
-            trainer.fit(_module(clip_in_hook), loader)
+            loader = torch.utils.data.DataLoader(micro * num_steps, batch_size=None)
+            module = _module(clip_in_hook, THRICE_AT if csv else None)
+            trainer.fit(module, loader)
         guard = callback.guard
         results[name] = {
+            "thrice": module.thrice,
+            "csv": os.path.join(logger.log_dir, "metrics.csv") if csv else None,
             "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
             "scaler": guard.scaler is not None,
             "logged": {
                 k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradaudit/")
             },
-            "logger": logger.logged if logger else [],
+            "logger": logger.logged if late and not csv else [],
         }
     return results

@@ -35,6 +35,7 @@ def test_accelerates_own_clip_is_never_flagged_and_its_true_norm_is_logged_throu
     for (_, values), returned in zip(logged, results[0]["ok"]["norms"], strict=True):
         assert values["gradaudit/true_norm"] == pytest.approx(returned, rel=1e-5)
         assert values["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
+        assert values["gradaudit/anomaly"] == 0.0
     assert results[1]["ok"]["logged"] == []
 
 
@@ -54,6 +55,21 @@ def test_a_clip_on_every_micro_batch_is_ga501_from_the_step_it_starts(runs):
     assert error_codes(audit_report(out_root / "clip_every_microbatch" / f"step_{MISTAKE_FROM}")) == set(
         codes
     )
+    # the trackers get every checked step at its number, the anomaly at its step, nothing for the step
+    # captured in full after it
+    run = results[0]["clip_every_microbatch"]
+    trend = {line["step"]: line for line in run["trend"]}
+    logged = dict(run["logged"])
+    assert sorted(logged) == sorted(trend) == [s for s in range(1, NUM_STEPS + 1) if s != MISTAKE_FROM + 1]
+    for step, values in logged.items():
+        assert values["gradaudit/anomaly"] == len(trend[step]["codes"]) == (step == MISTAKE_FROM)
+        assert values["gradaudit/true_norm"] == pytest.approx(trend[step]["true_norm"], rel=1e-9)
+    # the ratio is of the last clip call's norm (accelerator.clip_grad_norm_ of the accumulated gradient)
+    # to the true norm before the first (the first micro-batch's gradient alone, which that call
+    # clipped); here the two are close (0.98), so gradaudit/anomaly is what shows the step
+    ratio = logged[MISTAKE_FROM]["gradaudit/reported_over_true"]
+    assert ratio == pytest.approx(run["norms"][MISTAKE_FROM - 1] / trend[MISTAKE_FROM]["true_norm"], rel=1e-6)
+    assert trend[MISTAKE_FROM]["reported_norm"] == pytest.approx(trend[MISTAKE_FROM]["true_norm"], rel=1e-5)
 
 
 def test_fp16_with_accelerates_grad_scaler_is_never_flagged_and_its_skipped_step_is_written_as_skipped(runs):

@@ -1,6 +1,7 @@
 """The guard as one HF Trainer callback on 2 gloo ranks: the Trainer's own clip passes every step,
-and a `training_step` override clipping each micro-batch is GA501 from the first step; the true norm
-logged is always the step's own."""
+and a `training_step` override clipping each micro-batch is GA501 from the first step; what is logged,
+read back from state.log_history and a reporting callback: each logged step's own values at its step,
+an anomaly at its step whatever logging_steps, nothing for the step captured in full."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_guard_workers import FP16_STEPS, guarded_train
+from guard_workers import with_trends
+from hf_guard_workers import FP16_STEPS, STEP_CLIP_STEPS, guarded_train
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
 
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_root = tmp_path_factory.mktemp("hf_guard")
-    return out_root, run_ranks(guarded_train, 2, (str(out_root),), timeout_s=300)
+    return out_root, with_trends(run_ranks(guarded_train, 2, (str(out_root),), timeout_s=300), str(out_root))
 
 
 def test_a_clip_per_micro_batch_in_training_step_is_caught_and_the_trainers_own_clip_passes(runs):
@@ -32,17 +34,48 @@ def test_a_clip_per_micro_batch_in_training_step_is_caught_and_the_trainers_own_
     assert error_codes(audit_report(tmp_path / "step_clip" / "step_1")) == set(codes)
     # the true norm is in each of the Trainer's log calls beside its grad_norm, for a reporting
     # callback registered before the guard's too, and in state.log_history
+    trend = {line["step"]: line for line in results[0]["ok"]["trend"]}
     for logs in (results[0]["ok"]["reported"], results[0]["ok"]["history"]):
         assert len(logs) == 2
-        for log in logs:
+        for log, step in zip(logs, (1, 2), strict=True):
+            assert log.get("step", log.get("at_step")) == step
+            assert log["gradaudit_true_norm"] == pytest.approx(trend[step]["true_norm"], rel=1e-9)
             assert log["gradaudit_true_norm"] == pytest.approx(log["grad_norm"], rel=1e-5)
             assert log["gradaudit_reported_over_true"] == pytest.approx(1.0, rel=1e-5)
-    # step 2 is captured in full after step 1's anomaly, not checked: its log has no true norm, not
-    # step 1's again
-    history = results[0]["step_clip"]["history"]
-    assert [log["step"] for log in history] == [1, 2]
-    assert "gradaudit_true_norm" in history[0] and "gradaudit_true_norm" not in history[1]
-    assert [("gradaudit_true_norm" in log) for log in results[0]["step_clip"]["reported"]] == [True, False]
+            assert log["gradaudit_anomaly"] == 0.0
+    assert results[0]["ok"]["history_alone"] == [] and results[0]["ok"]["reported_alone"] == []
+
+
+def test_each_anomaly_is_logged_at_its_step_between_logging_steps_and_the_step_captured_in_full_logs_nothing(
+    runs,
+):
+    """The override clips each micro-batch on every step; the Trainer logs steps 2 and 4. Step 1's anomaly
+    is dumped, step 2 captured in full (not checked), steps 3 and 4 checked again (anomalies, not dumped
+    within the cooldown)."""
+    _, results = runs
+    run = results[0]["step_clip"]
+    trend = {line["step"]: line for line in run["trend"]}
+    assert sorted(trend) == [1, 3, 4] and all(trend[s]["codes"] for s in trend)
+    # the Trainer's own log calls: step 2 (captured in full) has no gradaudit value, not step 1's again
+    history = run["history"]
+    assert [log["step"] for log in history] == [2, STEP_CLIP_STEPS]
+    assert not any(key.startswith("gradaudit_") for key in history[0])
+    # steps 1 and 3, which the Trainer does not log, are logged alone, at their own step
+    alone = run["history_alone"]
+    assert [log["step"] for log in alone] == [1, 3]
+    assert [log["at_step"] for log in run["reported_alone"]] == [1, 3]  # the reporting callback's too
+    for log in (*alone, history[1]):
+        line = trend[log["step"]]
+        assert log["gradaudit_anomaly"] == len(line["codes"]) >= 1
+        assert log["gradaudit_true_norm"] == pytest.approx(line["true_norm"], rel=1e-9)
+        # the first clip call reports the true norm (ratio 1); the last, the Trainer's, reports the norm
+        # of a gradient the micro-batch clips shrank: far from it
+        assert line["reported_norm"] == pytest.approx(line["true_norm"], rel=1e-5)
+        assert log["gradaudit_reported_over_true"] < 0.9
+    # beside a grad_norm (the Trainer's clip, the step's last call), the ratio is of that grad_norm
+    assert history[1]["gradaudit_reported_over_true"] == pytest.approx(
+        history[1]["grad_norm"] / history[1]["gradaudit_true_norm"], rel=1e-6
+    )
 
 
 def test_fp16_with_accelerates_grad_scaler_passes_the_trainers_clip_and_catches_a_clip_of_scaled_gradients(

@@ -1,8 +1,12 @@
 """The guard as one Lightning callback on 2 gloo ranks: Lightning's own clip passes every step, and a
 user's own clip in `on_after_backward` (each micro-batch) is GA501 from the first step; the same in
-16-mixed with a GradScaler, where the hook's clip is also GA502."""
+16-mixed with a GradScaler, where the hook's clip is also GA502. What the loggers get, read back from
+Lightning's CSVLogger: each logged step's own values at the guard's step number, an anomaly at its step
+whatever the logging interval, nothing for the step captured in full."""
 
 from __future__ import annotations
+
+import csv
 
 import pytest
 
@@ -10,7 +14,14 @@ pytest.importorskip("lightning")
 
 from guard_workers import with_trends
 from launcher import run_ranks
-from lightning_guard_workers import LATE_LOG_EVERY, NUM_STEPS, guarded_fit
+from lightning_guard_workers import (
+    CSV_LOG_EVERY,
+    CSV_STEPS,
+    LATE_LOG_EVERY,
+    NUM_STEPS,
+    THRICE_AT,
+    guarded_fit,
+)
 from reassemble import audit_report, error_codes
 
 pytestmark = pytest.mark.integration
@@ -62,6 +73,51 @@ def test_read_one_step_late_as_on_gpu_each_step_logged_carries_its_own_true_norm
     trend = {line["step"]: line["true_norm"] for line in late["trend"]}
     assert sorted(trend) == list(range(1, NUM_STEPS + 1))
     # Lightning logs step 2 (log_every_n_steps=2): its own number, read at that log step, not step 1's
-    assert [values["gradaudit/true_norm"] for values in late["logger"]] == [
-        pytest.approx(trend[LATE_LOG_EVERY], rel=1e-6)
+    assert [(step, values["gradaudit/true_norm"]) for step, values in late["logger"]] == [
+        (LATE_LOG_EVERY, pytest.approx(trend[LATE_LOG_EVERY], rel=1e-6))
     ]
+
+
+def csv_rows(path) -> dict[int, dict[str, float]]:
+    """The gradaudit columns of a CSVLogger's metrics.csv, by the step of their row."""
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    logged: dict[int, dict[str, float]] = {}
+    for row in rows:
+        values = {k: float(v) for k, v in row.items() if k.startswith("gradaudit/") and v != ""}
+        if values:
+            assert int(row["step"]) not in logged, f"step {row['step']} logged twice"
+            logged[int(row["step"])] = values
+    return logged
+
+
+@pytest.mark.parametrize(
+    ("name", "full", "logged_steps"), [("csv", 4, [2, 3, 6]), ("csv_late", 5, [2, 3, 4, 6])]
+)
+def test_the_csv_logger_gets_each_steps_own_values_at_its_step_and_a_triple_clip_in_its_ratio_and_anomaly(
+    runs, name, full, logged_steps
+):
+    """Lightning logs every 2nd step; step 3 clips three times (GA501: logged although Lightning does not
+    log step 3; in csv_late, as on GPU, once its verdict is read at step 4). The step captured in full
+    after it logs nothing: step 4, a step Lightning logs; read one step late, step 5."""
+    _, results = runs
+    run = results[0][name]
+    assert [(step, codes) for step, codes in run["anomalies"]] == [(THRICE_AT, ["GA501"])]
+    trend = {line["step"]: line for line in run["trend"]}
+    assert sorted(trend) == [s for s in range(1, CSV_STEPS + 1) if s != full]
+    logged = csv_rows(run["csv"])
+    assert [s for s in range(1, CSV_STEPS + 1) if s % CSV_LOG_EVERY == 0] == [2, 4, 6]
+    assert sorted(logged) == logged_steps
+    for step, values in logged.items():
+        assert values["gradaudit/true_norm"] == pytest.approx(trend[step]["true_norm"], rel=1e-6)
+        assert values["gradaudit/anomaly"] == len(trend[step]["codes"])
+    assert logged[2]["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
+    assert logged[6]["gradaudit/anomaly"] == 0.0
+    # the triple clip: the first call reported the true norm (the trend's pair: ratio 1); the last, the
+    # norm of the gradient the first had clipped already, logged over the true norm
+    first, _, last = run["thrice"]
+    assert trend[THRICE_AT]["reported_norm"] == pytest.approx(first, rel=1e-6)
+    assert first == pytest.approx(trend[THRICE_AT]["true_norm"], rel=1e-5)
+    assert logged[THRICE_AT]["gradaudit/anomaly"] == 1.0
+    ratio = logged[THRICE_AT]["gradaudit/reported_over_true"]
+    assert ratio == pytest.approx(last / first, rel=1e-5) and ratio < 0.5

@@ -1,9 +1,10 @@
 """The guard in one line beside torchtitan's clip_grad_norm_ on 4 gloo ranks (2 pipeline stages x 2
 FSDP2 ranks): the norm reduced over the pp mesh passes every step, and leaving the pp mesh out is
-named at the step it happens, with the code `gradaudit check` gives for the guard's dump. The true norm
-and reported/true of each step torchtitan logs are in its TensorBoard events beside its grad_norm, read
-back with tensorboard's own reader (the ok run reads its verdicts one step late, as on GPU: those of
-the steps torchtitan logs are read at its log call)."""
+named at the step it happens, with the code `gradaudit check` gives for the guard's dump. The anomaly
+count, true norm and reported/true of each step torchtitan logs are in its TensorBoard events beside its
+grad_norm, and those of an anomaly torchtitan does not log at its own step, read back with tensorboard's
+own reader (the ok run reads its verdicts one step late, as on GPU: those of the steps torchtitan logs
+are read at its log call)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_torchtitans_clip_reduced_over_the_pp_mesh_is_never_flagged(runs, name):
         for (_, values), returned in zip(verdicts, run["norms"], strict=True):
             assert values["gradaudit/true_norm"] == pytest.approx(returned, rel=1e-5)
             assert values["gradaudit/reported_over_true"] == pytest.approx(1.0, rel=1e-5)
+            assert values["gradaudit/anomaly"] == 0.0
 
 
 def test_leaving_out_the_pp_mesh_is_named_at_its_step_with_the_code_check_gives(runs):
@@ -65,25 +67,38 @@ def test_leaving_out_the_pp_mesh_is_named_at_its_step_with_the_code_check_gives(
     assert "GA203" in error_codes(audit_report(out_root / "stage_norm" / f"step_{MISTAKE_AT}"))
 
 
-def test_true_norm_and_ratio_are_in_torchtitans_tensorboard_steps_beside_its_grad_norm(runs):
+@pytest.mark.parametrize(("name", "guard_steps"), [("ok", LOGGED), ("stage_norm", [*LOGGED, NUM_STEPS])])
+def test_the_values_are_in_torchtitans_tensorboard_steps_beside_its_grad_norm_and_each_anomaly_at_its_step(
+    runs, name, guard_steps
+):
+    """torchtitan logs steps 1 and 3; stage_norm's step 4 is captured in full after step 3's anomaly (not
+    checked, and not logged), its step 5 an anomaly torchtitan does not log: logged at its own step."""
     out_root, results = runs
     assert LOGGED == [1, MISTAKE_AT]
-    for name in ("ok", "stage_norm"):
-        scalars = tensorboard_scalars(out_root / f"{name}_metrics")  # one run: the metrics rank's
-        lines, norms = dict(results[METRICS_RANK][name]["verdicts"]), results[METRICS_RANK][name]["norms"]
-        true_norms, ratios = scalars["gradaudit/true_norm"], scalars["gradaudit/reported_over_true"]
-        # the steps torchtitan logs (log_freq), each with its own step's values, none for another step
-        assert [step for step, _ in scalars["grad_norm"]] == LOGGED
-        assert [step for step, _ in true_norms] == [step for step, _ in ratios] == LOGGED
-        assert [value for _, value in scalars["grad_norm"]] == pytest.approx(
-            [norms[step - 1] for step in LOGGED], rel=1e-6
-        )
-        assert [value for _, value in true_norms] == pytest.approx(
-            [lines[step]["gradaudit/true_norm"] for step in LOGGED], rel=1e-6
-        )
-        assert [value for _, value in ratios] == pytest.approx(
-            [norms[step - 1] / lines[step]["gradaudit/true_norm"] for step in LOGGED], rel=1e-6
-        )
-        # 1 while the norm is reduced over the pp mesh; this stage's norm only, below 1, where it is not
-        assert ratios[0][1] == pytest.approx(1.0, rel=1e-5)
-        assert ratios[1][1] == pytest.approx(1.0, rel=1e-5) if name == "ok" else ratios[1][1] < 0.9
+    scalars = tensorboard_scalars(out_root / f"{name}_metrics")  # one run: the metrics rank's
+    lines, norms = dict(results[METRICS_RANK][name]["verdicts"]), results[METRICS_RANK][name]["norms"]
+    true_norms, ratios = scalars["gradaudit/true_norm"], scalars["gradaudit/reported_over_true"]
+    anomalies = scalars["gradaudit/anomaly"]
+    # the steps torchtitan logs (log_freq), each with its own step's values, none for another step
+    assert [step for step, _ in scalars["grad_norm"]] == LOGGED
+    assert [step for step, _ in true_norms] == [step for step, _ in ratios] == guard_steps
+    assert [step for step, _ in anomalies] == guard_steps
+    assert [value for _, value in scalars["grad_norm"]] == pytest.approx(
+        [norms[step - 1] for step in LOGGED], rel=1e-6
+    )
+    assert [value for _, value in true_norms] == pytest.approx(
+        [lines[step]["gradaudit/true_norm"] for step in guard_steps], rel=1e-6
+    )
+    assert [value for _, value in anomalies] == [lines[step]["gradaudit/anomaly"] for step in guard_steps]
+    # beside torchtitan's grad_norm, of that grad_norm (this rank's); alone, the guard's own
+    assert [value for _, value in ratios] == pytest.approx(
+        [norms[step - 1] / lines[step]["gradaudit/true_norm"] for step in LOGGED]
+        + [lines[step]["gradaudit/reported_over_true"] for step in guard_steps[len(LOGGED) :]],
+        rel=1e-6,
+    )
+    # 1 while the norm is reduced over the pp mesh; this stage's norm only, below 1, where it is not
+    assert ratios[0][1] == pytest.approx(1.0, rel=1e-5) and anomalies[0][1] == 0.0
+    if name == "ok":
+        assert ratios[1][1] == pytest.approx(1.0, rel=1e-5) and anomalies[1][1] == 0.0
+    else:
+        assert all(ratio < 0.9 for _, ratio in ratios[1:]) and all(value >= 1 for _, value in anomalies[1:])
