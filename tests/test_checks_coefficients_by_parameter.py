@@ -119,10 +119,16 @@ def test_without_post_clip_gradients_ga304_is_not_checked(tmp_path):
 
 
 def _two_calls(
-    tmp_path, after_first: dict[str, float], after_second: dict[str, float], *, grown: float = 1.0
+    tmp_path,
+    after_first: dict[str, float],
+    after_second: dict[str, float],
+    *,
+    grown: float = 1.0,
+    reported: tuple[float, float] = (1.0, 2.0),
 ):
     """Two clip calls: the gradient before the second is the first's scaled by `after_first` (and
-    multiplied by `grown`, as a backward between the calls does); the final one by `after_second` too."""
+    multiplied by `grown`, as a backward between the calls does); the final one by `after_second` too.
+    `reported`: the norm each call returned."""
     pieces = {}
     for rank in range(2):
         specs = []
@@ -133,7 +139,7 @@ def _two_calls(
                 box(name, offsets, grad=mid, grad_clipped=mid * after_second[name], call_stats=(g, mid))
             )
         pieces[rank] = specs
-    calls = (ClipCall(reported_norm=1.0, max_norm=MAX_NORM), ClipCall(reported_norm=2.0, max_norm=MAX_NORM))
+    calls = tuple(ClipCall(reported_norm=n, max_norm=MAX_NORM) for n in reported)
     return write_step(
         tmp_path,
         world_size=2,
@@ -157,6 +163,25 @@ def test_one_clip_call_per_parameter_group_is_named_with_each_calls_coefficient(
     assert "GA301" not in codes(report)
     assert found[("a",)].fix.startswith("Clip once per step, with the norm of every param group together")
     assert "one call per param group, see GA304" in finding(report, "GA501").message  # not "each microbatch"
+
+
+def test_the_norm_of_one_clip_call_per_parameter_group_is_named_as_groups_clipped_separately(tmp_path):
+    """The first call clips b by b's norm (sqrt(0.5): below max_norm), the second a by a's (sqrt(2)):
+    the second call's norm is what the true norm leaves once the first's is taken out (GA210)."""
+    b_norm, a_norm = math.sqrt(0.5), math.sqrt(2.0)
+    after = {"a": MAX_NORM / (a_norm + 1e-6), "b": 1.0}
+    report = check(_two_calls(tmp_path, {"a": 1.0, "b": 1.0}, after, reported=(b_norm, a_norm)))
+    assert "GA204" not in codes(report)
+    found = finding(report, "GA210")
+    assert found.evidence["cause"] == "per_call" and found.evidence["num_clip_calls"] == 2
+    assert math.isclose(found.evidence["matched_norm"], a_norm, rel_tol=1e-9)
+    assert found.fix.startswith("Clip once per step")
+    assert {row.diagnosis for row in report.ranks} == {"per_param_group"}
+
+
+def test_two_clip_calls_whose_norms_do_not_add_up_to_the_true_norm_are_not_named_per_group(tmp_path):
+    report = check(_two_calls(tmp_path, {"a": 0.6, "b": 1.0}, {"a": 1.0, "b": 0.9}))
+    assert "GA210" not in codes(report)
 
 
 def test_gradients_that_grew_between_two_calls_are_judged_by_the_last_calls_coefficients(tmp_path):

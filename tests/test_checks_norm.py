@@ -1,4 +1,4 @@
-"""GA201-GA205 and the seed fixture: which norm did clipping use?"""
+"""GA201-GA205, GA210 and the seed fixture: which norm did clipping use?"""
 
 import math
 
@@ -18,7 +18,7 @@ from builders import (
 
 from gradaudit.model import ClipRecord, Topology
 
-NORM_CODES = {"GA201", "GA202", "GA203", "GA204", "GA205"}
+NORM_CODES = {"GA201", "GA202", "GA203", "GA204", "GA205", "GA210"}
 
 
 def four_shards_of_norm_08(dtype=torch.float64):
@@ -104,6 +104,104 @@ def test_stages_clipping_by_their_own_stage_norm_are_diagnosed_as_the_wrong_grou
     assert found.evidence["group"] == "dp_shard" and found.ranks == (0, 1, 2, 3)
     assert codes(report) & NORM_CODES == {"GA203"}
     assert report.ranks[0].diagnosis == "wrong_group:dp_shard"
+
+
+def test_stage_norms_all_reduced_over_the_data_parallel_group_name_that_group_not_every_copy(tmp_path):
+    # Each rank holds its stage's full norm (a DTensor's, complete over dp_shard) and sums its square
+    # over dp_shard instead of pp: sqrt(2) times the stage norm, which every_copy:dp_shard (GA202) matched.
+    def stage_norm_twice(r, g):
+        return math.sqrt(2) * _norm(g[2 * (r // 2)], g[2 * (r // 2) + 1])
+
+    report, _ = _two_stages(tmp_path, stage_norm_twice)
+    found = finding(report, "GA203")
+    assert found.evidence["group"] == "dp_shard" and found.ranks == (0, 1, 2, 3)
+    assert "'dp_shard'" in found.message and "summed over the group again" in found.message
+    assert codes(report) & NORM_CODES == {"GA203"}
+    assert {row.diagnosis for row in report.ranks} == {"wrong_group:dp_shard"}
+
+
+def test_replicated_stage_norms_all_reduced_over_the_data_parallel_group_name_that_group(tmp_path):
+    """Pipeline stages replicated over dp (DDP inside each stage): the local norms' squares summed over
+    dp count each stage once per replica."""
+    grads = {"a": tensor_with_norm(0.9, (2, 2), seed=1), "b": tensor_with_norm(1.2, (2, 2), seed=2)}
+    pieces = {
+        r: [whole("a" if r < 2 else "b", grad=grads["a" if r < 2 else "b"], replica_group="dp")]
+        for r in range(4)
+    }
+    write_step(
+        tmp_path,
+        world_size=4,
+        params={"a": (2, 2), "b": (2, 2)},
+        pieces=pieces,
+        clips={r: clip(1.0, reported_norm=math.sqrt(2) * (0.9 if r < 2 else 1.2)) for r in range(4)},
+        topology=Topology(groups={"dp": ((0, 1), (2, 3)), "pp": ((0, 2), (1, 3))}),
+    )
+    report = check(tmp_path)
+    assert codes(report) & NORM_CODES == {"GA203"}
+    assert finding(report, "GA203").evidence["group"] == "dp"
+
+
+def test_a_full_norm_summed_again_over_a_group_that_holds_every_element_stays_every_copy(tmp_path):
+    """HSDP, 3 replicas of a 2-way shard: the full norm (complete over dp_shard) summed over dp_shard
+    again is sqrt(2) times the true norm, every copy counted (sqrt(3) would be every replica)."""
+    shards = [tensor_with_norm(0.6 + 0.3 * s, (2, 3), seed=s, dtype=torch.float64) for s in range(2)]
+    true = _norm(*shards)
+    write_step(
+        tmp_path,
+        world_size=6,
+        params={"w": (4, 3)},
+        pieces={
+            r: [box("w", (2 * (r % 2), 0), grad=shards[r % 2], replica_group="dp_replicate")]
+            for r in range(6)
+        },
+        clips=clip(1.0, reported_norm=math.sqrt(2) * true),
+        topology=Topology(
+            groups={"dp_shard": ((0, 1), (2, 3), (4, 5)), "dp_replicate": ((0, 2, 4), (1, 3, 5))}
+        ),
+    )
+    report = check(tmp_path)
+    assert codes(report) & NORM_CODES == {"GA202"}
+    assert finding(report, "GA202").evidence["group"] == "dp_shard"
+
+
+def _listed_twice(tmp_path, *, scaled_twice: bool):
+    """`w` and `e` sharded by rows over 2 ranks; the reported norm counts `e` twice; `e` clipped by c²
+    (listed twice, scaled twice) or, contradicting that, by c as `w`."""
+    w = [tensor_with_norm(0.8 + 0.2 * r, (2, 3), seed=r, dtype=torch.float64) for r in range(2)]
+    e = [tensor_with_norm(0.5 + 0.1 * r, (2, 3), seed=5 + r, dtype=torch.float64) for r in range(2)]
+    reported = math.sqrt(_norm(*w, *e) ** 2 + _norm(*e) ** 2)
+    coef = 1.0 / (reported + 1e-6)
+    pieces = {
+        r: [
+            box("w", (2 * r, 0), grad=w[r], grad_clipped=w[r] * coef),
+            box("e", (2 * r, 0), grad=e[r], grad_clipped=e[r] * (coef**2 if scaled_twice else coef)),
+        ]
+        for r in range(2)
+    }
+    write_step(
+        tmp_path,
+        world_size=2,
+        params={"w": (4, 3), "e": (4, 3)},
+        pieces=pieces,
+        clips=clip(1.0, reported_norm=reported),
+        topology=Topology(groups={"dp": ((0, 1),)}),
+    )
+    return check(tmp_path), reported
+
+
+def test_a_parameter_listed_twice_in_the_clip_list_is_named_with_the_parameter(tmp_path):
+    report, reported = _listed_twice(tmp_path, scaled_twice=True)
+    assert codes(report) & NORM_CODES == {"GA210"} and "GA304" in codes(report)
+    found = finding(report, "GA210")
+    assert found.params == ("e",) and found.evidence["cause"] == "listed_twice" and found.ranks == (0, 1)
+    assert_close(found.evidence["matched_norm"], reported, rel=1e-9)
+    assert found.fix.startswith("List each parameter once")
+
+
+def test_a_norm_with_a_parameter_counted_twice_whose_coefficients_say_otherwise_stays_unexplained(tmp_path):
+    report, _ = _listed_twice(tmp_path, scaled_twice=False)
+    assert codes(report) & NORM_CODES == {"GA204"}
+    assert "listed_twice" not in finding(report, "GA204").message
 
 
 def test_stages_that_reduce_over_every_stage_raise_no_group_finding(tmp_path):

@@ -14,7 +14,11 @@ from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import (
     CLIP_EPS,
+    INF,
+    NAN,
+    UNKNOWN,
     expected_clip_coef,
+    is_inf_norm,
     norm_rtol,
     relative_difference,
 )
@@ -29,11 +33,14 @@ from .hypotheses import (
     Hypothesis,
     NormOf,
     ParamGroup,
+    ParamTerms,
     averaged_candidates,
     every_copy_candidates,
     group_candidates,
     groups_of,
+    listed_twice_candidates,
     overflow_candidates,
+    per_param_group_candidates,
 )
 from .norm_input import (
     Entries,
@@ -43,6 +50,10 @@ from .norm_input import (
     param_signatures,
     shares_of_squared_norm,
 )
+
+GROUP_PIECES_API = "guard"
+"""The capture API whose entries are a rank's ownership groups (the guard's summary and its dump), not
+parameters: no hypothesis about one parameter can be named from them."""
 
 MIN_RTOL = 1e-6
 """The tightest tolerance for matching numbers the training code computed: even with float64
@@ -202,6 +213,19 @@ class _StepWide:
         self._world = frozenset(range(step.world_size))
         self._missing = frozenset(step.missing_ranks)
         self._groups: dict[int, tuple[tuple[int, ...], frozenset[int]] | None] = {}
+        self._norms = norms
+        self._num_layouts: int | None = None
+        self._holds_everything: dict[int, bool] = {}
+
+    def holds_everything(self, members: tuple[int, ...]) -> bool:
+        """Whether the ranks of this topology group hold every element of the step (some copy of every
+        layout); `members`: the topology's own tuple, the same object for every rank of the group."""
+        key = id(members)
+        if key not in self._holds_everything:
+            if self._num_layouts is None:
+                self._num_layouts = self._norms.num_layouts(self.all_ranks)
+            self._holds_everything[key] = self._norms.num_layouts(members) >= self._num_layouts
+        return self._holds_everything[key]
 
     def group(self, members: tuple[int, ...] | None) -> tuple[tuple[int, ...], frozenset[int]] | None:
         """(sorted members, their set) of a group to try as a wrong reduction group: None when the
@@ -226,19 +250,21 @@ def _candidates(
     shared: _StepWide,
 ) -> tuple[Candidate, ...]:
     found: list[Candidate] = []
-    signatures: set[tuple[frozenset[int], bool]] = set()
+    signatures: set[tuple[frozenset[int], str]] = set()
 
     def add(
-        hypothesis: Hypothesis, ranks: frozenset[int], dedupe: bool, description: str, value: float | None
+        hypothesis: Hypothesis, ranks: frozenset[int], counted: str, description: str, value: float | None
     ) -> None:
-        signature = (ranks, dedupe)
+        """`counted`: how the ranks' entries are counted ("once": replicas once, "every": every copy,
+        "per_member": the ranks' norm once per member), which with the ranks makes a candidate's identity."""
+        signature = (ranks, counted)
         if signature in signatures or value is None:
             return
         signatures.add(signature)
         found.append(Candidate(hypothesis=hypothesis, value=value, description=description))
 
     if true_norm is not None:
-        add(CORRECT, shared.everyone, True, "every logical element counted once", true_norm)
+        add(CORRECT, shared.everyone, "once", "every logical element counted once", true_norm)
         if rank_true is not None and relative_difference(rank_true, true_norm) > 0:
             found.append(
                 Candidate(
@@ -248,26 +274,45 @@ def _candidates(
                 )
             )
     add(
-        LOCAL_ONLY, frozenset((rank,)), False, f"rank {rank}'s own pieces only", norms.norm((rank,), False)[0]
+        LOCAL_ONLY,
+        frozenset((rank,)),
+        "every",
+        f"rank {rank}'s own pieces only",
+        norms.norm((rank,), False)[0],
     )
     if not step.missing_ranks and shared.repeated:
-        add(DOUBLE_COUNTED, shared.everyone, False, "all ranks' pieces, every replica counted", shared.double)
+        add(
+            DOUBLE_COUNTED,
+            shared.everyone,
+            "every",
+            "all ranks' pieces, every replica counted",
+            shared.double,
+        )
     groups = sorted(
         ((name, step.topology.group_of(name, rank)) for name in step.topology.groups),
         key=lambda g: (len(g[1] or ()), g[0]),
     )
     for name, listed in groups:
         group = shared.group(listed)
-        if group is None:
+        if group is None or listed is None:
             continue
         members, member_set = group
         if members == (rank,):
             continue
         once, repeated = norms.norm(members, True)
         wrong, shown = Hypothesis(kind=WRONG_GROUP, what=name), f"ranks {list(members)} of group {name}"
-        add(wrong, member_set, True, f"{shown}, replicas once", once)
+        add(wrong, member_set, "once", f"{shown}, replicas once", once)
         if repeated:
-            add(wrong, member_set, False, f"{shown}, every replica counted", norms.norm(members, False)[0])
+            add(wrong, member_set, "every", f"{shown}, every replica counted", norms.norm(members, False)[0])
+        norm_type = norms.norm_type
+        if (
+            once is not None
+            and math.isfinite(once)
+            and not is_inf_norm(norm_type)  # a max counted once per member is the same max
+            and not shared.holds_everything(listed)
+        ):
+            per_member = once * len(members) ** (1.0 / norm_type)
+            add(wrong, member_set, "per_member", _per_member(shown, members, once, norm_type), per_member)
     if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
         found.extend(
             Candidate(
@@ -278,6 +323,17 @@ def _candidates(
             for c in list(found)
         )
     return tuple(found)
+
+
+def _per_member(shown: str, members: tuple[int, ...], once: float, norm_type: float) -> str:
+    """How a group's full norm summed over the group again reads (stage norms all-reduced over the
+    data-parallel group instead of the pipeline group give it): the group holds part of the step only."""
+    count = len(members)
+    return (
+        f"the norm of {shown} ({once:.6g}; the group holds part of the parameters only), complete on each of "
+        f"its {count} ranks and summed over the group again instead of across the other groups: "
+        f"{count}^(1/{norm_type:g}) x {once:.6g}"
+    )
 
 
 def match_norm(observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
@@ -298,9 +354,18 @@ def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> fl
 
 
 def _decide(
-    reported: Match | None, implied: Match | None, coef_is_one: bool = False
+    reported: Match | None,
+    implied: Match | None,
+    coef_is_one: bool = False,
+    coef: float | None = None,
+    rtol: float = MIN_RTOL,
 ) -> tuple[Hypothesis | None, bool, str]:
-    """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used."""
+    """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used,
+    unless the reported norm's accounting gives parameters different coefficients: the rank's coefficient
+    is then a mean over them, no norm's (`coef`, within the range that accounting gives, says so)."""
+    mean = _mean_of_several(reported, implied, coef, rtol)
+    if mean is not None:
+        return mean
     if implied is None:
         if reported is None:
             return None, False, "no reported norm and no applied coefficient below 1 to match"
@@ -319,6 +384,31 @@ def _decide(
             _describe(reported) + "; but the applied coefficient matches the true norm",
         )
     return implied.hypothesis, False, _describe(implied) + f"; the reported norm says {reported.hypothesis}"
+
+
+def _mean_of_several(
+    reported: Match | None, implied: Match | None, coef: float | None, rtol: float
+) -> tuple[Hypothesis, bool, str] | None:
+    """The reported norm's accounting, when it gives parameters different coefficients (a parameter
+    listed twice: c and c²; one clip call per param group) and the rank's coefficient lies between
+    them, while the norm it implies matches something else or nothing: that norm is a mean's, not one."""
+    candidate = None if reported is None else reported.candidate
+    if reported is None or candidate is None or candidate.coef_range is None or coef is None:
+        return None
+    if implied is not None and implied.hypothesis in (
+        reported.hypothesis,
+        CORRECT.scaled(implied.hypothesis.loss_scaled),
+    ):
+        return None  # the coefficient is one norm's after all (a wrong logged number: GA205)
+    low, high = candidate.coef_range
+    if not low * (1 - rtol) <= coef <= high * (1 + rtol):
+        return None
+    return (
+        reported.hypothesis,
+        False,
+        f"{_describe(reported)}; its applied coefficient {coef:.6g} is a mean over parameters that received "
+        f"between {low:.6g} and {high:.6g}, not the coefficient of one norm",
+    )
 
 
 def _describe(match: Match) -> str:
@@ -366,7 +456,8 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
     loss_scale = loss_scale_of(step)
     num_calls_max, call_norms, mixed, moment = _moment(step, terms, rtol)
     shares = shares_of_squared_norm(terms, shared.all_ranks, norms)
-    further = _FurtherCandidates(step, terms, norms)
+    first_call = call_norms[0].norm if call_norms else None
+    further = _FurtherCandidates(step, terms, norms, shared, rtol, first_call)
     ranks = {}
     for rank in step.ranks_present:
         rank_true = true_norm
@@ -405,7 +496,9 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
-            hypothesis, logging_bug, detail = _decide(reported_match, implied_match, coef_is_one)
+            hypothesis, logging_bug, detail = _decide(
+                reported_match, implied_match, coef_is_one, coef if source == "gradients" else None, rtol
+            )
             if bounded is not None:
                 detail = bounded.detail(hypothesis, detail)
             if num_calls > 1:
@@ -452,9 +545,20 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
 class _FurtherCandidates:
     """The hypotheses of hypotheses.py, built only for a rank whose number the usual ones leave unexplained."""
 
-    def __init__(self, step: StepDump, terms: NormInput, norms: NormSet) -> None:
-        self.step, self.terms, self.norms = step, terms, norms
+    def __init__(
+        self,
+        step: StepDump,
+        terms: NormInput,
+        norms: NormSet,
+        shared: _StepWide,
+        rtol: float,
+        first_call_norm: float | None,
+    ) -> None:
+        self.step, self.terms, self.norms, self.shared = step, terms, norms, shared
+        self.rtol, self.first_call_norm = rtol, first_call_norm
+        self.max_norm = None if step.clip is None else step.clip.max_norm
         self._groups: tuple[tuple[ParamGroup, ...], dict[str, NormSet]] | None = None
+        self._param_terms: ParamTerms | None = None
         self._averaged: dict[tuple[str, tuple[int, ...]], list[Candidate]] = {}
 
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, NormSet]]:
@@ -472,19 +576,68 @@ class _FurtherCandidates:
             self._groups = (groups, per_group)
         return self._groups
 
-    def for_rank(self, rank: int, true_norm: float | None) -> tuple[Candidate, ...]:
+    def _params(self) -> ParamTerms:
+        if self._param_terms is None:
+            self._param_terms = _param_terms(self.step, self.terms, self.norms, self.shared.all_ranks)
+        return self._param_terms
+
+    def for_rank(
+        self, rank: int, true_norm: float | None, observed: tuple[float | None, ...]
+    ) -> tuple[Candidate, ...]:
+        """The further candidates for this rank's observed numbers (the reported norm, the implied one)."""
         groups, per_group = self._param_groups()
         norm_type = self.terms.norm_type
         extras = []
         if groups and true_norm is not None:
             norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
             extras += group_candidates(self.step, rank, groups, norm_of, norm_type)
+        clip = self.step.ranks[rank].clip
+        if clip is not None and len(clip.calls) > 1:
+            extras += per_param_group_candidates(
+                [call.reported_norm for call in clip.calls], self.first_call_norm, norm_type, self.max_norm
+            )
         extras += averaged_candidates(
             self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
         )
-        extras += every_copy_candidates(self.step, rank, _norm_fn(self.norms), norm_type)
+        extras += every_copy_candidates(
+            self.step, rank, _norm_fn(self.norms), norm_type, self.shared.holds_everything
+        )
+        # after the whole-step accountings: one parameter counted twice is the narrower explanation
+        extras += listed_twice_candidates(
+            observed, true_norm, norm_type, self.max_norm, self._params(), self.rtol
+        )
         extras += overflow_candidates(true_norm, norm_type, sorted(self.terms.dtypes))
         return tuple(extras)
+
+
+def _param_terms(step: StepDump, terms: NormInput, norms: NormSet, ranks: tuple[int, ...]) -> ParamTerms:
+    """Each parameter's term of the true norm (its elements once) and of its clipped gradient, for the
+    listed-twice hypothesis; none when the entries are the guard's ownership groups, not parameters,
+    and parameters with an unknown or nonfinite term left out."""
+    import numpy as np
+
+    if any(step.ranks[r].capture_api == GROUP_PIECES_API for r in step.ranks_present):
+        return ParamTerms(names=(), terms=np.zeros(0), clipped=None, total_term=0.0, total_clipped=math.nan)
+    rows, _ = norms.rows(tuple(sorted(ranks)), True)
+    grad, size = terms.grad, len(terms.param_names)
+    param = terms.param[rows]
+    bad = np.bincount(param, weights=(grad.flags[rows] & (UNKNOWN | NAN | INF)) != 0, minlength=size) > 0
+    per_param = np.bincount(param, weights=grad.term[rows], minlength=size)
+    clipped = None
+    if terms.clipped is not None:
+        unknown = (terms.clipped.flags[rows] & (UNKNOWN | NAN | INF)) != 0
+        clipped = np.bincount(param, weights=np.where(unknown, 0.0, terms.clipped.term[rows]), minlength=size)
+        clipped[np.bincount(param, weights=unknown, minlength=size) > 0] = np.nan
+    held = np.bincount(param, minlength=size) > 0
+    keep = np.flatnonzero(held & ~bad & (per_param > 0))
+    order = keep[np.argsort(per_param[keep], kind="stable")]
+    return ParamTerms(
+        names=tuple(terms.param_names[i] for i in order.tolist()),
+        terms=per_param[order],
+        clipped=None if clipped is None else clipped[order],
+        total_term=float(per_param[~bad].sum()) if not bad.any() else math.nan,
+        total_clipped=math.nan if clipped is None else float(clipped[held].sum()),
+    )
 
 
 def _norm_fn(norms: NormSet) -> NormOf:
@@ -531,7 +684,7 @@ def _match_both(
     candidates: tuple[Candidate, ...],
     rtol: float,
     bounded: _BoundedMatcher | None,
-    more: Callable[[], tuple[Candidate, ...]],
+    more: Callable[[tuple[float | None, ...]], tuple[Candidate, ...]],
 ) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
     """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
@@ -552,7 +705,7 @@ def _match_both(
     if bounded is None and any(
         x is not None and x.candidate is None for x in (reported_match, implied_match)
     ):
-        candidates = candidates + more()
+        candidates = candidates + more((reported, implied))
         reported_match, implied_match = both(candidates)
     return candidates, reported_match, implied_match
 

@@ -1,17 +1,22 @@
 """Further norms a training code may have used, tried when the usual ones do not explain a rank's number:
 one group of parameters accounted wrongly (dropped, every replica counted, reduced over another process
-group), per-rank norms averaged instead of squares summed, and a norm that overflowed in its working
-precision (pure: works on measurements only)."""
+group), per-rank norms averaged instead of squares summed, a group's full norm counted once per member,
+a wrong clip list (one parameter listed twice, one clip call per param group), and a norm that overflowed
+in its working precision (pure: works on measurements only)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..model import StepDump
-from ..norms import is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
+from ..norms import expected_clip_coef, is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from ..ranksets import compact_ranks
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,11 +26,11 @@ class Hypothesis:
 
     kind: str
     """One of the kinds below: correct, local_only, replicas_double_counted, wrong_group, param_group,
-    averaged, every_copy, overflow, unexplained."""
+    averaged, every_copy, listed_twice, per_param_group, overflow, unexplained."""
     what: str = ""
     """What the kind is about: the process group (wrong_group, averaged, every_copy), the dtype
-    (overflow), or "<label>:<how>" of a parameter group, <how> one of dropped, every_copy, local,
-    over:<group>; "" for the others."""
+    (overflow), the parameter (listed_twice), or "<label>:<how>" of a parameter group, <how> one of
+    dropped, every_copy, local, over:<group>; "" for the others."""
     loss_scaled: bool = False
     """The accounting's norm of gradients still multiplied by the loss scale."""
 
@@ -49,14 +54,22 @@ LOCAL_ONLY = Hypothesis(kind="local_only")
 DOUBLE_COUNTED = Hypothesis(kind="replicas_double_counted")
 UNEXPLAINED = Hypothesis(kind="unexplained")
 WRONG_GROUP = "wrong_group"
-"""Kind: the norm reduced over process group `what` only."""
+"""Kind: the norm reduced over process group `what` only: its members' own pieces, or, when the group
+holds part of the step, the group's full norm once per member (each member held it complete, as a
+DTensor's norm is, and the squares were all-reduced over the same group again)."""
 PARAM_GROUP = "param_group"
 """Kind: one parameter group (`what`: "<label>:<how>") accounted wrongly, the rest right."""
 AVERAGED = "averaged"
 """Kind: the mean of the local norms of group `what` (or of their squares)."""
 EVERY_COPY = "every_copy"
-"""Kind: group `what`'s norm computed in full on each of its ranks and their p-th powers summed over
-the group again: |group|^(1/p) times the group's norm."""
+"""Kind: group `what` (holding every element of the step) has its norm computed in full on each of its
+ranks and their p-th powers summed over the group again: |group|^(1/p) times the true norm."""
+LISTED_TWICE = "listed_twice"
+"""Kind: the true norm with parameter `what` counted twice (listed twice in the clip list, as a tied
+weight under both of its names): norm^p = true^p + |what|^p."""
+PER_PARAM_GROUP = "per_param_group"
+"""Kind: each of several clip calls took the norm of its own parameters only (one call per optimizer
+param group): the p-th powers of the calls' norms add up to the true norm's before the first call."""
 OVERFLOW = "overflow"
 """Kind: the true norm, which overflows in dtype `what`."""
 
@@ -129,6 +142,10 @@ class Candidate:
     value: float
     description: str
     """What it counts, in words, for the report."""
+    coef_range: tuple[float, float] | None = None
+    """(lowest, highest) coefficient this accounting gives some parameters, when it gives them different
+    ones: a rank's measured coefficient is then a mean over them that lies between the two, no
+    coefficient of any norm (GA304 names the parameters); None when every parameter gets one."""
 
 
 def group_candidates(
@@ -216,14 +233,22 @@ def _averaged(
     ]
 
 
-def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type: float) -> list[Candidate]:
-    """For each named group of this rank (the world and the pipeline group included): the group's norm
-    (replicas once) counted once per member, as when every rank computes the full norm (a DTensor's
-    `full_tensor()`, ZeRO-3's `safe_get_full_grad`) and the squares are all-reduced over the group again.
+def every_copy_candidates(
+    step: StepDump,
+    rank: int,
+    norm_of: NormOf,
+    norm_type: float,
+    holds_everything: Callable[[tuple[int, ...]], bool],
+) -> list[Candidate]:
+    """For each named group of this rank (the world included) that holds every element of the step:
+    the group's norm (replicas once, the true norm) counted once per member, as when every rank
+    computes the full norm (a DTensor's `full_tensor()`, ZeRO-3's `safe_get_full_grad`) and the squares
+    are all-reduced over the group again.
 
-    Under pipeline parallel with the norm all-reduced over the data-parallel group instead of the
-    pipeline group, each stage's norm is counted once per data-parallel rank: this candidate over the
-    data-parallel group."""
+    A group that holds only part of the step (a pipeline stage's data-parallel group) is left to the
+    wrong-group hypotheses (diagnosis._candidates): its full norm summed over it again is a norm
+    reduced over that group and never across the others (stage norms all-reduced over the
+    data-parallel group instead of the pipeline group), whatever the count of copies."""
     if is_inf_norm(norm_type):
         return []  # a max counted many times is the same max
     found: list[Candidate] = []
@@ -232,6 +257,8 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
         if members in seen:
             continue
         seen.add(members)
+        if not holds_everything(members):
+            continue
         norm = norm_of(members, True)
         if norm is None or not math.isfinite(norm):
             continue
@@ -247,6 +274,138 @@ def every_copy_candidates(step: StepDump, rank: int, norm_of: NormOf, norm_type:
             )
         )
     return found
+
+
+MAX_LISTED_TWICE = 3
+"""The most parameters one number is tried as "listed twice" against (those nearest it)."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ParamTerms:
+    """Each parameter's term of the true norm, ascending, with its clipped gradient's: what the
+    listed-twice hypothesis searches (a sorted array, so that a step of many parameters is searched
+    in log time per number)."""
+
+    names: tuple[str, ...]
+    """The parameters with a nonzero, finite term, in the order of `terms`."""
+    terms: np.ndarray
+    """float64, ascending: sum |g|^p of each parameter's gradient, each element once."""
+    clipped: np.ndarray | None
+    """float64, as `terms`: sum |g|^p of each parameter's clipped gradient (nan where unknown); None when
+    no clipped gradient was dumped."""
+    total_term: float
+    """The sum of every parameter's term (the true norm's p-th power; nan when some term is unknown)."""
+    total_clipped: float
+    """The sum of every parameter's clipped term (nan when some is unknown or none was dumped)."""
+
+    def coefs(self, index: int, norm_type: float) -> tuple[float, float] | None:
+        """(the coefficient parameter `index` received, the one every other parameter received together),
+        from the clipped and unclipped terms; None when they were not both measured."""
+        if self.clipped is None:
+            return None
+        own, own_clipped = float(self.terms[index]), float(self.clipped[index])
+        rest, rest_clipped = self.total_term - own, self.total_clipped - own_clipped
+        if not all(math.isfinite(v) and v >= 0 for v in (own_clipped, rest, rest_clipped)) or rest <= 0:
+            return None
+        return power(own_clipped / own, 1 / norm_type), power(rest_clipped / rest, 1 / norm_type)
+
+
+def listed_twice_candidates(
+    observed: Sequence[float | None],
+    true_norm: float | None,
+    norm_type: float,
+    max_norm: float | None,
+    params: ParamTerms,
+    rtol: float,
+) -> list[Candidate]:
+    """For each observed number above the true norm: the true norm with one parameter counted twice,
+    norm^p = true^p + |param|^p, as when a parameter is listed twice in the clip list (a tied weight
+    under both of its names: `list(model.parameters()) + [model.lm_head.weight]`). The parameters whose
+    term gives the number within `rtol` (the nearest when none does), less those whose measured
+    coefficients contradict it: listed twice, a parameter is scaled twice, c² against the others' c."""
+    if true_norm is None or not math.isfinite(true_norm) or is_inf_norm(norm_type) or not params.names:
+        return []
+    total = power(true_norm, norm_type)
+    found: list[Candidate] = []
+    seen: set[str] = set()
+    for value in observed:
+        if value is None or not math.isfinite(value) or value <= true_norm * (1 + rtol):
+            continue
+        extra = power(value, norm_type) - total
+        low, high = (power(value * f, norm_type) - total for f in (1 - rtol, 1 + rtol))
+        start, stop = (int(i) for i in params.terms.searchsorted([low, high]))
+        near = (
+            range(start, stop)
+            if stop > start
+            else range(max(start - 1, 0), min(start + 1, len(params.names)))
+        )
+        chosen = sorted(near, key=lambda i: (abs(float(params.terms[i]) - extra), params.names[i]))
+        for index in chosen[: MAX_LISTED_TWICE if stop > start else 1]:
+            name, own = params.names[index], float(params.terms[index])
+            coefs = params.coefs(index, norm_type)
+            if (
+                name in seen
+                or relative_difference(own, total) <= rtol  # the whole gradient twice: every copy's
+                or (coefs is not None and relative_difference(coefs[0], coefs[1] ** 2) > 4 * rtol)
+            ):
+                continue
+            seen.add(name)
+            candidate_value = norm_of_terms([total, own], norm_type)
+            coef = None if max_norm is None else expected_clip_coef(candidate_value, max_norm)
+            found.append(
+                Candidate(
+                    hypothesis=Hypothesis(kind=LISTED_TWICE, what=name),
+                    value=candidate_value,
+                    description=(
+                        f"the true norm {true_norm:.6g} with parameter {name} (norm {power(own, 1 / norm_type):.6g}) "
+                        "counted twice, as a parameter listed twice in the clip list is"
+                    ),
+                    coef_range=None if coef is None or coef >= 1 else (coef * coef, coef),
+                )
+            )
+    return found
+
+
+def per_param_group_candidates(
+    call_norms: Sequence[float | None],
+    first_call_true_norm: float | None,
+    norm_type: float,
+    max_norm: float | None,
+) -> list[Candidate]:
+    """With several clip calls, each taking the norm of its own parameters only (one call per optimizer
+    param group: `for g in opt.param_groups: clip_grad_norm_(g["params"], max_norm)`): the groups split
+    the parameters, so the last call's norm is what the true norm before the first call leaves once the
+    other calls' norms are taken out, norm_K^p = true^p - sum of norm_k^p over the other calls."""
+    earlier = call_norms[:-1]
+    if (
+        len(call_norms) < 2
+        or first_call_true_norm is None
+        or not math.isfinite(first_call_true_norm)
+        or is_inf_norm(norm_type)
+        or any(n is None or not math.isfinite(n) or n <= 0 for n in earlier)
+    ):
+        return []
+    others = [float(n) for n in earlier if n is not None]
+    left = power(first_call_true_norm, norm_type) - safe_fsum(power(n, norm_type) for n in others)
+    if left <= 0:
+        return []
+    value = power(left, 1 / norm_type)
+    coef = None if max_norm is None else expected_clip_coef(value, max_norm)
+    num = len(call_norms)
+    shown = ", ".join(f"{n:.6g}" for n in others)
+    return [
+        Candidate(
+            hypothesis=Hypothesis(kind=PER_PARAM_GROUP),
+            value=value,
+            description=(
+                f"the true norm {first_call_true_norm:.6g} before the first of {num} clip calls less the norm"
+                f"{'s' if len(others) > 1 else ''} the other call{'s' if len(others) > 1 else ''} reported "
+                f"({shown}): each call took the norm of its own parameters only, as clipping once per "
+                "param group does"
+            ),
+            coef_range=None if coef is None or coef >= 1 else (coef, 1.0),
+        )
+    ]
 
 
 def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Sequence[str]) -> list[Candidate]:

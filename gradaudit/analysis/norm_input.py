@@ -166,6 +166,12 @@ class NormSet:
             self._cache[key] = (self.norm_of(rows, key), repeated)
         return self._cache[key]
 
+    def num_layouts(self, ranks: Sequence[int]) -> int:
+        """How many distinct layouts these ranks' entries hold (the whole step's, for every rank: a
+        group holding fewer holds only part of the step's elements)."""
+        rows, _ = self.rows(tuple(sorted(ranks)), True)
+        return rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
+
     def norm_of(
         self, rows: np.ndarray | slice, key: tuple[tuple[int, ...], bool] | None = None
     ) -> float | None:

@@ -31,7 +31,8 @@ CAUSE_FIXES = {
         "listed_twice": "List each parameter once",
         "left_out": "Give the clip call every parameter",
         "per_call": "Clip once per step",
-    }
+    },
+    "GA210": {"listed_twice": "List each parameter once", "per_call": "Clip once per step"},
 }
 """Codes whose fix depends on the cause in a finding's evidence: the explanation's fix sentence that
 begins so (the whole fix when the cause is not recognised)."""

@@ -1,4 +1,4 @@
-"""GA201-GA205: which norm did clipping use, compared with the true global norm?"""
+"""GA201-GA210: which norm did clipping use, compared with the true global norm?"""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from ..analysis.hypotheses import (
     AVERAGED,
     DOUBLE_COUNTED,
     EVERY_COPY,
+    LISTED_TWICE,
     LOCAL_ONLY,
     OVERFLOW,
     PARAM_GROUP,
+    PER_PARAM_GROUP,
     UNEXPLAINED,
     WRONG_GROUP,
     Hypothesis,
@@ -216,6 +218,48 @@ def overflowed(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
         inputs,
         OVERFLOW,
         lambda dtype: f"clipping's norm overflowed to inf in {dtype} although every gradient value is finite",
+    )
+
+
+def wrong_clip_list(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    """GA210: the right reduction of a wrong list of parameters: one listed twice, or each param group's
+    own list, one clip call per group (the evidence's cause picks the fix line)."""
+    twice = _by_hypothesis(
+        inputs,
+        LISTED_TWICE,
+        lambda param: (
+            f"clipping used a norm that counts parameter {param!r} twice (it is listed twice in the clip "
+            "list, as a tied weight listed under both of its names is)"
+        ),
+        evidence_key="param",
+    )
+    per_group = _by_hypothesis(
+        inputs,
+        PER_PARAM_GROUP,
+        lambda _: (
+            "each clip call used the norm of its own parameters only (one clip call per optimizer param "
+            "group), never the norm of all of them together"
+        ),
+        evidence_key="cause",
+    )
+    if isinstance(twice, Skip) or isinstance(per_group, Skip):
+        return twice  # both read the one diagnosis: both skip, or neither
+    calls = inputs.diagnosis.num_clip_calls
+    return tuple(
+        Hit(
+            message=hit.message,
+            ranks=hit.ranks,
+            params=(str(hit.evidence["param"]),),
+            evidence={**hit.evidence, "cause": "listed_twice"},
+        )
+        for hit in twice
+    ) + tuple(
+        Hit(
+            message=hit.message,
+            ranks=hit.ranks,
+            evidence={**hit.evidence, "cause": "per_call", "num_clip_calls": calls},
+        )
+        for hit in per_group
     )
 
 

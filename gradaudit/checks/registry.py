@@ -106,31 +106,38 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec(code="GA202", severity=ERROR, verdict_rank=110, run=deferred("norm.double_counted"),
         title="norm counts replicated gradients more than once", norm_clipping=True, decides_clipping=True,
         what="The reported norm against the norm of all ranks' pieces with every replica counted once per copy, "
-        "and against each named group's norm counted once per member (every rank computed the group's full norm, "
-        "then the squares were summed over the group again: sqrt(group size) times it).",
+        "and against the norm of each named group that holds every element counted once per member (every rank "
+        "computed the full norm, then the squares were summed over the group again: sqrt(group size) times it; "
+        "a group that holds part of the elements only, summed so, is GA203).",
         why="Replicated gradients (DDP/HSDP replicas, tensor-parallel LayerNorm and bias, tied embeddings on two "
         "pipeline stages) hold the same elements; summing every copy inflates the norm, so clipping is too strong.",
         example="HSDP with 2 replicas of a 2-way shard: a hand-rolled norm all-reduced over all 4 ranks is "
         "sqrt(2) times the true norm. Under ZeRO-3, squares of safe_get_full_grad all-reduced over the world: "
-        "sqrt(world size) times it; pipeline stage norms all-reduced over the data-parallel group: each stage "
-        "counted once per data-parallel rank.",
+        "sqrt(world size) times it.",
         fix="Reduce the squared norm over the shard group only (each replica holds the same values), or divide "
         "replicated contributions by their replica count before the all-reduce."),
     CheckSpec(code="GA203", severity=ERROR, verdict_rank=120, run=deferred("norm.wrong_group"),
         title="norm reduced over the wrong process group", norm_clipping=True, decides_clipping=True,
-        what="The reported norm against the norm of the pieces held by one named process group of this rank.",
+        what="The reported norm against the norm of the pieces held by one named process group of this rank "
+        "(replicas once, or every replica counted) and, when the group holds part of the elements only, against "
+        "that norm summed over the group again (each member held the group's full norm, as a DTensor's norm is, "
+        "and the squares were all-reduced over the same group instead of across the others); the finding names "
+        "the group the norm was reduced over.",
         why="Reducing over the wrong group (one pipeline stage, the shard axis without the others) gives each "
         "group its own coefficient: ranks apply different scales to one logical update. A mistake confined to "
         "one group of parameters (experts left out, or reduced over the wrong group) is GA207.",
         example="Two pipeline stages each clip by their own stage norm: stage 0 sees 0.9, stage 1 sees 1.2, "
-        "and neither is the true norm 1.5.",
+        "and neither is the true norm 1.5. Or, with FSDP2 inside each stage, the squared stage norms all-reduced "
+        "over the data-parallel group instead of the pipeline group: each rank reports sqrt(2) times its stage "
+        "norm (1.27 and 1.70), named as reduced over 'dp_shard'.",
         fix="All-reduce the sum of |g|^p over every group that splits the parameters (pp and the shard axes), "
         "once per replica; torch's clip_grad_norm_ on DTensors handles the mesh, pipeline stages need an extra "
         "all-reduce."),
     CheckSpec(code="GA204", severity=ERROR, verdict_rank=160, run=deferred("norm.unexplained"),
         title="norm matches no known mistake", norm_clipping=True, decides_clipping=True,
         what="Whether the reported norm matches any candidate at all (true, local, double-counted, per process "
-        "group, loss-scaled, one parameter group wrong (GA207), averaged (GA208), overflowed (GA209)).",
+        "group, loss-scaled, one parameter group wrong (GA207), averaged (GA208), overflowed (GA209), a parameter "
+        "listed twice or one clip call per param group (GA210)).",
         why="A norm that matches no known accounting may come from a bug gradaudit does not model, a norm "
         "taken at another moment (before accumulation finished), or a mismatched dump.",
         example="Rank 0 reports 3.7 while the true norm is 1.6, its local norm 0.8 and every group norm below 1.6.",
@@ -186,6 +193,26 @@ CHECKS: tuple[CheckSpec, ...] = (
         "norm is inf while the float64 norm is 1e20.",
         fix="Compute norms in float32 or float64 with scaling (torch.linalg.vector_norm scales for you on most "
         "backends; a hand-rolled sum of squares does not), or find why the gradient is that large."),
+    CheckSpec(code="GA210", severity=ERROR, verdict_rank=135, run=deferred("norm.wrong_clip_list"),
+        title="norm taken over the wrong list of parameters", norm_clipping=True, decides_clipping=True,
+        what="When no whole-step accounting explains a rank's norm: the true norm with one parameter counted "
+        "twice (norm^p = true^p + that parameter's |g|^p, what a parameter listed twice in the clip list gives; "
+        "tried only where its measured coefficients agree: c^2 against the others' c), and, with several clip "
+        "calls before one step, the last call's norm being that of its own parameters only (the calls' norms "
+        "to the p add up to the true norm's before the first call: one clip call per optimizer param group). "
+        "The finding names the parameter, or says the groups were clipped separately.",
+        why="The norm is reduced right but over the wrong list. A parameter listed twice weighs twice in the "
+        "norm, so every gradient is clipped too hard, and is scaled twice itself (c^2, GA304). Param groups "
+        "clipped each by its own norm get coefficients of their own, none of them the true norm's: the update "
+        "changes direction, and groups under max_norm are not scaled at all.",
+        example="A tied output head added to the clip list again: clip_grad_norm_(list(model.parameters()) + "
+        "[model.lm_head.weight], 0.1) reports 4.56 = sqrt(4.32^2 + 1.46^2), the true norm 4.32 with the "
+        "embedding (1.46) counted twice. Or for g in optimizer.param_groups: clip_grad_norm_(g['params'], 1.8): "
+        "two calls report 1.62 and 2.01, whose squares add up to the true norm 2.58 squared.",
+        fix="List each parameter once: clip model.parameters(), which holds a tied weight once, not a list "
+        "with both names of a tie or named_parameters(remove_duplicate=False). Clip once per step, with the "
+        "norm of every param group together: "
+        "torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g['params']], max_norm)."),
     CheckSpec(code="GA301", severity=ERROR, verdict_rank=180, run=deferred("coefficients.coefficients_differ"),
         title="ranks applied different clip coefficients", norm_clipping=True,
         what="All ranks applied the same clip coefficient to the gradient (within the dtype's tolerance).",

@@ -24,7 +24,7 @@ def clipped_by_value(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     clip = inputs.step.clip
     declared = "" if clip is None else f" although max_norm {num(clip.max_norm)} was declared"
     not_checked = (
-        "Not checked therefore: which norm clipping used and the coefficient every rank applied (GA201-GA209, "
+        "Not checked therefore: which norm clipping used and the coefficient every rank applied (GA201-GA210, "
         "GA301-GA303). "
         if found.only
         else ""

@@ -23,11 +23,24 @@ def _fsdp2(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
     return model
 
 
+def _listed(model: torch.nn.Module, listing: str) -> list[torch.nn.Parameter]:
+    """The clip list with the tied embedding twice: every name of every parameter, or the parameters
+    with the tied output head added again."""
+    if listing == "every_name":
+        return [p for _, p in model.named_parameters(remove_duplicate=False)]
+    return list(model.parameters()) + [model.lm_head.weight]
+
+
 def tied_weight_listed_twice(rank: int, world_size: int, out_root: str) -> dict:
-    """clip_grad_norm_ on named_parameters(remove_duplicate=False): the tied embedding is in the list
-    twice, so its squares count twice in the norm and its gradient is multiplied by c twice."""
+    """clip_grad_norm_ on named_parameters(remove_duplicate=False), or on list(model.parameters()) +
+    [model.lm_head.weight]: the tied embedding is in the list twice, so its squares count twice in the
+    norm and its gradient is multiplied by c twice."""
     results = {}
-    for name, mode in (("tied_twice", "full"), ("tied_twice_stats", "stats")):
+    for name, mode, listing in (
+        ("tied_twice", "full", "every_name"),
+        ("tied_twice_stats", "stats", "every_name"),
+        ("tied_head_added", "full", "head_added"),
+    ):
         model = _fsdp2(tied_net(), world_size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         tokens, targets = (rows(t, rank, world_size) for t in token_batch())
@@ -35,11 +48,15 @@ def tied_weight_listed_twice(rank: int, world_size: int, out_root: str) -> dict:
             model, os.path.join(out_root, name), step=1, max_norm=TIED_MAX_NORM, optimizer=opt, mode=mode
         ):
             torch.nn.functional.cross_entropy(model(tokens), targets).backward()
-            listed = [p for _, p in model.named_parameters(remove_duplicate=False)]
-            norm = torch.nn.utils.clip_grad_norm_(listed, TIED_MAX_NORM)
+            tied_norm = float(model.embed.weight.grad.full_tensor().norm())
+            norm = torch.nn.utils.clip_grad_norm_(_listed(model, listing), TIED_MAX_NORM)
             opt.step()
         norm_value = float(norm.full_tensor()) if hasattr(norm, "full_tensor") else float(norm)
-        results[name] = {"reported": norm_value, "coef": TIED_MAX_NORM / (norm_value + 1e-6)}
+        results[name] = {
+            "reported": norm_value,
+            "coef": TIED_MAX_NORM / (norm_value + 1e-6),
+            "tied_norm": tied_norm,
+        }
     return results
 
 
@@ -56,7 +73,7 @@ def clipped_once_per_param_group(rank: int, world_size: int, out_root: str) -> d
         ]
         opt = torch.optim.SGD(groups, lr=0.1)
         x, y = (rows(t, rank, world_size) for t in batch())
-        coefs = []
+        coefs, norms = [], []
         with gradaudit.audit_step(
             model, os.path.join(out_root, name), step=1, max_norm=GROUP_MAX_NORM, optimizer=opt, mode=mode
         ):
@@ -69,8 +86,9 @@ def clipped_once_per_param_group(rank: int, world_size: int, out_root: str) -> d
                 torch.nn.utils.clip_grads_with_norm_(params, GROUP_MAX_NORM, norm)
                 value = float(norm.full_tensor()) if hasattr(norm, "full_tensor") else float(norm)
                 coefs.append(min(1.0, GROUP_MAX_NORM / (value + 1e-6)))
+                norms.append(value)
             opt.step()
-        results[name] = {"coefs": coefs, "true_norm": true_norm}
+        results[name] = {"coefs": coefs, "true_norm": true_norm, "norms": norms}
     return results
 
 

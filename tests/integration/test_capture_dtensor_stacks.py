@@ -160,7 +160,7 @@ def test_pipeline_stages_hold_only_their_parameters_and_the_tied_weight_under_it
         ("hsdp_world", "GA202"),
         ("tp_replicas", "GA202"),
         ("pp_fsdp2_stage_only", "GA203"),
-        ("pp_fsdp2_dp_reduced", "GA202"),
+        ("pp_fsdp2_dp_reduced", "GA203"),
     ],
 )
 def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
@@ -176,6 +176,25 @@ def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
         pytest.skip("gradaudit.audit is not there yet; the dump itself was verified above")
     assert code in error_codes(report)
     assert "GA204" not in error_codes(report)  # a known mistake, not an unexplained norm
+
+
+def test_stage_norms_all_reduced_over_the_data_parallel_group_name_that_group_not_double_counting(runs):
+    """Issue 30, item 2: each stage's norm (complete over its FSDP2 group) all-reduced over the
+    data-parallel group instead of the pipeline group was GA202, every copy counted; it is a norm
+    reduced over the wrong group, and the finding names the group it was reduced over."""
+    step_path, per_rank = _step(runs, "pp_fsdp2_dp_reduced")
+    stage_norms = [r["returned_norm"] for r in _step(runs, "pp_fsdp2_stage_only")[1]]
+    assert all(
+        math.isclose(r["returned_norm"], math.sqrt(2) * s, rel_tol=1e-5)
+        for r, s in zip(per_rank, stage_norms, strict=True)
+    )
+    report = audit_report(step_path)
+    assert "GA203" in error_codes(report) and not error_codes(report) & {"GA202", "GA204"}
+    [found] = [f for f in report.findings if f.code == "GA203"]
+    assert found.evidence["group"] == "dp_shard" and found.ranks == (0, 1, 2, 3)
+    assert "over process group 'dp_shard'" in found.message and "summed over the group again" in found.message
+    assert math.isclose(found.evidence["matched_norm"], per_rank[0]["returned_norm"], rel_tol=1e-5)
+    assert {row.diagnosis for row in report.ranks} == {"wrong_group:dp_shard"}
 
 
 @pytest.mark.parametrize("scenario, exit_code", [("hsdp_ok", 0), ("hsdp_world", 1)])

@@ -1,6 +1,7 @@
 """Coefficients that differ by parameter, not by rank, on 2 FSDP2 gloo ranks (issue 19, item 5): each
 parameter received one coefficient on every rank, so GA301's per-rank coefficients (each rank's mean
-over parameters that received different ones) were numbers no parameter received."""
+over parameters that received different ones) were numbers no parameter received. The norms those
+clip lists give are named too (issue 30, item 2: GA210, where they were GA204)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,42 @@ def test_the_split_clip_api_called_once_per_param_group_is_named_with_each_group
     assert "GA304" in report.verdict
     [ga501] = [f for f in report.findings if f.code == "GA501"]
     assert "one call per param group" in ga501.message and "microbatch" not in ga501.message
+
+
+def _codes(report) -> set[str]:
+    return {f.code for f in report.findings}
+
+
+@pytest.mark.parametrize("scenario", ["tied_twice", "tied_twice_stats", "tied_head_added"])
+def test_the_norm_of_a_clip_list_holding_a_tied_weight_twice_names_that_parameter_not_an_unexplained_norm(
+    runs, scenario
+):
+    report, per_rank = _report(runs, scenario)
+    reported, tied_norm = per_rank[0]["reported"], per_rank[0]["tied_norm"]
+    # what the hypothesis states: the true norm with the tied weight's squares counted twice
+    assert math.isclose(reported**2, report.global_norm**2 + tied_norm**2, rel_tol=1e-5)
+    assert "GA204" not in _codes(report) and "GA304" in _codes(report)
+    [found] = [f for f in report.findings if f.code == "GA210"]
+    assert found.ranks == (0, 1) and found.params == ("embed.weight",)
+    assert found.evidence["cause"] == "listed_twice" and found.evidence["param"] == "embed.weight"
+    assert math.isclose(found.evidence["matched_norm"], reported, rel_tol=1e-5)
+    assert "counts parameter 'embed.weight' twice" in found.message
+    assert found.fix.startswith("List each parameter once")
+    assert {row.diagnosis for row in report.ranks} == {"listed_twice:embed.weight"}
+
+
+@pytest.mark.parametrize("scenario", ["per_group", "per_group_stats"])
+def test_param_groups_clipped_each_by_its_own_norm_are_named_as_clipped_separately_not_an_unexplained_norm(
+    runs, scenario
+):
+    report, per_rank = _report(runs, scenario)
+    first, second = per_rank[0]["norms"]  # each call's norm of its own param group
+    assert math.isclose(first**2 + second**2, per_rank[0]["true_norm"] ** 2, rel_tol=1e-5)
+    assert "GA204" not in _codes(report) and "GA304" in _codes(report)
+    [found] = [f for f in report.findings if f.code == "GA210"]
+    assert found.ranks == (0, 1) and found.evidence["cause"] == "per_call"
+    assert found.evidence["num_clip_calls"] == 2
+    assert math.isclose(found.evidence["matched_norm"], second, rel_tol=1e-5)
+    assert "one clip call per optimizer param group" in found.message and f"{first:.6g}" in found.message
+    assert found.fix.startswith("Clip once per step")
+    assert {row.diagnosis for row in report.ranks} == {"per_param_group"}
