@@ -1166,6 +1166,8 @@ def _numbers(line: TrendLine) -> str:
         )
     if line.reported_norm is not None:
         parts.append(f"reported {line.reported_norm:.6g}")
+    if line.last_reported_norm is not None and line.clip_calls > 1:  # what the logged ratio divides
+        parts.append(f"{line.last_reported_norm:.6g} by the last of {line.clip_calls} clip calls")
     if line.expected_coef is not None and line.reported_norm is not None:
         parts.append(f"expected coefficient {line.expected_coef:.6g}")
     if line.min_coef is not None and line.max_coef is not None:

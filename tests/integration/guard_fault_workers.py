@@ -137,6 +137,13 @@ def _train(rank, world_size, stack, out_dir, *, guarded, fault=None, fault_rank=
             _inject(fault, guard, rank, fault_rank, lambda: current["step"])
         for step in range(1, NUM_STEPS + 1):
             current["step"] = step
+            if guard is not None and rank == fault_rank and step == FAULT_AT:
+                if fault == "pause_alone":
+                    guard.pause()  # out of turn: the other rank goes on checking
+                elif fault == "remove_alone":
+                    guard.remove()
+            if guard is not None and rank == fault_rank and fault == "pause_alone" and step == FAULT_AT + 2:
+                guard.resume()
             opt.zero_grad()
             loss_of(model(x * step), y).backward()
             if step == MISTAKE_AT and stack == "fsdp2":

@@ -30,10 +30,18 @@ FAULTS = (
     "out_dir_under_a_file",
     "existing_dump",
     "skipped_step",
+    "pause_alone",
+    "remove_alone",
 )
-LEFT_UNCHECKED = {"raise_measure": {3}, "raise_pack": {3}, "full_disk_trend": {3, 4}, "skipped_step": {3}}
+LEFT_UNCHECKED = {
+    "raise_measure": {3},
+    "raise_pack": {3},
+    "full_disk_trend": {3, 4},
+    "skipped_step": {3},
+    "pause_alone": {3, 4},
+}
 """Steps a fault leaves out of the trend; every other step keeps its verdict."""
-GUARD_OFF_AFTER = {"raise_send": 2, "raise_read": 3}
+GUARD_OFF_AFTER = {"raise_send": 2, "raise_read": 3, "remove_alone": 2}
 """Faults that break a rank's channel: the trend ends at this step, every rank's guard off after it."""
 
 
@@ -87,6 +95,7 @@ def test_what_the_guard_says_of_each_fault(runs):
     assert "cannot write the dump of step 6" in by_fault["full_disk_dump"][1]
     assert results[1]["full_disk_dump"]["dumps"] == [] and results[0]["full_disk_dump"]["dumps"] != []
     assert "rank(s) did not send their numbers of step 3" in by_fault["raise_send"][0]
+    assert "rank(s) [1] removed or switched off their guard at step 3" in by_fault["remove_alone"][0]
     assert "rank(s) [1] skipped optimizer step 3" in by_fault["skipped_step"][0]
     assert "skipped optimizer step 3" not in by_fault["skipped_step"][1]  # rank 0 warns what all concluded
     assert any(
