@@ -1,4 +1,4 @@
-"""The README shows the guard first (issue 21: for anyone who does not know which step to audit), and
+"""The README's quickstart is the guard (issue 21: for anyone who does not know which step to audit), and
 its loop runs as written: the guard attached in one line, every step checked and found right."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def _guard_section() -> str:
     text = README.read_text(encoding="utf-8")
     sections = re.split(r"^## ", text, flags=re.MULTILINE)
-    assert sections[1].startswith("Guard every step\n"), "the README's first section is not the guard"
+    assert sections[1].startswith("Quickstart: guard every step\n"), (
+        "the README's first section is not the guard"
+    )
     return sections[1]
 
 
