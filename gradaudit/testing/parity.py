@@ -81,7 +81,7 @@ def check_clip_parity(
     loss must be a mean over its own equal share. step(model, batch, max_norm): forward, backward and
     the clip, returning the norm it clipped with; the check steps the optimizer and zeroes the gradients.
 
-    What fails, by finding code: the norm clipping used against the true global norm (GA201-GA209; a
+    What fails, by finding code: the norm clipping used against the true global norm (GA201-GA210; a
     wrong returned norm with right coefficients, GA205, fails at fail_on="warning"); one coefficient on
     every rank, the expected one (GA301, GA302, GA303); the gradients, clipped gradients and next weights
     against the reference (GA602, GA603); any other finding at or above `fail_on` ("warning" or "error").
@@ -290,7 +290,7 @@ def _unseen_note(sharded: UnseenClips, reference: UnseenClips, clips: Sequence[C
     if without:
         note += (
             f". step() returned no norm on step{_s(without)} {_steps(without)}: the norm it clipped with is "
-            "not diagnosed there (GA201-GA209); return it"
+            "not diagnosed there (GA201-GA210); return it"
         )
     return note
 
