@@ -267,9 +267,11 @@ def _trigger_notes(step: StepDump) -> tuple[str, ...]:
     """A dump gradaudit.guard wrote on its own says so: its pieces are ownership groups, not parameters."""
     if not any(step.ranks[r].trigger == "guard" for r in step.ranks_present):
         return ()
+    notes = dict.fromkeys(n for r in step.ranks_present if (n := step.ranks[r].trigger_note))
     return (
         f"guard-triggered: gradaudit.guard wrote step {step.step} when it found its clipping wrong; each "
         "piece is one rank's ownership group (its shards, or what it holds of a replicated group), not a parameter",
+        *(f"guard-triggered: {note}" for note in notes),
     )
 
 

@@ -382,6 +382,9 @@ class RankDump:
     trigger: str | None = None
     """What wrote this file unasked: "guard" for a step `gradaudit.guard` found wrong (its pieces are
     the rank's ownership groups); None for a capture the training code asked for."""
+    trigger_note: str | None = None
+    """What the writer of a triggered dump found that its pieces cannot hold (the guard: the
+    parameters whose gradients were nonfinite before the step's first clip call); None: nothing."""
     header_digest: bytes = field(default=b"", compare=False, repr=False)
     """The digest of the file's header as it was loaded (b"" for a dump not read from a file), so that
     the tensor reader can refuse a file changed since without decoding it again."""

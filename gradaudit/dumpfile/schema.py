@@ -149,6 +149,7 @@ def encode_rank(dump: RankDump) -> dict[str, Any]:
         "run_id": dump.run_id,
         **({} if dump.capture_api is None else {"capture_api": dump.capture_api}),
         **({} if dump.trigger is None else {"trigger": dump.trigger}),
+        **({} if dump.trigger_note is None else {"trigger_note": dump.trigger_note}),
         "host": dump.host,
         "torch_version": dump.torch_version,
         "gradaudit_version": dump.gradaudit_version,
@@ -541,6 +542,7 @@ def decode_rank(
         not_captured=_decode_not_captured(r, doc.get("not_captured")),
         capture_api=r.get(doc, "capture_api", "", r.str_, optional=True),
         trigger=r.get(doc, "trigger", "", r.str_, optional=True),
+        trigger_note=r.get(doc, "trigger_note", "", r.str_, optional=True),
     )
 
 

@@ -847,7 +847,11 @@ class Guard:
         self.anomalies.append((step, codes))
         dumped = self._dump(live, step)
         said = "; ".join(f"{f.code} {f.message}{self._where(f.code, live)}" for f in errors)
-        where = f"; its dump: gradaudit check {live.directory}" if dumped else ""
+        where = (
+            f"; its dump: gradaudit check {live.directory}"
+            if dumped
+            else f"; not dumped (max_dumps, cooldown): gradaudit check {os.fspath(self.out_dir)} lists it"
+        )
         message = f"gradaudit guard: step {step}: {said}{_numbers(line)}{where}"
         if self.on_anomaly == "raise":
             raise GuardAnomaly(message, step=step, codes=codes)
@@ -943,6 +947,11 @@ class Guard:
                 gradaudit_version=__version__,
                 created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 trigger=TRIGGER,
+                trigger_note=(
+                    f"gradients nonfinite before the step's first clip call in {', '.join(self._nonfinite_in)}"
+                    if self._nonfinite_in
+                    else None
+                ),
             ),
         )
         if dump is None:

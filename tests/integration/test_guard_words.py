@@ -27,6 +27,14 @@ def test_a_nonfinite_gradient_is_named_by_the_parameter_and_rank_it_began_in(tmp
     assert "GA401" in line
     assert "nonfinite before any clip in fc2.weight (rank 1)" in line
     assert "(rank 0)" not in line.split("nonfinite before any clip in")[1]
+    # the dump says it too, and so does `gradaudit check` of it
+    from gradaudit.audit import audit_folder
+    from gradaudit.checks.base import AuditOptions
+
+    report = audit_folder(tmp_path / "step_2", AuditOptions())
+    assert any(
+        "nonfinite before the step's first clip call in fc2.weight (rank 1)" in w for w in report.warnings
+    )
 
 
 def test_three_clip_calls_name_their_lines_in_the_training_code(tmp_path):
