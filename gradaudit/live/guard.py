@@ -632,10 +632,15 @@ class Guard:
             return
         step, host, event = self._staged
         self._staged = None
-        if event is not None:
-            event.synchronize()  # a step late, the copy is long done: no wait in practice
-        assert self._channel is not None
-        self._exchange = self._channel.post(step, host)
+        try:
+            if event is not None:
+                event.synchronize()  # a step late, the copy is long done: no wait in practice
+            assert self._channel is not None
+            self._exchange = self._channel.post(step, host)
+        except Exception as exc:
+            if _is_signal(exc):
+                raise
+            self._stop(f"it could not send its numbers of step {step} ({_said(exc)})", alone=True)
 
     def _end_step(self) -> None:
         capture = self._capture
