@@ -397,3 +397,21 @@ def test_a_step_the_training_discards_after_clipping_is_not_counted_toward_the_n
             opt.step()
     assert guard.anomalies == []  # before: GA501 at the step after the discarded one
     assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 3]
+
+
+def test_a_guard_and_an_audit_of_the_same_step_both_record_its_clip_call(tmp_path):
+    model, opt = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path / "guard") as guard:
+            _steps(model, opt, 1)
+            with gradaudit.audit_step(model, tmp_path / "dumps", step=2, max_norm=MAX_NORM, optimizer=opt):
+                _steps(model, opt, 1)
+            _steps(model, opt, 1)
+    assert guard.anomalies == [], [str(w.message) for w in caught]  # before: GA503 at step 2
+    assert [line["verdict"] for line in _trend(tmp_path / "guard")] == ["ok", "ok", "ok"]
+    from gradaudit.audit import audit_folder
+    from gradaudit.checks.base import AuditOptions
+
+    report = audit_folder(tmp_path / "dumps" / "step_2", AuditOptions())
+    assert [f.code for f in report.findings if f.severity.name == "ERROR"] == []

@@ -13,12 +13,14 @@ when their framework is already imported (never imported here), FSDP1's
 `clip_grad_value_`, and DeepSpeed's `runtime.utils.clip_grad_norm_`. A call made inside another
 intercepted or recorded call (torch's clip inside Accelerate's) is not routed again: the outermost
 call is the clip the training code made. The route decides what to record; the call's arguments,
-result and gradients are the original function's.
+result and gradients are the original function's. With several routes installed (a guard, and an
+audit of the same step), each records the call, the newest outermost, and the call is made once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import sys
@@ -83,9 +85,14 @@ class InterceptedCall:
     """The positional arguments, as the caller passed them."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """The keyword arguments, as the caller passed them."""
+    make: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
+    """What making the call runs: the original function, or the call through the routes installed
+    before this one (None: the function)."""
 
     def __call__(self) -> Any:
         """Make the call; its result, unchanged."""
+        if self.make is not None:
+            return self.make()
         return self.fn(*self.args, **self.kwargs)
 
     def argument(self, name: str) -> Any:
@@ -126,7 +133,8 @@ class Handle:
 
 _LOCK = threading.RLock()
 _ROUTES: list[Handle] = []
-"""Installed routes, oldest first: a call goes to the newest (the innermost open audit)."""
+"""Installed routes, oldest first: a call goes through every one, the newest outermost, so that a guard
+and an audit of the same step both record it."""
 _PATCHED: list[tuple[Any, str, bool, Any, Any]] = []
 """(owner, name, whether the owner had its own attribute, the original, our wrapper) per patch."""
 _DEPTH = threading.local()
@@ -159,19 +167,17 @@ def outermost() -> Iterator[bool]:
         _DEPTH.value = depth
 
 
-def _current_route() -> Route | None:
-    routes = _ROUTES
-    return routes[-1].route if routes else None
-
-
 def _wrapper(target: ClipTarget, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def intercepted(*args: Any, **kwargs: Any) -> Any:
-        route = _current_route()
-        if route is None or inside():
+        routes = [handle.route for handle in _ROUTES]
+        if not routes or inside():
             return original(*args, **kwargs)
+        call = InterceptedCall(target=target, fn=original, args=args, kwargs=kwargs)
+        for route in routes[:-1]:  # each route makes the call through the ones installed before it
+            call = dataclasses.replace(call, make=functools.partial(route, call))
         with outermost():
-            return route(InterceptedCall(target=target, fn=original, args=args, kwargs=kwargs))
+            return routes[-1](call)
 
     intercepted.__gradaudit_intercepted__ = True  # type: ignore[attr-defined]
     return intercepted
