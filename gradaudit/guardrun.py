@@ -79,7 +79,7 @@ def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend 
 def _trend_step(line: TrendLine) -> TrendStep:
     return TrendStep(
         step=line.step,
-        verdict="anomaly" if line.codes else "skipped" if line.skipped else "ok",
+        verdict=line.verdict,
         codes=line.codes,
         true_norm=line.true_norm,
         reported_norm=line.reported_norm,

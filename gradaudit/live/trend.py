@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ..errors import StepFolderError
 
 if TYPE_CHECKING:
-    from ..report.model import Report
+    from ..report.model import Report, TrendVerdict
     from .analysis_input import LiveStep
 
 TREND_FILE = "guard_trend.jsonl"
@@ -56,6 +56,11 @@ class TrendLine:
     @property
     def ok(self) -> bool:
         return not self.codes
+
+    @property
+    def verdict(self) -> TrendVerdict:
+        """ "skipped" (the scaler skipped the step), "ok" or "anomaly", as the trend file says it."""
+        return "skipped" if self.skipped else "ok" if self.ok else "anomaly"
 
     @property
     def coef_spread(self) -> float | None:
@@ -105,7 +110,7 @@ class TrendLine:
             "min_coef": _finite_or_text(self.min_coef),
             "max_coef": _finite_or_text(self.max_coef),
             "coef_spread": _finite_or_text(self.coef_spread),
-            "verdict": "skipped" if self.skipped else "ok" if self.ok else "anomaly",
+            "verdict": self.verdict,
             "codes": list(self.codes),
         } | ({"clip_calls": self.clip_calls} if self.clip_calls > 1 else {})
 
