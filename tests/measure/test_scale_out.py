@@ -22,7 +22,7 @@ from gradaudit.model import ClipRecord, Topology
 from gradaudit.render import json as json_renderer
 from gradaudit.scaleout import LaunchEnv, launch_env, share_of
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "sample_dumps"
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 from hostile.cli import run_cli
-from test_format_1_1 import _rewrite_columns, _stats_step, _write_json_1_0
 
+from dumpfile.test_format_1_1 import _rewrite_columns, _stats_step, _write_json_1_0
 from gradaudit.dumpfile import load_rank_file
 from gradaudit.dumpfile.columnar import ColumnarPieces, ParamIds, counts_key
 from gradaudit.errors import DumpFormatError

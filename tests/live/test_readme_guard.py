@@ -12,7 +12,7 @@ import torch
 import gradaudit
 from gradaudit.live.trend import TREND_FILE
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _guard_section() -> str:

@@ -60,7 +60,7 @@ def test_no_bar_when_stdout_or_stderr_is_not_a_terminal_or_the_output_is_json(mo
         assert progress is None
 
 
-SAMPLE = Path(__file__).resolve().parent.parent / "sample_dumps" / "fsdp2_correct" / "step_1"
+SAMPLE = Path(__file__).resolve().parents[2] / "sample_dumps" / "fsdp2_correct" / "step_1"
 
 
 def _check_on_a_terminal(monkeypatch, output_format: str) -> tuple[str, str]:

@@ -12,7 +12,7 @@ import pytest
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PARITY_TESTS = '''
 import pytest

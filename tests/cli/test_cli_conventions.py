@@ -20,7 +20,7 @@ from gradaudit.render.fold import fmt_groups
 from gradaudit.render.guardtrend import not_dumped
 from gradaudit.report.model import MultiStepReport, TrendStep, guard_trend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEP = REPO / "sample_dumps" / "fsdp2_local_clip" / "step_1"
 ESC = "\x1b["
 
@@ -135,7 +135,7 @@ def test_the_plural_check_itself_catches_the_old_wordings():
 
 
 def test_one_clean_step_left_out_is_one_clean_step_in_both_human_formats():
-    from test_render_reports import multi_report
+    from render.test_render_reports import multi_report
 
     multi = multi_report()
     terminal = terminal_render.render_multi(multi, failing_only=True)

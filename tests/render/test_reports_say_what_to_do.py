@@ -19,7 +19,7 @@ from gradaudit.render.text import clip_sentences
 from gradaudit.report.sentences import fold_sentences
 from gradaudit.version import __version__
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _words(text: str) -> str:

@@ -19,7 +19,7 @@ from gradaudit import reportfile
 from gradaudit.cli import main
 from gradaudit.live.trend import TREND_FILE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLOW_TREND_LINES = 1_000_000
 """Short lines read one by one: a few seconds of reading on any machine for 11 MB on disk."""
 

@@ -1,6 +1,6 @@
 """The Markdown report of every committed sample dump, pinned byte for byte.
 
-Regenerate with `python -m pytest tests/test_samples_golden.py --update-goldens` (or
+Regenerate with `python -m pytest tests/render/test_samples_golden.py --update-goldens` (or
 GRADAUDIT_UPDATE_GOLDENS=1) and review the diff; sample_dumps/regenerate.sh rebuilds dumps and goldens.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from gradaudit.cli import main
 from gradaudit.demo import scenario_names
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = REPO / "tests" / "golden_samples"
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_render_reports import _check_golden
+from render.test_render_reports import _check_golden
 
 from gradaudit.checks.base import AuditOptions
 from gradaudit.cli import main
@@ -22,7 +22,7 @@ from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.report.model import GuardTrend, MultiStepReport, TrendStep, guard_trend
 
-SAMPLES = Path(__file__).resolve().parents[1] / "sample_dumps"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_dumps"
 NOT_DUMPED = (3, 4, 9)
 """Failing steps the guard warned about within its cooldown after step 1, so wrote no dump of."""
 SKIPPED = 6

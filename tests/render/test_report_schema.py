@@ -15,7 +15,7 @@ from gradaudit.demo import scenario_names
 from gradaudit.render import json as json_render
 from gradaudit.report.model import REPORT_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN_JSON = sorted((REPO / "tests" / "golden").glob("*.json"))
 
 

@@ -29,7 +29,7 @@ from gradaudit.report.model import (
     TopologySummary,
 )
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_DIR = Path(__file__).parents[1] / "golden"
 
 
 def seed_report(*, step: int = 1200) -> Report:
@@ -314,7 +314,9 @@ def _check_golden(request, name: str, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8", newline="\n")
         return
-    assert path.exists(), f"{path} is missing; run `pytest tests/test_render_reports.py --update-goldens`"
+    assert path.exists(), (
+        f"{path} is missing; run `pytest tests/render/test_render_reports.py --update-goldens`"
+    )
     expected = path.read_text(encoding="utf-8")
     if text != expected:
         import difflib

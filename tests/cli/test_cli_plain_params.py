@@ -14,7 +14,7 @@ import typer.core
 from gradaudit.cli import FailOn, OutputFormat, main
 from gradaudit.cliparams import plain_param
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOY = "sample_dumps/fsdp2_local_clip/step_1"
 
 

@@ -19,7 +19,7 @@ from gradaudit.dumpfile.dtypes import STORAGE, widen
 from gradaudit.measure.kernel import StatsSums, stats_of_array
 from gradaudit.norms import norm_of_terms
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "sample_dumps" / "fsdp2_local_clip"
 
 FINGERPRINT_RTOL = 1e-12
