@@ -9,7 +9,6 @@ import pytest
 from safetensors import safe_open
 from samples import REPO, check_json, codes, reference_dir, step_dir
 
-from gradaudit.cli import main
 from gradaudit.demo.toy import LEARNING_RATE
 
 PARAMS = ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
@@ -74,21 +73,18 @@ def test_one_nonfinite_shard_spreads_to_every_clipped_gradient_and_next_weight(c
     assert all(param in messages for param in PARAMS)
 
 
-def test_markdown_report_against_the_reference_names_the_differing_parameters_and_errors(capsys, monkeypatch):
+def test_markdown_report_against_the_reference_names_the_differing_parameters_and_errors(
+    capsys, cli, monkeypatch
+):
     monkeypatch.chdir(REPO)
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(
-            [
-                "check",
-                "sample_dumps/fsdp2_local_clip/step_1",
-                "--reference",
-                "sample_dumps/fsdp2_local_clip/reference/step_1",
-                "--format",
-                "markdown",
-            ]
-        )
-    markdown = capsys.readouterr().out
+    _, markdown, _ = cli(
+        "check",
+        "sample_dumps/fsdp2_local_clip/step_1",
+        "--reference",
+        "sample_dumps/fsdp2_local_clip/reference/step_1",
+        "--format",
+        "markdown",
+    )
     report = check_json(capsys, step_dir("fsdp2_local_clip"), reference_dir("fsdp2_local_clip"))
     worst = max(comparisons(report, "grad_clipped").values(), key=lambda c: c["max_abs_error"])
     assert "## Reference comparison" in markdown

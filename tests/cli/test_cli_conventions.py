@@ -10,10 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from goldens import RENDERER_GOLDENS, SAMPLE_GOLDENS
 
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
-from gradaudit.cli import main
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.render.fold import fmt_groups
@@ -23,14 +23,6 @@ from gradaudit.report.model import MultiStepReport, TrendStep, guard_trend
 REPO = Path(__file__).resolve().parents[2]
 STEP = REPO / "sample_dumps" / "fsdp2_local_clip" / "step_1"
 ESC = "\x1b["
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
 
 
 @pytest.fixture
@@ -58,43 +50,43 @@ COLOUR_CASES = [
 @pytest.mark.parametrize(("env", "option", "coloured"), COLOUR_CASES)
 @pytest.mark.parametrize("command", ["check", "show"])
 def test_piped_output_is_coloured_only_when_forced_and_the_option_wins_over_the_environment(
-    capsys, plain_env, env, option, coloured, command
+    cli, plain_env, env, option, coloured, command
 ):
     for name, value in env.items():
         plain_env.setenv(name, value)
-    code, out, _ = run(capsys, command, str(STEP), *option)
+    code, out, _ = cli(command, str(STEP), *option)
     assert code in (0, 1)
     assert (ESC in out) is coloured
     plain = [line.rstrip() for line in re.sub(r"\x1b\[[0-9;]*m", "", out).splitlines()]
-    assert plain == run(capsys, command, str(STEP), "--color", "never")[1].splitlines()  # styling only
+    assert plain == cli(command, str(STEP), "--color", "never")[1].splitlines()  # styling only
 
 
-def test_a_report_written_to_a_file_has_no_colour_unless_asked_for_with_always(capsys, plain_env, tmp_path):
+def test_a_report_written_to_a_file_has_no_colour_unless_asked_for_with_always(cli, plain_env, tmp_path):
     plain_env.setenv("FORCE_COLOR", "1")
     target = tmp_path / "report.txt"
-    run(capsys, "check", str(STEP), "--output", str(target))
+    cli("check", str(STEP), "--output", str(target))
     assert ESC not in target.read_text(encoding="utf-8")
-    run(capsys, "check", str(STEP), "--output", str(target), "--color", "always")
+    cli("check", str(STEP), "--output", str(target), "--color", "always")
     assert ESC in target.read_text(encoding="utf-8")
 
 
-def test_an_unknown_colour_choice_is_a_usage_error(capsys):
-    code, out, err = run(capsys, "check", str(STEP), "--color", "sometimes")
+def test_an_unknown_colour_choice_is_a_usage_error(cli):
+    code, out, err = cli("check", str(STEP), "--color", "sometimes")
     assert code == 2 and out == "" and "sometimes" in err
 
 
 # ---------------------------------------------------------------- stdout is for the report
 
 
-def test_the_output_options_status_line_goes_to_stderr_and_stdout_stays_empty(capsys, tmp_path):
+def test_the_output_options_status_line_goes_to_stderr_and_stdout_stays_empty(cli, tmp_path):
     target = tmp_path / "report.md"
-    code, out, err = run(capsys, "check", str(STEP), "--format", "markdown", "--output", str(target))
+    code, out, err = cli("check", str(STEP), "--format", "markdown", "--output", str(target))
     assert code == 1 and out == ""
     assert err == f"report written to {target}\n"
     assert target.read_text(encoding="utf-8").startswith("# gradaudit report: step 1")
 
 
-def test_the_demos_wrote_and_next_lines_go_to_stderr(capsys, monkeypatch, tmp_path):
+def test_the_demos_wrote_and_next_lines_go_to_stderr(cli, monkeypatch, tmp_path):
     import gradaudit.demo
 
     done = SimpleNamespace(
@@ -103,7 +95,7 @@ def test_the_demos_wrote_and_next_lines_go_to_stderr(capsys, monkeypatch, tmp_pa
         check_command="gradaudit check x --reference y",
     )
     monkeypatch.setattr(gradaudit.demo, "run_demo", lambda scenario, out_dir, progress: done)
-    code, out, err = run(capsys, "demo", "fsdp2_correct", str(tmp_path))
+    code, out, err = cli("demo", "fsdp2_correct", str(tmp_path))
     assert code == 0 and out == ""
     assert f"wrote {done.step_dir} (" in err and err.endswith("next: gradaudit check x --reference y\n")
 
@@ -118,7 +110,7 @@ ONE_OF_MANY = re.compile(
 
 
 def _texts() -> dict[str, str]:
-    folders = [REPO / "tests" / "golden", REPO / "tests" / "golden_samples"]
+    folders = [RENDERER_GOLDENS, SAMPLE_GOLDENS]
     return {p.name: p.read_text(encoding="utf-8") for folder in folders for p in sorted(folder.iterdir())}
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import typer.core
 
-from gradaudit.cli import FailOn, OutputFormat, main
+from gradaudit.cli import FailOn, OutputFormat
 from gradaudit.cliparams import plain_param
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,9 +56,8 @@ def test_plain_conversion_gives_what_the_command_declares() -> None:
         (["--fail-on", "sometimes"], "is not one of 'error', 'warning', 'never'"),
     ],
 )
-def test_a_bad_value_is_a_usage_error_naming_the_option(argv, says, capsys, monkeypatch) -> None:
+def test_a_bad_value_is_a_usage_error_naming_the_option(argv, says, cli, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
-    with pytest.raises(SystemExit) as exited:
-        main(["check", TOY, *argv])
-    assert exited.value.code == 2
-    assert says in capsys.readouterr().err
+    code, _, err = cli("check", TOY, *argv)
+    assert code == 2
+    assert says in err

@@ -16,7 +16,6 @@ import torch
 from builders import clip, sharded_rows, tensor_with_norm
 
 from gradaudit import reportfile
-from gradaudit.cli import main
 from gradaudit.live.trend import TREND_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,13 +102,6 @@ def _clean_step(directory):
     return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0))
 
 
-def _check(*argv, capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["check", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
-
-
 def test_a_report_write_stopped_before_its_rename_keeps_the_old_report_and_leaves_no_temporary(
     tmp_path, monkeypatch
 ):
@@ -125,9 +117,7 @@ def test_a_report_write_stopped_before_its_rename_keeps_the_old_report_and_leave
     assert list(tmp_path.iterdir()) == [output] and output.read_text() == "old report\n"
 
 
-def test_a_report_that_cannot_be_flushed_to_disk_exits_2_and_keeps_the_old_report(
-    tmp_path, monkeypatch, capsys
-):
+def test_a_report_that_cannot_be_flushed_to_disk_exits_2_and_keeps_the_old_report(tmp_path, monkeypatch, cli):
     step = _clean_step(tmp_path / "step_1")
     reports = tmp_path / "reports"
     reports.mkdir()
@@ -139,7 +129,7 @@ def test_a_report_that_cannot_be_flushed_to_disk_exits_2_and_keeps_the_old_repor
 
     monkeypatch.setattr(reportfile.os, "fsync", full)
     handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
-    code, out, err = _check(step, "--format", "json", "--output", output, capsys=capsys)
+    code, out, err = cli("check", step, "--format", "json", "--output", output)
     assert (code, out) == (2, "")
     assert err == f"error: {output}: cannot write the report (No space left on device)\n"
     assert list(reports.iterdir()) == [output] and output.read_text() == "old report\n"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from cli_runner import Outcome
 from import_probe import matching, modules_gradaudit_imports
 
 from gradaudit.checks.registry import CHECKS, DeferredCheck
@@ -82,14 +85,10 @@ def test_every_row_of_the_check_table_names_a_function_that_exists() -> None:
 
 
 def test_explain_prints_several_codes_and_refuses_unknown_codes_and_options(
-    capsys: pytest.CaptureFixture[str],
+    cli: Callable[..., Outcome],
 ) -> None:
-    from gradaudit.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(["explain", "ga201", "GA202"])
-    assert exited.value.code == 0
-    out = capsys.readouterr().out
+    code, out, _ = cli("explain", "ga201", "GA202")
+    assert code == 0
     assert out.startswith("GA201 (error)") and "\nGA202 (error)" in out
     for argv, problem in (
         (["explain", "GA999"], "unknown code 'GA999'"),
@@ -97,7 +96,5 @@ def test_explain_prints_several_codes_and_refuses_unknown_codes_and_options(
         (["explain", "GA201", "--all"], "not both"),
         (["explain"], "give a code"),
     ):
-        with pytest.raises(SystemExit) as exited:
-            main(argv)
-        err = capsys.readouterr().err
-        assert exited.value.code == 2 and problem in err and len(err.strip().splitlines()) == 1
+        code, _, err = cli(*argv)
+        assert code == 2 and problem in err and len(err.strip().splitlines()) == 1

@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 from builders import clip, sharded_rows, tensor_with_norm
-
-from gradaudit.cli import main
 
 
 def _step_with_a_truncated_rank(tmp_path):
@@ -20,24 +17,16 @@ def _step_with_a_truncated_rank(tmp_path):
     return step_dir, victim
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exited.value.code or 0, out, err
-
-
-def test_a_truncated_rank_file_stops_the_audit_by_default(tmp_path, capsys):
+def test_a_truncated_rank_file_stops_the_audit_by_default(tmp_path, cli):
     step_dir, victim = _step_with_a_truncated_rank(tmp_path)
-    code, out, err = _run(capsys, "check", str(step_dir))
+    code, out, err = cli("check", str(step_dir))
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and victim.name in err and "truncated" in err
 
 
-def test_with_allow_incomplete_ranks_a_truncated_file_is_a_missing_rank_with_its_reason(tmp_path, capsys):
+def test_with_allow_incomplete_ranks_a_truncated_file_is_a_missing_rank_with_its_reason(tmp_path, cli):
     step_dir, victim = _step_with_a_truncated_rank(tmp_path)
-    code, out, err = _run(capsys, "check", str(step_dir), "--allow-incomplete-ranks", "--format", "json")
+    code, out, err = cli("check", str(step_dir), "--allow-incomplete-ranks", "--format", "json")
     assert code == 1, err
     report = json.loads(out)
     assert report["missing_ranks"] == [[1, 1]]
@@ -49,10 +38,10 @@ def test_with_allow_incomplete_ranks_a_truncated_file_is_a_missing_rank_with_its
     assert "--allow-incomplete-ranks" in report["command"]
 
 
-def test_with_allow_incomplete_ranks_a_folder_of_only_unreadable_files_is_still_refused(tmp_path, capsys):
+def test_with_allow_incomplete_ranks_a_folder_of_only_unreadable_files_is_still_refused(tmp_path, cli):
     step_dir, _ = _step_with_a_truncated_rank(tmp_path)
     for name in ("rank_00000.safetensors", "rank_00002.safetensors"):
         (step_dir / name).write_bytes(b"garbage!")
-    code, out, err = _run(capsys, "check", str(step_dir), "--allow-incomplete-ranks")
+    code, out, err = cli("check", str(step_dir), "--allow-incomplete-ranks")
     assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert "none of its 3 rank files can be read" in err

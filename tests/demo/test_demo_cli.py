@@ -7,21 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from gradaudit.cli import main
 from gradaudit.demo import SCENARIOS, scenario_names
 from gradaudit.demo.launch import DemoRunFailed, RankContext, run_ranks, run_single
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
-
-
-def test_demo_list_names_every_scenario_with_its_ranks_and_mistake(capsys):
-    code, out, _ = run(capsys, "demo", "--list")
+def test_demo_list_names_every_scenario_with_its_ranks_and_mistake(cli):
+    code, out, _ = cli("demo", "--list")
     assert code == 0
     lines = out.splitlines()
     for scenario in SCENARIOS:
@@ -35,25 +26,25 @@ def test_scenario_names_are_unique_folder_names():
     assert all(name.isidentifier() for name in names)
 
 
-def test_demo_without_arguments_is_a_usage_error(capsys):
-    code, out, err = run(capsys, "demo")
+def test_demo_without_arguments_is_a_usage_error(cli):
+    code, out, err = cli("demo")
     assert code == 2 and out == ""
     assert "gradaudit demo SCENARIO OUT_DIR" in err
 
 
-def test_demo_of_an_unknown_scenario_lists_the_known_ones(capsys, tmp_path):
-    code, _, err = run(capsys, "demo", "fsdp3_magic", str(tmp_path))
+def test_demo_of_an_unknown_scenario_lists_the_known_ones(cli, tmp_path):
+    code, _, err = cli("demo", "fsdp3_magic", str(tmp_path))
     assert code == 2
     assert "fsdp3_magic" in err and "fsdp2_local_clip" in err
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("existing", ["step_1", "reference/step_1"])
-def test_demo_refuses_to_overwrite_an_existing_dump_before_running_anything(capsys, tmp_path, existing):
+def test_demo_refuses_to_overwrite_an_existing_dump_before_running_anything(cli, tmp_path, existing):
     folder = tmp_path / "fsdp2_correct" / existing
     folder.mkdir(parents=True)
     (folder / "rank_00000.safetensors").write_bytes(b"precious")
-    code, out, err = run(capsys, "demo", "fsdp2_correct", str(tmp_path))
+    code, out, err = cli("demo", "fsdp2_correct", str(tmp_path))
     assert code == 2 and out == ""
     assert err.startswith("error: ") and str(folder) in err and "never overwrites" in err
     assert "running" not in err

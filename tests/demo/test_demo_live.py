@@ -6,24 +6,19 @@ from __future__ import annotations
 import pytest
 from samples import check_json, codes, reference_dir, step_dir
 
-from gradaudit.cli import main
-
 pytestmark = pytest.mark.integration
 
 
-def demo(capsys, scenario: str, out_dir) -> str:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(["demo", scenario, str(out_dir)])
-    out, err = capsys.readouterr()
-    assert exited.value.code == 0, err
+def demo(cli, scenario: str, out_dir) -> str:
+    code, out, err = cli("demo", scenario, out_dir)
+    assert code == 0, err
     assert out == ""  # what it wrote and the next command are status lines, on stderr
     return err
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2_correct", "fsdp2_local_clip"])
-def test_live_demo_reproduces_the_committed_sample(scenario, capsys, tmp_path):
-    err = demo(capsys, scenario, tmp_path)
+def test_live_demo_reproduces_the_committed_sample(scenario, capsys, cli, tmp_path):
+    err = demo(cli, scenario, tmp_path)
     live_step, live_reference = step_dir(scenario, tmp_path), reference_dir(scenario, tmp_path)
     assert f"next: gradaudit check {live_step} --reference {live_reference}" in err
     assert sorted(p.name for p in live_step.iterdir()) == sorted(p.name for p in step_dir(scenario).iterdir())

@@ -13,7 +13,6 @@ import pytest
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
 from gradaudit.checks.fixes import stack_of
-from gradaudit.cli import main
 from gradaudit.dumpfile.writer import write_rank_file
 from gradaudit.errors import StepFolderError
 from gradaudit.live.analysis_input import (
@@ -180,21 +179,12 @@ def test_a_damaged_trend_line_names_the_file_and_line(tmp_path):
         read_trend(tmp_path / TREND_FILE)
 
 
-def run(*argv, capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
-
-
-def test_check_of_a_guarded_run_folder_shows_the_trend(tmp_path, capsys):
+def test_check_of_a_guarded_run_folder_shows_the_trend(tmp_path, cli):
     (tmp_path / "clean").mkdir()
     (tmp_path / "bad").mkdir()
-    code, out, _ = run("check", str(_trend(tmp_path / "clean", [_line(1), _line(2)])), capsys=capsys)
+    code, out, _ = cli("check", str(_trend(tmp_path / "clean", [_line(1), _line(2)])))
     assert code == 0 and out.startswith("guard trend: 2 checked steps, 0 with wrong clipping")
-    code, out, _ = run(
-        "check", str(_trend(tmp_path / "bad", [_line(1), _line(2, ("GA201",))])), capsys=capsys
-    )
+    code, out, _ = cli("check", str(_trend(tmp_path / "bad", [_line(1), _line(2, ("GA201",))])))
     assert code == 1 and "step 2: GA201" in out
 
 
@@ -273,7 +263,7 @@ def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipp
     assert repr(diagnose(step, norm_input(live))) == repr(diagnose_step(step, measured))
 
 
-def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards_dumps(tmp_path, capsys):
+def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards_dumps(tmp_path, cli):
     import dataclasses
 
     (tmp_path / "run").mkdir()
@@ -288,7 +278,7 @@ def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards
         (5, "step_5"),
         (6, "full/step_6"),
     ]
-    code, out, _ = run("check", str(folder), capsys=capsys)
+    code, out, _ = cli("check", str(folder))
     assert (
         code == 1
         and f"step 6 captured in full (the step after an anomaly): gradaudit check {folder}/full/step_6"

@@ -9,7 +9,6 @@ import pytest
 import torch
 from builders import clip, sharded_rows, tensor_with_norm
 
-from gradaudit.cli import main
 from gradaudit.live import trend
 from gradaudit.live.trend import TREND_FILE, TrendLine, read_trend
 
@@ -42,41 +41,33 @@ def _clean_step(directory):
     return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0))
 
 
-def check(*argv, capsys):
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(["check", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
-
-
-def test_a_clean_trend_alone_exits_0(tmp_path, capsys):
-    code, out, err = check(_run_folder(tmp_path, range(1, 4)), capsys=capsys)
+def test_a_clean_trend_alone_exits_0(tmp_path, cli):
+    code, out, err = cli("check", _run_folder(tmp_path, range(1, 4)))
     assert (code, err) == (0, "")
     assert out.startswith("guard trend: 3 checked steps, 0 with wrong clipping\n")
     assert "warning" not in out
 
 
-def test_failing_steps_in_the_trend_exit_1_without_dump_folders_unless_fail_on_is_never(tmp_path, capsys):
+def test_failing_steps_in_the_trend_exit_1_without_dump_folders_unless_fail_on_is_never(tmp_path, cli):
     folder = _run_folder(tmp_path, range(1, 4), failing={2})
-    code, out, _ = check(folder, capsys=capsys)
+    code, out, _ = cli("check", folder)
     assert code == 1 and "  step 2: GA201" in out
-    assert check(folder, "--format", "json", capsys=capsys)[0] == 1
-    assert check(folder, "--fail-on", "warning", capsys=capsys)[0] == 1
-    assert check(folder, "--fail-on", "never", capsys=capsys)[0] == 0
+    assert cli("check", folder, "--format", "json")[0] == 1
+    assert cli("check", folder, "--fail-on", "warning")[0] == 1
+    assert cli("check", folder, "--fail-on", "never")[0] == 0
 
 
-def test_failing_steps_in_the_trend_exit_1_even_when_every_dump_folder_is_clean(tmp_path, capsys):
+def test_failing_steps_in_the_trend_exit_1_even_when_every_dump_folder_is_clean(tmp_path, cli):
     folder = _run_folder(tmp_path, range(1, 4), failing={2})
     _clean_step(folder / "step_1")
-    code, out, _ = check(folder, capsys=capsys)
+    code, out, _ = cli("check", folder)
     assert code == 1
     assert out.startswith("guard trend: 3 checked steps, 1 with wrong clipping\n  step 2: GA201")
     assert "No errors, warnings or missing ranks in step 1." in out  # the dump was audited: clean
-    assert check(folder, "--format", "json", capsys=capsys)[0] == 1
-    assert check(folder, "--fail-on", "never", capsys=capsys)[0] == 0
+    assert cli("check", folder, "--format", "json")[0] == 1
+    assert cli("check", folder, "--fail-on", "never")[0] == 0
     (tmp_path / "run" / TREND_FILE).write_bytes(b"".join(_line(step) for step in range(1, 4)))
-    assert check(folder, capsys=capsys)[0] == 0
+    assert cli("check", folder)[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -85,21 +76,21 @@ def test_failing_steps_in_the_trend_exit_1_even_when_every_dump_folder_is_clean(
     ids=["cut mid-line", "cut before its closing brace", "zeros a crash left", "zeros past the line bound"],
 )
 def test_a_last_line_cut_short_ends_the_trend_with_a_warning_and_the_lines_before_it_are_audited(
-    tmp_path, capsys, tail
+    tmp_path, cli, tail
 ):
     folder = _run_folder(tmp_path, range(1, 5), failing={3}, tail=tail)
     warning = (
         "warning: guard_trend.jsonl: its last line (5) is cut short (the guard was stopped while writing "
         "it); read the 4 lines before it"
     )
-    code, out, err = check(folder, capsys=capsys)
+    code, out, err = cli("check", folder)
     assert code == 1 and err == ""
     assert out.splitlines()[:3] == [
         "guard trend: 4 checked steps, 1 with wrong clipping",
         "  " + warning,
         "  step 3: GA201 (true norm 1.5, reported 0.5, coefficients 0.6..0.6) · not dumped",
     ]
-    code, out, err = check(folder, "--format", "json", capsys=capsys)
+    code, out, err = cli("check", folder, "--format", "json")
     assert (code, err) == (1, warning + "\n")  # on stderr beside the report, and in it
     assert json.loads(out)["guard_trend"]["notes"] == [warning.removeprefix("warning: ")]
 
@@ -116,12 +107,12 @@ def test_a_last_line_cut_short_ends_the_trend_with_a_warning_and_the_lines_befor
     ids=["cut in the middle", "complete last line", "not a trend line", "not UTF-8", "too long"],
 )
 def test_a_malformed_line_other_than_a_cut_last_one_exits_2_with_one_line_naming_the_file_and_line(
-    tmp_path, capsys, lines, number
+    tmp_path, cli, lines, number
 ):
     folder = tmp_path / "run"
     folder.mkdir()
     (folder / TREND_FILE).write_bytes(b"".join(lines))
-    code, out, err = check(folder, capsys=capsys)
+    code, out, err = cli("check", folder)
     assert (code, out) == (2, "") and "Traceback" not in err
     (line,) = err.splitlines()
     assert line.startswith(f"error: {folder / TREND_FILE}:{number}: ")
@@ -129,12 +120,12 @@ def test_a_malformed_line_other_than_a_cut_last_one_exits_2_with_one_line_naming
 
 
 def test_a_trend_over_the_bound_is_read_from_its_newest_lines_and_names_a_failing_step_among_them(
-    tmp_path, capsys, monkeypatch
+    tmp_path, cli, monkeypatch
 ):
     monkeypatch.setattr(trend, "MAX_TREND_LINES", 1000)
     monkeypatch.setattr(trend, "_CHUNK_BYTES", 4096)  # the newest lines start in a later chunk
     folder = _run_folder(tmp_path, range(1, 1201), failing={1047})
-    code, out, _ = check(folder, capsys=capsys)
+    code, out, _ = cli("check", folder)
     assert code == 1
     assert out.splitlines()[:3] == [
         "guard trend: the newest 1000 checked steps, 1 with wrong clipping",
@@ -146,12 +137,10 @@ def test_a_trend_over_the_bound_is_read_from_its_newest_lines_and_names_a_failin
 
 
 def test_a_failing_step_among_the_older_lines_over_the_bound_is_not_read_and_the_warning_says_so(
-    tmp_path, capsys, monkeypatch
+    tmp_path, cli, monkeypatch
 ):
     monkeypatch.setattr(trend, "MAX_TREND_LINES", 1000)
-    code, out, err = check(
-        _run_folder(tmp_path, range(1, 1201), failing={150}), "--format", "json", capsys=capsys
-    )
+    code, out, err = cli("check", _run_folder(tmp_path, range(1, 1201), failing={150}), "--format", "json")
     warning = (
         "guard_trend.jsonl: its 200 oldest lines were not read (only the newest 1000 are): "
         "a failing step among them is not counted"

@@ -11,10 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from render.test_render_reports import _check_golden
+from goldens import RENDERER_GOLDENS, assert_golden
 
 from gradaudit.checks.base import AuditOptions
-from gradaudit.cli import main
 from gradaudit.guardrun import audit_run
 from gradaudit.live.trend import TREND_FILE, TrendLine
 from gradaudit.render import json as json_render
@@ -110,14 +109,14 @@ def _audit(folder: Path) -> MultiStepReport:
 
 @pytest.mark.parametrize("suffix", sorted(RENDERERS))
 def test_a_guarded_run_renders_its_trend_then_its_dumps_as_in_the_golden_file(request, guarded_run, suffix):
-    _check_golden(request, f"guarded_run.{suffix}", RENDERERS[suffix](_audit(guarded_run)))
+    assert_golden(request, RENDERER_GOLDENS / f"guarded_run.{suffix}", RENDERERS[suffix](_audit(guarded_run)))
 
 
 @pytest.mark.parametrize("suffix", sorted(RENDERERS))
 def test_a_clean_guarded_run_without_dumps_renders_a_short_report_as_in_the_golden_file(
     request, clean_run, suffix
 ):
-    _check_golden(request, f"guarded_clean.{suffix}", RENDERERS[suffix](_audit(clean_run)))
+    assert_golden(request, RENDERER_GOLDENS / f"guarded_clean.{suffix}", RENDERERS[suffix](_audit(clean_run)))
 
 
 def test_every_failing_step_of_the_trend_is_in_the_markdown_not_only_the_dumped_one(guarded_run):
@@ -140,44 +139,36 @@ def test_the_json_report_has_the_steps_warned_but_not_dumped_and_the_chart_as_da
     assert trend["chart"][0]["verdict"] == "anomaly" and trend["chart"][1]["true_norm"] == 1.1
 
 
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return exited.value.code, out, err
-
-
-def test_check_of_a_clean_guarded_run_prints_a_report_in_every_format_and_exits_0(clean_run, capsys):
-    code, out, _ = run(capsys, "check", str(clean_run), "--format", "json")
+def test_check_of_a_clean_guarded_run_prints_a_report_in_every_format_and_exits_0(clean_run, cli):
+    code, out, _ = cli("check", str(clean_run), "--format", "json")
     assert code == 0 and json.loads(out)["guard_trend"]["num_clean"] == 5
-    code, out, _ = run(capsys, "check", str(clean_run), "--format", "markdown")
+    code, out, _ = cli("check", str(clean_run), "--format", "markdown")
     assert code == 0 and "5 steps checked, all clean" in out
-    code, out, _ = run(capsys, "check", str(clean_run))
+    code, out, _ = cli("check", str(clean_run))
     assert code == 0 and out.startswith("guard trend: 5 checked steps, 0 with wrong clipping")
 
 
-def test_a_guarded_run_whose_failing_steps_have_no_dump_exits_1_unless_told_never(tmp_path, capsys):
+def test_a_guarded_run_whose_failing_steps_have_no_dump_exits_1_unless_told_never(tmp_path, cli):
     folder = _write_trend(tmp_path / "run", [_line(1), _line(2, codes=("GA201",), reported=0.7)])
-    code, out, _ = run(capsys, "check", str(folder), "--format", "json")
+    code, out, _ = cli("check", str(folder), "--format", "json")
     assert code == 1 and json.loads(out)["guard_trend"]["not_dumped"] == [2]
-    code, _, _ = run(capsys, "check", str(folder), "--fail-on", "never")
+    code, _, _ = cli("check", str(folder), "--fail-on", "never")
     assert code == 0
 
 
-def test_show_of_a_guarded_run_lists_the_trend_then_each_dump(guarded_run, capsys):
-    code, out, _ = run(capsys, "show", str(guarded_run))
+def test_show_of_a_guarded_run_lists_the_trend_then_each_dump(guarded_run, cli):
+    code, out, _ = cli("show", str(guarded_run))
     assert code == 0
     assert out.startswith("Run folder  audit: 1 step folder\nguard trend: 20 checked steps, 4 with wrong")
     assert out.index("step 9: GA201") < out.index("Step 1  audit/step_1") < out.index("fc1.weight")
-    code, out, _ = run(capsys, "show", str(guarded_run), "--format", "json")
+    code, out, _ = cli("show", str(guarded_run), "--format", "json")
     shown = json.loads(out)
     assert code == 0 and [s["directory"] for s in shown["steps"]] == ["audit/step_1"]
     assert shown["guard_trend"]["not_dumped"] == list(NOT_DUMPED)
 
 
-def test_show_of_a_clean_guarded_run_says_so_instead_of_refusing_the_folder(clean_run, capsys):
-    code, out, _ = run(capsys, "show", str(clean_run))
+def test_show_of_a_clean_guarded_run_says_so_instead_of_refusing_the_folder(clean_run, cli):
+    code, out, _ = cli("show", str(clean_run))
     assert code == 0 and "0 step folders" in out and "5 steps checked, all clean." in out
 
 

@@ -6,9 +6,9 @@ import json
 import math
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from goldens import RENDERER_GOLDENS, assert_golden
 
 from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
@@ -28,8 +28,6 @@ from gradaudit.report.model import (
     StepSummary,
     TopologySummary,
 )
-
-GOLDEN_DIR = Path(__file__).parents[1] / "golden"
 
 
 def seed_report(*, step: int = 1200) -> Report:
@@ -308,30 +306,13 @@ RENDERERS = {
 SINGLE_SCENARIOS = {"seed": seed_report, "nonfinite": nonfinite_report, "hostile": lambda: hostile_report()}
 
 
-def _check_golden(request, name: str, text: str) -> None:
-    path = GOLDEN_DIR / name
-    if request.config.getoption("--update-goldens"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8", newline="\n")
-        return
-    assert path.exists(), (
-        f"{path} is missing; run `pytest tests/render/test_render_reports.py --update-goldens`"
-    )
-    expected = path.read_text(encoding="utf-8")
-    if text != expected:
-        import difflib
-
-        diff = "".join(
-            difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "now")
-        )
-        pytest.fail(f"{name} differs from the golden file (rerun with --update-goldens if intended):\n{diff}")
-
-
 @pytest.mark.parametrize("suffix", sorted(RENDERERS))
 @pytest.mark.parametrize("scenario", sorted(SINGLE_SCENARIOS))
 def test_single_step_rendering_matches_its_golden_file(request, scenario, suffix):
     render_report, _ = RENDERERS[suffix]
-    _check_golden(request, f"{scenario}.{suffix}", render_report(SINGLE_SCENARIOS[scenario]()))
+    assert_golden(
+        request, RENDERER_GOLDENS / f"{scenario}.{suffix}", render_report(SINGLE_SCENARIOS[scenario]())
+    )
 
 
 MULTI_SCENARIOS = {"multi": multi_report, "multi_clipped_twice": multi_clipped_twice_report}
@@ -341,7 +322,9 @@ MULTI_SCENARIOS = {"multi": multi_report, "multi_clipped_twice": multi_clipped_t
 @pytest.mark.parametrize("scenario", sorted(MULTI_SCENARIOS))
 def test_multi_step_rendering_matches_its_golden_file(request, scenario, suffix):
     _, render_multi = RENDERERS[suffix]
-    _check_golden(request, f"{scenario}.{suffix}", render_multi(MULTI_SCENARIOS[scenario]()))
+    assert_golden(
+        request, RENDERER_GOLDENS / f"{scenario}.{suffix}", render_multi(MULTI_SCENARIOS[scenario]())
+    )
 
 
 def test_a_step_clipped_twice_shows_its_first_calls_norms_in_the_table_the_chart_and_the_json_summary():

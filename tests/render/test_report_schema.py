@@ -9,8 +9,8 @@ from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
+from samples import check_json
 
-from gradaudit.cli import main
 from gradaudit.demo import scenario_names
 from gradaudit.render import json as json_render
 from gradaudit.report.model import REPORT_VERSION
@@ -46,19 +46,12 @@ def test_every_golden_json_report_validates_against_the_schema(
     assert _errors(validator, json.loads(golden.read_text(encoding="utf-8"))) == []
 
 
-def _check_json(capsys: pytest.CaptureFixture[str], *args: str) -> Any:
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        main(["check", *args, "--format", "json"])
-    return json.loads(capsys.readouterr().out)
-
-
 @pytest.mark.parametrize("scenario", scenario_names())
 def test_the_report_of_every_sample_dump_validates_against_the_schema(
     validator: jsonschema.protocols.Validator, scenario: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     samples = REPO / "sample_dumps" / scenario
-    report = _check_json(capsys, str(samples / "step_1"))
+    report = check_json(capsys, samples / "step_1")
     assert _errors(validator, report) == []
     assert isinstance(report["environment"]["world_size"], int)
     assert all(
@@ -68,9 +61,7 @@ def test_the_report_of_every_sample_dump_validates_against_the_schema(
         for rank in g
     )
     if (samples / "reference" / "step_1").is_dir():
-        compared = _check_json(
-            capsys, str(samples / "step_1"), "--reference", str(samples / "reference" / "step_1")
-        )
+        compared = check_json(capsys, samples / "step_1", samples / "reference" / "step_1")
         assert _errors(validator, compared) == []
 
 
@@ -81,7 +72,7 @@ def test_a_folder_of_steps_gives_a_multi_step_report_that_validates(
 
     for step in (1, 2):
         shutil.copytree(REPO / "sample_dumps" / "fsdp2_correct" / "step_1", tmp_path / f"step_{step}")
-    report = _check_json(capsys, str(tmp_path))
+    report = check_json(capsys, tmp_path)
     assert len(report["steps"]) == 2
     assert _errors(validator, report) == []
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import torch
 from builders import check, clip, finding, flat, sharded_rows, tensor_with_norm, write_step
 from markdown_it import MarkdownIt
 
 from gradaudit.checks.fixes import fix_for
-from gradaudit.cli import main
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.render.text import clip_sentences
@@ -125,15 +123,12 @@ def test_a_wrong_norm_on_a_step_below_max_norm_says_the_update_was_unaffected(tm
     assert "unaffected" not in above.message
 
 
-def test_version_option_prints_the_version(capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["--version"])
-    assert exited.value.code == 0
-    assert capsys.readouterr().out == f"gradaudit {__version__} (dump format 1.1)\n"
+def test_version_option_prints_the_version(cli):
+    code, out, _ = cli("--version")
+    assert code == 0
+    assert out == f"gradaudit {__version__} (dump format 1.1)\n"
     # also through typer, where --help lists it
-    with pytest.raises(SystemExit) as exited:
-        main(["--help"])
-    assert "--version" in capsys.readouterr().out
+    assert "--version" in cli("--help").stdout
 
 
 def _run_folder(root: Path, failing: set[int], num_steps: int) -> Path:
@@ -150,12 +145,6 @@ def _run_folder(root: Path, failing: set[int], num_steps: int) -> Path:
     return root
 
 
-def _cli(capsys, *argv):
-    with pytest.raises(SystemExit) as exited:
-        main(list(argv))
-    return exited.value.code, capsys.readouterr().out
-
-
 def _summary_rows(terminal: str) -> list[str]:
     """The step cells of the summary table (its rows end with the errors, warnings and codes columns)."""
     return [
@@ -163,26 +152,26 @@ def _summary_rows(terminal: str) -> list[str]:
     ]
 
 
-def test_a_run_folder_lists_failing_steps_first_and_folds_the_clean_ones(tmp_path, capsys):
+def test_a_run_folder_lists_failing_steps_first_and_folds_the_clean_ones(tmp_path, cli):
     run = _run_folder(tmp_path / "run", failing={4, 9}, num_steps=12)
-    code, out = _cli(capsys, "check", str(run))
+    code, out, _ = cli("check", str(run))
     assert code == 1
     rows = _summary_rows(out)
     assert rows == ["4", "9", "1–3", "5–8", "10–12"], out
     assert "12 steps (2 failing)" in out and "step 5 ─" not in out
     assert "· fix: gradaudit explain GA201" in out
-    code, markdown = _cli(capsys, "check", str(run), "--format", "markdown")
+    code, markdown, _ = cli("check", str(run), "--format", "markdown")
     assert "(fix: `gradaudit explain GA201`)" in markdown
     assert "| 1–3 (3 steps) |" in markdown and markdown.index("| 4 |") < markdown.index("| 1–3 (3 steps) |")
     MarkdownIt().parse(markdown)
 
 
-def test_failing_only_prints_only_the_failing_steps(tmp_path, capsys):
+def test_failing_only_prints_only_the_failing_steps(tmp_path, cli):
     run = _run_folder(tmp_path / "run", failing={4}, num_steps=6)
-    code, out = _cli(capsys, "check", str(run), "--failing-only")
+    code, out, _ = cli("check", str(run), "--failing-only")
     rows = _summary_rows(out)
     assert code == 1 and rows == ["4"] and "5 clean steps not listed (--failing-only)" in out
-    code, markdown = _cli(capsys, "check", str(run), "--failing-only", "--format", "markdown")
+    code, markdown, _ = cli("check", str(run), "--failing-only", "--format", "markdown")
     assert "| 4 |" in markdown and "(3 steps)" not in markdown and "5 clean steps not listed" in markdown
 
 
@@ -262,9 +251,9 @@ def test_markdown_draws_each_ranks_share_as_a_chart_github_renders_with_a_table_
     )
 
 
-def test_a_run_folders_markdown_draws_the_trend_with_failing_steps_marked(tmp_path, capsys):
+def test_a_run_folders_markdown_draws_the_trend_with_failing_steps_marked(tmp_path, cli):
     run = _run_folder(tmp_path / "run", failing={4, 9}, num_steps=12)
-    _, markdown = _cli(capsys, "check", str(run), "--format", "markdown")
+    _, markdown, _ = cli("check", str(run), "--format", "markdown")
     (chart,) = _mermaid_blocks(markdown)
     labels = re.search(r"x-axis \[(.*)\]", chart).group(1).split(", ")
     assert labels[3] == '"4 ✗"' and labels[8] == '"9 ✗"' and labels[0] == '"1"' and len(labels) == 12
