@@ -14,7 +14,18 @@ from gradaudit.checks.base import AuditOptions
 from gradaudit.model import ClipRecord, DataRecord, Topology
 from gradaudit.report.model import Report
 
-__all__ = ["box", "check", "clip", "codes", "flat", "sharded_rows", "tensor_with_norm", "whole", "write_step"]
+__all__ = [
+    "box",
+    "check",
+    "clip",
+    "codes",
+    "flat",
+    "sharded_rows",
+    "tensor_with_norm",
+    "whole",
+    "write_one_rank",
+    "write_step",
+]
 
 FIXED = {"host": "host-a", "created_at": "2026-01-01T00:00:00+00:00", "run_id": "test-run"}
 
@@ -63,6 +74,29 @@ def write_step(
     return directory
 
 
+def write_one_rank(
+    directory: str | Path,
+    *,
+    params: Mapping[str, Sequence[int]],
+    pieces: Sequence[PieceSpec],
+    clip: ClipRecord | None = None,
+    **kw,
+) -> Path:
+    """Step 1 of a one-rank run, clipped with max_norm 1 unless `clip` says otherwise; the rank file's path.
+
+    `kw` goes to capture.build.write_rank (host, created_at and run_id default to FIXED)."""
+    return write_rank(
+        directory,
+        rank=0,
+        world_size=1,
+        step=1,
+        params=params,
+        pieces=list(pieces),
+        clip=clip or ClipRecord(max_norm=1.0),
+        **{**FIXED, **kw},
+    )
+
+
 def sharded_rows(
     directory: str | Path,
     grads: Sequence[torch.Tensor],
@@ -89,6 +123,13 @@ def sharded_rows(
     return write_step(
         directory, world_size=len(grads), params={param: shape}, pieces=pieces, clips=clips, **kw
     )
+
+
+def clean_step(directory: str | Path, data: Mapping[int, DataRecord] | None = None) -> Path:
+    """Two ranks of float64 rows whose true norm 0.3 every rank reported and did not clip by: no finding."""
+    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
+    true = float(torch.cat(grads).norm())
+    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0), data=data)
 
 
 def check(directory: str | Path, **options) -> Report:

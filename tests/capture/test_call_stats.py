@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from builders import write_one_rank
 from capture_support import MAX_NORM, make_model, single_process  # noqa: F401 - autouse fixture
 
 import gradaudit
-from gradaudit.capture.build import box, write_rank
+from gradaudit.capture.build import box
 from gradaudit.capture.tensorstats import stats_of_tensor
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.dumpfile.header import read_header
@@ -25,11 +26,8 @@ def _two_call_clip() -> ClipRecord:
 def test_call_stats_written_by_the_builder_load_back_equal(tmp_path):
     g = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     first = stats_of_tensor(torch.zeros(2, 3), 2.0)
-    write_rank(
+    write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (2, 3)},
         pieces=[box("w", (0, 0), grad=g, call_stats=(first, g))],
         clip=_two_call_clip(),
@@ -40,14 +38,10 @@ def test_call_stats_written_by_the_builder_load_back_equal(tmp_path):
 
 
 def test_a_file_without_call_stats_loads_with_an_empty_tuple(tmp_path):
-    write_rank(
+    write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (2,)},
         pieces=[box("w", (0,), grad=torch.ones(2))],
-        clip=ClipRecord(max_norm=1.0),
     )
     path = next(tmp_path.glob("rank_*.safetensors"))
     assert "call_stats" not in read_header(str(path)).metadata["gradaudit"]
@@ -55,11 +49,8 @@ def test_a_file_without_call_stats_loads_with_an_empty_tuple(tmp_path):
 
 
 def test_call_stats_of_the_wrong_size_are_refused_naming_the_field(tmp_path):
-    write_rank(
+    write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (2,)},
         pieces=[box("w", (0,), grad=torch.ones(2), call_stats=(torch.ones(2), torch.ones(2)))],
         clip=_two_call_clip(),

@@ -3,16 +3,10 @@
 import json
 
 import torch
-from builders import clip, sharded_rows, tensor_with_norm
+from builders import clean_step, clip, sharded_rows, tensor_with_norm
 
 from gradaudit.checks.registry import CHECKS
 from gradaudit.model import DataRecord
-
-
-def _clean(directory, data=None):
-    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
-    true = float(torch.cat(grads).norm())
-    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0), data=data)
 
 
 def _local(directory, step=1):
@@ -21,14 +15,14 @@ def _local(directory, step=1):
 
 
 def test_a_clean_step_exits_0_and_a_buggy_one_exits_1(tmp_path, cli):
-    code, out, _ = cli("check", str(_clean(tmp_path / "clean")))
+    code, out, _ = cli("check", str(clean_step(tmp_path / "clean")))
     assert code == 0 and "Clipping used the true global norm" in " ".join(out.split())
     code, out, _ = cli("check", str(_local(tmp_path / "local")))
     assert code == 1 and "GA201" in out
 
 
 def test_fail_on_sets_the_severity_that_fails(tmp_path, cli):
-    warned = _clean(
+    warned = clean_step(
         tmp_path / "warn",
         data={
             0: DataRecord(tokens=10, loss_reduction="mean"),
@@ -66,13 +60,13 @@ def test_output_writes_the_report_file_and_refuses_folders_and_dump_folders(tmp_
 def test_unusable_input_and_bad_options_exit_2(tmp_path, cli):
     code, _, err = cli("check", str(tmp_path / "nothing"))
     assert code == 2 and "nothing" in err
-    code, _, err = cli("check", str(_clean(tmp_path / "clean")), "--rtol", "-1")
+    code, _, err = cli("check", str(clean_step(tmp_path / "clean")), "--rtol", "-1")
     assert code == 2 and "rtol" in err
     assert cli("check", str(tmp_path), "--format", "yaml")[0] == 2
 
 
 def test_a_folder_of_steps_is_checked_step_by_step(tmp_path, cli):
-    _clean(tmp_path / "run" / "step_1")
+    clean_step(tmp_path / "run" / "step_1")
     _local(tmp_path / "run" / "step_2", step=2)
     code, out, _ = cli("check", str(tmp_path / "run"), "--format", "json")
     doc = json.loads(out)

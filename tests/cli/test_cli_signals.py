@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from builders import clip, sharded_rows, tensor_with_norm
+from builders import clean_step
 
 from gradaudit import reportfile
 from gradaudit.live.trend import TREND_FILE
@@ -27,9 +26,7 @@ SLOW_TREND_LINES = 1_000_000
 def slow_run(tmp_path_factory):
     """A guarded run's folder with a clean step to report on, behind a trend that takes seconds to read."""
     folder = tmp_path_factory.mktemp("signals") / "run"
-    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
-    true = float(torch.cat(grads).norm())
-    sharded_rows(folder / "step_1", grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0))
+    clean_step(folder / "step_1")
     (folder / TREND_FILE).write_bytes(b'{"step":1}\n' * SLOW_TREND_LINES)
     return folder
 
@@ -96,12 +93,6 @@ def test_a_signal_stops_check_with_its_exit_code_and_one_line_and_leaves_the_old
         assert list(reports.iterdir()) == [output] and output.read_bytes() == old_report
 
 
-def _clean_step(directory):
-    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
-    true = float(torch.cat(grads).norm())
-    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0))
-
-
 def test_a_report_write_stopped_before_its_rename_keeps_the_old_report_and_leaves_no_temporary(
     tmp_path, monkeypatch
 ):
@@ -118,7 +109,7 @@ def test_a_report_write_stopped_before_its_rename_keeps_the_old_report_and_leave
 
 
 def test_a_report_that_cannot_be_flushed_to_disk_exits_2_and_keeps_the_old_report(tmp_path, monkeypatch, cli):
-    step = _clean_step(tmp_path / "step_1")
+    step = clean_step(tmp_path / "step_1")
     reports = tmp_path / "reports"
     reports.mkdir()
     output = reports / "report.json"

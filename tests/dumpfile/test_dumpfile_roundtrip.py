@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from builders import write_one_rank
 
 from gradaudit.capture.build import box, flat, whole, write_rank
 from gradaudit.dumpfile import TensorReader, load_step
@@ -92,14 +93,10 @@ def test_metadata_round_trips_including_nonfinite_numbers(tmp_path):
 
 
 def test_stats_only_piece_stores_statistics_and_no_values(tmp_path):
-    write_rank(
+    write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (2,)},
         pieces=[whole("w", grad=torch.tensor([3.0, float("nan")]), stats_only=True)],
-        clip=ClipRecord(max_norm=1.0),
     )
     step = load_step(tmp_path)
     piece = step.ranks[0].pieces[0]
@@ -179,14 +176,10 @@ def test_a_dump_is_never_overwritten_silently(tmp_path):
 
 
 def test_a_file_whose_box_lies_outside_its_parameter_is_refused_naming_the_file(tmp_path):
-    path = write_rank(
+    path = write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (2, 2)},
         pieces=[box("w", (0, 0), grad=torch.ones(2, 2))],
-        clip=ClipRecord(max_norm=1.0),
     )
     raw = path.read_bytes()
     patched = raw.replace(b'\\"offsets\\": [0, 0]', b'\\"offsets\\": [1, 0]')
@@ -197,14 +190,10 @@ def test_a_file_whose_box_lies_outside_its_parameter_is_refused_naming_the_file(
 
 
 def test_a_newer_major_format_version_is_refused_with_an_upgrade_hint(tmp_path):
-    path = write_rank(
+    path = write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (1,)},
         pieces=[whole("w", grad=torch.ones(1))],
-        clip=ClipRecord(max_norm=1.0),
     )
     raw = path.read_bytes()
     path.write_bytes(raw.replace(b'\\"format_version\\": \\"1.1\\"', b'\\"format_version\\": \\"2.0\\"'))
@@ -213,14 +202,10 @@ def test_a_newer_major_format_version_is_refused_with_an_upgrade_hint(tmp_path):
 
 
 def test_unknown_keys_from_a_newer_minor_version_are_ignored(tmp_path):
-    path = write_rank(
+    path = write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (1,)},
         pieces=[whole("w", grad=torch.ones(1))],
-        clip=ClipRecord(max_norm=1.0),
     )
     raw = path.read_bytes()
     path.write_bytes(

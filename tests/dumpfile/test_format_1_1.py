@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from builders import FIXED
+from builders import FIXED, write_one_rank
 from hostile.cli import assert_clean_refusal, run_cli
 
 from gradaudit.capture.build import box, flat, whole, write_rank
@@ -76,15 +76,10 @@ def test_a_stats_only_rank_is_written_as_columns_and_read_back_equal(tmp_path):
     ids=["values", "local-name", "mixed"],
 )
 def test_pieces_that_columns_cannot_hold_exactly_are_written_as_json(tmp_path, pieces):
-    path = write_rank(
+    path = write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (4,)},
         pieces=pieces,
-        clip=ClipRecord(max_norm=1.0),
-        **FIXED,
     )
     _, _, doc = _header(path)
     assert "columnar" not in doc and len(doc["pieces"]) == len(pieces)

@@ -26,6 +26,7 @@ from gradaudit.live.analysis_input import (
 )
 from gradaudit.live.trend import TREND_FILE, Trend, TrendLine, read_trend, trend_text
 from gradaudit.model import Topology
+from live.trends import skipped_line, write_trend
 
 MAX_NORM = 1.0
 
@@ -111,11 +112,6 @@ def test_the_guard_dump_records_its_api_and_its_group_pieces_name_no_fsdp1_fix()
     assert "With FSDP1" not in ga201.message
 
 
-def _trend(tmp_path, lines):
-    (tmp_path / TREND_FILE).write_text("".join(json.dumps(line.to_json()) + "\n" for line in lines))
-    return tmp_path
-
-
 def _line(step, codes=(), true=1.2, reported=1.2):
     return TrendLine(
         step=step,
@@ -130,7 +126,7 @@ def _line(step, codes=(), true=1.2, reported=1.2):
 
 def test_the_trend_reads_back_and_lists_the_failing_steps_first(tmp_path):
     lines = [_line(1), _line(2, ("GA201",), reported=0.7), _line(3, reported=math.inf)]
-    folder = _trend(tmp_path, lines)
+    folder = write_trend(tmp_path, lines)
     trend = read_trend(folder / TREND_FILE)
     assert trend == Trend(path=str(folder / TREND_FILE), lines=tuple(lines))
     text = trend_text(trend)
@@ -143,7 +139,7 @@ def test_a_step_clipped_twice_keeps_its_clip_calls_in_the_trend_and_names_the_la
 ):
     twice = replace(_line(2, ("GA501",), true=71.0, reported=71.0), min_coef=0.5, clip_calls=2)
     lines = [_line(1), twice]
-    trend = read_trend(_trend(tmp_path, lines) / TREND_FILE)
+    trend = read_trend(write_trend(tmp_path, lines) / TREND_FILE)
     assert trend.lines == tuple(lines)
     assert "clip_calls" not in _line(1).to_json() and twice.to_json()["clip_calls"] == 2  # once: as before
     (failing,) = [row for row in trend_text(trend).splitlines() if row.startswith("  step 2:")]
@@ -153,17 +149,9 @@ def test_a_step_clipped_twice_keeps_its_clip_calls_in_the_trend_and_names_the_la
 
 
 def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_path):
-    skipped = TrendLine(
-        step=2,
-        true_norm=None,
-        reported_norm=math.inf,
-        expected_coef=None,
-        min_coef=None,
-        max_coef=None,
-        skipped=True,
-    )
+    skipped = skipped_line(2)
     lines = [_line(1), skipped, _line(3)]
-    trend = read_trend(_trend(tmp_path, lines) / TREND_FILE)
+    trend = read_trend(write_trend(tmp_path, lines) / TREND_FILE)
     assert trend.lines == tuple(lines)
     assert skipped.to_json()["verdict"] == "skipped"
     text = trend_text(trend)
@@ -179,12 +167,12 @@ def test_a_damaged_trend_line_names_the_file_and_line(tmp_path):
         read_trend(tmp_path / TREND_FILE)
 
 
-def test_check_of_a_guarded_run_folder_shows_the_trend(tmp_path, cli):
+def test_check_of_a_guarded_run_folder_shows_thewrite_trend(tmp_path, cli):
     (tmp_path / "clean").mkdir()
     (tmp_path / "bad").mkdir()
-    code, out, _ = cli("check", str(_trend(tmp_path / "clean", [_line(1), _line(2)])))
+    code, out, _ = cli("check", str(write_trend(tmp_path / "clean", [_line(1), _line(2)])))
     assert code == 0 and out.startswith("guard trend: 2 checked steps, 0 with wrong clipping")
-    code, out, _ = cli("check", str(_trend(tmp_path / "bad", [_line(1), _line(2, ("GA201",))])))
+    code, out, _ = cli("check", str(write_trend(tmp_path / "bad", [_line(1), _line(2, ("GA201",))])))
     assert code == 1 and "step 2: GA201" in out
 
 
@@ -267,7 +255,7 @@ def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards
     import dataclasses
 
     (tmp_path / "run").mkdir()
-    folder = _trend(tmp_path / "run", [_line(4), _line(5, ("GA201",), reported=0.7), _line(6)])
+    folder = write_trend(tmp_path / "run", [_line(4), _line(5, ("GA201",), reported=0.7), _line(6)])
     wrong = live_step((0.6, 0.9), (math.sqrt(0.6), math.sqrt(0.9)), directory=str(folder / "step_5"))
     right = live_step((0.6, 0.9), (math.sqrt(1.5), math.sqrt(1.5)), directory=str(folder / "full" / "step_6"))
     for live, step in ((wrong, 5), (right, 6)):

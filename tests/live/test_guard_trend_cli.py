@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from builders import clip, sharded_rows, tensor_with_norm
+from builders import clean_step
 
 from gradaudit.live import trend
 from gradaudit.live.trend import TREND_FILE, TrendLine, read_trend
@@ -35,12 +34,6 @@ def _run_folder(tmp_path, steps, *, failing=(), tail=b""):
     return folder
 
 
-def _clean_step(directory):
-    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
-    true = float(torch.cat(grads).norm())
-    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0))
-
-
 def test_a_clean_trend_alone_exits_0(tmp_path, cli):
     code, out, err = cli("check", _run_folder(tmp_path, range(1, 4)))
     assert (code, err) == (0, "")
@@ -59,7 +52,7 @@ def test_failing_steps_in_the_trend_exit_1_without_dump_folders_unless_fail_on_i
 
 def test_failing_steps_in_the_trend_exit_1_even_when_every_dump_folder_is_clean(tmp_path, cli):
     folder = _run_folder(tmp_path, range(1, 4), failing={2})
-    _clean_step(folder / "step_1")
+    clean_step(folder / "step_1")
     code, out, _ = cli("check", folder)
     assert code == 1
     assert out.startswith("guard trend: 3 checked steps, 1 with wrong clipping\n  step 2: GA201")

@@ -4,7 +4,6 @@ every format, a clean guarded run still prints one, and `gradaudit show` reads t
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 from dataclasses import replace
@@ -15,11 +14,12 @@ from goldens import RENDERER_GOLDENS, assert_golden
 
 from gradaudit.checks.base import AuditOptions
 from gradaudit.guardrun import audit_run
-from gradaudit.live.trend import TREND_FILE, TrendLine
+from gradaudit.live.trend import TrendLine
 from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.report.model import GuardTrend, MultiStepReport, TrendStep, guard_trend
+from live.trends import skipped_line, write_trend
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_dumps"
 NOT_DUMPED = (3, 4, 9)
@@ -41,24 +41,6 @@ def _line(step: int, *, codes: tuple[str, ...] = (), true: float = 1.2, reported
     )
 
 
-def _skipped(step: int) -> TrendLine:
-    return TrendLine(
-        step=step,
-        true_norm=None,
-        reported_norm=math.inf,
-        expected_coef=None,
-        min_coef=None,
-        max_coef=None,
-        skipped=True,
-    )
-
-
-def _write_trend(folder: Path, lines: list[TrendLine]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / TREND_FILE).write_text("".join(json.dumps(line.to_json()) + "\n" for line in lines))
-    return folder
-
-
 def failing_run_trend() -> list[TrendLine]:
     """20 steps: step 1 local-clipped (the guard dumps it), 3, 4 and 9 too within its cooldown (warned,
     not dumped), step 6 skipped by the scaler, the others clean."""
@@ -69,7 +51,7 @@ def failing_run_trend() -> list[TrendLine]:
         elif step in NOT_DUMPED:
             lines.append(_line(step, codes=("GA201",), true=1.5, reported=0.75))
         elif step == SKIPPED:
-            lines.append(_skipped(step))
+            lines.append(skipped_line(step))
         else:
             lines.append(_line(step, true=1.0 + step / 100, reported=1.0 + step / 100))
     return lines
@@ -80,7 +62,7 @@ def guarded_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """`audit/` (the guard's out_dir): the trend above and the dump of step 1 (the local-clip sample,
     a real step 1), reached by a relative path so that the reports name it alike on every machine."""
     monkeypatch.chdir(tmp_path)
-    _write_trend(Path("audit"), failing_run_trend())
+    write_trend(Path("audit"), failing_run_trend())
     shutil.copytree(SAMPLES / "fsdp2_local_clip" / "step_1", "audit/step_1")
     return Path("audit")
 
@@ -89,7 +71,7 @@ def guarded_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def clean_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """`clean/`: five clean steps and nothing else (the guard dumps only what it finds wrong)."""
     monkeypatch.chdir(tmp_path)
-    return _write_trend(
+    return write_trend(
         Path("clean"), [_line(s, true=0.5 + s / 10, reported=0.5 + s / 10) for s in range(1, 6)]
     )
 
@@ -149,7 +131,7 @@ def test_check_of_a_clean_guarded_run_prints_a_report_in_every_format_and_exits_
 
 
 def test_a_guarded_run_whose_failing_steps_have_no_dump_exits_1_unless_told_never(tmp_path, cli):
-    folder = _write_trend(tmp_path / "run", [_line(1), _line(2, codes=("GA201",), reported=0.7)])
+    folder = write_trend(tmp_path / "run", [_line(1), _line(2, codes=("GA201",), reported=0.7)])
     code, out, _ = cli("check", str(folder), "--format", "json")
     assert code == 1 and json.loads(out)["guard_trend"]["not_dumped"] == [2]
     code, _, _ = cli("check", str(folder), "--fail-on", "never")

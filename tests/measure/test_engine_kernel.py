@@ -7,15 +7,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from builders import FIXED, flat
+from builders import flat, write_one_rank
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaudit.capture.build import write_rank
 from gradaudit.capture.tensorstats import stats_of_tensor
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.measure.kernel import ChunkKernel, StatsSums
-from gradaudit.model import ClipRecord
 
 
 @pytest.mark.parametrize(
@@ -28,15 +26,10 @@ def test_kernel_statistics_and_pair_sums_match_the_accumulator_with_nonfinite_va
         grad[5], grad[7], grad[60_000] = math.nan, math.inf, -math.inf
     clipped = (grad.float() * 0.5).to(dtype)
     clipped[9] = math.nan
-    write_rank(
+    write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (70_001,)},
         pieces=[flat("w", 0, grad=grad, grad_clipped=clipped)],
-        clip=ClipRecord(max_norm=1.0),
-        **FIXED,
     )
     step = load_step(tmp_path)
     piece = step.ranks[0].pieces[0]
@@ -66,15 +59,10 @@ def test_kernel_statistics_and_pair_sums_match_the_accumulator_with_nonfinite_va
 
 def test_fingerprints_are_computed_only_when_asked_for_and_then_equal_the_accumulators(tmp_path):
     values = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
-    write_rank(
+    write_one_rank(
         tmp_path,
-        rank=0,
-        world_size=1,
-        step=1,
         params={"w": (10_000,)},
         pieces=[flat("w", 0, grad=values)],
-        clip=ClipRecord(max_norm=1.0),
-        **FIXED,
     )
     step = load_step(tmp_path)
     piece = step.ranks[0].pieces[0]
