@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from hostile.cli import run_cli
 
-from dumpfile.test_format_1_1 import _rewrite_columns, _stats_step, _write_json_1_0
+from dumpfile.formats import json_reports, rewrite_columns, stats_step, write_json_1_0
 from gradaudit.dumpfile import load_rank_file
 from gradaudit.dumpfile.columnar import ColumnarPieces, ParamIds, counts_key
 from gradaudit.errors import DumpFormatError
@@ -40,9 +39,9 @@ def _clip(norm_type, loss_scale):
 
 
 def _both_forms(tmp_path, rank=1):
-    path = _stats_step(tmp_path / "v11", rank=rank, world_size=2)
+    path = stats_step(tmp_path / "v11", rank=rank, world_size=2)
     columnar = load_rank_file(path)
-    _write_json_1_0(tmp_path / "v10", columnar)
+    write_json_1_0(tmp_path / "v10", columnar)
     return columnar, load_rank_file(tmp_path / "v10" / path.name)
 
 
@@ -98,8 +97,8 @@ def test_columnar_pieces_stay_read_only_and_equal_through_a_pickle(tmp_path):
 
 
 def test_a_box_with_more_nonfinite_values_than_elements_is_refused_naming_the_piece(tmp_path):
-    path = _stats_step(tmp_path, world_size=1)
-    _rewrite_columns(path, lambda a, d: a[counts_key("grad")].__setitem__((0, 1), 10**6))
+    path = stats_step(tmp_path, world_size=1)
+    rewrite_columns(path, lambda a, d: a[counts_key("grad")].__setitem__((0, 1), 10**6))
     with pytest.raises(DumpFormatError, match="piece 0: more nonfinite values than elements"):
         load_rank_file(path)
 
@@ -108,8 +107,8 @@ def _step_in_both_forms(tmp_path, world_size=2):
     from gradaudit.dumpfile import load_step
 
     for rank in range(world_size):
-        _stats_step(tmp_path / "v11", rank=rank, world_size=world_size)
-        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+        stats_step(tmp_path / "v11", rank=rank, world_size=world_size)
+        write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
     return load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
 
 
@@ -204,7 +203,7 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=Fal
             **FIXED,
         )
         if not values:
-            _write_json_1_0(
+            write_json_1_0(
                 tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
             )
     return None if values else load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
@@ -363,13 +362,7 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     ]
     assert signatures[0] == signatures[1]
     assert groups_of(signatures[1]) == _param_groups(tuple(expected.pieces))
-    reports = []
-    for version in ("v10", "v11"):
-        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
-        assert outcome.code in (0, 1), outcome.stderr
-        report = json.loads(outcome.stdout)
-        report.pop("command"), report.pop("warnings")
-        reports.append(report)
+    reports = json_reports(capsys, tmp_path / "v10", tmp_path / "v11")
     assert reports[0] == reports[1]
 
 
@@ -450,12 +443,7 @@ def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_j
     assert all(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
     assert not any(isinstance(pm.pieces, TablePieces) for pm in expected.params.values())
     assert measured == expected
-    reports = []
-    for directory in (tmp_path / "v10", mixed):
-        outcome = run_cli(capsys, "check", str(directory), "--format", "json")
-        report = json.loads(outcome.stdout)
-        report.pop("command"), report.pop("warnings")
-        reports.append(report)
+    reports = json_reports(capsys, tmp_path / "v10", mixed)
     assert reports[0] == reports[1]
 
 
@@ -481,13 +469,8 @@ def test_columnar_ranks_with_clipped_gradient_statistics_give_the_report_of_thei
         )
         dump = load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
         assert isinstance(dump.pieces, ColumnarPieces) and dump.pieces.kinds == ("grad", "grad_clipped")
-        _write_json_1_0(tmp_path / "v10", dump)
-    reports = []
-    for version in ("v10", "v11"):
-        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
-        report = json.loads(outcome.stdout)
-        report.pop("command"), report.pop("warnings")
-        reports.append(report)
+        write_json_1_0(tmp_path / "v10", dump)
+    reports = json_reports(capsys, tmp_path / "v10", tmp_path / "v11")
     assert reports[0] == reports[1]
     assert all(
         row["applied_clip_coef"] == pytest.approx(0.5) for row in reports[1]["ranks"]
@@ -534,13 +517,8 @@ def test_an_hsdp_stats_step_with_one_drifted_replica_reports_ga601_as_its_json_f
             topology=Topology(groups=groups),
             **FIXED,
         )
-        _write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
-    reports = []
-    for directory in (tmp_path / "v10", tmp_path / "v11"):
-        outcome = run_cli(capsys, "check", str(directory), "--format", "json")
-        report = json.loads(outcome.stdout)
-        report.pop("command"), report.pop("warnings")
-        reports.append(report)
+        write_json_1_0(tmp_path / "v10", load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors"))
+    reports = json_reports(capsys, tmp_path / "v10", tmp_path / "v11")
     assert reports[0] == reports[1]
     assert [f["code"] for f in reports[1]["findings"]].count("GA601") == 1
     assert "5" in json.dumps([f for f in reports[1]["findings"] if f["code"] == "GA601"])

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import struct
 
 import numpy as np
 import pytest
@@ -13,44 +10,17 @@ import torch
 from builders import FIXED, write_one_rank
 from hostile.cli import assert_clean_refusal, run_cli
 
-from gradaudit.capture.build import box, flat, whole, write_rank
+from dumpfile.formats import header_of, json_reports, rewrite_columns, stats_step, write_json_1_0
+from gradaudit.capture.build import flat, whole, write_rank
 from gradaudit.dumpfile import load_rank_file, load_step
 from gradaudit.dumpfile.columnar import COORDS, PIECES, counts_key, stats_key, to_columns
-from gradaudit.dumpfile.schema import METADATA_KEY, encode_rank
 from gradaudit.errors import DumpFormatError
 from gradaudit.model import ClipRecord
 
 
-def _stats_step(tmp_path, rank: int = 0, world_size: int = 2):
-    gen = torch.Generator().manual_seed(rank)
-    grad = torch.randn(6, 4, generator=gen)
-    grad[0, 0] = math.nan
-    return write_rank(
-        tmp_path,
-        rank=rank,
-        world_size=world_size,
-        step=3,
-        params={"layers.0.w": (12, 4), "emb": (10, 3), "norm": (5,)},
-        pieces=[
-            box("layers.0.w", (6 * rank, 0), grad=grad, stats_only=True),
-            flat("emb", 15 * rank, grad=torch.randn(15, generator=gen), stats_only=True),
-            whole("norm", grad=torch.randn(5, generator=gen), replica_group="dp", stats_only=True),
-        ],
-        clip=ClipRecord(max_norm=1.0, reported_norm=2.0),
-        **FIXED,
-    )
-
-
-def _header(path) -> tuple[int, dict, dict]:
-    raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + length])
-    return length, header, json.loads(header["__metadata__"][METADATA_KEY])
-
-
 def test_a_stats_only_rank_is_written_as_columns_and_read_back_equal(tmp_path):
-    path = _stats_step(tmp_path)
-    _, _, doc = _header(path)
+    path = stats_step(tmp_path)
+    _, _, doc = header_of(path)
     assert doc["format_version"] == "1.1" and doc["pieces"] == [] and doc["params"] == []
     assert doc["columnar"]["num_pieces"] == 3 and doc["columnar"]["kinds"] == ["grad"]
     dump = load_rank_file(path)
@@ -81,38 +51,22 @@ def test_pieces_that_columns_cannot_hold_exactly_are_written_as_json(tmp_path, p
         params={"w": (4,)},
         pieces=pieces,
     )
-    _, _, doc = _header(path)
+    _, _, doc = header_of(path)
     assert "columnar" not in doc and len(doc["pieces"]) == len(pieces)
     assert len(load_rank_file(path).pieces) == len(pieces)
 
 
 def test_a_step_of_columnar_ranks_gives_the_same_report_as_its_json_form(tmp_path, capsys):
     for rank in range(2):
-        _stats_step(tmp_path / "v11", rank=rank)
+        stats_step(tmp_path / "v11", rank=rank)
         dump = load_rank_file(tmp_path / "v11" / f"rank_{rank:05d}.safetensors")
-        _write_json_1_0(tmp_path / "v10", dump)
-    reports = []
-    for version in ("v10", "v11"):
-        outcome = run_cli(capsys, "check", str(tmp_path / version), "--format", "json")
-        assert outcome.code in (0, 1), outcome.stderr
-        report = json.loads(outcome.stdout)
-        report.pop("command"), report.pop("warnings")
-        reports.append(report)
+        write_json_1_0(tmp_path / "v10", dump)
+    reports = json_reports(capsys, tmp_path / "v10", tmp_path / "v11")
     assert reports[0] == reports[1]
     a, b = load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
     assert [dataclasses.replace(d, path="", num_bytes=0) for d in a.ranks.values()] == [
         dataclasses.replace(d, path="", num_bytes=0) for d in b.ranks.values()
     ]
-
-
-def _write_json_1_0(directory, dump) -> None:
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    doc = dict(encode_rank(dump), format_version="1.0")
-    save_file(
-        {}, str(directory / f"rank_{dump.rank:05d}.safetensors"), metadata={METADATA_KEY: json.dumps(doc)}
-    )
 
 
 def test_the_header_of_a_many_piece_stats_rank_stays_under_64_bytes_per_piece(tmp_path):
@@ -130,22 +84,8 @@ def test_the_header_of_a_many_piece_stats_rank_stays_under_64_bytes_per_piece(tm
         clip=ClipRecord(max_norm=1.0),
         **FIXED,
     )
-    length, _, _ = _header(tmp_path / "rank_00000.safetensors")
+    length, _, _ = header_of(tmp_path / "rank_00000.safetensors")
     assert length / num <= 64
-
-
-def _rewrite_columns(path, edit) -> None:
-    from safetensors.numpy import load_file
-    from safetensors.torch import save_file
-
-    _, _, doc = _header(path)
-    arrays = {k: v.copy() for k, v in load_file(str(path)).items()}
-    edit(arrays, doc)
-    save_file(
-        {k: torch.from_numpy(v) for k, v in arrays.items()},
-        str(path),
-        metadata={METADATA_KEY: json.dumps(doc)},
-    )
 
 
 @pytest.mark.parametrize(
@@ -165,8 +105,8 @@ def _rewrite_columns(path, edit) -> None:
     ids=["param-index", "range", "counts", "sums", "missing-column", "num-pieces", "json-and-columns"],
 )
 def test_broken_columns_are_refused_with_one_line_naming_the_file(tmp_path, capsys, edit, problem):
-    path = _stats_step(tmp_path, world_size=1)
-    _rewrite_columns(path, edit)
+    path = stats_step(tmp_path, world_size=1)
+    rewrite_columns(path, edit)
     with pytest.raises(DumpFormatError):
         load_rank_file(path)
     outcome = run_cli(capsys, "check", str(tmp_path))
@@ -174,7 +114,7 @@ def test_broken_columns_are_refused_with_one_line_naming_the_file(tmp_path, caps
 
 
 def test_columns_are_read_without_torch_as_plain_little_endian_arrays(tmp_path):
-    path = _stats_step(tmp_path, world_size=1)
+    path = stats_step(tmp_path, world_size=1)
     from safetensors.numpy import load_file
 
     arrays = load_file(str(path))
