@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 RENDERER_GOLDENS = Path(__file__).parent / "golden"
-"""Reports built by hand and rendered in every format (tests/render/test_render_reports.py and others)."""
+"""Reports built by hand (tests/render/reports.py) and rendered in every format."""
 SAMPLE_GOLDENS = Path(__file__).parent / "golden_samples"
 """The Markdown report of every committed sample dump."""
 

@@ -127,7 +127,7 @@ def test_the_plural_check_itself_catches_the_old_wordings():
 
 
 def test_one_clean_step_left_out_is_one_clean_step_in_both_human_formats():
-    from render.test_render_reports import multi_report
+    from render.reports import multi_report
 
     multi = multi_report()
     terminal = terminal_render.render_multi(multi, failing_only=True)
