@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 
+import pytest
 import torch
 
 from gradaudit.audit import audit_step_dir
@@ -152,3 +154,22 @@ def finding(report: Report, code: str):
 
 def assert_close(a: float, b: float, rel: float = 1e-9) -> None:
     assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-12), (a, b)
+
+
+def assert_exact_sums(stats, values: Sequence[float], norm_type: float) -> None:
+    """`stats` (a capture-side or check-side accumulator's result) hold the exact sums of the finite
+    `values` within 1e-12, their largest magnitude, and the count of each nonfinite kind."""
+    finite = [v for v in values if math.isfinite(v)]
+    exact_sq = float(sum(Fraction(v) ** 2 for v in finite))
+    assert stats.sum_sq == pytest.approx(exact_sq, rel=1e-12, abs=1e-300)
+    assert stats.max_abs == max((abs(v) for v in finite), default=0.0)
+    if math.isinf(norm_type):
+        assert stats.sum_pow == stats.max_abs
+    else:
+        exact_pow = math.fsum(abs(v) ** norm_type for v in finite)
+        assert stats.sum_pow == pytest.approx(exact_pow, rel=1e-12, abs=1e-300)
+    assert (stats.num_nan, stats.num_posinf, stats.num_neginf) == (
+        sum(math.isnan(v) for v in values),
+        values.count(math.inf),
+        values.count(-math.inf),
+    )

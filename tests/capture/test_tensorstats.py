@@ -4,10 +4,10 @@ values counted in whichever chunk they fall, and the fingerprint of its definiti
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import pytest
 import torch
+from builders import assert_exact_sums
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,21 +39,9 @@ def _fingerprint_by_definition(values: list[float]) -> tuple[float, float]:
 )
 def test_statistics_are_the_exact_sums_of_the_finite_values_in_any_chunking(values, norm_type, chunk):
     stats = stats_of_tensor(torch.tensor(values, dtype=torch.float64), norm_type, chunk)
-    finite = [v for v in values if math.isfinite(v)]
-    scale = math.fsum(map(abs, finite))
     assert stats.numel == len(values)
-    assert stats.sum_sq == pytest.approx(float(sum(Fraction(v) ** 2 for v in finite)), rel=1e-12, abs=1e-300)
-    assert stats.max_abs == max((abs(v) for v in finite), default=0.0)
-    if math.isinf(norm_type):
-        assert stats.sum_pow == stats.max_abs
-    else:
-        exact_pow = math.fsum(abs(v) ** norm_type for v in finite)
-        assert stats.sum_pow == pytest.approx(exact_pow, rel=1e-12, abs=1e-300)
-    assert (stats.num_nan, stats.num_posinf, stats.num_neginf) == (
-        sum(math.isnan(v) for v in values),
-        values.count(math.inf),
-        values.count(-math.inf),
-    )
+    assert_exact_sums(stats, values, norm_type)
+    scale = math.fsum(abs(v) for v in values if math.isfinite(v))
     for got, want in zip(stats.fingerprint, _fingerprint_by_definition(values), strict=True):
         assert abs(got - want) <= 1e-12 * scale
 

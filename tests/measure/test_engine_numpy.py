@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from builders import assert_exact_sums
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from import_probe import matching, modules_gradaudit_imports
@@ -69,18 +70,8 @@ finite64 = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e80, max
 )
 def test_kernel_sums_are_within_1e_12_of_the_exact_sums_in_any_chunking(values, norm_type, chunk):
     stats = stats_of_array(np.array(values, dtype=np.float64), "float64", norm_type, chunk)
+    assert_exact_sums(stats, values, norm_type)
     finite = [v for v in values if math.isfinite(v)]
-    exact_sq = float(sum(Fraction(v) ** 2 for v in finite))
-    assert stats.sum_sq == pytest.approx(exact_sq, rel=1e-12, abs=1e-300)
-    assert stats.max_abs == max((abs(v) for v in finite), default=0.0)
-    if math.isinf(norm_type):
-        assert stats.sum_pow == stats.max_abs
-    else:
-        exact_pow = math.fsum(abs(v) ** norm_type for v in finite)
-        assert stats.sum_pow == pytest.approx(exact_pow, rel=1e-12, abs=1e-300)
-    assert stats.num_nan == sum(math.isnan(v) for v in values)
-    assert stats.num_posinf == values.count(math.inf)
-    assert stats.num_neginf == values.count(-math.inf)
     assert stats.fingerprint[0] == pytest.approx(math.fsum(finite), abs=1e-12 * math.fsum(map(abs, finite)))
 
 
