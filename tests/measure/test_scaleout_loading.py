@@ -152,19 +152,27 @@ def _last_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.decode().strip().splitlines()[-1]
 
 
+def _every_process_refuses_as_one_does(directory: Path, *, naming: str) -> str:
+    """`check` exits 2 naming `naming` in one process, and every process of a scaled-out check ends
+    on that same line with nothing on stdout; the single process's stderr."""
+    args = ["check", str(directory), "--format", "json"]
+    single = single_process(args)
+    refusal = single.stderr.decode()
+    assert single.returncode == 2 and naming in refusal
+    for result in launch(args):
+        assert (result.returncode, result.stdout) == (2, b""), result.stderr.decode()
+        assert _last_line(result) == refusal.strip()
+    return refusal
+
+
 @pytest.mark.integration
 def test_a_bad_file_in_one_process_share_stops_every_process_with_exit_2_naming_it(tmp_path):
     directory = write_dump(tmp_path / "step_7", stats_only=True, local_clip=False)
     bad = directory / shares_by_bytes(directory, 2)[1][-1]
     break_header(bad)
     assert bad.name in shares_by_bytes(directory, 2)[1]
-    args = ["check", str(directory), "--format", "json"]
-    single = single_process(args)
-    assert single.returncode == 2
-    assert single.stderr.decode().count("\n") == 1 and bad.name in single.stderr.decode()
-    for result in launch(args):
-        assert (result.returncode, result.stdout) == (2, b""), result.stderr.decode()
-        assert _last_line(result) == single.stderr.decode().strip()
+    refusal = _every_process_refuses_as_one_does(directory, naming=bad.name)
+    assert refusal.count("\n") == 1
 
 
 @pytest.mark.integration
@@ -174,12 +182,7 @@ def test_with_a_bad_file_in_each_share_every_process_names_the_first_in_folder_o
     bad = sorted([directory / shares[0][-1], directory / shares[1][-1]])
     for path in bad:
         break_header(path)
-    args = ["check", str(directory), "--format", "json"]
-    single = single_process(args)
-    assert single.returncode == 2 and bad[0].name in single.stderr.decode()
-    for result in launch(args):
-        assert (result.returncode, result.stdout) == (2, b""), result.stderr.decode()
-        assert _last_line(result) == single.stderr.decode().strip()
+    _every_process_refuses_as_one_does(directory, naming=bad[0].name)
 
 
 @pytest.mark.integration
