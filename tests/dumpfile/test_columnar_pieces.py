@@ -209,6 +209,22 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=Fal
     return None if values else load_step(tmp_path / "v10"), load_step(tmp_path / "v11")
 
 
+def _measured_as_by_objects(step, oracle=None):
+    """`step` measured through its column table, asserted equal (replica sets too) to `oracle`
+    (`step` unless given) measured piece object by piece object; both measurements."""
+    from gradaudit.dumpfile.reader import TensorReader
+    from gradaudit.measure.measure import measure_step
+
+    expected = _measured_by_objects(step if oracle is None else oracle)
+    with TensorReader(step) as reader:
+        ours = measure_step(step, reader, workers=1)
+    assert ours == expected
+    assert [pm.replica_sets for pm in ours.params.values()] == [
+        pm.replica_sets for pm in expected.params.values()
+    ]
+    return ours, expected
+
+
 def _measured_by_objects(step):
     """The oracle: `step` measured piece object by piece object (each piece's stored statistics,
     the gradient's divided by its rank's loss scale; replicas compared by fingerprint one set at a
@@ -334,13 +350,7 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
 
     clip = _clip(norm_type, loss_scale)
     json_step, columnar_step = _random_step(tmp_path, seed, clip=clip)
-    expected = _measured_by_objects(json_step)
-    with TensorReader(columnar_step) as reader:
-        ours = measure_step(columnar_step, reader, workers=1)
-    assert ours == expected
-    assert [pm.replica_sets for pm in ours.params.values()] == [
-        pm.replica_sets for pm in expected.params.values()
-    ]
+    ours, expected = _measured_as_by_objects(columnar_step, oracle=json_step)
     a, b = _ObjectColumns(expected), StepColumns(ours)
     assert isinstance(b.pieces, TablePieces)
     for name in (*_COMPARED_COLUMNS, "by_rank_order"):
@@ -377,19 +387,12 @@ def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_o
     into an object, and compares the replicas value by value, one set at a time."""
     import numpy as np
 
-    from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.columns import StepColumns
-    from gradaudit.measure.measure import measure_step, overflow_notes
+    from gradaudit.measure.measure import overflow_notes
 
     clip = _clip(norm_type, loss_scale)
     _, step = _random_step(tmp_path, seed, clip=clip, values=True)
-    expected = _measured_by_objects(step)
-    with TensorReader(step) as reader:
-        ours = measure_step(step, reader, workers=1)
-    assert ours == expected
-    assert [pm.replica_sets for pm in ours.params.values()] == [
-        pm.replica_sets for pm in expected.params.values()
-    ]
+    ours, expected = _measured_as_by_objects(step)
     compared = any(s.by_values for pm in ours.params.values() for s in pm.replica_sets)
     assert compared or seed != 10  # seed 10 holds replicas, compared value by value
     a, b = _ObjectColumns(expected), StepColumns(ours)
