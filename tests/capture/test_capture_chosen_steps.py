@@ -1,5 +1,5 @@
 """Auditing chosen steps of a loop in one line (steps=/every=/enabled=), and a step whose rank file exists
-refused when the audit opens, before any capture is paid for (issue 20)."""
+refused when the audit opens, before any capture is paid for."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`gradaudit check` converts its options without typer's pydantic adapters (issue 20): same values, same
+"""`gradaudit check` converts its options without typer's pydantic adapters: same values, same
 usage errors, no pydantic loaded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""--allow-incomplete-ranks (issue 11 item 5): an unreadable rank file stops the audit by default,
+"""--allow-incomplete-ranks: an unreadable rank file stops the audit by default,
 and with the option becomes a missing rank with its reason while the other ranks are audited."""
 
 from __future__ import annotations

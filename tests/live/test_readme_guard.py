@@ -1,4 +1,4 @@
-"""The README's quickstart is the guard (issue 21: for anyone who does not know which step to audit), and
+"""The README's quickstart is the guard (for anyone who does not know which step to audit), and
 its loop runs as written: the guard attached in one line, every step checked and found right."""
 
 from __future__ import annotations

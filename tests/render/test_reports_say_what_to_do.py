@@ -1,4 +1,4 @@
-"""Reports that say what to do (issue 20): a fix line per error and warning, each explanation said once,
+"""Reports that say what to do: a fix line per error and warning, each explanation said once,
 nothing cut mid-sentence, a step left unaffected said so, and `gradaudit --version`."""
 
 from __future__ import annotations
