@@ -154,6 +154,22 @@ def test_the_terminal_and_markdown_name_the_largest_parameter_first_with_its_sha
     assert "| norm.weight | 30 | 15.0% |" in markdown
 
 
+def test_untrusted_parameter_names_in_the_shares_are_escaped_in_every_human_format(spike_dump):
+    report = check(spike_dump)
+    assert report.sum_sq_shares is not None
+    hostile = "[red]w\x1b[2J @octocat `x` | y"
+    top = (dataclasses.replace(report.sum_sq_shares.top[0], param=hostile), *report.sum_sq_shares.top[1:])
+    shares = dataclasses.replace(report.sum_sq_shares, top=top, note="note\nforged line")
+    report = dataclasses.replace(report, sum_sq_shares=shares)
+    terminal = terminal_render.render_report(report, width=200)
+    assert "\x1b" not in terminal and "[red]w\\x1b[2J" in terminal
+    assert "note\\nforged line" in terminal
+    markdown = markdown_render.render_report(report)
+    assert "\x1b" not in markdown and "@octocat" not in markdown
+    assert "\\`x\\` \\| y |" in markdown  # a cell of the table, not two
+    assert json.loads(json_render.render_report(report))["sum_sq_shares"]["top"][0]["param"] == hostile
+
+
 def test_a_dump_not_written_at_a_spike_shows_no_parameter_shares_and_its_json_has_no_such_key(
     tmp_path: Path,
 ) -> None:

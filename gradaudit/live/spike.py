@@ -5,6 +5,7 @@ of its Σg². Pure: no torch, no I/O."""
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -77,7 +78,7 @@ class SpikeRule:
         """The rule of the guard's `spike=` argument: a factor above 1, or a callable."""
         if callable(spike):
             return SpikeRule(test=spike, window=window)
-        if isinstance(spike, bool) or not isinstance(spike, (int, float)):
+        if isinstance(spike, bool) or not isinstance(spike, numbers.Real):  # numpy's floats too
             raise SpikeOptionError(
                 f"spike must be a factor above 1 (say spike=10.0) or a callable "
                 f"(step, true_norm, recent_norms) -> bool, got {spike!r}"
