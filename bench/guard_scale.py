@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gradaudit.live.agreement import agree  # noqa: E402
-from gradaudit.live.analysis_input import LiveStep, OwnershipGroup, report_of  # noqa: E402
-from gradaudit.live.fastpath import Reduction, role_of  # noqa: E402
-from gradaudit.live.summary import CallRecord, VectorLayout, pack, stamped  # noqa: E402
-from gradaudit.model import Topology  # noqa: E402
+from gradaudit.live.agreement import agree
+from gradaudit.live.analysis_input import LiveStep, OwnershipGroup, report_of
+from gradaudit.live.fastpath import Reduction, role_of
+from gradaudit.live.summary import CallRecord, VectorLayout, pack, stamped
+from gradaudit.model import Topology
 
 MAX_NORM = 1.0
 GROUPS = (OwnershipGroup(name="rep", replica_group="rep"), OwnershipGroup(name="sharded", replica_group=None))
@@ -52,11 +52,23 @@ def _rows(world: int, *, local_on: int | None) -> tuple[VectorLayout, np.ndarray
     topology = Topology(groups={"rep": tuple((r, r + world // 2) for r in range(world // 2))})
     rows = np.empty((world, layout.size))
     for rank in range(world):
-        local = torch.tensor([replicated[rank % (world // 2)], shards[rank], 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+        local = torch.tensor(
+            [replicated[rank % (world // 2)], shards[rank], 0.0, 0.0, 0.0, 0.0], dtype=torch.float64
+        )
         reported = math.sqrt(float(local[:2].sum())) if rank == local_on else true
         coef = min(1.0, MAX_NORM / (reported + 1e-6))
-        call = CallRecord(terms=local[:2], reported=reported, max_norm=MAX_NORM, norm_type=2.0, coef=None, before=None)
-        vector = pack(layout, device="cpu", terms=local, applied_coef=coef, calls=[call], num_calls=1, grad_dtype="float32")
+        call = CallRecord(
+            terms=local[:2], reported=reported, max_norm=MAX_NORM, norm_type=2.0, coef=None, before=None
+        )
+        vector = pack(
+            layout,
+            device="cpu",
+            terms=local,
+            applied_coef=coef,
+            calls=[call],
+            num_calls=1,
+            grad_dtype="float32",
+        )
         rows[rank] = stamped(vector, step=7, clock=7, changed=False).numpy()
     return layout, rows, topology
 
@@ -72,11 +84,14 @@ def _summed(layout: VectorLayout, rows: np.ndarray, topology: Topology) -> tuple
     return reduction, total
 
 
-def _full_diagnosis(layout: VectorLayout, rows: np.ndarray, topology: Topology) -> tuple[str, tuple[str, ...]]:
+def _full_diagnosis(
+    layout: VectorLayout, rows: np.ndarray, topology: Topology
+) -> tuple[str, tuple[str, ...]]:
     world = rows.shape[0]
     conclusion = agree(rows).conclusion
     ranks = {
-        rank: layout.unpack(rows[rank], rank=rank, held=(True, True), topology=topology) for rank in range(world)
+        rank: layout.unpack(rows[rank], rank=rank, held=(True, True), topology=topology)
+        for rank in range(world)
     }
     live = LiveStep(step=7, world_size=world, max_norm=MAX_NORM, norm_type=2.0, groups=GROUPS, ranks=ranks)
     report = report_of(live)
@@ -112,9 +127,15 @@ def main(argv: list[str] | None = None) -> int:
             f"== {world} ranks: bytes per rank per collective: sum {reduction.size * 8} (every step), "
             f"row {layout.size * 8} (a failing step's all-gather: {world * layout.size * 8} received)"
         )
-        print(f"RATIO {world} ranks common path / 1 ms target = {common / 1e-3:.4f} ({common * 1e6:.0f} us median)")
-        print(f"RATIO {world} ranks failing step / 1 s target = {failing:.4f} ({failing:.2f} s, codes {', '.join(codes)})")
-        print(f"RATIO {world} ranks failing step memory / 1 GiB target = {grown / 2**30:.4f} ({grown / 2**20:.0f} MiB RSS growth)")
+        print(
+            f"RATIO {world} ranks common path / 1 ms target = {common / 1e-3:.4f} ({common * 1e6:.0f} us median)"
+        )
+        print(
+            f"RATIO {world} ranks failing step / 1 s target = {failing:.4f} ({failing:.2f} s, codes {', '.join(codes)})"
+        )
+        print(
+            f"RATIO {world} ranks failing step memory / 1 GiB target = {grown / 2**30:.4f} ({grown / 2**20:.0f} MiB RSS growth)"
+        )
     return 0
 
 

@@ -19,26 +19,12 @@ from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
 from gradaudit.render import terminal as terminal_render
 from gradaudit.report.model import GuardTrend, MultiStepReport, TrendStep, guard_trend
-from live.trends import skipped_line, write_trend
+from live.trends import clipped_line, skipped_line, write_trend
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_dumps"
 NOT_DUMPED = (3, 4, 9)
 """Failing steps the guard warned about within its cooldown after step 1, so wrote no dump of."""
 SKIPPED = 6
-
-
-def _line(step: int, *, codes: tuple[str, ...] = (), true: float = 1.2, reported: float = 1.2) -> TrendLine:
-    """A step clipped with max_norm 1 by the norm it reported (1 when no rank clipped)."""
-    applied = min(1.0, 1 / (reported + 1e-6))
-    return TrendLine(
-        step=step,
-        true_norm=true,
-        reported_norm=reported,
-        expected_coef=min(1.0, 1 / (true + 1e-6)),
-        min_coef=applied,
-        max_coef=applied,
-        codes=codes,
-    )
 
 
 def failing_run_trend() -> list[TrendLine]:
@@ -47,13 +33,13 @@ def failing_run_trend() -> list[TrendLine]:
     lines = []
     for step in range(1, 21):
         if step == 1:
-            lines.append(_line(step, codes=("GA201",), true=1.37177, reported=0.479745))
+            lines.append(clipped_line(step, codes=("GA201",), true=1.37177, reported=0.479745))
         elif step in NOT_DUMPED:
-            lines.append(_line(step, codes=("GA201",), true=1.5, reported=0.75))
+            lines.append(clipped_line(step, codes=("GA201",), true=1.5, reported=0.75))
         elif step == SKIPPED:
             lines.append(skipped_line(step))
         else:
-            lines.append(_line(step, true=1.0 + step / 100, reported=1.0 + step / 100))
+            lines.append(clipped_line(step, true=1.0 + step / 100, reported=1.0 + step / 100))
     return lines
 
 
@@ -72,7 +58,7 @@ def clean_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """`clean/`: five clean steps and nothing else (the guard dumps only what it finds wrong)."""
     monkeypatch.chdir(tmp_path)
     return write_trend(
-        Path("clean"), [_line(s, true=0.5 + s / 10, reported=0.5 + s / 10) for s in range(1, 6)]
+        Path("clean"), [clipped_line(s, true=0.5 + s / 10, reported=0.5 + s / 10) for s in range(1, 6)]
     )
 
 
@@ -131,7 +117,7 @@ def test_check_of_a_clean_guarded_run_prints_a_report_in_every_format_and_exits_
 
 
 def test_a_guarded_run_whose_failing_steps_have_no_dump_exits_1_unless_told_never(tmp_path, cli):
-    folder = write_trend(tmp_path / "run", [_line(1), _line(2, codes=("GA201",), reported=0.7)])
+    folder = write_trend(tmp_path / "run", [clipped_line(1), clipped_line(2, codes=("GA201",), reported=0.7)])
     code, out, _ = cli("check", str(folder), "--format", "json")
     assert code == 1 and json.loads(out)["guard_trend"]["not_dumped"] == [2]
     code, _, _ = cli("check", str(folder), "--fail-on", "never")

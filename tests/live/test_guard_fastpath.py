@@ -72,7 +72,8 @@ def fast_of(layout, rows, max_norm=MAX_NORM):
 
 def slow_of(layout, rows, max_norm=MAX_NORM):
     ranks = {
-        rank: layout.unpack(rows[rank], rank=rank, held=HELD[rank], topology=TOPOLOGY) for rank in range(WORLD)
+        rank: layout.unpack(rows[rank], rank=rank, held=HELD[rank], topology=TOPOLOGY)
+        for rank in range(WORLD)
     }
     live = LiveStep(step=5, world_size=WORLD, max_norm=max_norm, norm_type=2.0, groups=GROUPS, ranks=ranks)
     report = report_of(live)
@@ -110,7 +111,7 @@ def test_a_correct_step_is_settled_by_the_sum_with_the_full_diagnosis_numbers():
     ],
 )
 def test_a_mistake_leaves_the_step_to_the_full_diagnosis_which_names_it(mistake, code):
-    terms, reported, coefs, true = correct((0.4, 0.9, 1.3, 0.2), (0.7, 0.5))
+    terms, reported, coefs, _ = correct((0.4, 0.9, 1.3, 0.2), (0.7, 0.5))
     nonfinite = ()
     if mistake == "local":
         reported = [math.sqrt(sum(terms[rank])) for rank in range(WORLD)]

@@ -13,8 +13,8 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import torch
 from builders import box, check, clip, tensor_with_norm, whole, write_step
-from test_guarded_run_reports import _line, _write_trend
-from test_render_reports import _check_golden
+from goldens import RENDERER_GOLDENS, assert_golden
+from live.trends import clipped_line, write_trend
 
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile.loader import load_rank_file
@@ -121,7 +121,7 @@ MULTI = {
 def test_a_spike_dump_renders_the_parameters_shares_of_the_squared_norm_as_in_the_golden_file(
     request, spike_dump, suffix
 ):
-    _check_golden(request, f"spike_step.{suffix}", SINGLE[suffix](check(spike_dump)))
+    assert_golden(request, RENDERER_GOLDENS / f"spike_step.{suffix}", SINGLE[suffix](check(spike_dump)))
 
 
 def test_the_shares_count_each_element_once_as_an_unsharded_computation_does(spike_dump):
@@ -210,18 +210,18 @@ def spike_run_trend() -> list[TrendLine]:
     for step in range(1, 13):
         if step == SPIKE_STEP:
             norm = math.sqrt(200.0)
-            lines.append(dataclasses.replace(_line(step, true=norm, reported=norm), spike=True))
+            lines.append(dataclasses.replace(clipped_line(step, true=norm, reported=norm), spike=True))
         elif step == 10:
-            lines.append(_line(step, codes=("GA201",), true=1.5, reported=0.75))
+            lines.append(clipped_line(step, codes=("GA201",), true=1.5, reported=0.75))
         else:
-            lines.append(_line(step, true=1.0 + step / 100, reported=1.0 + step / 100))
+            lines.append(clipped_line(step, true=1.0 + step / 100, reported=1.0 + step / 100))
     return lines
 
 
 @pytest.fixture
 def spike_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
-    _write_trend(Path("audit"), spike_run_trend())
+    write_trend(Path("audit"), spike_run_trend())
     write_spike_dump(Path("audit") / f"step_{SPIKE_STEP}")
     return Path("audit")
 
@@ -234,7 +234,7 @@ def _audit(folder: Path) -> MultiStepReport:
 
 @pytest.mark.parametrize("suffix", sorted(MULTI))
 def test_a_guarded_run_marks_its_spike_steps_in_its_trend_as_in_the_golden_file(request, spike_run, suffix):
-    _check_golden(request, f"spike_run.{suffix}", MULTI[suffix](_audit(spike_run)))
+    assert_golden(request, RENDERER_GOLDENS / f"spike_run.{suffix}", MULTI[suffix](_audit(spike_run)))
 
 
 def test_the_run_report_counts_the_spikes_and_marks_the_spike_step_in_every_format(spike_run):
@@ -266,7 +266,7 @@ def test_the_run_report_counts_the_spikes_and_marks_the_spike_step_in_every_form
 
 
 def test_a_run_without_a_spike_has_no_spike_keys_in_its_json(tmp_path: Path) -> None:
-    _write_trend(tmp_path / "clean", [_line(s) for s in range(1, 4)])
+    write_trend(tmp_path / "clean", [clipped_line(s) for s in range(1, 4)])
     guard = json.loads(json_render.render_multi(_audit(tmp_path / "clean")))["guard_trend"]
     assert "spikes" not in guard and all("spike" not in s for s in guard["chart"])
 
@@ -277,20 +277,22 @@ def test_a_run_without_a_spike_has_no_spike_keys_in_its_json(tmp_path: Path) -> 
 def test_a_spike_line_round_trips_through_the_trend_file_and_an_old_line_reads_as_no_spike(
     tmp_path: Path,
 ) -> None:
-    spiking = dataclasses.replace(_line(3, true=50.0, reported=50.0), spike=True)
+    spiking = dataclasses.replace(clipped_line(3, true=50.0, reported=50.0), spike=True)
     assert spiking.to_json()["spike"] is True
-    assert "spike" not in _line(2).to_json()  # a line without a spike keeps its bytes
+    assert "spike" not in clipped_line(2).to_json()  # a line without a spike keeps its bytes
     old = '{"step": 1, "true_norm": 1.2, "reported_norm": 1.2, "verdict": "ok", "codes": []}\n'
     file = tmp_path / TREND_FILE
-    file.write_text(old + json.dumps(_line(2).to_json()) + "\n" + json.dumps(spiking.to_json()) + "\n")
+    file.write_text(old + json.dumps(clipped_line(2).to_json()) + "\n" + json.dumps(spiking.to_json()) + "\n")
     lines = read_trend(file).lines
     assert [line.spike for line in lines] == [False, False, True]
     assert lines[2] == spiking
 
 
-def test_a_trend_line_whose_spike_is_not_a_boolean_is_damage_named_with_its_line(tmp_path: Path) -> None:
+def test_a_trend_line_whose_spike_is_not_a_boolean_is_damage_named_with_itsclipped_line(
+    tmp_path: Path,
+) -> None:
     file = tmp_path / TREND_FILE
-    file.write_text(json.dumps(_line(1).to_json() | {"spike": "yes"}) + "\n")
+    file.write_text(json.dumps(clipped_line(1).to_json() | {"spike": "yes"}) + "\n")
     with pytest.raises(StepFolderError, match=r":1: spike must be true or false"):
         read_trend(file)
 
