@@ -18,6 +18,7 @@ from ..model import (
     DataRecord,
     FlatRange,
     Mode,
+    NotCapturedParam,
     ParamInfo,
     Piece,
     RankDump,
@@ -37,57 +38,67 @@ if TYPE_CHECKING:
     import torch
 
 
+def captured_pieces(
+    snapshots: Snapshots, *, mode: Mode, call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None
+) -> tuple[tuple[ParamInfo, ...], ColumnarPieces, dict[tuple[int, TensorKind], torch.Tensor]]:
+    """(the parameters, the pieces numbered densely, their tensors keyed by (piece index, kind) as
+    CPU-bound copies) of what one rank captured.
+
+    A stats dump that format 1.1 can hold as columns gets its pieces as a ColumnarPieces built from
+    the snapshots' own rows (`_columnar`), with no Piece or TensorStats object per piece."""
+    infos: dict[str, ParamInfo] = {}
+    tensors: dict[tuple[int, TensorKind], torch.Tensor] = {}
+    with collection_paused():
+        columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
+        if columns is not None:
+            return (*columns, tensors)
+        objects = _pieces(snapshots, infos, tensors, call_stats)  # fills infos
+        params = tuple(sorted(infos.values(), key=lambda i: i.name))
+        return params, as_columns(params, objects), tensors
+
+
 def build_rank_dump(
-    snapshots: Snapshots,
     *,
     rank: int,
     world_size: int,
     step: int,
     mode: Mode,
-    topology: Topology,
+    params: tuple[ParamInfo, ...],
+    pieces: ColumnarPieces,
     aliases: Mapping[str, str],
+    topology: Topology,
     clip: ClipRecord | None,
     data: DataRecord,
     run_id: str | None,
-    call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
-    capture_api: str | None = None,
-) -> tuple[RankDump, dict[tuple[int, TensorKind], torch.Tensor]]:
-    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies.
-
-    A stats dump that format 1.1 can hold as columns gets its pieces as a ColumnarPieces built from
-    the snapshots' own rows (`_columnar`), with no Piece or TensorStats object per piece."""
-    infos: dict[str, ParamInfo] = {}
-    pieces: Sequence[Piece] = []
-    tensors: dict[tuple[int, TensorKind], torch.Tensor] = {}
-    with collection_paused():
-        columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
-        if columns is not None:
-            params, pieces = columns
-        else:
-            objects = _pieces(snapshots, infos, tensors, call_stats)  # fills infos
-            params = tuple(sorted(infos.values(), key=lambda i: i.name))
-            pieces = as_columns(params, objects)
-    dump = RankDump(
+    capture_api: str | None,
+    not_captured: tuple[NotCapturedParam, ...] = (),
+    host: str | None = None,
+    created_at: str | None = None,
+) -> RankDump:
+    """The RankDump of one rank's step, stamped with where and when it was made (this host, the
+    running torch and gradaudit, now) unless `host` or `created_at` say otherwise."""
+    return RankDump(
         path="",
         rank=rank,
         world_size=world_size,
         step=step,
         mode=mode,
         run_id=run_id,
-        host=socket.gethostname(),
+        host=host if host is not None else socket.gethostname(),
         torch_version=torch_version(),
         gradaudit_version=__version__,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=created_at
+        if created_at is not None
+        else datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=params,
         pieces=pieces,
         aliases=dict(aliases),
         topology=topology,
         clip=clip,
         data=data,
-        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
+        not_captured=not_captured,
         capture_api=capture_api,
     )
-    return dump, tensors
 
 
 def _pieces(
