@@ -206,6 +206,35 @@ def test_a_whole_replica_filled_in_directly_is_the_local_piece_its_constructor_m
     assert whole_pieces("empty", None, torch.nn.Parameter(torch.zeros(0, 3)), None) == []
 
 
+def test_a_whole_row_reads_as_the_local_piece_of_its_tensor_and_an_edit_keeps_the_rows_in_order():
+    from gradaudit.capture.plain import LocalPieces, whole_pieces, whole_rows
+
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    (sharded,) = whole_pieces("sharded", "local.sharded", torch.nn.Parameter(torch.randn(5)), "tp")
+    (odd,) = whole_pieces("odd", None, torch.ones(2, dtype=torch.int64), None)
+    held = LocalPieces.joined(
+        [
+            LocalPieces.of([sharded]),
+            LocalPieces.of_whole(whole_rows(["a", "b"], params), "dp"),
+            LocalPieces.of([odd]),
+        ]
+    )
+    assert held.whole is not None and held.whole.positions.tolist() == [1, 2]
+    assert held.read_one_by_one() == [0, 3] and held[0] == sharded and held[-1] == odd
+    (made,) = whole_pieces("b", None, params[1], "dp")
+    row = held[2]
+    assert (row.param, row.regions, row.local_shape, row.replica_group) == ("b", made.regions, (4,), "dp")
+    assert torch.equal(row.grad(), params[1].grad) and torch.equal(row.value(), params[1].detach())
+    with pytest.raises(IndexError):
+        held[4]
+
+    edited = held.edited({0: None})  # the first row dropped: the whole rows move up
+    assert edited.params == ["a", "b", "odd"] and edited.whole.positions.tolist() == [0, 1]
+    assert edited.positions_of("b") == [1] and edited[1].param == "b"
+
+
 class Plain(torch.nn.Module):
     """What the whole replicas held as columns must carry as the per-object path does: many small
     parameters, a non-contiguous gradient, bfloat16 and float64, a parameter without a gradient, one
@@ -303,8 +332,8 @@ def test_the_whole_replicas_held_as_columns_write_the_bytes_the_per_object_path_
     held = infer_ownership(
         model, rank=0, world_size=1, groups={"dp": ((0,),)}, aliases={}, on_unsupported=print
     ).pieces
-    assert isinstance(held, LocalPieces) and held.replicas is not None
-    assert "empty" not in held.replicas.names and "frozen" not in held.replicas.names
+    assert isinstance(held, LocalPieces) and held.whole is not None
+    assert "empty" not in held.whole.names and "frozen" not in held.whole.names
     fast = _written(tmp_path, "fast", model, monkeypatch, path="fast")
     assert fast == _written(tmp_path, "objects", model, monkeypatch, path="objects")
     assert fast == _written(tmp_path, "general", model, monkeypatch, path="general")

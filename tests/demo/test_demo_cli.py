@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gradaudit.demo import SCENARIOS, scenario_names
-from gradaudit.demo.launch import DemoRunFailed, RankContext, run_ranks, run_single
+from gradaudit.demo.run import DemoRunFailed, RankContext, run_ranks, run_single
 
 
 def test_demo_list_names_every_scenario_with_its_ranks_and_mistake(cli):
@@ -56,7 +56,7 @@ def test_a_failing_demo_process_is_reported_with_its_traceback(tmp_path):
     with pytest.raises(DemoRunFailed, match="demo process 0 of 1 failed: TypeError") as failed:
         run_single("math:sqrt", out_dir=Path(tmp_path), timeout_s=60)
     assert "\n" not in str(failed.value)
-    assert "Traceback" in failed.value.detail and "_single_main" in failed.value.detail
+    assert "Traceback" in failed.value.detail and "_reference_process" in failed.value.detail
 
 
 def fail_on_rank_one(ctx: RankContext) -> None:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from gradaudit.errors import UsageError
+from gradaudit.testing import NotSendableError
 from gradaudit.testing.parity import _input_problems, check_clip_parity
 from gradaudit.testing.parity_ranks import ReferenceFacts, concat_batches, data_representatives
-from gradaudit.testing.ranks import NotSendableError
 
 
 def build():

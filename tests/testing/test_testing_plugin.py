@@ -196,7 +196,7 @@ def test_a_marked_test_runs_on_every_rank_fails_once_with_each_crashed_rank_and_
     assert "--- rank 1 raised:" in crash and "ValueError: boom on rank 1" in crash
     # The rank's assertion is rewritten as pytest rewrites it in-process: its values are shown.
     assert "--- rank 0 raised:" in crash and "AssertionError: assert [0] == [7]" in crash
-    assert "gradaudit/testing/ranks.py" not in crash  # the launcher's own frames are left out
+    assert "gradaudit/localranks.py" not in crash  # the launcher's own frames are left out
 
     assert "SKIPPED [1]" in output and "rank 1: rank 1 lacks the feature" in output
     hang = section(output, "test_rank_one_hangs")
