@@ -116,22 +116,22 @@ def _measure(
     accessors.append(times["accessors"])
 
 
-def _time_own_hooks(guard_class: Any, spent: list[float]) -> None:
-    """Add to spent[0] the wall time inside the guard's own hooks (its work around each clip call and
-    before and after the optimizer step, the collective included), the outermost call only: the clip
-    and the optimizer step themselves are not in it."""
+def _time_own_hooks(guard_class: Any, spent: list[float], clock: Any = time.perf_counter) -> None:
+    """Add to spent[0] the time by `clock` (wall time by default) inside the guard's own hooks (its work
+    around each clip call and before and after the optimizer step, the collective included), the
+    outermost call only: the clip and the optimizer step themselves are not in it."""
     depth = [0]
     for name in ("_before_call", "_record_call", "_before_step", "_after_step"):
 
         def timed(self: Any, *args: Any, _original: Any = getattr(guard_class, name), **kwargs: Any) -> Any:
             depth[0] += 1
-            start = time.perf_counter()
+            start = clock()
             try:
                 return _original(self, *args, **kwargs)
             finally:
                 depth[0] -= 1
                 if not depth[0]:
-                    spent[0] += time.perf_counter() - start
+                    spent[0] += clock() - start
 
         setattr(guard_class, name, timed)
 

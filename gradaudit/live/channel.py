@@ -2,8 +2,12 @@
 with the training's, and exchanges whose waits are bounded, so that a rank that does not take part costs
 the others a bounded wait, never a hang.
 
-The group is gloo on the host whatever the training's backend (no second NCCL communicator and its
-device memory; a vector on a GPU is copied to the host one step late, see Guard). Every exchange is
+The groups are gloo on the host whatever the training's backend (no second NCCL communicator and its
+device memory; a vector on a GPU is copied to the host one step late, see Guard). Each kind of exchange
+has a group of its own (the step's sum, the rows gathered for a step it does not settle, the sizes and
+the bytes of an ownership exchange), so every collective of a group has one size on every rank: a rank
+that leaves between two exchanges of one step can leave the others waiting for it, never pair one of
+their collectives with another size (gloo aborts the process on that). Every exchange is
 posted asynchronously and waited for with a timeout: a wait that runs out leaves the exchange posted
 (gloo completes it in the background when the other ranks post theirs), so the caller can read it
 later. The group's own timeout, much longer, ends an exchange that no other rank ever posts.
@@ -49,8 +53,10 @@ class Exchange:
 class Channel:
     """Posts and reads the guard's exchanges on its own process group (none in a world of one)."""
 
-    def __init__(self, group: Any, world_size: int, wait_s: float) -> None:
-        self.group, self.world_size, self.wait_s = group, world_size, wait_s
+    KINDS = ("sum", "rows", "sizes", "bytes")
+
+    def __init__(self, groups: dict[str, Any] | None, world_size: int, wait_s: float) -> None:
+        self.groups, self.world_size, self.wait_s = groups, world_size, wait_s
 
     @classmethod
     def open(cls, world_size: int, wait_s: float = WAIT_S) -> Channel:
@@ -60,19 +66,25 @@ class Channel:
         if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, wait_s)
         timeout = timedelta(seconds=max(GROUP_TIMEOUT_S, 4 * wait_s))
-        return cls(dist.new_group(backend="gloo", timeout=timeout), world_size, wait_s)
+        return cls(
+            {kind: dist.new_group(backend="gloo", timeout=timeout) for kind in cls.KINDS}, world_size, wait_s
+        )
 
-    def post(self, step: int, vector: torch.Tensor) -> Exchange:
+    def group(self, kind: str) -> Any:
+        """The process group of one kind of exchange (None in a world of one)."""
+        return None if self.groups is None else self.groups[kind]
+
+    def post(self, step: int, vector: torch.Tensor, kind: str = "rows") -> Exchange:
         """All-gather `vector` (a 1-D host tensor, the same size on every rank) without waiting."""
         import torch
         import torch.distributed as dist
 
-        if self.group is None:
+        if self.groups is None:
             return Exchange(step=step, vector=vector, gathered=vector)
         gathered = torch.empty(self.world_size * vector.numel(), dtype=vector.dtype)
         # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13)
         gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather_single(gathered, vector, group=self.group, async_op=True)
+        work = gather_single(gathered, vector, group=self.groups[kind], async_op=True)
         return Exchange(step=step, vector=vector, gathered=gathered, work=work)
 
     def post_sum(self, step: int, vector: torch.Tensor, row: torch.Tensor) -> Exchange:
@@ -80,10 +92,10 @@ class Channel:
         waiting; `row` is kept with it."""
         import torch.distributed as dist
 
-        if self.group is None:
+        if self.groups is None:
             return Exchange(step=step, vector=vector, gathered=vector, row=row)
         summed = vector.clone()
-        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.groups["sum"], async_op=True)
         return Exchange(step=step, vector=vector, gathered=summed, work=work, row=row)
 
     def read(self, exchange: Exchange, wait_s: float | None = None) -> torch.Tensor | None:
@@ -109,17 +121,17 @@ class Channel:
         `wait_s`. Raises ChannelError when a rank does not take part in time."""
         import torch
 
-        if self.group is None:
+        if self.groups is None:
             return [mine]
-        sizes = self._all(torch.tensor([float(len(mine))], dtype=torch.float64), wait_s)
+        sizes = self._all(torch.tensor([float(len(mine))], dtype=torch.float64), wait_s, "sizes")
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        every = self._all(padded, wait_s).reshape(self.world_size, longest)
+        every = self._all(padded, wait_s, "bytes").reshape(self.world_size, longest)
         return [every[r, : int(sizes[r])].numpy().tobytes() for r in range(self.world_size)]
 
-    def _all(self, vector: torch.Tensor, wait_s: float) -> torch.Tensor:
-        exchange = self.post(-1, vector)
+    def _all(self, vector: torch.Tensor, wait_s: float, kind: str) -> torch.Tensor:
+        exchange = self.post(-1, vector, kind)
         gathered = self.read(exchange, wait_s)
         if gathered is None:
             raise ChannelError(f"a rank did not take part in the guard's exchange within {wait_s:g} s")

@@ -41,7 +41,10 @@ CHUNKS = 4
 """16-bit pieces of a float64's bits: a piece's square times the ranks stays below 2**53 up to 2**21 ranks."""
 _STATUSES = (OK, FAILED, OFF, SKIP)
 _COUNT, _STATUS, _CHANGED = 0, 1, 1 + len(_STATUSES)
-_HEADER = _CHANGED + 1
+_LEFT = _CHANGED + 1
+"""The sum of the ranks whose guard left (OFF): it names the rank when one left alone."""
+_TINY_TERMS = _LEFT + 1
+_HEADER = _TINY_TERMS + 1
 _EQUAL = (
     "step",
     "clock",
@@ -57,6 +60,9 @@ _EQUAL = (
 """The values every rank must hold alike on the common path, in their order in the sum."""
 _PER_EQUAL = 2 * CHUNKS
 _PER_GROUP = 2 + 4 * CHUNKS
+_TINY = 1e-290
+"""A rank's sum of a group below this (and above 0) leaves the step to the full diagnosis: clipped,
+such a term underflows, and the coefficient per group it measures is not what the sum says."""
 SAFETY = 4.0
 """The common path passes a step within 1/SAFETY of the tolerance the analysis allows."""
 
@@ -69,6 +75,7 @@ class RankRole:
     """Per group: this rank is the lowest holder of its copy (its sum counts toward the true norm)."""
     holders: tuple[int, ...]
     """Per group: how many ranks hold this rank's copy (0 where it holds none)."""
+    rank: int = 0
 
 
 def role_of(
@@ -91,7 +98,7 @@ def role_of(
         holding = [r for r in members if held[r][i]] or [rank]
         lowest.append(min(holding) == rank)
         holders.append(len(holding))
-    return RankRole(lowest=tuple(lowest), holders=tuple(holders))
+    return RankRole(lowest=tuple(lowest), holders=tuple(holders), rank=rank)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +128,7 @@ class Reduction:
         for i, value in enumerate(_STATUSES):
             out[_STATUS + i] = float(status == value)
         out[_CHANGED] = float(row[CHANGED] == 1.0)
+        out[_LEFT] = float(role.rank) if status == OFF else 0.0
         call = self.layout.call_offset(0)
         equal = row[[STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]]
         pieces = _pieces(equal)
@@ -138,6 +146,7 @@ class Reduction:
         start = self._group_at(0)
         block = out[start : start + g * _PER_GROUP].reshape(g, _PER_GROUP)
         block[:, 0] = np.where(lowest > 0, terms, 0.0)
+        out[_TINY_TERMS] = float(((terms > 0) & (terms < _TINY) & (held > 0)).sum())
         block[:, 1] = nonfinite * held
         block[:, 2 : 2 + CHUNKS] = bits * held[:, None]
         block[:, 2 + CHUNKS : 2 + 2 * CHUNKS] = bits * bits * held[:, None]
@@ -155,6 +164,9 @@ class Reduction:
         """The step's verdict when the summed numbers agree (see the module's docstring); None when the
         full diagnosis must say it."""
         n = sums[_COUNT]
+        left = int(sums[_STATUS + _STATUSES.index(OFF)])
+        if left:  # its guard will not take part in another exchange: concluded from the sum alone
+            return FastVerdict(kind="off", max_norm=max_norm, left=(int(sums[_LEFT]),) if left == 1 else ())
         if not n >= 1 or sums[_CHANGED] != 0:
             return None
         common = _common(
@@ -165,7 +177,7 @@ class Reduction:
         values = dict(zip(_EQUAL, common.tolist(), strict=True))
         if sums[_STATUS + _STATUSES.index(SKIP)] == n:
             return FastVerdict(kind="not_measured", max_norm=max_norm)  # paused alike, or captured in full
-        if sums[_STATUS] != n or is_inf_norm(norm_type):
+        if sums[_STATUS] != n or sums[_TINY_TERMS] or is_inf_norm(norm_type):
             return None
         if values["calls"] != 1.0 or values["unscaled"] == 0.0 or math.isnan(values["dtype"]):
             return None  # several or no clip calls; clipped before unscale_; no gradient
@@ -211,9 +223,11 @@ class Reduction:
 @dataclass(frozen=True, kw_only=True)
 class FastVerdict:
     """A step the common path concluded: passed (its trend line's numbers), skipped by every rank's
-    scaler, or measured by no rank."""
+    scaler, measured by no rank, or the step a rank's guard left at."""
 
-    kind: Literal["passed", "skipped", "not_measured"] = "passed"
+    kind: Literal["passed", "skipped", "not_measured", "off"] = "passed"
+    left: tuple[int, ...] = ()
+    """Of "off": the rank whose guard left, when one left alone."""
     true_norm: float | None = None
     reported_norm: float | None = None
     expected_coef: float | None = None

@@ -371,7 +371,7 @@ class Guard:
                 self._read(settle=True)
                 self._say_summary()
         finally:
-            if self.active and self._channel is not None and self._channel.group is not None:
+            if self.active and self._channel is not None and self._channel.groups is not None:
                 # the others' next exchange pairs with this one and tells them this guard left
                 self._safely("leave", lambda: self._send(status_vector(self.layout, OFF)))
             self._switch_off()
@@ -727,14 +727,19 @@ class Guard:
                 )
 
     def _fast_verdict(self, step: int, summed: Any) -> FastVerdict | None:
-        if not self._calibrated:
-            return None
-        return self._reduction.verdict(
+        fast = self._reduction.verdict(
             summed.numpy(), norm_type=self.norm_type, max_norm=self._declared(step)
         )
+        if fast is not None and fast.kind == "passed" and not self._calibrated:
+            return None  # the first step of an ownership is judged in full
+        return fast
 
     def _conclude_fast(self, step: int, fast: FastVerdict) -> None:
         """A step the sum settles: every rank agrees, or none measured it (paused alike)."""
+        if fast.kind == "off":
+            ranks = f"rank(s) {list(fast.left)}" if fast.left else "ranks"
+            self._stop(f"{ranks} removed or switched off their guard at step {step}")
+            return
         self._failed_in_a_row = self._realignments = 0
         if fast.kind == "not_measured":
             return

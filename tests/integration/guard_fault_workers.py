@@ -81,7 +81,7 @@ def _inject(fault: str, guard, rank: int, fault_rank: int, step_of) -> None:
         original = guard_module.report_of
         guard_module.report_of = at_fault_step(original)
     elif fault == "raise_send":
-        guard._channel.post = at_fault_step(guard._channel.post)
+        guard._channel.post_sum = at_fault_step(guard._channel.post_sum)
     elif fault == "raise_read":
         guard._channel.read = at_fault_step(guard._channel.read, channel_module.ChannelError("injected"))
     elif fault == "raise_dump":

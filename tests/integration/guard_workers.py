@@ -144,7 +144,7 @@ def count_collectives(rank: int, world_size: int, out_dir: str, stack: str) -> d
         def call(*args, **kwargs):
             counted["n"] += 1
             channel = guard and guard._channel
-            if channel is not None and channel.group is not None and kwargs.get("group") is channel.group:
+            if channel is not None and channel.groups and kwargs.get("group") in channel.groups.values():
                 sent = args[1] if name in ("all_gather_into_tensor", "all_gather_single") else args[0]
                 per_step.setdefault(guard.step, []).append((name, sent.numel() * sent.element_size()))
             return originals[name](*args, **kwargs)

@@ -168,7 +168,8 @@ def test_whatever_the_sum_settles_the_full_diagnosis_passes_with_the_same_number
         coefs = [_coef(true, passed)] * WORLD
     layout, rows = rows_of(terms, reported, coefs, dtype=dtype, passed=passed)
     fast = fast_of(layout, rows)
-    if where == "none" and abs(true - MAX_NORM) > 1e-3:
+    subnormal = any(0.0 < term < 1e-290 for term in replicated)  # left to the full diagnosis
+    if where == "none" and abs(true - MAX_NORM) > 1e-3 and not subnormal:
         assert fast is not None  # a correct step away from max_norm: the sum settles it
     if fast is None:
         return

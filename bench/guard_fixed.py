@@ -1,0 +1,175 @@
+"""The guard's fixed host cost per checked step, and its cost in a short (GPU-sized) step, on CPU.
+
+    python bench/guard_fixed.py           # the figures of bench/RESULTS.md (a few minutes)
+    python bench/guard_fixed.py --tiny    # a smoke run
+
+Fixed cost: a model of 16 and of 1,000 parameter tensors (Linear 8x8 layers), world size 1 and 2
+(gloo), 200 checked steps each. Per step, the rank's CPU time (time.thread_time: waiting for the other
+ranks' numbers is not host work, nor is what other processes take of a shared machine) inside the
+guard's own hooks (its work around the clip call and after the optimizer step, posting and reading
+its collective included; the clip and the step themselves are not in it), less one `torch.stack(torch._foreach_norm(...))` over the same local gradients timed in
+the same step: the one fused norm pass the guard makes, which grows with the parameters. Target:
+median <= 0.5 ms.
+
+Short step: a model whose step takes 5-20 ms on one CPU thread; steps paused and checked alternate in
+a shuffled order (the same on every rank); target: median checked / median paused <= 1.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from guard import _time_own_hooks
+
+
+def _layers(num_tensors: int, width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(num_tensors // 2)])
+
+
+def _fixed(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Per checked step: the guard's hooks' time, and one fused norm pass over the same gradients."""
+    import gradaudit
+    from gradaudit.live.guard import Guard
+
+    torch.set_num_threads(1)
+    spent = [0.0]
+    clock = time.thread_time  # this rank's CPU time: the wait for the other ranks' numbers is not host work
+    _time_own_hooks(Guard, spent, clock)
+    model = _layers(config["tensors"], 8)
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    fused: list[float] = []
+    own: list[float] = []
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        grads = [p.grad for p in model.parameters()]
+        start = clock()
+        torch.stack(torch._foreach_norm(grads, 2.0))
+        fused.append(clock() - start)
+        opt.step()
+
+    with tempfile.TemporaryDirectory() as out:
+        guard = gradaudit.guard(model, max_norm=1e-3, optimizer=opt, out_dir=out)
+        for _ in range(10):
+            step()
+        fused.clear()
+        for _ in range(config["steps"]):
+            before = spent[0]
+            step()
+            own.append(spent[0] - before)
+        anomalies = list(guard.anomalies)
+        guard.remove()
+    assert not anomalies, f"a correct run was flagged: {anomalies}"
+    return {"own": own, "fused": fused}
+
+
+def _short(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Step times with the guard paused and checking, interleaved."""
+    import gradaudit
+
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(config["batch"], 256, generator=torch.Generator().manual_seed(rank))
+    times: dict[str, list[float]] = {"none": [], "guard": []}
+
+    def step() -> float:
+        if world_size > 1:
+            dist.barrier()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return time.perf_counter() - start
+
+    order = random.Random(0)
+    with tempfile.TemporaryDirectory() as out:
+        guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out)
+        for _ in range(5):
+            step()
+        for _ in range(config["rounds"]):
+            kinds = ["none", "guard"] * 4
+            order.shuffle(kinds)
+            for kind in kinds:
+                if kind == "none":
+                    guard.pause()
+                times[kind].append(step())
+                guard.resume()
+        guard.remove()
+    return times
+
+
+def _worker(rank: int, world_size: int, port: int, name: str, config: dict, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        results[rank] = (_fixed if name == "fixed" else _short)(rank, world_size, config)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(name: str, world_size: int, config: dict) -> dict:
+    if world_size == 1:
+        return {0: (_fixed if name == "fixed" else _short)(0, 1, config)}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_worker, args=(world_size, port, name, config, results), nprocs=world_size, join=True)
+    return dict(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+    steps, rounds, batch = (20, 2, 64) if args.tiny else (200, 25, 512)
+    for tensors in (16, 1000):
+        for world_size in (1, 2):
+            results = _run("fixed", world_size, {"tensors": tensors, "steps": steps})
+            for rank, r in sorted(results.items()):
+                extra = [o - f for o, f in zip(r["own"], r["fused"], strict=True)]
+                fixed, fused = statistics.median(extra), statistics.median(r["fused"])
+                print(
+                    f"RATIO fixed host cost {tensors} tensors world {world_size} rank {rank} / 0.5 ms = "
+                    f"{fixed / 5e-4:.3f} ({fixed * 1e6:.0f} us beyond the fused norm pass of {fused * 1e6:.0f} us; "
+                    f"in the hooks {statistics.median(r['own']) * 1e6:.0f} us; median of {len(extra)})"
+                )
+    for world_size in (1, 2):
+        results = _run("short", world_size, {"rounds": rounds, "batch": batch})
+        for rank, times in sorted(results.items()):
+            none, guard = statistics.median(times["none"]), statistics.median(times["guard"])
+            print(
+                f"RATIO short step world {world_size} rank {rank} guard/none = {guard / none:.4f} "
+                f"(step {none * 1e3:.1f} ms without, {guard * 1e3:.1f} ms checked; target <= 1.05)"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
