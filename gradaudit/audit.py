@@ -23,6 +23,7 @@ from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
+from .live.writing import ATTEMPT_PREFIX, FULL_CAPTURES
 from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
 from .measure.measurements import StepMeasurements
@@ -368,12 +369,6 @@ def summarize(report: Report, directory: str) -> StepSummary:
         num_warnings=sum(f.severity is Severity.WARNING for f in report.findings),
         codes=tuple(sorted({f.code for f in report.findings})),
     )
-
-
-FULL_CAPTURES = "full"
-"""The guard's subfolder of full captures (the step after each anomaly), beside its step_<N> dumps."""
-ATTEMPT_PREFIX = "attempt_"
-"""A guarded run restarted into the same folder writes its dumps into attempt_<N>/ (N from 2)."""
 
 
 def run_step_dirs(path: str | Path) -> list[Path]:

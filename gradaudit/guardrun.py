@@ -8,8 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .audit import FULL_CAPTURES, Measure, Progress, audit_folder, audit_steps, run_step_dirs
+from .audit import Measure, Progress, audit_folder, audit_steps, run_step_dirs
 from .live.trend import TREND_FILE, TrendLine, read_trend
+from .live.writing import FULL_CAPTURES
 from .report.model import GuardTrend, TrendStep, guard_trend
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..audit import FULL_CAPTURES
 from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
@@ -47,7 +46,7 @@ from .summary import (
 )
 from .trend import TREND_FILE, TrendLine, by_last_call, skipped_line, trend_line
 from .watch import ModelWatch
-from .writing import TrendAppender, attempt_folder, earlier_attempts
+from .writing import FULL_CAPTURES, TrendAppender, attempt_folder, earlier_attempts
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -281,9 +280,10 @@ class Guard:
                 aliases=self._aliases,
                 on_unsupported=unsupported,
             )
+            local = tuple(ownership.pieces)  # each row read once: a large model has many
             pieces = [
                 (p.param, p.regions if math.prod(p.local_shape) else None, group_key(p), p.dtype)
-                for p in ownership.pieces
+                for p in local
             ]
             attempts = earlier_attempts(self.out_dir) if attaching else 0
             mine = b"+" + wire.encode(pieces, ownership.topology, attempts)
@@ -298,8 +298,8 @@ class Guard:
         keys_of, added = _ownership_keys([pieces for pieces, _, _ in every_rank])
         keys = keys_of[self.rank]
         dtype_of: dict[str, str] = {}
-        for (pieces, _, _), rank_keys in zip(every_rank, keys_of, strict=True):
-            for (*_, dtype), key in zip(pieces, rank_keys, strict=True):
+        for (told_pieces, _, _), rank_keys in zip(every_rank, keys_of, strict=True):
+            for (*_, dtype), key in zip(told_pieces, rank_keys, strict=True):
                 dtype_of.setdefault(key, dtype)
         self.groups = ownership_groups([k for rank_keys in keys_of for k in rank_keys], dtype_of)
         position = {g.name: i for i, g in enumerate(self.groups)}
@@ -314,7 +314,7 @@ class Guard:
         self._params_of = [[piece[0] for piece in pieces] for pieces, _, _ in every_rank]
         self._calibrated = False  # the first step judged on this ownership is judged in full
         self._summary = LocalSummary(
-            ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
+            local, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
         )
         self._grad_dtype = None
         if attaching:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..model import Box, FlatRange, MeshInfo, Region, Topology
+from ..model import FlatRange, MeshInfo, Region, Topology
 
 PieceKey = tuple[str, "tuple[Region, ...] | None", str, str]
 """(parameter, its regions on this rank or None for an empty piece, ownership group, dtype)."""
+ToldPiece = tuple[str, "tuple[tuple[Any, ...], ...] | None", str, str]
+"""A PieceKey as another rank told it: its regions as plain tuples, ("flat", start, stop) or ("box",
+offsets, shape), equal when the regions are (compared, never used as regions: no Box is built for
+each of a large model's pieces)."""
 
 
 def encode(pieces: list[PieceKey], topology: Topology, attempts: int) -> bytes:
@@ -25,10 +29,10 @@ def encode(pieces: list[PieceKey], topology: Topology, attempts: int) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> tuple[list[PieceKey], Topology, int]:
+def decode(data: bytes) -> tuple[list[ToldPiece], Topology, int]:
     document = json.loads(data)
-    pieces: list[PieceKey] = [
-        (param, None if regions is None else tuple(map(_region, regions)), key, dtype)
+    pieces: list[ToldPiece] = [
+        (param, None if regions is None else tuple(map(_told, regions)), key, dtype)
         for param, regions, key, dtype in document["pieces"]
     ]
     mesh = document["mesh"]
@@ -51,7 +55,5 @@ def _regions(regions: tuple[Region, ...] | None) -> list[Any] | None:
     ]
 
 
-def _region(raw: list[Any]) -> Region:
-    if raw[0] == "flat":
-        return FlatRange(start=raw[1], stop=raw[2])
-    return Box(offsets=tuple(raw[1]), shape=tuple(raw[2]))
+def _told(raw: list[Any]) -> tuple[Any, ...]:
+    return tuple(tuple(part) if isinstance(part, list) else part for part in raw)

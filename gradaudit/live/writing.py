@@ -10,8 +10,10 @@ import re
 from pathlib import Path
 from typing import IO
 
-from ..audit import ATTEMPT_PREFIX, FULL_CAPTURES
-
+FULL_CAPTURES = "full"
+"""The guard's subfolder of full captures (the step after each anomaly), beside its step_<N> dumps."""
+ATTEMPT_PREFIX = "attempt_"
+"""A guarded run restarted into the same folder writes its dumps into attempt_<N>/ (N from 2)."""
 _ATTEMPT = re.compile(rf"^{ATTEMPT_PREFIX}(\d+)$")
 _STEP = re.compile(r"^step_\d+$")
 
