@@ -23,7 +23,6 @@ from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
-from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
 from .measure.measurements import StepMeasurements
 from .model import StepDump
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
+    from .steptable import StepTable
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
@@ -117,8 +117,7 @@ def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
 
 def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
     step, diagnosis = inputs.step, inputs.diagnosis
-    columns = inputs.columns
-    by_rank = columns.grad_counts_by_rank() if columns.counts.any() else {}  # else every count is 0
+    by_rank = _grad_counts_by_rank(inputs.table)
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
     from .checks.valueclip import gate
 
@@ -149,6 +148,23 @@ def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
             )
         )
     return tuple(rows)
+
+
+def _grad_counts_by_rank(table: StepTable) -> dict[int, tuple[int, int, int]]:
+    """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any nonfinite value)."""
+    counts = table.grad.counts
+    if not counts.any():
+        return {}
+    import numpy as np
+
+    held = np.bincount(table.rank)
+    ranks = np.flatnonzero(held)
+    totals = np.zeros((ranks.size, 3), dtype=np.int64)
+    for column in range(3):
+        if counts[:, column].any():
+            by_rank = np.bincount(table.rank, weights=counts[:, column], minlength=held.size)
+            totals[:, column] = by_rank[ranks].astype(np.int64)
+    return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
 def _environment(step: StepDump) -> Environment:
@@ -215,18 +231,19 @@ def analyse(
     from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
+    from .measure.table import step_table
 
-    columns = StepColumns(m)
-    diagnosis = diagnose(step, norm_input_of(step, m, columns) if terms is None else terms)
+    table = step_table(m)
+    diagnosis = diagnose(step, norm_input_of(step, m, table) if terms is None else terms)
     return AuditInputs(
         step=step,
         measurements=m,
-        columns=columns,
+        table=table,
         diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
-        value_clipping=value_clipping(step, columns),
-        param_coefficients=param_coefficients(step, diagnosis, columns),
+        value_clipping=value_clipping(step, table),
+        param_coefficients=param_coefficients(step, diagnosis, table),
     )
 
 
@@ -295,7 +312,7 @@ def audit_step(
             )
             judgements = {} if reference is None else judge_updates(step, reference, m, reader, options)
         inputs = analyse(step, m, update_judgements=judgements)
-        warnings = tuple(warnings) + overflow_notes(inputs.columns)
+        warnings = tuple(warnings) + overflow_notes(inputs.table)
         return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
 
 

@@ -256,7 +256,8 @@ def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipp
     with gradients measured before GradScaler.unscale_, both divide the loss scale out alike."""
     import dataclasses
 
-    from gradaudit.analysis.diagnosis import diagnose, diagnose_step
+    from gradaudit.analysis.diagnosis import diagnose
+    from gradaudit.audit import analyse
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.live.analysis_input import norm_input
     from gradaudit.measure.measure import measure_step
@@ -270,7 +271,9 @@ def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipp
     step = step_dump(live)
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, workers=1)
-    assert repr(diagnose(step, norm_input(live))) == repr(diagnose_step(step, measured))
+    assert repr(diagnose(step, norm_input(live))) == repr(
+        analyse(step, measured, update_judgements={}).diagnosis
+    )
 
 
 def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards_dumps(tmp_path, capsys):

@@ -10,7 +10,7 @@ import gradaudit
 
 PACKAGE = Path(gradaudit.__file__).parent
 
-VOCABULARY = ("model", "norms", "ranksets", "errors", "version", "warn")
+VOCABULARY = ("model", "norms", "ranksets", "errors", "version", "warn", "steptable")
 """Top-level modules every stage may import; they import only each other."""
 
 STAGES = ("dumpfile", "capture", "measure", "analysis", "report", "checks", "render")

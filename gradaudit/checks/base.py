@@ -17,9 +17,9 @@ if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads n
     from ..analysis.param_coefs import ParamCoefficients
     from ..analysis.updates import UpdateJudgement
     from ..analysis.valueclip import ValueClipping
-    from ..measure.columns import StepColumns
     from ..measure.measurements import StepMeasurements
     from ..model import ParamInfo, StepDump
+    from ..steptable import StepTable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,8 +51,8 @@ class AuditInputs:
     """The loaded step."""
     measurements: StepMeasurements
     """What was read from its tensors (and the reference's)."""
-    columns: StepColumns
-    """The measured pieces as columns (one pass over the pieces, shared by the analysis and the checks)."""
+    table: StepTable
+    """Every measured piece of the step, as frozen columns (what the analysis and the checks ask of the pieces)."""
     diagnosis: StepDiagnosis
     """The true global norm, the expected coefficient and each rank's diagnosis."""
     coverage: Mapping[str, tuple[ParamInfo, Coverage, list[int], list[int]]]

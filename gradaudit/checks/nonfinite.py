@@ -9,7 +9,8 @@ MAX_ENTRIES_IN_MESSAGE = 8
 
 def nonfinite_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     counts: dict[tuple[int, str], list[int]] = {}
-    for piece in inputs.columns.with_nonfinite_grad():
+    table = inputs.table
+    for piece in table.rows(table.grad.counts.any(axis=1).nonzero()[0]):
         stats = piece.stats.get("grad")
         if stats is None or not stats.num_nonfinite:
             continue

@@ -211,8 +211,7 @@ def norm_input(live: LiveStep) -> NormInput:
     import numpy as np
 
     from ..analysis.norm_input import Entries, NormInput
-    from ..measure.columns import INF, NAN, UNKNOWN
-    from ..norms import safe_fsum
+    from ..norms import INF, NAN, UNKNOWN, safe_fsum
 
     layouts, p, raw = _layouts(live), live.norm_type, _held(live)
     scales = {r: _gradient_scale(live, r) for r in raw}
@@ -377,4 +376,4 @@ def report_of(live: LiveStep) -> Report:
         measurements = measure_step(step, reader, params=checked_params(step), workers=1)
     inputs = analyse(step, measurements, update_judgements={}, terms=norm_input(live))
     command = command_for(live.directory, options) if live.directory else ""
-    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.columns))
+    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.table))

@@ -7,52 +7,18 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..model import ClipRecord, Piece, RankDump, Region, TensorKind, TensorStats
 from ..norms import divide_by_power
+from ..steptable import PieceMeasurement
 
 if TYPE_CHECKING:
     import numpy as np
 
 SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PieceMeasurement:
-    """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
-
-    rank: int
-    """The rank holding the piece."""
-    index: int
-    """The piece's index in its rank's file."""
-    param: str
-    """The logical parameter it is part of."""
-    regions: tuple[Region, ...]
-    """Which elements of the parameter it holds."""
-    dtype: str
-    """Dtype name of the dumped values (it chooses the tolerances)."""
-    numel: int
-    """Elements of the piece."""
-    replica_group: str | None = None
-    """The process group over which this piece is replicated, when the capture named one."""
-    stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
-    """Tensor kind -> float64 statistics (read from the values, or as dumped in stats mode)."""
-    dot_pre_post: float | None = None
-    """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
-    dot_pre_pre: float | None = None
-    """sum(grad * grad) over the same elements as `dot_pre_post`."""
-    update_sum_sq: float | None = None
-    """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
-    value_scale: float = 1.0
-    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
-    before GradScaler.unscale_); every gradient number here is already divided by it."""
-
-    @property
-    def layout_key(self) -> tuple[object, ...]:
-        return (self.param, self.regions)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
