@@ -44,7 +44,6 @@ from .report.model import (
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .analysis.norm_input import NormInput
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
@@ -222,19 +221,19 @@ def analyse(
     m: StepMeasurements,
     *,
     update_judgements: Mapping[str, UpdateJudgement],
-    terms: NormInput | None = None,
+    table: StepTable | None = None,
 ) -> AuditInputs:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
-    `update_judgements`: judge_updates' result with a reference, {} without one; `terms`: the
-    diagnosis' input when another source than the measurements gives it (the guard's summary)."""
+    `update_judgements`: judge_updates' result with a reference, {} without one; `table`: the step
+    table, when another source than the measurements' pieces gives it (the guard's gathered numbers)."""
     from .analysis.coverage import coverage_by_param
     from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
     from .measure.table import step_table
 
-    table = step_table(m)
-    diagnosis = diagnose(step, norm_input_of(step, m, table) if terms is None else terms)
+    table = step_table(m) if table is None else table
+    diagnosis = diagnose(step, norm_input_of(step, m, table))
     return AuditInputs(
         step=step,
         measurements=m,

@@ -762,7 +762,7 @@ def step_table(m: StepMeasurements) -> StepTable:
         rank=table.rank[chosen],
         index=table.index[chosen],
         param=table.param[chosen],
-        param_names=table.names,
+        param_names=tuple(table.names),
         layout=layout,
         dtypes=frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist()),
         grad=grad,
