@@ -110,7 +110,7 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     from gradaudit.audit import analyse
     from gradaudit.checks.base import AuditOptions
     from gradaudit.checks.coverage import ownership_gap, ownership_overlap
-    from gradaudit.measure.measurements import StepMeasurements
+    from gradaudit.steptable import StepMeasurements
 
     step = _coverage_step(layout, num_pieces, num_ranks)
     measured, options = StepMeasurements(norm_type=2.0, params={}), AuditOptions()

@@ -24,7 +24,6 @@ from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
 from .measure.measure import measure_step, overflow_notes
-from .measure.measurements import StepMeasurements
 from .model import StepDump
 from .norms import norm_name
 from .report.model import (
@@ -41,6 +40,7 @@ from .report.model import (
     TopologySummary,
     first_call_numbers,
 )
+from .steptable import StepMeasurements
 from .version import __version__
 
 if TYPE_CHECKING:

@@ -240,13 +240,9 @@ def _measured_by_objects(step):
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.kernel import ChunkKernel
     from gradaudit.measure.measure import _compare_replicas
-    from gradaudit.measure.measurements import (
-        ParamMeasurement,
-        StepMeasurements,
-        dumped_gradient_scale,
-        piece_measurement,
-    )
+    from gradaudit.measure.measurements import dumped_gradient_scale, piece_measurement
     from gradaudit.norms import divide_by_power
+    from gradaudit.steptable import ParamMeasurement, StepMeasurements
 
     norm_type = step.clip.norm_type if step.clip is not None else 2.0
     reader, held = TensorReader(step), {}

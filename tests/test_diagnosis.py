@@ -9,6 +9,7 @@ from builders import box, check, clip, codes, flat, sharded_rows, tensor_with_no
 from gradaudit.audit import analyse
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.measure.measure import measure_step
+from gradaudit.measure.table import merged
 from gradaudit.model import ClipRecord, Topology
 
 
@@ -57,9 +58,9 @@ def test_measurements_of_disjoint_parameter_subsets_merge_into_the_one_pass_resu
         whole_pass = measure_step(step, reader)
         first = measure_step(step, reader, params=["a"])
         rest = measure_step(step, reader, params=["bias", "b"])
-    assert rest.merge(first) == whole_pass == first.merge(rest)
+    assert merged(rest, first) == whole_pass == merged(first, rest)
     with pytest.raises(ValueError, match="disjointly"):
-        first.merge(first)
+        merged(first, first)
 
 
 def test_progress_is_reported_once_per_parameter(tmp_path):

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..measure.measurements import StepMeasurements
 from ..model import ClipCall, StepDump, TensorKind
 from ..norms import (
     INF,
@@ -30,7 +29,7 @@ from ..norms import (
     segment_fsums,
     term_of,
 )
-from ..steptable import PieceMeasurement, StepTable
+from ..steptable import PieceMeasurement, StepMeasurements, StepTable
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -27,7 +27,7 @@ from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
     from ..dumpfile import TensorReader
-    from ..measure.measurements import ParamMeasurement, ReferenceDifference, StepMeasurements
+    from ..steptable import ParamMeasurement, ReferenceDifference, StepMeasurements
 
 
 @dataclass(frozen=True, kw_only=True)

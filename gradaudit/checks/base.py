@@ -17,9 +17,8 @@ if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads n
     from ..analysis.param_coefs import ParamCoefficients
     from ..analysis.updates import UpdateJudgement
     from ..analysis.valueclip import ValueClipping
-    from ..measure.measurements import StepMeasurements
     from ..model import ParamInfo, StepDump
-    from ..steptable import StepTable
+    from ..steptable import StepMeasurements, StepTable
 
 
 @dataclass(frozen=True, kw_only=True)

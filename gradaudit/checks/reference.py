@@ -11,10 +11,10 @@ import math
 
 from ..analysis.norm_input import cover_norm
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
-from ..measure.measurements import ReferenceDifference, StepMeasurements
 from ..model import TensorKind
 from ..norms import expected_clip_coef, relative_difference
 from ..report.model import ParamComparison
+from ..steptable import ReferenceDifference, StepMeasurements
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num
 
 MAX_PARAMS_IN_MESSAGE = 5

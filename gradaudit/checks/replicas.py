@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from ..measure.measurements import ReplicaSet
 from ..norms import norm_rtol
+from ..steptable import ReplicaSet
 from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5

@@ -17,15 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..measure.measurements import (
-    ParamMeasurement,
-    ReplicaCopy,
-    ReplicaSet,
-    StepMeasurements,
-    gradient_scale_of,
-    piece_measurement,
-    unscaled_sums,
-)
+from ..measure.measurements import gradient_scale_of, piece_measurement, unscaled_sums
 from ..model import (
     ClipCall,
     ClipRecord,
@@ -40,7 +32,15 @@ from ..model import (
     as_columns,
 )
 from ..norms import INF, NAN, UNKNOWN
-from ..steptable import KindColumns, PieceMeasurement, StepTable
+from ..steptable import (
+    KindColumns,
+    ParamMeasurement,
+    PieceMeasurement,
+    ReplicaCopy,
+    ReplicaSet,
+    StepMeasurements,
+    StepTable,
+)
 
 if TYPE_CHECKING:
     import numpy as np

@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING
 
 from ..model import ParamInfo, Piece, StepDump, TensorKind
 from ..norms import divide_by_power
-from ..steptable import PieceMeasurement
-from .measurements import (
-    SCALED_KINDS,
+from ..steptable import (
     ParamMeasurement,
+    PieceMeasurement,
     ReferenceDifference,
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
-    dumped_gradient_scale,
 )
+from .measurements import SCALED_KINDS, dumped_gradient_scale
 
 if TYPE_CHECKING:
     import numpy as np

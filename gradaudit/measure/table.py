@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, cast, overload
 
 import numpy as np
@@ -20,12 +21,9 @@ import numpy as np
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, Region, StepDump, TensorKind, TensorStats
 from ..norms import INF, NAN, UNKNOWN, term_column
-from ..steptable import KindColumns, PieceMeasurement, StepTable
+from ..steptable import KindColumns, PieceMeasurement, ReplicaCopy, ReplicaSet, StepMeasurements, StepTable
 from .measurements import (
     SCALED_KINDS,
-    ReplicaCopy,
-    ReplicaSet,
-    StepMeasurements,
     dumped_gradient_scale,
     piece_measurement,
     unscaled_stats,
@@ -817,3 +815,36 @@ def _table_positions(m: StepMeasurements) -> tuple[PieceTable, np.ndarray | rang
     if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
         return table, range(ends[-1])  # every parameter's pieces, one after the other
     return table, np.concatenate([p.positions for p in parts])
+
+
+def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurements:
+    """The measurements of disjoint parameter subsets of the same step (measured apart: each
+    process of a scaled-out check measures its share) as those of one pass."""
+    if first.norm_type != second.norm_type and not (
+        math.isnan(first.norm_type) and math.isnan(second.norm_type)
+    ):
+        raise ValueError(f"cannot merge measurements of norm types {first.norm_type} and {second.norm_type}")
+    if first.reference_given != second.reference_given:
+        raise ValueError("cannot merge measurements with and without a reference")
+    overlap = set(first.params) & set(second.params)
+    if overlap:
+        raise ValueError(
+            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+        )
+    params = dict(sorted({**first.params, **second.params}.items()))
+    pieces = [cast("TablePieces", pm.pieces) for pm in (*first.params.values(), *second.params.values())]
+    tables = list({id(p.table): p.table for p in pieces}.values())
+    if tables:  # one table of both, the pieces of each parameter its rows
+        table = functools.reduce(lambda a, b: a.merged(b), tables)
+        params = {
+            name: replace(pm, pieces=table.pieces(table.param_positions(name))) for name, pm in params.items()
+        }
+    return StepMeasurements(
+        norm_type=first.norm_type,
+        params=params,
+        reference_given=first.reference_given,
+        reference_step=first.reference_step,
+        reference_only_params=tuple(
+            sorted(set(first.reference_only_params) | set(second.reference_only_params))
+        ),
+    )
