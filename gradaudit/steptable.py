@@ -97,6 +97,7 @@ class StepTable:
     param: np.ndarray
     """int: the entry's parameter, an index into `param_names`."""
     param_names: Sequence[str]
+    """The step's parameters (the guard's: its ownership groups), by id."""
     layout: np.ndarray
     """int64: equal exactly when two entries hold the same elements of the same parameter."""
     dtypes: frozenset[str]
@@ -109,7 +110,9 @@ class StepTable:
     has_dots: np.ndarray
     """bool: the entry holds sum(pre * post) and sum(pre * pre) of its gradient (dense dumps)."""
     dot_pre_post: np.ndarray
+    """float64: sum(pre * post) over elements finite in both (0 where not held), loss scale divided out."""
     dot_pre_pre: np.ndarray
+    """float64: sum(pre * pre) over the same elements."""
     has_update: np.ndarray
     """bool: the entry holds its update's sum of squares (parameters dumped before and after the step)."""
     distinct_layouts: bool
