@@ -211,9 +211,13 @@ def judge_updates(
 ) -> Mapping[str, UpdateJudgement]:
     """The second, dense reading pass of a check with a reference: the next weights that differ from
     the reference while the gradients agree, judged through the optimizer (GA603 and GA604 read it)."""
-    from .analysis.updates import explain_update_errors
+    from .analysis.updates import judge_updates as judged
+    from .analysis.updates import updates_to_judge
+    from .measure.reference import dense_updates
 
-    return explain_update_errors(step, reference, m, reader, rtol=options.rtol, atol=options.atol)
+    rtol, atol = options.rtol, options.atol
+    asked = updates_to_judge(m, reference.params, rtol=rtol, atol=atol)
+    return judged(m, dense_updates(step, reference, reader, asked), rtol=rtol, atol=atol)
 
 
 def analyse(

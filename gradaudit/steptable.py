@@ -261,3 +261,18 @@ class StepMeasurements:
     def pieces(self) -> Iterator[PieceMeasurement]:
         for pm in self.params.values():
             yield from pm.pieces
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DenseUpdate:
+    """One parameter's dense float64 arrays (its global shape) that judging its next weights through
+    the optimizer reads (analysis.updates), read once with a reference."""
+
+    ours_after: np.ndarray
+    """The checked dump's next weights (nan where its pieces hold none)."""
+    ref_before: np.ndarray
+    """The reference's weights before the optimizer step."""
+    ref_after: np.ndarray
+    """The reference's next weights."""
+    ref_grad: np.ndarray
+    """The reference's gradient the step used, the loss scale divided out."""
