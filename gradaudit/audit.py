@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from .analysis.diagnosis import StepDiagnosis, diagnose
 from .analysis.hypotheses import CORRECT, LOCAL_ONLY
-from .checks.base import AuditInputs, AuditOptions, num, ranks_named
+from .checks.base import Analysis, AuditOptions, num, ranks_named
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
@@ -114,7 +114,7 @@ def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
     )
 
 
-def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
+def _rank_rows(inputs: Analysis) -> tuple[RankRow, ...]:
     step, diagnosis = inputs.step, inputs.diagnosis
     by_rank = _grad_counts_by_rank(inputs.table)
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
@@ -226,7 +226,7 @@ def analyse(
     *,
     update_judgements: Mapping[str, UpdateJudgement],
     table: StepTable | None = None,
-) -> AuditInputs:
+) -> Analysis:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
     `update_judgements`: judge_updates' result with a reference, {} without one; `table`: the step
     table, when another source than the measurements' pieces gives it (the guard's gathered numbers)."""
@@ -238,7 +238,7 @@ def analyse(
 
     table = step_table(m) if table is None else table
     diagnosis = diagnose(step, norm_input_of(step, m, table))
-    return AuditInputs(
+    return Analysis(
         step=step,
         measurements=m,
         table=table,
@@ -251,7 +251,7 @@ def analyse(
 
 
 def build_report(
-    inputs: AuditInputs,
+    inputs: Analysis,
     options: AuditOptions,
     *,
     command: str = "",

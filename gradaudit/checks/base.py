@@ -42,9 +42,10 @@ class AuditOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AuditInputs:
-    """What every check receives: the loaded step, what was read from its tensors, and what the
-    analysis made of it (audit.analyse builds it once per step; the checks only read it)."""
+class Analysis:
+    """The analysis value, what every check receives: the step's facts, its step table and what was
+    read from its tensors, and what the analysis made of them (audit.analyse builds it once per step,
+    from a loaded dump or the guard's gathered numbers; the checks only read it)."""
 
     step: StepDump
     """The loaded step."""
@@ -90,7 +91,7 @@ class Skip:
 
 
 CheckResult = tuple[Hit, ...] | Skip
-CheckFn = Callable[["AuditInputs", "AuditOptions"], CheckResult]
+CheckFn = Callable[["Analysis", "AuditOptions"], CheckResult]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +124,7 @@ class CheckSpec:
     norm_clipping: bool = False
     """A check of a clip norm or its coefficient: "not checked" when the step clipped element-wise (GA506)."""
 
-    def apply(self, inputs: AuditInputs, options: AuditOptions) -> list[Finding] | NotChecked:
+    def apply(self, inputs: Analysis, options: AuditOptions) -> list[Finding] | NotChecked:
         result = self.run(inputs, options)
         step = inputs.step
         if result == () and not self.decided_with_ranks_missing and step.missing_ranks:

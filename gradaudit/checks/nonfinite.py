@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 
 MAX_ENTRIES_IN_MESSAGE = 8
 
 
-def nonfinite_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def nonfinite_gradients(inputs: Analysis, options: AuditOptions) -> CheckResult:
     counts: dict[tuple[int, str], list[int]] = {}
     table = inputs.table
     for piece in table.rows(table.grad.counts.any(axis=1).nonzero()[0]):
@@ -50,7 +50,7 @@ def nonfinite_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResu
     )
 
 
-def skip_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def skip_disagreement(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     hits = []
     recorded = False

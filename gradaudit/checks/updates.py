@@ -6,11 +6,11 @@ import math
 
 from ..analysis.norm_input import cover_norm
 from ..norms import safe_fsum
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num
 from .hints import record_parameters_hint
 
 
-def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     table = inputs.table
     everything = table.cover.size

@@ -45,7 +45,7 @@ from ..steptable import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..checks.base import AuditInputs
+    from ..checks.base import Analysis
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -220,7 +220,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     return dumps
 
 
-def analysis_of(live: LiveStep) -> AuditInputs:
+def analysis_of(live: LiveStep) -> Analysis:
     """What every check receives for the live step, as `audit.analyse` makes it of the guard's dump
     measured, but from the gathered numbers: the step table and the replica sets built from them
     (nothing measured, no tensor read), the facts from the step the guard's dump amounts to."""
