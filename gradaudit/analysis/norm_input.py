@@ -4,8 +4,8 @@ the one implementation of the norm of a set of entries (replicas once through th
 or every copy counted) that the true norm, the candidates, the per-call norms and the parameter-group
 hypotheses all use.
 
-`norm_input_of` builds it from a loaded step's measurements; `live/analysis_input.py` builds it from
-the guard's gathered summary.
+`norm_input_of` builds it from the step table, whichever built that (measuring a loaded dump, or
+the guard from its gathered summary).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The boundary between the guard and the analysis: the per-rank summary every rank gathered, turned
-into the analysis' input, so that the guard's verdict and `gradaudit check` come from one diagnosis.
+into the analysis value, so that the guard's verdict and `gradaudit check` come from one analysis.
 
-The diagnosis reads the summary directly: `norm_input` makes it the diagnosis' own input
-(`analysis.norm_input.NormInput`: one entry per rank and ownership group it holds, replicas of a group
-sharing a layout, so every accounting the diagnosis tries gives the number it would from the real
-pieces). The other checks read a stats-mode dump, which the guard also writes on an anomaly: one
-`RankDump` per rank whose pieces are the rank's ownership groups, each a one-element piece whose
-value is the group's norm (`rank_dumps`); `report_of` runs the offline stages on the two
-(`measure_step` -> `audit.analyse` -> `audit.build_report`, as `audit.audit_step` assembles them).
+`analysis_of` builds the step table straight from the gathered numbers (one entry per rank and
+ownership group it holds, replicas of a group sharing a layout, each entry's statistics those of one
+element whose magnitude is the group's norm), and the replica sets from its columns: nothing is
+measured and no tensor read, and every accounting the diagnosis tries gives the number it would from
+the real pieces. The step's facts (clip records, topology, parameters) come from the step the guard's
+dump amounts to (`rank_dumps`: one stats-mode `RankDump` per rank, which the guard also writes on an
+anomaly); `report_of` runs `audit.build_report` on the analysis, as `audit.audit_step` does.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class LiveStep:
 
 class _Held(NamedTuple):
     """One ownership group on one rank that holds it, what its piece of the guard's dump and its entry
-    of the diagnosis' input are made of: its replica class's element (`position`) in the group's
+    of the step table are made of: its replica class's element (`position`) in the group's
     one-dimensional parameter; sum |g|^p (max |g| for the inf-norm; nonfinite as 0, the counts tell);
     the term after clipping (the same elements scaled by the sample's coefficient; None unless that
     is finite and the group too); the term before each clip call when the rank made two or more."""
