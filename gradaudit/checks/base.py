@@ -12,12 +12,12 @@ from ..ranksets import compact_ranks
 from ..report.model import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
+    from ..analysis.coverage import ParamCoverage
     from ..analysis.diagnosis import StepDiagnosis
-    from ..analysis.geometry import Coverage
     from ..analysis.param_coefs import ParamCoefficients
     from ..analysis.updates import UpdateJudgement
     from ..analysis.valueclip import ValueClipping
-    from ..model import ParamInfo, StepDump
+    from ..model import StepDump
     from ..steptable import StepMeasurements, StepTable
 
 
@@ -55,8 +55,8 @@ class Analysis:
     """Every measured piece of the step, as frozen columns (what the analysis and the checks ask of the pieces)."""
     diagnosis: StepDiagnosis
     """The true global norm, the expected coefficient and each rank's diagnosis."""
-    coverage: Mapping[str, tuple[ParamInfo, Coverage, list[int], list[int]]]
-    """Parameter -> (its ParamInfo, overlaps and gaps of its pieces, ranks in overlaps, ranks holding it)."""
+    coverage: Mapping[str, ParamCoverage]
+    """Parameter -> who holds which of its elements (GA102 and GA103 read it)."""
     update_judgements: Mapping[str, UpdateJudgement]
     """Parameters whose next weights differ from the reference while their gradients agree, judged
     through the optimizer ({} without a reference): GA603 leaves out the explained ones, GA604 names them."""
