@@ -293,13 +293,6 @@ class PieceTable:
             ),
         )
 
-    def kind_nonfinite(self, kind: TensorKind) -> np.ndarray:
-        """The count of nonfinite values of every position's `kind`."""
-        if self._state.get(kind) is not None:
-            total: np.ndarray = self.kind_counts(kind).sum(axis=1)
-            return total
-        return self._gather(lambda _, pieces: _counts(pieces, kind).sum(axis=1))
-
     def kind_term(self, kind: TensorKind, norm_type: float) -> tuple[np.ndarray, np.ndarray]:
         """(each position's term of the `norm_type`-norm of its `kind` statistics, 0 where it holds
         none; whether that term is unknown: statistics taken for another norm type)."""
