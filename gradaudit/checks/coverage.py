@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..dumpfile.header import clipped
+from ..errors import clipped
 from ..model import ParamInfo
 from .base import (
     MAX_FINDINGS_PER_CODE,
