@@ -263,10 +263,13 @@ def _step_table(
     layout = np.array([_layout_id(live, h) for h, _ in held], dtype=np.int64)
     rank = np.array([h.rank for h, _ in held], dtype=np.int64)
     index = np.array([k for _, k in held], dtype=np.int64)
-    pieces = [_piece(live, h, k) for h, k in held]
+    dtypes = [live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h, _ in held]
 
     def rows(at: np.ndarray) -> list[PieceMeasurement]:
-        return [piece_measurement(int(rank[i]), pieces[i], float(scales[i])) for i in at.tolist()]
+        """The pieces of the guard's dump at these positions, measured: built only when asked."""
+        return [
+            piece_measurement(int(rank[i]), _piece(live, *held[i]), float(scales[i])) for i in at.tolist()
+        ]
 
     zeros = np.zeros(len(held))
     table = StepTable(
@@ -276,7 +279,7 @@ def _step_table(
         param=np.array([ids[live.groups[h.group].param] for h, _ in held], dtype=np.int64),
         param_names=param_names,
         layout=layout,
-        dtypes=frozenset(piece.dtype for piece in pieces),
+        dtypes=frozenset(dtypes),
         grad=KindColumns(
             has=has, sum_pow=sum_pow, sum_sq=sum_sq, max_abs=max_abs, counts=counts, term=term, flags=flags
         ),
@@ -288,7 +291,7 @@ def _step_table(
         distinct_layouts=bool(np.unique(layout).size == layout.size),
         rows=rows,
     )
-    return table, _replica_sets(table, pieces)
+    return table, _replica_sets(table, [live.groups[h.group].param for h, _ in held], dtypes, held)
 
 
 def _unscaled_columns(
@@ -328,7 +331,9 @@ def _clipped_columns(live: LiveStep, held: list[_Held], scales: np.ndarray) -> K
     )
 
 
-def _replica_sets(table: StepTable, pieces: list[Piece]) -> dict[str, tuple[ReplicaSet, ...]]:
+def _replica_sets(
+    table: StepTable, params: list[str], dtypes: list[str], held: list[tuple[_Held, int]]
+) -> dict[str, tuple[ReplicaSet, ...]]:
     """Parameter -> its groups held on several ranks, each copy compared with the lowest rank's as
     measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts)."""
     import numpy as np
@@ -342,7 +347,7 @@ def _replica_sets(table: StepTable, pieces: list[Piece]) -> dict[str, tuple[Repl
     found: dict[str, list[ReplicaSet]] = {}
     nonfinite = grad.nonfinite
     for base, *others in sorted(by_layout.values(), key=lambda at: (table.rank[at[0]], table.index[at[0]])):
-        piece = pieces[base]
+        position = held[base][0].position
 
         def delta(i: int, base: int = base) -> float:
             if nonfinite[i] != nonfinite[base]:
@@ -352,11 +357,11 @@ def _replica_sets(table: StepTable, pieces: list[Piece]) -> dict[str, tuple[Repl
                 abs(float(grad.max_abs[i]) - float(grad.max_abs[base])),
             )
 
-        found.setdefault(piece.param, []).append(
+        found.setdefault(params[base], []).append(
             ReplicaSet(
-                param=piece.param,
-                regions=piece.regions,
-                dtype=piece.dtype,
+                param=params[base],
+                regions=(FlatRange(start=position, stop=position + 1),),
+                dtype=dtypes[base],
                 base_rank=int(table.rank[base]),
                 base_index=int(table.index[base]),
                 base_max_abs=float(grad.max_abs[base]),
