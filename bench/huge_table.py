@@ -1,5 +1,5 @@
 """Build a valid stats-mode step whose shared parameter table lists many parameters, of which the two
-ranks hold 4 (issue 17 item 5), to time `gradaudit check` and `show` on it:
+ranks hold 4, to time `gradaudit check` and `show` on it:
 
     PYTHONPATH=$PWD python bench/huge_table.py DIR/step_1 100000
     /usr/bin/time -f "%e s %M KB" gradaudit check DIR/step_1 -f json | wc -c

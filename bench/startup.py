@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOY_DUMP = "sample_dumps/fsdp2_local_clip/step_1"
-"""The shipped 4-rank toy dump."""
+SAMPLE = "sample_dumps/fsdp2_correct"
+"""A shipped 2-rank sample, passed as its folder (step_1 and its reference) as a user would."""
 
 BLAS_SINGLE_THREADED = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 """What gradaudit's `main` sets before numpy loads (cli._single_threaded_blas)."""
@@ -32,14 +32,14 @@ TYPER_COERCION = "reference: the floor + typer's pydantic coercion"
 it (gradaudit/cliparams.py converts its parameters without pydantic)."""
 HELP = "gradaudit --help"
 EXPLAIN = "gradaudit explain GA201"
-CHECK = "gradaudit check (4-rank toy dump)"
+CHECK = f"gradaudit check {SAMPLE}"
 SUBJECTS: dict[str, tuple[str, ...]] = {
     FLOOR_CLI: ("-c", "import typer, rich.console"),
     FLOOR_NUMPY_CLI: ("-c", "import numpy, typer, rich.console"),
     TYPER_COERCION: ("-c", "import numpy, typer, rich.console, typer._adapters"),
     HELP: ("-m", "gradaudit", "--help"),
     EXPLAIN: ("-m", "gradaudit", "explain", "GA201"),
-    CHECK: ("-m", "gradaudit", "check", TOY_DUMP, "--fail-on", "never"),
+    CHECK: ("-m", "gradaudit", "check", SAMPLE),
 }
 
 
@@ -55,8 +55,8 @@ class Target:
 TARGETS = (
     Target(label="--help vs typer+rich floor", subject=HELP, floor=FLOOR_CLI, limit=1.5),
     Target(label="explain vs typer+rich floor", subject=EXPLAIN, floor=FLOOR_CLI, limit=1.5),
-    Target(label="check toy dump vs numpy+typer+rich floor", subject=CHECK, floor=FLOOR_NUMPY_CLI, limit=2.0),
-    Target(label="check toy dump wall seconds (idle machine)", subject=CHECK, floor=None, limit=0.5),
+    Target(label="check sample vs numpy+typer+rich floor", subject=CHECK, floor=FLOOR_NUMPY_CLI, limit=2.0),
+    Target(label="check sample wall seconds (idle machine)", subject=CHECK, floor=None, limit=0.5),
 )
 
 
@@ -107,7 +107,19 @@ def main() -> None:
         unit = "s" if target.floor is None else "x"
         verdict = "MET" if value <= target.limit else f"MISSED by {100 * (value / target.limit - 1):.0f}%"
         relation = "<=" if value <= target.limit else ">"
-        print(f"TARGET {target.label}: {verdict} ({value:.2f}{unit} {relation} {target.limit:g}{unit})")
+        spread = (
+            "" if target.floor is None else f"; {round_ratios(times[target.subject], times[target.floor])}"
+        )
+        print(
+            f"TARGET {target.label}: {verdict} ({value:.2f}{unit} {relation} {target.limit:g}{unit}{spread})"
+        )
+
+
+def round_ratios(subject: list[float], floor: list[float]) -> str:
+    """The ratio of the subject to the floor within each round: how far one round's load moves
+    the ratio of the medians, which is the target."""
+    ratios = sorted(s / f for s, f in zip(subject, floor, strict=True))
+    return f"rounds {ratios[0]:.2f}x-{ratios[-1]:.2f}x, median {statistics.median(ratios):.2f}x"
 
 
 if __name__ == "__main__":

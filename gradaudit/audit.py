@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
+    from .report.param_shares import SumSqShares
     from .steptable import StepTable
 
 Progress = Callable[[int, int], None]
@@ -280,7 +281,20 @@ def build_report(
         reference=reference_comparisons(m, options),
         command=command,
         warnings=tuple(step.warnings) + tuple(warnings) + _trigger_notes(step),
+        sum_sq_shares=_spike_shares(inputs),
     )
+
+
+def _spike_shares(inputs: Analysis) -> SumSqShares | None:
+    """Of a step the guard dumped at a spike of its true norm: the parameters holding most of Σg²."""
+    from .report.param_shares import SPIKE_TRIGGER, sum_sq_shares
+
+    step = inputs.step
+    spiked = [step.ranks[r] for r in step.ranks_present if step.ranks[r].trigger == SPIKE_TRIGGER]
+    if not spiked:
+        return None
+    note = next((d.trigger_note for d in spiked if d.trigger_note), None) or ""
+    return sum_sq_shares(inputs.table, note=note)
 
 
 def _trigger_notes(step: StepDump) -> tuple[str, ...]:

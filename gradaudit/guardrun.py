@@ -87,4 +87,5 @@ def _trend_step(line: TrendLine) -> TrendStep:
         min_coef=line.min_coef,
         max_coef=line.max_coef,
         clip_calls=line.clip_calls,
+        spike=line.spike,
     )

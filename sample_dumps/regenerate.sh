@@ -8,4 +8,4 @@ for scenario in $scenarios; do
     rm -rf "sample_dumps/$scenario"
     gradaudit demo "$scenario" sample_dumps
 done
-python -m pytest -q tests/test_samples_golden.py --update-goldens
+python -m pytest -q tests/render/test_samples_golden.py --update-goldens

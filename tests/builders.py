@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from pathlib import Path
 
+import pytest
 import torch
 
 from gradaudit.audit import audit_step_dir
@@ -14,7 +16,18 @@ from gradaudit.checks.base import AuditOptions
 from gradaudit.model import ClipRecord, DataRecord, Topology
 from gradaudit.report.model import Report
 
-__all__ = ["box", "check", "clip", "codes", "flat", "sharded_rows", "tensor_with_norm", "whole", "write_step"]
+__all__ = [
+    "box",
+    "check",
+    "clip",
+    "codes",
+    "flat",
+    "sharded_rows",
+    "tensor_with_norm",
+    "whole",
+    "write_one_rank",
+    "write_step",
+]
 
 FIXED = {"host": "host-a", "created_at": "2026-01-01T00:00:00+00:00", "run_id": "test-run"}
 
@@ -63,6 +76,29 @@ def write_step(
     return directory
 
 
+def write_one_rank(
+    directory: str | Path,
+    *,
+    params: Mapping[str, Sequence[int]],
+    pieces: Sequence[PieceSpec],
+    clip: ClipRecord | None = None,
+    **kw,
+) -> Path:
+    """Step 1 of a one-rank run, clipped with max_norm 1 unless `clip` says otherwise; the rank file's path.
+
+    `kw` goes to capture.build.write_rank (host, created_at and run_id default to FIXED)."""
+    return write_rank(
+        directory,
+        rank=0,
+        world_size=1,
+        step=1,
+        params=params,
+        pieces=list(pieces),
+        clip=clip or ClipRecord(max_norm=1.0),
+        **{**FIXED, **kw},
+    )
+
+
 def sharded_rows(
     directory: str | Path,
     grads: Sequence[torch.Tensor],
@@ -91,6 +127,13 @@ def sharded_rows(
     )
 
 
+def clean_step(directory: str | Path, data: Mapping[int, DataRecord] | None = None) -> Path:
+    """Two ranks of float64 rows whose true norm 0.3 every rank reported and did not clip by: no finding."""
+    grads = [tensor_with_norm(0.3, (2, 2), seed=r, dtype=torch.float64) for r in range(2)]
+    true = float(torch.cat(grads).norm())
+    return sharded_rows(directory, grads, clips=clip(1.0, reported_norm=true, clip_coef=1.0), data=data)
+
+
 def check(directory: str | Path, **options) -> Report:
     return audit_step_dir(directory, AuditOptions(**options))
 
@@ -111,3 +154,22 @@ def finding(report: Report, code: str):
 
 def assert_close(a: float, b: float, rel: float = 1e-9) -> None:
     assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-12), (a, b)
+
+
+def assert_exact_sums(stats, values: Sequence[float], norm_type: float) -> None:
+    """`stats` (a capture-side or check-side accumulator's result) hold the exact sums of the finite
+    `values` within 1e-12, their largest magnitude, and the count of each nonfinite kind."""
+    finite = [v for v in values if math.isfinite(v)]
+    exact_sq = float(sum(Fraction(v) ** 2 for v in finite))
+    assert stats.sum_sq == pytest.approx(exact_sq, rel=1e-12, abs=1e-300)
+    assert stats.max_abs == max((abs(v) for v in finite), default=0.0)
+    if math.isinf(norm_type):
+        assert stats.sum_pow == stats.max_abs
+    else:
+        exact_pow = math.fsum(abs(v) ** norm_type for v in finite)
+        assert stats.sum_pow == pytest.approx(exact_pow, rel=1e-12, abs=1e-300)
+    assert (stats.num_nan, stats.num_posinf, stats.num_neginf) == (
+        sum(math.isnan(v) for v in values),
+        values.count(math.inf),
+        values.count(-math.inf),
+    )

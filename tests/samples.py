@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from gradaudit.cli import main
+from cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "sample_dumps"
@@ -26,11 +25,8 @@ def check_json(capsys: pytest.CaptureFixture, step: Path, reference: Path | None
     argv = ["check", str(step), "--format", "json"]
     if reference is not None:
         argv += ["--reference", str(reference)]
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    out, err = capsys.readouterr()
-    assert exited.value.code in (0, 1), err
+    code, out, err = run_cli(capsys, *argv)
+    assert code in (0, 1), err
     return json.loads(out)
 
 

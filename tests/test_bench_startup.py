@@ -25,8 +25,8 @@ def test_startup_bench_times_every_subject_and_prints_a_target_line_for_each_tar
     assert [label for label, _ in targets] == [
         "--help vs typer+rich floor",
         "explain vs typer+rich floor",
-        "check toy dump vs numpy+typer+rich floor",
-        "check toy dump wall seconds (idle machine)",
+        "check sample vs numpy+typer+rich floor",
+        "check sample wall seconds (idle machine)",
     ], done.stdout
 
 

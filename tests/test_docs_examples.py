@@ -1,4 +1,4 @@
-"""Every code block of README.md and docs/*.md runs as written (issue 30 item 8).
+"""Every code block of README.md and docs/*.md runs as written.
 
 How each block is run, page by page, in document order, from a fresh folder holding a copy of
 sample_dumps/ (the page's folder):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -117,18 +118,35 @@ def clips_nothing(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
 
 def call_argument(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> Any:
     """The value a call `fn(*args, **kwargs)` passes for parameter `name` (its default when not
-    passed), else None (no such parameter, or a signature that cannot be read or bound)."""
+    passed), else None (no such parameter, or a signature that cannot be read)."""
     try:
-        signature = inspect.signature(fn)
-        bound = signature.bind_partial(*args, **kwargs)
+        found = _parameter(fn, name)
+    except TypeError:  # an unhashable callable: read its signature every time
+        found = _parameter.__wrapped__(fn, name)
+    if found is None:
+        return None
+    position, default = found
+    if name in kwargs:
+        return kwargs[name]
+    if position is not None and position < len(args):
+        return args[position]
+    return default
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter(fn: Callable[..., Any], name: str) -> tuple[int | None, Any] | None:
+    """(its position when it may be passed positionally, its default or None) of parameter `name` of
+    `fn`, read once per function (a clip call on every step binds no signature); None: no such one."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    if name in bound.arguments:
-        return bound.arguments[name]
-    parameter = signature.parameters.get(name)
-    if parameter is None or parameter.default is inspect.Parameter.empty:
-        return None
-    return parameter.default
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for position, parameter in enumerate(parameters):
+        if parameter.name == name and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            default = None if parameter.default is inspect.Parameter.empty else parameter.default
+            return (position if parameter.kind in positional else None), default
+    return None
 
 
 def opt_float(value: Any) -> float | None:

@@ -9,10 +9,8 @@ write_rank(step_dir, rank=0, world_size=2, step=7,
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
@@ -25,15 +23,13 @@ from ..model import (
     FlatRange,
     ParamInfo,
     Piece,
-    RankDump,
     Region,
     TensorKind,
     TensorStats,
     Topology,
     as_columns,
 )
-from ..version import __version__
-from .write import torch_version
+from .write import build_rank_dump
 
 if TYPE_CHECKING:
     import torch
@@ -211,26 +207,21 @@ def write_rank(
             )
         )
     all_stats = bool(pieces) and all(spec.stats_only for spec in pieces)
-    dump = RankDump(
-        path="",
+    dump = build_rank_dump(
         rank=rank,
         world_size=world_size,
         step=step,
         mode="stats" if all_stats else "full",
-        run_id=run_id,
-        host=host if host is not None else socket.gethostname(),
-        torch_version=torch_version(),
-        gradaudit_version=__version__,
-        created_at=created_at
-        if created_at is not None
-        else datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=infos,
         pieces=as_columns(infos, model_pieces),
-        aliases=dict(aliases or {}),
+        aliases=aliases or {},
         topology=topology or Topology(),
         clip=clip,
         data=data or DataRecord(),
+        run_id=run_id,
         capture_api=capture_api,
+        host=host,
+        created_at=created_at,
     )
     return write_rank_file(
         step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params

@@ -21,12 +21,11 @@ from .ownership import LocalPiece
 from .plain import (
     LocalPieces,
     TensorParallelRank,
-    WholeReplicas,
     dtype_name,
     is_megatron_sharded,
     plain_pieces,
     whole_pieces,
-    whole_replicas,
+    whole_rows,
 )
 from .snapshots import collection_paused
 from .topology import WORLD, TopologyBuilder
@@ -44,9 +43,8 @@ DATA_PARALLEL_GROUP_NAME = "dp"
 
 @dataclass(frozen=True, kw_only=True)
 class Ownership:
-    pieces: Sequence[LocalPiece]
-    """This rank's pieces, one per local part of a logical parameter (a LocalPieces: the whole
-    replicas of plain parameters held as columns)."""
+    pieces: LocalPieces
+    """This rank's pieces, one per local part of a logical parameter, as columns."""
     topology: Topology
     """The process groups and mesh the pieces name."""
     aliases: Mapping[str, str]
@@ -82,10 +80,9 @@ def infer_ownership(
 
     fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
     if fsdp1 is not None:
-        flat = [_aliased(p, alias_of) for p in fsdp1]
-        return Ownership(
-            pieces=LocalPieces((*flat, *explicit)), topology=topology.build(), aliases=_local_aliases(flat)
-        )
+        flat = LocalPieces.of([_aliased(p, alias_of) for p in fsdp1])
+        held = LocalPieces.joined([flat, LocalPieces.of(explicit)])
+        return Ownership(pieces=held, topology=topology.build(), aliases=_local_aliases(flat))
 
     explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
@@ -114,16 +111,15 @@ def infer_ownership(
         fqns = [fqn for _, fqn, _ in plain]
         tensors = [param for _, _, param in plain]
 
-    replicas = None
+    whole = None
     if tensors:
-        replicas = _whole_replicas(model, logicals, tensors, topology, world_size, groups, alias_of)
-        if replicas is None:
+        whole = _whole_replicas(model, logicals, tensors, topology, world_size, groups, alias_of)
+        if whole is None:
             plain = list(zip(logicals, fqns, tensors, strict=True))
             pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
-    held = LocalPieces(pieces, replicas, explicit)
-    return Ownership(
-        pieces=held, topology=topology.build(), aliases=_local_aliases([p for _, p in held.objects()])
-    )
+    parts = [LocalPieces.of(pieces), *([whole] if whole is not None else []), LocalPieces.of(explicit)]
+    held = LocalPieces.joined(parts)
+    return Ownership(pieces=held, topology=topology.build(), aliases=_local_aliases(held))
 
 
 def _whole_replicas(
@@ -134,10 +130,10 @@ def _whole_replicas(
     world_size: int,
     groups: Mapping[str, tuple[tuple[int, ...], ...]],
     alias_of: Mapping[str, str],
-) -> WholeReplicas | None:
-    """The plain parameters `tensors` as columns when every one is a torch.Tensor or Parameter of a
-    float dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
-    LocalPieces (the order of the pieces is the same either way)."""
+) -> LocalPieces | None:
+    """The plain parameters `tensors` as whole rows when every one is a torch.Tensor or Parameter of
+    a float dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
+    LocalPiece objects first (the order of the pieces is the same either way)."""
     import torch
 
     if not set(map(type, tensors)) <= {torch.Tensor, torch.nn.Parameter}:
@@ -146,18 +142,18 @@ def _whole_replicas(
         return None
     if alias_of and any(_names(logical, alias_of)[1] is not None for logical in names):
         return None
-    replicas = whole_replicas(names, tensors, None)
-    if any(dtype_name(dtype) not in FLOAT_DTYPES for _, dtype, _ in replicas.kinds):
+    rows = whole_rows(names, tensors)
+    if any(dtype_name(dtype) not in FLOAT_DTYPES for _, dtype, _ in rows.kinds):
         return None
-    if any(0 in shape for shape, _, _ in replicas.kinds):
+    if any(0 in shape for shape, _, _ in rows.kinds):
         kept = [i for i, t in enumerate(tensors) if t.numel()]
         if not kept:
             return None
-        replicas = whole_replicas([names[i] for i in kept], [tensors[i] for i in kept], None)
+        rows = whole_rows([names[i] for i in kept], [tensors[i] for i in kept])
     dp_group = _data_parallel_group(model, topology, groups)
     tensor_parallel = _tensor_parallel_rank(topology, groups)
     group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
-    return dataclasses.replace(replicas, replica_group=group)
+    return LocalPieces.of_whole(rows, group)
 
 
 def _dtensor_pieces(
@@ -282,8 +278,12 @@ def _aliased(piece: LocalPiece, alias_of: Mapping[str, str]) -> LocalPiece:
     return dataclasses.replace(piece, param=target, local_name=piece.param)
 
 
-def _local_aliases(pieces: Sequence[LocalPiece]) -> dict[str, str]:
-    return {p.local_name: p.param for p in pieces if p.local_name and p.local_name != p.param}
+def _local_aliases(pieces: LocalPieces) -> dict[str, str]:
+    return {
+        local: param
+        for param, local in zip(pieces.params, pieces.local_names, strict=True)
+        if local and local != param
+    }
 
 
 def _check_aliases(aliases: Mapping[str, str], params: Sequence[tuple[str, str, torch.nn.Parameter]]) -> None:

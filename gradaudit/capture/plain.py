@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
-from ..model import Box
+from ..model import Box, Region
 from .errors import UnsupportedParameter
 from .ownership import LocalPiece
 
@@ -69,33 +70,28 @@ def plain_pieces(
 
 
 @dataclass(frozen=True, kw_only=True)
-class WholeReplicas:
-    """Plain parameters this rank holds whole, replicated over one group, as columns: the common case
-    (single process, DDP), held without a LocalPiece per parameter (a rank may hold 10^5)."""
+class WholeRows:
+    """The rows of a LocalPieces that hold a whole plain tensor (single process, DDP: a rank may
+    hold 10^5), grouped so that their gradients are read and summarized in bulk."""
 
+    positions: np.ndarray
+    """Their positions among the rows, ascending (int64)."""
     names: Sequence[str]
-    """Logical names (no aliases: a parameter with one is a LocalPiece)."""
+    """Their logical names, in the order of `positions`."""
     tensors: Sequence[torch.Tensor]
-    """The parameters, in the order of `names`."""
+    """The parameters, in the order of `positions`."""
     kinds: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]
     """The distinct (shape, dtype, device) of the parameters (a grad has its parameter's: torch
     refuses any other)."""
     codes: np.ndarray
     """Per parameter, the index of its kind in `kinds` (int64)."""
     groups: dict[tuple[Any, ...], list[int]]
-    """Each kind -> the positions of its parameters, ascending."""
-    replica_group: str | None
-    """The process group every one of them is replicated over (None: this rank alone holds them)."""
-
-    def shape(self, position: int) -> tuple[int, ...]:
-        return self.kinds[int(self.codes[position])][0]
+    """Each kind -> the indices (into `tensors`) of its parameters, ascending."""
 
 
-def whole_replicas(
-    names: Sequence[str], tensors: Sequence[torch.Tensor], replica_group: str | None
-) -> WholeReplicas:
-    """The columns of `tensors` (plain tensors without marks, none of them empty): a key per tensor,
-    the rest per kind."""
+def whole_rows(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> WholeRows:
+    """Whole rows of `tensors` (plain tensors without marks), the first rows: a key per tensor, the
+    rest per kind."""
     import numpy as np
 
     keys = [(t.shape, t.dtype, t.device) for t in tensors]
@@ -105,33 +101,88 @@ def whole_replicas(
     order = np.argsort(codes, kind="stable")
     bounds = np.searchsorted(codes[order], np.arange(len(kinds) + 1))
     groups = {kind: order[bounds[i] : bounds[i + 1]].tolist() for i, kind in enumerate(kinds)}
-    return WholeReplicas(
-        names=names, tensors=tensors, kinds=kinds, codes=codes, groups=groups, replica_group=replica_group
+    return WholeRows(
+        positions=np.arange(len(names)), names=names, tensors=tensors, kinds=kinds, codes=codes, groups=groups
     )
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class LocalPieces(Sequence[LocalPiece]):
-    """A rank's pieces in order: LocalPiece objects (`head`), the whole replicas held as columns, more
-    objects (`tail`). A replica's LocalPiece is built only when one is read; the capture reads the
-    columns (`replicas`, `start`) directly."""
+    """A rank's pieces as columns, in order; a LocalPiece is the row view, built when one is read.
 
-    def __init__(
-        self,
-        head: Sequence[LocalPiece],
-        replicas: WholeReplicas | None = None,
-        tail: Sequence[LocalPiece] = (),
-    ) -> None:
-        self.head, self.replicas, self.tail = tuple(head), replicas, tuple(tail)
-        self.start = len(self.head)
-        """The position of the first replica."""
-        self.stop = self.start + (len(replicas.names) if replicas is not None else 0)
-        """The position after the last replica."""
-        self._built: dict[int, LocalPiece] = {}
-        self._positions: dict[str, list[int]] | None = None
-        """The replicas' LocalPieces built so far (read one by one: full mode, values kept)."""
+    A row that is a whole plain parameter holds the tensor itself (`tensors`; `whole` groups those
+    rows, read in bulk) and no reader; any other holds its LocalPiece's readers."""
+
+    params: list[str]
+    global_shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    regions: list[tuple[Region, ...]]
+    local_shapes: list[tuple[int, ...]]
+    replica_groups: list[str | None]
+    local_names: list[str | None]
+    readers: list[tuple[Callable[[], Any], Callable[[], Any], Any] | None]
+    """(grad, value, grad_partial) of a row without a tensor, None for one with."""
+    tensors: list[torch.Tensor | None]
+    whole: WholeRows | None
+    """The rows that hold a tensor, None when none does."""
+    _positions: dict[str, list[int]] | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(cls, pieces: Sequence[LocalPiece]) -> LocalPieces:
+        """The columns of `pieces`."""
+        return cls(
+            params=[p.param for p in pieces],
+            global_shapes=[p.global_shape for p in pieces],
+            dtypes=[p.dtype for p in pieces],
+            regions=[p.regions for p in pieces],
+            local_shapes=[p.local_shape for p in pieces],
+            replica_groups=[p.replica_group for p in pieces],
+            local_names=[p.local_name for p in pieces],
+            readers=[(p.grad, p.value, p.grad_partial) for p in pieces],
+            tensors=[None] * len(pieces),
+            whole=None,
+        )
+
+    @classmethod
+    def of_whole(cls, rows: WholeRows, replica_group: str | None) -> LocalPieces:
+        """Whole replicas over `replica_group` of `rows.tensors` (none of them empty), held without
+        a LocalPiece each."""
+        shapes = [rows.kinds[code][0] for code in rows.codes.tolist()]
+        names = [dtype_name(dtype) for _, dtype, _ in rows.kinds]
+        count = len(shapes)
+        return cls(
+            params=list(rows.names),
+            global_shapes=shapes,
+            dtypes=[names[code] for code in rows.codes.tolist()],
+            regions=list(map(_whole_regions, shapes)),
+            local_shapes=shapes,
+            replica_groups=[replica_group] * count,
+            local_names=[None] * count,
+            readers=[None] * count,
+            tensors=list(rows.tensors),
+            whole=rows,
+        )
+
+    @classmethod
+    def joined(cls, parts: Sequence[LocalPieces]) -> LocalPieces:
+        """The rows of `parts`, one after another (one of them at most holds whole rows)."""
+        offsets = itertools.accumulate((len(part) for part in parts), initial=0)
+        holding = [
+            (offset, part.whole)
+            for offset, part in zip(offsets, parts, strict=False)
+            if part.whole is not None
+        ]
+        assert len(holding) <= 1, "one part at most holds whole rows"
+        whole = None
+        if holding:
+            offset, rows = holding[0]
+            whole = dataclasses.replace(rows, positions=rows.positions + offset)
+        return cls(
+            **{name: [x for part in parts for x in getattr(part, name)] for name in _COLUMNS}, whole=whole
+        )
 
     def __len__(self) -> int:
-        return self.stop + len(self.tail)
+        return len(self.params)
 
     @overload
     def __getitem__(self, index: int) -> LocalPiece: ...
@@ -144,62 +195,74 @@ class LocalPieces(Sequence[LocalPiece]):
             return tuple(self[i] for i in range(*index.indices(len(self))))
         if index < 0:
             index += len(self)
-            if index < 0:
-                raise IndexError("piece index out of range")
-        if index < self.start:
-            return self.head[index]
-        if index >= self.stop:
-            return self.tail[index - self.stop]
-        built = self._built.get(index)
-        if built is None:
-            replicas = self.replicas
-            assert replicas is not None
-            j = index - self.start
-            shape = replicas.shape(j)
-            built = self._built[index] = _piece(
-                replicas.names[j],
-                None,
-                replicas.tensors[j],
-                shape,
-                shape,
-                _whole_regions(shape),
-                replicas.replica_group,
-            )
-        return built
+        if not 0 <= index < len(self):
+            raise IndexError("piece index out of range")
+        tensor, readers = self.tensors[index], self.readers[index]
+        if readers is None:
+            assert tensor is not None  # a row holds its tensor or its readers
+            readers = (_grad_of(tensor), tensor.detach, None)
+        grad, value, grad_partial = readers
+        return _filled(
+            param=self.params[index],
+            global_shape=self.global_shapes[index],
+            dtype=self.dtypes[index],
+            regions=self.regions[index],
+            local_shape=self.local_shapes[index],
+            grad=grad,
+            value=value,
+            replica_group=self.replica_groups[index],
+            local_name=self.local_names[index],
+            grad_partial=grad_partial,
+        )
 
-    def __iter__(self) -> Iterator[LocalPiece]:
-        yield from self.head
-        for j in range(self.stop - self.start):
-            yield self[self.start + j]
-        yield from self.tail
+    def edited(self, changes: Mapping[int, LocalPiece | None]) -> LocalPieces:
+        """These rows with each row `changes` names (one read one by one) replaced by its piece, or
+        dropped where that is None."""
+        if not changes:
+            return self
+        kept = [i for i in range(len(self)) if changes.get(i, self) is not None]
+        columns = {name: [getattr(self, name)[i] for i in kept] for name in _COLUMNS}
+        for new, old in enumerate(kept):
+            piece = changes.get(old)
+            if piece is not None:
+                row = LocalPieces.of([piece])
+                for name in _COLUMNS:
+                    columns[name][new] = getattr(row, name)[0]
+        whole = self.whole
+        if whole is not None:
+            import numpy as np
 
-    def objects(self) -> Iterator[tuple[int, LocalPiece]]:
-        """(position, piece) of the pieces held as objects."""
-        yield from enumerate(self.head)
-        yield from enumerate(self.tail, self.stop)
+            new_of = {old: new for new, old in enumerate(kept)}
+            positions = np.array([new_of[i] for i in whole.positions.tolist()], dtype=np.int64)
+            whole = dataclasses.replace(whole, positions=positions)
+        return LocalPieces(**columns, whole=whole)
 
-    def param(self, index: int) -> str:
-        """The logical name of the piece at `index`, without building it."""
-        if self.start <= index < self.stop:
-            assert self.replicas is not None
-            return self.replicas.names[index - self.start]
-        return self[index].param
-
-    def names(self, index: int) -> tuple[str, str | None]:
-        """(logical name, this rank's name when it differs) of the piece at `index`."""
-        if self.start <= index < self.stop:
-            return self.param(index), None
-        piece = self[index]
-        return piece.param, piece.local_name
+    def read_one_by_one(self) -> list[int]:
+        """The positions of the rows read through their readers, not in bulk."""
+        return [i for i, tensor in enumerate(self.tensors) if tensor is None]
 
     def positions_of(self, param: str) -> list[int]:
         """The positions of `param`'s pieces (an index built at the first call: a step that leaves
         out many parameters must not scan every piece for each)."""
         if self._positions is None:
             self._positions = {}
-            for index in range(len(self)):
-                self._positions.setdefault(self.param(index), []).append(index)
+            for index, name in enumerate(self.params):
+                self._positions.setdefault(name, []).append(index)
         return self._positions.get(param, [])
+
+
+_COLUMNS = (
+    "params",
+    "global_shapes",
+    "dtypes",
+    "regions",
+    "local_shapes",
+    "replica_groups",
+    "local_names",
+    "readers",
+    "tensors",
+)
+"""The columns of a LocalPieces, one entry a row each."""
 
 
 def whole_pieces(
@@ -223,12 +286,7 @@ def _piece(
     regions: tuple[Box, ...],
     replica_group: str | None,
 ) -> LocalPiece:
-    """A LocalPiece filled in directly: a rank may hold 10^5 parameters, and the frozen dataclass's
-    __init__ (one object.__setattr__ a field) was a fifth of the stats capture of small ones. It
-    has no __post_init__ to skip; the fields left out take their declared defaults."""
-    piece = _new(LocalPiece)
-    piece.__dict__.update(
-        _PIECE_DEFAULTS,
+    return _filled(
         param=name,
         global_shape=global_shape,
         dtype=dtype_name(param.dtype),
@@ -238,14 +296,20 @@ def _piece(
         value=param.detach,
         replica_group=replica_group,
         local_name=local_name,
+        grad_partial=None,
     )
+
+
+def _filled(**fields: Any) -> LocalPiece:
+    """A LocalPiece filled in directly (every field given): a rank may hold 10^5 parameters, and the
+    frozen dataclass's __init__ (one object.__setattr__ a field) was a fifth of the stats capture of
+    small ones. It has no __post_init__ to skip."""
+    piece = _new(LocalPiece)
+    piece.__dict__.update(fields)
     return piece
 
 
 _new = object.__new__
-_PIECE_DEFAULTS = {
-    f.name: f.default for f in dataclasses.fields(LocalPiece) if f.default is not dataclasses.MISSING
-}
 
 
 @functools.cache

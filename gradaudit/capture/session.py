@@ -34,7 +34,7 @@ from .ownership import LocalPiece
 from .scaler import ScalerWatch
 from .snapshots import Snapshots
 from .topology import axis_names, normalize_groups, with_norm_group
-from .write import build_rank_dump, write_dump
+from .write import build_rank_dump, captured_pieces, write_dump
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -459,12 +459,16 @@ class AuditStep:
             return
         if self._call_stats:  # the last of two or more calls (one call's would be dropped)
             self._call_stats.append(grad_stats_of_snapshot(snapshots))
-        dump, tensors = build_rank_dump(
-            snapshots,
+        params, pieces, tensors = captured_pieces(
+            snapshots, mode=self.mode, call_stats=per_piece(self._call_stats, len(snapshots.pieces))
+        )
+        dump = build_rank_dump(
             rank=self.rank,
             world_size=self.world_size,
             step=self.step,
             mode=self.mode,
+            params=params,
+            pieces=pieces,
             topology=self._topology(),
             aliases=self._owned().aliases,
             clip=self._clip_record(),
@@ -474,8 +478,8 @@ class AuditStep:
                 loss_reduction=self._logged.get("loss_reduction"),
             ),
             run_id=self.run_id,
-            call_stats=per_piece(self._call_stats, len(snapshots.pieces)),
             capture_api=self.capture_api,
+            not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
         )
         try:
             self.path = write_dump(self.out_dir, dump, tensors)

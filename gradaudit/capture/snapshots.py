@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
 from .ownership import LocalPiece
-from .plain import LocalPieces, WholeReplicas
-from .supported import screen_parts, sparse_reason, warn_not_captured
+from .plain import LocalPieces, WholeRows
+from .supported import screen_pieces, sparse_reason, warn_not_captured
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,7 +47,7 @@ class Snapshots:
 
     def __init__(
         self,
-        pieces: Sequence[LocalPiece],
+        pieces: LocalPieces,
         *,
         mode: Mode,
         norm_type: float,
@@ -55,7 +55,7 @@ class Snapshots:
         on_error: Callable[[str, Exception], None],
         left_out: Sequence[NotCapturedParam] = (),
     ) -> None:
-        self.pieces, screened_out = _screened(pieces, norm_type)
+        self.pieces, screened_out = screen_pieces(pieces, norm_type)
         self.not_captured: dict[str, NotCapturedParam] = {p.name: p for p in (*left_out, *screened_out)}
         """Parameters left out, by name: given (ownership inference refused them), screened out here,
         or found holding a sparse gradient."""
@@ -76,8 +76,8 @@ class Snapshots:
             (mode == "full",) * len(self.pieces)
             if mode == "full" or not full_params
             else tuple(
-                any(name is not None and matches_any(name, full_params) for name in self.pieces.names(i))
-                for i in range(len(self.pieces))
+                any(name is not None and matches_any(name, full_params) for name in names)
+                for names in zip(self.pieces.params, self.pieces.local_names, strict=True)
             )
         )
 
@@ -99,24 +99,27 @@ class Snapshots:
         tensors: list[torch.Tensor] = []
         strided, failed, not_captured = torch.strided, self.failed, self.not_captured
         gradient = kind in GRAD_KINDS
-        replicas, start, stop = self.pieces.replicas, self.pieces.start, self.pieces.stop
+        pieces, params, whole = self.pieces, self.pieces.params, self.pieces.whole
         with torch.no_grad(), collection_paused():
-            one_by_one = False  # the whole replicas too, as LocalPieces: values kept, or not dense
-            if replicas is not None:
-                keep_any = any(self._keep_values[start:stop])
+            # The whole rows too, one by one, when values are kept or a gradient is not dense.
+            one_by_one: Sequence[int] = pieces.read_one_by_one() if whole is not None else range(len(pieces))
+            if whole is not None:
+                keep_any = any(self._keep_values[i] for i in whole.positions.tolist())
                 if summarize and not keep_any:
-                    done = self._summarize_replicas(kind, replicas, start)
+                    done = self._summarize_whole(kind, whole)
                     if done is False:
                         return
-                    one_by_one = done is None
-                else:
-                    one_by_one = keep_any or gradient
-            for index, piece in self._objects(one_by_one):
-                if (failed and index in failed) or piece.param in not_captured:
+                    if done is None:
+                        one_by_one = range(len(pieces))
+                elif keep_any or gradient:
+                    one_by_one = range(len(pieces))
+            for index in one_by_one:
+                if (failed and index in failed) or params[index] in not_captured:
                     continue
                 keep = self._keep_values[index]
                 if not gradient and not keep:
                     continue
+                piece = pieces[index]
                 try:
                     tensor = piece.grad() if gradient else piece.value()
                     if tensor is None:
@@ -141,26 +144,18 @@ class Snapshots:
                 return
         warn_not_captured(sparse)
 
-    def _objects(self, with_replicas: bool) -> Iterator[tuple[int, LocalPiece]]:
-        """(position, piece) of the pieces to read one by one: those held as objects, and the whole
-        replicas too when `with_replicas` (values kept, or a gradient that is not dense)."""
-        if with_replicas:
-            yield from enumerate(self.pieces)
-        else:
-            yield from self.pieces.objects()
-
-    def _summarize_replicas(self, kind: str, replicas: WholeReplicas, start: int) -> bool | None:
-        """Statistics of the whole replicas' gradients, read as one list and reduced by the groups of
-        one shape, dtype and device that inference found (no Python work per parameter beyond reading
-        its `.grad`). None when a gradient is not dense: the replicas are then read one by one
-        (`take`), which says why; False when the step was abandoned."""
+    def _summarize_whole(self, kind: str, whole: WholeRows) -> bool | None:
+        """Statistics of the whole rows' gradients, read as one list and reduced by the groups of one
+        shape, dtype and device that inference found (no Python work per parameter beyond reading
+        its `.grad`). None when a gradient is not dense: the rows are then read one by one (`take`),
+        which says why; False when the step was abandoned."""
         import torch
 
         from .tensorstats import stats_rows
 
-        grads = [param.grad for param in replicas.tensors]
-        groups = replicas.groups
-        skip = self._skipped(replicas, start)
+        grads = [param.grad for param in whole.tensors]
+        groups = whole.groups
+        skip = self._skipped(whole)
         if skip or any(g is None for g in grads):
             groups = {
                 key: kept
@@ -172,7 +167,7 @@ class Snapshots:
             return None
         import numpy as np
 
-        if groups is replicas.groups:
+        if groups is whole.groups:
             taken = np.arange(len(grads))
         else:
             taken = np.array([j for positions in groups.values() for j in positions], dtype=np.int64)
@@ -181,15 +176,17 @@ class Snapshots:
         try:
             rows = stats_rows(grads, self.norm_type, groups)  # type: ignore[arg-type]  # no group holds a None
         except Exception:  # noqa: BLE001  _summarize tries again, then one tensor at a time
-            return self._summarize(kind, (taken + start).tolist(), [grads[j] for j in taken.tolist()])
-        self.stats.put(kind, taken + start, rows[taken])
+            return self._summarize(kind, whole.positions[taken].tolist(), [grads[j] for j in taken.tolist()])
+        self.stats.put(kind, whole.positions[taken], rows[taken])
         return True
 
-    def _skipped(self, replicas: WholeReplicas, start: int) -> set[int]:
-        """The positions among the replicas of pieces that failed or whose parameter is left out."""
-        skip = {i - start for i in self.failed if start <= i < start + len(replicas.names)}
+    def _skipped(self, whole: WholeRows) -> set[int]:
+        """The indices among the whole rows of those that failed or whose parameter is left out."""
+        skip = (
+            {j for j, i in enumerate(whole.positions.tolist()) if i in self.failed} if self.failed else set()
+        )
         if self.not_captured:
-            skip.update(j for j, name in enumerate(replicas.names) if name in self.not_captured)
+            skip.update(j for j, name in enumerate(whole.names) if name in self.not_captured)
         return skip
 
     def _summarize(self, kind: str, positions: list[int], tensors: list[torch.Tensor]) -> bool:
@@ -198,7 +195,7 @@ class Snapshots:
         the step was abandoned."""
         from .tensorstats import stats_rows
 
-        param, not_captured = self.pieces.param, self.not_captured
+        param, not_captured = self.pieces.params.__getitem__, self.not_captured
         kept = (
             [i for i, index in enumerate(positions) if param(index) not in not_captured]
             if not_captured
@@ -274,17 +271,6 @@ class Snapshots:
         """The kinds held for piece `index`, in the order they were first taken (a look-up per kind
         taken, not a scan of every snapshot: a rank may hold 10^5 pieces)."""
         return [k for k in self.kinds_taken if (index, k) in self.values or (index, k) in self.stats]
-
-
-def _screened(
-    pieces: Sequence[LocalPiece], norm_type: float
-) -> tuple[LocalPieces, tuple[NotCapturedParam, ...]]:
-    """The pieces the dump can hold (supported.screen_pieces), the whole replicas as they are
-    (inference took only float dtypes into them), and the parameters left out."""
-    if not isinstance(pieces, LocalPieces):
-        pieces = LocalPieces(pieces)
-    (head, tail), left_out = screen_parts([pieces.head, pieces.tail], norm_type)
-    return LocalPieces(head, pieces.replicas, tail), left_out
 
 
 def _is_out_of_memory(exc: Exception) -> bool:

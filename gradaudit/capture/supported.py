@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..model import FLOAT_DTYPES, Box, FlatRange, NotCapturedParam, Region
 from ..warn import warn_once
 from .ownership import LocalPiece
+from .plain import LocalPieces
 
 if TYPE_CHECKING:
     import torch
@@ -16,44 +17,37 @@ if TYPE_CHECKING:
 REAL_OF_COMPLEX = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
 
 
-def screen_pieces(
-    pieces: Sequence[LocalPiece], norm_type: float
-) -> tuple[tuple[LocalPiece, ...], tuple[NotCapturedParam, ...]]:
+def screen_pieces(pieces: LocalPieces, norm_type: float) -> tuple[LocalPieces, tuple[NotCapturedParam, ...]]:
     """The pieces to capture, and the parameters left out (warned about once, by name).
 
     torch's clip_grad_norm_ takes the modulus of a complex gradient, so for the 2-norm its norm is the
     norm of torch.view_as_real(grad): such a piece is captured as that real view, with a trailing
     dimension of 2 added to its parameter's shape. Other norms of a complex gradient are no norm of
-    its real parts, and other dtypes are none the reader knows: those parameters are left out."""
-    (kept,), not_captured = screen_parts([pieces], norm_type)
-    return kept, not_captured
-
-
-def screen_parts(
-    parts: Sequence[Sequence[LocalPiece]], norm_type: float
-) -> tuple[list[tuple[LocalPiece, ...]], tuple[NotCapturedParam, ...]]:
-    """`screen_pieces` of several lists of pieces at once (one warning): the pieces kept of each."""
-    kept_parts: list[tuple[LocalPiece, ...]] = []
+    its real parts, and other dtypes are none the reader knows: those parameters are left out. (Whole
+    rows are float: inference took no other dtype into them.)"""
+    changes: dict[int, LocalPiece | None] = {}
     left_out: dict[str, str] = {}
-    for pieces in parts:
-        kept: list[LocalPiece] = []
-        for piece in pieces:
-            if piece.dtype in FLOAT_DTYPES:
-                kept.append(piece)
-            elif piece.dtype in REAL_OF_COMPLEX and norm_type == 2.0:
-                kept.append(_as_real_pairs(piece))
-            elif piece.dtype in REAL_OF_COMPLEX:
-                left_out.setdefault(
-                    piece.param,
-                    f"complex gradient ({piece.dtype}) under norm_type {norm_type:g}: only its 2-norm is the "
-                    "norm of its real and imaginary parts",
-                )
-            else:
-                left_out.setdefault(piece.param, f"dtype {piece.dtype}, which the dump format cannot hold")
-        kept_parts.append(tuple(kept))
+    dtypes = pieces.dtypes
+    for index in pieces.read_one_by_one():
+        dtype = dtypes[index]
+        if dtype in FLOAT_DTYPES:
+            continue
+        piece = pieces[index]
+        if dtype in REAL_OF_COMPLEX and norm_type == 2.0:
+            changes[index] = _as_real_pairs(piece)
+            continue
+        changes[index] = None
+        if dtype in REAL_OF_COMPLEX:
+            left_out.setdefault(
+                piece.param,
+                f"complex gradient ({dtype}) under norm_type {norm_type:g}: only its 2-norm is the "
+                "norm of its real and imaginary parts",
+            )
+        else:
+            left_out.setdefault(piece.param, f"dtype {dtype}, which the dump format cannot hold")
     not_captured = tuple(NotCapturedParam(name=n, reason=r) for n, r in left_out.items())
     warn_not_captured(not_captured)
-    return kept_parts, not_captured
+    return pieces.edited(changes), not_captured
 
 
 def sparse_reason(tensor: torch.Tensor) -> str | None:

@@ -18,6 +18,7 @@ from ..model import (
     DataRecord,
     FlatRange,
     Mode,
+    NotCapturedParam,
     ParamInfo,
     Piece,
     RankDump,
@@ -29,7 +30,7 @@ from ..model import (
     numel_of,
 )
 from ..version import __version__
-from .plain import WholeReplicas, dtype_name
+from .plain import WholeRows, dtype_name
 from .snapshots import Snapshots, collection_paused
 
 if TYPE_CHECKING:
@@ -37,57 +38,67 @@ if TYPE_CHECKING:
     import torch
 
 
+def captured_pieces(
+    snapshots: Snapshots, *, mode: Mode, call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None
+) -> tuple[tuple[ParamInfo, ...], ColumnarPieces, dict[tuple[int, TensorKind], torch.Tensor]]:
+    """(the parameters, the pieces numbered densely, their tensors keyed by (piece index, kind) as
+    CPU-bound copies) of what one rank captured.
+
+    A stats dump that format 1.1 can hold as columns gets its pieces as a ColumnarPieces built from
+    the snapshots' own rows (`_columnar`), with no Piece or TensorStats object per piece."""
+    infos: dict[str, ParamInfo] = {}
+    tensors: dict[tuple[int, TensorKind], torch.Tensor] = {}
+    with collection_paused():
+        columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
+        if columns is not None:
+            return (*columns, tensors)
+        objects = _pieces(snapshots, infos, tensors, call_stats)  # fills infos
+        params = tuple(sorted(infos.values(), key=lambda i: i.name))
+        return params, as_columns(params, objects), tensors
+
+
 def build_rank_dump(
-    snapshots: Snapshots,
     *,
     rank: int,
     world_size: int,
     step: int,
     mode: Mode,
-    topology: Topology,
+    params: tuple[ParamInfo, ...],
+    pieces: ColumnarPieces,
     aliases: Mapping[str, str],
+    topology: Topology,
     clip: ClipRecord | None,
     data: DataRecord,
     run_id: str | None,
-    call_stats: Mapping[int, tuple[TensorStats, ...]] | None = None,
-    capture_api: str | None = None,
-) -> tuple[RankDump, dict[tuple[int, TensorKind], torch.Tensor]]:
-    """The RankDump (pieces numbered densely) and its tensors keyed by (piece index, kind), as CPU-bound copies.
-
-    A stats dump that format 1.1 can hold as columns gets its pieces as a ColumnarPieces built from
-    the snapshots' own rows (`_columnar`), with no Piece or TensorStats object per piece."""
-    infos: dict[str, ParamInfo] = {}
-    pieces: Sequence[Piece] = []
-    tensors: dict[tuple[int, TensorKind], torch.Tensor] = {}
-    with collection_paused():
-        columns = None if snapshots.values or call_stats or mode != "stats" else _columnar(snapshots)
-        if columns is not None:
-            params, pieces = columns
-        else:
-            objects = _pieces(snapshots, infos, tensors, call_stats)  # fills infos
-            params = tuple(sorted(infos.values(), key=lambda i: i.name))
-            pieces = as_columns(params, objects)
-    dump = RankDump(
+    capture_api: str | None,
+    not_captured: tuple[NotCapturedParam, ...] = (),
+    host: str | None = None,
+    created_at: str | None = None,
+) -> RankDump:
+    """The RankDump of one rank's step, stamped with where and when it was made (this host, the
+    running torch and gradaudit, now) unless `host` or `created_at` say otherwise."""
+    return RankDump(
         path="",
         rank=rank,
         world_size=world_size,
         step=step,
         mode=mode,
         run_id=run_id,
-        host=socket.gethostname(),
+        host=host if host is not None else socket.gethostname(),
         torch_version=torch_version(),
         gradaudit_version=__version__,
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=created_at
+        if created_at is not None
+        else datetime.now(timezone.utc).isoformat(timespec="seconds"),
         params=params,
         pieces=pieces,
         aliases=dict(aliases),
         topology=topology,
         clip=clip,
         data=data,
-        not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
+        not_captured=not_captured,
         capture_api=capture_api,
     )
-    return dump, tensors
 
 
 def _pieces(
@@ -153,15 +164,22 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     held = np.logical_or.reduce(present)
     pieces = snapshots.pieces
     columns = _Columns()
-    start, stop = pieces.start, pieces.stop
-    if not columns.add_objects(snapshots, np.flatnonzero(held[:start]).tolist()):
-        return None
-    if pieces.replicas is not None and not columns.add_replicas(
-        snapshots, pieces.replicas, start, np.flatnonzero(held[start:stop])
-    ):
-        return None
-    if not columns.add_objects(snapshots, (np.flatnonzero(held[stop:]) + stop).tolist()):
-        return None
+    positions = np.flatnonzero(held)
+    whole = pieces.whole
+    is_whole = np.zeros(len(pieces), dtype=bool)
+    if whole is not None:
+        is_whole[whole.positions] = True
+    # Runs of rows alike, in order: the whole rows' columns are made a run at a time.
+    flags = is_whole[positions]
+    for run in np.split(positions, np.flatnonzero(np.diff(flags)) + 1):
+        if not run.size:
+            continue
+        if whole is not None and is_whole[run[0]]:
+            added = columns.add_whole(snapshots, whole, np.searchsorted(whole.positions, run))
+        else:
+            added = columns.add_rows(snapshots, run.tolist())
+        if not added:
+            return None
     kept = columns.kept
     if not kept or any(not p[kept].all() for p in present):
         return None  # no piece, or kinds that differ between pieces
@@ -178,8 +196,8 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
 
 
 class _Columns:
-    """The lists `pieces_from_rows` takes, filled piece by piece (objects) or a block at a time (the
-    whole replicas)."""
+    """The lists `pieces_from_rows` takes, filled piece by piece or, for the whole rows, a run at a
+    time."""
 
     def __init__(self) -> None:
         self.infos: dict[str, ParamInfo] = {}
@@ -189,15 +207,15 @@ class _Columns:
         self._blocks: dict[str, list[np.ndarray]] = {"ndims": [], "coords": []}
         """The ndims and coords columns as int64 arrays, a run of pieces each."""
         self.known_table: _KnownTable | None = None
-        """The cached table of the replicas added (`_last_table`), when one was used or made."""
+        """The cached table of the whole rows added (`_last_table`), when one was used or made."""
         self._layouts: dict[int, tuple[int, tuple[int, ...], tuple[int, ...] | int] | None] = {}
         """id of a piece's regions -> (ndim: 0 for a flat range, its coordinates, the local shape or
         numel it needs), None when the columns cannot hold them: pieces of one shape share them."""
 
-    def _replica_infos(
+    def _whole_infos(
         self, names: list[str], codes: np.ndarray, kinds: Sequence[tuple[Any, ...]]
     ) -> list[ParamInfo]:
-        """The ParamInfo of each replica, those of the step before when it had the same ones."""
+        """The ParamInfo of each whole row, those of the step before when it had the same ones."""
         key = (tuple(names), codes.tobytes(), tuple(kinds))
         known = _last_table.get(key)
         if known is not None:
@@ -228,72 +246,80 @@ class _Columns:
         """The "ndims" or "coords" column of every piece added, in order."""
         import numpy as np
 
-        return np.concatenate(self._blocks[name])  # the objects before the replicas, theirs, those after
+        return np.concatenate(self._blocks[name])
 
-    def add_objects(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
+    def add_rows(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
         import numpy as np
 
-        infos, layouts, not_captured = self.infos, self._layouts, snapshots.not_captured
+        infos, layouts, not_captured, pieces = (
+            self.infos,
+            self._layouts,
+            snapshots.not_captured,
+            snapshots.pieces,
+        )
         ndims: list[int] = []
         coords: list[int] = []
         for index in indices:
-            local = snapshots.pieces[index]
-            name = local.param
+            name = pieces.params[index]
             if name in not_captured:
                 continue
+            dtype, regions, local_shape = (
+                pieces.dtypes[index],
+                pieces.regions[index],
+                pieces.local_shapes[index],
+            )
             info = infos.get(name)
             if info is None:
-                infos[name] = ParamInfo(name=name, global_shape=local.global_shape, dtype=local.dtype)
-            elif info.dtype != local.dtype:
+                infos[name] = ParamInfo(name=name, global_shape=pieces.global_shapes[index], dtype=dtype)
+            elif info.dtype != dtype:
                 return False
-            key = id(local.regions)
-            layout = layouts[key] if key in layouts else layouts.setdefault(key, _layout(local.regions))
-            if layout is None or local.local_name is not None:
+            key = id(regions)
+            layout = layouts[key] if key in layouts else layouts.setdefault(key, _layout(regions))
+            if layout is None or pieces.local_names[index] is not None:
                 return False
             ndim, values, needs = layout
-            if needs != (local.local_shape if ndim else numel_of(local.local_shape)):
+            if needs != (local_shape if ndim else numel_of(local_shape)):
                 return False
             self.kept.append(index)
             self.names.append(name)
-            self.groups.append(local.replica_group)
+            self.groups.append(pieces.replica_groups[index])
             ndims.append(ndim)
             coords += values
         self._blocks["ndims"].append(np.array(ndims, dtype=np.int64))
         self._blocks["coords"].append(np.array(coords, dtype=np.int64))
         return True
 
-    def add_replicas(
-        self, snapshots: Snapshots, replicas: WholeReplicas, start: int, positions: np.ndarray
-    ) -> bool:
-        """The replicas at `positions` (among the replicas): one whole box each, its parameter's
+    def add_whole(self, snapshots: Snapshots, whole: WholeRows, chosen_rows: np.ndarray) -> bool:
+        """The whole rows at `chosen_rows` (indices among them): one whole box each, its parameter's
         ParamInfo filled in directly (their shapes are real tensors')."""
         import numpy as np
 
-        kinds = replicas.kinds
+        kinds = whole.kinds
         if any(not shape for shape, _, _ in kinds):
             return False  # a 0-D box
         if snapshots.not_captured:
-            names = replicas.names
-            positions = np.array(
-                [j for j in positions.tolist() if names[j] not in snapshots.not_captured], dtype=np.int64
+            names = whole.names
+            chosen_rows = np.array(
+                [j for j in chosen_rows.tolist() if names[j] not in snapshots.not_captured], dtype=np.int64
             )
-        chosen = positions.tolist()
-        every = len(chosen) == len(replicas.names)
-        names = list(replicas.names) if every else [replicas.names[j] for j in chosen]
-        codes = replicas.codes if every else replicas.codes[positions]
+        chosen = chosen_rows.tolist()
+        every = len(chosen) == len(whole.names)
+        names = list(whole.names) if every else [whole.names[j] for j in chosen]
+        codes = whole.codes if every else whole.codes[chosen_rows]
         shapes = [kind[0] for kind in kinds]
         before = len(self.infos)
-        self.infos.update(zip(names, self._replica_infos(names, codes, kinds), strict=True))
+        self.infos.update(zip(names, self._whole_infos(names, codes, kinds), strict=True))
         if len(self.infos) != before + len(chosen):
-            return False  # a name an object piece has too: the general checks decide
+            return False  # a name another piece has too: the general checks decide
         ndims = np.array([len(shape) for shape in shapes], dtype=np.int64)
         boxes = np.zeros((len(kinds), 2 * int(ndims.max())), dtype=np.int64)
         for code, shape in enumerate(shapes):
             boxes[code, len(shape) : 2 * len(shape)] = shape
         laid_out = np.arange(boxes.shape[1]) < 2 * ndims[:, None]
-        self.kept += (positions + start).tolist()
+        positions = whole.positions[chosen_rows].tolist()
+        self.kept += positions
         self.names += names
-        self.groups += [replicas.replica_group] * len(chosen)
+        self.groups += [snapshots.pieces.replica_groups[i] for i in positions]
         self._blocks["ndims"].append(ndims[codes])
         self._blocks["coords"].append(boxes[codes][laid_out[codes]])
         return True
@@ -301,18 +327,18 @@ class _Columns:
 
 @dataclass
 class _KnownTable:
-    """The whole replicas' ParamInfo list of a step, and its sorted parameter table when they were
+    """The whole rows' ParamInfo list of a step, and its sorted parameter table when they were
     all of it: a step like the one before reuses them, and the reader's checks find the table they
     validated last (10^5 parameters a rank happen)."""
 
     infos: list[ParamInfo]
-    """The replicas' ParamInfo, in the order they were added."""
+    """The whole rows' ParamInfo, in the order they were added."""
     params: tuple[ParamInfo, ...] | None = None
-    """The step's whole parameter table, when it held the replicas alone."""
+    """The step's whole parameter table, when it held the whole rows alone."""
 
 
 _last_table: dict[tuple[Any, ...], _KnownTable] = {}
-"""(names, codes, kinds) of the last step's whole replicas -> their table (one entry at most)."""
+"""(names, codes, kinds) of the last step's whole rows -> their table (one entry at most)."""
 
 
 def _param_info(name: str, shape: tuple[int, ...], dtype: str) -> ParamInfo:

@@ -1,8 +1,7 @@
 """`gradaudit demo`: real multi-process training steps with real clipping mistakes, and their references."""
 
-from .launch import DemoRunFailed
 from .registry import SCENARIOS, Scenario, get_scenario, scenario_names, scenario_table
-from .run import DemoOutputExists, DemoResult, run_demo, scenario_dirs
+from .run import DemoOutputExists, DemoResult, DemoRunFailed, run_demo, scenario_dirs
 
 __all__ = [
     "SCENARIOS",

@@ -25,7 +25,7 @@ class Scenario:
     """What the step does wrong, in a few words ("none" for the correct one)."""
     expected: str
     """The error findings `gradaudit check` gives on this step, as documentation for `gradaudit demo --list`
-    (tests/test_samples_findings.py pins the exact codes)."""
+    (tests/checks/test_samples_findings.py pins the exact codes)."""
 
 
 # The table is laid out by hand (the formatter would put each field on a line of its own).

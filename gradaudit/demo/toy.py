@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from ..capture.session import AuditStep, GroupSpec
-    from .launch import RankContext
+    from .run import RankContext
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

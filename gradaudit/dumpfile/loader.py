@@ -408,8 +408,12 @@ def merge_groups(
     Two rank lists of one group that share a rank but differ are a contradiction (GA101 evidence).
     """
     merged: dict[str, set[tuple[int, ...]]] = {}
+    seen: set[tuple[str, tuple[tuple[int, ...], ...]]] = set()
     for dump in ranks.values():
         for name, lists in dump.topology.groups.items():
+            if (name, lists) in seen:
+                continue  # the same view as another rank's (every rank of a large job sees them all)
+            seen.add((name, lists))
             merged.setdefault(name, set()).update(tuple(sorted(set(g))) for g in lists)
     conflicts = []
     for name, rank_lists in sorted(merged.items()):

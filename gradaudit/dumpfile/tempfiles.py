@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import os
 import re
-import socket
 from pathlib import Path
 
 TEMPORARY_MARK = ".tmp-"
@@ -23,6 +22,8 @@ crate); gradaudit 0.1.0 wrote rank files through it, so a writer killed then lef
 
 
 def _host() -> str:
+    import socket  # only writers name temporaries: a check of a dump never loads it
+
     return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())[:64]
 
 

@@ -11,7 +11,7 @@ later. The group's own timeout, much longer, ends an exchange that no other rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,8 @@ class ChannelError(Exception):
 
 @dataclass(eq=False)
 class Exchange:
-    """One posted all-gather of a fixed-size vector: what was sent, where the result lands, its work."""
+    """One posted exchange of a fixed-size vector (an all-reduce that sums, or an all-gather): what was
+    sent, where the result lands, its work."""
 
     step: int
     """The guard's step the vector belongs to."""
@@ -41,7 +42,8 @@ class Exchange:
     """The asynchronous work (None: already complete, as in a world of one)."""
     waited: bool = False
     """A wait for it already ran out once (it is read later, or the others are gone)."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    row: Any = None
+    """Of a sum: this rank's row, gathered when the sum does not settle the step (see fastpath)."""
 
 
 class Channel:
@@ -72,6 +74,17 @@ class Channel:
         gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather_single(gathered, vector, group=self.group, async_op=True)
         return Exchange(step=step, vector=vector, gathered=gathered, work=work)
+
+    def post_sum(self, step: int, vector: torch.Tensor, row: torch.Tensor) -> Exchange:
+        """All-reduce (sum) `vector` (a 1-D float64 host tensor, the same size on every rank) without
+        waiting; `row` is kept with it."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return Exchange(step=step, vector=vector, gathered=vector, row=row)
+        summed = vector.clone()
+        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Exchange(step=step, vector=vector, gathered=summed, work=work, row=row)
 
     def read(self, exchange: Exchange, wait_s: float | None = None) -> torch.Tensor | None:
         """The gathered vector, every rank's in rank order; None when the others have not posted theirs

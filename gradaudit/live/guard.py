@@ -27,8 +27,11 @@ from . import wire
 from .agreement import Agreement, agree
 from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_of
 from .channel import WAIT_S, Channel, Exchange
+from .fastpath import FastVerdict, Reduction, role_of
 from .summary import (
     FAILED,
+    HEADER,
+    NONFINITE_SLOTS,
     OFF,
     SKIP,
     STEP,
@@ -209,8 +212,8 @@ class Guard:
         """The per-piece norms of the step's gradients before its first clip call (see LocalSummary)."""
         self._nonfinite_in: list[str] = []
         """Of the step being judged: the parameters (and ranks) nonfinite before its first clip call."""
-        self._said_of: dict[int, tuple[tuple[str, ...], Any]] = {}
-        """Per step sent and not judged yet: its clip calls' sites and first per-piece norms."""
+        self._said_of: dict[int, tuple[str, ...]] = {}
+        """Per step sent and not judged yet: its clip calls' sites."""
         self._channel: Channel | None = None
         self._exchange: Exchange | None = None
         """The step whose numbers were sent to the other ranks and are not read yet."""
@@ -306,6 +309,10 @@ class Guard:
             for _, topology, _ in every_rank
         ]
         self.layout = VectorLayout(num_groups=len(self.groups))
+        self._reduction = Reduction(layout=self.layout)
+        self._role = role_of(self.rank, self.groups, self._held, self._topologies)
+        self._params_of = [[piece[0] for piece in pieces] for pieces, _, _ in every_rank]
+        self._calibrated = False  # the first step judged on this ownership is judged in full
         self._summary = LocalSummary(
             ownership.pieces, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
         )
@@ -556,7 +563,7 @@ class Guard:
                 applied = applied * last_scale
         if self._grad_dtype is None:  # once: read from the gradients' metadata, no pass over them
             self._grad_dtype = _loosest_dtype(p.grad() for p in self._summary.pieces)
-        return pack(
+        vector = pack(
             self.layout,
             device=self._device,
             terms=terms,
@@ -566,6 +573,13 @@ class Guard:
             scaler=scaler,
             grad_dtype=self._grad_dtype,
         )
+        g, first = self.layout.num_groups, self._first_norms
+        counts = vector[HEADER + g : HEADER + 3 * g]
+        # on the host the counts are read at no cost; on a device the pieces are found without a read
+        if first is not None and (vector.device.type != "cpu" or bool(counts.any())):
+            at = self.layout.nonfinite_offset
+            vector[at : at + NONFINITE_SLOTS].copy_(self._summary.nonfinite_pieces(first))
+        return vector
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         # The summary is sent after the step, not before: a closure (Lightning, LBFGS) runs the backward
@@ -594,7 +608,7 @@ class Guard:
             vector = self._safely("measure", lambda: self._vector(skipped=skipped))
         if vector is None:
             vector = status_vector(self.layout, status, self._device)
-        self._said_of[self.step] = (tuple(self._sites), self._first_norms)
+        self._said_of[self.step] = tuple(self._sites)
         for old_step in [k for k in self._said_of if k < self.step - 2 * self.every]:
             del self._said_of[old_step]
         watch = self._watch
@@ -611,8 +625,7 @@ class Guard:
 
         try:
             if vector.device.type == "cpu":
-                assert self._channel is not None
-                self._exchange = self._channel.post(self.step, vector)
+                self._post(self.step, vector)
                 return
             host = vector.to("cpu", non_blocking=True)
             event = None
@@ -635,12 +648,19 @@ class Guard:
         try:
             if event is not None:
                 event.synchronize()  # a step late, the copy is long done: no wait in practice
-            assert self._channel is not None
-            self._exchange = self._channel.post(step, host)
+            self._post(step, host)
         except Exception as exc:
             if _is_signal(exc):
                 raise
             self._stop(f"it could not send its numbers of step {step} ({_said(exc)})", alone=True)
+
+    def _post(self, step: int, row: Any) -> None:
+        """Post this rank's part of the step's one sum (see fastpath); its row goes with it."""
+        import torch
+
+        assert self._channel is not None
+        part = self._reduction.contribution(row.numpy(), self._role, self._declared(step))
+        self._exchange = self._channel.post_sum(step, torch.from_numpy(part), row)
 
     def _end_step(self) -> None:
         capture = self._capture
@@ -689,8 +709,61 @@ class Guard:
                     )
                 return
             self._exchange = None
-            rows = gathered.numpy().reshape(self.world_size, -1)
-            self._safely("judge", functools.partial(self._conclude, exchange, rows))
+            if exchange.row is None:
+                rows = gathered.numpy().reshape(self.world_size, -1)
+                self._safely("judge", functools.partial(self._conclude, exchange, rows))
+                continue
+            fast = self._safely("judge", functools.partial(self._fast_verdict, exchange.step, gathered))
+            if fast is not None:
+                self._safely("judge", functools.partial(self._conclude_fast, exchange.step, fast))
+                continue
+            try:  # the sum does not settle the step: every rank's row, read in the same loop
+                self._exchange = self._channel.post(exchange.step, exchange.row)
+            except Exception as exc:
+                if _is_signal(exc):
+                    raise
+                self._stop(
+                    f"it could not send its numbers of step {exchange.step} ({_said(exc)})", alone=True
+                )
+
+    def _fast_verdict(self, step: int, summed: Any) -> FastVerdict | None:
+        if not self._calibrated:
+            return None
+        return self._reduction.verdict(
+            summed.numpy(), norm_type=self.norm_type, max_norm=self._declared(step)
+        )
+
+    def _conclude_fast(self, step: int, fast: FastVerdict) -> None:
+        """A step the sum settles: every rank agrees, or none measured it (paused alike)."""
+        self._failed_in_a_row = self._realignments = 0
+        if fast.kind == "not_measured":
+            return
+        if math.isfinite(fast.passed_max_norm):
+            self._told_other_max_norm(step, fast.passed_max_norm, self.max_norm)
+        if fast.kind == "skipped":
+            skipped = TrendLine(
+                step=step,
+                true_norm=None,
+                reported_norm=fast.reported_norm,
+                expected_coef=None,
+                min_coef=None,
+                max_coef=None,
+                skipped=True,
+            )
+            self._record_line(skipped)
+            return
+        self._num_judged += 1
+        self._record_line(
+            TrendLine(
+                step=step,
+                true_norm=fast.true_norm,
+                reported_norm=fast.reported_norm,
+                expected_coef=fast.expected_coef,
+                min_coef=fast.min_coef,
+                max_coef=fast.max_coef,
+            )
+        )
+        self._end_repeat()
 
     def _conclude(self, exchange: Exchange, rows: Any) -> None:
         agreement = agree(rows)
@@ -700,7 +773,7 @@ class Guard:
             self._failed_in_a_row = 0
         if conclusion == "judge":
             self._realignments = 0
-            self._ask_where_nonfinite(step, rows)
+            self._ask_where_nonfinite(rows)
             live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
                 self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
@@ -767,16 +840,22 @@ class Guard:
         if len(passed) != 1 or len(last) != len(live.ranks):
             return live
         (used,) = passed
-        if math.isclose(used, live.max_norm, rel_tol=1e-6):
+        if not self._told_other_max_norm(live.step, used, live.max_norm):
             return live
+        return dataclasses.replace(live, max_norm=used)
+
+    def _told_other_max_norm(self, step: int, used: float, declared: float) -> bool:
+        """Whether the clip calls passed a max_norm other than the declared (said once)."""
+        if math.isclose(used, declared, rel_tol=1e-6):
+            return False
         self._warn_once(
             "max_norm",
-            f"gradaudit guard: step {live.step}: the clip call passes max_norm {used:g}, the guard was told "
-            f"{live.max_norm:g}: checked against {used:g} (pass the max_norm your loop clips with, or "
+            f"gradaudit guard: step {step}: the clip call passes max_norm {used:g}, the guard was told "
+            f"{declared:g}: checked against {used:g} (pass the max_norm your loop clips with, or "
             "max_norm=a function of the step for a schedule)",
             shared=True,
         )
-        return dataclasses.replace(live, max_norm=used)
+        return True
 
     def _caught_up(self, exchange: Exchange, agreement: Agreement) -> None:
         """Some ranks skipped an optimizer step (`agreement.ranks`, whose forward passes ran ahead):
@@ -801,10 +880,9 @@ class Guard:
             return
         self.step += 1
         if (step + 1) % self.every == 0:
-            vector = exchange.vector
-            vector[STEP] = float(step + 1)
-            assert self._channel is not None
-            self._exchange = self._channel.post(step + 1, vector)  # a failure: see _safely in _read
+            row = exchange.row if exchange.row is not None else exchange.vector
+            row[STEP] = float(step + 1)
+            self._post(step + 1, row)  # a failure: see _safely in _read
 
     def line_of(self, step: int, *, read: bool = True) -> TrendLine | None:
         """The trend line of `step`, reading its verdict now if it is still pending (late=True; `read`:
@@ -845,6 +923,8 @@ class Guard:
         codes = tuple(dict.fromkeys(f.code for f in errors))
         line = trend_line(report, codes)
         self._num_judged += 1
+        # the common path may judge the next steps once a full diagnosis found the ownership sound
+        self._calibrated = self._calibrated or not any(code.startswith("GA1") for code in codes)
         self._record_line(line)
         if not errors:
             self._end_repeat()
@@ -871,31 +951,24 @@ class Guard:
     def _where(self, code: str, live: LiveStep) -> str:
         """Where in the training code or the model a finding happened: the clip calls' lines (GA501),
         the parameters whose gradients were nonfinite before any clip (GA401, asked of every rank)."""
-        sites = self._said_of.get(live.step, ((), None))[0]
+        sites = self._said_of.get(live.step, ())
         if code == "GA501" and sites:
             return f" (clip calls at {', '.join(sites)} on rank {self.rank})"
         if code == "GA401" and self._nonfinite_in:
             return f" (nonfinite before any clip in {', '.join(self._nonfinite_in)})"
         return ""
 
-    def _ask_where_nonfinite(self, step: int, rows: Any) -> None:
-        """On a step whose rows count nonfinite pieces (every rank sees them), every rank tells the
-        others which of its parameters were nonfinite before the step's first clip: one more exchange,
-        on that step only."""
-        from .summary import HEADER
-
-        g = self.layout.num_groups
-        self._nonfinite_in = []
-        if not (rows[:, HEADER + g : HEADER + 3 * g] > 0).any() or self._channel is None:
-            return
-        first_norms = self._said_of.get(step, ((), None))[1]
-        names = (
-            self._safely("measure", lambda: self._summary.nonfinite_params(first_norms, 4))
-            if first_norms
-            else []
-        )
-        told = self._channel.exchange_bytes(json.dumps(names or []).encode(), self._wait_s)
-        self._nonfinite_in = [f"{n} (rank {r})" for r, data in enumerate(told) for n in json.loads(data)][:8]
+    def _ask_where_nonfinite(self, rows: Any) -> None:
+        """The parameters (and ranks) whose gradients were nonfinite before the step's first clip call,
+        from the pieces each rank's row names (see summary.NONFINITE_SLOTS)."""
+        at = self.layout.nonfinite_offset
+        named: list[str] = []
+        for rank, row in enumerate(rows):
+            pieces = [int(i) for i in row[at : at + NONFINITE_SLOTS] if math.isfinite(i)]
+            params = self._params_of[rank]
+            names = dict.fromkeys(params[i] for i in pieces if 0 <= i < len(params))
+            named.extend(f"{name} (rank {rank})" for name in names)
+        self._nonfinite_in = named[:8]
 
     def _record_line(self, line: TrendLine) -> None:
         self.last = line

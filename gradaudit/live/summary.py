@@ -1,9 +1,6 @@
 """What each rank measures of a checked step, on the gradients' device and without copying them, and
-the fixed-size float64 vector it travels in (one all-gather per checked step).
-
-A DTensor gradient is read through its `_local_tensor` (what `to_local()` returns, without the
-autograd function `to_local()` runs: 16 us a parameter on CPU, 1.5x the norm pass of a small FSDP2
-model), falling back to the piece's own accessor when the layout is not the parameter's.
+the fixed-size float64 row it is written into (summed with the other ranks' in fastpath, gathered
+only for a step the sum does not settle). The gradients are read as reading.GradReader reads them.
 The per-piece norms come from one `torch._foreach_norm` in the gradients' own dtype (asking it for
 float64 makes a float64 copy of every gradient first, 18x the time on CPU); their p-th powers are
 summed per ownership group in float64. The applied coefficient is measured on a fixed sample of
@@ -13,8 +10,7 @@ elements (a few per piece, read before and after a clip call), so no second pass
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +29,9 @@ MAX_CALLS = 4
 SAMPLE_PIECES = 16
 """The largest pieces of a rank each give SAMPLE_PER_PIECE elements to the coefficient's sample."""
 SAMPLE_PER_PIECE = 8
+NONFINITE_SLOTS = 4
+"""Pieces whose gradient was nonfinite before the step's first clip call, named by their index in the
+rank's ownership (every rank knows every rank's, from attaching): the row's last numbers."""
 
 OK, FAILED, OFF, SKIP = 1.0, -1.0, -2.0, -3.0
 """A rank's status in its vector: measured; could not measure the step; its guard leaves (removed or
@@ -60,6 +59,10 @@ class VectorLayout:
 
     @property
     def size(self) -> int:
+        return self.nonfinite_offset + NONFINITE_SLOTS
+
+    @property
+    def nonfinite_offset(self) -> int:
         return HEADER + 3 * self.num_groups + self.max_calls * self.call_size
 
     def call_offset(self, call: int) -> int:
@@ -138,8 +141,11 @@ class LocalSummary:
         *,
         model: torch.nn.Module | None = None,
     ) -> None:
+        from .reading import GradReader
+
         self.pieces = tuple(pieces)
-        self._readers = local_grad_readers(self.pieces, model)
+        self.reader = GradReader(self.pieces, model)
+        self._readers = self.reader.readers
         self.group_index = tuple(group_index)
         self.layout = layout
         self.norm_type = norm_type
@@ -150,17 +156,17 @@ class LocalSummary:
         self._sampled = tuple(i for i in largest if math.prod(self.pieces[i].local_shape) > 0)[:SAMPLE_PIECES]
 
     def _grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-        grads, present = [], []
-        for i, read in enumerate(self._readers):
-            grad = read()
-            if grad is not None:
-                grads.append(grad)
-                present.append(i)
-        return grads, tuple(present)
+        return self.reader.read()  # gradients that require grad (create_graph) are measured under no_grad
 
     def measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
         """This rank's group terms now (see `terms`), the sample (see `sample`) of the gradients read
         with them, and its elements as views of those gradients (a clip in place shows in them)."""
+        import torch
+
+        with torch.no_grad():
+            return self._measure()
+
+    def _measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
         grads, present = self._grads()
         by_piece = dict(zip(present, grads, strict=True))
         sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
@@ -173,7 +179,10 @@ class LocalSummary:
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
         the gradients' device; None when no piece has a gradient."""
-        return self._terms(*self._grads())
+        import torch
+
+        with torch.no_grad():
+            return self._terms(*self._grads())
 
     def _terms(self, grads: list[torch.Tensor], present: tuple[int, ...]) -> torch.Tensor | None:
         import torch
@@ -204,11 +213,26 @@ class LocalSummary:
             out[0].zero_().scatter_reduce_(0, index, finite, "amax")  # the largest norm per group
         return out.reshape(-1)  # [terms per group, nan pieces per group, inf pieces per group]
 
-    def nonfinite_params(self, norms: tuple[torch.Tensor, tuple[int, ...]], most: int) -> list[str]:
-        """The parameters of the pieces whose norm in `norms` is not finite (at most `most`)."""
+    def nonfinite_pieces(self, norms: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
+        """The indices (float64, nan-padded) of the first NONFINITE_SLOTS pieces whose norm in `norms` is
+        not finite, found on the norms' device without reading them back."""
+        import torch
+
         values, present = norms
-        bad = (~values.isfinite()).nonzero().reshape(-1).tolist()
-        return list(dict.fromkeys(self.pieces[present[i]].param for i in bad))[:most]
+        order = self._index_cache.get((-1,) + present)
+        if order is None:
+            # a weight per piece that is highest for the first one: topk of the nonfinite picks the first
+            count = len(present)
+            order = torch.tensor(
+                [[float(count - k) for k in range(count)], [float(i) for i in present]],
+                dtype=torch.float64,
+                device=values.device,
+            )
+            self._index_cache[(-1,) + present] = order
+        k = min(NONFINITE_SLOTS, len(present))
+        weights, at = torch.topk((~values.isfinite()).to(torch.float64) * order[0], k)
+        found = torch.where(weights > 0, order[1][at], math.nan)
+        return torch.cat((found, found.new_full((NONFINITE_SLOTS - k,), math.nan)))
 
     def has_gradients(self) -> bool:
         """Whether any of the sampled pieces (the largest) holds a gradient now."""
@@ -251,45 +275,6 @@ def _float64_cat(views: list[torch.Tensor]) -> torch.Tensor | None:
     if not views:
         return None
     return torch.cat(views).to(torch.float64)  # cat promotes mixed dtypes to the widest, exactly
-
-
-def local_grad_readers(
-    pieces: Sequence[LocalPiece], model: torch.nn.Module | None
-) -> tuple[Callable[[], torch.Tensor | None], ...]:
-    """Per piece, what reads its gradient: for the one piece of a DTensor parameter that covers its
-    whole local shard, the gradient's `_local_tensor` (the piece's accessor when the gradient's
-    placements differ from the parameter's or the attribute is missing); else the piece's accessor."""
-    from ..capture.names import named_logical_parameters
-
-    by_name = {} if model is None else {logical: p for logical, _, p in named_logical_parameters(model)}
-    count = Counter(piece.local_name or piece.param for piece in pieces)
-    readers = []
-    for piece in pieces:
-        name = piece.local_name or piece.param
-        param = by_name.get(name)
-        local = getattr(param, "_local_tensor", None)
-        whole = local is not None and count[name] == 1 and tuple(local.shape) == tuple(piece.local_shape)
-        readers.append(_local_tensor_reader(param, piece.grad) if whole else piece.grad)
-    return tuple(readers)
-
-
-def _local_tensor_reader(
-    param: Any, fallback: Callable[[], torch.Tensor | None]
-) -> Callable[[], torch.Tensor | None]:
-    placements, shape = tuple(param.placements), param._local_tensor.shape
-    known: list[Any] = [None]  # the spec of the last gradient found whole (FSDP2 gives every step's the same)
-
-    def read() -> torch.Tensor | None:
-        grad = param.grad
-        if grad is not None and grad._spec is known[0]:
-            return grad._local_tensor  # type: ignore[no-any-return]  # the spec fixes the local shape
-        local = getattr(grad, "_local_tensor", None)
-        if local is None or grad._spec.placements != placements or local.shape != shape:
-            return None if grad is None else fallback()  # a pending sum or another layout: the accessor says
-        known[0] = grad._spec
-        return local  # type: ignore[no-any-return]
-
-    return read
 
 
 Sampled = tuple[tuple[int, "torch.Tensor"], ...]

@@ -48,6 +48,9 @@ class TrendLine:
     """Every rank's GradScaler skipped the step (inf gradients): not checked, and not an anomaly."""
     clip_calls: int = 1
     """The most clip calls a rank made in the step (GA501 above 1), when the true norm before each is known."""
+    spike: bool = False
+    """The step's true norm spiked (the guard's `spike=` rule): the guard dumped its per-parameter
+    statistics. Written to the trend file only when set."""
     last_reported_norm: float | None = None
     """With several clip calls, what the last returned (on the lowest rank that reported one): the norm
     the gradients the optimizer stepped with were last clipped by. Logged (see `metrics`), not written
@@ -102,17 +105,21 @@ class TrendLine:
         return logged
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "true_norm": _finite_or_text(self.true_norm),
-            "reported_norm": _finite_or_text(self.reported_norm),
-            "expected_coef": _finite_or_text(self.expected_coef),
-            "min_coef": _finite_or_text(self.min_coef),
-            "max_coef": _finite_or_text(self.max_coef),
-            "coef_spread": _finite_or_text(self.coef_spread),
-            "verdict": self.verdict,
-            "codes": list(self.codes),
-        } | ({"clip_calls": self.clip_calls} if self.clip_calls > 1 else {})
+        return (
+            {
+                "step": self.step,
+                "true_norm": _finite_or_text(self.true_norm),
+                "reported_norm": _finite_or_text(self.reported_norm),
+                "expected_coef": _finite_or_text(self.expected_coef),
+                "min_coef": _finite_or_text(self.min_coef),
+                "max_coef": _finite_or_text(self.max_coef),
+                "coef_spread": _finite_or_text(self.coef_spread),
+                "verdict": self.verdict,
+                "codes": list(self.codes),
+            }
+            | ({"clip_calls": self.clip_calls} if self.clip_calls > 1 else {})
+            | ({"spike": True} if self.spike else {})
+        )
 
 
 def _finite_or_text(value: float | None) -> float | str | None:
@@ -300,6 +307,9 @@ def _trend_line_of(doc: Any) -> TrendLine:
     calls = doc.get("clip_calls", 1)
     if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
         raise ValueError("clip_calls must be a positive integer")
+    spike = doc.get("spike", False)  # absent from the lines of a guard without spike=, and older ones
+    if not isinstance(spike, bool):
+        raise ValueError(f"spike must be true or false, got {spike!r}")
     return TrendLine(
         step=step,
         true_norm=_number(doc, "true_norm"),
@@ -310,6 +320,7 @@ def _trend_line_of(doc: Any) -> TrendLine:
         codes=tuple(codes),
         skipped=doc.get("verdict") == "skipped",
         clip_calls=calls,
+        spike=spike,
     )
 
 
@@ -382,7 +393,8 @@ def _bar(true: float | None, reported: float | None, top: float) -> str:
 
 def _pair(line: TrendLine) -> str:
     mark = "  skipped by the scaler" if line.skipped else "" if line.ok else "  " + ",".join(line.codes)
-    return f"{_fmt(line.true_norm)} / {_fmt(line.reported_norm)}{mark}"
+    spike = "  spike" if line.spike else ""
+    return f"{_fmt(line.true_norm)} / {_fmt(line.reported_norm)}{mark}{spike}"
 
 
 def _fmt(value: float | None) -> str:

@@ -64,7 +64,8 @@ class ModelWatch:
             self._params = list(self.model.parameters())
             self._ids = hash(tuple(map(id, self._params)))
             self._dirty = False
-        stepped = tuple(id(p) for group in self.optimizer.param_groups for p in group["params"])
+        # each group's list and its length: a group added, a list replaced or grown (not read per parameter)
+        stepped = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
         return hash((self._ids, tuple(map(_trained, self._params)), stepped))
 
     def changed(self) -> bool:

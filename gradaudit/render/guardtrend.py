@@ -24,8 +24,34 @@ def headline(trend: GuardTrend) -> str:
     newest = "the newest " if trend.num_unread else ""
     return (
         f"guard trend: {newest}{count(trend.num_checked, 'checked step')}, "
-        f"{len(trend.failing)} with wrong clipping{skipped}"
+        f"{len(trend.failing)} with wrong clipping{skipped}{spikes_counted(trend, ', ')}"
     )
+
+
+def spikes_counted(trend: GuardTrend, before: str = "") -> str:
+    """ "2 spikes of the true norm" after `before`; "" when no step spiked."""
+    return f"{before}{count(len(trend.spikes), 'spike')} of the true norm" if trend.spikes else ""
+
+
+def spike_step(step: TrendStep, escape: Escape) -> str:
+    """ "spike at step 7: true norm 53.2, reported 53.2; where Σg² is: gradaudit check audit/step_7"."""
+    where = (
+        "not dumped (guard max_dumps or cooldown)"
+        if step.dump is None
+        else f"which parameters hold Σg²: gradaudit check {escape(step.dump)}"
+    )
+    return f"spike at step {step.step}: {spike_numbers(step)}; {where}"
+
+
+def spike_numbers(step: TrendStep) -> str:
+    """ "true norm 53.2, reported 53.2": a spike's coefficients say nothing of it."""
+    return f"true norm {fmt_float(step.true_norm)}, reported {fmt_float(step.reported_norm)}"
+
+
+def more_spikes(trend: GuardTrend) -> str:
+    """The line under the listed spikes that counts the others; "" when every one is listed."""
+    hidden = len(trend.spikes) - SHOWN_FAILING
+    return f"(and {count(hidden, 'more spike')})" if hidden > 0 else ""
 
 
 def all_clean(trend: GuardTrend) -> str:
@@ -100,9 +126,10 @@ def chart_rows(trend: GuardTrend, escape: Escape) -> list[str]:
 
 
 def _mark(step: TrendStep, escape: Escape) -> str:
+    spike = "  spike" if step.spike else ""
     if step.verdict == "skipped":
-        return "  skipped by the scaler"
-    return "  " + ",".join(escape(code) for code in step.codes) if step.codes else ""
+        return "  skipped by the scaler" + spike
+    return ("  " + ",".join(escape(code) for code in step.codes) if step.codes else "") + spike
 
 
 def _bar(true: float | None, reported: float | None, top: float) -> str:

@@ -28,6 +28,13 @@ _RANK_LISTS = frozenset({"ranks", "ranks_present", "missing_ranks"})
 """Fields holding ranks, written as runs of consecutive ranks (a report's `ranks` holds its rows)."""
 
 
+_ABSENT_UNLESS_SET = frozenset({"sum_sq_shares", "spike", "spikes"})
+"""Optional keys added within report version 3 (a spike dump's `Report.sum_sq_shares`, a trend's
+`TrendStep.spike` and `GuardTrend.spikes`): written only when set, so that a report without a spike
+keeps its bytes."""
+_UNSET = (None, False, ())
+
+
 _FIELDS: dict[type, tuple[str, ...]] = {}
 """A report dataclass' field names, but the left-out ones (looked up once per class)."""
 _AS_IS = frozenset({str, bool, int, type(None)})
@@ -45,7 +52,11 @@ def _plain(value: object, name: str = "") -> Any:
     if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = _FIELDS[kind] = tuple(f.name for f in dataclasses.fields(value) if f.name not in _LEFT_OUT)
     if names is not None:
-        return {field: _plain(getattr(value, field), field) for field in names}
+        return {
+            field: _plain(getattr(value, field), field)
+            for field in names
+            if field not in _ABSENT_UNLESS_SET or getattr(value, field) not in _UNSET
+        }
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, Mapping):

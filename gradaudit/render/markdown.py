@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from ..checks.base import count as _count
 from ..norms import norm_name
 from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
-from . import guardtrend
+from ..report.param_shares import SumSqShares
+from . import guardtrend, sumsq
 from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
 from .fold import (
     fmt_groups,
@@ -148,6 +149,8 @@ def _guarded_run_blocks(directory: str, trend: GuardTrend, *, dumped: bool) -> l
         blocks.append(_bullets(items))
     if trend.not_dumped:
         blocks.append(f"**{_md(guardtrend.not_dumped(trend))}.**")
+    if trend.spikes:
+        blocks += _spike_blocks(trend)
     rows = guardtrend.chart_rows(trend, lambda text: text)
     if rows:
         title = guardtrend.chart_title(trend)
@@ -156,6 +159,24 @@ def _guarded_run_blocks(directory: str, trend: GuardTrend, *, dumped: bool) -> l
     if trend.full_captures:
         blocks.append(_bullets(guardtrend.full_capture(d, _md) for d in trend.full_captures))
     return blocks
+
+
+def _spike_blocks(trend: GuardTrend) -> list[str]:
+    """The steps whose true norm spiked (the guard's `spike=`), each with the dump naming the
+    parameters that hold most of Σg²."""
+    items = [
+        f"**step {step.step}**: {guardtrend.spike_numbers(step)}"
+        + (
+            " — **not dumped**"
+            if step.dump is None
+            else f" — which parameters hold Σg²: gradaudit check {_md(step.dump)}"
+        )
+        for step in trend.spikes[: guardtrend.SHOWN_FAILING]
+    ]
+    hidden = len(trend.spikes) - len(items)
+    if hidden:
+        items.append(f"and {_count(hidden, 'more spike')}; {SEE_JSON}")
+    return [f"**{guardtrend.spikes_counted(trend)}** (the guard's `spike=`):", _bullets(items)]
 
 
 def _join(blocks: Sequence[str]) -> str:
@@ -217,6 +238,8 @@ def _report_blocks(report: Report, *, fold: bool) -> list[str | _Optional]:
     chart = _share_section(report)
     if chart:
         blocks.append(_Optional(chart, "The chart of each rank's share of the squared norm", 0))
+    if report.sum_sq_shares is not None:
+        blocks.append(_Optional(_sum_sq_section(report.sum_sq_shares), "The parameters' shares of Σg²", 2))
     if report.reference:
         blocks += [
             "## Reference comparison",
@@ -424,6 +447,19 @@ def _share_section(report: Report) -> str:
     return "\n\n".join(parts)
 
 
+def _sum_sq_section(shares: SumSqShares) -> str:
+    """Of a spike dump: the parameters holding most of Σg², as a table (each rank's share is above)."""
+    why = sumsq.why(shares, lambda note: _md(note, MAX_MESSAGE_CHARS))
+    parts = [f"### {sumsq.TITLE}", f"{why[0].upper()}{why[1:]}; {sumsq.totals(shares)}."]
+    if not shares.top:
+        return "\n\n".join([*parts, f"{_md(shares.reason, MAX_MESSAGE_CHARS)}."])
+    rows = [[_md(s.param), fmt_float(s.sum_sq), fmt_percent(s.share)] for s in shares.top]
+    parts.append(_table(["parameter", "Σg²", "share"], rows, align=["l", "r", "r"]))
+    if sumsq.rest(shares):
+        parts.append(f"{sumsq.rest(shares)[0].upper()}{sumsq.rest(shares)[1:]}.")
+    return "\n\n".join(parts)
+
+
 def _trend_section(multi: MultiStepReport) -> str:
     """The true and reported norm per step as a chart GitHub draws (the summary table has the numbers)."""
     failing = {report.step for report in multi.steps if is_failing(report)}
@@ -551,6 +587,8 @@ def _step_brief(report: Report) -> list[str]:
         + (f" (fix: `gradaudit explain {_md(f.code)}`)" if f.fix else "")
         for f in report.findings
     ]
+    if report.sum_sq_shares is not None:
+        items.append(f"**spike:** {sumsq.sentence(report.sum_sq_shares, _md)}")
     items += [f"**warning:** {_md(w, MAX_MESSAGE_CHARS)}" for w in report.warnings]
     if items:
         blocks.append(_bullets_within(items, FINDINGS_BRIEF_BUDGET))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from ..checks.base import count
 from ..norms import norm_name
 from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
-from . import guardtrend
+from . import guardtrend, sumsq
 from .charts import MAX_CHART_RANKS, share_chart
 from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
 from .numbers import (
@@ -33,7 +33,7 @@ from .numbers import (
     unsaid_diagnosis_groups,
 )
 from .steps import StepRow, first_call_notes, fmt_steps, is_failing, step_rows
-from .text import join_limited, printable
+from .text import clip_text, join_limited, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -117,6 +117,10 @@ def print_guard_trend(console: Console, trend: GuardTrend, *, chart: bool = True
         console.print(_line((f"  {guardtrend.more_failing(trend)}", "dim")))
     if trend.not_dumped:
         console.print(_line("  ", (guardtrend.not_dumped(trend), "yellow")))
+    for step in trend.spikes[: guardtrend.SHOWN_FAILING]:  # not wrapped: the command in it is copied whole
+        console.print(_line("  ", (guardtrend.spike_step(step, printable), "magenta")), soft_wrap=True)
+    if guardtrend.more_spikes(trend):
+        console.print(_line((f"  {guardtrend.more_spikes(trend)}", "dim")))
     rows = guardtrend.chart_rows(trend, printable) if chart else []
     if rows:
         console.print(_line(f"  {guardtrend.chart_title(trend)}"))
@@ -174,6 +178,7 @@ def _print_report(console: Console, report: Report, *, bar_width: int, fold: boo
     console.print()
     _print_ranks(console, report, fold=fold)
     _print_chart(console, report, bar_width=bar_width)
+    _print_sum_sq_shares(console, report, bar_width=bar_width)
     _print_findings(console, report.findings)
     _print_not_checked(console, report)
     _print_reference(console, report)
@@ -305,6 +310,42 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
         )
     if chart.num_hidden:
         console.print(_line((f"  {count(chart.num_hidden, 'smaller rank')} not drawn", "dim")))
+
+
+MAX_NAME_CHARS = 40
+"""A parameter's name in the shares of Σg² is cut to this many characters (the JSON report has it whole)."""
+
+
+def _print_sum_sq_shares(console: Console, report: Report, *, bar_width: int) -> None:
+    """Of a spike dump: the parameters holding most of Σg², as bars of their share (each rank's is above)."""
+    shares = report.sum_sq_shares
+    if shares is None:
+        return
+    console.print()
+    console.print(_line((sumsq.TITLE, "bold"), f" ({sumsq.totals(shares)})"))
+    said = (
+        f"a spike: {printable(shares.note)}"
+        if shares.note
+        else "a spike of the true norm (the guard dumped this step)"
+    )
+    console.print(_line((f"  {said}", "dim")))
+    if not shares.top:
+        console.print(_line(("  ", ""), (printable(shares.reason), "yellow")))
+        return
+    names = [printable(clip_text(s.param, MAX_NAME_CHARS)) for s in shares.top]
+    name_width = max(len(name) for name in names)
+    for name, share in zip(names, shares.top, strict=True):
+        filled = min(bar_width, round(share.share * bar_width))
+        console.print(
+            _line(
+                f"  {name:<{name_width}} ",
+                ("█" * filled, "magenta"),
+                " " * (bar_width - filled),
+                f" {fmt_float(share.sum_sq):>8} {fmt_percent(share.share):>6}",
+            )
+        )
+    if sumsq.rest(shares):
+        console.print(_line((f"  {sumsq.rest(shares)}", "dim")))
 
 
 def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
@@ -466,6 +507,8 @@ def _print_step_brief(console: Console, report: Report) -> None:
                 (f" · fix: gradaudit explain {printable(finding.code)}" if finding.fix else "", "dim"),
             )
         )
+    if report.sum_sq_shares is not None:
+        console.print(_line("  spike: ", (sumsq.sentence(report.sum_sq_shares, printable), "magenta")))
     for warning in report.warnings:
         console.print(_line("  ", ("warning:", "yellow"), f" {printable(warning)}"))
     if report.command:

@@ -18,7 +18,7 @@ _GITHUB_REFERENCE = re.compile(
     r"(?<=@)(?=[A-Za-z0-9])|(?<=#)(?=\d)|(?<=\bGH)(?=-\d)|(?<=:)(?=//)|(?<=\bwww)(?=\.)|(?<=:)(?=[A-Za-z0-9_+-]+:)",
     re.IGNORECASE,
 )
-"""Where GitHub would make a mention (@user), an issue link (#12), a bare link (https://, www.) or an emoji
+"""Where GitHub would make a mention (@user), an issue link (# and digits), a bare link (https://, www.) or an emoji
 (:tada:) out of plain text; it does so after Markdown escapes are applied, so backslashes cannot stop it."""
 ZERO_WIDTH_SPACE = "&#8203;"
 """Written as an entity so that the Markdown source shows it; a zero-width space in a name itself is shown

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # `gradaudit explain` reads the report's values without loading the dump's model
     from ..model import Mode, TensorKind
+    from .param_shares import SumSqShares
 
 REPORT_VERSION = 3
 """Bumped whenever the JSON report changes shape; docs/REPORT.md lists the versions and what changed."""
@@ -205,6 +206,9 @@ class Report:
     """What the loader skipped and other notes, to be shown to the user."""
     report_version: int = REPORT_VERSION
     """The JSON report's shape version (REPORT_VERSION)."""
+    sum_sq_shares: SumSqShares | None = None
+    """Of a step the guard dumped at a spike of its true norm: the parameters holding most of Σg²;
+    None otherwise (and then absent from the JSON report)."""
 
     @property
     def worst_severity(self) -> Severity | None:
@@ -310,6 +314,9 @@ class TrendStep:
     dump: str | None = None
     """The step's dump folder in the run folder; None when the guard wrote none (its max_dumps or
     cooldown said no, or the step was clean)."""
+    spike: bool = False
+    """The step's true norm spiked (the guard's `spike=`): the guard dumped its per-parameter statistics.
+    In the JSON report only when true."""
 
     def __post_init__(self) -> None:
         if (self.verdict == "anomaly") != bool(self.codes):
@@ -349,10 +356,17 @@ class GuardTrend:
     their failing steps are not known."""
     notes: tuple[str, ...] = ()
     """What of the trend file was not read (older lines, a last line cut short), one sentence each."""
+    spikes: tuple[TrendStep, ...] = ()
+    """Every step whose true norm spiked (the guard's `spike=`), in file order, each with its dump
+    folder if the guard wrote one. In the JSON report only when some step spiked."""
 
     def __post_init__(self) -> None:
         if self.num_unread < 0:
             raise ValueError(f"{self.file}: num_unread must be 0 or more, got {self.num_unread}")
+        if not all(s.spike for s in self.spikes):
+            raise ValueError(
+                f"{self.file}: spikes holds a step that did not spike; build it with guard_trend()"
+            )
         if self.num_clean + len(self.failing) + self.num_skipped != self.num_checked:
             raise ValueError(
                 f"{self.file}: {self.num_checked} checked steps must be the clean ({self.num_clean}), "
@@ -377,6 +391,7 @@ def guard_trend(
     by N (the guard's dumps)."""
     num_checked = num_clean = num_skipped = 0
     failing: list[TrendStep] = []
+    spikes: list[TrendStep] = []
     last: list[TrendStep] = []
     for step in steps:
         num_checked += 1
@@ -389,6 +404,8 @@ def guard_trend(
             step = replace(step, dump=dumped)
         if step.verdict == "anomaly":
             failing.append(step)
+        if step.spike:
+            spikes.append(step)
         last.append(step)
         if len(last) > 2 * chart_steps:
             del last[:chart_steps]
@@ -403,6 +420,7 @@ def guard_trend(
         full_captures=tuple(full_captures),
         num_unread=num_unread,
         notes=tuple(notes),
+        spikes=tuple(spikes),
     )
 
 

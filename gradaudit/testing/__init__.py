@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "ClipNotSeen",
+    "NotSendableError",
     "ParityFailure",
     "RankFailure",
     "RankOutcome",
@@ -21,7 +22,7 @@ __all__ = [
 ]
 
 _PARITY = ("ClipNotSeen", "ParityFailure", "check_clip_parity", "sgd")
-_RANKS = ("RankFailure", "RankOutcome", "launch", "run_ranks")
+_RANKS = ("NotSendableError", "RankFailure", "RankOutcome", "launch", "run_ranks")
 
 
 def __getattr__(name: str) -> Any:
@@ -30,9 +31,9 @@ def __getattr__(name: str) -> Any:
 
         return getattr(parity, name)
     if name in _RANKS:
-        from . import ranks
+        from .. import localranks
 
-        return getattr(ranks, name)
+        return getattr(localranks, name)
     raise AttributeError(f"module 'gradaudit.testing' has no attribute {name!r}")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
-from .ranks import DEFAULT_TIMEOUT_S, failure_text, launch, sendable
+from ..localranks import DEFAULT_TIMEOUT_S, failure_text, launch, sendable
 
 if TYPE_CHECKING:
     import torch

@@ -96,7 +96,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if pyfuncitem.get_closest_marker(MARKER) is None:
         return None
     options = _options(pyfuncitem)
-    from .ranks import NotSendableError, launch, sendable
+    from ..localranks import NotSendableError, launch, sendable
 
     names = pyfuncitem._fixtureinfo.argnames
     values = {name: pyfuncitem.funcargs[name] for name in names if name != FIXTURE}
@@ -127,7 +127,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             outcome_fn(f"rank {hits[0].rank}: {hits[0].message}")
     failed = [o for o in outcomes if o.status != "ok"]
     if failed:
-        from .ranks import failure_text
+        from ..localranks import failure_text
 
         ranks = ", ".join(str(o.rank) for o in failed)
         pytest.fail(

@@ -6,24 +6,12 @@ import contextlib
 import re
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-
-from gradaudit.cli import main
+from cli_runner import Outcome
+from cli_runner import run_cli as _run_cli
 
 COMMANDS = ("show", "check")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    stdout: str
-    stderr: str
-
-    @property
-    def stderr_lines(self) -> list[str]:
-        return self.stderr.splitlines()
 
 
 @contextlib.contextmanager
@@ -43,12 +31,9 @@ def no_hang(seconds: int = 60) -> Iterator[None]:
 
 
 def run_cli(capsys: pytest.CaptureFixture, *args: str) -> Outcome:
-    capsys.readouterr()
-    with no_hang(), pytest.raises(SystemExit) as exited:
-        main(list(args))
-    captured = capsys.readouterr()
-    code = exited.value.code
-    return Outcome(code=0 if code is None else code, stdout=captured.out, stderr=captured.err)
+    """The `cli` fixture's run, which a hang fails instead of stalling the suite."""
+    with no_hang():
+        return _run_cli(capsys, *args)
 
 
 def assert_clean_refusal(outcome: Outcome, *, names: str, problem: str) -> str:

@@ -1,4 +1,4 @@
-"""Faults during capture (issue 17 items 2-4): a pipe at the shared table's name, a writer killed by
+"""Faults during capture: a pipe at the shared table's name, a writer killed by
 SIGKILL mid-write, a job restarted with the same pid. Training is bit-identical to the same step
 without gradaudit, and nothing the user had is lost."""
 

@@ -1,4 +1,4 @@
-"""Capture writes only what its own reader accepts, and refuses the rest at the call (issue 12 item 4)."""
+"""Capture writes only what its own reader accepts, and refuses the rest at the call."""
 
 from __future__ import annotations
 

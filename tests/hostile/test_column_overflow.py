@@ -1,4 +1,4 @@
-"""Format-1.1 columns whose sums wrap around in int64 are refused like their JSON form (issue 17 item 6):
+"""Format-1.1 columns whose sums wrap around in int64 are refused like their JSON form:
 exit code 2 and one line naming the rank file, from `check` and `show`."""
 
 from __future__ import annotations

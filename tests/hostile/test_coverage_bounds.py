@@ -1,4 +1,4 @@
-"""Ownership coverage of N-D boxes stays exact and bounded in any number of dimensions (issue 12 item 1)."""
+"""Ownership coverage of N-D boxes stays exact and bounded in any number of dimensions."""
 
 from __future__ import annotations
 

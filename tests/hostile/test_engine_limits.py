@@ -1,4 +1,4 @@
-"""Issue 12 items 2, 3 and 6: files that are not standard safetensors, the open-file limit, and
+"""Files that are not standard safetensors, the open-file limit, and
 honest numbers at the edges of float64."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A valid shared table listing far more parameters than the ranks hold (issue 17 item 5): findings of
+"""A valid shared table listing far more parameters than the ranks hold: findings of
 one code fold, and `check` (every format) and `show` stay proportional to what is wrong."""
 
 from __future__ import annotations

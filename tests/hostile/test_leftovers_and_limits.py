@@ -1,4 +1,4 @@
-"""Leftovers and limits: stale temporaries, huge claimed worlds, dense headers, the umask (issue 12 item 8)."""
+"""Leftovers and limits: stale temporaries, huge claimed worlds, dense headers, the umask."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A rank file's header is decoded once per check: the tensor reader recognises the file it was loaded
-from by its header's digest, and still refuses one changed since (issue 18: full-mode files were loaded
-twice, once by the loader and once more by every reader thread that opened them)."""
+from by its header's digest, and still refuses one changed since (full-mode files used to be
+loaded twice, once by the loader and once more by every reader thread that opened them)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One odd parameter must not poison a rank: sparse gradients are left out and named, complex ones
-are captured as their real pairs (issue 12 item 5)."""
+are captured as their real pairs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`check --output` never writes over a file of the dump it reads, by any name (issue 17 item 7), and
+"""`check --output` never writes over a file of the dump it reads, by any name, and
 writes its report through a temporary renamed into place."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A parameter whose ownership the capture cannot infer is listed as not captured, so the report names
-it under GA104 and `show` lists it, instead of leaving it out silently (issue 12 item 5)."""
+it under GA104 and `show` lists it, instead of leaving it out silently."""
 
 from __future__ import annotations
 

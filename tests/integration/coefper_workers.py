@@ -1,5 +1,5 @@
-"""Worker code for coefficients that differ by parameter, not by rank, on 2 gloo ranks under FSDP2
-(issue 19, item 5): a tied weight listed twice in the clip list (scaled by c twice), and the split
+"""Worker code for coefficients that differ by parameter, not by rank, on 2 gloo ranks under FSDP2:
+a tied weight listed twice in the clip list (scaled by c twice), and the split
 clip API called once per optimizer param group (each group clipped by its own norm)."""
 
 from __future__ import annotations

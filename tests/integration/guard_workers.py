@@ -122,14 +122,11 @@ def found(guard, caught, log: GuardLog | None = None) -> dict:
 
 
 def count_collectives(rank: int, world_size: int, out_dir: str, stack: str) -> dict:
-    """Python-level collectives issued inside optimizer steps with and without the guard."""
-    counted = {"n": 0}
-    names = (
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_single",
-        "all_gather_object",
+    """Every collective issued inside the optimizer steps without the guard and with it, and the guard's
+    own (on its process group) per checked step: (name, bytes sent by this rank), over NUM_STEPS + 2
+    steps that clip twice at step MISTAKE_AT."""
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object")
+    names += (
         "broadcast",
         "reduce_scatter_tensor",
         "all_to_all_single",
@@ -139,22 +136,32 @@ def count_collectives(rank: int, world_size: int, out_dir: str, stack: str) -> d
         "barrier",
     )
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    counted = {"n": 0}
+    per_step: dict[int, list[tuple[str, int]]] = {}
+    guard = None
 
     def counting(name):
         def call(*args, **kwargs):
             counted["n"] += 1
+            channel = guard and guard._channel
+            if channel is not None and channel.group is not None and kwargs.get("group") is channel.group:
+                sent = args[1] if name in ("all_gather_into_tensor", "all_gather_single") else args[0]
+                per_step.setdefault(guard.step, []).append((name, sent.numel() * sent.element_size()))
             return originals[name](*args, **kwargs)
 
         return call
 
-    def steps(model, opt, count):
-        x, y = batch()
-        x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+    x, y = batch()
+    x, y = rows(x, rank, world_size), rows(y, rank, world_size)
+
+    def steps(model, opt, count, mistake_at=0):
         before = counted["n"]
-        for _ in range(count):
+        for step in range(1, count + 1):
             opt.zero_grad()
-            loss_of(model(x), y).backward()
+            loss_of(model(x * step), y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step == mistake_at:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # clipped twice: GA501
             opt.step()
         return counted["n"] - before
 
@@ -167,9 +174,23 @@ def count_collectives(rank: int, world_size: int, out_dir: str, stack: str) -> d
         guard = gradaudit.guard(
             model, max_norm=MAX_NORM, optimizer=opt, out_dir=os.path.join(out_dir, "count")
         )
-        with_guard = steps(model, opt, 3)
-        guard.remove()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with_guard = steps(model, opt, 3)
+            per_step.clear()
+            base = guard.step - 1
+            steps(model, opt, COUNTED_STEPS, mistake_at=MISTAKE_AT)
+            guard.remove()
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    return {"without": without, "with": with_guard, "anomalies": guard.anomalies}
+    return {
+        "without": without,
+        "with": with_guard,
+        "anomalies": [step - base for step, _ in guard.anomalies],
+        "per_step": {step - base: collectives for step, collectives in per_step.items()},
+    }
+
+
+COUNTED_STEPS = 6
+MISTAKE_AT = 4

@@ -1,5 +1,5 @@
-"""Run a function on N gloo ranks on CPU for integration tests: gradaudit.testing.ranks, which the
-public test helpers use too.
+"""Run a function on N gloo ranks on CPU for integration tests: gradaudit.localranks, the launcher of
+the public test helpers and the demo.
 
     results = run_ranks(my_worker, world_size=4, args=(out_dir,))
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradaudit.testing import ranks
-from gradaudit.testing.ranks import RankFailure
+from gradaudit import localranks
+from gradaudit.localranks import RankFailure
 
 __all__ = ["DEFAULT_TIMEOUT_S", "RankFailure", "run_ranks"]
 
@@ -24,4 +24,4 @@ def run_ranks(
     fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the values in rank order."""
-    return ranks.run_ranks(fn, world_size, args, timeout_s=timeout_s, start_method="spawn")
+    return localranks.run_ranks(fn, world_size, args, timeout_s=timeout_s, start_method="spawn")

@@ -179,7 +179,7 @@ def test_deliberate_mistake_is_diagnosed(runs, references, scenario, code):
 
 
 def test_stage_norms_all_reduced_over_the_data_parallel_group_name_that_group_not_double_counting(runs):
-    """Issue 30, item 2: each stage's norm (complete over its FSDP2 group) all-reduced over the
+    """Each stage's norm (complete over its FSDP2 group) all-reduced over the
     data-parallel group instead of the pipeline group was GA202, every copy counted; it is a norm
     reduced over the wrong group, and the finding names the group it was reduced over."""
     step_path, per_rank = _step(runs, "pp_fsdp2_dp_reduced")

@@ -92,11 +92,40 @@ def test_raise_raises_the_same_error_on_every_rank(tmp_path, late):
 
 
 @pytest.mark.parametrize("stack", ["ddp", "fsdp2"])
-def test_a_checked_step_issues_one_collective(tmp_path, stack):
-    results = run_ranks(guard_workers.count_collectives, WORLD_SIZE, (str(tmp_path), stack), timeout_s=120)
-    for result in results:
-        assert result["anomalies"] == []
-        assert result["with"] - result["without"] == 3  # one all-gather per checked step, nothing else
+def test_a_passing_step_is_one_fixed_size_sum_and_a_failing_step_adds_one_gather(tmp_path, stack):
+    """Counted at world sizes 2 and 4: a step whose numbers agree costs one all-reduce whose size does
+    not depend on the world size; a failing step (and the first, judged in full) adds one all-gather
+    of the ranks' rows; the step after an anomaly, captured in full, is one sum of statuses, and so is
+    removing the guard."""
+    sizes = {}
+    for world_size in (2, 4):
+        results = run_ranks(
+            guard_workers.count_collectives,
+            world_size,
+            (str(tmp_path / str(world_size)), stack),
+            timeout_s=180,
+        )
+        for result in results:
+            first = result["with"] - result["without"]
+            assert first == 3 + 1, result  # three steps: one sum each, the first also gathers its rows
+            assert result["anomalies"] == [guard_workers.MISTAKE_AT]
+            per_step = result["per_step"]
+            removed = guard_workers.COUNTED_STEPS + 1  # remove() tells the others in one sum
+            assert sorted(per_step) == list(range(1, removed + 1))
+            assert [name for name, _ in per_step[removed]] == ["all_reduce"]
+            for step, collectives in per_step.items():
+                names = [name for name, _ in collectives]
+                failing = step == guard_workers.MISTAKE_AT
+                assert names[0] == "all_reduce" and len(names) == (2 if failing else 1), (step, collectives)
+                if failing:
+                    assert names[1] in ("all_gather_into_tensor", "all_gather_single")
+            sizes.setdefault(world_size, set()).update(
+                size
+                for step, collectives in per_step.items()
+                for name, size in collectives
+                if name == "all_reduce"
+            )
+    assert len(sizes[2]) == 1 and sizes[2] == sizes[4], sizes  # the same bytes per rank at 2 and 4 ranks
 
 
 def test_on_four_ranks_a_repeating_mistake_is_one_line_a_step_from_rank_0_then_folded(tmp_path):

@@ -11,7 +11,7 @@ import guard_fault_workers as workers
 import pytest
 from launcher import run_ranks
 
-from gradaudit.testing.ranks import launch
+from gradaudit.testing import launch
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
 """Blind spots of the diagnosis on 2 gloo ranks: steps whose verdict used to be wrong although the
-numbers were all there (issue 19)."""
+numbers were all there."""
 
 from __future__ import annotations
 

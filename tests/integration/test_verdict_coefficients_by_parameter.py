@@ -1,7 +1,7 @@
-"""Coefficients that differ by parameter, not by rank, on 2 FSDP2 gloo ranks (issue 19, item 5): each
+"""Coefficients that differ by parameter, not by rank, on 2 FSDP2 gloo ranks: each
 parameter received one coefficient on every rank, so GA301's per-rank coefficients (each rank's mean
 over parameters that received different ones) were numbers no parameter received. The norms those
-clip lists give are named too (issue 30, item 2: GA210, where they were GA204)."""
+clip lists give are named too (GA210, where they were GA204)."""
 
 from __future__ import annotations
 

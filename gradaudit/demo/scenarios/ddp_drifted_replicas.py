@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import TinyMLP, audited, mse, reference_step, regression_batch, rows_of, seeded, sgd
 
 MAX_NORM = 0.5

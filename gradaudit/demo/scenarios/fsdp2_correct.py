@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import TinyMLP, fsdp2_mlp_step, reference_step, regression_batch, seeded
 
 MAX_NORM = 0.5

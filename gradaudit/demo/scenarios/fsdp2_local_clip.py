@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import TinyMLP, fsdp2_mlp_step, hand_rolled_clip, reference_step, regression_batch, seeded
 
 MAX_NORM = 1.0

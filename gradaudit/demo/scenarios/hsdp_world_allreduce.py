@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import TinyMLP, fsdp2_mlp_step, hand_rolled_clip, reference_step, regression_batch, seeded
 
 MAX_NORM = 0.5

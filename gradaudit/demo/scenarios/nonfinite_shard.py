@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import TinyMLP, fsdp2_mlp_step, reference_step, regression_batch, seeded
 
 if TYPE_CHECKING:

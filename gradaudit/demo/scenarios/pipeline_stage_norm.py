@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import (
     D_MODEL,
     SEQ_LEN,

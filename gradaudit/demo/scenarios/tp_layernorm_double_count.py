@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ..launch import RankContext
+from ..run import RankContext
 from ..toy import TinyTPBlock, audited, hand_rolled_clip, mse, reference_step, regression_batch, seeded, sgd
 
 MAX_NORM = 0.5

@@ -1,0 +1,255 @@
+"""The guard's common path: every rank's row reduced to one fixed-size sum, and the verdict read from
+that sum when its numbers agree, with no per-rank numbers and no report. No torch.
+
+Each rank adds its contribution to one all-reduce (SUM) of float64 numbers, whatever the world size:
+- counts: the ranks, their statuses, the ranks whose parameters changed;
+- values every rank must hold alike (the stamp, the number of clip calls, the scaler's state, the
+  gradients' dtype, the clip call's reported norm, max_norm and norm_type), each as the sums of its
+  four 16-bit pieces and of their squares: n * sum(c^2) == sum(c)^2 exactly when every rank's bits are
+  equal (integers below 2**53 add exactly in float64), and the common value is read back bit for bit;
+- per ownership group: the group's sum |g|^p from the lowest rank holding each copy (the true norm,
+  each element once), the nonfinite pieces, and each copy's bits against its lowest holder's, the same
+  way (holders add their bits, the lowest holder adds its own times the copy's holders: the two sums are
+  equal exactly when every replica holds the same bits);
+- the ranks whose applied coefficient is known, its distance from the one the rank's own reported norm
+  expects, and its square.
+
+`verdict` passes a step only where the full analysis finds nothing wrong, with room: within a quarter of
+the dtype's tolerance, away from max_norm itself, one clip call, nothing nonfinite, no replica that
+differs. Anything else is `None`: the ranks then gather their rows and the full diagnosis runs, as
+`gradaudit check` runs it (every rank reads the same sum, so every rank takes the same path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ..norms import NORM_RTOL_BY_DTYPE, expected_clip_coef, is_inf_norm, norm_from_total
+from .summary import CHANGED, CLOCK, FAILED, GRAD_DTYPES, HEADER, OFF, OK, SKIP, STEP, VectorLayout
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+
+    from ..model import Topology
+    from .analysis_input import OwnershipGroup
+
+CHUNKS = 4
+"""16-bit pieces of a float64's bits: a piece's square times the ranks stays below 2**53 up to 2**21 ranks."""
+_STATUSES = (OK, FAILED, OFF, SKIP)
+_COUNT, _STATUS, _CHANGED = 0, 1, 1 + len(_STATUSES)
+_HEADER = _CHANGED + 1
+_EQUAL = (
+    "step",
+    "clock",
+    "calls",
+    "loss_scale",
+    "unscaled",
+    "skipped",
+    "dtype",
+    "reported",
+    "max_norm",
+    "norm_type",
+)
+"""The values every rank must hold alike on the common path, in their order in the sum."""
+_PER_EQUAL = 2 * CHUNKS
+_PER_GROUP = 2 + 4 * CHUNKS
+SAFETY = 4.0
+"""The common path passes a step within 1/SAFETY of the tolerance the analysis allows."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankRole:
+    """What one rank's contribution needs to know of the ownership groups, fixed until re-inference."""
+
+    lowest: tuple[bool, ...]
+    """Per group: this rank is the lowest holder of its copy (its sum counts toward the true norm)."""
+    holders: tuple[int, ...]
+    """Per group: how many ranks hold this rank's copy (0 where it holds none)."""
+
+
+def role_of(
+    rank: int,
+    groups: Sequence[OwnershipGroup],
+    held: Sequence[Sequence[bool]],
+    topologies: Sequence[Topology],
+) -> RankRole:
+    """`rank`'s role: per group, whether it is the lowest holder of its copy (the ranks of the group's
+    replica group that hold it, as the analysis' cover takes each copy once), and how many hold it."""
+    lowest, holders = [], []
+    for i, group in enumerate(groups):
+        if not held[rank][i]:
+            lowest.append(False)
+            holders.append(0)
+            continue
+        members: tuple[int, ...] = (rank,)
+        if group.replica_group is not None:
+            members = topologies[rank].group_of(group.replica_group, rank) or (rank,)
+        holding = [r for r in members if held[r][i]] or [rank]
+        lowest.append(min(holding) == rank)
+        holders.append(len(holding))
+    return RankRole(lowest=tuple(lowest), holders=tuple(holders))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reduction:
+    """Where each number of the reduced vector lies (the same on every rank)."""
+
+    layout: VectorLayout
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
+    def size(self) -> int:
+        return _HEADER + len(_EQUAL) * _PER_EQUAL + self.num_groups * _PER_GROUP + 3
+
+    def _group_at(self, group: int) -> int:
+        return _HEADER + len(_EQUAL) * _PER_EQUAL + group * _PER_GROUP
+
+    def contribution(self, row: np.ndarray, role: RankRole, declared_max_norm: float) -> np.ndarray:
+        """This rank's part of the sum, from its row (see summary.VectorLayout)."""
+        import numpy as np
+
+        out = np.zeros(self.size, dtype=np.float64)
+        out[_COUNT] = 1.0
+        status = row[0]
+        for i, value in enumerate(_STATUSES):
+            out[_STATUS + i] = float(status == value)
+        out[_CHANGED] = float(row[CHANGED] == 1.0)
+        call = self.layout.call_offset(0)
+        equal = row[[STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]]
+        pieces = _pieces(equal)
+        at = _HEADER
+        out[at : at + len(_EQUAL) * _PER_EQUAL] = np.concatenate((pieces, pieces * pieces), axis=1).reshape(
+            -1
+        )
+        g = self.num_groups
+        terms = row[HEADER : HEADER + g]
+        nonfinite = row[HEADER + g : HEADER + 2 * g] + row[HEADER + 2 * g : HEADER + 3 * g]
+        lowest = np.asarray(role.lowest, dtype=np.float64)
+        holders = np.asarray(role.holders, dtype=np.float64)
+        held = (holders > 0).astype(np.float64)
+        bits = _pieces(terms)
+        start = self._group_at(0)
+        block = out[start : start + g * _PER_GROUP].reshape(g, _PER_GROUP)
+        block[:, 0] = np.where(lowest > 0, terms, 0.0)
+        block[:, 1] = nonfinite * held
+        block[:, 2 : 2 + CHUNKS] = bits * held[:, None]
+        block[:, 2 + CHUNKS : 2 + 2 * CHUNKS] = bits * bits * held[:, None]
+        weight = (lowest * holders)[:, None]
+        block[:, 2 + 2 * CHUNKS : 2 + 3 * CHUNKS] = bits * weight
+        block[:, 2 + 3 * CHUNKS :] = bits * bits * weight
+        applied, reported, passed = float(row[2]), float(row[call]), float(row[call + 1])
+        max_norm = passed if math.isfinite(passed) else declared_max_norm
+        deviation = applied - expected_clip_coef(reported, max_norm)
+        if math.isfinite(deviation):  # unknown where the sample is all zero: that rank's is not checked
+            out[-3:] = (1.0, deviation, deviation * deviation)
+        return out
+
+    def verdict(self, sums: np.ndarray, *, norm_type: float, max_norm: float) -> FastVerdict | None:
+        """The step's verdict when the summed numbers agree (see the module's docstring); None when the
+        full diagnosis must say it."""
+        n = sums[_COUNT]
+        if not n >= 1 or sums[_CHANGED] != 0:
+            return None
+        common = _common(
+            sums[_HEADER : _HEADER + len(_EQUAL) * _PER_EQUAL].reshape(len(_EQUAL), 2, CHUNKS), n
+        )
+        if common is None:
+            return None
+        values = dict(zip(_EQUAL, common.tolist(), strict=True))
+        if sums[_STATUS + _STATUSES.index(SKIP)] == n:
+            return FastVerdict(kind="not_measured", max_norm=max_norm)  # paused alike, or captured in full
+        if sums[_STATUS] != n or is_inf_norm(norm_type):
+            return None
+        if values["calls"] != 1.0 or values["unscaled"] == 0.0 or math.isnan(values["dtype"]):
+            return None  # several or no clip calls; clipped before unscale_; no gradient
+        passed_type = values["norm_type"]
+        if not math.isnan(passed_type) and passed_type != norm_type:
+            return None
+        passed = values["max_norm"]
+        used = passed if math.isfinite(passed) and passed > 0 else max_norm
+        reported = values["reported"]
+        skipped = values["skipped"] == 1.0
+        if skipped:
+            return FastVerdict(kind="skipped", reported_norm=reported, max_norm=used, passed_max_norm=passed)
+        total = 0.0
+        for group in range(self.num_groups):
+            block = sums[self._group_at(group) : self._group_at(group + 1)]
+            copies, lowest = block[2 : 2 + 2 * CHUNKS], block[2 + 2 * CHUNKS :]
+            if block[1] != 0 or (copies != lowest).any():
+                return None  # nonfinite, or a replica differs from its copy's lowest holder
+            total += float(block[0])
+        true_norm = norm_from_total(total, norm_type)
+        rtol = NORM_RTOL_BY_DTYPE[GRAD_DTYPES[int(values["dtype"])]] / SAFETY
+        if not (math.isfinite(true_norm) and true_norm > 0 and math.isfinite(reported)):
+            return None
+        if abs(reported - true_norm) > rtol * true_norm or abs(true_norm - used) <= 2 * SAFETY * rtol * used:
+            return None  # a wrong norm, or one at max_norm itself (what clipping leaves behind)
+        expected = expected_clip_coef(true_norm, used)
+        known, own = float(sums[-3]), expected_clip_coef(reported, used)
+        mean = float(sums[-2]) / known if known else 0.0
+        spread = math.sqrt(max(0.0, float(sums[-1]) - known * mean * mean))
+        if not math.isfinite(mean) or abs(own - expected) + abs(mean) + spread > rtol * expected:
+            return None
+        return FastVerdict(
+            true_norm=true_norm,
+            reported_norm=reported,
+            expected_coef=expected,
+            min_coef=own + mean - spread if known else None,
+            max_coef=own + mean + spread if known else None,
+            max_norm=used,
+            passed_max_norm=passed,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FastVerdict:
+    """A step the common path concluded: passed (its trend line's numbers), skipped by every rank's
+    scaler, or measured by no rank."""
+
+    kind: Literal["passed", "skipped", "not_measured"] = "passed"
+    true_norm: float | None = None
+    reported_norm: float | None = None
+    expected_coef: float | None = None
+    min_coef: float | None = None
+    max_coef: float | None = None
+    """The applied coefficients lie between these: equal when every rank applied the same bits; else the
+    bounds the summed distances give (the per-rank numbers are gathered only for a failing step). None
+    when no rank's sample could measure it (all zero)."""
+    max_norm: float
+    """What the step was checked against."""
+    passed_max_norm: float = math.nan
+    """What every rank's clip call passed as max_norm (nan: not known)."""
+
+
+def _pieces(values: np.ndarray) -> np.ndarray:
+    """Each float64's bits as CHUNKS 16-bit integers, in float64 (one row per value)."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+    shifts = np.arange(CHUNKS, dtype=np.uint64) * np.uint64(16)
+    pieces: np.ndarray = ((bits[:, None] >> shifts) & np.uint64(0xFFFF)).astype(np.float64)
+    return pieces
+
+
+def _common(sums: np.ndarray, n: float) -> np.ndarray | None:
+    """The values whose pieces every rank added (per value: the sums of its pieces, then of their
+    squares); None when some value's bits differ between ranks. Exact: a mean piece m = sum / n is
+    every rank's only when sum == n * m and sum(c^2) == n * m^2, all integers below 2**53."""
+    import numpy as np
+
+    count = np.int64(n)
+    total, squares = sums[:, 0].astype(np.int64), sums[:, 1].astype(np.int64)
+    mean = total // count
+    if (total != mean * count).any() or (squares != count * mean * mean).any():
+        return None
+    shifts = np.arange(CHUNKS, dtype=np.uint64) * np.uint64(16)
+    bits = (mean.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
+    values: np.ndarray = bits.view(np.float64)
+    return values

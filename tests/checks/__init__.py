@@ -1,0 +1,1 @@
+"""Tests of gradaudit.checks: one finding code family at a time, and the committed samples."""

@@ -1,0 +1,1 @@
+"""Tests of gradaudit.report and gradaudit.render: report values and their renderings."""

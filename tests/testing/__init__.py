@@ -1,0 +1,1 @@
+"""Tests of gradaudit.testing: clip parity and the pytest plugin."""
