@@ -104,27 +104,19 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     """The ownership checks (GA102 overlap, GA103 gap) of one parameter cut into `num_pieces` pieces
     spread over `num_ranks` ranks, on a StepDump built in memory. Returns the seconds of the checks
     alone (building the StepDump is not timed)."""
+    from dataclasses import replace
+
     from gradaudit.analysis.coverage import coverage_by_param
-    from gradaudit.analysis.diagnosis import diagnose_step
-    from gradaudit.checks.base import AuditInputs, AuditOptions
+    from gradaudit.audit import analyse
+    from gradaudit.checks.base import AuditOptions
     from gradaudit.checks.coverage import ownership_gap, ownership_overlap
-    from gradaudit.measure.columns import StepColumns
-    from gradaudit.measure.measurements import StepMeasurements
+    from gradaudit.steptable import StepMeasurements
 
     step = _coverage_step(layout, num_pieces, num_ranks)
     measured, options = StepMeasurements(norm_type=2.0, params={}), AuditOptions()
-    columns = StepColumns(measured)
-    diagnosis = diagnose_step(step, measured, columns)
+    analysed = analyse(step, measured, update_judgements={})
     start = time.perf_counter()
-    inputs = AuditInputs(
-        step=step,
-        measurements=measured,
-        columns=columns,
-        diagnosis=diagnosis,
-        coverage=coverage_by_param(step),
-        update_judgements={},
-        value_clipping=None,
-    )
+    inputs = replace(analysed, coverage=coverage_by_param(step))
     hits = ownership_overlap(inputs, options), ownership_gap(inputs, options)
     seconds = time.perf_counter() - start
     if any(hits):

@@ -18,15 +18,13 @@ from typing import TYPE_CHECKING
 
 from .analysis.diagnosis import StepDiagnosis, diagnose
 from .analysis.hypotheses import CORRECT, LOCAL_ONLY
-from .checks.base import AuditInputs, AuditOptions, num, ranks_named
+from .checks.base import Analysis, AuditOptions, num, ranks_named
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
 from .live.writing import ATTEMPT_PREFIX, FULL_CAPTURES
-from .measure.columns import StepColumns
 from .measure.measure import measure_step, overflow_notes
-from .measure.measurements import StepMeasurements
 from .model import StepDump
 from .norms import norm_name
 from .report.model import (
@@ -43,14 +41,15 @@ from .report.model import (
     TopologySummary,
     first_call_numbers,
 )
+from .steptable import StepMeasurements
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .analysis.norm_input import NormInput
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
     from .report.param_shares import SumSqShares
+    from .steptable import StepTable
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
@@ -117,10 +116,9 @@ def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
     )
 
 
-def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
+def _rank_rows(inputs: Analysis) -> tuple[RankRow, ...]:
     step, diagnosis = inputs.step, inputs.diagnosis
-    columns = inputs.columns
-    by_rank = columns.grad_counts_by_rank() if columns.counts.any() else {}  # else every count is 0
+    by_rank = _grad_counts_by_rank(inputs.table)
     counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
     from .checks.valueclip import gate
 
@@ -151,6 +149,23 @@ def _rank_rows(inputs: AuditInputs) -> tuple[RankRow, ...]:
             )
         )
     return tuple(rows)
+
+
+def _grad_counts_by_rank(table: StepTable) -> dict[int, tuple[int, int, int]]:
+    """Rank -> (nan, +inf, -inf) counts of its gradient pieces (ranks with any nonfinite value)."""
+    counts = table.grad.counts
+    if not counts.any():
+        return {}
+    import numpy as np
+
+    held = np.bincount(table.rank)
+    ranks = np.flatnonzero(held)
+    totals = np.zeros((ranks.size, 3), dtype=np.int64)
+    for column in range(3):
+        if counts[:, column].any():
+            by_rank = np.bincount(table.rank, weights=counts[:, column], minlength=held.size)
+            totals[:, column] = by_rank[ranks].astype(np.int64)
+    return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
 def _environment(step: StepDump) -> Environment:
@@ -198,9 +213,13 @@ def judge_updates(
 ) -> Mapping[str, UpdateJudgement]:
     """The second, dense reading pass of a check with a reference: the next weights that differ from
     the reference while the gradients agree, judged through the optimizer (GA603 and GA604 read it)."""
-    from .analysis.updates import explain_update_errors
+    from .analysis.updates import judge_updates as judged
+    from .analysis.updates import updates_to_judge
+    from .measure.reference import dense_updates
 
-    return explain_update_errors(step, reference, m, reader, rtol=options.rtol, atol=options.atol)
+    rtol, atol = options.rtol, options.atol
+    asked = updates_to_judge(m, reference.params, rtol=rtol, atol=atol)
+    return judged(m, dense_updates(step, reference, reader, asked), rtol=rtol, atol=atol)
 
 
 def analyse(
@@ -208,32 +227,33 @@ def analyse(
     m: StepMeasurements,
     *,
     update_judgements: Mapping[str, UpdateJudgement],
-    terms: NormInput | None = None,
-) -> AuditInputs:
+    table: StepTable | None = None,
+) -> Analysis:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
-    `update_judgements`: judge_updates' result with a reference, {} without one; `terms`: the
-    diagnosis' input when another source than the measurements gives it (the guard's summary)."""
+    `update_judgements`: judge_updates' result with a reference, {} without one; `table`: the step
+    table, when another source than the measurements' pieces gives it (the guard's gathered numbers)."""
     from .analysis.coverage import coverage_by_param
     from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
+    from .measure.table import step_table
 
-    columns = StepColumns(m)
-    diagnosis = diagnose(step, norm_input_of(step, m, columns) if terms is None else terms)
-    return AuditInputs(
+    table = step_table(m) if table is None else table
+    diagnosis = diagnose(step, norm_input_of(step, m, table))
+    return Analysis(
         step=step,
         measurements=m,
-        columns=columns,
+        table=table,
         diagnosis=diagnosis,
         coverage=coverage_by_param(step),
         update_judgements=update_judgements,
-        value_clipping=value_clipping(step, columns),
-        param_coefficients=param_coefficients(step, diagnosis, columns),
+        value_clipping=value_clipping(step, table),
+        param_coefficients=param_coefficients(step, diagnosis, table),
     )
 
 
 def build_report(
-    inputs: AuditInputs,
+    inputs: Analysis,
     options: AuditOptions,
     *,
     command: str = "",
@@ -266,7 +286,7 @@ def build_report(
     )
 
 
-def _spike_shares(inputs: AuditInputs) -> SumSqShares | None:
+def _spike_shares(inputs: Analysis) -> SumSqShares | None:
     """Of a step the guard dumped at a spike of its true norm: the parameters holding most of Σg²."""
     from .report.param_shares import SPIKE_TRIGGER, sum_sq_shares
 
@@ -275,7 +295,7 @@ def _spike_shares(inputs: AuditInputs) -> SumSqShares | None:
     if not spiked:
         return None
     note = next((d.trigger_note for d in spiked if d.trigger_note), None) or ""
-    return sum_sq_shares(inputs.columns, note=note)
+    return sum_sq_shares(inputs.table, note=note)
 
 
 def _trigger_notes(step: StepDump) -> tuple[str, ...]:
@@ -310,7 +330,7 @@ def audit_step(
             )
             judgements = {} if reference is None else judge_updates(step, reference, m, reader, options)
         inputs = analyse(step, m, update_judgements=judgements)
-        warnings = tuple(warnings) + overflow_notes(inputs.columns)
+        warnings = tuple(warnings) + overflow_notes(inputs.table)
         return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
 
 

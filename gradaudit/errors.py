@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def clipped(text: str, limit: int = 120) -> str:
+    """Untrusted text cut to `limit` characters, so that one error stays one short line."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """repr() of an untrusted value, clipped."""
+    return clipped(repr(value), limit)
+
 
 class GradauditError(Exception):
     """A problem with what the user gave us (a dump, a path, an argument), with a next step."""

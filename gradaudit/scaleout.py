@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
     from .dumpfile.loader import LoadFiles, LoadOutcome
     from .dumpfile.reader import TensorReader
-    from .measure.measurements import StepMeasurements
     from .model import StepDump
+    from .steptable import StepMeasurements
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a process waits for the others at one exchange before giving up (a process that died
@@ -193,6 +193,7 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     from functools import reduce
 
     from .measure.measure import available_workers, bytes_to_read, measure_step
+    from .measure.table import merged
 
     def measure(
         step: StepDump, reader: TensorReader, *, params: Iterable[str] | None = None, **kwargs: Any
@@ -206,7 +207,7 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
         mine = share_of(costs, exchange.env.rank, exchange.env.world_size)
         partial = measure_step(step, reader, params=mine, **kwargs)
         gathered: list[StepMeasurements] = exchange.gather(partial)
-        return reduce(lambda a, b: a.merge(b), gathered)
+        return reduce(merged, gathered)
 
     return measure
 

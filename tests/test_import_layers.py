@@ -10,7 +10,7 @@ import gradaudit
 
 PACKAGE = Path(gradaudit.__file__).parent
 
-VOCABULARY = ("model", "norms", "ranksets", "errors", "version", "warn")
+VOCABULARY = ("model", "norms", "ranksets", "errors", "version", "warn", "steptable")
 """Top-level modules every stage may import; they import only each other."""
 
 STAGES = ("dumpfile", "capture", "measure", "analysis", "report", "checks", "render")
@@ -20,6 +20,10 @@ the report's values come before the checks because a finding is a report value."
 
 OFFLINE = ("measure", "analysis", "report", "checks", "render")
 """Stages of the offline audit, which never load the training-side capture code."""
+
+BEYOND_THE_TABLE = ("report", "checks", "render")
+"""Stages that see a step only through the analysis value (checks.base.Analysis: the step table, the
+diagnosis, ...) and its report: they import nothing of the file format or of measuring."""
 
 SHELLS = (
     "__main__",
@@ -89,6 +93,8 @@ def _allowed(importer: str, imported: str) -> bool:
     if b == "shell":
         return False
     if a in OFFLINE and b == "capture":
+        return False
+    if a in BEYOND_THE_TABLE and b in ("dumpfile", "measure"):
         return False
     return STAGES.index(b) <= STAGES.index(a)
 
@@ -168,4 +174,7 @@ def test_the_cycle_finder_finds_a_cycle_and_the_rule_refuses_a_backward_import()
     assert _allowed("gradaudit.cli", "gradaudit.capture.session")
     assert _allowed("gradaudit.live.guard", "gradaudit.audit")
     assert not _allowed("gradaudit.checks.norm", "gradaudit.live.analysis_input")
+    assert not _allowed("gradaudit.checks.replicas", "gradaudit.measure.measurements")
+    assert not _allowed("gradaudit.checks.coverage", "gradaudit.dumpfile.header")
+    assert _allowed("gradaudit.checks.replicas", "gradaudit.steptable")
     assert _stage("gradaudit.newthing") == "unplaced"

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from gradaudit.analysis.geometry import coverage, region_boxes
 from gradaudit.analysis.norm_input import cover_norm
 from gradaudit.capture.tensorstats import stats_of_tensor
-from gradaudit.measure.measurements import PieceMeasurement
 from gradaudit.model import Box, FlatRange
 from gradaudit.norms import expected_clip_coef
+from gradaudit.steptable import PieceMeasurement
 
 NORM_TYPES = (1.0, 2.0, 3.5, math.inf)
 

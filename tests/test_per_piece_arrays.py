@@ -47,8 +47,6 @@ ALLOWED = {
     "gradaudit.dumpfile.dtypes.Widener",
     # a reusable read buffer (not per piece)
     "gradaudit.dumpfile.reader.TensorReader",
-    # the measured pieces of a step as columns, for the diagnosis and per-rank rows
-    "gradaudit.measure.columns.StepColumns",
     # a reference parameter's values, assembled densely when sharded (not per piece)
     "gradaudit.measure.reference.ReferenceSource",
     # every piece of the chosen parameters of a step, ordered by parameter then rank
@@ -57,6 +55,12 @@ ALLOWED = {
     "gradaudit.model.ColumnarPieces",
     # the columns of pieces while they are filled, before ColumnarPieces
     "gradaudit.model.PieceColumnsBuilder",
+    # the step table: every measured piece (or the guard's ownership group) of a step, frozen columns
+    "gradaudit.steptable.StepTable",
+    # one tensor kind's statistics in the step table, one value per entry
+    "gradaudit.steptable.KindColumns",
+    # one parameter's dense arrays for the update judgement (not per piece)
+    "gradaudit.steptable.DenseUpdate",
 }
 
 

@@ -3,10 +3,9 @@ read it), from the pieces' columns; it needs the step only, not the measurements
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias, cast
 
-from ..dumpfile.header import shown
-from ..errors import StepFolderError
+from ..errors import StepFolderError, shown
 from ..measure.leftout import left_out_params
 from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
 from .geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
@@ -18,8 +17,17 @@ if TYPE_CHECKING:
 Layouts = dict[tuple[Region, ...], list[int]]
 """A parameter's distinct layouts (the regions of one piece) -> the ranks holding them."""
 
-ParamCoverage = tuple[ParamInfo, Coverage, list[int], list[int]]
-"""(the parameter, its coverage, ranks in overlaps, ranks holding it)."""
+
+class ParamCoverage(NamedTuple):
+    """Who holds which element of one parameter."""
+
+    info: ParamInfo
+    coverage: Coverage
+    """Its overlaps and gaps."""
+    overlap_ranks: list[int]
+    """The ranks holding an element some other rank holds too (not as a replica)."""
+    holders: list[int]
+    """The ranks holding some of it."""
 
 
 def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
@@ -87,10 +95,12 @@ def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
         if name in left_out:
             continue
         if name in covered:  # disjoint flat ranges, found for all parameters at once
-            found[name] = (info, _disjoint(numel_of(info.global_shape) - covered[name]), [], holding)
+            found[name] = ParamCoverage(
+                info, _disjoint(numel_of(info.global_shape) - covered[name]), [], holding
+            )
             continue
         if name not in flat:  # held by no rank: all of it is a gap (most of a table listing 10^6)
-            found[name] = (info, _all_gap(info), unheld, unheld)
+            found[name] = ParamCoverage(info, _all_gap(info), unheld, unheld)
             continue
         fast = _flat_param_coverage(info, flat[name], holders)
         if fast is not None:
@@ -105,7 +115,8 @@ def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
                 f"{step.directory}: the pieces of parameter {shown(name)} cannot be checked for overlaps and "
                 f"gaps: {exc}"
             ) from None
-        found[name] = (info, result, ranks, sorted({r for rs in layouts[name].values() for r in rs}))
+        held_by = sorted({r for rs in layouts[name].values() for r in rs})
+        found[name] = ParamCoverage(info, result, ranks, held_by)
     return found
 
 
@@ -237,11 +248,11 @@ def _flat_param_coverage(
         return None
     distinct = np.unique(ranks)
     if holders is None:
-        return info, result, [], distinct.tolist()
+        return ParamCoverage(info, result, [], distinct.tolist())
     key = distinct.astype(np.int64).tobytes()
     if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
         holders[key] = distinct.tolist()
-    return info, result, [], holders[key]
+    return ParamCoverage(info, result, [], holders[key])
 
 
 def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:

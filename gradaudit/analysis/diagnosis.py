@@ -9,8 +9,6 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..measure.columns import StepColumns
-from ..measure.measurements import StepMeasurements
 from ..model import StepDump
 from ..norms import (
     CLIP_EPS,
@@ -46,7 +44,6 @@ from .norm_input import (
     Entries,
     NormInput,
     NormSet,
-    norm_input_of,
     param_signatures,
     shares_of_squared_norm,
 )
@@ -427,12 +424,6 @@ def _same_conclusion(chosen: Hypothesis, coinciding: Hypothesis) -> bool:
     """A local-only norm that equals the true one (each rank holds everything) is right on this layout."""
     scaled = chosen.loss_scaled
     return chosen == CORRECT.scaled(scaled) and coinciding == LOCAL_ONLY.scaled(scaled)
-
-
-def diagnose_step(step: StepDump, m: StepMeasurements, columns: StepColumns | None = None) -> StepDiagnosis:
-    """The diagnosis of a loaded step from its measurements (`columns`: their StepColumns, when the
-    caller has them already)."""
-    return diagnose(step, norm_input_of(step, m, StepColumns(m) if columns is None else columns))
 
 
 def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:

@@ -4,8 +4,8 @@ the one implementation of the norm of a set of entries (replicas once through th
 or every copy counted) that the true norm, the candidates, the per-call norms and the parameter-group
 hypotheses all use.
 
-`norm_input_of` builds it from a loaded step's measurements; `live/analysis_input.py` builds it from
-the guard's gathered summary.
+`norm_input_of` builds it from the step table, whichever built that (measuring a loaded dump, or
+the guard from its gathered summary).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..measure.columns import StepColumns
-from ..measure.measurements import PieceMeasurement, StepMeasurements
 from ..model import ClipCall, StepDump, TensorKind
 from ..norms import (
     INF,
@@ -31,6 +29,7 @@ from ..norms import (
     segment_fsums,
     term_of,
 )
+from ..steptable import PieceMeasurement, StepMeasurements, StepTable
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -252,10 +251,10 @@ def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet
     return {rank: sums[k] / total if total > 0 else 0.0 for k, rank in enumerate(ordered)}
 
 
-def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> NormInput:
-    """The diagnosis' input from a loaded step's measurements and their columns."""
-    order = columns.by_rank_order
-    held = None if columns.has_grad.all() else columns.has_grad[order]
+def norm_input_of(step: StepDump, m: StepMeasurements, table: StepTable) -> NormInput:
+    """The diagnosis' input from a loaded step's measurements and their step table."""
+    order, grad_columns = table.by_rank_order, table.grad
+    held = None if grad_columns.has.all() else grad_columns.has[order]
 
     def of_grad(values: np.ndarray, dtype: type) -> np.ndarray:
         """`values` in (rank, index) order, 0 where a piece holds no gradient (gathered once, at random)."""
@@ -264,33 +263,35 @@ def norm_input_of(step: StepDump, m: StepMeasurements, columns: StepColumns) -> 
         chosen = values[order]
         return (chosen if held is None else np.where(held, chosen, 0)).astype(dtype, copy=False)
 
-    rank = np.repeat(np.arange(columns.rank.max(initial=-1) + 1), np.bincount(columns.rank))  # rank[order]
-    layout = columns.layout[order]
-    term = of_grad(columns.term, np.float64)
+    rank = np.repeat(np.arange(table.rank.max(initial=-1) + 1), np.bincount(table.rank))  # rank[order]
+    layout = table.layout[order]
+    term = of_grad(grad_columns.term, np.float64)
     grad = Entries(
         rank=rank,
         layout=layout,
         term=term,
-        flags=of_grad(columns.flags, np.int8),
-        replicated=not columns.distinct_layouts,
+        flags=of_grad(grad_columns.flags, np.int8),
+        replicated=not table.distinct_layouts,
     )
     clipped = None
-    if columns.has_clipped.any():  # an entry with a gradient but no clipped one is UNKNOWN
-        clipped_term, flags = columns.kind_terms("grad_clipped")
-        clipped = Entries(rank=rank, layout=layout, term=clipped_term[order], flags=of_grad(flags, np.int8))
-    measured = _coefs_from_gradients(columns) if columns.has_clipped.any() or columns.has_dots.any() else {}
+    if table.clipped is not None:  # an entry with a gradient but no clipped one is UNKNOWN
+        after = table.clipped
+        clipped = Entries(
+            rank=rank, layout=layout, term=after.term[order], flags=of_grad(after.flags, np.int8)
+        )
+    measured = _coefs_from_gradients(table) if table.clipped is not None or table.has_dots.any() else {}
     return NormInput(
         norm_type=m.norm_type,
         grad=grad,
-        param=columns.param[order],
-        param_names=tuple(columns.param_names),
-        sum_sq=term if columns.sum_sq is columns.term else of_grad(columns.sum_sq, np.float64),
+        param=table.param[order],
+        param_names=tuple(table.param_names),
+        sum_sq=of_grad(grad_columns.sum_sq, np.float64),
         clipped=clipped,
         calls=_call_entries(step, m.norm_type),
-        dtypes=columns.dtypes,
+        dtypes=table.dtypes,
         measured_coef=measured,
         drifted=_ranks_with_drifted_replicas(m),
-        covers_every_param=not step.missing_ranks or _covers_every_param(step, columns.cover()),
+        covers_every_param=not step.missing_ranks or _covers_every_param(step, table.rows(table.cover)),
     )
 
 
@@ -324,30 +325,32 @@ def _call_scale(call: ClipCall) -> float:
     )
 
 
-def _coefs_from_gradients(columns: StepColumns) -> dict[int, float]:
+def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
     """Rank -> the coefficient its gradients before and after clipping show: from their dot products
     (dense dumps), else from the ratio of their sums of squares; nan when clipping turned finite
     values nonfinite (ranks whose pieces tell neither: left out)."""
-    has_post, post_sq, _, post_nonfinite = columns.kind_sums("grad_clipped")
-    order = columns.by_rank_order
-    ranks = columns.rank[order]
+    pre, post = table.grad, table.clipped
+    order = table.by_rank_order
+    ranks = table.rank[order]
     starts = np.flatnonzero(np.concatenate(([True], ranks[1:] != ranks[:-1]))) if ranks.size else ranks
     bounds = [*starts.tolist(), ranks.size]
     found: dict[int, float] = {}
     for k, rank in enumerate(ranks[starts].tolist()):
         own = order[bounds[k] : bounds[k + 1]]
-        dots = own[columns.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
-        if dots.size and (denominator := safe_fsum(columns.dot_pre_pre[dots])) > 0:
-            found[rank] = safe_fsum(columns.dot_pre_post[dots]) / denominator
+        dots = own[table.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
+        if dots.size and (denominator := safe_fsum(table.dot_pre_pre[dots])) > 0:
+            found[rank] = safe_fsum(table.dot_pre_post[dots]) / denominator
             continue
-        grad = own[columns.has_grad[own]]
-        pairs = grad[has_post[grad]]
+        if post is None:
+            continue
+        grad = own[pre.has[own]]
+        pairs = grad[post.has[grad]]
         if not pairs.size or pairs.size != grad.size:
             continue
-        if post_nonfinite[pairs].sum() > columns.counts[pairs].sum():
+        if post.nonfinite[pairs].sum() > pre.counts[pairs].sum():
             found[rank] = math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        elif (pre := safe_fsum(columns.sum_sq[pairs])) > 0:
-            found[rank] = math.sqrt(safe_fsum(post_sq[pairs]) / pre)
+        elif (before := safe_fsum(pre.sum_sq[pairs])) > 0:
+            found[rank] = math.sqrt(safe_fsum(post.sum_sq[pairs]) / before)
     return found
 
 

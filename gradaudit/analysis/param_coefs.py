@@ -9,9 +9,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..measure.columns import StepColumns
 from ..model import StepDump
 from ..norms import expected_clip_coef, relative_difference, safe_fsum
+from ..steptable import StepTable
 from .diagnosis import StepDiagnosis
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ def _members_by_label(labels: np.ndarray, values: np.ndarray, num_labels: int) -
     return found
 
 
-def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, columns: StepColumns) -> ParamCoefficients:
+def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, table: StepTable) -> ParamCoefficients:
     """The step's per-parameter coefficients (none, with a note, when they cannot be measured; none
     without a note when fewer than two parameters have a nonzero finite gradient)."""
     num_calls = diagnosis.num_clip_calls
@@ -112,12 +112,12 @@ def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, columns: StepCo
             note=f"the dump holds the gradient from before the first of {num_calls} clip calls and the "
             "clipped one from after the last, without per-call statistics"
         )
-    if not columns.has_clipped.any():
+    if table.clipped is None:
         return ParamCoefficients(note="post-clip gradients (grad_clipped) were not dumped")
     import numpy as np
 
     rtol = diagnosis.rtol
-    last_call, spanning, by_values = _per_rank_and_param(step, columns, num_calls, rtol)
+    last_call, spanning, by_values = _per_rank_and_param(step, table, num_calls, rtol)
     per_call = spanning is not None
     rank, param, coef, call = last_call if spanning is None else spanning
     order = np.lexsort((rank, param))  # by parameter, then rank: each parameter's lowest rank first
@@ -125,7 +125,7 @@ def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, columns: StepCo
     present, starts = np.unique(param, return_index=True)
     if present.size < 2:
         return ParamCoefficients()
-    names = columns.param_names
+    names = table.param_names
     disagreeing = tuple(sorted(names[p] for p in present[_spread(coef, starts) > rtol].tolist()))
     by_rank = np.argsort(rank, kind="stable")
     _, rank_starts = np.unique(rank[by_rank], return_index=True)
@@ -158,7 +158,7 @@ def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, columns: StepCo
         expected_coef=_expected(diagnosis, per_call),
         cause=cause,
         by_values=by_values,
-        repeated_norm=_repeated_norm(columns, diagnosis, groups) if cause == LISTED_TWICE else None,
+        repeated_norm=_repeated_norm(table, diagnosis, groups) if cause == LISTED_TWICE else None,
         moment="" if per_call else diagnosis.moment,
     )
 
@@ -169,7 +169,7 @@ Coefficients = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
 
 def _per_rank_and_param(
-    step: StepDump, columns: StepColumns, num_calls: int, rtol: float
+    step: StepDump, table: StepTable, num_calls: int, rtol: float
 ) -> tuple[Coefficients, Coefficients | None, bool]:
     """(the last clip call's coefficients, the coefficients across every call, whether every one was
     measured from the values). With several calls, a coefficient spans them only when each parameter
@@ -177,17 +177,17 @@ def _per_rank_and_param(
     between the calls, as a backward pass between them does, GA501)."""
     import numpy as np
 
-    post_sq, post_bad, dots, calls = _piece_columns(step, columns, num_calls)
-    usable = columns.has_grad & columns.has_clipped
-    bad = ~usable | post_bad | (columns.counts.sum(axis=1) > 0)
-    keys, inverse = np.unique(np.stack([columns.rank, columns.param], axis=1), axis=0, return_inverse=True)
+    post_sq, post_bad, dots, calls = _piece_columns(step, table, num_calls)
+    usable = table.grad.has & table.has_clipped
+    bad = ~usable | post_bad | (table.grad.counts.sum(axis=1) > 0)
+    keys, inverse = np.unique(np.stack([table.rank, table.param], axis=1), axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
 
     def per_key(values: np.ndarray) -> np.ndarray:
         summed: np.ndarray = np.bincount(inverse, weights=np.where(bad, 0.0, values), minlength=len(keys))
         return summed
 
-    pre = per_key(columns.sum_sq)
+    pre = per_key(table.grad.sum_sq)
     every_value = dots is not None
     with np.errstate(divide="ignore", invalid="ignore"):
         last = per_key(dots[0]) / per_key(dots[1]) if dots is not None else np.sqrt(per_key(post_sq) / pre)
@@ -210,24 +210,23 @@ def _per_rank_and_param(
 
 
 def _piece_columns(
-    step: StepDump, columns: StepColumns, num_calls: int
+    step: StepDump, table: StepTable, num_calls: int
 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
-    """Per piece of `columns`: the post-clip sum of squares, whether the post-clip gradient holds a
+    """Per entry of `table`: the post-clip sum of squares, whether the post-clip gradient holds a
     nonfinite value, (sum(pre * post), sum(pre * pre)) when every piece with a post-clip gradient has
     them (0 for the others), and the sum of squares
     before each clip call when every piece has them (with several calls)."""
     import numpy as np
 
-    _, post_sq, _, post_nonfinite = columns.kind_sums("grad_clipped")
+    assert table.clipped is not None  # param_coefficients asks only then
+    post_sq, post_nonfinite = table.clipped.sum_sq, table.clipped.nonfinite
     dots = None
-    if (columns.has_dots | ~columns.has_clipped).all():
-        dots = (columns.dot_pre_post, columns.dot_pre_pre)
+    if (table.has_dots | ~table.clipped.has).all():
+        dots = (table.dot_pre_post, table.dot_pre_pre)
     calls = None
     if num_calls > 1:
         by_piece = _call_sums(step)
-        found = [
-            by_piece.get(key, ()) for key in zip(columns.rank.tolist(), columns.index.tolist(), strict=True)
-        ]
+        found = [by_piece.get(key, ()) for key in zip(table.rank.tolist(), table.index.tolist(), strict=True)]
         if all(len(f) == num_calls for f in found):
             calls = np.array(found, dtype=np.float64).reshape(len(found), num_calls)
     return post_sq, post_nonfinite > 0, dots, calls
@@ -281,20 +280,18 @@ def _expected(diagnosis: StepDiagnosis, per_call: bool) -> float | None:
     return diagnosis.expected_coef
 
 
-def _repeated_norm(
-    columns: StepColumns, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]
-) -> float | None:
+def _repeated_norm(table: StepTable, diagnosis: StepDiagnosis, groups: Sequence[CoefGroup]) -> float | None:
     """The L2 norm that counts each parameter of a powered group `power` times (once per listing)."""
-    if diagnosis.true_norm is None or columns.norm_type != 2.0:
+    if diagnosis.true_norm is None or table.norm_type != 2.0:
         return None
     import numpy as np
 
-    ids = {name: i for i, name in enumerate(columns.param_names)}
+    ids = {name: i for i, name in enumerate(table.param_names)}
     extra_times = np.zeros(len(ids))
     for group in groups:
         if group.power >= 2:
             extra_times[[ids[name] for name in group.params if name in ids]] += group.power - 1
-    cover = columns.cover_positions()
-    cover = cover[columns.has_grad[cover]]
-    extra = safe_fsum(extra_times[columns.param[cover]] * columns.sum_sq[cover])
+    cover = table.cover
+    cover = cover[table.grad.has[cover]]
+    extra = safe_fsum(extra_times[table.param[cover]] * table.grad.sum_sq[cover])
     return math.sqrt(diagnosis.true_norm**2 + extra)

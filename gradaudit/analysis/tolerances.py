@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..measure.measurements import ReferenceDifference
+    from ..steptable import ReferenceDifference
 
 REFERENCE_TOLERANCE_BY_DTYPE = {
     "float64": (1e-9, 1e-12),

@@ -9,25 +9,24 @@ reference's tolerance plus what the reference's own update makes of the allowed 
 `|u_i| / |g_i| * allowed_g` (for SGD exactly lr * allowed_g), and for elements whose gradient is zero
 within tolerance, up to twice the parameter's largest update element (the noise may flip the step).
 
-`explain_update_errors` reads tensors (the shell side, only for parameters whose gradients agree and
-whose next weights do not); `judge_elements` is the pure rule on tensors.
+`updates_to_judge` names the parameters whose gradients agree and whose next weights do not;
+`measure.reference.dense_updates` reads their tensors; `judge_updates` and `judge_elements` are the
+pure rule on those arrays.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model import StepDump, TensorKind
+from ..model import TensorKind
 from .tolerances import reference_tolerances, within_reference_tolerance
 
 if TYPE_CHECKING:
-    from ..dumpfile import TensorReader
-    from ..measure.measurements import ParamMeasurement, ReferenceDifference, StepMeasurements
+    from ..steptable import DenseUpdate, ParamMeasurement, ReferenceDifference, StepMeasurements
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,49 +78,35 @@ def judge_elements(
     )
 
 
-def explain_update_errors(
-    step: StepDump,
-    reference: StepDump,
-    m: StepMeasurements,
-    reader: TensorReader,
-    *,
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> Mapping[str, UpdateJudgement]:
-    """Judge every parameter whose next weights are outside tolerance while its gradients agree."""
-    from ..measure.reference import assemble_dense
-    from ..measure.table import piece_table
-
-    judged = {
-        name: errors
-        for name, errors in ((name, _errors_to_judge(pm, rtol, atol)) for name, pm in m.params.items())
-        if errors is not None and name in reference.params
+def updates_to_judge(
+    m: StepMeasurements, reference_params: Collection[str], *, rtol: float | None, atol: float | None
+) -> dict[str, TensorKind]:
+    """Parameter -> the gradient kind to judge it by, for every parameter whose next weights are outside
+    tolerance while its gradients agree (what `measure.reference.dense_updates` reads)."""
+    return {
+        name: found[1]
+        for name, pm in m.params.items()
+        if name in reference_params and (found := _errors_to_judge(pm, rtol, atol)) is not None
     }
-    if not judged:
-        return {}
-    ref_table, our_table = piece_table(reference, judged), piece_table(step, judged)
+
+
+def judge_updates(
+    m: StepMeasurements, dense: Mapping[str, DenseUpdate], *, rtol: float | None, atol: float | None
+) -> dict[str, UpdateJudgement]:
+    """The judgement of every parameter `dense` holds the arrays of (pure)."""
     found: dict[str, UpdateJudgement] = {}
-    for name, (after, grad_kind, grad) in judged.items():
-        shape = tuple(reference.params[name].global_shape)
-        ref_pieces = [(path, piece) for _, path, piece in ref_table.cover(name)]
-        ours = [(path, piece) for _, path, piece in our_table.cover(name)]
-        needed: tuple[TensorKind, ...] = ("param_before", "param_after", grad_kind)
-        if not all(all(k in p.tensors for _, p in ref_pieces) and ref_pieces for k in needed):
-            continue
-        if not ours or not all("param_after" in p.tensors for _, p in ours):
-            continue
-        dense = {k: assemble_dense(reader, shape, ref_pieces, k) for k in needed}
-        ours_after = assemble_dense(reader, shape, ours, "param_after")
-        if bool(np.isnan(ours_after).any()) and not bool(np.isnan(dense["param_after"]).any()):
-            continue  # our pieces do not cover the parameter: leave it to GA603
+    for name, arrays in dense.items():
+        judged = _errors_to_judge(m.params[name], rtol, atol)
+        assert judged is not None  # dense holds only what updates_to_judge asked for
+        after, _, grad = judged
         after_rtol, after_atol = reference_tolerances(after.dtype, rtol, atol)
         grad_rtol, grad_atol = reference_tolerances(grad.dtype, rtol, atol)
         found[name] = judge_elements(
             param=name,
-            ours_after=ours_after,
-            ref_before=dense["param_before"],
-            ref_after=dense["param_after"],
-            ref_grad=dense[grad_kind] / _scale(reference, grad_kind),
+            ours_after=arrays.ours_after,
+            ref_before=arrays.ref_before,
+            ref_after=arrays.ref_after,
+            ref_grad=arrays.ref_grad,
             base_tolerance=after_atol + after_rtol * after.max_abs_reference,
             gradient_tolerance=grad_atol + grad_rtol * grad.max_abs_reference,
         )
@@ -145,12 +130,3 @@ def _errors_to_judge(
 
 def _within(error: ReferenceDifference, rtol: float | None, atol: float | None) -> bool:
     return within_reference_tolerance(error, *reference_tolerances(error.dtype, rtol, atol))
-
-
-def _scale(step: StepDump, kind: str) -> float:
-    from ..measure.measurements import SCALED_KINDS, dumped_gradient_scale
-
-    if kind not in SCALED_KINDS or not step.ranks_present:
-        return 1.0
-    scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
-    return scale if math.isfinite(scale) and scale > 0 else 1.0

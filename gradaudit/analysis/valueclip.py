@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..measure.columns import StepColumns
 from ..model import StepDump
+from ..steptable import StepTable
 
 CLAMP_RTOL = 1e-6
 """Elements clamped to v hold v itself in their dtype, so max |x| after the clamp is v to float rounding."""
@@ -32,7 +32,7 @@ class ValueClipping:
     """No recorded call clipped by norm: the norm checks have nothing to check."""
 
 
-def value_clipping(step: StepDump, columns: StepColumns) -> ValueClipping | None:
+def value_clipping(step: StepDump, table: StepTable) -> ValueClipping | None:
     """The step's element-wise clipping, from its recorded calls or from the clamp it left; else None."""
     values = {
         rank: call.clip_value
@@ -47,19 +47,23 @@ def value_clipping(step: StepDump, columns: StepColumns) -> ValueClipping | None
             ranks=tuple(sorted(values)),
             recognised="the recorded clip_grad_value_ call",
         )
-    return _clamp(columns)
+    return _clamp(table)
 
 
-def _clamp(columns: StepColumns) -> ValueClipping | None:
+def _clamp(table: StepTable) -> ValueClipping | None:
     """The clamp every piece holding a gradient before and after clipping shows, from their columns."""
-    if not columns.has_clipped.any():
+    pre, post = table.grad, table.clipped
+    if post is None:
         return None  # no gradient after clipping: nothing to read the before of
-    has_pre, pre_sq, pre_max, _ = columns.kind_sums("grad")
-    has_post, post_sq, post_max, _ = columns.kind_sums("grad_clipped")
-    both = has_pre & has_post
+    both = pre.has & post.has
     if not both.any():
         return None
-    pre_sq, pre_max, post_sq, post_max = pre_sq[both], pre_max[both], post_sq[both], post_max[both]
+    pre_sq, pre_max, post_sq, post_max = (
+        pre.sum_sq[both],
+        pre.max_abs[both],
+        post.sum_sq[both],
+        post.max_abs[both],
+    )
     value = float(post_max.max())
     if not math.isfinite(value) or value <= 0:
         return None
@@ -75,7 +79,7 @@ def _clamp(columns: StepColumns) -> ValueClipping | None:
     cut = np.flatnonzero((pre_max > value * (1 + 1e-4)) & (pre_sq > 0))
     with np.errstate(all="ignore"):
         shrunk = np.sqrt(post_sq[cut] / pre_sq[cut]) > (value / pre_max[cut]) * (1 + 1e-4)
-    ranks = columns.rank[both][cut[shrunk]]
+    ranks = table.rank[both][cut[shrunk]]
     if not ranks.size:
         return None
     return ValueClipping(

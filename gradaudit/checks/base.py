@@ -12,14 +12,13 @@ from ..ranksets import compact_ranks
 from ..report.model import Finding, NotChecked, Severity
 
 if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads no measuring code
+    from ..analysis.coverage import ParamCoverage
     from ..analysis.diagnosis import StepDiagnosis
-    from ..analysis.geometry import Coverage
     from ..analysis.param_coefs import ParamCoefficients
     from ..analysis.updates import UpdateJudgement
     from ..analysis.valueclip import ValueClipping
-    from ..measure.columns import StepColumns
-    from ..measure.measurements import StepMeasurements
-    from ..model import ParamInfo, StepDump
+    from ..model import StepDump
+    from ..steptable import StepMeasurements, StepTable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,20 +42,21 @@ class AuditOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AuditInputs:
-    """What every check receives: the loaded step, what was read from its tensors, and what the
-    analysis made of it (audit.analyse builds it once per step; the checks only read it)."""
+class Analysis:
+    """The analysis value, what every check receives: the step's facts, its step table and what was
+    read from its tensors, and what the analysis made of them (audit.analyse builds it once per step,
+    from a loaded dump or the guard's gathered numbers; the checks only read it)."""
 
     step: StepDump
     """The loaded step."""
     measurements: StepMeasurements
     """What was read from its tensors (and the reference's)."""
-    columns: StepColumns
-    """The measured pieces as columns (one pass over the pieces, shared by the analysis and the checks)."""
+    table: StepTable
+    """Every measured piece of the step, as frozen columns (what the analysis and the checks ask of the pieces)."""
     diagnosis: StepDiagnosis
     """The true global norm, the expected coefficient and each rank's diagnosis."""
-    coverage: Mapping[str, tuple[ParamInfo, Coverage, list[int], list[int]]]
-    """Parameter -> (its ParamInfo, overlaps and gaps of its pieces, ranks in overlaps, ranks holding it)."""
+    coverage: Mapping[str, ParamCoverage]
+    """Parameter -> who holds which of its elements (GA102 and GA103 read it)."""
     update_judgements: Mapping[str, UpdateJudgement]
     """Parameters whose next weights differ from the reference while their gradients agree, judged
     through the optimizer ({} without a reference): GA603 leaves out the explained ones, GA604 names them."""
@@ -91,7 +91,7 @@ class Skip:
 
 
 CheckResult = tuple[Hit, ...] | Skip
-CheckFn = Callable[["AuditInputs", "AuditOptions"], CheckResult]
+CheckFn = Callable[["Analysis", "AuditOptions"], CheckResult]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +124,7 @@ class CheckSpec:
     norm_clipping: bool = False
     """A check of a clip norm or its coefficient: "not checked" when the step clipped element-wise (GA506)."""
 
-    def apply(self, inputs: AuditInputs, options: AuditOptions) -> list[Finding] | NotChecked:
+    def apply(self, inputs: Analysis, options: AuditOptions) -> list[Finding] | NotChecked:
         result = self.run(inputs, options)
         step = inputs.step
         if result == () and not self.decided_with_ranks_missing and step.missing_ranks:

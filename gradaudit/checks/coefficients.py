@@ -10,7 +10,7 @@ from ..analysis.param_coefs import LEFT_OUT, LISTED_TWICE, PER_CALL, CoefGroup, 
 from ..norms import relative_difference
 from .base import (
     MAX_FOLDED_PARAMS_LISTED,
-    AuditInputs,
+    Analysis,
     AuditOptions,
     CheckResult,
     Hit,
@@ -38,13 +38,13 @@ BY_PARAMETER = (
 )
 
 
-def _by_parameter(inputs: AuditInputs) -> bool:
+def _by_parameter(inputs: Analysis) -> bool:
     """Whether a rank applied several coefficients to its own parameters (GA304's finding)."""
     found = inputs.param_coefficients
     return found is not None and found.differ
 
 
-def coefficients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def coefficients_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     diagnosis = inputs.diagnosis
     if diagnosis.mixed_moments:
         return Skip(reason=MIXED_MOMENTS)
@@ -82,7 +82,7 @@ def coefficients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResu
     )
 
 
-def coefficient_vs_expected(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def coefficient_vs_expected(inputs: Analysis, options: AuditOptions) -> CheckResult:
     diagnosis = inputs.diagnosis
     if diagnosis.max_norm is None:
         return Skip(reason="no rank recorded max_norm (no clip record in the dump)")
@@ -189,7 +189,7 @@ def _above_bound(diagnosis: StepDiagnosis, known: list[RankDiagnosis]) -> CheckR
     )
 
 
-def post_clip_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def post_clip_norm(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     diagnosis = inputs.diagnosis
     if diagnosis.max_norm is None:
@@ -230,7 +230,7 @@ MAX_PARAMS_PER_HIT = 100
 """Parameters a GA304 finding carries in `params` (its evidence counts them all)."""
 
 
-def coefficients_by_parameter(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def coefficients_by_parameter(inputs: Analysis, options: AuditOptions) -> CheckResult:
     found = inputs.param_coefficients
     if found is None:
         return Skip(reason="the coefficients per parameter were not measured")
@@ -296,7 +296,7 @@ def _per_call_text(group: CoefGroup, calls: str, num_groups: int) -> str:
     )
 
 
-def _call_norms_text(inputs: AuditInputs) -> str:
+def _call_norms_text(inputs: Analysis) -> str:
     step = inputs.step
     for rank in step.ranks_present:
         clip = step.ranks[rank].clip

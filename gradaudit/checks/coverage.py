@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from ..dumpfile.header import clipped
+from ..errors import clipped
 from ..model import ParamInfo
 from .base import (
     MAX_FINDINGS_PER_CODE,
     MAX_FOLDED_PARAMS_LISTED,
-    AuditInputs,
+    Analysis,
     AuditOptions,
     CheckResult,
     Hit,
@@ -17,7 +17,7 @@ from .base import (
 )
 
 
-def missing_ranks(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def missing_ranks(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     if not step.missing_ranks:
         return ()
@@ -38,7 +38,7 @@ def missing_ranks(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def metadata_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def metadata_disagreement(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     hits = []
     for item in step.inconsistencies:
@@ -58,7 +58,7 @@ def metadata_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckRe
     return tuple(hits)
 
 
-def ownership_overlap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def ownership_overlap(inputs: Analysis, options: AuditOptions) -> CheckResult:
     hits = []
     for name, (info, result, ranks, _) in inputs.coverage.items():
         if result.num_overlap_elements:
@@ -77,7 +77,7 @@ def ownership_overlap(inputs: AuditInputs, options: AuditOptions) -> CheckResult
     return tuple(hits)
 
 
-def ownership_gap(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def ownership_gap(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     if step.missing_ranks:
         return Skip(
@@ -134,7 +134,7 @@ def _unheld_params(unheld: list[ParamInfo], num_params: int) -> Hit:
     )
 
 
-def parameters_not_captured(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def parameters_not_captured(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     left_out: dict[str, tuple[str, list[int]]] = {}
     for rank in step.ranks_present:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, ranks_named
 
 MAX_ENTRIES_IN_MESSAGE = 8
 
 
-def nonfinite_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def nonfinite_gradients(inputs: Analysis, options: AuditOptions) -> CheckResult:
     counts: dict[tuple[int, str], list[int]] = {}
-    for piece in inputs.columns.with_nonfinite_grad():
+    table = inputs.table
+    for piece in table.rows(table.grad.counts.any(axis=1).nonzero()[0]):
         stats = piece.stats.get("grad")
         if stats is None or not stats.num_nonfinite:
             continue
@@ -49,7 +50,7 @@ def nonfinite_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResu
     )
 
 
-def skip_disagreement(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def skip_disagreement(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     hits = []
     recorded = False

@@ -20,13 +20,13 @@ from ..analysis.hypotheses import (
 )
 from ..norms import CLIP_EPS
 from ..report.sentences import fold_sentences
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
 
 
-def diagnosis_or_skip(inputs: AuditInputs) -> StepDiagnosis | Skip:
+def diagnosis_or_skip(inputs: Analysis) -> StepDiagnosis | Skip:
     step = inputs.step
     if step.clip is None:
         return Skip(reason="no rank recorded what its clipping did (no clip record in the dump)")
@@ -122,7 +122,7 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
     )
 
 
-def _matching(inputs: AuditInputs, hypothesis: Hypothesis, lead: str) -> CheckResult:
+def _matching(inputs: Analysis, hypothesis: Hypothesis, lead: str) -> CheckResult:
     """One hit for the ranks whose clipping used the accounting `hypothesis`."""
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
@@ -131,11 +131,11 @@ def _matching(inputs: AuditInputs, hypothesis: Hypothesis, lead: str) -> CheckRe
     return (_hit(diagnosis, ranks, lead),) if ranks else ()
 
 
-def local_norm(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def local_norm(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return _matching(inputs, LOCAL_ONLY, "clipping used each rank's local norm, never reduced across ranks")
 
 
-def double_counted(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def double_counted(inputs: Analysis, options: AuditOptions) -> CheckResult:
     replicas = _matching(
         inputs, DOUBLE_COUNTED, "clipping used a norm that counts every replica of replicated gradients"
     )
@@ -153,7 +153,7 @@ def double_counted(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     return replicas + copies
 
 
-def wrong_group(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def wrong_group(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(
         inputs,
         WRONG_GROUP,
@@ -163,7 +163,7 @@ def wrong_group(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
 
 
 def _by_hypothesis(
-    inputs: AuditInputs,
+    inputs: Analysis,
     kind: str,
     lead: Callable[[str], str],
     *,
@@ -198,11 +198,11 @@ def _group_lead(what: str) -> str:
     return f"clipping used a norm in which the {label!r} parameters are {text}, the rest counted right"
 
 
-def param_group_mistake(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def param_group_mistake(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(inputs, PARAM_GROUP, _group_lead)
 
 
-def averaged_norms(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def averaged_norms(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(
         inputs,
         AVERAGED,
@@ -213,7 +213,7 @@ def averaged_norms(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def overflowed(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def overflowed(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return _by_hypothesis(
         inputs,
         OVERFLOW,
@@ -221,7 +221,7 @@ def overflowed(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def wrong_clip_list(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def wrong_clip_list(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA210: the right reduction of a wrong list of parameters: one listed twice, or each param group's
     own list, one clip call per group (the evidence's cause picks the fix line)."""
     twice = _by_hypothesis(
@@ -263,7 +263,7 @@ def wrong_clip_list(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def unexplained(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def unexplained(inputs: Analysis, options: AuditOptions) -> CheckResult:
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
@@ -284,7 +284,7 @@ def unexplained(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def logging_bug(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def logging_bug(inputs: Analysis, options: AuditOptions) -> CheckResult:
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
@@ -314,7 +314,7 @@ def logging_bug(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     )
 
 
-def not_checked(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def not_checked(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
     for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
     step = inputs.step

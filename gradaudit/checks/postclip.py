@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 
-def captured_after_clipping(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def captured_after_clipping(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """Gradients with no recorded clip call whose global norm is max_norm itself (what clip_grad_norm_
     leaves: max_norm * N / (N + 1e-6)), with a recorded norm above max_norm when there is one."""
     step = inputs.step

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
 
 if TYPE_CHECKING:
     from ..analysis.diagnosis import CallNorm
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 MAX_CALLS_IN_MESSAGE = 8
 
 
-def clipped_more_than_once(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def clipped_more_than_once(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
 
     calls = {r: clip.calls for r in step.ranks_present if (clip := step.ranks[r].clip) is not None}
@@ -76,7 +76,7 @@ def _call_norms_text(call_norms: Sequence[CallNorm], max_norm: float | None) -> 
     return ", ".join(parts)
 
 
-def clipped_scaled_gradients(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def clipped_scaled_gradients(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     from ..analysis.diagnosis import loss_scale_of
 
@@ -122,7 +122,7 @@ def clipped_scaled_gradients(inputs: AuditInputs, options: AuditOptions) -> Chec
     )
 
 
-def uneven_token_means(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def uneven_token_means(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     records = {r: step.ranks[r].data for r in step.ranks_present if step.ranks[r].data.tokens is not None}
     if len(records) < 2:

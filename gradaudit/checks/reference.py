@@ -11,11 +11,11 @@ import math
 
 from ..analysis.norm_input import cover_norm
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
-from ..measure.measurements import ReferenceDifference, StepMeasurements
 from ..model import TensorKind
 from ..norms import expected_clip_coef, relative_difference
 from ..report.model import ParamComparison
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num
+from ..steptable import ReferenceDifference, StepMeasurements
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, num
 
 MAX_PARAMS_IN_MESSAGE = 5
 
@@ -110,7 +110,7 @@ def _hits_for(
     ]
 
 
-def gradients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def gradients_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step, m = inputs.step, inputs.measurements
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
@@ -156,7 +156,7 @@ def gradients_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
     return tuple(hits)
 
 
-def _moment(inputs: AuditInputs) -> str:
+def _moment(inputs: Analysis) -> str:
     """When the dumped pre-clip gradient was taken, when several clip calls make it matter."""
     step = inputs.step
     if step.clip is None:
@@ -164,7 +164,7 @@ def _moment(inputs: AuditInputs) -> str:
     return inputs.diagnosis.moment
 
 
-def clipped_or_next_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def clipped_or_next_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     m = inputs.measurements
     if not m.reference_given:
         return Skip(reason="no unsharded reference was given (--reference REF)")
@@ -182,7 +182,7 @@ def clipped_or_next_weights_differ(inputs: AuditInputs, options: AuditOptions) -
     return tuple(hits)
 
 
-def updates_explained_by_optimizer(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def updates_explained_by_optimizer(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA604: next-weights differences that the optimizer's normalisation of agreeing gradients explains."""
     m = inputs.measurements
     if not m.reference_given:

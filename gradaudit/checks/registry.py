@@ -11,7 +11,7 @@ import importlib
 import textwrap
 
 from ..report.model import Finding, NotChecked, Severity
-from .base import AuditInputs, AuditOptions, CheckFn, CheckResult, CheckSpec
+from .base import Analysis, AuditOptions, CheckFn, CheckResult, CheckSpec
 
 
 class DeferredCheck:
@@ -26,7 +26,7 @@ class DeferredCheck:
         fn: CheckFn = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)
         return fn
 
-    def __call__(self, inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+    def __call__(self, inputs: Analysis, options: AuditOptions) -> CheckResult:
         return self.resolve()(inputs, options)
 
 
@@ -424,9 +424,7 @@ CLIPPING_CODES = tuple(spec.code for spec in CHECKS if spec.decides_clipping)
 """The checks that must all have run before the verdict may call clipping right."""
 
 
-def run_checks(
-    inputs: AuditInputs, options: AuditOptions
-) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
+def run_checks(inputs: Analysis, options: AuditOptions) -> tuple[tuple[Finding, ...], tuple[NotChecked, ...]]:
     """Run every check; findings sorted by (severity, code, ranks, params), not-checked by code."""
     from .valueclip import gate
 

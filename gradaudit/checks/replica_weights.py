@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from ..model import StepDump
 from ..norms import norm_rtol
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
 
 
-def replica_weights_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step, m = inputs.step, inputs.measurements
     replicated = [rs for pm in m.params.values() for rs in pm.replica_sets]
     sets = [rs for rs in replicated if rs.param_base_max_abs is not None]

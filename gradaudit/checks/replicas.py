@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from ..measure.measurements import ReplicaSet
 from ..norms import norm_rtol
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
+from ..steptable import ReplicaSet
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
@@ -34,7 +34,7 @@ def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
     return found
 
 
-def replicas_differ(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def replicas_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step, m = inputs.step, inputs.measurements
 
     if step.clip is not None and inputs.diagnosis.mixed_moments:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, num, ranks_named
 
 
-def clipped_before_the_recorded_call(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def clipped_before_the_recorded_call(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """One recorded clip call per rank, whose gradients' true global norm is max_norm itself (to the
     rounding of their dtype: what a clip leaves behind) and which then scaled nothing.
 
@@ -51,7 +51,7 @@ def clipped_before_the_recorded_call(inputs: AuditInputs, options: AuditOptions)
     )
 
 
-def no_clip_call(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def no_clip_call(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """max_norm declared, the optimizer step observed, and no rank recorded a clip call, a norm or a
     coefficient: the gradients the step used were clipped by nothing the audit saw.
 

@@ -6,14 +6,15 @@ import math
 
 from ..analysis.norm_input import cover_norm
 from ..norms import safe_fsum
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, Skip, num
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num
 from .hints import record_parameters_hint
 
 
-def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
-    everything = inputs.columns.cover()
-    cover = inputs.columns.cover_with_updates()
+    table = inputs.table
+    everything = table.cover.size
+    cover = list(table.rows(table.cover[table.has_update[table.cover]]))
     if not cover:
         stats = any(step.ranks[r].mode == "stats" for r in step.ranks_present)
         return Skip(
@@ -24,7 +25,7 @@ def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResul
                 else f" ({record_parameters_hint(step)})"
             )
         )
-    partial = len(cover) < len(everything)
+    partial = len(cover) < everything
     update_norm = math.sqrt(safe_fsum(p.update_sum_sq for p in cover if p.update_sum_sq is not None))
     clipped = all("grad_clipped" in p.stats for p in cover)
     grad_norm = cover_norm(cover, 2.0, "grad_clipped" if clipped else "grad")
@@ -38,7 +39,7 @@ def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResul
         Hit(
             message=(
                 (
-                    f"over the {len(cover)} of {len(everything)} pieces dumped with parameter values: "
+                    f"over the {len(cover)} of {everything} pieces dumped with parameter values: "
                     if partial
                     else ""
                 )
@@ -52,7 +53,7 @@ def update_vs_gradient(inputs: AuditInputs, options: AuditOptions) -> CheckResul
                 "gradient_norm": grad_norm,
                 "ratio": ratio,
                 "gradient_kind": "grad_clipped" if clipped else "grad",
-                **({"num_pieces": len(cover), "num_pieces_in_step": len(everything)} if partial else {}),
+                **({"num_pieces": len(cover), "num_pieces_in_step": everything} if partial else {}),
             },
         ),
     )

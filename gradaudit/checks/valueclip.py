@@ -1,12 +1,12 @@
 """GA506: element-wise clipping (clip by value) instead of norm clipping, and the norm checks it leaves
-without a question to answer (what was recognised is analysis.valueclip's, in `AuditInputs.value_clipping`)."""
+without a question to answer (what was recognised is analysis.valueclip's, in `Analysis.value_clipping`)."""
 
 from __future__ import annotations
 
-from .base import AuditInputs, AuditOptions, CheckResult, Hit, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, num, ranks_named
 
 
-def gate(inputs: AuditInputs) -> str | None:
+def gate(inputs: Analysis) -> str | None:
     """Why the norm-clipping checks do not apply to this step (it clipped element-wise), or None."""
     found = inputs.value_clipping
     if found is None or not found.only:
@@ -17,7 +17,7 @@ def gate(inputs: AuditInputs) -> str | None:
     )
 
 
-def clipped_by_value(inputs: AuditInputs, options: AuditOptions) -> CheckResult:
+def clipped_by_value(inputs: Analysis, options: AuditOptions) -> CheckResult:
     found = inputs.value_clipping
     if found is None:
         return ()

@@ -37,7 +37,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..errors import DumpFormatError
+from ..errors import DumpFormatError, clipped, shown
 from ..model import (
     FLOAT_DTYPES,
     TENSOR_KINDS,
@@ -53,7 +53,6 @@ from ..model import (
     Topology,
 )
 from .header import PREFIX as PREFIX  # the column keys; reader.py imports it from here
-from .header import clipped, shown
 
 __all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ..errors import DumpFormatError, GradauditError
+from ..errors import DumpFormatError, GradauditError, clipped, shown
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """A header larger than this is refused before it is read (the same cap as safetensors itself)."""
@@ -91,16 +91,6 @@ class Header:
 
 PREFIX = "__gradaudit__."
 """The key prefix of format 1.1's column tensors (dumpfile/columnar.py)."""
-
-
-def clipped(text: str, limit: int = 120) -> str:
-    """Untrusted text cut to `limit` characters, so that one error stays one short line."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """repr() of an untrusted value, clipped."""
-    return clipped(repr(value), limit)
 
 
 def _reject_constant(name: str) -> Any:

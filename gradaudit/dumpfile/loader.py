@@ -14,20 +14,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import DumpFormatError, GradauditError, StepFolderError
+from ..errors import DumpFormatError, GradauditError, StepFolderError, clipped, shown
 from ..model import Inconsistency, ParamInfo, RankDump, StepDump, Topology
 from .columnar import ParamsCache
 from .header import (
     Header,
     OpenFileLimitError,
     check_density,
-    clipped,
     open_regular_file,
     os_problem,
     parse_json,
     read_columns,
     read_raw_header_from,
-    shown,
     validate_tensors,
 )
 from .paramtable import SharedTables, is_table_file, resolve_shared, unreferenced_tables

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from ..errors import DumpFormatError
+from ..errors import DumpFormatError, shown
 from .dtypes import STORAGE
 from .header import (
     Header,
@@ -26,7 +26,6 @@ from .header import (
     open_regular_file,
     os_problem,
     read_raw_header_from,
-    shown,
     validate_tensors,
 )
 

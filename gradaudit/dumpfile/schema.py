@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, cast, overload
 
-from ..errors import DumpFormatError
+from ..errors import DumpFormatError, clipped, shown
 from ..model import (
     FLOAT_DTYPES,
     MODES,
@@ -40,7 +40,6 @@ from .columnar import (
     pieces_from_json,
 )
 from .columnar import MAX_INT as MAX_INT  # capture/arguments.py checks counters against it
-from .header import clipped, shown
 
 METADATA_KEY = "gradaudit"
 """The key of the safetensors `__metadata__` entry that holds our JSON document."""

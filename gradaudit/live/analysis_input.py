@@ -1,13 +1,13 @@
 """The boundary between the guard and the analysis: the per-rank summary every rank gathered, turned
-into the analysis' input, so that the guard's verdict and `gradaudit check` come from one diagnosis.
+into the analysis value, so that the guard's verdict and `gradaudit check` come from one analysis.
 
-The diagnosis reads the summary directly: `norm_input` makes it the diagnosis' own input
-(`analysis.norm_input.NormInput`: one entry per rank and ownership group it holds, replicas of a group
-sharing a layout, so every accounting the diagnosis tries gives the number it would from the real
-pieces). The other checks read a stats-mode dump, which the guard also writes on an anomaly: one
-`RankDump` per rank whose pieces are the rank's ownership groups, each a one-element piece whose
-value is the group's norm (`rank_dumps`); `report_of` runs the offline stages on the two
-(`measure_step` -> `audit.analyse` -> `audit.build_report`, as `audit.audit_step` assembles them).
+`analysis_of` builds the step table straight from the gathered numbers (one entry per rank and
+ownership group it holds, replicas of a group sharing a layout, each entry's statistics those of one
+element whose magnitude is the group's norm), and the replica sets from its columns: nothing is
+measured and no tensor read, and every accounting the diagnosis tries gives the number it would from
+the real pieces. The step's facts (clip records, topology, parameters) come from the step the guard's
+dump amounts to (`rank_dumps`: one stats-mode `RankDump` per rank, which the guard also writes on an
+anomaly); `report_of` runs `audit.build_report` on the analysis, as `audit.audit_step` does.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from ..measure.measurements import gradient_scale_of, piece_measurement, unscaled_sums
 from ..model import (
     ClipCall,
     ClipRecord,
@@ -30,10 +31,21 @@ from ..model import (
     Topology,
     as_columns,
 )
-from ..norms import divide_by_power
+from ..norms import INF, NAN, UNKNOWN
+from ..steptable import (
+    KindColumns,
+    ParamMeasurement,
+    PieceMeasurement,
+    ReplicaCopy,
+    ReplicaSet,
+    StepMeasurements,
+    StepTable,
+)
 
 if TYPE_CHECKING:
-    from ..analysis.norm_input import NormInput
+    import numpy as np
+
+    from ..checks.base import Analysis
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -120,7 +132,7 @@ class LiveStep:
 
 class _Held(NamedTuple):
     """One ownership group on one rank that holds it, what its piece of the guard's dump and its entry
-    of the diagnosis' input are made of: its replica class's element (`position`) in the group's
+    of the step table are made of: its replica class's element (`position`) in the group's
     one-dimensional parameter; sum |g|^p (max |g| for the inf-norm; nonfinite as 0, the counts tell);
     the term after clipping (the same elements scaled by the sample's coefficient; None unless that
     is finite and the group too); the term before each clip call when the rank made two or more."""
@@ -157,9 +169,30 @@ def _held(live: LiveStep) -> dict[int, list[_Held]]:
     return by_rank
 
 
+def _piece(live: LiveStep, h: _Held, index: int) -> Piece:
+    """The piece of the guard's dump that one ownership group on one rank amounts to: one element
+    whose magnitude is the group's norm, at its replica class's position."""
+    group, p = live.groups[h.group], live.norm_type
+    stats: dict[TensorKind, TensorStats] = {
+        "grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)
+    }
+    if h.clipped is not None:
+        stats["grad_clipped"] = _one_element(h.clipped, p)
+    return Piece(
+        index=index,
+        param=group.param,
+        regions=(FlatRange(start=h.position, stop=h.position + 1),),
+        local_shape=(1,),
+        dtype=live.ranks[h.rank].grad_dtype or group.dtype,
+        replica_group=group.replica_group,
+        stats=stats,
+        call_stats=tuple(_one_element(term, p) for term in h.calls),
+    )
+
+
 def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
-    layouts, p, held = _layouts(live), live.norm_type, _held(live)
+    layouts, held = _layouts(live), _held(live)
     params = tuple(
         ParamInfo(name=g.param, global_shape=(len(layouts[i]),), dtype=g.dtype)
         for i, g in enumerate(live.groups)
@@ -169,24 +202,7 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     for rank, summary in sorted(live.ranks.items()):
         pieces: list[Piece] = []
         for h in held[rank]:
-            group = live.groups[h.group]
-            stats: dict[TensorKind, TensorStats] = {
-                "grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)
-            }
-            if h.clipped is not None:
-                stats["grad_clipped"] = _one_element(h.clipped, p)
-            pieces.append(
-                Piece(
-                    index=len(pieces),
-                    param=group.param,
-                    regions=(FlatRange(start=h.position, stop=h.position + 1),),
-                    local_shape=(1,),
-                    dtype=summary.grad_dtype or group.dtype,
-                    replica_group=group.replica_group,
-                    stats=stats,
-                    call_stats=tuple(_one_element(term, p) for term in h.calls),
-                )
-            )
+            pieces.append(_piece(live, h, len(pieces)))
         rank_params = tuple(p for p in params if any(piece.param == p.name for piece in pieces))
         dumps[rank] = RankDump(
             path="",
@@ -204,95 +220,174 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     return dumps
 
 
-def norm_input(live: LiveStep) -> NormInput:
-    """The diagnosis' input from the gathered summary: one entry per rank and ownership group it
-    holds, the replicas of a group on one layout (the entries of `rank_dumps`' pieces, read without
-    their statistics)."""
+def analysis_of(live: LiveStep) -> Analysis:
+    """What every check receives for the live step, as `audit.analyse` makes it of the guard's dump
+    measured, but from the gathered numbers: the step table and the replica sets built from them
+    (nothing measured, no tensor read), the facts from the step the guard's dump amounts to."""
+    from ..audit import analyse
+
+    step = step_dump(live)
+    table, replicas = _step_table(live, tuple(step.params))
+    measurements = StepMeasurements(
+        norm_type=live.norm_type,
+        params={
+            name: ParamMeasurement(
+                param=name, norm_type=live.norm_type, pieces=(), replica_sets=replicas.get(name, ())
+            )
+            for name in sorted(step.params)
+        },
+    )
+    return analyse(step, measurements, table=table, update_judgements={})
+
+
+def _step_table(
+    live: LiveStep, param_names: tuple[str, ...]
+) -> tuple[StepTable, dict[str, tuple[ReplicaSet, ...]]]:
+    """The step table of the live step (one entry per rank and ownership group it holds, in
+    parameter, rank, piece order, as the guard's dump measured gives it) and its replica sets."""
     import numpy as np
 
-    from ..analysis.norm_input import Entries, NormInput
-    from ..measure.columns import INF, NAN, UNKNOWN
-    from ..norms import safe_fsum
+    p = live.norm_type
+    held = [(h, k) for own in _held(live).values() for k, h in enumerate(own)]
+    held.sort(key=lambda e: (live.groups[e[0].group].param, e[0].rank, e[1]))
+    ids = {name: i for i, name in enumerate(param_names)}
+    scales = np.array([_gradient_scale(live, h.rank) for h, _ in held])
+    grad = [_one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf) for h, _ in held]
+    counts = np.array([(s.num_nan, s.num_posinf, s.num_neginf) for s in grad], dtype=np.int64).reshape(-1, 3)
+    sum_pow, sum_sq, max_abs = _unscaled_columns(grad, scales, p)
+    term = max_abs if math.isinf(p) else sum_pow
+    flags = (counts[:, 0] > 0).astype(np.int8) * NAN | ((counts[:, 1] + counts[:, 2]) > 0).astype(
+        np.int8
+    ) * INF
+    has = np.ones(len(held), dtype=bool)
+    layout = np.array([_layout_id(live, h) for h, _ in held], dtype=np.int64)
+    rank = np.array([h.rank for h, _ in held], dtype=np.int64)
+    index = np.array([k for _, k in held], dtype=np.int64)
+    dtypes = [live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h, _ in held]
 
-    layouts, p, raw = _layouts(live), live.norm_type, _held(live)
-    scales = {r: _gradient_scale(live, r) for r in raw}
-    by_rank = {r: _unscaled(own, scales[r], p) for r, own in raw.items()}
-    held = [h for own in by_rank.values() for h in own]
-    sum_sq = [divide_by_power(_square(h.term, p), scales[h.rank], 2.0) for own in raw.values() for h in own]
-    offsets = np.cumsum([0, *(len(classes) for classes in layouts)]).tolist()
-    params = [i for i, classes in enumerate(layouts) if classes]
-    at = [(h.rank, offsets[h.group] + h.position) for h in held]  # (rank, layout) of each entry
-    coefs = {}
-    for r, own in raw.items():  # what measuring the dump's pieces gives
+    def rows(at: np.ndarray) -> list[PieceMeasurement]:
+        """The pieces of the guard's dump at these positions, measured: built only when asked."""
+        return [
+            piece_measurement(int(rank[i]), _piece(live, *held[i]), float(scales[i])) for i in at.tolist()
+        ]
 
-        def squares(terms: list[float], scale: float = scales[r]) -> float:
-            return safe_fsum(divide_by_power(_square(t, p), scale, 2.0) for t in terms)
-
-        pre = squares([h.term for h in own])
-        if own and all(h.clipped is not None for h in own) and pre > 0:
-            coefs[r] = math.sqrt(squares([h.clipped or 0.0 for h in own]) / pre)
-    clipped = [
-        (*a, h.clipped or 0.0, UNKNOWN if h.clipped is None else 0) for a, h in zip(at, held, strict=True)
-    ]
-    return NormInput(
+    zeros = np.zeros(len(held))
+    table = StepTable(
         norm_type=p,
-        grad=Entries.of(
-            [
-                (*a, h.term, (NAN if h.num_nan else 0) | (INF if h.num_inf else 0))
-                for a, h in zip(at, held, strict=True)
-            ]
+        rank=rank,
+        index=index,
+        param=np.array([ids[live.groups[h.group].param] for h, _ in held], dtype=np.int64),
+        param_names=param_names,
+        layout=layout,
+        dtypes=frozenset(dtypes),
+        grad=KindColumns(
+            has=has, sum_pow=sum_pow, sum_sq=sum_sq, max_abs=max_abs, counts=counts, term=term, flags=flags
         ),
-        param=np.array([params.index(h.group) for h in held], dtype=np.int64),
-        param_names=tuple(live.groups[i].param for i in params),
-        sum_sq=np.array(sum_sq, dtype=np.float64),
-        clipped=None if all(h.clipped is None for h in held) else Entries.of(clipped),
-        calls=tuple(
-            Entries.of([(*a, h.calls[call], 0) for a, h in zip(at, held, strict=True) if len(h.calls) > call])
-            for call in range(max((len(h.calls) for h in held), default=0))
-        ),
-        dtypes=frozenset(live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h in held),
-        measured_coef=coefs,
-        drifted=_drifted(raw, p),
+        clipped=_clipped_columns(live, [h for h, _ in held], scales),
+        has_dots=np.zeros(len(held), dtype=bool),
+        dot_pre_post=zeros,
+        dot_pre_pre=zeros,
+        has_update=np.zeros(len(held), dtype=bool),
+        distinct_layouts=bool(np.unique(layout).size == layout.size),
+        rows=rows,
+    )
+    return table, _replica_sets(table, [live.groups[h.group].param for h, _ in held], dtypes, held)
+
+
+def _unscaled_columns(
+    stats: list[TensorStats], scales: np.ndarray, p: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sum |x|^p, sum x^2, max |x|) of these statistics, each divided by its rank's loss scale as
+    measuring the guard's dump divides them (measurements.unscaled_sums, by rank)."""
+    import numpy as np
+
+    sum_pow, sum_sq, max_abs = (np.array([getattr(s, f) for s in stats], dtype=np.float64) for f in _SUMS)
+    for scale in np.unique(scales[scales != 1.0]).tolist():
+        at = scales == scale
+        sum_pow[at], sum_sq[at], max_abs[at] = unscaled_sums(sum_pow[at], sum_sq[at], max_abs[at], scale, p)
+    return sum_pow, sum_sq, max_abs
+
+
+_SUMS = ("sum_pow", "sum_sq", "max_abs")
+
+
+def _clipped_columns(live: LiveStep, held: list[_Held], scales: np.ndarray) -> KindColumns | None:
+    """The clipped gradient's columns (UNKNOWN where a group has none); None when no group has one."""
+    import numpy as np
+
+    has = np.array([h.clipped is not None for h in held], dtype=bool)
+    if not has.any():
+        return None
+    p = live.norm_type
+    stats = [_one_element(0.0 if h.clipped is None else h.clipped, p) for h in held]
+    sum_pow, sum_sq, max_abs = _unscaled_columns(stats, scales, p)
+    return KindColumns(
+        has=has,
+        sum_sq=np.where(has, sum_sq, 0.0),
+        max_abs=np.where(has, max_abs, 0.0),
+        counts=np.zeros((len(held), 3), dtype=np.int64),
+        term=np.where(has, max_abs if math.isinf(p) else sum_pow, 0.0),
+        flags=np.where(has, 0, UNKNOWN).astype(np.int8),
     )
 
 
-def _drifted(by_rank: Mapping[int, list[_Held]], p: float) -> frozenset[int]:
-    """Ranks whose copy of a replicated group differs from its lowest rank's copy: what comparing
-    the replicas of the guard's dump gives (the one element's magnitude, its nonfinite count)."""
-    base: dict[tuple[int, int], tuple[float, int]] = {}
-    found = set()
-    for rank, own in sorted(by_rank.items()):
-        for h in own:
-            copy = (_one_element(h.term, p).max_abs, h.num_nan + h.num_inf)
-            if base.setdefault((h.group, h.position), copy) != copy:
-                found.add(rank)
-    return frozenset(found)
+def _replica_sets(
+    table: StepTable, params: list[str], dtypes: list[str], held: list[tuple[_Held, int]]
+) -> dict[str, tuple[ReplicaSet, ...]]:
+    """Parameter -> its groups held on several ranks, each copy compared with the lowest rank's as
+    measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts)."""
+    import numpy as np
+
+    grad = table.grad
+    copies = np.bincount(table.layout)[table.layout]
+    by_layout: dict[int, list[int]] = {}
+    for i in table.by_rank_order.tolist():
+        if copies[i] > 1:
+            by_layout.setdefault(int(table.layout[i]), []).append(i)
+    found: dict[str, list[ReplicaSet]] = {}
+    nonfinite = grad.nonfinite
+    for base, *others in sorted(by_layout.values(), key=lambda at: (table.rank[at[0]], table.index[at[0]])):
+        position = held[base][0].position
+
+        def delta(i: int, base: int = base) -> float:
+            if nonfinite[i] != nonfinite[base]:
+                return math.inf
+            return max(
+                abs(math.sqrt(grad.sum_sq[i]) - math.sqrt(grad.sum_sq[base])),
+                abs(float(grad.max_abs[i]) - float(grad.max_abs[base])),
+            )
+
+        found.setdefault(params[base], []).append(
+            ReplicaSet(
+                param=params[base],
+                regions=(FlatRange(start=position, stop=position + 1),),
+                dtype=dtypes[base],
+                base_rank=int(table.rank[base]),
+                base_index=int(table.index[base]),
+                base_max_abs=float(grad.max_abs[base]),
+                base_sum_sq=float(grad.sum_sq[base]),
+                numel=1,
+                copies=tuple(
+                    ReplicaCopy(
+                        rank=int(table.rank[i]), index=int(table.index[i]), fingerprint_delta=delta(i)
+                    )
+                    for i in others
+                ),
+                by_values=False,
+            )
+        )
+    return {name: tuple(sets) for name, sets in found.items()}
+
+
+def _layout_id(live: LiveStep, h: _Held) -> int:
+    """Equal exactly for the copies of one replica class of one group."""
+    return h.group * (len(live.ranks) + 1) + h.position
 
 
 def _gradient_scale(live: LiveStep, rank: int) -> float:
     """How many times the true gradient the rank's measured gradients are: the rule loading the
     guard's dump applies to its clip record (the loss scale when clipping ran before unscale_)."""
-    from ..measure.measurements import gradient_scale_of
-
     return gradient_scale_of(_clip_record(live, live.ranks[rank]))
-
-
-def _unscaled(held: list[_Held], scale: float, p: float) -> list[_Held]:
-    """`held` with `scale` divided out of every term, as loading the dump divides it out."""
-    if scale == 1.0:
-        return held
-
-    def divided(term: float) -> float:
-        return term / scale if math.isinf(p) else divide_by_power(term, scale, p)
-
-    return [
-        h._replace(
-            term=divided(h.term),
-            clipped=None if h.clipped is None else divided(h.clipped),
-            calls=tuple(divided(t) for t in h.calls),
-        )
-        for h in held
-    ]
 
 
 def step_dump(live: LiveStep) -> StepDump:
@@ -333,11 +428,6 @@ def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: in
     )
 
 
-def _square(term: float, norm_type: float) -> float:
-    """sum x^2 of the one element whose term of the p-norm is `term`."""
-    return _one_element(term, norm_type).sum_sq
-
-
 def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
     calls = tuple(
         ClipCall(
@@ -362,19 +452,13 @@ def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
 
 
 def report_of(live: LiveStep) -> Report:
-    """The report `gradaudit check` gives for the live step: the offline pipeline's own stages
-    (measure_step -> audit.analyse -> audit.build_report), as audit.audit_step runs them without a
-    reference, on the step the guard's dump amounts to, the diagnosis reading `norm_input(live)`."""
-    from ..audit import analyse, build_report, command_for
+    """The report `gradaudit check` gives for the live step: `analysis_of(live)` through the offline
+    pipeline's last stage (audit.build_report), as audit.audit_step runs it without a reference."""
+    from ..audit import build_report, command_for
     from ..checks.base import AuditOptions
-    from ..dumpfile.reader import TensorReader
-    from ..measure.leftout import checked_params
-    from ..measure.measure import measure_step, overflow_notes
+    from ..measure.measure import overflow_notes
 
-    step = step_dump(live)
+    inputs = analysis_of(live)
     options = AuditOptions()
-    with TensorReader(step) as reader:
-        measurements = measure_step(step, reader, params=checked_params(step), workers=1)
-    inputs = analyse(step, measurements, update_judgements={}, terms=norm_input(live))
     command = command_for(live.directory, options) if live.directory else ""
-    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.columns))
+    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.table))

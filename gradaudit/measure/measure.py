@@ -17,22 +17,21 @@ from typing import TYPE_CHECKING
 
 from ..model import ParamInfo, Piece, StepDump, TensorKind
 from ..norms import divide_by_power
-from .measurements import (
-    SCALED_KINDS,
+from ..steptable import (
     ParamMeasurement,
     PieceMeasurement,
     ReferenceDifference,
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
-    dumped_gradient_scale,
 )
+from .measurements import SCALED_KINDS, dumped_gradient_scale
 
 if TYPE_CHECKING:
     import numpy as np
 
     from ..dumpfile.reader import TensorReader
-    from .columns import StepColumns
+    from ..steptable import StepTable
     from .kernel import ChunkKernel
     from .reference import ReferenceSource
     from .table import PieceTable
@@ -51,12 +50,17 @@ CHUNK_ELEMENTS = 1 << 16
 stays in cache). numpy and the kernel load on first measurement."""
 
 
-def overflow_notes(columns: StepColumns, limit: int = 5) -> tuple[str, ...]:
+def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
     """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
     squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    import numpy as np
+
     notes = []
     inf = math.inf
-    for piece in columns.overflowing_grad():
+    grad = table.grad
+    assert grad.sum_pow is not None  # the gradient's columns hold it
+    overflowing = np.flatnonzero(grad.has & (np.isinf(grad.sum_sq) | np.isinf(grad.sum_pow)))
+    for piece in table.rows(overflowing):
         stats = piece.stats.get("grad")
         if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
             continue

@@ -1,204 +1,22 @@
-"""What reading a step's tensors gives (the values measure_step returns and the checks read): per
-piece statistics, replica comparisons, comparisons with a reference, and the loss-scale rule of
-the dumped gradients."""
+"""The loss-scale rule of the dumped gradients, and a piece's measurement (a row of the step table)
+from its statistics."""
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeVar
 
-from ..model import ClipRecord, Piece, RankDump, Region, TensorKind, TensorStats
+from ..model import ClipRecord, Piece, RankDump, TensorKind, TensorStats
 from ..norms import divide_by_power
+from ..steptable import PieceMeasurement
 
 if TYPE_CHECKING:
     import numpy as np
 
 SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PieceMeasurement:
-    """One piece of a parameter on one rank: its stats per tensor kind, and two-tensor products."""
-
-    rank: int
-    """The rank holding the piece."""
-    index: int
-    """The piece's index in its rank's file."""
-    param: str
-    """The logical parameter it is part of."""
-    regions: tuple[Region, ...]
-    """Which elements of the parameter it holds."""
-    dtype: str
-    """Dtype name of the dumped values (it chooses the tolerances)."""
-    numel: int
-    """Elements of the piece."""
-    replica_group: str | None = None
-    """The process group over which this piece is replicated, when the capture named one."""
-    stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
-    """Tensor kind -> float64 statistics (read from the values, or as dumped in stats mode)."""
-    dot_pre_post: float | None = None
-    """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
-    dot_pre_pre: float | None = None
-    """sum(grad * grad) over the same elements as `dot_pre_post`."""
-    update_sum_sq: float | None = None
-    """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
-    value_scale: float = 1.0
-    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
-    before GradScaler.unscale_); every gradient number here is already divided by it."""
-
-    @property
-    def layout_key(self) -> tuple[object, ...]:
-        return (self.param, self.regions)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReplicaCopy:
-    """One copy of a replica set compared with the set's base (lowest-rank) copy."""
-
-    rank: int
-    """The rank holding this copy."""
-    index: int
-    """The copy's piece index in that rank's file."""
-    max_abs_diff: float | None = None
-    """Largest |copy - base| over elements finite in both (None in stats mode)."""
-    num_nonfinite_mismatch: int | None = None
-    """Elements where one is finite and the other not, or both infinite with different signs."""
-    fingerprint_delta: float | None = None
-    """Largest difference of the fingerprint components (stats mode)."""
-    param_max_abs_diff: float | None = None
-    """Largest |copy - base| of the parameter values the optimizer step started from (`param_before`),
-    when every copy has them: replicas whose weights drifted apart (None when not recorded)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReplicaSet:
-    """Pieces with one layout (same parameter, same regions) held on several ranks."""
-
-    param: str
-    """The logical parameter."""
-    regions: tuple[Region, ...]
-    """The elements every copy holds."""
-    dtype: str
-    """Dtype name of the base copy."""
-    base_rank: int
-    """The lowest rank holding a copy: the one every norm counts."""
-    base_index: int
-    """The base copy's piece index in its rank's file."""
-    base_max_abs: float
-    """max |x| of the base copy's gradient (the scale the differences are judged against)."""
-    base_sum_sq: float
-    """sum(x^2) of the base copy's gradient."""
-    numel: int
-    """Elements of each copy."""
-    copies: tuple[ReplicaCopy, ...]
-    """Every other copy, compared with the base."""
-    by_values: bool
-    """True when the copies were compared value by value, False when only by fingerprints."""
-    param_base_max_abs: float | None = None
-    """max |param_before| of the base copy, when the copies' parameters were compared."""
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({self.base_rank, *(c.rank for c in self.copies)}))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReferenceDifference:
-    """One parameter and tensor kind compared with the reference, element by element."""
-
-    param: str
-    """The logical parameter."""
-    kind: TensorKind
-    """The tensor kind compared (grad, grad_clipped or param_after)."""
-    dtype: str
-    """The dumped dtype: it chooses the tolerance."""
-    numel_compared: int
-    """Elements compared (those of our pieces)."""
-    max_abs_error: float
-    """max |ours - reference| over elements finite in both."""
-    max_abs_reference: float
-    """max |reference| over the compared elements (the relative tolerance's scale)."""
-    num_nonfinite_mismatch: int = 0
-    """Elements nonfinite in one of the two only."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParamMeasurement:
-    """One logical parameter: all its pieces on all present ranks, measured."""
-
-    param: str
-    """The logical parameter."""
-    norm_type: float
-    """`p` of the norm the statistics were taken for."""
-    pieces: Sequence[PieceMeasurement]
-    """Its rows of the step's table (a table.TablePieces: each built when indexed or iterated)."""
-    replica_sets: tuple[ReplicaSet, ...] = ()
-    """Its layouts held on two or more ranks, compared copy by copy."""
-    reference_pieces: Sequence[PieceMeasurement] = ()
-    """The reference dump's pieces of this parameter (their stats), when a reference was given."""
-    reference_errors: tuple[ReferenceDifference, ...] = ()
-    """Per tensor kind, the comparison with the reference (empty without one)."""
-    notes: tuple[str, ...] = ()
-    """Why something about this parameter could not be measured (e.g. absent from the reference)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepMeasurements:
-    """Everything read from the tensors of one step; a pure value the checks work on."""
-
-    norm_type: float
-    """`p` of the norm the statistics were taken for (the recorded clipping's, else 2)."""
-    params: Mapping[str, ParamMeasurement]
-    """Parameter name -> its measurement, sorted by name."""
-    reference_given: bool = False
-    """Whether an unsharded reference step was compared (--reference)."""
-    reference_step: int | None = None
-    """The reference's step number; None without a reference."""
-    reference_only_params: tuple[str, ...] = ()
-    """Parameters the reference holds and the checked dump does not."""
-
-    def merge(self, other: StepMeasurements) -> StepMeasurements:
-        """Combine measurements of disjoint parameter subsets of the same step."""
-        if self.norm_type != other.norm_type and not (
-            math.isnan(self.norm_type) and math.isnan(other.norm_type)
-        ):
-            raise ValueError(
-                f"cannot merge measurements of norm types {self.norm_type} and {other.norm_type}"
-            )
-        if self.reference_given != other.reference_given:
-            raise ValueError("cannot merge measurements with and without a reference")
-        overlap = set(self.params) & set(other.params)
-        if overlap:
-            raise ValueError(
-                f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
-            )
-        params = dict(sorted({**self.params, **other.params}.items()))
-        pieces = [cast("Any", pm.pieces) for pm in (*self.params.values(), *other.params.values())]
-        tables = list({id(p.table): p.table for p in pieces}.values())
-        if tables:  # one table of both, the pieces of each parameter its rows
-            table = functools.reduce(lambda a, b: a.merged(b), tables)
-            params = {
-                name: replace(pm, pieces=table.pieces(table.param_positions(name)))
-                for name, pm in params.items()
-            }
-        return StepMeasurements(
-            norm_type=self.norm_type,
-            params=params,
-            reference_given=self.reference_given,
-            reference_step=self.reference_step,
-            reference_only_params=tuple(
-                sorted(set(self.reference_only_params) | set(other.reference_only_params))
-            ),
-        )
-
-    @property
-    def pieces(self) -> Iterator[PieceMeasurement]:
-        for pm in self.params.values():
-            yield from pm.pieces
 
 
 def dumped_gradient_scale(dump: RankDump) -> float:

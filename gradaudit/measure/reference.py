@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model import Box, FlatRange, Piece, Region, TensorKind, numel_of
+from ..model import Box, FlatRange, Piece, Region, StepDump, TensorKind, numel_of
 
 if TYPE_CHECKING:
     from ..dumpfile.reader import TensorReader
+    from ..steptable import DenseUpdate
 
 
 def compare_values(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float, int]:
@@ -166,3 +167,47 @@ def compare_regions(
             compared += sub.numel
         region_offset += region.numel
     return max_err, max_ref, mismatches, compared
+
+
+def dense_updates(
+    step: StepDump, reference: StepDump, reader: TensorReader, grad_kinds: Mapping[str, TensorKind]
+) -> dict[str, DenseUpdate]:
+    """Parameter -> its dense next weights here and, in the reference, its weights before and after
+    the step and its gradient (of `grad_kinds[name]`, the loss scale divided out), for each parameter
+    both dumps hold with values whole (ours may leave elements nan: not covered, left to GA603)."""
+    from ..steptable import DenseUpdate
+    from .table import piece_table
+
+    if not grad_kinds:
+        return {}
+    ref_table, our_table = piece_table(reference, grad_kinds), piece_table(step, grad_kinds)
+    found = {}
+    for name, grad_kind in grad_kinds.items():
+        shape = tuple(reference.params[name].global_shape)
+        ref_pieces = [(path, piece) for _, path, piece in ref_table.cover(name)]
+        ours = [(path, piece) for _, path, piece in our_table.cover(name)]
+        needed: tuple[TensorKind, ...] = ("param_before", "param_after", grad_kind)
+        if not all(all(k in p.tensors for _, p in ref_pieces) and ref_pieces for k in needed):
+            continue
+        if not ours or not all("param_after" in p.tensors for _, p in ours):
+            continue
+        dense = {k: assemble_dense(reader, shape, ref_pieces, k) for k in needed}
+        ours_after = assemble_dense(reader, shape, ours, "param_after")
+        if bool(np.isnan(ours_after).any()) and not bool(np.isnan(dense["param_after"]).any()):
+            continue  # our pieces do not cover the parameter: leave it to GA603
+        found[name] = DenseUpdate(
+            ours_after=ours_after,
+            ref_before=dense["param_before"],
+            ref_after=dense["param_after"],
+            ref_grad=dense[grad_kind] / _scale(reference, grad_kind),
+        )
+    return found
+
+
+def _scale(step: StepDump, kind: TensorKind) -> float:
+    from .measurements import SCALED_KINDS, dumped_gradient_scale
+
+    if kind not in SCALED_KINDS or not step.ranks_present:
+        return 1.0
+    scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
+    return scale if math.isfinite(scale) and scale > 0 else 1.0

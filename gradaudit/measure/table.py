@@ -13,18 +13,17 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from dataclasses import replace
+from typing import Any, cast, overload
 
 import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, Region, StepDump, TensorKind, TensorStats
-from ..norms import term_column
+from ..norms import INF, NAN, UNKNOWN, term_column
+from ..steptable import KindColumns, PieceMeasurement, ReplicaCopy, ReplicaSet, StepMeasurements, StepTable
 from .measurements import (
     SCALED_KINDS,
-    PieceMeasurement,
-    ReplicaCopy,
-    ReplicaSet,
     dumped_gradient_scale,
     piece_measurement,
     unscaled_stats,
@@ -293,13 +292,6 @@ class PieceTable:
                 lambda at: self._read_counts[kind][at],
             ),
         )
-
-    def kind_nonfinite(self, kind: TensorKind) -> np.ndarray:
-        """The count of nonfinite values of every position's `kind`."""
-        if self._state.get(kind) is not None:
-            total: np.ndarray = self.kind_counts(kind).sum(axis=1)
-            return total
-        return self._gather(lambda _, pieces: _counts(pieces, kind).sum(axis=1))
 
     def kind_term(self, kind: TensorKind, norm_type: float) -> tuple[np.ndarray, np.ndarray]:
         """(each position's term of the `norm_type`-norm of its `kind` statistics, 0 where it holds
@@ -713,3 +705,139 @@ class TablePieces(Sequence[PieceMeasurement]):
 
     def __reduce__(self) -> tuple[object, ...]:
         return TablePieces, (self.table, self._positions)
+
+
+def step_table(m: StepMeasurements) -> StepTable:
+    """The step table of these measurements: every measured piece (in `m.params` order) as frozen
+    columns, gathered once from the one PieceTable the parameters' pieces are rows of."""
+    norm_type = m.norm_type
+    table, positions = _table_positions(m)
+    chosen: slice | np.ndarray = (
+        slice(positions.start, positions.stop) if isinstance(positions, range) else positions
+    )
+    n = len(positions)
+    products, has_products = table.products()
+    sum_pow = table.kind_column("grad", 0)[chosen]
+    # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
+    # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
+    same = (
+        not table.with_values
+        and ((table.stats_only and table.sources[0][2].norm_type == 2.0) or set(table.scales) == {1.0})
+        and table.all_sources(
+            lambda pieces: (
+                "grad" not in pieces.stats
+                or np.array_equal(pieces.stats["grad"][:, 0], pieces.stats["grad"][:, 1])
+            )
+        )
+    )  # equal sums stay equal divided by the loss scale when they are both of squares
+    if not table.with_values and table.all_sources(
+        lambda p: "grad" not in p.counts or not p.counts["grad"].any()
+    ):
+        counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
+    else:
+        counts = table.kind_counts("grad")[chosen]
+    term, unknown = table.kind_term("grad", norm_type)
+    unknown = unknown[chosen]
+    grad = KindColumns(
+        has=table.kind_has("grad")[chosen],
+        sum_pow=sum_pow,
+        sum_sq=sum_pow if same else table.kind_column("grad", 1)[chosen],
+        max_abs=table.kind_column("grad", 2)[chosen],
+        counts=counts,
+        term=np.where(unknown, math.nan, term[chosen]) if unknown.any() else term[chosen],
+        flags=unknown.astype(np.int8) * UNKNOWN | _nonfinite_flags(counts),
+    )
+    layout = table.layout[chosen]
+    return StepTable(
+        norm_type=norm_type,
+        rank=table.rank[chosen],
+        index=table.index[chosen],
+        param=table.param[chosen],
+        param_names=tuple(table.names),
+        layout=layout,
+        dtypes=frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist()),
+        grad=grad,
+        clipped=_clipped(table, chosen, norm_type),
+        has_dots=has_products[chosen, 0] & has_products[chosen, 1],
+        dot_pre_post=products[chosen, 0],
+        dot_pre_pre=products[chosen, 1],
+        has_update=has_products[chosen, 2],
+        distinct_layouts=bool(table.copies.max(initial=0) <= 1)
+        or bool(np.unique(layout).size == layout.size),
+        rows=lambda at: table.measurements(
+            at + (chosen.start or 0) if isinstance(chosen, slice) else chosen[at]
+        ),
+    )
+
+
+def _clipped(table: PieceTable, chosen: slice | np.ndarray, norm_type: float) -> KindColumns | None:
+    """The columns of the gradient after clipping; None when no piece holds it."""
+    has = table.kind_has("grad_clipped")[chosen]
+    if not has.any():
+        return None
+    term, unknown = table.kind_term("grad_clipped", norm_type)
+    counts = table.kind_counts("grad_clipped")[chosen]
+    return KindColumns(
+        has=has,
+        sum_sq=table.kind_column("grad_clipped", 1)[chosen],
+        max_abs=table.kind_column("grad_clipped", 2)[chosen],
+        counts=counts,
+        term=term[chosen],
+        flags=np.where(~has | unknown[chosen], UNKNOWN, _nonfinite_flags(counts)).astype(np.int8),
+    )
+
+
+def _nonfinite_flags(counts: np.ndarray) -> np.ndarray:
+    """Per row of [n, 3] (nan, +inf, -inf) counts, its int8 NAN and INF bits."""
+    infinite = (counts[:, 1] + counts[:, 2]) > 0
+    flags: np.ndarray = (counts[:, 0] > 0).astype(np.int8) * NAN | infinite.astype(np.int8) * INF
+    return flags
+
+
+def _table_positions(m: StepMeasurements) -> tuple[PieceTable, np.ndarray | range]:
+    """The table every parameter's pieces are in and their positions, in `m.params` order."""
+    parts = [cast("TablePieces", pm.pieces) for pm in m.params.values()]
+    tables = {id(p.table): p.table for p in parts}
+    if len(tables) > 1:
+        raise ValueError(
+            "the measurements hold pieces of several tables; merge them with StepMeasurements.merge"
+        )
+    table = next(iter(tables.values()), None) or PieceTable([], [], [])
+    spans = [p.span for p in parts]
+    ends = [0] + [s.stop for s in spans if s is not None]
+    if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
+        return table, range(ends[-1])  # every parameter's pieces, one after the other
+    return table, np.concatenate([p.positions for p in parts])
+
+
+def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurements:
+    """The measurements of disjoint parameter subsets of the same step (measured apart: each
+    process of a scaled-out check measures its share) as those of one pass."""
+    if first.norm_type != second.norm_type and not (
+        math.isnan(first.norm_type) and math.isnan(second.norm_type)
+    ):
+        raise ValueError(f"cannot merge measurements of norm types {first.norm_type} and {second.norm_type}")
+    if first.reference_given != second.reference_given:
+        raise ValueError("cannot merge measurements with and without a reference")
+    overlap = set(first.params) & set(second.params)
+    if overlap:
+        raise ValueError(
+            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+        )
+    params = dict(sorted({**first.params, **second.params}.items()))
+    pieces = [cast("TablePieces", pm.pieces) for pm in (*first.params.values(), *second.params.values())]
+    tables = list({id(p.table): p.table for p in pieces}.values())
+    if tables:  # one table of both, the pieces of each parameter its rows
+        table = functools.reduce(lambda a, b: a.merged(b), tables)
+        params = {
+            name: replace(pm, pieces=table.pieces(table.param_positions(name))) for name, pm in params.items()
+        }
+    return StepMeasurements(
+        norm_type=first.norm_type,
+        params=params,
+        reference_given=first.reference_given,
+        reference_step=first.reference_step,
+        reference_only_params=tuple(
+            sorted(set(first.reference_only_params) | set(second.reference_only_params))
+        ),
+    )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..measure.columns import StepColumns
+    from ..steptable import StepTable
 
 SPIKE_TRIGGER = "guard.spike"
 """The dump metadata's `trigger` of a step gradaudit.guard wrote because its true norm spiked (its
@@ -67,18 +67,19 @@ def ranked_shares(names: Sequence[str], sums: Sequence[float], most: int) -> tup
     return tuple(ParamShare(param=names[i], sum_sq=sums[i], share=min(1.0, sums[i] / total)) for i in largest)
 
 
-def sum_sq_shares(columns: StepColumns, *, most: int = MOST_REPORTED, note: str = "") -> SumSqShares:
+def sum_sq_shares(table: StepTable, *, most: int = MOST_REPORTED, note: str = "") -> SumSqShares:
     """The parameters holding most of Σg² among a measured step's pieces: each layout once, through its
     lowest-rank copy (the cover the true norm counts), the pieces without a gradient left out."""
     import numpy as np
 
-    cover = columns.cover_positions()
-    cover = cover[columns.has_grad[cover]]
-    sums, params = columns.sum_sq[cover], columns.param[cover]
+    grad = table.grad
+    cover = table.cover
+    cover = cover[grad.has[cover]]
+    sums, params = grad.sum_sq[cover], table.param[cover]
     held = np.unique(params)
     num_params = int(held.size)
-    if columns.counts[cover].any() or not np.isfinite(sums).all():
-        nonfinite = columns.counts[cover].any()
+    if grad.counts[cover].any() or not np.isfinite(sums).all():
+        nonfinite = grad.counts[cover].any()
         why = "the gradients hold nan or inf values (GA401)" if nonfinite else "it overflows float64"
         return SumSqShares(
             sum_sq=math.inf if not nonfinite else math.nan,
@@ -86,8 +87,8 @@ def sum_sq_shares(columns: StepColumns, *, most: int = MOST_REPORTED, note: str 
             reason=f"Σg² is not finite: {why}, so no parameter's share is known",
             note=note,
         )
-    per_param = np.bincount(params, weights=sums, minlength=len(columns.param_names))[held]
-    names = [columns.param_names[p] for p in held.tolist()]
+    per_param = np.bincount(params, weights=sums, minlength=len(table.param_names))[held]
+    names = [table.param_names[p] for p in held.tolist()]
     total = math.fsum(sums.tolist())
     top = ranked_shares(names, per_param.tolist(), most) if total > 0 else ()
     return SumSqShares(

@@ -6,9 +6,10 @@ import pytest
 import torch
 from builders import box, check, clip, codes, flat, sharded_rows, tensor_with_norm, whole, write_step
 
-from gradaudit.analysis.diagnosis import diagnose_step
+from gradaudit.audit import analyse
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.measure.measure import measure_step
+from gradaudit.measure.table import merged
 from gradaudit.model import ClipRecord, Topology
 
 
@@ -57,9 +58,9 @@ def test_measurements_of_disjoint_parameter_subsets_merge_into_the_one_pass_resu
         whole_pass = measure_step(step, reader)
         first = measure_step(step, reader, params=["a"])
         rest = measure_step(step, reader, params=["bias", "b"])
-    assert rest.merge(first) == whole_pass == first.merge(rest)
+    assert merged(rest, first) == whole_pass == merged(first, rest)
     with pytest.raises(ValueError, match="disjointly"):
-        first.merge(first)
+        merged(first, first)
 
 
 def test_progress_is_reported_once_per_parameter(tmp_path):
@@ -74,7 +75,7 @@ def test_replicas_count_once_in_the_true_norm_and_every_copy_in_the_double_count
     step, a, b = _mixed_step(tmp_path)
     with TensorReader() as reader:
         m = measure_step(step, reader)
-    diagnosis = diagnose_step(step, m)
+    diagnosis = analyse(step, m, update_judgements={}).diagnosis
     expected = math.sqrt(float(a.double().square().sum() + b.double().square().sum()) + 3.0)
     assert math.isclose(diagnosis.true_norm, expected, rel_tol=1e-12)
     double = {c.hypothesis.text: c.value for c in diagnosis.ranks[0].candidates}["replicas_double_counted"]

@@ -14,8 +14,8 @@ from gradaudit.analysis.valueclip import CLAMP_RTOL, ValueClipping, value_clippi
 from gradaudit.capture.build import flat, write_rank
 from gradaudit.dumpfile import load_step
 from gradaudit.dumpfile.reader import TensorReader
-from gradaudit.measure.columns import StepColumns
 from gradaudit.measure.measure import measure_step
+from gradaudit.measure.table import step_table
 from gradaudit.model import ClipRecord
 
 
@@ -74,7 +74,7 @@ def test_the_clamp_is_recognised_from_the_columns_as_piece_by_piece(tmp_path, se
     step = load_step(tmp_path)
     with TensorReader(step) as reader:
         m = measure_step(step, reader, workers=1)
-    found = value_clipping(step, StepColumns(m))
+    found = value_clipping(step, step_table(m))
     assert found == _oracle(m)
     if how in ("clamp", "clamp one rank"):
         assert found is not None and found.clip_value == pytest.approx(0.8)

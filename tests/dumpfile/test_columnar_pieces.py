@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,29 @@ _COMPARED_COLUMNS = (
     "unknown",
     "has_clipped",
 )
-"""The StepColumns columns the object oracle and the table must give alike."""
+"""The step table's columns the object oracle and the table must give alike (`_columns`)."""
+
+
+def _columns(table):
+    """The step table's columns by the oracle's names."""
+    from gradaudit.norms import UNKNOWN
+
+    grad = table.grad
+    return {
+        "rank": table.rank,
+        "index": table.index,
+        "has_grad": grad.has,
+        "term": grad.term,
+        "sum_sq": grad.sum_sq,
+        "sum_pow": grad.sum_pow,
+        "counts": grad.counts,
+        "unknown": (grad.flags & UNKNOWN) > 0,
+        "has_clipped": table.has_clipped,
+        "by_rank_order": table.by_rank_order,
+        "has_dots": table.has_dots,
+        "dot_pre_post": table.dot_pre_post,
+        "dot_pre_pre": table.dot_pre_pre,
+    }
 
 
 def _clip(norm_type, loss_scale):
@@ -140,15 +163,15 @@ def test_measurements_of_columnar_ranks_pickle_as_their_table(tmp_path):
     import numpy as np
 
     from gradaudit.dumpfile.reader import TensorReader
-    from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step
+    from gradaudit.measure.table import step_table
 
     _, columnar_step = _step_in_both_forms(tmp_path)
     with TensorReader(columnar_step) as reader:
         measured = measure_step(columnar_step, reader, workers=1)
     back = pickle.loads(pickle.dumps(measured))
     assert back == measured
-    assert np.array_equal(StepColumns(back).term, StepColumns(measured).term)
+    assert np.array_equal(step_table(back).grad.term, step_table(measured).grad.term, equal_nan=True)
 
 
 def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=False):
@@ -232,13 +255,9 @@ def _measured_by_objects(step):
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.kernel import ChunkKernel
     from gradaudit.measure.measure import _compare_replicas
-    from gradaudit.measure.measurements import (
-        ParamMeasurement,
-        StepMeasurements,
-        dumped_gradient_scale,
-        piece_measurement,
-    )
+    from gradaudit.measure.measurements import dumped_gradient_scale, piece_measurement
     from gradaudit.norms import divide_by_power
+    from gradaudit.steptable import ParamMeasurement, StepMeasurements
 
     norm_type = step.clip.norm_type if step.clip is not None else 2.0
     reader, held = TensorReader(step), {}
@@ -279,7 +298,7 @@ def _measured_by_objects(step):
 
 
 class _ObjectColumns:
-    """The oracle of StepColumns: its columns computed from the measurement objects one by one."""
+    """The oracle of the step table: its columns computed from the measurement objects one by one."""
 
     def __init__(self, m):
         import math
@@ -310,6 +329,7 @@ class _ObjectColumns:
         self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces])
         self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces])
         self.by_rank_order = np.lexsort((self.index, self.rank))
+        self.grad = SimpleNamespace(has=self.has_grad, sum_sq=self.sum_sq, sum_pow=self.sum_pow)
 
     def cover_positions(self):
         import numpy as np
@@ -325,11 +345,8 @@ class _ObjectColumns:
     def with_nonfinite_grad(self):
         return [p for p, counts in zip(self.pieces, self.counts.tolist(), strict=True) if any(counts)]
 
-    def overflowing_grad(self):
-        import numpy as np
-
-        chosen = self.has_grad & (np.isinf(self.sum_sq) | np.isinf(self.sum_pow))
-        return [p for p, inf in zip(self.pieces, chosen.tolist(), strict=True) if inf]
+    def rows(self, positions):
+        return [self.pieces[i] for i in positions.tolist()]
 
 
 @pytest.mark.parametrize(
@@ -344,30 +361,28 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
     import numpy as np
 
     from gradaudit.dumpfile.reader import TensorReader
-    from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import measure_step, overflow_notes
-    from gradaudit.measure.table import TablePieces
+    from gradaudit.measure.table import step_table
 
     clip = _clip(norm_type, loss_scale)
     json_step, columnar_step = _random_step(tmp_path, seed, clip=clip)
     ours, expected = _measured_as_by_objects(columnar_step, oracle=json_step)
-    a, b = _ObjectColumns(expected), StepColumns(ours)
-    assert isinstance(b.pieces, TablePieces)
+    a, b = _ObjectColumns(expected), step_table(ours)
     for name in (*_COMPARED_COLUMNS, "by_rank_order"):
-        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+        assert np.array_equal(getattr(a, name), _columns(b)[name], equal_nan=True), name
     same = a.layout[:, None] == a.layout[None, :]
     assert np.array_equal(same, b.layout[:, None] == b.layout[None, :])
-    assert np.array_equal(a.cover_positions(), b.cover_positions())
-    assert a.cover() == tuple(b.cover()) and a.dtypes == b.dtypes
-    assert a.with_nonfinite_grad() == b.with_nonfinite_grad()
-    assert b.cover_with_updates() == []
+    assert np.array_equal(a.cover_positions(), b.cover)
+    assert a.cover() == tuple(b.rows(b.cover)) and a.dtypes == b.dtypes
+    assert a.with_nonfinite_grad() == list(b.rows(np.flatnonzero(b.grad.counts.any(axis=1))))
+    assert not b.has_update.any()
     assert overflow_notes(a) == overflow_notes(b)
     from gradaudit.analysis.hypotheses import groups_of
     from gradaudit.analysis.norm_input import norm_input_of, param_signatures
 
     json_measured = measure_step(json_step, TensorReader(json_step), workers=1)
     signatures = [
-        param_signatures(norm_input_of(s, m, StepColumns(m)))
+        param_signatures(norm_input_of(s, m, step_table(m)))
         for s, m in ((json_step, json_measured), (columnar_step, ours))
     ]
     assert signatures[0] == signatures[1]
@@ -387,21 +402,22 @@ def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_o
     into an object, and compares the replicas value by value, one set at a time."""
     import numpy as np
 
-    from gradaudit.measure.columns import StepColumns
     from gradaudit.measure.measure import overflow_notes
+    from gradaudit.measure.table import step_table
 
     clip = _clip(norm_type, loss_scale)
     _, step = _random_step(tmp_path, seed, clip=clip, values=True)
     ours, expected = _measured_as_by_objects(step)
     compared = any(s.by_values for pm in ours.params.values() for s in pm.replica_sets)
     assert compared or seed != 10  # seed 10 holds replicas, compared value by value
-    a, b = _ObjectColumns(expected), StepColumns(ours)
+    a, b = _ObjectColumns(expected), step_table(ours)
     for name in _COMPARED_COLUMNS:
-        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+        assert np.array_equal(getattr(a, name), _columns(b)[name], equal_nan=True), name
     for name in ("has_dots", "dot_pre_post", "dot_pre_pre"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    assert b.has_dots.all() and np.array_equal(a.cover_positions(), b.cover_positions())
-    assert a.with_nonfinite_grad() == b.with_nonfinite_grad() and overflow_notes(a) == overflow_notes(b)
+        assert np.array_equal(getattr(a, name), _columns(b)[name]), name
+    assert b.has_dots.all() and np.array_equal(a.cover_positions(), b.cover)
+    assert a.with_nonfinite_grad() == list(b.rows(np.flatnonzero(b.grad.counts.any(axis=1))))
+    assert overflow_notes(a) == overflow_notes(b)
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])

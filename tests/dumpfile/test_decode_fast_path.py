@@ -23,9 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaudit.dumpfile.columnar import MAX_CLIP_CALLS
-from gradaudit.dumpfile.header import parse_json, shown
+from gradaudit.dumpfile.header import parse_json
 from gradaudit.dumpfile.schema import _quick_param, _Reader, decode_rank, encode_rank
-from gradaudit.errors import DumpFormatError
+from gradaudit.errors import DumpFormatError, shown
 from gradaudit.model import (
     TENSOR_KINDS,
     Box,

@@ -229,14 +229,17 @@ def _random_live_step(seed):
 
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("clipped_before_unscale", [False, True])
-def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipped_before_unscale):
-    """norm_input(live) gives the diagnosis measuring the guard's stats-mode dump gives (the oracle);
-    with gradients measured before GradScaler.unscale_, both divide the loss scale out alike."""
+def test_the_analysis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipped_before_unscale):
+    """analysis_of(live) builds the step table and the replica sets from the gathered numbers; they,
+    the diagnosis and the coefficients are what measuring the guard's stats-mode dump gives (the
+    oracle); with gradients measured before GradScaler.unscale_, both divide the loss scale out alike."""
     import dataclasses
 
-    from gradaudit.analysis.diagnosis import diagnose, diagnose_step
+    import numpy as np
+
+    from gradaudit.audit import analyse
     from gradaudit.dumpfile.reader import TensorReader
-    from gradaudit.live.analysis_input import norm_input
+    from gradaudit.live.analysis_input import analysis_of
     from gradaudit.measure.measure import measure_step
 
     live = _random_live_step(seed)
@@ -248,7 +251,29 @@ def test_the_diagnosis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipp
     step = step_dump(live)
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, workers=1)
-    assert repr(diagnose(step, norm_input(live))) == repr(diagnose_step(step, measured))
+    expected, ours = analyse(step, measured, update_judgements={}), analysis_of(live)
+    a, b = expected.table, ours.table
+    for name in ("rank", "index", "param", "has_dots", "has_update", "dot_pre_post", "cover"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert np.array_equal(a.layout[:, None] == a.layout[None, :], b.layout[:, None] == b.layout[None, :])
+    assert (a.param_names, a.dtypes, a.distinct_layouts) == (b.param_names, b.dtypes, b.distinct_layouts)
+    for kind in ("grad", "clipped"):
+        x, y = getattr(a, kind), getattr(b, kind)
+        assert (x is None) == (y is None), kind
+        for name in ("has", "sum_pow", "sum_sq", "max_abs", "counts", "term", "flags") if x else ():
+            left, right = getattr(x, name), getattr(y, name)
+            same = left is right is None or np.array_equal(left, right, equal_nan=True)
+            assert same, (kind, name)
+    everything = np.arange(a.size)
+    assert list(a.rows(everything)) == list(b.rows(everything))
+    assert [pm.replica_sets for pm in measured.params.values()] == [
+        pm.replica_sets for pm in ours.measurements.params.values()
+    ]
+    assert repr(expected.diagnosis) == repr(ours.diagnosis)
+    assert (expected.param_coefficients, expected.value_clipping) == (
+        ours.param_coefficients,
+        ours.value_clipping,
+    )
 
 
 def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards_dumps(tmp_path, cli):
