@@ -27,8 +27,8 @@ ALLOWED = {
     "gradaudit.analysis.norm_input.Entries",
     # everything numeric the diagnosis reads of a step
     "gradaudit.analysis.norm_input.NormInput",
-    # capture: plain parameters held whole and replicated, as columns
-    "gradaudit.capture.plain.WholeReplicas",
+    # capture: the rows of a rank's pieces that hold a whole plain tensor, by position, read in bulk
+    "gradaudit.capture.plain.WholeRows",
     # capture: the stats mode's float64 rows, one per piece and kind
     "gradaudit.capture.snapshots.StatsTable",
     # capture: the columns the dump builder takes, filled a block at a time

@@ -114,18 +114,27 @@ class LocalPieces(Sequence[LocalPiece]):
     rows, read in bulk) and no reader; any other holds its LocalPiece's readers."""
 
     params: list[str]
+    """Per row, the logical parameter it is a piece of."""
     global_shapes: list[tuple[int, ...]]
+    """Per row, the whole parameter's shape."""
     dtypes: list[str]
+    """Per row, the parameter's dtype name."""
     regions: list[tuple[Region, ...]]
+    """Per row, the elements of the parameter this rank holds."""
     local_shapes: list[tuple[int, ...]]
+    """Per row, the shape of the local tensor."""
     replica_groups: list[str | None]
+    """Per row, the process group the piece is replicated over (None: this rank's alone)."""
     local_names: list[str | None]
+    """Per row, the name in this rank's module when it differs from the logical one."""
     readers: list[tuple[Callable[[], Any], Callable[[], Any], Any] | None]
     """(grad, value, grad_partial) of a row without a tensor, None for one with."""
     tensors: list[torch.Tensor | None]
+    """Per row, the whole plain parameter it holds (None: the row is read through `readers`)."""
     whole: WholeRows | None
     """The rows that hold a tensor, None when none does."""
     _positions: dict[str, list[int]] | None = field(default=None, init=False, repr=False)
+    """Parameter -> its rows, built when first asked for."""
 
     @classmethod
     def of(cls, pieces: Sequence[LocalPiece]) -> LocalPieces:
