@@ -12,17 +12,25 @@ MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
 
 
-def replica_tolerance(rs: ReplicaSet) -> float:
-    """How far copies may drift: the dtype's norm tolerance times the copy's scale (values or fingerprint)."""
+GUARD = "guard"
+"""The capture_api of a step the guard measured: its copies are its own sums over each copy, made by
+one kernel over bytes the stack's reduction makes identical on every replica, so any difference is one."""
+
+
+def replica_tolerance(rs: ReplicaSet, *, exact: bool = False) -> float:
+    """How far copies may drift: the dtype's norm tolerance times the copy's scale (values or
+    fingerprint); none when `exact` (the guard's own sums, see GUARD)."""
+    if exact:
+        return TINY
     rtol = norm_rtol([rs.dtype])
     if rs.by_values:
         return rtol * rs.base_max_abs + TINY
     return rtol * math.sqrt(rs.numel * rs.base_sum_sq) + TINY
 
 
-def differing_copies(rs: ReplicaSet) -> list[tuple[int, float]]:
+def differing_copies(rs: ReplicaSet, *, exact: bool = False) -> list[tuple[int, float]]:
     """(rank, how far it is from the base copy) for every copy beyond tolerance."""
-    tol = replica_tolerance(rs)
+    tol = replica_tolerance(rs, exact=exact)
     found: list[tuple[int, float]] = []
     for copy in rs.copies:
         if rs.by_values:
@@ -45,21 +53,32 @@ def replicas_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     sets = [rs for pm in m.params.values() for rs in pm.replica_sets]
     if not sets:
         return Skip(reason="no parameter piece is held on more than one present rank")
+    exact = all(step.ranks[r].capture_api == GUARD for r in step.ranks_present)
     bad = []
     for rs in sets:
-        copies = differing_copies(rs)
+        copies = differing_copies(rs, exact=exact)
         if copies:
             bad.append((rs, copies))
     if not bad:
         return ()
-    bad.sort(key=lambda item: (-max(d for _, d in item[1]) / (replica_tolerance(item[0])), item[0].param))
+    bad.sort(
+        key=lambda item: (
+            -max(d for _, d in item[1]) / replica_tolerance(item[0], exact=exact),
+            item[0].param,
+        )
+    )
     lines = []
     for rs, copies in bad[:MAX_PARAMS_IN_MESSAGE]:
         what = "max |difference|" if rs.by_values else "fingerprint difference"
         worst_rank, worst = max(copies, key=lambda c: c[1])
         lines.append(
             f"{rs.param}: {ranks_named(r for r, _ in copies)} differ from rank {rs.base_rank}, "
-            f"worst rank {worst_rank} by {what} {num(worst)} (tolerance {num(replica_tolerance(rs))})"
+            f"worst rank {worst_rank} by {what} {num(worst)} "
+            + (
+                "(the guard's sums of the copies, equal bit for bit on replicas)"
+                if exact
+                else f"(tolerance {num(replica_tolerance(rs))})"
+            )
         )
     if len(bad) > MAX_PARAMS_IN_MESSAGE:
         lines.append(f"and {len(bad) - MAX_PARAMS_IN_MESSAGE} more replicated pieces")
@@ -67,7 +86,12 @@ def replicas_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     worst_rs, worst_copies = bad[0]
     return (
         Hit(
-            message=f"{count(len(bad), 'replicated piece')} disagree between ranks (a missing or wrong all-reduce): "
+            message=f"{count(len(bad), 'replicated piece')} disagree between ranks "
+            + (
+                "(a rank-local fault, or a missing all-reduce): "
+                if exact
+                else "(a missing or wrong all-reduce): "
+            )
             + "; ".join(lines),
             ranks=tuple(ranks),
             params=tuple(sorted({rs.param for rs, _ in bad})),

@@ -27,6 +27,7 @@ from .agreement import Agreement, agree
 from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_of
 from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
+from .replicas import ReplicaFault, replica_faults
 from .summary import (
     FAILED,
     HEADER,
@@ -210,6 +211,10 @@ class Guard:
         self._first_norms: Any = None
         """The per-piece norms of the step's gradients before its first clip call (see LocalSummary)."""
         self._nonfinite_in: list[str] = []
+        self._faults: tuple[ReplicaFault, ...] = ()
+        """Of the step being judged: the copies of replicated groups that differ from their replicas'."""
+        self._faulty: dict[int, list[int]] = {}
+        """Rank -> the steps its copy differed from its replicas' (see _fault_text)."""
         """Of the step being judged: the parameters (and ranks) nonfinite before its first clip call."""
         self._said_of: dict[int, tuple[str, ...]] = {}
         """Per step sent and not judged yet: its clip calls' sites."""
@@ -286,39 +291,43 @@ class Guard:
                 for p in local
             ]
             attempts = earlier_attempts(self.out_dir) if attaching else 0
-            mine = b"+" + wire.encode(pieces, ownership.topology, attempts)
+            place = {"host": socket.gethostname(), "device": str(_device_of(self.model))}
+            mine = b"+" + wire.encode(pieces, ownership.topology, attempts, **place)
         except Exception as exc:  # noqa: BLE001  every rank must still take part in the exchange
             mine = f"-rank {self.rank}: {_said(exc)}".encode()
         wait_s = max(self._wait_s, 300.0) if attaching else self._wait_s  # ranks start unevenly
-        told = self._channel.exchange_bytes(mine, wait_s)
-        failed = [data[1:].decode(errors="replace") for data in told if not data.startswith(b"+")]
+        sent = self._channel.exchange_bytes(mine, wait_s)
+        failed = [data[1:].decode(errors="replace") for data in sent if not data.startswith(b"+")]
         if failed:
             raise CaptureError(f"ownership could not be inferred: {'; '.join(failed)}")
-        every_rank = [wire.decode(data[1:]) for data in told]
-        keys_of, added = _ownership_keys([pieces for pieces, _, _ in every_rank])
+        every_rank = [wire.decode(data[1:]) for data in sent]
+        keys_of, added = _ownership_keys([told.pieces for told in every_rank])
         keys = keys_of[self.rank]
         dtype_of: dict[str, str] = {}
-        for (told_pieces, _, _), rank_keys in zip(every_rank, keys_of, strict=True):
-            for (*_, dtype), key in zip(told_pieces, rank_keys, strict=True):
+        for told, rank_keys in zip(every_rank, keys_of, strict=True):
+            for (*_, dtype), key in zip(told.pieces, rank_keys, strict=True):
                 dtype_of.setdefault(key, dtype)
         self.groups = ownership_groups([k for rank_keys in keys_of for k in rank_keys], dtype_of)
         position = {g.name: i for i, g in enumerate(self.groups)}
         self._held = [tuple(g.name in rank_keys for g in self.groups) for rank_keys in keys_of]
         self._topologies: list[Topology] = [
-            dataclasses.replace(topology, groups={**topology.groups, **added}) if added else topology
-            for _, topology, _ in every_rank
+            dataclasses.replace(told.topology, groups={**told.topology.groups, **added})
+            if added
+            else told.topology
+            for told in every_rank
         ]
         self.layout = VectorLayout(num_groups=len(self.groups))
         self._reduction = Reduction(layout=self.layout)
         self._role = role_of(self.rank, self.groups, self._held, self._topologies)
-        self._params_of = [[piece[0] for piece in pieces] for pieces, _, _ in every_rank]
+        self._params_of = [[piece[0] for piece in told.pieces] for told in every_rank]
+        self._places = [f"host {told.host}, device {told.device}" for told in every_rank]
         self._calibrated = False  # the first step judged on this ownership is judged in full
         self._summary = LocalSummary(
             local, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
         )
         self._grad_dtype = None
         if attaching:
-            self._dump_dir = attempt_folder(self.out_dir, max(earlier for _, _, earlier in every_rank))
+            self._dump_dir = attempt_folder(self.out_dir, max(told.attempts for told in every_rank))
             self._watch = ModelWatch(
                 self.model, self.optimizer, follow=self._ownership is None, on_forward=self._new_forward
             )
@@ -779,6 +788,7 @@ class Guard:
         if conclusion == "judge":
             self._realignments = 0
             self._ask_where_nonfinite(rows)
+            self._faults = replica_faults(rows, self.groups, self._held, self._topologies)
             live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
                 self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
@@ -935,6 +945,9 @@ class Guard:
             self._end_repeat()
             return
         self.anomalies.append((step, codes))
+        for fault in self._faults if "GA601" in codes else ():
+            for rank in fault.ranks if fault.agreeing else ():
+                self._faulty.setdefault(rank, []).append(step)
         dumped = self._dump(live, step)
         said = "; ".join(f"{f.code} {f.message}{self._where(f.code, live)}" for f in errors)
         where = (
@@ -961,7 +974,29 @@ class Guard:
             return f" (clip calls at {', '.join(sites)} on rank {self.rank})"
         if code == "GA401" and self._nonfinite_in:
             return f" (nonfinite before any clip in {', '.join(self._nonfinite_in)})"
+        if code == "GA601" and self._faults:
+            return " — " + "; ".join(self._fault_text(fault, live.step) for fault in self._faults)
         return ""
+
+    def _fault_text(self, fault: ReplicaFault, step: int) -> str:
+        """A copy that differs from its replicas': a rank-local fault, not the clipping code."""
+        from ..ranksets import compact_ranks
+
+        if not fault.agreeing:
+            return (
+                f"ranks {compact_ranks(fault.ranks)} hold copies over group {fault.group!r} that differ, and no "
+                "majority agrees: a rank-local fault on one of them (its device, or a code path only it ran)"
+            )
+        named = ", ".join(f"rank {r} ({self._places[r]})" for r in fault.ranks)
+        since = [s for s in self._faulty.get(fault.ranks[0], []) if s < step]
+        persistent = f"; persistent: also at {_step_list(since)}" if since else ""
+        replicas = len(fault.agreeing)
+        return (
+            f"a rank-local fault, not the clipping code: {named} holds a gradient copy over group "
+            f"{fault.group!r} that differs from its {replicas} replica{'' if replicas == 1 else 's'} (rank"
+            f"{'' if replicas == 1 else 's'} {compact_ranks(fault.agreeing)}), which agree: suspect that device "
+            f"or a code path only that rank ran; re-run the step on it, and drain the node if it repeats{persistent}"
+        )
 
     def _ask_where_nonfinite(self, rows: Any) -> None:
         """The parameters (and ranks) whose gradients were nonfinite before the step's first clip call,

@@ -1,11 +1,12 @@
 """What the ranks' guards tell each other of their ownership when attaching (and when the parameters
 change), as JSON: each piece's parameter, regions, ownership group and dtype, the rank's topology, and
-how many earlier attempts wrote dumps into its out_dir. No torch."""
+how many earlier attempts wrote dumps into its out_dir, and where it runs (host, device: what a
+rank-local fault is named by). No torch."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..model import FlatRange, MeshInfo, Region, Topology
 
@@ -17,9 +18,21 @@ offsets, shape), equal when the regions are (compared, never used as regions: no
 each of a large model's pieces)."""
 
 
-def encode(pieces: list[PieceKey], topology: Topology, attempts: int) -> bytes:
+class Told(NamedTuple):
+    """What one rank told the others when attaching."""
+
+    pieces: list[ToldPiece]
+    topology: Topology
+    attempts: int
+    host: str
+    device: str
+
+
+def encode(pieces: list[PieceKey], topology: Topology, attempts: int, *, host: str, device: str) -> bytes:
     mesh = topology.mesh
     document = {
+        "host": host,
+        "device": device,
         "pieces": [[param, _regions(regions), key, dtype] for param, regions, key, dtype in pieces],
         "groups": {name: [list(ranks) for ranks in lists] for name, lists in topology.groups.items()},
         "mesh": None if mesh is None else [list(mesh.shape), list(mesh.axis_names), list(mesh.ranks)],
@@ -29,7 +42,7 @@ def encode(pieces: list[PieceKey], topology: Topology, attempts: int) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-def decode(data: bytes) -> tuple[list[ToldPiece], Topology, int]:
+def decode(data: bytes) -> Told:
     document = json.loads(data)
     pieces: list[ToldPiece] = [
         (param, None if regions is None else tuple(map(_told, regions)), key, dtype)
@@ -43,7 +56,7 @@ def decode(data: bytes) -> tuple[list[ToldPiece], Topology, int]:
         else MeshInfo(shape=tuple(mesh[0]), axis_names=tuple(mesh[1]), ranks=tuple(mesh[2])),
         norm_group=document["norm_group"],
     )
-    return pieces, topology, int(document["attempts"])
+    return Told(pieces, topology, int(document["attempts"]), str(document["host"]), str(document["device"]))
 
 
 def _regions(regions: tuple[Region, ...] | None) -> list[Any] | None:

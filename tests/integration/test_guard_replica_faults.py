@@ -1,0 +1,46 @@
+"""A flipped bit in one rank's gradient copy, after the reduction that makes every replica's bytes equal,
+is named by the guard at its step as a rank-local fault with that rank, its host and device, under DDP,
+HSDP's replicate dimension and a tensor-parallel-replicated LayerNorm; correct runs of the same stacks
+give no replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import replica_fault_workers as workers
+from launcher import run_ranks
+
+from gradaudit.ranksets import compact_ranks
+
+pytestmark = pytest.mark.integration
+
+CASES = {  # stack -> (world size, the rank whose copy is flipped, the ranks holding that copy)
+    "ddp": (4, 1, (0, 1, 2, 3)),
+    "hsdp": (4, 3, (1, 3)),
+    "tp": (2, 1, (0, 1)),
+}
+
+
+@pytest.mark.parametrize("stack", sorted(CASES))
+def test_a_flipped_bit_in_one_replica_is_a_rank_local_fault_named_at_its_step(tmp_path, stack):
+    world_size, flip_rank, holders = CASES[stack]
+    results = run_ranks(workers.train, world_size, (str(tmp_path), stack, flip_rank), timeout_s=300)
+    for result in results:
+        steps = dict(result["anomalies"])
+        assert "GA601" in steps.get(workers.FLIP_STEP, []), result["anomalies"]
+        assert min(steps) == workers.FLIP_STEP  # nothing before the flip
+    said = " ".join(results[0]["warnings"])
+    assert f"step {workers.FLIP_STEP}: " in said
+    if len(holders) > 2:  # a majority agrees: the odd copy is named, with its host and device
+        assert f"rank {flip_rank} (host {socket.gethostname()}, device cpu) holds a gradient copy" in said
+        assert "a rank-local fault, not the clipping code" in said
+        assert "re-run the step on it, and drain the node if it repeats" in said
+    else:  # two copies: either may be the faulty one
+        assert f"ranks {compact_ranks(holders)} hold copies over group" in said
+
+
+def test_a_correct_run_gives_no_replica_finding(tmp_path):
+    results = run_ranks(workers.train, 4, (str(tmp_path), "ddp", None), timeout_s=300)
+    for result in results:
+        assert result["anomalies"] == []
