@@ -5,7 +5,7 @@ the others a bounded wait, never a hang.
 The groups are gloo on the host whatever the training's backend (no second NCCL communicator and its
 device memory; a vector on a GPU is copied to the host one step late, see Guard). Each kind of exchange
 has a group of its own (the step's sum, the rows gathered for a step it does not settle, the sizes and
-the bytes of an ownership exchange), so every collective of a group has one size on every rank: a rank
+the bytes of an ownership exchange, the per-parameter sums of a spike), so every collective of a group has one size on every rank: a rank
 that leaves between two exchanges of one step can leave the others waiting for it, never pair one of
 their collectives with another size (gloo aborts the process on that). Every exchange is
 posted asynchronously and waited for with a timeout: a wait that runs out leaves the exchange posted
@@ -53,7 +53,7 @@ class Exchange:
 class Channel:
     """Posts and reads the guard's exchanges on its own process group (none in a world of one)."""
 
-    KINDS = ("sum", "rows", "sizes", "bytes")
+    KINDS = ("sum", "rows", "sizes", "bytes", "spike")
 
     def __init__(self, groups: dict[str, Any] | None, world_size: int, wait_s: float) -> None:
         self.groups, self.world_size, self.wait_s = groups, world_size, wait_s
@@ -87,7 +87,9 @@ class Channel:
         work = gather_single(gathered, vector, group=self.groups[kind], async_op=True)
         return Exchange(step=step, vector=vector, gathered=gathered, work=work)
 
-    def post_sum(self, step: int, vector: torch.Tensor, row: torch.Tensor) -> Exchange:
+    def post_sum(
+        self, step: int, vector: torch.Tensor, row: torch.Tensor | None, kind: str = "sum"
+    ) -> Exchange:
         """All-reduce (sum) `vector` (a 1-D float64 host tensor, the same size on every rank) without
         waiting; `row` is kept with it."""
         import torch.distributed as dist
@@ -95,7 +97,7 @@ class Channel:
         if self.groups is None:
             return Exchange(step=step, vector=vector, gathered=vector, row=row)
         summed = vector.clone()
-        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.groups["sum"], async_op=True)
+        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.groups[kind], async_op=True)
         return Exchange(step=step, vector=vector, gathered=summed, work=work, row=row)
 
     def read(self, exchange: Exchange, wait_s: float | None = None) -> torch.Tensor | None:

@@ -28,6 +28,8 @@ from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_o
 from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
 from .replicas import ReplicaFault, replica_faults
+from .spike import SpikeTest, spike_watch
+from .spike_dump import SpikeSums, spike_params, spike_rank_dump
 from .summary import (
     FAILED,
     HEADER,
@@ -114,7 +116,10 @@ class Guard:
       on_verdict: called on every rank with each checked step's TrendLine (to log the true norm);
       ownership: this rank's pieces, when they are not the model's parameters (DeepSpeed ZeRO);
       wait_s (10): how long a rank waits for the others' numbers of a step before reading them a step
-      later (a rank that never sends them switches the guard off after twice that).
+      later (a rank that never sends them switches the guard off after twice that); spike: a factor
+      over the median true norm of the last 20 checked steps, or a callable (step, true_norm,
+      recent_norms) -> bool: a step it calls a spike is marked in the trend, the parameters holding
+      most of its Σg² are named, and each rank writes their statistics as a dump (max_dumps of them).
     `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
 
@@ -140,12 +145,15 @@ class Guard:
         on_verdict: Callable[[TrendLine], None] | None = None,
         ownership: Sequence[LocalPiece] | None = None,
         wait_s: float = WAIT_S,
+        spike: float | SpikeTest | None = None,
     ) -> None:
         from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
         from ..capture.optimizers import hookable_optimizer
         from ..capture.scaler import ScalerWatch
         from ..capture.topology import normalize_groups
 
+        self._spike = spike_watch(spike)
+        self._spike_dumps = 0
         self._schedule = max_norm if callable(max_norm) else None
         self.max_norm = check_max_norm(max_norm(first_step) if callable(max_norm) else max_norm)
         """The max_norm the step under way is checked against (a schedule's value at that step)."""
@@ -216,8 +224,9 @@ class Guard:
         self._faulty: dict[int, list[int]] = {}
         """Rank -> the steps its copy differed from its replicas' (see _fault_text)."""
         """Of the step being judged: the parameters (and ranks) nonfinite before its first clip call."""
-        self._said_of: dict[int, tuple[str, ...]] = {}
-        """Per step sent and not judged yet: its clip calls' sites."""
+        self._said_of: dict[int, tuple[tuple[str, ...], Any]] = {}
+        """Per step sent and not judged yet: its clip calls' sites and its per-piece norms before the
+        first clip call (on the device)."""
         self._channel: Channel | None = None
         self._exchange: Exchange | None = None
         """The step whose numbers were sent to the other ranks and are not read yet."""
@@ -320,6 +329,10 @@ class Guard:
         self._reduction = Reduction(layout=self.layout)
         self._role = role_of(self.rank, self.groups, self._held, self._topologies)
         self._params_of = [[piece[0] for piece in told.pieces] for told in every_rank]
+        self._spike_sums = SpikeSums(
+            local, spike_params(self._params_of), [self._role.lowest[position[k]] for k in keys]
+        )
+        self._pieces = local
         self._places = [f"host {told.host}, device {told.device}" for told in every_rank]
         self._calibrated = False  # the first step judged on this ownership is judged in full
         self._summary = LocalSummary(
@@ -617,7 +630,7 @@ class Guard:
             vector = self._safely("measure", lambda: self._vector(skipped=skipped))
         if vector is None:
             vector = status_vector(self.layout, status, self._device)
-        self._said_of[self.step] = tuple(self._sites)
+        self._said_of[self.step] = (tuple(self._sites), self._first_norms)
         for old_step in [k for k in self._said_of if k < self.step - 2 * self.every]:
             del self._said_of[old_step]
         watch = self._watch
@@ -767,16 +780,15 @@ class Guard:
             self._record_line(skipped)
             return
         self._num_judged += 1
-        self._record_line(
-            TrendLine(
-                step=step,
-                true_norm=fast.true_norm,
-                reported_norm=fast.reported_norm,
-                expected_coef=fast.expected_coef,
-                min_coef=fast.min_coef,
-                max_coef=fast.max_coef,
-            )
+        line = TrendLine(
+            step=step,
+            true_norm=fast.true_norm,
+            reported_norm=fast.reported_norm,
+            expected_coef=fast.expected_coef,
+            min_coef=fast.min_coef,
+            max_coef=fast.max_coef,
         )
+        self._record_line(self._with_spike(step, line))
         self._end_repeat()
 
     def _conclude(self, exchange: Exchange, rows: Any) -> None:
@@ -940,6 +952,7 @@ class Guard:
         self._num_judged += 1
         # the common path may judge the next steps once a full diagnosis found the ownership sound
         self._calibrated = self._calibrated or not any(code.startswith("GA1") for code in codes)
+        line = self._with_spike(step, line)
         self._record_line(line)
         if not errors:
             self._end_repeat()
@@ -966,10 +979,69 @@ class Guard:
         self._warn(message, shared=True)
         self._repeat = (codes, [])
 
+    def _with_spike(self, step: int, line: TrendLine) -> TrendLine:
+        """`line`, marked when the spike= rule calls its true norm a spike (a step without error codes:
+        an anomaly is dumped and named already); every rank decides alike from the same numbers."""
+        watch = self._spike
+        if watch is None:
+            return line
+        spiked = not line.codes and watch.is_spike(step, line.true_norm)
+        note = watch.note(line.true_norm) if spiked and line.true_norm is not None else ""
+        watch.observe(line.true_norm)
+        if not spiked:
+            return line
+        self._say_spike(step, line, note)
+        return dataclasses.replace(line, spike=True)
+
+    def _say_spike(self, step: int, line: TrendLine, note: str) -> None:
+        """Name the parameters holding most of the spike's Σg² (one exchange of their sums, every rank
+        taking part) and write this rank's statistics of them (max_dumps spike dumps at most)."""
+        import torch
+
+        from ..dumpfile.writer import write_rank_file
+        from .spike import shares_text, top_shares
+
+        assert self._channel is not None
+        norms = self._said_of.get(step, ((), None))[1]
+        known = norms is not None and self.norm_type == 2.0
+        part = (
+            self._spike_sums.of(norms)
+            if known
+            else torch.zeros(len(self._spike_sums.names), dtype=torch.float64)
+        )
+        summed = self._channel.read(self._channel.post_sum(step, part, None, kind="spike"), self._wait_s)
+        shares = (
+            shares_text(top_shares(self._spike_sums.names, summed.tolist())) if summed is not None else ""
+        )
+        directory = self._dump_dir / f"step_{step}"
+        where = ""
+        if known and self._spike_dumps < self.max_dumps:
+            self._spike_dumps += 1
+            dump = spike_rank_dump(
+                rank=self.rank,
+                world_size=self.world_size,
+                step=step,
+                pieces=self._pieces,
+                norms=norms,
+                topology=self._topologies[self.rank],
+                clip=(line.reported_norm, self.max_norm, self.norm_type),
+                note=f"{note}; {shares}" if shares else note,
+                run_id=self.run_id,
+            )
+            try:
+                self.dumps.append(write_rank_file(directory, dump, {}))
+                where = f"; its per-parameter statistics: gradaudit check {directory}"
+            except (OSError, GradauditError) as exc:
+                self._warn_once(
+                    f"spike:{type(exc).__name__}", f"gradaudit guard: the spike dump of step {step}: {exc}"
+                )
+        found = f"; {shares}" if shares else ""
+        self._warn(f"gradaudit guard: step {step}: a spike: {note}{found}{where}", shared=True)
+
     def _where(self, code: str, live: LiveStep) -> str:
         """Where in the training code or the model a finding happened: the clip calls' lines (GA501),
         the parameters whose gradients were nonfinite before any clip (GA401, asked of every rank)."""
-        sites = self._said_of.get(live.step, ())
+        sites = self._said_of.get(live.step, ((), None))[0]
         if code == "GA501" and sites:
             return f" (clip calls at {', '.join(sites)} on rank {self.rank})"
         if code == "GA401" and self._nonfinite_in:

@@ -1,0 +1,115 @@
+"""What the guard makes of a step its `spike=` rule calls a spike: each parameter's Σg² on this rank
+(each copy once: the lowest holder's, as the true norm counts it), summed over the ranks in one
+exchange, and this rank's stats dump of its real pieces, so that `gradaudit check` shows which
+parameters hold most of Σg².
+
+Both come from the per-piece 2-norms the guard measured before the step's first clip call (no second
+pass over the gradients): a piece's sum of squares is its norm squared, and its largest |g| is not
+measured (the dump holds the norm, the largest any element can be; its note says so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..model import ClipCall, ClipRecord, ParamInfo, Piece, RankDump, TensorStats, Topology, as_columns
+from ..report.param_shares import SPIKE_TRIGGER
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..capture.ownership import LocalPiece
+
+SPIKE_API = "guard.spike"
+"""The capture_api of a spike dump: its pieces are the parameters' (the guard's anomaly dumps hold
+ownership groups)."""
+
+
+class SpikeSums:
+    """Per parameter of the run (every rank's, in one order), this rank's part of its Σg²."""
+
+    def __init__(self, pieces: Sequence[LocalPiece], names: Sequence[str], lowest: Sequence[bool]) -> None:
+        self.names = tuple(names)
+        position = {name: i for i, name in enumerate(self.names)}
+        self._param = [position[piece.param] for piece in pieces]
+        self._counted = [1.0 if low else 0.0 for low in lowest]
+        """Per piece: 1 when this rank is its copy's lowest holder (each element counted once)."""
+
+    def of(self, norms: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
+        """This rank's part, a float64 host vector of one number per parameter of the run."""
+        import torch
+
+        values, present = norms
+        index = torch.tensor([self._param[i] for i in present], dtype=torch.int64, device=values.device)
+        counted = torch.tensor([self._counted[i] for i in present], dtype=torch.float64, device=values.device)
+        squares = values.to(torch.float64).square() * counted
+        out = torch.zeros(len(self.names), dtype=torch.float64, device=values.device)
+        return out.index_add_(0, index, squares.nan_to_num(0.0, 0.0, 0.0)).cpu()
+
+
+def spike_rank_dump(
+    *,
+    rank: int,
+    world_size: int,
+    step: int,
+    pieces: Sequence[LocalPiece],
+    norms: tuple[Any, tuple[int, ...]],
+    topology: Topology,
+    clip: tuple[float | None, float, float],
+    note: str,
+    run_id: str | None,
+) -> RankDump:
+    """This rank's stats dump of the spike step: its pieces with their gradients' sums of squares
+    before the first clip call; `clip`: (reported norm, max_norm, norm_type) of the step's call."""
+    values, present = norms
+    norm_of = dict(zip(present, values.double().cpu().tolist(), strict=True))
+    found: list[Piece] = []
+    params: dict[str, ParamInfo] = {}
+    for i, piece in enumerate(pieces):
+        norm = norm_of.get(i)
+        if norm is None or not math.prod(piece.local_shape):
+            continue
+        params.setdefault(
+            piece.param,
+            ParamInfo(name=piece.param, global_shape=tuple(piece.global_shape), dtype=piece.dtype),
+        )
+        square = norm * norm
+        stats = TensorStats(
+            numel=math.prod(piece.local_shape), norm_type=2.0, sum_pow=square, sum_sq=square, max_abs=norm
+        )
+        found.append(
+            Piece(
+                index=len(found),
+                param=piece.param,
+                regions=tuple(piece.regions),
+                local_shape=tuple(piece.local_shape),
+                dtype=piece.dtype,
+                replica_group=piece.replica_group,
+                stats={"grad": stats},
+            )
+        )
+    reported, max_norm, norm_type = clip
+    call = ClipCall(reported_norm=reported, max_norm=max_norm, norm_type=norm_type)
+    infos = tuple(params.values())
+    return RankDump(
+        path="",
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        mode="stats",
+        run_id=run_id,
+        params=infos,
+        pieces=as_columns(infos, found),
+        topology=topology,
+        clip=ClipRecord(max_norm=max_norm, norm_type=norm_type, reported_norm=reported, calls=(call,)),
+        capture_api=SPIKE_API,
+        trigger=SPIKE_TRIGGER,
+        trigger_note=f"{note} (each piece's largest |g| is not measured: its norm stands for it)",
+    )
+
+
+def spike_params(every_rank: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    """The run's parameters in one order every rank computes alike."""
+    return tuple(sorted({name for names in every_rank for name in names}))
