@@ -59,7 +59,9 @@ _EQUAL = (
 )
 """The values every rank must hold alike on the common path, in their order in the sum."""
 _PER_EQUAL = 2 * CHUNKS
-_PER_GROUP = 2 + 4 * CHUNKS
+_COPIES = 4 * CHUNKS
+"""Of one copy's value: the holders' pieces and their squares, the lowest holder's times the holders."""
+_PER_GROUP = 2 + 2 * _COPIES
 _TINY = 1e-290
 """A rank's sum of a group below this (and above 0) leaves the step to the full diagnosis: clipped,
 such a term underflows, and the coefficient per group it measures is not what the sum says."""
@@ -142,17 +144,18 @@ class Reduction:
         lowest = np.asarray(role.lowest, dtype=np.float64)
         holders = np.asarray(role.holders, dtype=np.float64)
         held = (holders > 0).astype(np.float64)
-        bits = _pieces(terms)
         start = self._group_at(0)
         block = out[start : start + g * _PER_GROUP].reshape(g, _PER_GROUP)
         block[:, 0] = np.where(lowest > 0, terms, 0.0)
         out[_TINY_TERMS] = float(((terms > 0) & (terms < _TINY) & (held > 0)).sum())
         block[:, 1] = nonfinite * held
-        block[:, 2 : 2 + CHUNKS] = bits * held[:, None]
-        block[:, 2 + CHUNKS : 2 + 2 * CHUNKS] = bits * bits * held[:, None]
-        weight = (lowest * holders)[:, None]
-        block[:, 2 + 2 * CHUNKS : 2 + 3 * CHUNKS] = bits * weight
-        block[:, 2 + 3 * CHUNKS :] = bits * bits * weight
+        weights = row[self.layout.weights_offset : self.layout.weights_offset + g]
+        for at, values in ((2, terms), (2 + _COPIES, weights)):  # the gradients' copies, the weights'
+            bits = _pieces(values)
+            block[:, at : at + CHUNKS] = bits * held[:, None]
+            block[:, at + CHUNKS : at + 2 * CHUNKS] = bits * bits * held[:, None]
+            block[:, at + 2 * CHUNKS : at + 3 * CHUNKS] = bits * (lowest * holders)[:, None]
+            block[:, at + 3 * CHUNKS : at + 4 * CHUNKS] = bits * bits * (lowest * holders)[:, None]
         applied, reported, passed = float(row[2]), float(row[call]), float(row[call + 1])
         max_norm = passed if math.isfinite(passed) else declared_max_norm
         deviation = applied - expected_clip_coef(reported, max_norm)
@@ -193,9 +196,9 @@ class Reduction:
         total = 0.0
         for group in range(self.num_groups):
             block = sums[self._group_at(group) : self._group_at(group + 1)]
-            copies, lowest = block[2 : 2 + 2 * CHUNKS], block[2 + 2 * CHUNKS :]
-            if block[1] != 0 or (copies != lowest).any():
-                return None  # nonfinite, or a replica differs from its copy's lowest holder
+            copies = block[2:].reshape(2, 2, 2 * CHUNKS)  # (gradients, weights) x (holders, lowest)
+            if block[1] != 0 or (copies[:, 0] != copies[:, 1]).any():
+                return None  # nonfinite, or a replica's gradient or weights differ from its lowest holder's
             total += float(block[0])
         true_norm = norm_from_total(total, norm_type)
         rtol = NORM_RTOL_BY_DTYPE[GRAD_DTYPES[int(values["dtype"])]] / SAFETY

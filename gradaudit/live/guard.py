@@ -67,6 +67,8 @@ TRIGGER = "guard"
 """The dump metadata's `trigger` for a step the guard wrote on an anomaly."""
 MAX_FAILED_STEPS = 3
 """Checked steps in a row that some rank could not measure before every rank's guard stops."""
+WEIGHTS_EVERY = 10
+"""Every how many checked steps the replicas' weights are compared after the optimizer step."""
 MAX_REALIGNMENTS = 3
 """Times ranks that skipped an optimizer step may catch up before the guard stops."""
 
@@ -119,7 +121,9 @@ class Guard:
       later (a rank that never sends them switches the guard off after twice that); spike: a factor
       over the median true norm of the last 20 checked steps, or a callable (step, true_norm,
       recent_norms) -> bool: a step it calls a spike is marked in the trend, the parameters holding
-      most of its Σg² are named, and each rank writes their statistics as a dump (max_dumps of them).
+      most of its Σg² are named, and each rank writes their statistics as a dump (max_dumps of them);
+      weights_every (10): every N-th checked step, the replicas' weights after the optimizer step are
+      compared too (GA605: a replica whose weights drifted from the others').
     `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
 
@@ -146,6 +150,7 @@ class Guard:
         ownership: Sequence[LocalPiece] | None = None,
         wait_s: float = WAIT_S,
         spike: float | SpikeTest | None = None,
+        weights_every: int = WEIGHTS_EVERY,
     ) -> None:
         from ..capture.arguments import check_max_norm, check_norm_type, check_run_id, rank_and_world_size
         from ..capture.optimizers import hookable_optimizer
@@ -162,6 +167,7 @@ class Guard:
             raise CaptureError(f"on_anomaly must be 'warn' or 'raise', got {on_anomaly!r}")
         for name, value, least in (
             ("every", every, 1),
+            ("weights_every", weights_every, 1),
             ("max_dumps", max_dumps, 0),
             ("cooldown", cooldown, 0),
         ):
@@ -177,6 +183,11 @@ class Guard:
         self.model = model
         self.out_dir = Path(out_dir)
         self.every = every
+        self.weights_every = weights_every
+        self._weight_faults: tuple[ReplicaFault, ...] = ()
+        """Of the step being judged: the replicas whose weights differ from the others' after its step."""
+        self._weights_agreed_at: int | None = None
+        """The last weight check at which every replica's weights agreed."""
         self.on_anomaly = on_anomaly
         self.max_dumps = max_dumps
         self.cooldown = cooldown
@@ -336,7 +347,12 @@ class Guard:
         self._places = [f"host {told.host}, device {told.device}" for told in every_rank]
         self._calibrated = False  # the first step judged on this ownership is judged in full
         self._summary = LocalSummary(
-            local, [position[k] for k in keys], self.layout, self.norm_type, model=self.model
+            local,
+            [position[k] for k in keys],
+            self.layout,
+            self.norm_type,
+            model=self.model,
+            replicated=[i for i, group in enumerate(self.groups) if group.replica_group is not None],
         )
         self._grad_dtype = None
         if attaching:
@@ -585,6 +601,7 @@ class Guard:
                 applied = applied * last_scale
         if self._grad_dtype is None:  # once: read from the gradients' metadata, no pass over them
             self._grad_dtype = _loosest_dtype(p.grad() for p in self._summary.pieces)
+        weights = self._summary.weight_terms() if self._weight_check(self.step) else None
         vector = pack(
             self.layout,
             device=self._device,
@@ -596,6 +613,8 @@ class Guard:
             grad_dtype=self._grad_dtype,
         )
         g, first = self.layout.num_groups, self._first_norms
+        if weights is not None:
+            vector[self.layout.weights_offset : self.layout.weights_offset + g].copy_(weights)
         counts = vector[HEADER + g : HEADER + 3 * g]
         # on the host the counts are read at no cost; on a device the pieces are found without a read
         if first is not None and (vector.device.type != "cpu" or bool(counts.any())):
@@ -767,6 +786,8 @@ class Guard:
             return
         if math.isfinite(fast.passed_max_norm):
             self._told_other_max_norm(step, fast.passed_max_norm, self.max_norm)
+        if self._weight_check(step):
+            self._weights_agreed_at = step
         if fast.kind == "skipped":
             skipped = TrendLine(
                 step=step,
@@ -801,6 +822,11 @@ class Guard:
             self._realignments = 0
             self._ask_where_nonfinite(rows)
             self._faults = replica_faults(rows, self.groups, self._held, self._topologies)
+            self._weight_faults = replica_faults(
+                rows, self.groups, self._held, self._topologies, at=self.layout.weights_offset
+            )
+            if self._weight_check(step) and not self._weight_faults:
+                self._weights_agreed_at = step
             live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
                 self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
@@ -947,14 +973,19 @@ class Guard:
 
         live, report = found
         errors = [f for f in report.findings if f.severity is Severity.ERROR]
-        codes = tuple(dict.fromkeys(f.code for f in errors))
+        said_of = [f"{f.code} {f.message}{self._where(f.code, live)}" for f in errors]
+        if self._weight_faults:  # live only: the guard's dump holds no weights
+            said_of.append(
+                "GA605 " + "; ".join(self._drift_text(fault, step) for fault in self._weight_faults)
+            )
+        codes = tuple(dict.fromkeys([*(f.code for f in errors), *(["GA605"] if self._weight_faults else [])]))
         line = trend_line(report, codes)
         self._num_judged += 1
         # the common path may judge the next steps once a full diagnosis found the ownership sound
         self._calibrated = self._calibrated or not any(code.startswith("GA1") for code in codes)
         line = self._with_spike(step, line)
         self._record_line(line)
-        if not errors:
+        if not codes:
             self._end_repeat()
             return
         self.anomalies.append((step, codes))
@@ -962,7 +993,7 @@ class Guard:
             for rank in fault.ranks if fault.agreeing else ():
                 self._faulty.setdefault(rank, []).append(step)
         dumped = self._dump(live, step)
-        said = "; ".join(f"{f.code} {f.message}{self._where(f.code, live)}" for f in errors)
+        said = "; ".join(said_of)
         where = (
             f"; its dump: gradaudit check {live.directory}"
             if dumped
@@ -1049,6 +1080,32 @@ class Guard:
         if code == "GA601" and self._faults:
             return " — " + "; ".join(self._fault_text(fault, live.step) for fault in self._faults)
         return ""
+
+    def _weight_check(self, step: int) -> bool:
+        """Whether the replicas' weights are compared after this step (every weights_every-th checked step)."""
+        return (step // self.every) % self.weights_every == 0
+
+    def _drift_text(self, fault: ReplicaFault, step: int) -> str:
+        """Replica weights that drifted apart: first seen at this weight check, after the last that agreed."""
+        from ..ranksets import compact_ranks
+
+        agreed = (
+            f"they last agreed at step {self._weights_agreed_at}"
+            if self._weights_agreed_at is not None
+            else "no earlier weight check agreed"
+        )
+        if not fault.agreeing:
+            return (
+                f"the weights of ranks {compact_ranks(fault.ranks)} over group {fault.group!r} differ after the "
+                f"optimizer step, and no majority agrees ({agreed}): a rank-local fault on one of them"
+            )
+        named = ", ".join(f"rank {r} ({self._places[r]})" for r in fault.ranks)
+        return (
+            f"a rank-local fault: the weights of {named} over group {fault.group!r} differ from its "
+            f"replicas' (ranks {compact_ranks(fault.agreeing)}) after the optimizer step; first seen at "
+            f"step {step}, {agreed}: suspect that device or a code path only that rank ran, restore its "
+            "weights from a replica or the last checkpoint, and drain the node if it repeats"
+        )
 
     def _fault_text(self, fault: ReplicaFault, step: int) -> str:
         """A copy that differs from its replicas': a rank-local fault, not the clipping code."""

@@ -52,12 +52,29 @@ class GradReader:
         self._shards = [reader for _, reader in shards]
         self._shard_params = [reader.param for reader in self._shards]
         self._rest = [reader for _, reader in rest]
+        self._weights: list[tuple[int, LocalPiece]] = []
+        self._weight_tensors: list[Any] = []
         self.order = tuple(i for i, _ in itertools.chain(whole, shards, rest))
         """The pieces in the order `read` gives their gradients."""
         by_piece: dict[int, Callable[[], torch.Tensor | None]] = dict(itertools.chain(shards, rest))
         by_piece.update((i, _grad_now_of(param)) for i, param in whole)
         self.readers = tuple(by_piece[i] for i in range(len(pieces)))
         """Per piece, in piece order, what reads its gradient alone."""
+
+    def replicated(self, pieces: Sequence[LocalPiece], indices: Sequence[int]) -> None:
+        """Read weights (`read_weights`) of these pieces: those some other rank holds a copy of."""
+        self._weights = [(i, pieces[i]) for i in indices]
+        self._weight_tensors = [_whole_tensor(piece) for _, piece in self._weights]
+
+    def read_weights(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
+        """The replicated pieces' weights now, and their pieces (a whole tensor as it is, else the
+        piece's value accessor)."""
+        found = [
+            tensor if tensor is not None else piece.value()
+            for (_, piece), tensor in zip(self._weights, self._weight_tensors, strict=True)
+        ]
+        present = tuple(i for (i, _), value in zip(self._weights, found, strict=True) if value is not None)
+        return [value for value in found if value is not None], present
 
     def read(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         grads = list(map(_GRAD, self._whole))
@@ -103,3 +120,10 @@ def _grad_now_of(param: Any) -> Callable[[], torch.Tensor | None]:
     from ..capture.plain import grad_now
 
     return functools.partial(grad_now, param)
+
+
+def _whole_tensor(piece: LocalPiece) -> Any:
+    """The parameter tensor a piece's value accessor detaches (a whole plain parameter), else None."""
+    value = piece.value
+    owner = getattr(value, "__self__", None)
+    return owner if getattr(value, "__name__", "") == "detach" and owner is not None else None

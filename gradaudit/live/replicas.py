@@ -36,8 +36,11 @@ def replica_faults(
     groups: Sequence[OwnershipGroup],
     held: Sequence[Sequence[bool]],
     topologies: Sequence[Topology],
+    *,
+    at: int = HEADER,
 ) -> tuple[ReplicaFault, ...]:
-    """Per replicated group and copy, the ranks whose sum of it differs from its holders' majority."""
+    """Per replicated group and copy, the ranks whose sum of it differs from its holders' majority:
+    the rows' sums per group from `at` on (the gradients', or the weights': summary.VectorLayout)."""
     found = []
     measured = {rank for rank in range(rows.shape[0]) if rows[rank, 0] == OK}
     for i, group in enumerate(groups):
@@ -52,7 +55,7 @@ def replica_faults(
             if holders in seen or len(holders) < 2:
                 continue
             seen.add(holders)
-            bits = {r: rows[r, HEADER + i].tobytes() for r in holders}
+            bits = {r: rows[r, at + i].tobytes() for r in holders}
             (common, times), *rest = Counter(bits.values()).most_common()
             if not rest:
                 continue

@@ -59,6 +59,12 @@ class VectorLayout:
 
     @property
     def size(self) -> int:
+        return self.weights_offset + self.num_groups
+
+    @property
+    def weights_offset(self) -> int:
+        """Per group, sum w^2 of this rank's copy of the weights after the optimizer step (on a weight
+        check's step; nan on the others)."""
         return self.nonfinite_offset + NONFINITE_SLOTS
 
     @property
@@ -140,11 +146,13 @@ class LocalSummary:
         norm_type: float,
         *,
         model: torch.nn.Module | None = None,
+        replicated: Sequence[int] = (),
     ) -> None:
         from .reading import GradReader
 
         self.pieces = tuple(pieces)
         self.reader = GradReader(self.pieces, model)
+        self.reader.replicated(self.pieces, [i for i, g in enumerate(group_index) if g in set(replicated)])
         self._readers = self.reader.readers
         self.group_index = tuple(group_index)
         self.layout = layout
@@ -233,6 +241,22 @@ class LocalSummary:
         weights, at = torch.topk((~values.isfinite()).to(torch.float64) * order[0], k)
         found = torch.where(weights > 0, order[1][at], math.nan)
         return torch.cat((found, found.new_full((NONFINITE_SLOTS - k,), math.nan)))
+
+    def weight_terms(self) -> torch.Tensor | None:
+        """Per group, sum w^2 of the replicated pieces' weights now (float64, on their device; 0 for
+        the groups no replica holds): one fused norm pass over those pieces only."""
+        import torch
+
+        weights, present = self.reader.read_weights()
+        if not weights:
+            return None
+        with torch.no_grad():
+            norms = torch.stack(torch._foreach_norm(weights, 2.0)).to(torch.float64)
+            index = torch.tensor(
+                [self.group_index[i] for i in present], dtype=torch.int64, device=norms.device
+            )
+            out = torch.zeros(self.layout.num_groups, dtype=torch.float64, device=norms.device)
+            return out.index_add_(0, index, norms.square())
 
     def has_gradients(self) -> bool:
         """Whether any of the sampled pieces (the largest) holds a gradient now."""

@@ -58,7 +58,15 @@ def _model(stack: str, world_size: int):
     return model, "norm.weight", 0, 1  # every TP rank sees the whole batch; LayerNorm is replicated
 
 
-def train(rank: int, world_size: int, out_dir: str, stack: str, flip_rank: int | None) -> dict:
+WEIGHT_FLIP_STEP = 6
+WEIGHTS_EVERY = 4
+
+
+def train(
+    rank: int, world_size: int, out_dir: str, stack: str, flip_rank: int | None, weights: bool = False
+) -> dict:
+    """`weights`: flip a bit of the parameter itself after the optimizer step of WEIGHT_FLIP_STEP
+    (the guard compares the replicas' weights every WEIGHTS_EVERY steps), not of its gradient."""
     model, flipped, index, count = _model(stack, world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch()
@@ -66,16 +74,21 @@ def train(rank: int, world_size: int, out_dir: str, stack: str, flip_rank: int |
     params = dict(model.named_parameters())
     with warnings.catch_warnings(record=True) as caught, GuardLog() as log:
         warnings.simplefilter("always")
-        guard = gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir)
+        guard = gradaudit.guard(
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, weights_every=WEIGHTS_EVERY
+        )
         for step in range(1, NUM_STEPS + 1):
             opt.zero_grad()
             loss_of(model(x * (1 + step / 10)), y).backward()
-            if step == FLIP_STEP and rank == flip_rank:
+            if step == FLIP_STEP and rank == flip_rank and not weights:
                 flip_one_bit(params[flipped].grad)
             if stack == "tp":  # DTensor and plain gradients: each mesh's norm, then one total
                 guard.clip(per_mesh_clip, list(model.parameters()), MAX_NORM)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
+            if step == WEIGHT_FLIP_STEP and rank == flip_rank and weights:
+                with torch.no_grad():
+                    flip_one_bit(params[flipped])
         guard.remove()
     return found(guard, caught, log)

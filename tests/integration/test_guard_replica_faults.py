@@ -1,7 +1,8 @@
 """A flipped bit in one rank's gradient copy, after the reduction that makes every replica's bytes equal,
 is named by the guard at its step as a rank-local fault with that rank, its host and device, under DDP,
-HSDP's replicate dimension and a tensor-parallel-replicated LayerNorm; correct runs of the same stacks
-give no replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
+HSDP's replicate dimension and a tensor-parallel-replicated LayerNorm, and a flipped bit in one
+replica's weights at the next comparison of the weights; correct runs of the same stacks give no
+replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,16 @@ def test_a_correct_run_gives_no_replica_finding(tmp_path):
     results = run_ranks(workers.train, 4, (str(tmp_path), "ddp", None), timeout_s=300)
     for result in results:
         assert result["anomalies"] == []
+
+
+def test_a_flipped_bit_in_one_replicas_weights_is_named_at_the_next_weight_check(tmp_path):
+    """Flipped after the optimizer step of step 6; the weights are compared every 4 steps: named at 8,
+    with the step they last agreed at, and the gradients (all-reduced alike) never differ."""
+    results = run_ranks(workers.train, 4, (str(tmp_path), "ddp", 1, True), timeout_s=300)
+    for result in results:
+        steps = dict(result["anomalies"])
+        assert min(steps) == 8 and steps[8] == ["GA605"], result["anomalies"]
+        assert all("GA601" not in codes for codes in steps.values())
+    said = " ".join(results[0]["warnings"])
+    assert f"the weights of rank 1 (host {socket.gethostname()}, device cpu) over group" in said
+    assert "first seen at step 8, they last agreed at step 4" in said
