@@ -66,3 +66,27 @@ def test_the_numpy_floor_reads_the_safetensors_files_itself_and_finds_the_true_n
 
     layout = layouts.write_dense_dump(tmp_path / dtype, num_elements=70_000, num_ranks=3, dtype=dtype)
     assert floor_numpy.main(str(layout.directory)) == pytest.approx(layout.true_norm, rel=1e-12)
+
+
+def test_the_guards_scale_bench_judges_generated_worlds_and_prints_their_bytes(capsys):
+    import guard_scale
+
+    assert guard_scale.main(["--ranks", "64", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "== 64 ranks: bytes per rank per collective: sum " in out
+    for what in (
+        "common path / 1 ms target",
+        "failing step / 1 s target",
+        "failing step memory / 1 GiB target",
+    ):
+        assert re.search(rf"^RATIO 64 ranks {what} = [0-9.]+ ", out, re.M), out
+
+
+def test_the_gpu_bench_skips_without_a_cuda_device(capsys):
+    import gpu_guard
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: run bench/gpu_guard.py itself")
+    assert gpu_guard.main(["--tiny"]) == 0
+    assert capsys.readouterr().out.startswith("SKIP: no CUDA device")

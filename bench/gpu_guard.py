@@ -1,0 +1,104 @@
+"""The guard on a CUDA device: a short step and the realistic step, paused and checked, interleaved.
+
+    python bench/gpu_guard.py          # on a machine with a CUDA device, a few minutes
+    python bench/gpu_guard.py --tiny   # a smoke run
+
+One process (world size 1): the guard's own work on the device (its fused norm pass and grouping, the
+sample, the row packed there), the row copied to the host a step late (late=True, the default on a
+GPU), its sum and verdict read a step late, with no host sync of its own. Without a CUDA device it
+prints SKIP and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from guard import _model
+
+
+def _steps(model: torch.nn.Module, make_batch, rounds: int) -> dict[str, float]:
+    """Median step times (synchronized) with the guard paused and checking, shuffled each round."""
+    import gradaudit
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times: dict[str, list[float]] = {"none": [], "guard": []}
+
+    def step() -> float:
+        inputs, loss_of = make_batch()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_of(model(inputs)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    order = random.Random(0)
+    with tempfile.TemporaryDirectory() as out:
+        guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out)
+        for _ in range(5):
+            step()
+        for _ in range(rounds):
+            kinds = ["none", "guard"] * 4
+            order.shuffle(kinds)
+            for kind in kinds:
+                if kind == "none":
+                    guard.pause()
+                times[kind].append(step())
+                guard.resume()
+        anomalies = list(guard.anomalies)
+        guard.remove()
+    assert not anomalies, f"a correct run was flagged: {anomalies}"
+    return {kind: statistics.median(values) for kind, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device (the CPU figures: bench/guard_fixed.py, bench/guard.py)")
+        return 0
+    device = torch.device("cuda")
+    rounds = 2 if args.tiny else 25
+    short = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)]).to(device)
+    x = torch.randn(256, 1024, device=device)
+    found = _steps(short, lambda: (x, lambda out: out.pow(2).mean()), rounds)
+    print(
+        f"RATIO gpu short step guard/none = {found['guard'] / found['none']:.4f} "
+        f"({found['none'] * 1e3:.2f} ms without; target <= 1.05)"
+    )
+    width, layers, vocab, seq = (64, 1, 256, 64) if args.tiny else (512, 8, 8192, 1024)
+    model = _model(width=width, layers=layers, vocab=vocab).to(device)
+
+    def batch():
+        tokens = torch.randint(0, vocab, (1, seq + 1), device=device)
+
+        def loss_of(logits: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+        return tokens[:, :-1], loss_of
+
+    found = _steps(model, batch, rounds)
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"RATIO gpu realistic step ({params / 1e6:.1f}M parameters, {seq} tokens) guard/none = "
+        f"{found['guard'] / found['none']:.4f} ({found['none'] * 1e3:.2f} ms without; target <= 1.01)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
