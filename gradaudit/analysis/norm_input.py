@@ -335,6 +335,8 @@ def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
     starts = np.flatnonzero(np.concatenate(([True], ranks[1:] != ranks[:-1]))) if ranks.size else ranks
     bounds = [*starts.tolist(), ranks.size]
     found: dict[int, float] = {}
+    post_nonfinite = post.nonfinite if post is not None else None  # once: per rank it is quadratic
+    pre_nonfinite = pre.nonfinite
     for k, rank in enumerate(ranks[starts].tolist()):
         own = order[bounds[k] : bounds[k + 1]]
         dots = own[table.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
@@ -347,7 +349,8 @@ def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
         pairs = grad[post.has[grad]]
         if not pairs.size or pairs.size != grad.size:
             continue
-        if post.nonfinite[pairs].sum() > pre.counts[pairs].sum():
+        assert post_nonfinite is not None
+        if post_nonfinite[pairs].sum() > pre_nonfinite[pairs].sum():
             found[rank] = math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
         elif (before := safe_fsum(pre.sum_sq[pairs])) > 0:
             found[rank] = math.sqrt(safe_fsum(post.sum_sq[pairs]) / before)

@@ -408,11 +408,15 @@ def merge_groups(
     Two rank lists of one group that share a rank but differ are a contradiction (GA101 evidence).
     """
     merged: dict[str, set[tuple[int, ...]]] = {}
+    shared: set[tuple[str, int]] = set()
     seen: set[tuple[str, tuple[tuple[int, ...], ...]]] = set()
     for dump in ranks.values():
         for name, lists in dump.topology.groups.items():
-            if (name, lists) in seen:
-                continue  # the same view as another rank's (every rank of a large job sees them all)
+            # the same view as another rank's: shared (the guard's ranks share one) or equal (every
+            # rank of a large job may list every group)
+            if (name, id(lists)) in shared or (name, lists) in seen:
+                continue
+            shared.add((name, id(lists)))
             seen.add((name, lists))
             merged.setdefault(name, set()).update(tuple(sorted(set(g))) for g in lists)
     conflicts = []
