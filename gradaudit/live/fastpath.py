@@ -22,6 +22,7 @@ differs. Anything else is `None`: the ranks then gather their rows and the full 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -127,35 +128,37 @@ class Reduction:
         out = np.zeros(self.size, dtype=np.float64)
         out[_COUNT] = 1.0
         status = row[0]
-        for i, value in enumerate(_STATUSES):
-            out[_STATUS + i] = float(status == value)
+        out[_STATUS : _STATUS + len(_STATUSES)] = [status == value for value in _STATUSES]
         out[_CHANGED] = float(row[CHANGED] == 1.0)
         out[_LEFT] = float(role.rank) if status == OFF else 0.0
-        call = self.layout.call_offset(0)
-        equal = row[[STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]]
-        pieces = _pieces(equal)
-        at = _HEADER
-        out[at : at + len(_EQUAL) * _PER_EQUAL] = np.concatenate((pieces, pieces * pieces), axis=1).reshape(
-            -1
-        )
-        g = self.num_groups
+        g, call, weights_at = self.num_groups, self.layout.call_offset(0), self.layout.weights_offset
         terms = row[HEADER : HEADER + g]
-        nonfinite = row[HEADER + g : HEADER + 2 * g] + row[HEADER + 2 * g : HEADER + 3 * g]
-        lowest = np.asarray(role.lowest, dtype=np.float64)
-        holders = np.asarray(role.holders, dtype=np.float64)
-        held = (holders > 0).astype(np.float64)
+        # one split into 16-bit pieces: the values every rank holds alike, the gradients' and the weights' copies
+        values = np.concatenate(
+            (
+                row[[STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]],
+                terms,
+                row[weights_at : weights_at + g],
+            )
+        )
+        pieces = _pieces(values)
+        squares = pieces * pieces
+        count = len(_EQUAL)
+        out[_HEADER : _HEADER + count * _PER_EQUAL] = np.concatenate(
+            (pieces[:count], squares[:count]), axis=1
+        ).ravel()
+        lowest, held, weight = _role_arrays(role)
         start = self._group_at(0)
         block = out[start : start + g * _PER_GROUP].reshape(g, _PER_GROUP)
-        block[:, 0] = np.where(lowest > 0, terms, 0.0)
+        block[:, 0] = np.where(lowest, terms, 0.0)
         out[_TINY_TERMS] = float(((terms > 0) & (terms < _TINY) & (held > 0)).sum())
-        block[:, 1] = nonfinite * held
-        weights = row[self.layout.weights_offset : self.layout.weights_offset + g]
-        for at, values in ((2, terms), (2 + _COPIES, weights)):  # the gradients' copies, the weights'
-            bits = _pieces(values)
+        block[:, 1] = (row[HEADER + g : HEADER + 2 * g] + row[HEADER + 2 * g : HEADER + 3 * g]) * held
+        for at, first in ((2, count), (2 + _COPIES, count + g)):  # the gradients' copies, the weights'
+            bits, bits2 = pieces[first : first + g], squares[first : first + g]
             block[:, at : at + CHUNKS] = bits * held[:, None]
-            block[:, at + CHUNKS : at + 2 * CHUNKS] = bits * bits * held[:, None]
-            block[:, at + 2 * CHUNKS : at + 3 * CHUNKS] = bits * (lowest * holders)[:, None]
-            block[:, at + 3 * CHUNKS : at + 4 * CHUNKS] = bits * bits * (lowest * holders)[:, None]
+            block[:, at + CHUNKS : at + 2 * CHUNKS] = bits2 * held[:, None]
+            block[:, at + 2 * CHUNKS : at + 3 * CHUNKS] = bits * weight[:, None]
+            block[:, at + 3 * CHUNKS : at + 4 * CHUNKS] = bits2 * weight[:, None]
         applied, reported, passed = float(row[2]), float(row[call]), float(row[call + 1])
         max_norm = passed if math.isfinite(passed) else declared_max_norm
         deviation = applied - expected_clip_coef(reported, max_norm)
@@ -243,6 +246,16 @@ class FastVerdict:
     """What the step was checked against."""
     passed_max_norm: float = math.nan
     """What every rank's clip call passed as max_norm (nan: not known)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _role_arrays(role: RankRole) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lowest, held, lowest x holders) of a role as float64 arrays, made once per ownership."""
+    import numpy as np
+
+    lowest = np.asarray(role.lowest, dtype=np.float64)
+    holders = np.asarray(role.holders, dtype=np.float64)
+    return lowest, (holders > 0).astype(np.float64), lowest * holders
 
 
 def _pieces(values: np.ndarray) -> np.ndarray:

@@ -615,9 +615,9 @@ class Guard:
         g, first = self.layout.num_groups, self._first_norms
         if weights is not None:
             vector[self.layout.weights_offset : self.layout.weights_offset + g].copy_(weights)
-        counts = vector[HEADER + g : HEADER + 3 * g]
+        on_host = vector.device.type == "cpu"
         # on the host the counts are read at no cost; on a device the pieces are found without a read
-        if first is not None and (vector.device.type != "cpu" or bool(counts.any())):
+        if first is not None and (not on_host or vector.numpy()[HEADER + g : HEADER + 3 * g].any()):
             at = self.layout.nonfinite_offset
             vector[at : at + NONFINITE_SLOTS].copy_(self._summary.nonfinite_pieces(first))
         return vector

@@ -10,7 +10,7 @@ elements (a few per piece, read before and after a clip call), so no second pass
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -204,14 +204,16 @@ class LocalSummary:
         if index is None:
             index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
             self._index_cache[present] = index
-        out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
         if device.type == "cpu" and not math.isinf(self.norm_type):
-            # on the host the total is read at no cost: the pieces with a nan or an inf are counted only
-            # when it is not finite (four ops fewer in a step; on a device that read would wait for it)
-            out[0].index_add_(0, index, norms.pow(self.norm_type))
-            if math.isfinite(out[0].sum()):
-                return out.reshape(-1)
-            out.zero_()
+            # on the host the norms are read at no cost and summed per group by numpy (no tensor op per
+            # number); the pieces with a nan or an inf are counted only when the total is not finite
+            import numpy as np
+
+            g, at = self.layout.num_groups, index.numpy()
+            summed = np.bincount(at, weights=norms.numpy() ** self.norm_type, minlength=g)
+            if np.isfinite(summed).all():
+                return torch.from_numpy(np.concatenate((summed, np.zeros(2 * g))))
+        out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
         finite = norms.nan_to_num(0.0, 0.0, 0.0)
         power = finite if math.isinf(self.norm_type) else finite.pow(self.norm_type)
         # [p-th powers, nan flags, inf flags] of the pieces, summed per group in one op (stack promotes)
@@ -339,33 +341,48 @@ def pack(
     scaler: tuple[float | None, bool | None, bool | None] = (None, None, None),
     grad_dtype: str | None = None,
 ) -> torch.Tensor:
-    """This rank's vector; device tensors are copied in on the device (no host sync)."""
+    """This rank's vector: on a device, device tensors are copied in there (no host sync); on the host
+    it is written as one numpy array (a few numbers read at no cost, no tensor op per number)."""
     import torch
 
+    if torch.device(device).type == "cpu":
+        import numpy as np
+
+        host = np.full(layout.size, math.nan)
+        _fill(host, layout, terms, applied_coef, calls, num_calls, scaler, grad_dtype, _put_host)
+        return torch.from_numpy(host)
     vector = torch.full((layout.size,), math.nan, dtype=torch.float64, device=device)
+    _fill(vector, layout, terms, applied_coef, calls, num_calls, scaler, grad_dtype, _put)
+    return vector
+
+
+def _fill(
+    vector: Any,
+    layout: VectorLayout,
+    terms: Any,
+    applied_coef: Any,
+    calls: Sequence[CallRecord],
+    num_calls: int,
+    scaler: tuple[float | None, bool | None, bool | None],
+    grad_dtype: str | None,
+    put: Callable[[Any, Any, Any], None],
+) -> None:
     g = layout.num_groups
     vector[0] = OK
     vector[1] = float(num_calls)
-    _put(vector, 2, applied_coef)
+    put(vector, 2, applied_coef)
     for at, value in enumerate(scaler, start=3):  # loss scale, unscaled, skipped (a bool is 1.0 or 0.0)
-        _put(vector, at, value)
+        put(vector, at, value)
     if grad_dtype in GRAD_DTYPES:
         vector[6] = float(GRAD_DTYPES.index(grad_dtype))
-    if terms is not None:
-        vector[HEADER : HEADER + 3 * g].copy_(terms)
-    else:
-        vector[HEADER : HEADER + 3 * g].zero_()
+    put(vector, slice(HEADER, HEADER + 3 * g), terms)
     for k, call in enumerate(calls[: layout.max_calls]):
         at = layout.call_offset(k)
-        _put(vector, at, call.reported)
-        _put(vector, at + 1, call.max_norm)
-        _put(vector, at + 2, call.norm_type)
-        _put(vector, at + 3, call.coef)
-        if call.terms is not None:
-            vector[at + 4 : at + 4 + g].copy_(call.terms[:g])
-        else:
-            vector[at + 4 : at + 4 + g].zero_()
-    return vector
+        put(vector, at, call.reported)
+        put(vector, at + 1, call.max_norm)
+        put(vector, at + 2, call.norm_type)
+        put(vector, at + 3, call.coef)
+        put(vector, slice(at + 4, at + 4 + g), None if call.terms is None else call.terms[:g])
 
 
 def status_vector(layout: VectorLayout, status: float, device: Any = "cpu") -> torch.Tensor:
@@ -379,13 +396,19 @@ def status_vector(layout: VectorLayout, status: float, device: Any = "cpu") -> t
 
 def stamped(vector: torch.Tensor, *, step: int, clock: int, changed: bool) -> torch.Tensor:
     """`vector` with the stamp every rank compares before judging (see HEADER)."""
-    vector[STEP], vector[CLOCK], vector[CHANGED] = float(step), float(clock), float(changed)
+    target = vector.numpy() if vector.device.type == "cpu" else vector  # a host vector: no tensor op
+    target[STEP], target[CLOCK], target[CHANGED] = float(step), float(clock), float(changed)
     return vector
 
 
-def _put(vector: torch.Tensor, at: int, value: Any) -> None:
+def _put(vector: torch.Tensor, at: int | slice, value: Any) -> None:
+    """Write `value` (a tensor, a number, or None) at `at` on the vector's device; a span with no
+    value is zero (no terms: nothing measured)."""
     import torch
 
+    if isinstance(at, slice):
+        vector[at].copy_(value) if value is not None else vector[at].zero_()
+        return
     if value is None:
         return
     if isinstance(value, torch.Tensor):
@@ -395,3 +418,23 @@ def _put(vector: torch.Tensor, at: int, value: Any) -> None:
             vector[at] = float(value)
         except (TypeError, ValueError):
             return
+
+
+def _put_host(vector: np.ndarray, at: int | slice, value: Any) -> None:
+    """`_put` on the host's numpy array: a host tensor's numbers are read as they are."""
+    import torch
+
+    if isinstance(at, slice):
+        if value is None:
+            vector[at] = 0.0
+        else:
+            vector[at] = (
+                value.detach().to(torch.float64).numpy() if isinstance(value, torch.Tensor) else value
+            )
+        return
+    if value is None:
+        return
+    try:
+        vector[at] = float(value.detach().reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+    except (TypeError, ValueError, IndexError):
+        return
