@@ -41,7 +41,9 @@ class TrendLine:
     min_coef: float | None
     max_coef: float | None
     """The smallest and largest coefficient the ranks applied (the last clip call's); their difference
-    is the spread."""
+    is the spread. On a step the guard's sum settled (no per-rank numbers gathered), equal when every
+    rank applied the same bits, else the bounds the summed distances give (within a quarter of the
+    tolerance: see live/fastpath.py)."""
     codes: tuple[str, ...] = ()
     """The error codes of the step; empty when its clipping was right."""
     skipped: bool = False
