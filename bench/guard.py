@@ -85,6 +85,7 @@ def _measure(
     accessors: list,
     order: random.Random,
     clock: Any = time.perf_counter,
+    weights: list | None = None,
 ) -> None:
     """The guard's own measuring on the final gradients as a checked step does it (its group terms and
     the coefficient's two samples of the elements read with them), against the stack's own norm pass over the same local gradients; and the same measuring
@@ -108,12 +109,19 @@ def _measure(
         summary._readers = fast
         return elapsed
 
+    def weight_check() -> float:
+        start = clock()
+        summary.weight_terms()  # the replicas' weights, every weights_every checked steps
+        return clock() - start
+
     kinds = ["reference", "own", "accessors"]
     order.shuffle(kinds)
     times = {kind: timed(kind) for kind in kinds}
     reference.append(times["reference"])
     own.append(times["own"])
     accessors.append(times["accessors"])
+    if weights is not None:
+        weights.append(weight_check())
 
 
 def _time_own_hooks(guard_class: Any, spent: list[float], clock: Any = time.perf_counter) -> None:
@@ -157,6 +165,7 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
         own: list[float] = []
         reference: list[float] = []
         accessors: list[float] = []
+        weights: list[float] = []
 
         def step() -> float:
             tokens = torch.randint(0, config["model"]["vocab"], (batch, seq + 1), generator=gen)
@@ -190,9 +199,9 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
                 if kind == "guard":
                     in_guard.append(spent[0] - before)
                 guard.resume()
-            _measure(guard, model, own, reference, accessors, order, clock)
+            _measure(guard, model, own, reference, accessors, order, clock, weights)
         for _ in range(config["repeats"]):
-            _measure(guard, model, own, reference, accessors, order, clock)
+            _measure(guard, model, own, reference, accessors, order, clock, weights)
         anomalies = list(guard.anomalies)
         guard.remove()
         assert not anomalies, f"a correct run was flagged: {anomalies}"
@@ -204,6 +213,8 @@ def _worker(rank: int, world_size: int, port: int, config: dict, results: dict) 
             "own": own,
             "reference": reference,
             "accessors": accessors,
+            "weights": weights,
+            "weights_every": guard.weights_every,
         }
     finally:
         dist.destroy_process_group()
@@ -299,6 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{statistics.median(r['accessors']) * 1e3:.2f} ms) vs _foreach_norm {ref * 1e3:.2f} ms, "
                     f"medians of {len(r['own'])}"
                 )
+                if r["weights"] and r["times"]["none"]:
+                    check, every = statistics.median(r["weights"]), r["weights_every"]
+                    none = statistics.median(r["times"]["none"])
+                    print(
+                        f"RATIO {stack} rank {rank} weight check/step without = {check / none:.4f} per check, "
+                        f"{check / every / none:.5f} amortised over weights_every={every} "
+                        f"({check * 1e3:.1f} ms a check; target amortised <= 0.01)"
+                    )
                 for kind in ("own", "accessors"):
                     ratios = sorted(t / f for t, f in zip(r[kind], r["reference"], strict=True))
                     spread = f"quartiles {_quartiles(ratios)}, range {ratios[0]:.3f}..{ratios[-1]:.3f}"

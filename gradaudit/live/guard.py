@@ -410,10 +410,17 @@ class Guard:
                 self._say_summary()
         finally:
             if self.active and self._channel is not None and self._channel.groups is not None:
-                # the others' next exchange pairs with this one and tells them this guard left
+                # the others' next exchange pairs with this one and tells them this guard left; it is
+                # waited for (wait_s at most), so that no exchange of the guard is left in flight
                 self._safely("leave", lambda: self._send(status_vector(self.layout, OFF)))
+                self._safely("leave", self._settle_last)
             self._switch_off()
             self._trend.close()
+
+    def _settle_last(self) -> None:
+        exchange, channel = self._exchange, self._channel
+        if exchange is not None and channel is not None:
+            channel.read(exchange, self._wait_s)
 
     def _switch_off(self) -> None:
         self.active = False
