@@ -433,6 +433,7 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
     clip = step.clip
     max_norm = None if clip is None else clip.max_norm
     norms = NormSet(terms.grad, norm_type)
+    norms.each_rank_alone()
     shared = _StepWide(step, norms)
     true_norm, note, lower_bound = _true_norm(step, terms, norms.norm(shared.all_ranks, True)[0])
     post_clip = None

@@ -165,6 +165,37 @@ class NormSet:
             self._cache[key] = (self.norm_of(rows, key), repeated)
         return self._cache[key]
 
+    def each_rank_alone(self) -> None:
+        """Every rank's own norm, every copy counted (`norm((rank,), False)`, each rank's candidate of
+        a local norm), for all ranks at once: the sums by segment, one Python step per rank."""
+        ranks, spans, entries = self._ranks, self.spans, self.entries
+        if not ranks:
+            return
+        starts = [spans[r][0] for r in ranks]
+        flags = np.bitwise_or.reduceat(entries.flags, starts).tolist()
+        sums, _ = segment_fsums(entries.term, starts)
+        repeated: set[int] = set()
+        if entries.replicated:
+            order = np.lexsort((entries.layout, entries.rank))
+            rank, layout = entries.rank[order], entries.layout[order]
+            twice = (rank[1:] == rank[:-1]) & (layout[1:] == layout[:-1])
+            repeated = set(rank[1:][twice].tolist())
+        for k, r in enumerate(ranks):
+            key = ((r,), False)
+            if key in self._cache:
+                continue
+            if flags[k] & (UNKNOWN | NAN | INF) or is_inf_norm(self.norm_type):
+                self._cache[key] = (self.norm_of(slice(*spans[r]), key), r in repeated)
+                continue
+            self._sums.setdefault(key, sums[k])
+            total = self._sums[key]
+            value = (
+                norm_from_total(total, self.norm_type)
+                if math.isfinite(total)
+                else norm_of_terms(entries.term[slice(*spans[r])], self.norm_type)
+            )
+            self._cache[key] = (value, r in repeated)
+
     def num_layouts(self, ranks: Sequence[int]) -> int:
         """How many distinct layouts these ranks' entries hold (the whole step's, for every rank: a
         group holding fewer holds only part of the step's elements)."""

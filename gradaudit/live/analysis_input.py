@@ -587,9 +587,11 @@ def report_of(live: LiveStep) -> Report:
     pipeline's last stage (audit.build_report), as audit.audit_step runs it without a reference."""
     from ..audit import build_report, command_for
     from ..checks.base import AuditOptions
+    from ..dumpfile.loader import gc_paused
     from ..measure.measure import overflow_notes
 
-    inputs = analysis_of(live)
-    options = AuditOptions()
-    command = command_for(live.directory, options) if live.directory else ""
-    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.table))
+    with gc_paused():  # as audit_step: a many-rank step is many small objects, all kept alive
+        inputs = analysis_of(live)
+        options = AuditOptions()
+        command = command_for(live.directory, options) if live.directory else ""
+        return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.table))
