@@ -131,6 +131,7 @@ class NormSet:
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
         self._sums: dict[tuple[tuple[int, ...], bool], float] = {}
         """safe_fsum of the terms counted, by the same keys (shares_of_squared_norm reads them too)."""
+        self._layouts: dict[tuple[int, ...], int] = {}
 
     def rows(self, ranks: Sequence[int], dedupe: bool) -> tuple[np.ndarray | slice, bool]:
         """(positions of the entries counted, whether a layout appears more than once among these
@@ -165,42 +166,67 @@ class NormSet:
             self._cache[key] = (self.norm_of(rows, key), repeated)
         return self._cache[key]
 
-    def each_rank_alone(self) -> None:
-        """Every rank's own norm, every copy counted (`norm((rank,), False)`, each rank's candidate of
-        a local norm), for all ranks at once: the sums by segment, one Python step per rank."""
-        ranks, spans, entries = self._ranks, self.spans, self.entries
-        if not ranks:
+    def prime(self, rank_sets: Iterable[Sequence[int]]) -> None:
+        """What `norm` (each layout once, and every copy counted) and `num_layouts` give for each of
+        these rank sets, computed for all of them in a few numpy passes, as those compute them (the
+        same rows, the same exact sums): the diagnosis asks them of every rank and group."""
+        entries, spans = self.entries, self.spans
+        orders = [
+            o for o in dict.fromkeys(tuple(sorted(s)) for s in rank_sets) if (o, False) not in self._cache
+        ]
+        orders = [o for o in orders if any(r in spans for r in o) and len(set(o)) == len(o)]
+        if not orders:
             return
-        starts = [spans[r][0] for r in ranks]
-        flags = np.bitwise_or.reduceat(entries.flags, starts).tolist()
-        sums, _ = segment_fsums(entries.term, starts)
-        repeated: set[int] = set()
+        members = [r for o in orders for r in o]
+        begin = np.array([spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
+        length = np.array([spans[r][1] - spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
+        ends = np.cumsum(length)
+        rows = np.repeat(begin - ends + length, length) + np.arange(int(ends[-1]) if ends.size else 0)
+        of_set = np.repeat(np.repeat(np.arange(len(orders)), [len(o) for o in orders]), length)
+        every = self._primed(orders, rows, of_set, False)
+        once = every
         if entries.replicated:
-            order = np.lexsort((entries.layout, entries.rank))
-            rank, layout = entries.rank[order], entries.layout[order]
-            twice = (rank[1:] == rank[:-1]) & (layout[1:] == layout[:-1])
-            repeated = set(rank[1:][twice].tolist())
-        for k, r in enumerate(ranks):
-            key = ((r,), False)
-            if key in self._cache:
-                continue
+            key = of_set * (int(entries.layout.max()) + 1) + entries.layout[rows]
+            first = np.sort(np.unique(key, return_index=True)[1])
+            once = self._primed(orders, rows[first], of_set[first], True)
+        for order, (n, value, _), (n_once, value_once, _) in zip(orders, every, once, strict=True):
+            self._cache[(order, False)] = (value, n_once < n)
+            self._cache[(order, True)] = (value_once, n_once < n)
+            self._layouts[order] = n_once
+
+    def _primed(
+        self, orders: list[tuple[int, ...]], rows: np.ndarray, of_set: np.ndarray, dedupe: bool
+    ) -> list[tuple[int, float | None, None]]:
+        """Per rank set: (entries counted, their norm, None) of the `rows` of each (`of_set`, ascending)."""
+        starts = np.searchsorted(of_set, np.arange(len(orders)))
+        bounds = [*starts.tolist(), rows.size]
+        flags = np.bitwise_or.reduceat(self.entries.flags[rows], starts).tolist()
+        terms = self.entries.term[rows]
+        sums, _ = segment_fsums(terms, starts.tolist())
+        found = []
+        for k, order in enumerate(orders):
+            at = slice(bounds[k], bounds[k + 1])
             if flags[k] & (UNKNOWN | NAN | INF) or is_inf_norm(self.norm_type):
-                self._cache[key] = (self.norm_of(slice(*spans[r]), key), r in repeated)
-                continue
-            self._sums.setdefault(key, sums[k])
-            total = self._sums[key]
-            value = (
-                norm_from_total(total, self.norm_type)
-                if math.isfinite(total)
-                else norm_of_terms(entries.term[slice(*spans[r])], self.norm_type)
-            )
-            self._cache[key] = (value, r in repeated)
+                value = self.norm_of(rows[at])
+            else:
+                key = (order, dedupe and self.entries.replicated)
+                total = self._sums.setdefault(key, sums[k])
+                value = (
+                    norm_from_total(total, self.norm_type)
+                    if math.isfinite(total)
+                    else norm_of_terms(terms[at], self.norm_type)
+                )
+            found.append((at.stop - at.start, value, None))
+        return found
 
     def num_layouts(self, ranks: Sequence[int]) -> int:
         """How many distinct layouts these ranks' entries hold (the whole step's, for every rank: a
         group holding fewer holds only part of the step's elements)."""
-        rows, _ = self.rows(tuple(sorted(ranks)), True)
-        return rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
+        order = tuple(sorted(ranks))
+        if order not in self._layouts:
+            rows, _ = self.rows(order, True)
+            self._layouts[order] = rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
+        return self._layouts[order]
 
     def norm_of(
         self, rows: np.ndarray | slice, key: tuple[tuple[int, ...], bool] | None = None
