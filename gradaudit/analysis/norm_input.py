@@ -385,33 +385,36 @@ def _call_scale(call: ClipCall) -> float:
 def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
     """Rank -> the coefficient its gradients before and after clipping show: from their dot products
     (dense dumps), else from the ratio of their sums of squares; nan when clipping turned finite
-    values nonfinite (ranks whose pieces tell neither: left out)."""
-    pre, post = table.grad, table.clipped
-    order = table.by_rank_order
-    ranks = table.rank[order]
-    starts = np.flatnonzero(np.concatenate(([True], ranks[1:] != ranks[:-1]))) if ranks.size else ranks
-    bounds = [*starts.tolist(), ranks.size]
-    found: dict[int, float] = {}
-    post_nonfinite = post.nonfinite if post is not None else None  # once: per rank it is quadratic
-    pre_nonfinite = pre.nonfinite
-    for k, rank in enumerate(ranks[starts].tolist()):
-        own = order[bounds[k] : bounds[k + 1]]
-        dots = own[table.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
-        if dots.size and (denominator := safe_fsum(table.dot_pre_pre[dots])) > 0:
-            found[rank] = safe_fsum(table.dot_pre_post[dots]) / denominator
-            continue
-        if post is None:
-            continue
-        grad = own[pre.has[own]]
-        pairs = grad[post.has[grad]]
-        if not pairs.size or pairs.size != grad.size:
-            continue
-        assert post_nonfinite is not None
-        if post_nonfinite[pairs].sum() > pre_nonfinite[pairs].sum():
-            found[rank] = math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        elif (before := safe_fsum(pre.sum_sq[pairs])) > 0:
-            found[rank] = math.sqrt(safe_fsum(post.sum_sq[pairs]) / before)
-    return found
+    values nonfinite (ranks whose pieces tell neither: left out). Every rank's sums at once."""
+    pre, post, order = table.grad, table.clipped, table.by_rank_order
+    ranks, of_rank = np.unique(table.rank[order], return_inverse=True)
+
+    def by_rank(values: np.ndarray, chosen: np.ndarray) -> dict[int, float]:
+        """Rank -> safe_fsum of its `values` where `chosen` (in rank order), for ranks with any."""
+        at = np.flatnonzero(chosen)
+        owner = of_rank[at]
+        starts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1]))) if at.size else at
+        sums, _ = segment_fsums(values[order][at], starts.tolist())
+        return dict(zip(ranks[owner[starts]].tolist(), sums, strict=True))
+
+    dots = table.has_dots[order]  # dot_pre_pre is set together with dot_pre_post
+    pre_pre, pre_post = by_rank(table.dot_pre_pre, dots), by_rank(table.dot_pre_post, dots)
+    found = {rank: pre_post[rank] / d for rank, d in pre_pre.items() if d > 0}
+    if post is not None:
+        grad, pairs = pre.has[order], pre.has[order] & post.has[order]
+        whole = np.bincount(of_rank, pairs, ranks.size) == np.bincount(of_rank, grad, ranks.size)
+        nonfinite = [np.bincount(of_rank[pairs], k.nonfinite[order][pairs], ranks.size) for k in (pre, post)]
+        before, after = by_rank(pre.sum_sq, pairs), by_rank(post.sum_sq, pairs)
+        for k, rank in enumerate(ranks.tolist()):
+            if rank in found or rank not in before or not whole[k]:
+                continue
+            if nonfinite[1][k] > nonfinite[0][k]:
+                found[rank] = (
+                    math.nan
+                )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+            elif before[rank] > 0:
+                found[rank] = math.sqrt(after[rank] / before[rank])
+    return dict(sorted(found.items()))
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:
