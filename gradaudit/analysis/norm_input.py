@@ -170,34 +170,42 @@ class NormSet:
         """What `norm` (each layout once, and every copy counted) and `num_layouts` give for each of
         these rank sets, computed for all of them in a few numpy passes, as those compute them (the
         same rows, the same exact sums): the diagnosis asks them of every rank and group."""
-        entries, spans = self.entries, self.spans
+        spans = self.spans
         orders = [
             o for o in dict.fromkeys(tuple(sorted(s)) for s in rank_sets) if (o, False) not in self._cache
         ]
-        orders = [o for o in orders if any(r in spans for r in o) and len(set(o)) == len(o)]
-        if not orders:
-            return
+        chunk: list[tuple[int, ...]] = []
+        size = 0
+        for order in orders:
+            if len(set(order)) == len(order) and any(r in spans for r in order):
+                chunk.append(order)
+                size += sum(spans[r][1] - spans[r][0] for r in order if r in spans)
+            if chunk and (size >= 1 << 18 or order is orders[-1]):  # a few MiB of temporaries
+                self._prime(chunk)
+                chunk, size = [], 0
+
+    def _prime(self, orders: list[tuple[int, ...]]) -> None:
+        entries, spans = self.entries, self.spans
         members = [r for o in orders for r in o]
         begin = np.array([spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
         length = np.array([spans[r][1] - spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
         ends = np.cumsum(length)
-        rows = np.repeat(begin - ends + length, length) + np.arange(int(ends[-1]) if ends.size else 0)
+        rows = np.repeat(begin - ends + length, length) + np.arange(int(ends[-1]))
         of_set = np.repeat(np.repeat(np.arange(len(orders)), [len(o) for o in orders]), length)
-        every = self._primed(orders, rows, of_set, False)
-        once = every
+        every = once = self._primed(orders, rows, of_set, False)
         if entries.replicated:
             key = of_set * (int(entries.layout.max()) + 1) + entries.layout[rows]
             first = np.sort(np.unique(key, return_index=True)[1])
             once = self._primed(orders, rows[first], of_set[first], True)
-        for order, (n, value, _), (n_once, value_once, _) in zip(orders, every, once, strict=True):
+        for order, (n, value), (n_once, value_once) in zip(orders, every, once, strict=True):
             self._cache[(order, False)] = (value, n_once < n)
             self._cache[(order, True)] = (value_once, n_once < n)
             self._layouts[order] = n_once
 
     def _primed(
         self, orders: list[tuple[int, ...]], rows: np.ndarray, of_set: np.ndarray, dedupe: bool
-    ) -> list[tuple[int, float | None, None]]:
-        """Per rank set: (entries counted, their norm, None) of the `rows` of each (`of_set`, ascending)."""
+    ) -> list[tuple[int, float | None]]:
+        """Per rank set: (entries counted, their norm) of the `rows` of each (`of_set`, ascending)."""
         starts = np.searchsorted(of_set, np.arange(len(orders)))
         bounds = [*starts.tolist(), rows.size]
         flags = np.bitwise_or.reduceat(self.entries.flags[rows], starts).tolist()
@@ -216,7 +224,7 @@ class NormSet:
                     if math.isfinite(total)
                     else norm_of_terms(terms[at], self.norm_type)
                 )
-            found.append((at.stop - at.start, value, None))
+            found.append((at.stop - at.start, value))
         return found
 
     def num_layouts(self, ranks: Sequence[int]) -> int:
@@ -394,7 +402,7 @@ def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
         at = np.flatnonzero(chosen)
         owner = of_rank[at]
         starts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1]))) if at.size else at
-        sums, _ = segment_fsums(values[order][at], starts.tolist())
+        sums, _ = segment_fsums(values[order[at]], starts.tolist())
         return dict(zip(ranks[owner[starts]].tolist(), sums, strict=True))
 
     dots = table.has_dots[order]  # dot_pre_pre is set together with dot_pre_post
