@@ -1,5 +1,6 @@
 """Property tests of the norm math: any disjoint cover of a tensor, with replicas, gives its norm."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -227,3 +228,38 @@ def test_segment_fsums_are_safe_fsum_of_each_segment_and_of_all_bit_for_bit(valu
 
     assert len(sums) == len(expected) and all(same(a, b) for a, b in zip(sums, expected, strict=True))
     assert same(total, safe_fsum(values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 6),
+            st.integers(0, 5),
+            st.one_of(st.floats(0, 1e6), st.sampled_from((0.0, 1e300, math.inf, math.nan))),
+            st.sampled_from((0, 0, 0, 1, 2, 4)),
+        ),
+        max_size=30,
+    ),
+    norm_type=st.sampled_from((1.0, 2.0, 3.0, math.inf)),
+    sets=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=5, unique=True), max_size=8),
+    replicated=st.booleans(),
+)
+def test_norms_primed_for_many_rank_sets_at_once_are_those_asked_one_by_one(
+    rows, norm_type, sets, replicated
+):
+    """NormSet.prime (every rank set's norms in a few numpy passes, as the diagnosis asks them of each
+    rank and group of a large step) gives norm() and num_layouts() bit for bit what asking gives."""
+    from gradaudit.analysis.norm_input import Entries, NormSet
+
+    rows = sorted(rows, key=lambda r: r[0])
+    entries = dataclasses.replace(Entries.of(rows), replicated=replicated)
+    asked = NormSet(entries, norm_type)
+    primed = NormSet(entries, norm_type)
+    sets = [*sets, sorted({r for r, *_ in rows}), *([r] for r, *_ in rows)]
+    primed.prime(sets)
+    for ranks in sets:
+        for dedupe in (True, False):
+            a, b = asked.norm(ranks, dedupe), primed.norm(ranks, dedupe)
+            assert repr(a) == repr(b), (ranks, dedupe, a, b)
+        assert asked.num_layouts(ranks) == primed.num_layouts(ranks)

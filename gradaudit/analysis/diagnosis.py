@@ -5,6 +5,7 @@ and the match of each rank's reported norm against them (pure: works on measurem
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -434,6 +435,8 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
     max_norm = None if clip is None else clip.max_norm
     norms = NormSet(terms.grad, norm_type)
     shared = _StepWide(step, norms)
+    groups = (members for lists in step.topology.groups.values() for members in lists)
+    norms.prime(itertools.chain([shared.all_ranks], ((r,) for r in shared.all_ranks), groups))
     true_norm, note, lower_bound = _true_norm(step, terms, norms.norm(shared.all_ranks, True)[0])
     post_clip = None
     if (

@@ -131,6 +131,7 @@ class NormSet:
         self._cache: dict[tuple[tuple[int, ...], bool], tuple[float | None, bool]] = {}
         self._sums: dict[tuple[tuple[int, ...], bool], float] = {}
         """safe_fsum of the terms counted, by the same keys (shares_of_squared_norm reads them too)."""
+        self._layouts: dict[tuple[int, ...], int] = {}
 
     def rows(self, ranks: Sequence[int], dedupe: bool) -> tuple[np.ndarray | slice, bool]:
         """(positions of the entries counted, whether a layout appears more than once among these
@@ -165,11 +166,75 @@ class NormSet:
             self._cache[key] = (self.norm_of(rows, key), repeated)
         return self._cache[key]
 
+    def prime(self, rank_sets: Iterable[Sequence[int]]) -> None:
+        """What `norm` (each layout once, and every copy counted) and `num_layouts` give for each of
+        these rank sets, computed for all of them in a few numpy passes, as those compute them (the
+        same rows, the same exact sums): the diagnosis asks them of every rank and group."""
+        spans = self.spans
+        orders = [
+            o for o in dict.fromkeys(tuple(sorted(s)) for s in rank_sets) if (o, False) not in self._cache
+        ]
+        chunk: list[tuple[int, ...]] = []
+        size = 0
+        for order in orders:
+            if len(set(order)) == len(order) and any(r in spans for r in order):
+                chunk.append(order)
+                size += sum(spans[r][1] - spans[r][0] for r in order if r in spans)
+            if chunk and (size >= 1 << 18 or order is orders[-1]):  # a few MiB of temporaries
+                self._prime(chunk)
+                chunk, size = [], 0
+
+    def _prime(self, orders: list[tuple[int, ...]]) -> None:
+        entries, spans = self.entries, self.spans
+        members = [r for o in orders for r in o]
+        begin = np.array([spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
+        length = np.array([spans[r][1] - spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
+        ends = np.cumsum(length)
+        rows = np.repeat(begin - ends + length, length) + np.arange(int(ends[-1]))
+        of_set = np.repeat(np.repeat(np.arange(len(orders)), [len(o) for o in orders]), length)
+        every = once = self._primed(orders, rows, of_set, False)
+        if entries.replicated:
+            key = of_set * (int(entries.layout.max()) + 1) + entries.layout[rows]
+            first = np.sort(np.unique(key, return_index=True)[1])
+            once = self._primed(orders, rows[first], of_set[first], True)
+        for order, (n, value), (n_once, value_once) in zip(orders, every, once, strict=True):
+            self._cache[(order, False)] = (value, n_once < n)
+            self._cache[(order, True)] = (value_once, n_once < n)
+            self._layouts[order] = n_once
+
+    def _primed(
+        self, orders: list[tuple[int, ...]], rows: np.ndarray, of_set: np.ndarray, dedupe: bool
+    ) -> list[tuple[int, float | None]]:
+        """Per rank set: (entries counted, their norm) of the `rows` of each (`of_set`, ascending)."""
+        starts = np.searchsorted(of_set, np.arange(len(orders)))
+        bounds = [*starts.tolist(), rows.size]
+        flags = np.bitwise_or.reduceat(self.entries.flags[rows], starts).tolist()
+        terms = self.entries.term[rows]
+        sums, _ = segment_fsums(terms, starts.tolist())
+        found = []
+        for k, order in enumerate(orders):
+            at = slice(bounds[k], bounds[k + 1])
+            if flags[k] & (UNKNOWN | NAN | INF) or is_inf_norm(self.norm_type):
+                value = self.norm_of(rows[at])
+            else:
+                key = (order, dedupe and self.entries.replicated)
+                total = self._sums.setdefault(key, sums[k])
+                value = (
+                    norm_from_total(total, self.norm_type)
+                    if math.isfinite(total)
+                    else norm_of_terms(terms[at], self.norm_type)
+                )
+            found.append((at.stop - at.start, value))
+        return found
+
     def num_layouts(self, ranks: Sequence[int]) -> int:
         """How many distinct layouts these ranks' entries hold (the whole step's, for every rank: a
         group holding fewer holds only part of the step's elements)."""
-        rows, _ = self.rows(tuple(sorted(ranks)), True)
-        return rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
+        order = tuple(sorted(ranks))
+        if order not in self._layouts:
+            rows, _ = self.rows(order, True)
+            self._layouts[order] = rows.stop - rows.start if isinstance(rows, slice) else int(rows.size)
+        return self._layouts[order]
 
     def norm_of(
         self, rows: np.ndarray | slice, key: tuple[tuple[int, ...], bool] | None = None
@@ -328,33 +393,36 @@ def _call_scale(call: ClipCall) -> float:
 def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
     """Rank -> the coefficient its gradients before and after clipping show: from their dot products
     (dense dumps), else from the ratio of their sums of squares; nan when clipping turned finite
-    values nonfinite (ranks whose pieces tell neither: left out)."""
-    pre, post = table.grad, table.clipped
-    order = table.by_rank_order
-    ranks = table.rank[order]
-    starts = np.flatnonzero(np.concatenate(([True], ranks[1:] != ranks[:-1]))) if ranks.size else ranks
-    bounds = [*starts.tolist(), ranks.size]
-    found: dict[int, float] = {}
-    post_nonfinite = post.nonfinite if post is not None else None  # once: per rank it is quadratic
-    pre_nonfinite = pre.nonfinite
-    for k, rank in enumerate(ranks[starts].tolist()):
-        own = order[bounds[k] : bounds[k + 1]]
-        dots = own[table.has_dots[own]]  # dot_pre_pre is set together with dot_pre_post
-        if dots.size and (denominator := safe_fsum(table.dot_pre_pre[dots])) > 0:
-            found[rank] = safe_fsum(table.dot_pre_post[dots]) / denominator
-            continue
-        if post is None:
-            continue
-        grad = own[pre.has[own]]
-        pairs = grad[post.has[grad]]
-        if not pairs.size or pairs.size != grad.size:
-            continue
-        assert post_nonfinite is not None
-        if post_nonfinite[pairs].sum() > pre_nonfinite[pairs].sum():
-            found[rank] = math.nan  # a nan coefficient (from a nonfinite norm) turned finite values into nan
-        elif (before := safe_fsum(pre.sum_sq[pairs])) > 0:
-            found[rank] = math.sqrt(safe_fsum(post.sum_sq[pairs]) / before)
-    return found
+    values nonfinite (ranks whose pieces tell neither: left out). Every rank's sums at once."""
+    pre, post, order = table.grad, table.clipped, table.by_rank_order
+    ranks, of_rank = np.unique(table.rank[order], return_inverse=True)
+
+    def by_rank(values: np.ndarray, chosen: np.ndarray) -> dict[int, float]:
+        """Rank -> safe_fsum of its `values` where `chosen` (in rank order), for ranks with any."""
+        at = np.flatnonzero(chosen)
+        owner = of_rank[at]
+        starts = np.flatnonzero(np.concatenate(([True], owner[1:] != owner[:-1]))) if at.size else at
+        sums, _ = segment_fsums(values[order[at]], starts.tolist())
+        return dict(zip(ranks[owner[starts]].tolist(), sums, strict=True))
+
+    dots = table.has_dots[order]  # dot_pre_pre is set together with dot_pre_post
+    pre_pre, pre_post = by_rank(table.dot_pre_pre, dots), by_rank(table.dot_pre_post, dots)
+    found = {rank: pre_post[rank] / d for rank, d in pre_pre.items() if d > 0}
+    if post is not None:
+        grad, pairs = pre.has[order], pre.has[order] & post.has[order]
+        whole = np.bincount(of_rank, pairs, ranks.size) == np.bincount(of_rank, grad, ranks.size)
+        nonfinite = [np.bincount(of_rank[pairs], k.nonfinite[order][pairs], ranks.size) for k in (pre, post)]
+        before, after = by_rank(pre.sum_sq, pairs), by_rank(post.sum_sq, pairs)
+        for k, rank in enumerate(ranks.tolist()):
+            if rank in found or rank not in before or not whole[k]:
+                continue
+            if nonfinite[1][k] > nonfinite[0][k]:
+                found[rank] = (
+                    math.nan
+                )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+            elif before[rank] > 0:
+                found[rank] = math.sqrt(after[rank] / before[rank])
+    return dict(sorted(found.items()))
 
 
 def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:

@@ -19,17 +19,19 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..measure.measurements import gradient_scale_of, piece_measurement, unscaled_sums
 from ..model import (
+    NO_EXTRAS,
     ClipCall,
     ClipRecord,
+    ColumnarPieces,
     FlatRange,
     ParamInfo,
     Piece,
+    PieceExtras,
     RankDump,
     StepDump,
     TensorKind,
     TensorStats,
     Topology,
-    as_columns,
 )
 from ..norms import INF, NAN, UNKNOWN
 from ..steptable import (
@@ -147,9 +149,61 @@ class _Held(NamedTuple):
     calls: tuple[float, ...]
 
 
-def _held(live: LiveStep) -> dict[int, list[_Held]]:
+class _Gathered(NamedTuple):
+    """Every ownership group on every rank that holds it (`_held`, in rank then group order) and the
+    statistics of the piece each amounts to, as columns: one Python object per rank and group, none
+    per statistic (a failing step of many thousand ranks is diagnosed within a second)."""
+
+    held: list[_Held]
+    bounds: dict[int, tuple[int, int]]
+    """Rank -> its first and past-last position in `held`."""
+    layouts: list[dict[tuple[int, ...], int]]
+    grad: np.ndarray
+    """[n, 3]: sum |x|^p, sum x^2, max |x| of each one-element piece (before dividing a loss scale out)."""
+    counts: np.ndarray
+    """[n, 3]: num_nan, num_posinf, num_neginf."""
+    clipped: np.ndarray
+    """[n, 3]: as `grad`, of the clipped gradient; zeros where a group has none."""
+    has_clipped: np.ndarray
+    coords: np.ndarray
+    """[n, 2]: each piece's flat range, its replica class's element."""
+    clips: dict[int, ClipRecord]
+
+
+def _gathered(live: LiveStep) -> _Gathered:
+    import numpy as np
+
+    layouts = _layouts(live)
+    by_rank, p = _held(live, layouts), live.norm_type
+    held = [h for own in by_rank.values() for h in own]
+    bounds, at = {}, 0
+    for rank, own in by_rank.items():
+        bounds[rank], at = (at, at + len(own)), at + len(own)
+    clipped = [h.clipped for h in held]
+    return _Gathered(
+        held=held,
+        bounds=bounds,
+        layouts=layouts,
+        grad=np.array([_sums(h.term, p) for h in held], dtype=np.float64).reshape(-1, 3),
+        counts=np.array([(h.num_nan, h.num_inf, 0) for h in held], dtype=np.int64).reshape(-1, 3),
+        clipped=np.array([_sums(c or 0.0, p) for c in clipped], dtype=np.float64).reshape(-1, 3),
+        has_clipped=np.array([c is not None for c in clipped], dtype=bool),
+        coords=np.array([(h.position, h.position + 1) for h in held], dtype=np.int64).reshape(-1, 2),
+        clips=_clip_records(live),
+    )
+
+
+def _sums(term: float, norm_type: float) -> tuple[float, float, float]:
+    """(sum |x|^p, sum x^2, max |x|) of one element whose magnitude is the group's norm."""
+    if math.isinf(norm_type):
+        return term, term * term, term
+    magnitude = term ** (1.0 / norm_type) if term > 0 else 0.0
+    return term, magnitude * magnitude, magnitude
+
+
+def _held(live: LiveStep, layouts: list[dict[tuple[int, ...], int]]) -> dict[int, list[_Held]]:
     """Rank -> every group it holds, in group order; the ranks in order."""
-    layouts, p = _layouts(live), live.norm_type
+    p = live.norm_type
     by_rank: dict[int, list[_Held]] = {}
     for rank, summary in sorted(live.ranks.items()):
         coef, found = summary.applied_coef, by_rank.setdefault(rank, [])
@@ -192,18 +246,24 @@ def _piece(live: LiveStep, h: _Held, index: int) -> Piece:
 
 def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
-    layouts, held = _layouts(live), _held(live)
+    return _rank_dumps(live, _gathered(live))
+
+
+def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
+    """Each rank's dump, its pieces' columns sliced from the gathered ones: what `as_columns` makes
+    of the pieces `_piece` builds (the test's oracle), with no Piece object built."""
     params = tuple(
-        ParamInfo(name=g.param, global_shape=(len(layouts[i]),), dtype=g.dtype)
-        for i, g in enumerate(live.groups)
-        if layouts[i]
+        ParamInfo(name=group.param, global_shape=(len(g.layouts[i]),), dtype=group.dtype)
+        for i, group in enumerate(live.groups)
+        if g.layouts[i]
     )
+    shapes: dict[tuple[tuple[int, ...], str | None], _RankShape] = {}
     dumps = {}
     for rank, summary in sorted(live.ranks.items()):
-        pieces: list[Piece] = []
-        for h in held[rank]:
-            pieces.append(_piece(live, h, len(pieces)))
-        rank_params = tuple(p for p in params if any(piece.param == p.name for piece in pieces))
+        lo, hi = g.bounds[rank]
+        held = tuple(h.group for h in g.held[lo:hi])
+        key = (held, summary.grad_dtype)
+        shape = shapes.get(key) or shapes.setdefault(key, _rank_shape(live, params, held, summary.grad_dtype))
         dumps[rank] = RankDump(
             path="",
             rank=rank,
@@ -211,13 +271,75 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
             step=live.step,
             mode="stats",
             run_id=live.run_id,
-            params=rank_params,
-            pieces=as_columns(rank_params, pieces),
+            params=shape[0],
+            pieces=_rank_columns(live, g, shape, lo, hi),
             topology=summary.topology,
-            clip=_clip_record(live, summary),
+            clip=g.clips[rank],
             capture_api="guard",
         )
     return dumps
+
+
+_RankShape = tuple[tuple[ParamInfo, ...], "np.ndarray", tuple[str, ...], dict[int, str]]
+"""What the pieces of every rank holding the same groups (with one gradient dtype) share: the
+parameters, the columns' rows, the replica groups, position -> dtype where not the parameter's."""
+
+
+def _rank_shape(
+    live: LiveStep, params: tuple[ParamInfo, ...], held: tuple[int, ...], grad_dtype: str | None
+) -> _RankShape:
+    import numpy as np
+
+    names = [live.groups[i].param for i in held]
+    rank_params = tuple(p for p in params if p.name in names)
+    index_of = {info.name: i for i, info in enumerate(rank_params)}
+    replica_groups = [live.groups[i].replica_group for i in held]
+    groups = sorted({r for r in replica_groups if r is not None})
+    rows = np.zeros((len(held), 4), dtype=np.int64)
+    rows[:, 0] = [index_of[name] for name in names]
+    rows[:, 1] = [-1 if r is None else groups.index(r) for r in replica_groups]
+    rows[:, 2] = np.arange(0, 2 * len(held), 2)
+    dtypes = {
+        k: dtype
+        for k, i in enumerate(held)
+        if (dtype := grad_dtype or live.groups[i].dtype) != rank_params[rows[k, 0]].dtype
+    }
+    return rank_params, rows, tuple(groups), dtypes
+
+
+def _rank_columns(live: LiveStep, g: _Gathered, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
+    import numpy as np
+
+    params, rows, groups, dtypes = shape
+    stats, counts = {"grad": g.grad[lo:hi]}, {"grad": g.counts[lo:hi]}
+    has = g.has_clipped[lo:hi]
+    absent: dict[TensorKind, frozenset[int]] = {}
+    if has.any():
+        stats["grad_clipped"], counts["grad_clipped"] = (
+            g.clipped[lo:hi],
+            np.zeros((hi - lo, 3), dtype=np.int64),
+        )
+        if not has.all():
+            absent["grad_clipped"] = frozenset(np.flatnonzero(~has).tolist())
+    p = live.norm_type
+    call_stats = {
+        k: tuple(_one_element(term, p) for term in h.calls) for k, h in enumerate(g.held[lo:hi]) if h.calls
+    }
+    extras = (
+        PieceExtras(absent=absent, call_stats=call_stats, dtypes=dtypes)
+        if absent or call_stats or dtypes
+        else NO_EXTRAS
+    )
+    return ColumnarPieces(
+        rows,
+        g.coords[lo:hi].reshape(-1),
+        params,
+        groups,
+        stats,
+        counts,
+        p if hi > lo else 2.0,
+        extras=extras,
+    )
 
 
 def analysis_of(live: LiveStep) -> Analysis:
@@ -225,9 +347,11 @@ def analysis_of(live: LiveStep) -> Analysis:
     measured, but from the gathered numbers: the step table and the replica sets built from them
     (nothing measured, no tensor read), the facts from the step the guard's dump amounts to."""
     from ..audit import analyse
+    from ..dumpfile.loader import assemble_step
 
-    step = step_dump(live)
-    table, replicas = _step_table(live, tuple(step.params))
+    g = _gathered(live)
+    step = assemble_step(live.directory, _rank_dumps(live, g))
+    table, replicas = _step_table(live, g, tuple(step.params))
     measurements = StepMeasurements(
         norm_type=live.norm_type,
         params={
@@ -241,28 +365,30 @@ def analysis_of(live: LiveStep) -> Analysis:
 
 
 def _step_table(
-    live: LiveStep, param_names: tuple[str, ...]
+    live: LiveStep, g: _Gathered, param_names: tuple[str, ...]
 ) -> tuple[StepTable, dict[str, tuple[ReplicaSet, ...]]]:
     """The step table of the live step (one entry per rank and ownership group it holds, in
     parameter, rank, piece order, as the guard's dump measured gives it) and its replica sets."""
     import numpy as np
 
-    p = live.norm_type
-    held = [(h, k) for own in _held(live).values() for k, h in enumerate(own)]
-    held.sort(key=lambda e: (live.groups[e[0].group].param, e[0].rank, e[1]))
-    ids = {name: i for i, name in enumerate(param_names)}
-    scales = np.array([_gradient_scale(live, h.rank) for h, _ in held])
-    grad = [_one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf) for h, _ in held]
-    counts = np.array([(s.num_nan, s.num_posinf, s.num_neginf) for s in grad], dtype=np.int64).reshape(-1, 3)
-    sum_pow, sum_sq, max_abs = _unscaled_columns(grad, scales, p)
+    p, ids = live.norm_type, {name: i for i, name in enumerate(param_names)}
+    rank = np.array([h.rank for h in g.held], dtype=np.int64)
+    index = np.array([h.rank for h in g.held], dtype=np.int64)
+    for first, past in g.bounds.values():
+        index[first:past] = np.arange(past - first)
+    param = np.array([ids[live.groups[h.group].param] for h in g.held], dtype=np.int64)
+    order = np.lexsort((index, rank, param))
+    held = [(g.held[i], int(index[i])) for i in order.tolist()]
+    rank, index, param = rank[order], index[order], param[order]
+    by_rank = {r: gradient_scale_of(clip) for r, clip in g.clips.items()}
+    scales = np.array([by_rank[r] for r in rank.tolist()], dtype=np.float64)
+    counts = g.counts[order]
+    sum_pow, sum_sq, max_abs = _unscaled_columns(g.grad[order], scales, p)
     term = max_abs if math.isinf(p) else sum_pow
     flags = (counts[:, 0] > 0).astype(np.int8) * NAN | ((counts[:, 1] + counts[:, 2]) > 0).astype(
         np.int8
     ) * INF
-    has = np.ones(len(held), dtype=bool)
-    layout = np.array([_layout_id(live, h) for h, _ in held], dtype=np.int64)
-    rank = np.array([h.rank for h, _ in held], dtype=np.int64)
-    index = np.array([k for _, k in held], dtype=np.int64)
+    layout = np.array([h.group for h, _ in held], dtype=np.int64) * (len(live.ranks) + 1) + g.coords[order, 0]
     dtypes = [live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h, _ in held]
 
     def rows(at: np.ndarray) -> list[PieceMeasurement]:
@@ -276,14 +402,20 @@ def _step_table(
         norm_type=p,
         rank=rank,
         index=index,
-        param=np.array([ids[live.groups[h.group].param] for h, _ in held], dtype=np.int64),
+        param=param,
         param_names=param_names,
         layout=layout,
         dtypes=frozenset(dtypes),
         grad=KindColumns(
-            has=has, sum_pow=sum_pow, sum_sq=sum_sq, max_abs=max_abs, counts=counts, term=term, flags=flags
+            has=np.ones(len(held), dtype=bool),
+            sum_pow=sum_pow,
+            sum_sq=sum_sq,
+            max_abs=max_abs,
+            counts=counts,
+            term=term,
+            flags=flags,
         ),
-        clipped=_clipped_columns(live, [h for h, _ in held], scales),
+        clipped=_clipped_columns(g.clipped[order], g.has_clipped[order], scales, p),
         has_dots=np.zeros(len(held), dtype=bool),
         dot_pre_post=zeros,
         dot_pre_pre=zeros,
@@ -291,48 +423,43 @@ def _step_table(
         distinct_layouts=bool(np.unique(layout).size == layout.size),
         rows=rows,
     )
-    return table, _replica_sets(table, [live.groups[h.group].param for h, _ in held], dtypes, held)
+    params = [live.groups[h.group].param for h, _ in held]
+    return table, _replica_sets(table, params, dtypes, g.coords[order, 0])
 
 
 def _unscaled_columns(
-    stats: list[TensorStats], scales: np.ndarray, p: float
+    sums: np.ndarray, scales: np.ndarray, p: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sum |x|^p, sum x^2, max |x|) of these statistics, each divided by its rank's loss scale as
+    """(sum |x|^p, sum x^2, max |x|) of these [n, 3] sums, each divided by its rank's loss scale as
     measuring the guard's dump divides them (measurements.unscaled_sums, by rank)."""
     import numpy as np
 
-    sum_pow, sum_sq, max_abs = (np.array([getattr(s, f) for s in stats], dtype=np.float64) for f in _SUMS)
+    sum_pow, sum_sq, max_abs = (np.array(sums[:, i], dtype=np.float64) for i in range(3))
     for scale in np.unique(scales[scales != 1.0]).tolist():
         at = scales == scale
         sum_pow[at], sum_sq[at], max_abs[at] = unscaled_sums(sum_pow[at], sum_sq[at], max_abs[at], scale, p)
     return sum_pow, sum_sq, max_abs
 
 
-_SUMS = ("sum_pow", "sum_sq", "max_abs")
-
-
-def _clipped_columns(live: LiveStep, held: list[_Held], scales: np.ndarray) -> KindColumns | None:
+def _clipped_columns(sums: np.ndarray, has: np.ndarray, scales: np.ndarray, p: float) -> KindColumns | None:
     """The clipped gradient's columns (UNKNOWN where a group has none); None when no group has one."""
     import numpy as np
 
-    has = np.array([h.clipped is not None for h in held], dtype=bool)
     if not has.any():
         return None
-    p = live.norm_type
-    stats = [_one_element(0.0 if h.clipped is None else h.clipped, p) for h in held]
-    sum_pow, sum_sq, max_abs = _unscaled_columns(stats, scales, p)
+    sum_pow, sum_sq, max_abs = _unscaled_columns(sums, scales, p)
     return KindColumns(
         has=has,
         sum_sq=np.where(has, sum_sq, 0.0),
         max_abs=np.where(has, max_abs, 0.0),
-        counts=np.zeros((len(held), 3), dtype=np.int64),
+        counts=np.zeros((has.size, 3), dtype=np.int64),
         term=np.where(has, max_abs if math.isinf(p) else sum_pow, 0.0),
         flags=np.where(has, 0, UNKNOWN).astype(np.int8),
     )
 
 
 def _replica_sets(
-    table: StepTable, params: list[str], dtypes: list[str], held: list[tuple[_Held, int]]
+    table: StepTable, params: list[str], dtypes: list[str], positions: np.ndarray
 ) -> dict[str, tuple[ReplicaSet, ...]]:
     """Parameter -> its groups held on several ranks, each copy compared with the lowest rank's as
     measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts)."""
@@ -347,7 +474,7 @@ def _replica_sets(
     found: dict[str, list[ReplicaSet]] = {}
     nonfinite = grad.nonfinite
     for base, *others in sorted(by_layout.values(), key=lambda at: (table.rank[at[0]], table.index[at[0]])):
-        position = held[base][0].position
+        position = int(positions[base])
 
         def delta(i: int, base: int = base) -> float:
             if nonfinite[i] != nonfinite[base]:
@@ -379,17 +506,6 @@ def _replica_sets(
     return {name: tuple(sets) for name, sets in found.items()}
 
 
-def _layout_id(live: LiveStep, h: _Held) -> int:
-    """Equal exactly for the copies of one replica class of one group."""
-    return h.group * (len(live.ranks) + 1) + h.position
-
-
-def _gradient_scale(live: LiveStep, rank: int) -> float:
-    """How many times the true gradient the rank's measured gradients are: the rule loading the
-    guard's dump applies to its clip record (the loss scale when clipping ran before unscale_)."""
-    return gradient_scale_of(_clip_record(live, live.ranks[rank]))
-
-
 def step_dump(live: LiveStep) -> StepDump:
     """The live step as the loader would give it after reading `rank_dumps(live)`."""
     from ..dumpfile.loader import assemble_step
@@ -416,16 +532,31 @@ def _layouts(live: LiveStep) -> list[dict[tuple[int, ...], int]]:
 
 def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: int = 0) -> TensorStats:
     """Statistics of one element whose magnitude is the group's norm: sum |x|^p is the group's term."""
-    magnitude = term if math.isinf(norm_type) else term ** (1.0 / norm_type) if term > 0 else 0.0
+    sum_pow, sum_sq, max_abs = _sums(term, norm_type)
     return TensorStats(
         numel=1,
         norm_type=norm_type,
-        sum_pow=magnitude if math.isinf(norm_type) else term,
-        sum_sq=magnitude * magnitude,
-        max_abs=magnitude,
+        sum_pow=sum_pow,
+        sum_sq=sum_sq,
+        max_abs=max_abs,
         num_nan=num_nan,
         num_posinf=num_inf,
     )
+
+
+def _clip_records(live: LiveStep) -> dict[int, ClipRecord]:
+    """Rank -> its clip record; one object for the ranks whose records are equal (most of them)."""
+    found: dict[tuple[object, ...], ClipRecord] = {}
+    records = {}
+    for rank, s in live.ranks.items():
+        key = (
+            s.loss_scale,
+            s.unscaled,
+            s.skipped,
+            *((c.reported_norm, c.max_norm, c.norm_type) for c in s.calls),
+        )
+        records[rank] = found.get(key) or found.setdefault(key, _clip_record(live, s))
+    return records
 
 
 def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
@@ -456,9 +587,11 @@ def report_of(live: LiveStep) -> Report:
     pipeline's last stage (audit.build_report), as audit.audit_step runs it without a reference."""
     from ..audit import build_report, command_for
     from ..checks.base import AuditOptions
+    from ..dumpfile.loader import gc_paused
     from ..measure.measure import overflow_notes
 
-    inputs = analysis_of(live)
-    options = AuditOptions()
-    command = command_for(live.directory, options) if live.directory else ""
-    return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.table))
+    with gc_paused():  # as audit_step: a many-rank step is many small objects, all kept alive
+        inputs = analysis_of(live)
+        options = AuditOptions()
+        command = command_for(live.directory, options) if live.directory else ""
+        return build_report(inputs, options, command=command, warnings=overflow_notes(inputs.table))

@@ -228,6 +228,31 @@ def _random_live_step(seed):
 
 
 @pytest.mark.parametrize("seed", range(40))
+def test_the_guard_dumps_pieces_are_those_of_its_groups_built_one_by_one(seed):
+    """rank_dumps slices every rank's columns from the gathered ones; they equal `as_columns` of the
+    pieces built one at a time (the row form), extras included (dtypes, absent kinds, call stats)."""
+    import dataclasses
+
+    from gradaudit.live.analysis_input import _gathered, _piece
+    from gradaudit.model import as_columns
+
+    live = _random_live_step(seed)
+    if seed % 3 == 0:  # bfloat16 gradients of float32 groups: each piece's dtype differs
+        live = dataclasses.replace(
+            live, ranks={r: dataclasses.replace(s, grad_dtype="bfloat16") for r, s in live.ranks.items()}
+        )
+    g = _gathered(live)
+    dumps = rank_dumps(live)
+    for rank, dump in dumps.items():
+        first, past = g.bounds[rank]
+        pieces = [_piece(live, h, k) for k, h in enumerate(g.held[first:past])]
+        expected = as_columns(dump.params, pieces)
+        assert dump.pieces.extras == expected.extras and dump.pieces == expected, rank
+        assert list(dump.pieces) == pieces
+        assert {p.name for p in dump.params} == {p.param for p in pieces}
+
+
+@pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("clipped_before_unscale", [False, True])
 def test_the_analysis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipped_before_unscale):
     """analysis_of(live) builds the step table and the replica sets from the gathered numbers; they,
