@@ -796,16 +796,7 @@ class Guard:
         if self._weight_check(step):
             self._weights_agreed_at = step
         if fast.kind == "skipped":
-            skipped = TrendLine(
-                step=step,
-                true_norm=None,
-                reported_norm=fast.reported_norm,
-                expected_coef=None,
-                min_coef=None,
-                max_coef=None,
-                skipped=True,
-            )
-            self._record_line(skipped)
+            self._record_line(skipped_line(step, fast.reported_norm))
             return
         self._num_judged += 1
         line = TrendLine(
@@ -836,7 +827,9 @@ class Guard:
                 self._weights_agreed_at = step
             live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
-                self._record_line(skipped_line(live))  # the optimizer did not step: nothing was clipped
+                # the optimizer did not step: nothing was clipped; the norm the first clip call returned
+                reported = next((c.reported_norm for r in live.ranks.values() for c in r.calls), None)
+                self._record_line(skipped_line(step, reported))
             elif live is not None:
                 report = self._safely("judge", lambda: report_of(live))
                 if report is not None:

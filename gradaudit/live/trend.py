@@ -14,7 +14,6 @@ from ..errors import StepFolderError
 
 if TYPE_CHECKING:
     from ..report.model import Report, TrendVerdict
-    from .analysis_input import LiveStep
 
 TREND_FILE = "guard_trend.jsonl"
 MAX_TREND_LINES = 1_000_000
@@ -154,13 +153,12 @@ def trend_line(report: Report, codes: tuple[str, ...]) -> TrendLine:
     )
 
 
-def skipped_line(live: LiveStep) -> TrendLine:
-    """The trend line of a step every rank's GradScaler skipped: the norm the first clip call returned."""
-    reported = next((c.reported_norm for r in live.ranks.values() for c in r.calls), None)
+def skipped_line(step: int, reported_norm: float | None) -> TrendLine:
+    """The trend line of a step every rank's GradScaler skipped: the norm its first clip call returned."""
     return TrendLine(
-        step=live.step,
+        step=step,
         true_norm=None,
-        reported_norm=reported,
+        reported_norm=reported_norm,
         expected_coef=None,
         min_coef=None,
         max_coef=None,

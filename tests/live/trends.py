@@ -7,20 +7,13 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from gradaudit.live import trend
 from gradaudit.live.trend import TREND_FILE, TrendLine
 
 
 def skipped_line(step: int) -> TrendLine:
     """A step the scaler skipped: an infinite reported norm, nothing to check."""
-    return TrendLine(
-        step=step,
-        true_norm=None,
-        reported_norm=math.inf,
-        expected_coef=None,
-        min_coef=None,
-        max_coef=None,
-        skipped=True,
-    )
+    return trend.skipped_line(step, math.inf)
 
 
 def write_trend(folder: Path, lines: Iterable[TrendLine]) -> Path:
