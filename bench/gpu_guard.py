@@ -12,7 +12,6 @@ prints SKIP and exits 0.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from guard import _model
+from guard_fixed import interleaved
 
 
 def _steps(model: torch.nn.Module, make_batch, rounds: int) -> dict[str, float]:
@@ -32,7 +32,6 @@ def _steps(model: torch.nn.Module, make_batch, rounds: int) -> dict[str, float]:
     import gradaudit
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times: dict[str, list[float]] = {"none": [], "guard": []}
 
     def step() -> float:
         inputs, loss_of = make_batch()
@@ -45,19 +44,9 @@ def _steps(model: torch.nn.Module, make_batch, rounds: int) -> dict[str, float]:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    order = random.Random(0)
     with tempfile.TemporaryDirectory() as out:
         guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out)
-        for _ in range(5):
-            step()
-        for _ in range(rounds):
-            kinds = ["none", "guard"] * 4
-            order.shuffle(kinds)
-            for kind in kinds:
-                if kind == "none":
-                    guard.pause()
-                times[kind].append(step())
-                guard.resume()
+        times = interleaved(guard, step, rounds)
         anomalies = list(guard.anomalies)
         guard.remove()
     assert not anomalies, f"a correct run was flagged: {anomalies}"

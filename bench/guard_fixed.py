@@ -95,7 +95,6 @@ def _short(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(config["batch"], 256, generator=torch.Generator().manual_seed(rank))
-    times: dict[str, list[float]] = {"none": [], "guard": []}
 
     def step() -> float:
         if world_size > 1:
@@ -107,20 +106,28 @@ def _short(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]
         opt.step()
         return time.perf_counter() - start
 
-    order = random.Random(0)
     with tempfile.TemporaryDirectory() as out:
         guard = gradaudit.guard(model, max_norm=1.0, optimizer=opt, out_dir=out)
-        for _ in range(5):
-            step()
-        for _ in range(config["rounds"]):
-            kinds = ["none", "guard"] * 4
-            order.shuffle(kinds)
-            for kind in kinds:
-                if kind == "none":
-                    guard.pause()
-                times[kind].append(step())
-                guard.resume()
+        times = interleaved(guard, step, config["rounds"])
         guard.remove()
+    return times
+
+
+def interleaved(guard: Any, step: Any, rounds: int) -> dict[str, list[float]]:
+    """`step()`'s times with `guard` paused ("none") and checking ("guard"), after 5 warm-up steps, in
+    a shuffled order each round (the same on every rank: they step together)."""
+    times: dict[str, list[float]] = {"none": [], "guard": []}
+    order = random.Random(0)
+    for _ in range(5):
+        step()
+    for _ in range(rounds):
+        kinds = ["none", "guard"] * 4
+        order.shuffle(kinds)
+        for kind in kinds:
+            if kind == "none":
+                guard.pause()
+            times[kind].append(step())
+            guard.resume()
     return times
 
 

@@ -51,6 +51,8 @@ class GradReader:
         self._whole = [param for _, param in whole]
         self._shards = [reader for _, reader in shards]
         self._shard_params = [reader.param for reader in self._shards]
+        self._known: list[Any] = [None] * len(self._shards)
+        """Per shard reader, the spec its gradient had when last read whole (see _ShardReader.known)."""
         self._rest = [reader for _, reader in rest]
         self._weights: list[tuple[int, LocalPiece]] = []
         self._weight_tensors: list[Any] = []
@@ -90,10 +92,12 @@ class GradReader:
     def _shard_grads(self) -> list[torch.Tensor | None]:
         grads = list(map(_GRAD, self._shard_params))
         if not any(map(operator.is_, grads, itertools.repeat(None))) and all(
-            map(operator.is_, map(_SPEC, grads), (reader.known for reader in self._shards))
+            map(operator.is_, map(_SPEC, grads), self._known)
         ):
             return list(map(_LOCAL, grads))  # the layouts seen before: the spec fixes the local shape
-        return [reader() for reader in self._shards]
+        found = [reader() for reader in self._shards]
+        self._known = [reader.known for reader in self._shards]
+        return found
 
 
 class _ShardReader:
