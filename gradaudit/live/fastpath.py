@@ -125,41 +125,31 @@ class Reduction:
         """This rank's part of the sum, from its row (see summary.VectorLayout)."""
         import numpy as np
 
+        g, count = self.num_groups, len(_EQUAL)
         out = np.zeros(self.size, dtype=np.float64)
-        out[_COUNT] = 1.0
         status = row[0]
-        out[_STATUS : _STATUS + len(_STATUSES)] = [status == value for value in _STATUSES]
-        out[_CHANGED] = float(row[CHANGED] == 1.0)
-        out[_LEFT] = float(role.rank) if status == OFF else 0.0
-        g, call, weights_at = self.num_groups, self.layout.call_offset(0), self.layout.weights_offset
-        terms = row[HEADER : HEADER + g]
+        out[:_HEADER] = (1.0, *(status == value for value in _STATUSES), row[CHANGED] == 1.0, 0.0, 0.0)
+        if status == OFF:
+            out[_LEFT] = float(role.rank)
         # one split into 16-bit pieces: the values every rank holds alike, the gradients' and the weights' copies
-        values = np.concatenate(
-            (
-                row[[STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]],
-                terms,
-                row[weights_at : weights_at + g],
-            )
-        )
+        values = row[_taken(self.layout)]
         pieces = _pieces(values)
         squares = pieces * pieces
-        count = len(_EQUAL)
         out[_HEADER : _HEADER + count * _PER_EQUAL] = np.concatenate(
             (pieces[:count], squares[:count]), axis=1
         ).ravel()
-        lowest, held, weight = _role_arrays(role)
-        start = self._group_at(0)
-        block = out[start : start + g * _PER_GROUP].reshape(g, _PER_GROUP)
+        lowest, factors = _role_arrays(role)
+        terms = values[count : count + g]
+        block = out[self._group_at(0) : self._group_at(g)].reshape(g, _PER_GROUP)
         block[:, 0] = np.where(lowest, terms, 0.0)
-        out[_TINY_TERMS] = float(((terms > 0) & (terms < _TINY) & (held > 0)).sum())
-        block[:, 1] = (row[HEADER + g : HEADER + 2 * g] + row[HEADER + 2 * g : HEADER + 3 * g]) * held
-        for at, first in ((2, count), (2 + _COPIES, count + g)):  # the gradients' copies, the weights'
-            bits, bits2 = pieces[first : first + g], squares[first : first + g]
-            block[:, at : at + CHUNKS] = bits * held[:, None]
-            block[:, at + CHUNKS : at + 2 * CHUNKS] = bits2 * held[:, None]
-            block[:, at + 2 * CHUNKS : at + 3 * CHUNKS] = bits * weight[:, None]
-            block[:, at + 3 * CHUNKS : at + 4 * CHUNKS] = bits2 * weight[:, None]
-        applied, reported, passed = float(row[2]), float(row[call]), float(row[call + 1])
+        out[_TINY_TERMS] = float(((terms > 0) & (terms < _TINY) & (factors[0] > 0)).sum())
+        block[:, 1] = (row[HEADER + g : HEADER + 2 * g] + row[HEADER + 2 * g : HEADER + 3 * g]) * factors[0]
+        # per group, per copy (gradients, weights), per factor (held, lowest x holders), per power (1, 2)
+        copies = np.stack((pieces[count:], squares[count:]), axis=1).reshape(2, g, 2, CHUNKS)
+        block[:, 2:] = (copies.transpose(1, 0, 2, 3)[:, :, None] * factors.T[:, None, :, None, None]).reshape(
+            g, -1
+        )
+        applied, reported, passed = float(row[2]), float(values[7]), float(values[8])
         max_norm = passed if math.isfinite(passed) else declared_max_norm
         deviation = applied - expected_clip_coef(reported, max_norm)
         if math.isfinite(deviation):  # unknown where the sample is all zero: that rank's is not checked
@@ -196,13 +186,14 @@ class Reduction:
         skipped = values["skipped"] == 1.0
         if skipped:
             return FastVerdict(kind="skipped", reported_norm=reported, max_norm=used, passed_max_norm=passed)
+        g = self.num_groups
+        blocks = sums[self._group_at(0) : self._group_at(g)].reshape(g, _PER_GROUP)
+        copies = blocks[:, 2:].reshape(g, 2, 2, 2 * CHUNKS)  # (gradients, weights) x (holders, lowest)
+        if blocks[:, 1].any() or (copies[:, :, 0] != copies[:, :, 1]).any():
+            return None  # nonfinite, or a replica's gradient or weights differ from its lowest holder's
         total = 0.0
-        for group in range(self.num_groups):
-            block = sums[self._group_at(group) : self._group_at(group + 1)]
-            copies = block[2:].reshape(2, 2, 2 * CHUNKS)  # (gradients, weights) x (holders, lowest)
-            if block[1] != 0 or (copies[:, 0] != copies[:, 1]).any():
-                return None  # nonfinite, or a replica's gradient or weights differ from its lowest holder's
-            total += float(block[0])
+        for term in blocks[:, 0].tolist():
+            total += term
         true_norm = norm_from_total(total, norm_type)
         rtol = NORM_RTOL_BY_DTYPE[GRAD_DTYPES[int(values["dtype"])]] / SAFETY
         if not (math.isfinite(true_norm) and true_norm > 0 and math.isfinite(reported)):
@@ -249,13 +240,24 @@ class FastVerdict:
 
 
 @functools.lru_cache(maxsize=8)
-def _role_arrays(role: RankRole) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(lowest, held, lowest x holders) of a role as float64 arrays, made once per ownership."""
+def _role_arrays(role: RankRole) -> tuple[np.ndarray, np.ndarray]:
+    """(lowest, [held, lowest x holders]) of a role as float64 arrays, made once per ownership."""
     import numpy as np
 
     lowest = np.asarray(role.lowest, dtype=np.float64)
     holders = np.asarray(role.holders, dtype=np.float64)
-    return lowest, (holders > 0).astype(np.float64), lowest * holders
+    return lowest, np.stack(((holders > 0).astype(np.float64), lowest * holders))
+
+
+@functools.lru_cache(maxsize=8)
+def _taken(layout: VectorLayout) -> np.ndarray:
+    """Where a row holds the values split into pieces: those every rank holds alike (in _EQUAL's
+    order), then per group the gradients' copy, then the weights'."""
+    import numpy as np
+
+    g, call, weights = layout.num_groups, layout.call_offset(0), layout.weights_offset
+    alike = [STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]
+    return np.array([*alike, *range(HEADER, HEADER + g), *range(weights, weights + g)], dtype=np.intp)
 
 
 def _pieces(values: np.ndarray) -> np.ndarray:

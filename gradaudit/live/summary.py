@@ -162,6 +162,9 @@ class LocalSummary:
         """The per-piece norms of the latest measuring and the pieces they are of (on the device)."""
         largest = sorted(range(len(self.pieces)), key=lambda i: (-math.prod(self.pieces[i].local_shape), i))
         self._sampled = tuple(i for i in largest if math.prod(self.pieces[i].local_shape) > 0)[:SAMPLE_PIECES]
+        position = {piece: k for k, piece in enumerate(self.reader.order)}
+        self._sampled_at = tuple((i, position[i]) for i in self._sampled)
+        """The sampled pieces and where `read` gives their gradients when every piece has one."""
 
     def _grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         return self.reader.read()  # gradients that require grad (create_graph) are measured under no_grad
@@ -176,8 +179,11 @@ class LocalSummary:
 
     def _measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
         grads, present = self._grads()
-        by_piece = dict(zip(present, grads, strict=True))
-        sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
+        if present is self.reader.order:  # every piece has a gradient
+            sampled = tuple((i, grads[k]) for i, k in self._sampled_at)
+        else:
+            by_piece = dict(zip(present, grads, strict=True))
+            sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
         views = strided_views([grad for _, grad in sampled], SAMPLE_PER_PIECE)
         sampled = tuple((i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None)
         # the sample first, while the gradients just read are in the caches the norm pass then sweeps
@@ -200,10 +206,11 @@ class LocalSummary:
         device = grads[0].device
         norms = torch.stack(torch._foreach_norm(grads, self.norm_type)).to(torch.float64)
         self.last_norms = (norms, present)
-        index = self._index_cache.get(present)
+        key = () if present is self.reader.order else present  # every piece: no hash of the tuple
+        index = self._index_cache.get(key)
         if index is None:
             index = torch.tensor([self.group_index[i] for i in present], dtype=torch.int64, device=device)
-            self._index_cache[present] = index
+            self._index_cache[key] = index
         if device.type == "cpu" and not math.isinf(self.norm_type):
             # on the host the norms are read at no cost and summed per group by numpy (no tensor op per
             # number); the pieces with a nan or an inf are counted only when the total is not finite
@@ -313,6 +320,10 @@ def coefficient(before: torch.Tensor | None, after: torch.Tensor | None) -> torc
 
     if before is None or after is None or before.shape != after.shape:
         return math.nan
+    if before.device.type == "cpu":  # on the host: two numpy dots, no tensor op
+        b = before.numpy()
+        squared = float(b @ b)
+        return float(after.numpy() @ b) / squared if squared > 0 else math.nan
     denominator = torch.dot(before, before)
     return torch.where(denominator > 0, torch.dot(after, before) / denominator, math.nan)
 
@@ -435,6 +446,10 @@ def _put_host(vector: np.ndarray, at: int | slice, value: Any) -> None:
     if value is None:
         return
     try:
-        vector[at] = float(value.detach().reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
-    except (TypeError, ValueError, IndexError):
+        vector[at] = (
+            (value.detach().reshape(-1)[0] if value.dim() else value).item()
+            if isinstance(value, torch.Tensor)
+            else float(value)
+        )
+    except (TypeError, ValueError, IndexError, RuntimeError):
         return
