@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gradaudit.capture.arguments import CallRecord
 from gradaudit.live.agreement import agree
 from gradaudit.live.analysis_input import LiveStep, OwnershipGroup, report_of
 from gradaudit.live.fastpath import Reduction, role_of
-from gradaudit.live.summary import CallRecord, VectorLayout, pack, stamped
+from gradaudit.live.summary import VectorLayout, pack, stamped
 from gradaudit.model import Topology
 
 MAX_NORM = 1.0

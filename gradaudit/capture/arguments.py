@@ -1,7 +1,9 @@
-"""Checking what the training code passed to audit_step, and reading numbers out of what it returned."""
+"""Checking what the training code passed to audit_step, reading numbers out of what it returned, and
+`CallRecord`, one clip call as the capture and the guard record it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -11,6 +13,7 @@ from typing import Any
 
 from ..dumpfile.schema import MAX_INT
 from ..errors import CaptureError
+from ..model import ClipCall
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -99,6 +102,70 @@ def norm_results(result: Any) -> tuple[Any, Any]:
         # Every rank is inside the same clip call and holds this DTensor, so its collective is safe.
         return result.full_tensor(), result.to_local()
     return result, None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CallRecord:
+    """One clip call as recorded while it ran (by audit_step, and by the guard on a checked step). Its
+    numbers stay as the call left them, tensors on their device, and are read only when the dump or the
+    guard's row is built, so that recording a call adds no device synchronisation to the step."""
+
+    reported: Any = None
+    """What the call returned (a tensor, a number or None); for a DTensor, its full tensor."""
+    reported_local: Any = None
+    """For a DTensor result: its local tensor, the value a careless `.item()` would log."""
+    max_norm: Any = None
+    """The `max_norm` argument the call was given (or its default), None when it names none."""
+    norm_type: Any = None
+    """The `norm_type` argument the call was given (or its default), None when it names none."""
+    clip_value: Any = None
+    """For `clip_grad_value_`: the value it clamped to."""
+    unscaled: bool | None = None
+    """Whether GradScaler.unscale_ had run before this call; None without a scaler (or not read)."""
+    loss_scale: float | None = None
+    """The scaler's loss scale before this call; None without a scaler (or not read)."""
+    terms: Any = None
+    """The guard's: per ownership group, sum |g|^p of the gradient just before the call."""
+    before: Any = None
+    """The guard's: its sample of gradient elements just before the call."""
+    sampled: Any = ()
+    """The guard's: which elements `before` holds, sampled again after the call."""
+    coef: Any = None
+    """The coefficient the call applied where an integration measured it (the guard's `applied`); None:
+    the guard measures it at the optimizer step from `before` and the same elements then."""
+
+    @classmethod
+    def of(
+        cls,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        norms: tuple[Any, Any] | None,
+        **measured: Any,
+    ) -> CallRecord:
+        """The call `fn(*args, **kwargs)` that returned `norms` (`norm_results` of its result; None:
+        unread), with what the recorder measured around it (the other fields)."""
+        max_norm, norm_type = clip_arguments(fn, args, kwargs)
+        reported, reported_local = (None, None) if norms is None else norms
+        return cls(
+            reported=reported,
+            reported_local=reported_local,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            **measured,
+        )
+
+    def clip_call(self) -> ClipCall:
+        """The call as the dump records it (reads its numbers: a device synchronisation)."""
+        return ClipCall(
+            reported_norm=opt_float(self.reported),
+            reported_local_norm=opt_float(self.reported_local),
+            max_norm=opt_float(self.max_norm),
+            norm_type=opt_float(self.norm_type),
+            unscaled=self.unscaled,
+            loss_scale=self.loss_scale,
+            clip_value=opt_float(self.clip_value),
+        )
 
 
 def clip_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -11,16 +10,16 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
-from ..model import MODES, ClipCall, ClipRecord, DataRecord, Mode, NotCapturedParam, TensorStats, Topology
+from ..model import MODES, ClipRecord, DataRecord, Mode, NotCapturedParam, TensorStats, Topology
 from ..warn import warn_once
 from . import intercept
 from .arguments import (
+    CallRecord,
     check_max_norm,
     check_norm_type,
     check_run_id,
     check_step,
     check_tokens,
-    clip_arguments,
     clips_nothing,
     norm_results,
     opt_float,
@@ -47,38 +46,6 @@ GroupSpec: TypeAlias = "ProcessGroup | Sequence[int] | Sequence[Sequence[int]]"
 """One entry of `groups=`: a process group, its rank list, or the list of all its rank lists."""
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _RecordedCall:
-    """One clip call as recorded; its numbers are read (`clip_call`) only when the dump is built, so
-    that recording a call adds no device synchronisation to the step."""
-
-    reported: Any = None
-    """What the call returned (a tensor, a number or None)."""
-    reported_local: Any = None
-    """For a DTensor result: its local tensor, the value a careless `.item()` would log."""
-    max_norm: Any = None
-    """The `max_norm` argument the call was given (or its default), None when it names none."""
-    norm_type: Any = None
-    """The `norm_type` argument the call was given (or its default), None when it names none."""
-    unscaled: bool | None = None
-    """Whether GradScaler.unscale_ had run before this call; None without a scaler."""
-    loss_scale: float | None = None
-    """The scaler's loss scale before this call; None without a scaler."""
-    clip_value: Any = None
-    """For `clip_grad_value_`: the value it clamped to."""
-
-    def clip_call(self) -> ClipCall:
-        return ClipCall(
-            reported_norm=opt_float(self.reported),
-            reported_local_norm=opt_float(self.reported_local),
-            max_norm=opt_float(self.max_norm),
-            norm_type=opt_float(self.norm_type),
-            unscaled=self.unscaled,
-            loss_scale=self.loss_scale,
-            clip_value=opt_float(self.clip_value),
-        )
 
 
 class AuditStep:
@@ -141,7 +108,7 @@ class AuditStep:
         self._explicit = tuple(ownership or ())
         self._ownership: Ownership | None = None
         self._snapshots: Snapshots | None = None
-        self._calls: list[_RecordedCall] = []
+        self._calls: list[CallRecord] = []
         self._call_stats: list[dict[int, TensorStats]] = []
         """Per finished clip call: piece index -> TensorStats of its gradient just before that call."""
         self._logged: dict[str, Any] = {}
@@ -317,17 +284,28 @@ class AuditStep:
     ) -> Any:
         if clips_nothing(fn, args, kwargs):
             return fn(*args, **kwargs)  # reads the norm, clips nothing: not a clip call
-        call = _RecordedCall(clip_value=clip_value)
-        if self._recording:
-            call = self._guard("capture", lambda: self._before_clip(call)) or call
+        scaler = self._guard("capture", self._before_clip) if self._recording else None
+        unscaled, loss_scale = scaler or (None, None)
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
         returned = self._guard("capture", lambda: norm_results(result))
-        if returned is not None:
-            call = dataclasses.replace(call, reported=returned[0], reported_local=returned[1])
         if self._recording:
-            self._guard("capture", lambda: self._after_clip(call, fn, args, kwargs, result))
+            self._guard(
+                "capture",
+                lambda: self._after_clip(
+                    CallRecord.of(
+                        fn,
+                        args,
+                        kwargs,
+                        returned,
+                        clip_value=clip_value,
+                        unscaled=unscaled,
+                        loss_scale=loss_scale,
+                    ),
+                    result,
+                ),
+            )
         return result
 
     @property
@@ -383,32 +361,25 @@ class AuditStep:
         assert snapshots is not None
         return snapshots
 
-    def _before_clip(self, call: _RecordedCall) -> _RecordedCall:
+    def _before_clip(self) -> tuple[bool | None, float | None]:
+        """Snapshot the gradients the call is about to clip; (unscaled, loss scale) of the scaler now."""
         if self._calls:
             # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
             # (the common case) no statistics beyond the dump's own are ever computed.
             self._call_stats.append(grad_stats_of_snapshot(self._taken()))
         self._taken().take("grad")
-        call = dataclasses.replace(call, unscaled=self._scaler.unscaled(), loss_scale=self._scaler.scale())
+        scaler = self._scaler.unscaled(), self._scaler.scale()
         self._scaler.hold()
-        return call
+        return scaler
 
-    def _after_clip(
-        self,
-        call: _RecordedCall,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        result: Any,
-    ) -> None:
+    def _after_clip(self, call: CallRecord, result: Any) -> None:
         if call.reported_local is not None:
             mesh = result.device_mesh
             self._norm_mesh = (
                 tuple(int(r) for r in mesh.mesh.reshape(-1).tolist()),
                 "+".join(axis_names(mesh)),
             )
-        max_norm, norm_type = clip_arguments(fn, args, kwargs)
-        self._calls.append(dataclasses.replace(call, max_norm=max_norm, norm_type=norm_type))
+        self._calls.append(call)
         self._taken().take("grad_clipped")
 
     def take_gradients(self, *, clipped: bool) -> None:

@@ -37,7 +37,6 @@ from .summary import (
     OFF,
     SKIP,
     STEP,
-    CallRecord,
     LocalSummary,
     VectorLayout,
     coefficient,
@@ -57,6 +56,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.hooks import RemovableHandle
 
+    from ..capture.arguments import CallRecord
     from ..capture.ownership import LocalPiece
     from ..capture.session import AuditStep
     from ..report.model import Report
@@ -517,7 +517,7 @@ class Guard:
         """The coefficient the step's latest clip call applied, measured by an integration where the
         guard's sample after the call cannot be read (ZeRO frees its gradient partitions in the step)."""
         if self._calls:
-            self._calls[-1].coef = coef
+            self._calls[-1] = dataclasses.replace(self._calls[-1], coef=coef)
 
     def _before_call(self) -> tuple[Any, Any, Any, bool | None]:
         terms, sample, sampled = self._summary.measure()
@@ -534,7 +534,7 @@ class Guard:
         kwargs: Any,
         result: Any,
     ) -> bool:
-        from ..capture.arguments import clip_arguments, norm_results
+        from ..capture.arguments import CallRecord, norm_results
 
         terms, sample, sampled, unscaled_before = before
         if self._scaler is not None:
@@ -549,17 +549,10 @@ class Guard:
             terms, sample = _unscaled(
                 terms, sample, self._call_unscales, self.norm_type, self.layout.num_groups
             )
-        max_norm, norm_type = clip_arguments(fn, args, kwargs)
-        self._sites.append(user_site())
-        record = CallRecord(
-            terms=terms,
-            reported=norm_results(result)[0],
-            max_norm=max_norm,
-            norm_type=norm_type,
-            coef=None,  # measured once, at the optimizer step (see _vector), unless `applied` says it
-            before=sample,
-            sampled=sampled,
+        record = CallRecord.of(
+            fn, args, kwargs, norm_results(result), terms=terms, before=sample, sampled=sampled
         )
+        self._sites.append(user_site())
         self._num_calls += 1
         if len(self._calls) < self.layout.max_calls:
             self._calls.append(record)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from ..capture.arguments import CallRecord
     from ..capture.ownership import LocalPiece
     from ..model import Topology
 
@@ -326,19 +327,6 @@ def coefficient(before: torch.Tensor | None, after: torch.Tensor | None) -> torc
         return float(after.numpy() @ b) / squared if squared > 0 else math.nan
     denominator = torch.dot(before, before)
     return torch.where(denominator > 0, torch.dot(after, before) / denominator, math.nan)
-
-
-@dataclass
-class CallRecord:
-    """One clip call of the step being checked, its numbers still on the device."""
-
-    terms: Any
-    reported: Any
-    max_norm: Any
-    norm_type: Any
-    coef: Any
-    before: Any
-    sampled: Any = ()
 
 
 def pack(

@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradaudit.capture.arguments import CallRecord
 from gradaudit.live.analysis_input import LiveStep, OwnershipGroup, report_of
 from gradaudit.live.fastpath import Reduction, role_of
-from gradaudit.live.summary import CallRecord, VectorLayout, pack, stamped
+from gradaudit.live.summary import VectorLayout, pack, stamped
 from gradaudit.live.trend import trend_line
 from gradaudit.model import Topology
 
