@@ -1,5 +1,7 @@
 """Rank workers for the guard under Accelerate on 2 gloo ranks: DDP, 2 micro-batches per optimizer step
-(`accelerator.accumulate`), `accelerator.clip_grad_norm_`, and a tracker of Accelerate's own kind."""
+(`accelerator.accumulate`), `accelerator.clip_grad_norm_`, and a tracker of Accelerate's own kind; a
+spike (one step's targets scaled) with the guard's spike=, and one bit of one rank's reduced gradient
+flipped before the clip."""
 
 from __future__ import annotations
 
@@ -8,6 +10,16 @@ import warnings
 
 import torch
 from accelerate_workers import _fp16_accelerator
+from guard_spike_replica import (
+    FLIP_STEP,
+    FLIP_STEPS,
+    SPIKE,
+    SPIKE_STEP,
+    SPIKE_STEPS,
+    TARGET_SCALE,
+    flip_one_bit,
+    sum_sq_per_param,
+)
 from models import MAX_NORM, batch, loss_of, rows, tiny_net
 
 NUM_MICROBATCHES = 2
@@ -53,7 +65,7 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
     x, y = batch()
     x, y = rows(x, rank, world_size), rows(y, rank, world_size)
     results = {}
-    for name in ("ok", "clip_every_microbatch", "fp16_ok", "fp16_torch_clip"):
+    for name in ("ok", "clip_every_microbatch", "spike", "replica_flip", "fp16_ok", "fp16_torch_clip"):
         tracker = _tracker()
         kwargs = {"gradient_accumulation_steps": NUM_MICROBATCHES, "log_with": [tracker]}
         fp16 = name.startswith("fp16")
@@ -70,18 +82,26 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
         model = tiny_net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model, optimizer = accelerator.prepare(model, optimizer)
+        options = {"spike": SPIKE} if name == "spike" else {}  # through accelerate_guard's keywords
         guard = accelerate_guard(
-            accelerator, model, optimizer, os.path.join(out_root, name), max_norm=MAX_NORM
+            accelerator, model, optimizer, os.path.join(out_root, name), max_norm=MAX_NORM, **options
         )
-        norms, scales = [], []
+        norms, scales, sums = [], [], None
+        num_steps = {"spike": SPIKE_STEPS, "replica_flip": FLIP_STEPS}.get(name, NUM_STEPS)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(1, NUM_STEPS + 1):
+            for step in range(1, num_steps + 1):
                 for i in range(NUM_MICROBATCHES):
                     with accelerator.accumulate(model):
                         xs, ys = rows(x, i, NUM_MICROBATCHES), rows(y, i, NUM_MICROBATCHES)
-                        accelerator.backward(loss_of(model(xs), ys))
-                        wrong = not name.endswith("ok") and step >= MISTAKE_FROM
+                        spiked = name == "spike" and step == SPIKE_STEP
+                        accelerator.backward(loss_of(model(xs), ys * TARGET_SCALE if spiked else ys))
+                        if spiked and accelerator.sync_gradients:  # reduced, not clipped yet
+                            sums = sum_sq_per_param(model.named_parameters())
+                        flip = name == "replica_flip" and step == FLIP_STEP and rank == 1
+                        if flip and accelerator.sync_gradients:
+                            flip_one_bit(model.module.fc1.weight.grad)
+                        wrong = name in ("clip_every_microbatch", "fp16_torch_clip") and step >= MISTAKE_FROM
                         if name == "fp16_torch_clip" and wrong and accelerator.sync_gradients:
                             # the mistake: torch's clip skips the unscale accelerator.clip_grad_norm_ makes
                             torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -97,6 +117,8 @@ def guarded_accelerate(rank: int, world_size: int, out_root: str) -> dict:
         results[name] = {
             "anomalies": [(step, list(codes)) for step, codes in guard.anomalies],
             "warnings": [str(w.message) for w in caught if "gradaudit guard" in str(w.message)],
+            "dumps": [str(p) for p in guard.dumps],
+            "sums": sums,
             "logged": tracker.logged,
             "norms": norms,
             "scales": scales,

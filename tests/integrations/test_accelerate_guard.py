@@ -2,7 +2,8 @@
 `accelerator.clip_grad_norm_` passes every step, a clip on every micro-batch is GA501 at the step it
 starts, and the true norm reaches the Accelerator's trackers; in fp16 with Accelerate's GradScaler (set
 up as Accelerate does on GPU: it makes none on CPU) the loop passes every step and a torch clip that
-skips Accelerate's unscale is GA502."""
+skips Accelerate's unscale is GA502. The guard's spike= through accelerate_guard's keywords, and its
+replica check of DDP's reduced gradients (GA601)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from accelerate_guard_workers import MISTAKE_FROM, NUM_STEPS, guarded_accelerate
+from guard_spike_replica import SPIKE_STEP, assert_one_spike, assert_replica_fault
 from guard_workers import with_trends
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
@@ -99,3 +101,15 @@ def test_fp16_clipped_with_torchs_clip_grad_norm_skipping_accelerates_unscale_is
     assert any(f"step {MISTAKE_FROM}: " in w and "GA502" in w for w in said)
     report = audit_folder(out_root / "fp16_torch_clip" / f"step_{MISTAKE_FROM}", AuditOptions())
     assert "GA502" in {f.code for f in report.findings}
+
+
+def test_a_spike_passed_through_accelerate_guard_is_marked_named_by_its_parameters_and_dumped(runs, cli):
+    """One step's targets scaled by 100; its shares are those of the gradients DDP reduced."""
+    out_root, results = runs
+    spike = [result["spike"] for result in results]
+    assert_one_spike(spike, spike[0]["sums"], out_root / "spike" / f"step_{SPIKE_STEP}", cli)
+
+
+def test_a_flipped_bit_in_one_ranks_reduced_gradient_is_ga601_at_its_step(runs):
+    _, results = runs
+    assert_replica_fault([result["replica_flip"] for result in results], (0, 1))

@@ -1,7 +1,9 @@
 """The guard in one line under DeepSpeed ZeRO 1-3 on 2 gloo ranks: DeepSpeed's own clip passes every
 step with the true norm equal to the one DeepSpeed clipped with, and a norm that is not reduced over
 the data-parallel group is named at its step, with the code `gradaudit check` gives for the dump; the
-coefficient DeepSpeed applied is measured, so ZeRO clipping to another max_norm is GA302."""
+coefficient DeepSpeed applied is measured, so ZeRO clipping to another max_norm is GA302. The guard's
+spike= through DeepSpeedGuard's keywords. ZeRO's gradient partitions have no replica at this data
+parallel size (each rank owns its own), so the replica check (GA601) has nothing to compare here."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from deepspeed_guard_workers import (
     SCALE_GROWTH_AT,
     guarded_deepspeed,
 )
+from guard_spike_replica import SPIKE_STEP, assert_one_spike
 from guard_workers import with_trends
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
@@ -88,3 +91,11 @@ def test_the_halved_update_of_zero2_on_a_step_its_dynamic_loss_scale_grows_is_na
         assert line["expected_coef"] == pytest.approx(1.0, rel=1e-5)
         assert line["min_coef"] == pytest.approx(0.5, rel=1e-5)
         assert line["reported_norm"] == pytest.approx(line["true_norm"], rel=1e-5)
+
+
+def test_a_spike_passed_through_deepspeed_guard_is_marked_named_by_its_parameters_and_dumped(runs, cli):
+    """ZeRO-2, one step's targets scaled by 100; the guard reads ZeRO's gradient partitions, the shares
+    expected are of a copy of the model on the whole batch."""
+    out_root, results = runs
+    spike = [result["zero2_spike"] for result in results]
+    assert_one_spike(spike, spike[0]["sums"], out_root / "zero2_spike" / f"step_{SPIKE_STEP}", cli)

@@ -1,7 +1,8 @@
 """The guard as one HF Trainer callback on 2 gloo ranks: the Trainer's own clip passes every step,
 and a `training_step` override clipping each micro-batch is GA501 from the first step; what is logged,
 read back from state.log_history and a reporting callback: each logged step's own values at its step,
-an anomaly at its step whatever logging_steps, nothing for the step captured in full."""
+an anomaly at its step whatever logging_steps, nothing for the step captured in full. The guard's
+spike= through the callback's keywords, and its replica check of DDP's reduced gradients (GA601)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from guard_spike_replica import SPIKE_STEP, assert_one_spike, assert_replica_fault
 from guard_workers import with_trends
 from hf_guard_workers import FP16_STEPS, STEP_CLIP_STEPS, guarded_train
 from launcher import run_ranks
@@ -101,3 +103,15 @@ def test_fp16_with_accelerates_grad_scaler_passes_the_trainers_clip_and_catches_
         step_1["grad_norm"] / step_1["gradaudit_true_norm"], rel=1e-5
     )
     assert step_1["gradaudit_reported_over_true"] < 1e-2
+
+
+def test_a_spike_passed_through_the_callback_is_marked_named_by_its_parameters_and_dumped(runs, cli):
+    """One step's loss scaled by 100; its shares are those of the gradients DDP reduced."""
+    out_root, results = runs
+    spike = [result["spike"] for result in results]
+    assert_one_spike(spike, spike[0]["sums"], out_root / "spike" / f"step_{SPIKE_STEP}", cli)
+
+
+def test_a_flipped_bit_in_one_ranks_reduced_gradient_is_ga601_at_its_step(runs):
+    _, results = runs
+    assert_replica_fault([result["replica_flip"] for result in results], (0, 1))

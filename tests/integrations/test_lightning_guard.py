@@ -2,7 +2,8 @@
 user's own clip in `on_after_backward` (each micro-batch) is GA501 from the first step; the same in
 16-mixed with a GradScaler, where the hook's clip is also GA502. What the loggers get, read back from
 Lightning's CSVLogger: each logged step's own values at the guard's step number, an anomaly at its step
-whatever the logging interval, nothing for the step captured in full."""
+whatever the logging interval, nothing for the step captured in full. The guard's spike= through the
+callback's keywords, and its replica check of DDP's reduced gradients (GA601)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from guard_spike_replica import SPIKE_STEP, assert_one_spike, assert_replica_fault
 from guard_workers import with_trends
 from launcher import run_ranks
 from lightning_guard_workers import (
@@ -121,3 +123,15 @@ def test_the_csv_logger_gets_each_steps_own_values_at_its_step_and_a_triple_clip
     assert logged[THRICE_AT]["gradaudit/anomaly"] == 1.0
     ratio = logged[THRICE_AT]["gradaudit/reported_over_true"]
     assert ratio == pytest.approx(last / first, rel=1e-5) and ratio < 0.5
+
+
+def test_a_spike_passed_through_the_callback_is_marked_named_by_its_parameters_and_dumped(runs, cli):
+    """One step's targets scaled by 100; its shares are those of the gradients DDP reduced."""
+    out_root, results = runs
+    spike = [result["spike"] for result in results]
+    assert_one_spike(spike, spike[0]["sums"], out_root / "spike" / f"step_{SPIKE_STEP}", cli)
+
+
+def test_a_flipped_bit_in_one_ranks_reduced_gradient_is_ga601_at_its_step(runs):
+    _, results = runs
+    assert_replica_fault([result["replica_flip"] for result in results], (0, 1))

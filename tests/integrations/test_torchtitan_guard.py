@@ -4,7 +4,8 @@ named at the step it happens, with the code `gradaudit check` gives for the guar
 count, true norm and reported/true of each step torchtitan logs are in its TensorBoard events beside its
 grad_norm, and those of an anomaly torchtitan does not log at its own step, read back with tensorboard's
 own reader (the ok run reads its verdicts one step late, as on GPU: those of the steps torchtitan logs
-are read at its log call)."""
+are read at its log call). The guard's spike= through TorchtitanGuard's keywords on the pp stages, and
+its replica check (GA601) of HSDP's reduced gradients."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 
 pytest.importorskip("torchtitan.distributed.utils")
 
+from guard_spike_replica import SPIKE_STEP, assert_one_spike, assert_replica_fault
+from guard_workers import with_trends
 from launcher import run_ranks
 from reassemble import audit_report, error_codes
-from torchtitan_guard_workers import LOG_FREQ, MISTAKE_AT, NUM_STEPS, guarded_torchtitan
+from torchtitan_guard_workers import FLIP_RANK, LOG_FREQ, MISTAKE_AT, NUM_STEPS, guarded_torchtitan
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +42,9 @@ def tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_root = tmp_path_factory.mktemp("torchtitan_guard")
-    return out_root, run_ranks(guarded_torchtitan, 4, (str(out_root),), timeout_s=300)
+    return out_root, with_trends(
+        run_ranks(guarded_torchtitan, 4, (str(out_root),), timeout_s=300), str(out_root)
+    )
 
 
 @pytest.mark.parametrize("name", ["ok", "no_metrics"])
@@ -102,3 +107,20 @@ def test_the_values_are_in_torchtitans_tensorboard_steps_beside_its_grad_norm_an
         assert ratios[1][1] == pytest.approx(1.0, rel=1e-5) and anomalies[1][1] == 0.0
     else:
         assert all(ratio < 0.9 for _, ratio in ratios[1:]) and all(value >= 1 for _, value in anomalies[1:])
+
+
+def test_a_spike_passed_through_torchtitan_guard_is_marked_and_named_across_the_pp_stages(runs, cli):
+    """One step's targets scaled by 100; the parameters named are of both stages (ranks 0-1 hold the
+    first, ranks 2-3 the last), their shares those of the full gradients."""
+    out_root, results = runs
+    spike = [result["spike"] for result in results]
+    sums = {**spike[0]["sums"], **spike[METRICS_RANK]["sums"]}
+    assert set(sums) == {f"{m}.{p}" for m in ("fc1", "fc2", "norm", "head") for p in ("weight", "bias")}
+    assert_one_spike(spike, sums, out_root / "spike" / f"step_{SPIKE_STEP}", cli)
+
+
+def test_a_flipped_bit_in_one_hsdp_replicas_reduced_gradient_is_ga601_at_its_step(runs):
+    """HSDP over 2 replicas x 2 FSDP2 ranks: rank 3's shard has one copy elsewhere, rank 1's."""
+    _, results = runs
+    assert FLIP_RANK == 3
+    assert_replica_fault([result["hsdp_flip"] for result in results], (1, 3))
