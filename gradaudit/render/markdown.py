@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..checks.base import count as _count
 from ..norms import norm_name
-from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
+from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity, TrendStep
 from ..report.param_shares import SumSqShares
 from . import guardtrend, sumsq
 from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
@@ -138,45 +138,39 @@ def _guarded_run_blocks(directory: str, trend: GuardTrend, *, dumped: bool) -> l
     if trend.notes:
         blocks.append(_bullets(f"**warning:** {_md(note, MAX_MESSAGE_CHARS)}" for note in trend.notes))
     if trend.failing:
-        items = [
-            f"**step {step.step}** {', '.join(_md(code) for code in step.codes)}: {guardtrend.numbers(step)}"
-            + (" — **not dumped**" if step.dump is None else f" — dumped to {_md(step.dump)}")
-            for step in trend.failing[: guardtrend.SHOWN_FAILING]
-        ]
-        hidden = len(trend.failing) - len(items)
-        if hidden:
-            items.append(f"and {_count(hidden, 'more failing step')}; {SEE_JSON}")
-        blocks.append(_bullets(items))
+        blocks.append(_trend_steps(trend.failing, _codes_and_numbers, "dumped to", "more failing step"))
     if trend.not_dumped:
         blocks.append(f"**{_md(guardtrend.not_dumped(trend))}.**")
     if trend.spikes:
-        blocks += _spike_blocks(trend)
+        where = "which parameters hold Σg²: gradaudit check"
+        listed = _trend_steps(
+            trend.spikes, lambda step: f": {guardtrend.spike_numbers(step)}", where, "more spike"
+        )
+        blocks += [f"**{guardtrend.spikes_counted(trend)}** (the guard's `spike=`):", listed]
     rows = guardtrend.chart_rows(trend, lambda text: text)
     if rows:
-        title = guardtrend.chart_title(trend)
-        chart = markdown_text_block(rows)
-        blocks.append(f"{title[0].upper()}{title[1:]}\n\n{chart}")
+        blocks.append(f"{_capitalized(guardtrend.chart_title(trend))}\n\n{markdown_text_block(rows)}")
     if trend.full_captures:
         blocks.append(_bullets(guardtrend.full_capture(d, _md) for d in trend.full_captures))
     return blocks
 
 
-def _spike_blocks(trend: GuardTrend) -> list[str]:
-    """The steps whose true norm spiked (the guard's `spike=`), each with the dump naming the
-    parameters that hold most of Σg²."""
+def _trend_steps(steps: Sequence[TrendStep], said: Callable[[TrendStep], str], dumped: str, more: str) -> str:
+    """The first of a guarded run's failing (or spiked) steps, each as `said` after its number and with
+    its dump, then how many more."""
     items = [
-        f"**step {step.step}**: {guardtrend.spike_numbers(step)}"
-        + (
-            " — **not dumped**"
-            if step.dump is None
-            else f" — which parameters hold Σg²: gradaudit check {_md(step.dump)}"
-        )
-        for step in trend.spikes[: guardtrend.SHOWN_FAILING]
+        f"**step {step.step}**{said(step)}"
+        + (" — **not dumped**" if step.dump is None else f" — {dumped} {_md(step.dump)}")
+        for step in steps[: guardtrend.SHOWN_FAILING]
     ]
-    hidden = len(trend.spikes) - len(items)
+    hidden = len(steps) - len(items)
     if hidden:
-        items.append(f"and {_count(hidden, 'more spike')}; {SEE_JSON}")
-    return [f"**{guardtrend.spikes_counted(trend)}** (the guard's `spike=`):", _bullets(items)]
+        items.append(f"and {_count(hidden, more)}; {SEE_JSON}")
+    return _bullets(items)
+
+
+def _codes_and_numbers(step: TrendStep) -> str:
+    return f" {', '.join(_md(code) for code in step.codes)}: {guardtrend.numbers(step)}"
 
 
 def _join(blocks: Sequence[str]) -> str:
@@ -186,6 +180,10 @@ def _join(blocks: Sequence[str]) -> str:
 def _md(text: str, max_chars: int = MAX_NAME_CHARS) -> str:
     """Untrusted text for Markdown: cut, then escaped."""
     return markdown_escape(clip_text(text, max_chars))
+
+
+def _capitalized(text: str) -> str:
+    return text[0].upper() + text[1:]
 
 
 def _version_line(version: int) -> str:
@@ -343,15 +341,8 @@ def _environment_section(report: Report) -> str:
         rows.append(["groups", f"{len(topo.groups) - 16} more not shown"])
     if topo.norm_group is not None:
         rows.append(["norm reduced over", _md(topo.norm_group)])
-    summary = ", ".join(
-        part
-        for part in (
-            "" if env.world_size is None else f"world size {env.world_size}",
-            _count(len(env.hosts), "host"),
-            _count(len(topo.groups), "process group"),
-        )
-        if part
-    )
+    counted = [_count(len(env.hosts), "host"), _count(len(topo.groups), "process group")]
+    summary = ", ".join(counted if env.world_size is None else [f"world size {env.world_size}", *counted])
     return _details(f"Versions, hosts and process groups ({summary})", _table(["", "value"], rows))
 
 
@@ -393,15 +384,13 @@ def _rank_section(report: Report, *, fold: bool) -> str:
                 nonfinite,
             ]
         )
-    table = _table(header, rows, align=["l", "r", "r", "r", "l", "l", "r", "l"])
+    table = _table(header, rows, "lrrrllrl", "Per-rank table")
     parts = []
     if folded.folded:
         parts.append(
             f"{_count(len(report.ranks), 'rank')} in {_count(len(rows), 'row')}: ranks that agree share a row, "
             "numbers that differ within a row are shown as ranges."
         )
-    if len(rows) > OPEN_ROWS:
-        table = _details(f"Per-rank table ({len(rows)} rows)", table)
     parts.append(table)
     if folded.hidden_ranks:
         parts.append(
@@ -431,9 +420,7 @@ def _share_section(report: Report) -> str:
         ]
         for bar in chart.bars
     ]
-    table = _table(["", "part of Σg²", "share", "against max_norm²"], rows, align=["l", "r", "r", "l"])
-    if len(rows) > OPEN_ROWS:
-        table = _details(f"The same numbers ({len(rows)} rows)", table)
+    table = _table(["", "part of Σg²", "share", "against max_norm²"], rows, "lrrl", "The same numbers")
     parts = [
         f"### Share of the squared global norm\n\nTotal {fmt_float(chart.total)} against max_norm² = "
         f"{fmt_float(chart.threshold)}: each rank's part and the sum (a clip by local norms compares each "
@@ -450,13 +437,13 @@ def _share_section(report: Report) -> str:
 def _sum_sq_section(shares: SumSqShares) -> str:
     """Of a spike dump: the parameters holding most of Σg², as a table (each rank's share is above)."""
     why = sumsq.why(shares, lambda note: _md(note, MAX_MESSAGE_CHARS))
-    parts = [f"### {sumsq.TITLE}", f"{why[0].upper()}{why[1:]}; {sumsq.totals(shares)}."]
+    parts = [f"### {sumsq.TITLE}", f"{_capitalized(why)}; {sumsq.totals(shares)}."]
     if not shares.top:
         return "\n\n".join([*parts, f"{_md(shares.reason, MAX_MESSAGE_CHARS)}."])
     rows = [[_md(s.param), fmt_float(s.sum_sq), fmt_percent(s.share)] for s in shares.top]
-    parts.append(_table(["parameter", "Σg²", "share"], rows, align=["l", "r", "r"]))
-    if sumsq.rest(shares):
-        parts.append(f"{sumsq.rest(shares)[0].upper()}{sumsq.rest(shares)[1:]}.")
+    parts.append(_table(["parameter", "Σg²", "share"], rows, "lrr"))
+    if rest := sumsq.rest(shares):
+        parts.append(f"{_capitalized(rest)}.")
     return "\n\n".join(parts)
 
 
@@ -542,13 +529,8 @@ def _reference_table(report: Report) -> str:
         for c in ordered[:MAX_REFERENCE_ROWS]
     ]
     intro = f"{failing} of {len(ordered)} outside tolerance, worst first."
-    table = _table(
-        ["parameter", "tensor", "max abs error", "max rel error", "atol", "rtol", "within tolerance"],
-        rows,
-        align=["l", "l", "r", "r", "r", "r", "l"],
-    )
-    if len(rows) > OPEN_ROWS:
-        table = _details(f"Reference table ({len(rows)} rows)", table)
+    header = ["parameter", "tensor", "max abs error", "max rel error", "atol", "rtol", "within tolerance"]
+    table = _table(header, rows, "llrrrrl", "Reference table")
     hidden = len(ordered) - MAX_REFERENCE_ROWS
     outro = f"\n\n{hidden} more not shown." if hidden > 0 else ""
     return f"{intro}\n\n{table}{outro}"
@@ -575,7 +557,7 @@ def _summary_table(rows: Sequence[StepRow]) -> str:
         ]
         for row in rows
     ]
-    return _table(header, cells, align=["r", "r", "r", "r", "r", "r", "r", "l"])
+    return _table(header, cells, "rrrrrrrl")
 
 
 def _step_brief(report: Report) -> list[str]:
@@ -601,11 +583,11 @@ def _bullets(items: Iterable[str]) -> str:
     return "\n".join(f"- {item}" for item in items)
 
 
-def _table(
-    header: Sequence[str], rows: Sequence[Sequence[str]], *, align: Sequence[str] | None = None
-) -> str:
-    """A GitHub table; cells must already be escaped (no `|`, no newline)."""
-    marks = {"l": "---", "r": "---:"}
-    separator = [marks[a] for a in (align or ["l"] * len(header))]
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "", details: str = "") -> str:
+    """A GitHub table, each column aligned by its letter of `align` ("l" or "r"; default all "l"); cells
+    must already be escaped (no `|`, no newline). With `details`, a table of more than OPEN_ROWS rows
+    goes inside a <details> block of that summary."""
+    separator = ["---:" if a == "r" else "---" for a in (align or "l" * len(header))]
     lines = [header, separator, *rows]
-    return "\n".join("| " + " | ".join(cell if cell != "" else " " for cell in line) + " |" for line in lines)
+    table = "\n".join("| " + " | ".join(cell or " " for cell in line) + " |" for line in lines)
+    return _details(f"{details} ({len(rows)} rows)", table) if details and len(rows) > OPEN_ROWS else table
