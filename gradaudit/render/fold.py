@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..checks.base import count
 from ..report.model import NonfiniteCounts, RankRow
 from .numbers import fmt_coef, fmt_float, fmt_nonfinite, fmt_percent, fmt_ranks
 
@@ -52,8 +53,11 @@ class FoldedRanks:
     """True when some row stands for more than one rank."""
 
 
-def fold_ranks(rows: Sequence[RankRow], *, max_groups: int) -> FoldedRanks:
-    """At most `max_groups` groups covering the telling ranks (see the module docstring)."""
+def fold_ranks(rows: Sequence[RankRow], *, max_groups: int | None) -> FoldedRanks:
+    """At most `max_groups` groups covering the telling ranks (see the module docstring); every rank on
+    its own row with None (`--all-ranks`)."""
+    if max_groups is None:
+        return _folded([[row] for row in rows], [])
     if max_groups < 1:
         raise ValueError(f"max_groups must be at least 1, got {max_groups}")
     exact = _group(rows, _printed_row)
@@ -68,11 +72,6 @@ def fold_ranks(rows: Sequence[RankRow], *, max_groups: int) -> FoldedRanks:
         key=lambda g: (g[0].nonfinite.total == 0, g[0].diagnosis == common, -len(g), g[0].rank),
     )
     return _folded(ranked[:max_groups], ranked[max_groups:])
-
-
-def one_per_rank(rows: Sequence[RankRow]) -> FoldedRanks:
-    """Every rank on its own row (`--all-ranks`)."""
-    return _folded([[row] for row in rows], [])
 
 
 def fmt_span(span: tuple[float | None, float | None], fmt: Callable[[float | None], str] = fmt_float) -> str:
@@ -96,6 +95,12 @@ def fmt_rank_set(ranks: Sequence[int], *, max_chars: int = 48) -> str:
 def fmt_ranks_labelled_short(ranks: Sequence[int], *, max_chars: int = 48) -> str:
     """ "rank 3" or "ranks 0-3, 7", cut like `fmt_rank_set`."""
     return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {fmt_rank_set(ranks, max_chars=max_chars)}"
+
+
+def fmt_hidden(folded: FoldedRanks) -> str:
+    """ "3 more ranks in 2 groups not shown (ranks 5-7)": the ranks of the groups left out."""
+    hidden = f"{count(len(folded.hidden_ranks), 'more rank')} in {count(folded.num_hidden_groups, 'group')}"
+    return f"{hidden} not shown (ranks {fmt_rank_set(folded.hidden_ranks)})"
 
 
 def fmt_groups(groups: Sequence[Sequence[int]], *, max_groups: int = 4) -> str:

@@ -4,7 +4,7 @@ steps first, those the guard did not dump, then the true vs reported norm of the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..checks.base import count
 from ..report.model import GuardTrend, TrendStep
@@ -36,7 +36,7 @@ def spikes_counted(trend: GuardTrend, before: str = "") -> str:
 def spike_step(step: TrendStep, escape: Escape) -> str:
     """ "spike at step 7: true norm 53.2, reported 53.2; where Σg² is: gradaudit check audit/step_7"."""
     where = (
-        "not dumped (guard max_dumps or cooldown)"
+        f"not dumped ({NOT_DUMPED_REASON})"
         if step.dump is None
         else f"which parameters hold Σg²: gradaudit check {escape(step.dump)}"
     )
@@ -48,10 +48,11 @@ def spike_numbers(step: TrendStep) -> str:
     return f"true norm {fmt_float(step.true_norm)}, reported {fmt_float(step.reported_norm)}"
 
 
-def more_spikes(trend: GuardTrend) -> str:
-    """The line under the listed spikes that counts the others; "" when every one is listed."""
-    hidden = len(trend.spikes) - SHOWN_FAILING
-    return f"(and {count(hidden, 'more spike')})" if hidden > 0 else ""
+def more(steps: Sequence[TrendStep], noun: str) -> str:
+    """The line under the listed steps (failing, or spikes) that counts the others: "(and 2 `noun`s)";
+    "" when every one is listed."""
+    hidden = len(steps) - SHOWN_FAILING
+    return f"(and {count(hidden, noun)})" if hidden > 0 else ""
 
 
 def all_clean(trend: GuardTrend) -> str:
@@ -75,12 +76,6 @@ def numbers(step: TrendStep) -> str:
         by = f" applied by the last of {step.clip_calls} clip calls" if step.clip_calls > 1 else ""
         parts.append(f"coefficients{by} {fmt_coef(step.min_coef)}..{fmt_coef(step.max_coef)}")
     return ", ".join(parts)
-
-
-def more_failing(trend: GuardTrend) -> str:
-    """The line under the listed failing steps that counts the others; "" when every one is listed."""
-    hidden = len(trend.failing) - SHOWN_FAILING
-    return f"(and {hidden} more failing {'step' if hidden == 1 else 'steps'})" if hidden > 0 else ""
 
 
 def not_dumped(trend: GuardTrend) -> str:

@@ -13,12 +13,12 @@ from . import guardtrend, sumsq
 from .charts import mermaid_share_chart, mermaid_trend_chart, share_chart, trend_points
 from .fold import (
     fmt_groups,
+    fmt_hidden,
     fmt_rank_set,
     fmt_ranks_labelled_short,
     fmt_span,
     fold_ranks,
     group_cells,
-    one_per_rank,
 )
 from .numbers import (
     diagnosis_label,
@@ -353,7 +353,7 @@ def _names(values: Sequence[str], limit: int = 8) -> str:
 def _rank_section(report: Report, *, fold: bool) -> str:
     if not report.ranks:
         return "No rank could be read."
-    folded = fold_ranks(report.ranks, max_groups=MAX_RANK_GROUPS) if fold else one_per_rank(report.ranks)
+    folded = fold_ranks(report.ranks, max_groups=MAX_RANK_GROUPS if fold else None)
     header = [
         "ranks",
         "local norm",
@@ -393,11 +393,7 @@ def _rank_section(report: Report, *, fold: bool) -> str:
         )
     parts.append(table)
     if folded.hidden_ranks:
-        parts.append(
-            f"{_count(len(folded.hidden_ranks), 'more rank')} in "
-            f"{_count(folded.num_hidden_groups, 'group')} not shown "
-            f"(ranks {fmt_rank_set(folded.hidden_ranks)}); {SEE_JSON}."
-        )
+        parts.append(f"{fmt_hidden(folded)}; {SEE_JSON}.")
     details = _diagnosis_details(report)
     if details:
         parts.append(details)

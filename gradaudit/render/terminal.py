@@ -11,14 +11,14 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from ..checks.base import count
 from ..norms import norm_name
 from ..report.model import Finding, GuardTrend, MultiStepReport, Report, Severity
 from . import guardtrend, sumsq
 from .charts import MAX_CHART_RANKS, share_chart
-from .fold import fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells, one_per_rank
+from .fold import fmt_hidden, fmt_rank_set, fmt_ranks_labelled_short, fmt_span, fold_ranks, group_cells
 from .numbers import (
     diagnosis_label,
     fmt_coef,
@@ -86,7 +86,7 @@ def render_multi(
     if rows:
         console.print(_summary_table(rows))
         for note in first_call_notes(rows):
-            console.print(_line((f"  {note}", "dim")))
+            _print_aside(console, note)
     for report in failing:
         console.print()
         console.rule(_line(f"step {report.step}"), align="left", characters="─")
@@ -96,7 +96,7 @@ def render_multi(
         console.print()
         console.print(_line(f"No errors, warnings or missing ranks in {fmt_steps_named(clean)}."))
     if hidden:
-        console.print(_line((f"  {count(len(hidden), 'clean step')} not listed (--failing-only)", "dim")))
+        _print_aside(console, f"{count(len(hidden), 'clean step')} not listed (--failing-only)")
     return _strip_line_ends(out.getvalue())
 
 
@@ -113,22 +113,19 @@ def print_guard_trend(console: Console, trend: GuardTrend, *, chart: bool = True
                 (" · not dumped" if step.dump is None else "", "yellow"),
             )
         )
-    if guardtrend.more_failing(trend):
-        console.print(_line((f"  {guardtrend.more_failing(trend)}", "dim")))
+    _print_aside(console, guardtrend.more(trend.failing, "more failing step"))
     if trend.not_dumped:
         console.print(_line("  ", (guardtrend.not_dumped(trend), "yellow")))
     for step in trend.spikes[: guardtrend.SHOWN_FAILING]:  # not wrapped: the command in it is copied whole
         console.print(_line("  ", (guardtrend.spike_step(step, printable), "magenta")), soft_wrap=True)
-    if guardtrend.more_spikes(trend):
-        console.print(_line((f"  {guardtrend.more_spikes(trend)}", "dim")))
+    _print_aside(console, guardtrend.more(trend.spikes, "more spike"))
     rows = guardtrend.chart_rows(trend, printable) if chart else []
     if rows:
         console.print(_line(f"  {guardtrend.chart_title(trend)}"))
         for row in rows:
             console.print(_line(f"  {row}"))
-    for directory in trend.full_captures:
-        # not wrapped: the command in it is copied whole
-        console.print(_line((f"  {guardtrend.full_capture(directory, printable)}", "dim")), soft_wrap=True)
+    for directory in trend.full_captures:  # not wrapped: the command in it is copied whole
+        _print_aside(console, guardtrend.full_capture(directory, printable), soft_wrap=True)
     if not trend.failing:
         console.print(_line((f"✓ {guardtrend.all_clean(trend)}", "bold green")))
 
@@ -166,6 +163,12 @@ def _lines(*lines: Sequence[Piece]) -> Text:
     from rich.text import Text
 
     return Text("\n").join(_line(*pieces) for pieces in lines)
+
+
+def _print_aside(console: Console, text: str, *, soft_wrap: bool = False) -> None:
+    """An indented dim line; nothing when `text` is empty."""
+    if text:
+        console.print(_line((f"  {text}", "dim")), soft_wrap=soft_wrap)
 
 
 def _bar_width(width: int) -> int:
@@ -215,31 +218,21 @@ def _print_missing(console: Console, report: Report) -> None:
         )
 
 
-Justify = Literal["left", "right"]
-
-
-def _table(columns: Sequence[tuple[str, Justify]]) -> Table:
+def _table(headers: Sequence[str], justify: str) -> Table:
+    """A table whose columns are justified by the letters of `justify`: "l" left, "r" right."""
     from rich import box
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for header, justify in columns:
-        table.add_column(header, justify=justify, overflow="fold")
+    for header, side in zip(headers, justify, strict=True):
+        table.add_column(header, justify="right" if side == "r" else "left", overflow="fold")
     return table
 
 
 def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
-    folded = fold_ranks(report.ranks, max_groups=MAX_RANK_ROWS) if fold else one_per_rank(report.ranks)
-    table = _table(
-        [
-            ("ranks" if folded.folded else "rank", "right"),
-            ("local norm", "right"),
-            ("reported norm", "right"),
-            ("applied coef", "right"),
-            ("diagnosis", "left"),
-            ("nonfinite", "left"),
-        ]
-    )
+    folded = fold_ranks(report.ranks, max_groups=MAX_RANK_ROWS if fold else None)
+    rank = "ranks" if folded.folded else "rank"
+    table = _table([rank, "local norm", "reported norm", "applied coef", "diagnosis", "nonfinite"], "rrrrll")
     for group in folded.groups:
         local, reported, coef, _, nonfinite = group_cells(group)
         source = f" ({printable(group.applied_coef_source)})" if group.applied_coef_source else ""
@@ -253,16 +246,7 @@ def _print_ranks(console: Console, report: Report, *, fold: bool) -> None:
         )
     console.print(table)
     if folded.hidden_ranks:
-        console.print(
-            _line(
-                (
-                    f"  {count(len(folded.hidden_ranks), 'more rank')} in "
-                    f"{count(folded.num_hidden_groups, 'group')} not shown "
-                    f"(ranks {fmt_rank_set(folded.hidden_ranks)}); the JSON report lists every rank",
-                    "dim",
-                )
-            )
-        )
+        _print_aside(console, f"{fmt_hidden(folded)}; the JSON report lists every rank")
     _print_diagnosis_details(console, report)
 
 
@@ -275,8 +259,7 @@ def _print_diagnosis_details(console: Console, report: Report) -> None:
             )
         )
     if len(groups) > MAX_DETAIL_LINES:
-        hidden = count(len(groups) - MAX_DETAIL_LINES, "more explanation")
-        console.print(_line((f"  {hidden} not shown", "dim")))
+        _print_aside(console, f"{count(len(groups) - MAX_DETAIL_LINES, 'more explanation')} not shown")
 
 
 def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
@@ -309,7 +292,7 @@ def _print_chart(console: Console, report: Report, *, bar_width: int) -> None:
             _line(f"  {bar.label:>{label_width}} ", *_bar(value, threshold, scale, bar_width), *numbers)
         )
     if chart.num_hidden:
-        console.print(_line((f"  {count(chart.num_hidden, 'smaller rank')} not drawn", "dim")))
+        _print_aside(console, f"{count(chart.num_hidden, 'smaller rank')} not drawn")
 
 
 MAX_NAME_CHARS = 40
@@ -328,7 +311,7 @@ def _print_sum_sq_shares(console: Console, report: Report, *, bar_width: int) ->
         if shares.note
         else "a spike of the true norm (the guard dumped this step)"
     )
-    console.print(_line((f"  {said}", "dim")))
+    _print_aside(console, said)
     if not shares.top:
         console.print(_line(("  ", ""), (printable(shares.reason), "yellow")))
         return
@@ -344,8 +327,7 @@ def _print_sum_sq_shares(console: Console, report: Report, *, bar_width: int) ->
                 f" {fmt_float(share.sum_sq):>8} {fmt_percent(share.share):>6}",
             )
         )
-    if sumsq.rest(shares):
-        console.print(_line((f"  {sumsq.rest(shares)}", "dim")))
+    _print_aside(console, sumsq.rest(shares))
 
 
 def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece]:
@@ -358,17 +340,12 @@ def _bar(value: float, threshold: float, scale: float, width: int) -> list[Piece
 
 
 def _print_findings(console: Console, findings: tuple[Finding, ...]) -> None:
-    from rich.table import Table
-
     console.print()
     if not findings:
         console.print(_line(("Findings", "bold"), ": none"))
         return
     console.print(_line(("Findings", "bold"), f": {fmt_finding_counts(findings)}"))
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(no_wrap=True)
-    grid.add_column(no_wrap=True)
-    grid.add_column()
+    grid = _grid(2)
     for finding in findings:
         grid.add_row(
             _line("  ", (finding.severity.value, _SEVERITY_STYLE[finding.severity])),
@@ -399,16 +376,23 @@ def _finding_body(finding: Finding) -> Text:
     return _lines(*lines)
 
 
+def _grid(num_fixed: int) -> Table:
+    """A borderless grid: `num_fixed` columns that never wrap, then one that does."""
+    from rich.table import Table
+
+    grid = Table.grid(padding=(0, 1))
+    for _ in range(num_fixed):
+        grid.add_column(no_wrap=True)
+    grid.add_column()
+    return grid
+
+
 def _print_not_checked(console: Console, report: Report) -> None:
     if not report.not_checked:
         return
-    from rich.table import Table
-
     console.print()
     console.print(_line(("Not checked", "bold")))
-    grid = Table.grid(padding=(0, 1))
-    grid.add_column(no_wrap=True)
-    grid.add_column()
+    grid = _grid(1)
     for item in report.not_checked:
         grid.add_row(
             _line(f"  {printable(item.code)}"),
@@ -429,17 +413,7 @@ def _print_reference(console: Console, report: Report) -> None:
             f": {num_failing} of {len(ordered)} outside tolerance (worst first)",
         )
     )
-    table = _table(
-        [
-            ("parameter", "left"),
-            ("tensor", "left"),
-            ("max abs error", "right"),
-            ("max rel error", "right"),
-            ("atol", "right"),
-            ("rtol", "right"),
-            ("ok", "left"),
-        ]
-    )
+    table = _table(["parameter", "tensor", "max abs error", "max rel error", "atol", "rtol", "ok"], "llrrrrl")
     for c in ordered[:MAX_REFERENCE_ROWS]:
         table.add_row(
             _line(printable(c.param)),
@@ -454,7 +428,7 @@ def _print_reference(console: Console, report: Report) -> None:
     rest = ordered[MAX_REFERENCE_ROWS:]
     if rest:
         rest_failing = sum(not c.within_tolerance for c in rest)
-        console.print(_line((f"  {len(rest)} more not shown ({rest_failing} outside tolerance)", "dim")))
+        _print_aside(console, f"{len(rest)} more not shown ({rest_failing} outside tolerance)")
 
 
 def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
@@ -464,21 +438,13 @@ def _print_warnings(console: Console, warnings: tuple[str, ...]) -> None:
     for warning in warnings[:MAX_WARNINGS]:
         console.print(_line(("warning:", "yellow"), f" {printable(warning)}"))
     if len(warnings) > MAX_WARNINGS:
-        console.print(
-            _line(
-                (
-                    f"  {count(len(warnings) - MAX_WARNINGS, 'more warning')} not shown; "
-                    "the JSON report lists them",
-                    "dim",
-                )
-            )
-        )
+        hidden = count(len(warnings) - MAX_WARNINGS, "more warning")
+        _print_aside(console, f"{hidden} not shown; the JSON report lists them")
 
 
 def _summary_table(rows: Sequence[StepRow]) -> Table:
-    columns = ("step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings")
-    justified: list[tuple[str, Justify]] = [(c, "right") for c in columns]
-    table = _table([*justified, ("codes", "left")])
+    columns = ["step", "reported norm", "true norm", "ratio", "expected coef", "errors", "warnings", "codes"]
+    table = _table(columns, "rrrrrrrl")
     for row in rows:
         table.add_row(
             _line((fmt_steps(row.steps), "" if row.failing else "dim")),
@@ -512,4 +478,4 @@ def _print_step_brief(console: Console, report: Report) -> None:
     for warning in report.warnings:
         console.print(_line("  ", ("warning:", "yellow"), f" {printable(warning)}"))
     if report.command:
-        console.print(_line((f"  full report: {printable(report.command)}", "dim")))
+        _print_aside(console, f"full report: {printable(report.command)}")
