@@ -150,23 +150,20 @@ def mermaid_trend_chart(points: Sequence[TrendPoint], max_norm: float | None) ->
     """A Mermaid line chart of the true and reported norm per step; failing steps' labels carry ✗."""
     if len(points) < 2:
         return ""
-    values = [v for p in points for v in (p.true_norm, p.reported_norm)]
+    lines = [[p.true_norm for p in points], [p.reported_norm for p in points]]
     if max_norm is not None and math.isfinite(max_norm):
-        values.append(max_norm)
+        lines.append([max_norm] * len(points))
     labels = ", ".join(f'"{p.step}{" ✗" if p.failing else ""}"' for p in points)
-    with_max = max_norm is not None and math.isfinite(max_norm)
-    lines = [
-        'title "True norm (1st line), reported norm (2nd)'
-        + (", max_norm (3rd)" if with_max else "")
-        + ' per step; ✗ marks a failing step"',
-        f"x-axis [{labels}]",
-        f'y-axis "norm" 0 --> {_num(max(values) * 1.05)}',
-        "line [" + ", ".join(_num(p.true_norm) for p in points) + "]",
-        "line [" + ", ".join(_num(p.reported_norm) for p in points) + "]",
-    ]
-    if with_max and max_norm is not None:
-        lines.append("line [" + ", ".join(_num(max_norm) for _ in points) + "]")
-    return _mermaid(lines)
+    return _mermaid(
+        [
+            'title "True norm (1st line), reported norm (2nd)'
+            + (", max_norm (3rd)" if len(lines) == 3 else "")
+            + ' per step; ✗ marks a failing step"',
+            f"x-axis [{labels}]",
+            f'y-axis "norm" 0 --> {_num(max(v for line in lines for v in line) * 1.05)}',
+            *("line [" + ", ".join(_num(v) for v in line) + "]" for line in lines),
+        ]
+    )
 
 
 def _num(value: float) -> str:

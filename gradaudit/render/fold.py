@@ -105,14 +105,13 @@ def fmt_hidden(folded: FoldedRanks) -> str:
 
 def fmt_groups(groups: Sequence[Sequence[int]], *, max_groups: int = 4) -> str:
     """Process groups as text: "2 groups of 2 ranks: {0-1}, {2-3}", the first few shown."""
+    if not groups:
+        return "no groups"
     sizes = sorted({len(g) for g in groups})
-    size_text = f"{sizes[0]} rank" if sizes == [1] else f"{sizes[0]} ranks"
-    if len(sizes) > 1:
-        size_text = f"{sizes[0]} to {sizes[-1]} ranks"
-    count = "1 group" if len(groups) == 1 else f"{len(groups)} groups"
+    size_text = f"{sizes[0]} to {sizes[-1]} ranks" if len(sizes) > 1 else count(sizes[0], "rank")
     shown = ", ".join(f"{{{fmt_rank_set(g, max_chars=32)}}}" for g in groups[:max_groups])
     more = ", …" if len(groups) > max_groups else ""
-    return f"{count} of {size_text}: {shown}{more}" if groups else "no groups"
+    return f"{count(len(groups), 'group')} of {size_text}: {shown}{more}"
 
 
 def group_cells(group: RankGroup) -> tuple[str, str, str, str, str]:

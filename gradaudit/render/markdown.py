@@ -118,20 +118,16 @@ def render_multi(multi: MultiStepReport, *, failing_only: bool = False) -> str:
 def _guarded_run_blocks(directory: str, trend: GuardTrend, *, dumped: bool) -> list[str]:
     """The title and the guard's trend: what it found during training, failing steps first, those it
     did not dump, then the norms of the last checked steps as a text chart."""
-    checked = f"{_count(trend.num_checked, 'step')} checked"
+    steps = _count(trend.num_checked, "step")
     if trend.failing:
         found = f"{len(trend.failing)} with wrong clipping"
-        parts = [f"{trend.num_clean} clean", found]
-        if trend.num_skipped:
-            parts.append(f"{trend.num_skipped} skipped by the scaler")
-        intro = (
-            f"**✗** The guard checked {_count(trend.num_checked, 'step')} during training: {', '.join(parts)}"
-        )
+        skipped = f", {trend.num_skipped} skipped by the scaler" if trend.num_skipped else ""
+        intro = f"**✗** The guard checked {steps} during training: {trend.num_clean} clean, {found}{skipped}"
     else:
         found = "none with wrong clipping" if trend.num_skipped else "all clean"
         intro = f"**✓** {guardtrend.all_clean(trend)}" + ("" if dumped else " The guard dumped nothing")
     blocks = [
-        f"# gradaudit report: guarded run {_md(directory)}: {checked}, {found}",
+        f"# gradaudit report: guarded run {_md(directory)}: {steps} checked, {found}",
         "## Guard trend",
         f"{intro} ({_md(trend.file)} has every step).",
     ]

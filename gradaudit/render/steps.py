@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 from ..report.model import MultiStepReport, Report, Severity, StepSummary, first_call_numbers
 
@@ -59,16 +60,7 @@ def step_rows(multi: MultiStepReport, *, failing_only: bool = False) -> tuple[li
         for s in multi.summary
         if s.step in failing
     ]
-    runs: list[list[StepSummary]] = []
-    previous_failing = True
-    for s in multi.summary:
-        if s.step in failing:
-            previous_failing = True
-            continue
-        if previous_failing:
-            runs.append([])
-        runs[-1].append(s)
-        previous_failing = False
+    runs = [list(run) for fails, run in groupby(multi.summary, lambda s: s.step in failing) if not fails]
     clean = [s.step for run in runs for s in run]
     if failing_only:
         return rows, clean
