@@ -41,10 +41,17 @@ class ShareChart:
 
 def share_chart(report: Report, *, limit: int = MAX_CHART_RANKS) -> ShareChart | str:
     """The share chart of a step, or why there is none."""
-    reason = share_chart_unavailable(report)
-    if reason or report.global_norm is None or report.max_norm is None:
-        return reason or "max_norm or the global norm is unknown"
-    total = report.global_norm * report.global_norm  # inf, not OverflowError, past float64
+    # RankRow.share_of_squared_norm is a share of Σg², so the chart is only meaningful for the L2 norm.
+    if report.norm_type != 2:
+        return f"drawn for the L2 norm only; this step clips the {norm_name(report.norm_type)}"
+    norm, max_norm = report.global_norm, report.max_norm
+    if norm is None or max_norm is None or not math.isfinite(norm) or not math.isfinite(max_norm):
+        return "max_norm or the global norm is unknown or not finite"
+    if max_norm <= 0:
+        return "max_norm must be positive"
+    if not report.ranks:
+        return "no rank could be read"
+    total = norm * norm  # inf, not OverflowError, past float64
     bars = [
         ShareBar(
             label=f"rank {row.rank}", value=row.share_of_squared_norm * total, share=row.share_of_squared_norm
@@ -53,27 +60,7 @@ def share_chart(report: Report, *, limit: int = MAX_CHART_RANKS) -> ShareChart |
     ]
     shown, num_hidden = _largest_in_rank_order(bars, limit)
     shown.append(ShareBar(label="all ranks", value=total, share=1.0))
-    return ShareChart(
-        total=total, threshold=report.max_norm * report.max_norm, bars=tuple(shown), num_hidden=num_hidden
-    )
-
-
-def share_chart_unavailable(report: Report) -> str:
-    # RankRow.share_of_squared_norm is a share of Σg², so the chart is only meaningful for the L2 norm.
-    if report.norm_type != 2:
-        return f"drawn for the L2 norm only; this step clips the {norm_name(report.norm_type)}"
-    if (
-        report.global_norm is None
-        or report.max_norm is None
-        or not math.isfinite(report.global_norm)
-        or not math.isfinite(report.max_norm)
-    ):
-        return "max_norm or the global norm is unknown or not finite"
-    if report.max_norm <= 0:
-        return "max_norm must be positive"
-    if not report.ranks:
-        return "no rank could be read"
-    return ""
+    return ShareChart(total=total, threshold=max_norm * max_norm, bars=tuple(shown), num_hidden=num_hidden)
 
 
 def _largest_in_rank_order(bars: list[ShareBar], limit: int) -> tuple[list[ShareBar], int]:

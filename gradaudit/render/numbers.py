@@ -134,8 +134,11 @@ def reference_worst_first(comparisons: Sequence[ParamComparison]) -> list[ParamC
     )
 
 
-def diagnosis_groups(rows: Sequence[RankRow]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(diagnosis, detail, ranks) for each distinct explanation, in order of first appearance.
+def unsaid_diagnosis_groups(
+    rows: Sequence[RankRow], findings: Sequence[Finding]
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(diagnosis, detail, ranks) for each distinct explanation that no finding's message already says
+    (each is said once), in order of first rank.
 
     Ranks whose explanations differ only in their numbers share one sentence (`fold_sentences`), so
     that the explanation is said once, with a rank range, however many ranks it covers.
@@ -150,15 +153,9 @@ def diagnosis_groups(rows: Sequence[RankRow]) -> list[tuple[str, str, tuple[int,
         (diagnosis, folded.text, folded.ranks)
         for diagnosis, items in by_diagnosis.items()
         for folded in fold_sentences(items)
+        if not any(folded.text in f.message for f in findings)
     ]
     return sorted(groups, key=lambda g: min(g[2]))
-
-
-def unsaid_diagnosis_groups(
-    rows: Sequence[RankRow], findings: Sequence[Finding]
-) -> list[tuple[str, str, tuple[int, ...]]]:
-    """The `diagnosis_groups` whose sentence no finding's message already says (each is said once)."""
-    return [g for g in diagnosis_groups(rows) if not any(g[1] in f.message for f in findings)]
 
 
 def replica_owners(rows: Sequence[RankRow]) -> dict[int, int | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -389,16 +390,12 @@ def guard_trend(
 ) -> GuardTrend:
     """The report's view of a trend: `steps` in file order, `dumps` the run folder's step_<N> folders
     by N (the guard's dumps)."""
-    num_checked = num_clean = num_skipped = 0
+    verdicts: Counter[TrendVerdict] = Counter()
     failing: list[TrendStep] = []
     spikes: list[TrendStep] = []
     last: list[TrendStep] = []
     for step in steps:
-        num_checked += 1
-        if step.verdict == "ok":
-            num_clean += 1
-        elif step.verdict == "skipped":
-            num_skipped += 1
+        verdicts[step.verdict] += 1
         dumped = dumps.get(step.step)
         if dumped != step.dump:
             step = replace(step, dump=dumped)
@@ -411,9 +408,9 @@ def guard_trend(
             del last[:chart_steps]
     return GuardTrend(
         file=file,
-        num_checked=num_checked,
-        num_clean=num_clean,
-        num_skipped=num_skipped,
+        num_checked=verdicts.total(),
+        num_clean=verdicts["ok"],
+        num_skipped=verdicts["skipped"],
         failing=tuple(failing),
         not_dumped=tuple(dict.fromkeys(s.step for s in failing if s.dump is None)),
         chart=tuple(last[-chart_steps:]) if chart_steps > 0 else (),

@@ -78,8 +78,8 @@ def sum_sq_shares(table: StepTable, *, most: int = MOST_REPORTED, note: str = ""
     sums, params = grad.sum_sq[cover], table.param[cover]
     held = np.unique(params)
     num_params = int(held.size)
-    if grad.counts[cover].any() or not np.isfinite(sums).all():
-        nonfinite = grad.counts[cover].any()
+    nonfinite = grad.counts[cover].any()
+    if nonfinite or not np.isfinite(sums).all():
         why = "the gradients hold nan or inf values (GA401)" if nonfinite else "it overflows float64"
         return SumSqShares(
             sum_sq=math.inf if not nonfinite else math.nan,

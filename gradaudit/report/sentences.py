@@ -35,16 +35,11 @@ def _parts(rank: int, sentence: str) -> tuple[tuple[str, ...], tuple[tuple[str, 
     slots: list[tuple[str, str]] = []
     start = 0
     for m in _SLOT.finditer(sentence):
-        if m.group("self") is not None:
-            if int(m.group("rank")) != rank:
-                continue  # another rank named: part of the fixed text
-            kind, text = ("own" if m.group("own") else "self"), m.group()
-        elif m.group("list") is not None:
-            kind, text = "list", m.group()
-        else:
-            kind, text = "number", m.group()
+        if m.group("self") and int(m.group("rank")) != rank:
+            continue  # another rank named: part of the fixed text
+        kind = "own" if m.group("own") else str(m.lastgroup)  # the outer group closes last: "self"
         fixed.append(sentence[start : m.start()])
-        slots.append((kind, text))
+        slots.append((kind, m.group()))
         start = m.end()
     fixed.append(sentence[start:])
     return tuple(fixed), tuple(slots)
