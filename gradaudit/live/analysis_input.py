@@ -32,6 +32,7 @@ from ..model import (
     TensorKind,
     TensorStats,
     Topology,
+    read_only,
 )
 from ..norms import INF, NAN, UNKNOWN
 from ..steptable import (
@@ -258,6 +259,7 @@ def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
         if g.layouts[i]
     )
     shapes: dict[tuple[tuple[int, ...], str | None], _RankShape] = {}
+    columns = _Columns(live, g)
     dumps = {}
     for rank, summary in sorted(live.ranks.items()):
         lo, hi = g.bounds[rank]
@@ -272,7 +274,7 @@ def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
             mode="stats",
             run_id=live.run_id,
             params=shape[0],
-            pieces=_rank_columns(live, g, shape, lo, hi),
+            pieces=columns.of(shape, lo, hi),
             topology=summary.topology,
             clip=g.clips[rank],
             capture_api="guard",
@@ -299,6 +301,7 @@ def _rank_shape(
     rows[:, 0] = [index_of[name] for name in names]
     rows[:, 1] = [-1 if r is None else groups.index(r) for r in replica_groups]
     rows[:, 2] = np.arange(0, 2 * len(held), 2)
+    rows.flags.writeable = False  # shared by every rank of this shape
     dtypes = {
         k: dtype
         for k, i in enumerate(held)
@@ -307,39 +310,62 @@ def _rank_shape(
     return rank_params, rows, tuple(groups), dtypes
 
 
-def _rank_columns(live: LiveStep, g: _Gathered, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
-    import numpy as np
+class _Columns:
+    """Each rank's pieces as columns, sliced from the gathered ones: read-only slices of read-only
+    columns (nothing copied per rank), and what every rank shares decided once."""
 
-    params, rows, groups, dtypes = shape
-    stats, counts = {"grad": g.grad[lo:hi]}, {"grad": g.counts[lo:hi]}
-    has = g.has_clipped[lo:hi]
-    absent: dict[TensorKind, frozenset[int]] = {}
-    if has.any():
-        stats["grad_clipped"], counts["grad_clipped"] = (
-            g.clipped[lo:hi],
-            np.zeros((hi - lo, 3), dtype=np.int64),
+    def __init__(self, live: LiveStep, g: _Gathered) -> None:
+
+        self.live, self.g = live, g
+        self.grad, self.counts, self.clipped = (read_only(a) for a in (g.grad, g.counts, g.clipped))
+        self.coords = read_only(g.coords.reshape(-1))
+        self.every_clipped, self.any_clipped = bool(g.has_clipped.all()), bool(g.has_clipped.any())
+        self.any_calls = any(h.calls for h in g.held)
+        self._zeros: dict[int, np.ndarray] = {}
+
+    def zeros(self, n: int) -> np.ndarray:
+        import numpy as np
+
+        if n not in self._zeros:
+            self._zeros[n] = read_only(np.zeros((n, 3), dtype=np.int64))
+        return self._zeros[n]
+
+    def of(self, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
+        import numpy as np
+
+        params, rows, groups, dtypes = shape
+        g = self.g
+        stats, counts = {"grad": self.grad[lo:hi]}, {"grad": self.counts[lo:hi]}
+        absent: dict[TensorKind, frozenset[int]] = {}
+        if self.every_clipped or (self.any_clipped and g.has_clipped[lo:hi].any()):
+            stats["grad_clipped"], counts["grad_clipped"] = self.clipped[lo:hi], self.zeros(hi - lo)
+            if not self.every_clipped and not (has := g.has_clipped[lo:hi]).all():
+                absent["grad_clipped"] = frozenset(np.flatnonzero(~has).tolist())
+        p = self.live.norm_type
+        call_stats = (
+            {
+                k: tuple(_one_element(term, p) for term in h.calls)
+                for k, h in enumerate(g.held[lo:hi])
+                if h.calls
+            }
+            if self.any_calls
+            else {}
         )
-        if not has.all():
-            absent["grad_clipped"] = frozenset(np.flatnonzero(~has).tolist())
-    p = live.norm_type
-    call_stats = {
-        k: tuple(_one_element(term, p) for term in h.calls) for k, h in enumerate(g.held[lo:hi]) if h.calls
-    }
-    extras = (
-        PieceExtras(absent=absent, call_stats=call_stats, dtypes=dtypes)
-        if absent or call_stats or dtypes
-        else NO_EXTRAS
-    )
-    return ColumnarPieces(
-        rows,
-        g.coords[lo:hi].reshape(-1),
-        params,
-        groups,
-        stats,
-        counts,
-        p if hi > lo else 2.0,
-        extras=extras,
-    )
+        extras = (
+            PieceExtras(absent=absent, call_stats=call_stats, dtypes=dtypes)
+            if absent or call_stats or dtypes
+            else NO_EXTRAS
+        )
+        return ColumnarPieces(
+            rows,
+            self.coords[2 * lo : 2 * hi],
+            params,
+            groups,
+            stats,
+            counts,
+            p if hi > lo else 2.0,
+            extras=extras,
+        )
 
 
 def analysis_of(live: LiveStep) -> Analysis:
