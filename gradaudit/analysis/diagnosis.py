@@ -230,6 +230,8 @@ class _StepWide:
         """The candidate counting every copy of every rank's pieces (after the rank's own)."""
         self.loss_scale: float | None = None
         """The loss scale every candidate is tried multiplied by, when one applies."""
+        self.ids: set[int] = set()
+        """The ids of the candidates above, each group's and the loss-scaled ones (all kept alive)."""
         if not step.missing_ranks and self.repeated and self.double is not None:
             double = Candidate(
                 hypothesis=DOUBLE_COUNTED,
@@ -237,6 +239,7 @@ class _StepWide:
                 description="all ranks' pieces, every replica counted",
             )
             self.double_counted = (((self.everyone, "every"), double),)
+            self.ids.add(id(double))
 
     def know(self, true_norm: float | None, loss_scale: float | None) -> None:
         """The true norm and the loss scale, once known: the candidates every rank shares."""
@@ -245,6 +248,7 @@ class _StepWide:
                 hypothesis=CORRECT, value=true_norm, description="every logical element counted once"
             )
             self.first = (((self.everyone, "once"), correct),)
+            self.ids.add(id(correct))
         if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
             self.loss_scale = loss_scale
 
@@ -299,6 +303,7 @@ class _StepWide:
             if value is not None:
                 candidate = Candidate(hypothesis=wrong, value=value, description=description)
                 found.append(((member_set, counted), candidate))
+                self.ids.add(id(candidate))
 
         once, repeated = norms.norm(members, True)
         add("once", f"{shown}, replicas once", once)
@@ -324,6 +329,7 @@ class _StepWide:
         assert self.loss_scale is not None
         found = _scaled(candidate, self.loss_scale)
         self._scaled[id(candidate)] = (candidate, found)  # the candidate kept alive: its id stays its own
+        self.ids.add(id(found))
         return found
 
 
@@ -391,6 +397,49 @@ def _first_of_each(
     return kept
 
 
+class _Memo:
+    """Matches and decisions already made in this step, by what they were made of: ranks that observe
+    one number close to the same shared candidates share one Match, and ranks whose two matches are
+    shared share one decision (a many-rank step holds a few distinct ones). A match involving a
+    rank's own candidate, or of the number 0 (0.0 and -0.0 print apart), is made afresh."""
+
+    def __init__(self, shared: _StepWide) -> None:
+        self._shared = shared.ids
+        self._matches: dict[tuple[float, str, tuple[int, ...]], Match] = {}
+        self._kept: set[int] = set()
+        """The ids of the Matches above (kept alive with them)."""
+        self._decisions: dict[tuple[int, int, bool], tuple[Hypothesis | None, bool, str]] = {}
+
+    def match(self, observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
+        close = _close(observed, candidates, rtol)
+        ids = tuple(id(c) for c in close)
+        if observed == 0 or not all(i in self._shared for i in ids):
+            return _match_of(observed, what, close)
+        key = (observed, what, ids)
+        found = self._matches.get(key)
+        if found is None:
+            found = self._matches[key] = _match_of(observed, what, close)
+            self._kept.add(id(found))
+        return found
+
+    def decide(
+        self,
+        reported: Match | None,
+        implied: Match | None,
+        coef_is_one: bool,
+        coef: float | None,
+        rtol: float,
+    ) -> tuple[Hypothesis | None, bool, str]:
+        """_decide's answer; `coef` matters only with a candidate giving parameters different
+        coefficients (`coef_range`), which no shared candidate does."""
+        if not all(m is None or id(m) in self._kept for m in (reported, implied)):
+            return _decide(reported, implied, coef_is_one, coef, rtol)
+        key = (id(reported), id(implied), coef_is_one)
+        if key not in self._decisions:
+            self._decisions[key] = _decide(reported, implied, coef_is_one, coef, rtol)
+        return self._decisions[key]
+
+
 def _expected_coef(norm: float | None, max_norm: float | None) -> float | None:
     return None if norm is None or max_norm is None else expected_clip_coef(norm, max_norm)
 
@@ -408,7 +457,11 @@ def _per_member(shown: str, members: tuple[int, ...], once: float, norm_type: fl
 
 def match_norm(observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
     """The first candidate (in order of plausibility) within `rtol` of the observed number."""
-    close = _close(observed, candidates, rtol)
+    return _match_of(observed, what, _close(observed, candidates, rtol))
+
+
+def _match_of(observed: float, what: str, close: list[Candidate]) -> Match:
+    """The match of the observed number with the candidates close to it (in order of plausibility)."""
     if not close:
         return Match(observed=observed, what=what, candidate=None)
     best = close[0]
@@ -544,6 +597,7 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
     shares = shares_of_squared_norm(terms, shared.all_ranks, norms)
     first_call = call_norms[0].norm if call_norms else None
     further = _FurtherCandidates(step, terms, norms, shared, rtol, first_call)
+    memo = _Memo(shared)
     ranks = {}
     for rank in step.ranks_present:
         rank_true = true_norm
@@ -579,11 +633,12 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
                 rtol,
                 bounded,
                 functools.partial(further.for_rank, rank, true_norm),
+                memo,
             )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
-            hypothesis, logging_bug, detail = _decide(
+            hypothesis, logging_bug, detail = memo.decide(
                 reported_match, implied_match, coef_is_one, coef if source == "gradients" else None, rtol
             )
             if bounded is not None:
@@ -770,6 +825,7 @@ def _match_both(
     rtol: float,
     bounded: _BoundedMatcher | None,
     more: Callable[[tuple[float | None, ...]], tuple[Candidate, ...]],
+    memo: _Memo | None = None,
 ) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
     """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
@@ -778,11 +834,11 @@ def _match_both(
         def one(observed: float | None, what: str) -> Match | None:
             if observed is None:
                 return None
-            return (
-                match_norm(observed, what, tried, rtol)
-                if bounded is None
-                else bounded.match(observed, what, tried)
-            )
+            if bounded is not None:
+                return bounded.match(observed, what, tried)
+            if memo is not None:
+                return memo.match(observed, what, tried, rtol)
+            return match_norm(observed, what, tried, rtol)
 
         return one(reported, "reported norm"), one(implied, "norm implied by the applied coefficient")
 

@@ -399,13 +399,13 @@ def _step_table(
 
     p, ids = live.norm_type, {name: i for i, name in enumerate(param_names)}
     rank = np.array([h.rank for h in g.held], dtype=np.int64)
-    index = np.array([h.rank for h in g.held], dtype=np.int64)
-    for first, past in g.bounds.values():
-        index[first:past] = np.arange(past - first)
-    param = np.array([ids[live.groups[h.group].param] for h in g.held], dtype=np.int64)
+    group = np.array([h.group for h in g.held], dtype=np.int64)
+    spans = np.array(list(g.bounds.values()), dtype=np.int64).reshape(-1, 2)  # by rank, contiguous
+    index = np.arange(rank.size) - np.repeat(spans[:, 0], spans[:, 1] - spans[:, 0])
+    param = np.array([ids.get(owned.param, -1) for owned in live.groups], dtype=np.int64)[group]
     order = np.lexsort((index, rank, param))
-    held = [(g.held[i], int(index[i])) for i in order.tolist()]
-    rank, index, param = rank[order], index[order], param[order]
+    held = list(zip([g.held[i] for i in order.tolist()], index[order].tolist(), strict=True))
+    rank, index, param, group = rank[order], index[order], param[order], group[order]
     by_rank = {r: gradient_scale_of(clip) for r, clip in g.clips.items()}
     scales = np.array([by_rank[r] for r in rank.tolist()], dtype=np.float64)
     counts = g.counts[order]
@@ -414,8 +414,9 @@ def _step_table(
     flags = (counts[:, 0] > 0).astype(np.int8) * NAN | ((counts[:, 1] + counts[:, 2]) > 0).astype(
         np.int8
     ) * INF
-    layout = np.array([h.group for h, _ in held], dtype=np.int64) * (len(live.ranks) + 1) + g.coords[order, 0]
-    dtypes = [live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h, _ in held]
+    layout = group * (len(live.ranks) + 1) + g.coords[order, 0]
+    grad_dtypes = {r: s.grad_dtype for r, s in live.ranks.items()}
+    dtypes = [grad_dtypes[h.rank] or live.groups[h.group].dtype for h, _ in held]
 
     def rows(at: np.ndarray) -> list[PieceMeasurement]:
         """The pieces of the guard's dump at these positions, measured: built only when asked."""
@@ -449,7 +450,8 @@ def _step_table(
         distinct_layouts=bool(np.unique(layout).size == layout.size),
         rows=rows,
     )
-    params = [live.groups[h.group].param for h, _ in held]
+    names = [group.param for group in live.groups]
+    params = [names[h.group] for h, _ in held]
     return table, _replica_sets(table, params, dtypes, g.coords[order, 0])
 
 
@@ -488,43 +490,42 @@ def _replica_sets(
     table: StepTable, params: list[str], dtypes: list[str], positions: np.ndarray
 ) -> dict[str, tuple[ReplicaSet, ...]]:
     """Parameter -> its groups held on several ranks, each copy compared with the lowest rank's as
-    measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts)."""
+    measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts):
+    the sets found and every copy's difference taken for all entries at once."""
     import numpy as np
 
-    grad = table.grad
-    copies = np.bincount(table.layout)[table.layout]
-    by_layout: dict[int, list[int]] = {}
-    for i in table.by_rank_order.tolist():
-        if copies[i] > 1:
-            by_layout.setdefault(int(table.layout[i]), []).append(i)
+    grad, order = table.grad, table.by_rank_order
+    chosen = order[np.bincount(table.layout)[table.layout[order]] > 1]  # copies of a layout, by rank
+    entries = chosen[np.argsort(table.layout[chosen], kind="stable")]  # by layout, each by rank
+    layout = table.layout[entries]
+    starts = np.flatnonzero(np.concatenate(([True], layout[1:] != layout[:-1]))) if entries.size else entries
+    bases = entries[starts]
+    base_of = np.repeat(bases, np.diff(np.append(starts, entries.size)))
+    root = np.sqrt(grad.sum_sq)
+    by_sum = np.abs(root[entries] - root[base_of])
+    by_max = np.abs(grad.max_abs[entries] - grad.max_abs[base_of])
+    delta = np.where(by_max > by_sum, by_max, by_sum)  # max(by_sum, by_max), as Python's max takes it
+    delta = np.where(grad.nonfinite[entries] != grad.nonfinite[base_of], math.inf, delta)
+    rank, index = table.rank.tolist(), table.index.tolist()
+    max_abs, sum_sq, at = grad.max_abs.tolist(), grad.sum_sq.tolist(), positions.tolist()
+    ids, deltas, bounds = entries.tolist(), delta.tolist(), [*starts.tolist(), entries.size]
     found: dict[str, list[ReplicaSet]] = {}
-    nonfinite = grad.nonfinite
-    for base, *others in sorted(by_layout.values(), key=lambda at: (table.rank[at[0]], table.index[at[0]])):
-        position = int(positions[base])
-
-        def delta(i: int, base: int = base) -> float:
-            if nonfinite[i] != nonfinite[base]:
-                return math.inf
-            return max(
-                abs(math.sqrt(grad.sum_sq[i]) - math.sqrt(grad.sum_sq[base])),
-                abs(float(grad.max_abs[i]) - float(grad.max_abs[base])),
-            )
-
+    for k in np.lexsort((table.index[bases], table.rank[bases])).tolist():
+        first, past = bounds[k], bounds[k + 1]
+        base = ids[first]
         found.setdefault(params[base], []).append(
             ReplicaSet(
                 param=params[base],
-                regions=(FlatRange(start=position, stop=position + 1),),
+                regions=(FlatRange(start=at[base], stop=at[base] + 1),),
                 dtype=dtypes[base],
-                base_rank=int(table.rank[base]),
-                base_index=int(table.index[base]),
-                base_max_abs=float(grad.max_abs[base]),
-                base_sum_sq=float(grad.sum_sq[base]),
+                base_rank=rank[base],
+                base_index=index[base],
+                base_max_abs=max_abs[base],
+                base_sum_sq=sum_sq[base],
                 numel=1,
                 copies=tuple(
-                    ReplicaCopy(
-                        rank=int(table.rank[i]), index=int(table.index[i]), fingerprint_delta=delta(i)
-                    )
-                    for i in others
+                    ReplicaCopy(rank=rank[ids[j]], index=index[ids[j]], fingerprint_delta=deltas[j])
+                    for j in range(first + 1, past)
                 ),
                 by_values=False,
             )
