@@ -224,6 +224,10 @@ class _StepWide:
         self._topology, self._names = step.topology, tuple(step.topology.groups)
         self._of_group: dict[tuple[str, int], tuple[tuple[int, ...], tuple[_Signed, ...]]] = {}
         self._scaled: dict[int, tuple[Candidate, Candidate]] = {}
+        self._distinct: bool | None = None
+        self._tails: dict[
+            tuple[tuple[str, int], ...], tuple[tuple[Candidate, ...], tuple[Candidate, ...]]
+        ] = {}
         self.first: tuple[_Signed, ...] = ()
         """The true norm's candidate, first of every rank's."""
         self.double_counted: tuple[_Signed, ...] = ()
@@ -320,6 +324,44 @@ class _StepWide:
             add("per_member", _per_member(shown, members, once, norm_type), per_member)
         return members, tuple(found)
 
+    def distinct_signatures(self) -> bool:
+        """Whether no two candidates of any rank count the same ranks the same way, so that no rank's
+        list needs deduplicating: more than one rank present, and no group list tried that is every
+        present rank, one rank, or the ranks of another list."""
+        if self._distinct is None:
+            seen: set[frozenset[int]] = set()
+            self._distinct = len(self.everyone) > 1
+            for lists in self._topology.groups.values():
+                for listed in lists:
+                    group = self.group(listed)
+                    if group is None:
+                        continue
+                    members = group[1]
+                    if members == self.everyone or len(members) == 1 or members in seen:
+                        self._distinct = False
+                        return False
+                    seen.add(members)
+        return self._distinct
+
+    def head(self) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """(the candidates every rank's list starts with, their loss-scaled copies)."""
+        first = tuple(c for _, c in self.first)
+        return first, tuple(self.scaled(c) for c in first) if self.loss_scale is not None else ()
+
+    def tail(self, rank: int) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """(the candidates after the rank's own: the double-counted one and its groups', their
+        loss-scaled copies), built once for all ranks of the same group lists."""
+        groups = self.groups_of(rank)
+        key = tuple((name, id(listed)) for name, listed in groups)
+        found = self._tails.get(key)
+        if found is None:
+            tail = tuple(c for _, c in self.double_counted) + tuple(
+                c for name, listed in groups for _, c in self.of_group(name, listed)[1]
+            )
+            scaled = tuple(self.scaled(c) for c in tail) if self.loss_scale is not None else ()
+            found = self._tails[key] = (tail, scaled)
+        return found
+
     def scaled(self, candidate: Candidate) -> Candidate:
         """The same accounting of gradients still multiplied by the loss scale (built once per
         shared candidate)."""
@@ -352,7 +394,14 @@ def _candidates(
     counting the same ranks the same way (one signature), the first only."""
     found: list[tuple[_Signature | None, Candidate]] = list(shared.first)
     own: list[Candidate] = []
-    if true_norm is not None and rank_true is not None and relative_difference(rank_true, true_norm) > 0:
+    drifted = (
+        true_norm is not None
+        and rank_true is not None
+        and rank_true is not true_norm
+        and relative_difference(rank_true, true_norm) > 0
+    )
+    if drifted:
+        assert rank_true is not None
         own.append(
             Candidate(
                 hypothesis=CORRECT,
@@ -366,6 +415,12 @@ def _candidates(
             Candidate(hypothesis=LOCAL_ONLY, value=local, description=f"rank {rank}'s own pieces only")
         )
         found.append(((frozenset((rank,)), "every"), own[-1]))
+    if shared.distinct_signatures():  # nothing to deduplicate: the shared parts as built once
+        head, tail = shared.head(), shared.tail(rank)
+        if shared.loss_scale is None:
+            return (*head[0], *own, *tail[0])
+        scale = shared.loss_scale
+        return (*head[0], *own, *tail[0], *head[1], *(_scaled(c, scale) for c in own), *tail[1])
     found += shared.double_counted
     for name, listed in shared.groups_of(rank):
         members, entries = shared.of_group(name, listed)

@@ -205,20 +205,28 @@ def _sums(term: float, norm_type: float) -> tuple[float, float, float]:
 def _held(live: LiveStep, layouts: list[dict[tuple[int, ...], int]]) -> dict[int, list[_Held]]:
     """Rank -> every group it holds, in group order; the ranks in order."""
     p = live.norm_type
+    groups = list(enumerate(live.groups))
     by_rank: dict[int, list[_Held]] = {}
     for rank, summary in sorted(live.ranks.items()):
         coef, found = summary.applied_coef, by_rank.setdefault(rank, [])
-        for i, group in enumerate(live.groups):
-            if not summary.held[i]:
+        scales = coef is not None and math.isfinite(coef)
+        calls = () if len(summary.calls) < 2 else summary.calls
+        num_nans, num_infs, terms, held = summary.num_nan, summary.num_inf, summary.terms, summary.held
+        for i, group in groups:
+            if not held[i]:
                 continue
-            num_nan = summary.num_nan[i] if summary.num_nan else 0
-            num_inf = summary.num_inf[i] if summary.num_inf else 0
-            term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
+            num_nan = num_nans[i] if num_nans else 0
+            num_inf = num_infs[i] if num_infs else 0
+            term = terms[i] if math.isfinite(terms[i]) else 0.0
             clipped = None
-            if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
+            if scales and not (num_nan or num_inf):
+                assert coef is not None
                 clipped = term * abs(coef) ** p if not math.isinf(p) else term * abs(coef)
-            calls = () if len(summary.calls) < 2 else summary.calls
-            call_terms = tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
+            call_terms = (
+                tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
+                if calls
+                else ()
+            )
             position = layouts[i][_class_of(live, group, summary)]
             found.append(_Held(rank, i, position, term, num_nan, num_inf, clipped, call_terms))
     return by_rank
