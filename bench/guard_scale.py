@@ -6,6 +6,7 @@ gathered rows (`LiveStep` -> `report_of`).
 
     python bench/guard_scale.py            # 1024, 4096, 16384 ranks
     python bench/guard_scale.py --ranks 1024
+    python bench/guard_scale.py --failing 3   # the failing step's best of 3 (a shared machine)
 
 Prints, per world size: the bytes each rank sends per collective (the sum on every step, its row on a
 failing step), the common path's median time, and the failing step's time (the best of `--failing`
