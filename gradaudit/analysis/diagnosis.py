@@ -467,8 +467,8 @@ class _Memo:
 
     def match(self, observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
         close = _close(observed, candidates, rtol)
-        ids = tuple(id(c) for c in close)
-        if observed == 0 or not all(i in self._shared for i in ids):
+        ids = tuple(map(id, close))
+        if observed == 0 or not self._shared.issuperset(ids):
             return _match_of(observed, what, close)
         key = (observed, what, ids)
         found = self._matches.get(key)
@@ -487,7 +487,10 @@ class _Memo:
     ) -> tuple[Hypothesis | None, bool, str]:
         """_decide's answer; `coef` matters only with a candidate giving parameters different
         coefficients (`coef_range`), which no shared candidate does."""
-        if not all(m is None or id(m) in self._kept for m in (reported, implied)):
+        kept = self._kept
+        if (reported is not None and id(reported) not in kept) or (
+            implied is not None and id(implied) not in kept
+        ):
             return _decide(reported, implied, coef_is_one, coef, rtol)
         key = (id(reported), id(implied), coef_is_one)
         if key not in self._decisions:
