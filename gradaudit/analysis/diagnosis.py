@@ -199,10 +199,17 @@ def _applied_coef(
     return None, None
 
 
+_Signature = tuple[frozenset[int], str]
+"""A candidate's identity: the ranks whose entries it counts and how ("once": replicas once, "every":
+every copy, "per_member": the ranks' norm once per member)."""
+_Signed = tuple[_Signature, Candidate]
+
+
 class _StepWide:
     """What the candidates of every rank share, computed once per step: the set of all ranks, their
-    norm with every replica counted, and each process group's members, sorted (a many-rank step
-    would otherwise build and sort them again for every rank)."""
+    norm with every replica counted, each process group's members, sorted, and the candidates that
+    name no single rank (the true norm's, each group's, their loss-scaled copies), each built once
+    and shared by every rank it applies to (a many-rank step would otherwise build them per rank)."""
 
     def __init__(self, step: StepDump, norms: NormSet) -> None:
         self.all_ranks = tuple(step.ranks_present)
@@ -214,6 +221,40 @@ class _StepWide:
         self._norms = norms
         self._num_layouts: int | None = None
         self._holds_everything: dict[int, bool] = {}
+        self._topology, self._names = step.topology, tuple(step.topology.groups)
+        self._of_group: dict[tuple[str, int], tuple[tuple[int, ...], tuple[_Signed, ...]]] = {}
+        self._scaled: dict[int, tuple[Candidate, Candidate]] = {}
+        self._distinct: bool | None = None
+        self._tails: dict[
+            tuple[tuple[str, int], ...], tuple[tuple[Candidate, ...], tuple[Candidate, ...]]
+        ] = {}
+        self.first: tuple[_Signed, ...] = ()
+        """The true norm's candidate, first of every rank's."""
+        self.double_counted: tuple[_Signed, ...] = ()
+        """The candidate counting every copy of every rank's pieces (after the rank's own)."""
+        self.loss_scale: float | None = None
+        """The loss scale every candidate is tried multiplied by, when one applies."""
+        self.ids: set[int] = set()
+        """The ids of the candidates above, each group's and the loss-scaled ones (all kept alive)."""
+        if not step.missing_ranks and self.repeated and self.double is not None:
+            double = Candidate(
+                hypothesis=DOUBLE_COUNTED,
+                value=self.double,
+                description="all ranks' pieces, every replica counted",
+            )
+            self.double_counted = (((self.everyone, "every"), double),)
+            self.ids.add(id(double))
+
+    def know(self, true_norm: float | None, loss_scale: float | None) -> None:
+        """The true norm and the loss scale, once known: the candidates every rank shares."""
+        if true_norm is not None:
+            correct = Candidate(
+                hypothesis=CORRECT, value=true_norm, description="every logical element counted once"
+            )
+            self.first = (((self.everyone, "once"), correct),)
+            self.ids.add(id(correct))
+        if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
+            self.loss_scale = loss_scale
 
     def holds_everything(self, members: tuple[int, ...]) -> bool:
         """Whether the ranks of this topology group hold every element of the step (some copy of every
@@ -237,90 +278,228 @@ class _StepWide:
             self._groups[key] = (tuple(sorted(members)), found) if usable else None
         return self._groups[key]
 
+    def groups_of(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+        """The rank's lists of each topology group, smallest first (then by name)."""
+        listed = [(name, self._topology.group_of(name, rank)) for name in self._names]
+        if len(listed) > 1:
+            listed.sort(key=lambda g: (len(g[1] or ()), g[0]))
+        return [(name, members) for name, members in listed if members is not None]
 
-def _candidates(
-    step: StepDump,
-    rank: int,
-    norms: NormSet,
-    true_norm: float | None,
-    loss_scale: float | None,
-    rank_true: float | None,
-    shared: _StepWide,
-) -> tuple[Candidate, ...]:
-    found: list[Candidate] = []
-    signatures: set[tuple[frozenset[int], str]] = set()
+    def of_group(self, name: str, listed: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[_Signed, ...]]:
+        """(sorted members, wrong-group candidates) of group `name`'s rank list `listed` (the
+        topology's own tuple); no candidates for a group not to try (see `group`)."""
+        key = (name, id(listed))
+        if key not in self._of_group:
+            self._of_group[key] = self._group_candidates(name, listed)
+        return self._of_group[key]
 
-    def add(
-        hypothesis: Hypothesis, ranks: frozenset[int], counted: str, description: str, value: float | None
-    ) -> None:
-        """`counted`: how the ranks' entries are counted ("once": replicas once, "every": every copy,
-        "per_member": the ranks' norm once per member), which with the ranks makes a candidate's identity."""
-        signature = (ranks, counted)
-        if signature in signatures or value is None:
-            return
-        signatures.add(signature)
-        found.append(Candidate(hypothesis=hypothesis, value=value, description=description))
-
-    if true_norm is not None:
-        add(CORRECT, shared.everyone, "once", "every logical element counted once", true_norm)
-        if rank_true is not None and relative_difference(rank_true, true_norm) > 0:
-            found.append(
-                Candidate(
-                    hypothesis=CORRECT,
-                    value=rank_true,
-                    description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
-                )
-            )
-    add(
-        LOCAL_ONLY,
-        frozenset((rank,)),
-        "every",
-        f"rank {rank}'s own pieces only",
-        norms.norm((rank,), False)[0],
-    )
-    if not step.missing_ranks and shared.repeated:
-        add(
-            DOUBLE_COUNTED,
-            shared.everyone,
-            "every",
-            "all ranks' pieces, every replica counted",
-            shared.double,
-        )
-    groups = sorted(
-        ((name, step.topology.group_of(name, rank)) for name in step.topology.groups),
-        key=lambda g: (len(g[1] or ()), g[0]),
-    )
-    for name, listed in groups:
-        group = shared.group(listed)
-        if group is None or listed is None:
-            continue
+    def _group_candidates(
+        self, name: str, listed: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[_Signed, ...]]:
+        group, norms = self.group(listed), self._norms
+        if group is None:
+            return (), ()
         members, member_set = group
-        if members == (rank,):
-            continue
-        once, repeated = norms.norm(members, True)
+        found: list[_Signed] = []
         wrong, shown = Hypothesis(kind=WRONG_GROUP, what=name), f"ranks {list(members)} of group {name}"
-        add(wrong, member_set, "once", f"{shown}, replicas once", once)
+
+        def add(counted: str, description: str, value: float | None) -> None:
+            if value is not None:
+                candidate = Candidate(hypothesis=wrong, value=value, description=description)
+                found.append(((member_set, counted), candidate))
+                self.ids.add(id(candidate))
+
+        once, repeated = norms.norm(members, True)
+        add("once", f"{shown}, replicas once", once)
         if repeated:
-            add(wrong, member_set, "every", f"{shown}, every replica counted", norms.norm(members, False)[0])
+            add("every", f"{shown}, every replica counted", norms.norm(members, False)[0])
         norm_type = norms.norm_type
         if (
             once is not None
             and math.isfinite(once)
             and not is_inf_norm(norm_type)  # a max counted once per member is the same max
-            and not shared.holds_everything(listed)
+            and not self.holds_everything(listed)
         ):
             per_member = once * len(members) ** (1.0 / norm_type)
-            add(wrong, member_set, "per_member", _per_member(shown, members, once, norm_type), per_member)
-    if loss_scale is not None and loss_scale not in (0.0, 1.0) and math.isfinite(loss_scale):
-        found.extend(
-            Candidate(
-                hypothesis=c.hypothesis.scaled(),
-                value=c.value * loss_scale,
-                description=f"{c.description}, times the loss scale {loss_scale:g}",
+            add("per_member", _per_member(shown, members, once, norm_type), per_member)
+        return members, tuple(found)
+
+    def distinct_signatures(self) -> bool:
+        """Whether no two candidates of any rank count the same ranks the same way, so that no rank's
+        list needs deduplicating: more than one rank present, and no group list tried that is every
+        present rank, one rank, or the ranks of another list."""
+        if self._distinct is None:
+            seen: set[frozenset[int]] = set()
+            self._distinct = len(self.everyone) > 1
+            for lists in self._topology.groups.values():
+                for listed in lists:
+                    group = self.group(listed)
+                    if group is None:
+                        continue
+                    members = group[1]
+                    if members == self.everyone or len(members) == 1 or members in seen:
+                        self._distinct = False
+                        return False
+                    seen.add(members)
+        return self._distinct
+
+    def head(self) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """(the candidates every rank's list starts with, their loss-scaled copies)."""
+        first = tuple(c for _, c in self.first)
+        return first, tuple(self.scaled(c) for c in first) if self.loss_scale is not None else ()
+
+    def tail(self, rank: int) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+        """(the candidates after the rank's own: the double-counted one and its groups', their
+        loss-scaled copies), built once for all ranks of the same group lists."""
+        groups = self.groups_of(rank)
+        key = tuple((name, id(listed)) for name, listed in groups)
+        found = self._tails.get(key)
+        if found is None:
+            tail = tuple(c for _, c in self.double_counted) + tuple(
+                c for name, listed in groups for _, c in self.of_group(name, listed)[1]
             )
-            for c in list(found)
+            scaled = tuple(self.scaled(c) for c in tail) if self.loss_scale is not None else ()
+            found = self._tails[key] = (tail, scaled)
+        return found
+
+    def scaled(self, candidate: Candidate) -> Candidate:
+        """The same accounting of gradients still multiplied by the loss scale (built once per
+        shared candidate)."""
+        kept = self._scaled.get(id(candidate))
+        if kept is not None and kept[0] is candidate:
+            return kept[1]
+        assert self.loss_scale is not None
+        found = _scaled(candidate, self.loss_scale)
+        self._scaled[id(candidate)] = (candidate, found)  # the candidate kept alive: its id stays its own
+        self.ids.add(id(found))
+        return found
+
+
+def _scaled(c: Candidate, loss_scale: float) -> Candidate:
+    return Candidate(
+        hypothesis=c.hypothesis.scaled(),
+        value=c.value * loss_scale,
+        description=f"{c.description}, times the loss scale {loss_scale:g}",
+    )
+
+
+def _candidates(
+    rank: int,
+    local: float | None,
+    true_norm: float | None,
+    rank_true: float | None,
+    shared: _StepWide,
+) -> tuple[Candidate, ...]:
+    """Every norm an accounting gives for this rank, in order of plausibility; of the accountings
+    counting the same ranks the same way (one signature), the first only."""
+    found: list[tuple[_Signature | None, Candidate]] = list(shared.first)
+    own: list[Candidate] = []
+    drifted = (
+        true_norm is not None
+        and rank_true is not None
+        and rank_true is not true_norm
+        and relative_difference(rank_true, true_norm) > 0
+    )
+    if drifted:
+        assert rank_true is not None
+        own.append(
+            Candidate(
+                hypothesis=CORRECT,
+                value=rank_true,
+                description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
+            )
         )
-    return tuple(found)
+        found.append((None, own[-1]))  # of this rank only: never taken for another
+    if local is not None:
+        own.append(
+            Candidate(hypothesis=LOCAL_ONLY, value=local, description=f"rank {rank}'s own pieces only")
+        )
+        found.append(((frozenset((rank,)), "every"), own[-1]))
+    if shared.distinct_signatures():  # nothing to deduplicate: the shared parts as built once
+        head, tail = shared.head(), shared.tail(rank)
+        if shared.loss_scale is None:
+            return (*head[0], *own, *tail[0])
+        scale = shared.loss_scale
+        return (*head[0], *own, *tail[0], *head[1], *(_scaled(c, scale) for c in own), *tail[1])
+    found += shared.double_counted
+    for name, listed in shared.groups_of(rank):
+        members, entries = shared.of_group(name, listed)
+        if entries and members != (rank,):
+            found += entries
+    signed = [signature for signature, _ in found if signature is not None]
+    if len(set(signed)) < len(signed):
+        found = _first_of_each(found)
+    candidates = [c for _, c in found]
+    if shared.loss_scale is not None:
+        scale = shared.loss_scale
+        mine = {id(c) for c in own}
+        candidates += [_scaled(c, scale) if id(c) in mine else shared.scaled(c) for c in candidates]
+    return tuple(candidates)
+
+
+def _first_of_each(
+    found: list[tuple[_Signature | None, Candidate]],
+) -> list[tuple[_Signature | None, Candidate]]:
+    """The first candidate of each signature, in order (one without a signature is always kept)."""
+    seen: set[_Signature] = set()
+    kept = []
+    for signature, candidate in found:
+        if signature is not None:
+            if signature in seen:
+                continue
+            seen.add(signature)
+        kept.append((signature, candidate))
+    return kept
+
+
+class _Memo:
+    """Matches and decisions already made in this step, by what they were made of: ranks that observe
+    one number close to the same shared candidates share one Match, and ranks whose two matches are
+    shared share one decision (a many-rank step holds a few distinct ones). A match involving a
+    rank's own candidate, or of the number 0 (0.0 and -0.0 print apart), is made afresh."""
+
+    def __init__(self, shared: _StepWide) -> None:
+        self._shared = shared.ids
+        self._matches: dict[tuple[float, str, tuple[int, ...]], Match] = {}
+        self._kept: set[int] = set()
+        """The ids of the Matches above (kept alive with them)."""
+        self._decisions: dict[tuple[int, int, bool], tuple[Hypothesis | None, bool, str]] = {}
+
+    def match(self, observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
+        close = _close(observed, candidates, rtol)
+        ids = tuple(map(id, close))
+        if observed == 0 or not self._shared.issuperset(ids):
+            return _match_of(observed, what, close)
+        key = (observed, what, ids)
+        found = self._matches.get(key)
+        if found is None:
+            found = self._matches[key] = _match_of(observed, what, close)
+            self._kept.add(id(found))
+        return found
+
+    def decide(
+        self,
+        reported: Match | None,
+        implied: Match | None,
+        coef_is_one: bool,
+        coef: float | None,
+        rtol: float,
+    ) -> tuple[Hypothesis | None, bool, str]:
+        """_decide's answer; `coef` matters only with a candidate giving parameters different
+        coefficients (`coef_range`), which no shared candidate does."""
+        kept = self._kept
+        if (reported is not None and id(reported) not in kept) or (
+            implied is not None and id(implied) not in kept
+        ):
+            return _decide(reported, implied, coef_is_one, coef, rtol)
+        key = (id(reported), id(implied), coef_is_one)
+        if key not in self._decisions:
+            self._decisions[key] = _decide(reported, implied, coef_is_one, coef, rtol)
+        return self._decisions[key]
+
+
+def _expected_coef(norm: float | None, max_norm: float | None) -> float | None:
+    return None if norm is None or max_norm is None else expected_clip_coef(norm, max_norm)
 
 
 def _per_member(shown: str, members: tuple[int, ...], once: float, norm_type: float) -> str:
@@ -336,12 +515,35 @@ def _per_member(shown: str, members: tuple[int, ...], once: float, norm_type: fl
 
 def match_norm(observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
     """The first candidate (in order of plausibility) within `rtol` of the observed number."""
-    close = [c for c in candidates if relative_difference(observed, c.value) <= rtol]
+    return _match_of(observed, what, _close(observed, candidates, rtol))
+
+
+def _match_of(observed: float, what: str, close: list[Candidate]) -> Match:
+    """The match of the observed number with the candidates close to it (in order of plausibility)."""
     if not close:
         return Match(observed=observed, what=what, candidate=None)
     best = close[0]
+    if len(close) == 1:
+        return Match(observed=observed, what=what, candidate=best)
     coinciding = tuple(dict.fromkeys(c.hypothesis for c in close[1:] if c.hypothesis != best.hypothesis))
     return Match(observed=observed, what=what, candidate=best, coinciding=coinciding)
+
+
+def _close(observed: float, candidates: tuple[Candidate, ...], rtol: float) -> list[Candidate]:
+    """The candidates with relative_difference(observed, value) <= rtol, in order: for a finite
+    number, the same arithmetic inline (every candidate of every rank of a many-rank step is tried)."""
+    if not math.isfinite(observed):
+        return [c for c in candidates if relative_difference(observed, c.value) <= rtol]
+    size = abs(observed)
+    return [
+        c
+        for c in candidates
+        if (value := c.value) == observed
+        or (
+            value == value  # a nan value is never close to a finite number
+            and abs(observed - value) / (size if size >= abs(value) else abs(value)) <= rtol
+        )
+    ]
 
 
 def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> float | None:
@@ -445,19 +647,22 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
         and (true_norm is not None or lower_bound is not None)
     ):
         post_clip = NormSet(terms.clipped, norm_type).norm(shared.all_ranks, True)[0]
-    expected = None if true_norm is None or max_norm is None else expected_clip_coef(true_norm, max_norm)
+    expected = _expected_coef(true_norm, max_norm)
     rtol = max(norm_rtol(set(terms.dtypes)), MIN_RTOL)
     loss_scale = loss_scale_of(step)
+    shared.know(true_norm, loss_scale)
     num_calls_max, call_norms, mixed, moment = _moment(step, terms, rtol)
     shares = shares_of_squared_norm(terms, shared.all_ranks, norms)
     first_call = call_norms[0].norm if call_norms else None
     further = _FurtherCandidates(step, terms, norms, shared, rtol, first_call)
+    memo = _Memo(shared)
     ranks = {}
     for rank in step.ranks_present:
         rank_true = true_norm
         if true_norm is not None and rank in terms.drifted:
             rank_true = norms.norm(shared.all_ranks, True, first=rank)[0]
-        candidates = _candidates(step, rank, norms, true_norm, loss_scale, rank_true, shared)
+        local = norms.norm((rank,), False)[0]
+        candidates = _candidates(rank, local, true_norm, rank_true, shared)
         rank_clip = step.ranks[rank].clip
         num_calls = len(rank_clip.calls) if rank_clip is not None else 0
         reported = reported_norm_of(step, rank)
@@ -486,11 +691,12 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
                 rtol,
                 bounded,
                 functools.partial(further.for_rank, rank, true_norm),
+                memo,
             )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
             )
-            hypothesis, logging_bug, detail = _decide(
+            hypothesis, logging_bug, detail = memo.decide(
                 reported_match, implied_match, coef_is_one, coef if source == "gradients" else None, rtol
             )
             if bounded is not None:
@@ -499,7 +705,7 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
                 detail = f"at the last of {num_calls} clip calls: {detail}"
         ranks[rank] = RankDiagnosis(
             rank=rank,
-            local_norm=norms.norm((rank,), False)[0],
+            local_norm=local,
             reported_norm=reported,
             applied_coef=coef,
             coef_source=source,
@@ -513,9 +719,7 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
             share_of_squared_norm=shares.get(rank, 0.0),
             rtol=rtol,
             true_norm=rank_true,
-            expected_coef=None
-            if rank_true is None or max_norm is None
-            else expected_clip_coef(rank_true, max_norm),
+            expected_coef=expected if rank_true is true_norm else _expected_coef(rank_true, max_norm),
             num_clip_calls=num_calls,
         )
     return StepDiagnosis(
@@ -679,6 +883,7 @@ def _match_both(
     rtol: float,
     bounded: _BoundedMatcher | None,
     more: Callable[[tuple[float | None, ...]], tuple[Candidate, ...]],
+    memo: _Memo | None = None,
 ) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
     """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
@@ -687,11 +892,11 @@ def _match_both(
         def one(observed: float | None, what: str) -> Match | None:
             if observed is None:
                 return None
-            return (
-                match_norm(observed, what, tried, rtol)
-                if bounded is None
-                else bounded.match(observed, what, tried)
-            )
+            if bounded is not None:
+                return bounded.match(observed, what, tried)
+            if memo is not None:
+                return memo.match(observed, what, tried, rtol)
+            return match_norm(observed, what, tried, rtol)
 
         return one(reported, "reported norm"), one(implied, "norm implied by the applied coefficient")
 

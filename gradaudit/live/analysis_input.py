@@ -32,6 +32,7 @@ from ..model import (
     TensorKind,
     TensorStats,
     Topology,
+    read_only,
 )
 from ..norms import INF, NAN, UNKNOWN
 from ..steptable import (
@@ -204,20 +205,28 @@ def _sums(term: float, norm_type: float) -> tuple[float, float, float]:
 def _held(live: LiveStep, layouts: list[dict[tuple[int, ...], int]]) -> dict[int, list[_Held]]:
     """Rank -> every group it holds, in group order; the ranks in order."""
     p = live.norm_type
+    groups = list(enumerate(live.groups))
     by_rank: dict[int, list[_Held]] = {}
     for rank, summary in sorted(live.ranks.items()):
         coef, found = summary.applied_coef, by_rank.setdefault(rank, [])
-        for i, group in enumerate(live.groups):
-            if not summary.held[i]:
+        scales = coef is not None and math.isfinite(coef)
+        calls = () if len(summary.calls) < 2 else summary.calls
+        num_nans, num_infs, terms, held = summary.num_nan, summary.num_inf, summary.terms, summary.held
+        for i, group in groups:
+            if not held[i]:
                 continue
-            num_nan = summary.num_nan[i] if summary.num_nan else 0
-            num_inf = summary.num_inf[i] if summary.num_inf else 0
-            term = summary.terms[i] if math.isfinite(summary.terms[i]) else 0.0
+            num_nan = num_nans[i] if num_nans else 0
+            num_inf = num_infs[i] if num_infs else 0
+            term = terms[i] if math.isfinite(terms[i]) else 0.0
             clipped = None
-            if coef is not None and math.isfinite(coef) and not (num_nan or num_inf):
+            if scales and not (num_nan or num_inf):
+                assert coef is not None
                 clipped = term * abs(coef) ** p if not math.isinf(p) else term * abs(coef)
-            calls = () if len(summary.calls) < 2 else summary.calls
-            call_terms = tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
+            call_terms = (
+                tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
+                if calls
+                else ()
+            )
             position = layouts[i][_class_of(live, group, summary)]
             found.append(_Held(rank, i, position, term, num_nan, num_inf, clipped, call_terms))
     return by_rank
@@ -258,6 +267,7 @@ def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
         if g.layouts[i]
     )
     shapes: dict[tuple[tuple[int, ...], str | None], _RankShape] = {}
+    columns = _Columns(live, g)
     dumps = {}
     for rank, summary in sorted(live.ranks.items()):
         lo, hi = g.bounds[rank]
@@ -272,7 +282,7 @@ def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
             mode="stats",
             run_id=live.run_id,
             params=shape[0],
-            pieces=_rank_columns(live, g, shape, lo, hi),
+            pieces=columns.of(shape, lo, hi),
             topology=summary.topology,
             clip=g.clips[rank],
             capture_api="guard",
@@ -299,6 +309,7 @@ def _rank_shape(
     rows[:, 0] = [index_of[name] for name in names]
     rows[:, 1] = [-1 if r is None else groups.index(r) for r in replica_groups]
     rows[:, 2] = np.arange(0, 2 * len(held), 2)
+    rows.flags.writeable = False  # shared by every rank of this shape
     dtypes = {
         k: dtype
         for k, i in enumerate(held)
@@ -307,39 +318,62 @@ def _rank_shape(
     return rank_params, rows, tuple(groups), dtypes
 
 
-def _rank_columns(live: LiveStep, g: _Gathered, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
-    import numpy as np
+class _Columns:
+    """Each rank's pieces as columns, sliced from the gathered ones: read-only slices of read-only
+    columns (nothing copied per rank), and what every rank shares decided once."""
 
-    params, rows, groups, dtypes = shape
-    stats, counts = {"grad": g.grad[lo:hi]}, {"grad": g.counts[lo:hi]}
-    has = g.has_clipped[lo:hi]
-    absent: dict[TensorKind, frozenset[int]] = {}
-    if has.any():
-        stats["grad_clipped"], counts["grad_clipped"] = (
-            g.clipped[lo:hi],
-            np.zeros((hi - lo, 3), dtype=np.int64),
+    def __init__(self, live: LiveStep, g: _Gathered) -> None:
+
+        self.live, self.g = live, g
+        self.grad, self.counts, self.clipped = (read_only(a) for a in (g.grad, g.counts, g.clipped))
+        self.coords = read_only(g.coords.reshape(-1))
+        self.every_clipped, self.any_clipped = bool(g.has_clipped.all()), bool(g.has_clipped.any())
+        self.any_calls = any(h.calls for h in g.held)
+        self._zeros: dict[int, np.ndarray] = {}
+
+    def zeros(self, n: int) -> np.ndarray:
+        import numpy as np
+
+        if n not in self._zeros:
+            self._zeros[n] = read_only(np.zeros((n, 3), dtype=np.int64))
+        return self._zeros[n]
+
+    def of(self, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
+        import numpy as np
+
+        params, rows, groups, dtypes = shape
+        g = self.g
+        stats, counts = {"grad": self.grad[lo:hi]}, {"grad": self.counts[lo:hi]}
+        absent: dict[TensorKind, frozenset[int]] = {}
+        if self.every_clipped or (self.any_clipped and g.has_clipped[lo:hi].any()):
+            stats["grad_clipped"], counts["grad_clipped"] = self.clipped[lo:hi], self.zeros(hi - lo)
+            if not self.every_clipped and not (has := g.has_clipped[lo:hi]).all():
+                absent["grad_clipped"] = frozenset(np.flatnonzero(~has).tolist())
+        p = self.live.norm_type
+        call_stats = (
+            {
+                k: tuple(_one_element(term, p) for term in h.calls)
+                for k, h in enumerate(g.held[lo:hi])
+                if h.calls
+            }
+            if self.any_calls
+            else {}
         )
-        if not has.all():
-            absent["grad_clipped"] = frozenset(np.flatnonzero(~has).tolist())
-    p = live.norm_type
-    call_stats = {
-        k: tuple(_one_element(term, p) for term in h.calls) for k, h in enumerate(g.held[lo:hi]) if h.calls
-    }
-    extras = (
-        PieceExtras(absent=absent, call_stats=call_stats, dtypes=dtypes)
-        if absent or call_stats or dtypes
-        else NO_EXTRAS
-    )
-    return ColumnarPieces(
-        rows,
-        g.coords[lo:hi].reshape(-1),
-        params,
-        groups,
-        stats,
-        counts,
-        p if hi > lo else 2.0,
-        extras=extras,
-    )
+        extras = (
+            PieceExtras(absent=absent, call_stats=call_stats, dtypes=dtypes)
+            if absent or call_stats or dtypes
+            else NO_EXTRAS
+        )
+        return ColumnarPieces(
+            rows,
+            self.coords[2 * lo : 2 * hi],
+            params,
+            groups,
+            stats,
+            counts,
+            p if hi > lo else 2.0,
+            extras=extras,
+        )
 
 
 def analysis_of(live: LiveStep) -> Analysis:
@@ -373,13 +407,13 @@ def _step_table(
 
     p, ids = live.norm_type, {name: i for i, name in enumerate(param_names)}
     rank = np.array([h.rank for h in g.held], dtype=np.int64)
-    index = np.array([h.rank for h in g.held], dtype=np.int64)
-    for first, past in g.bounds.values():
-        index[first:past] = np.arange(past - first)
-    param = np.array([ids[live.groups[h.group].param] for h in g.held], dtype=np.int64)
+    group = np.array([h.group for h in g.held], dtype=np.int64)
+    spans = np.array(list(g.bounds.values()), dtype=np.int64).reshape(-1, 2)  # by rank, contiguous
+    index = np.arange(rank.size) - np.repeat(spans[:, 0], spans[:, 1] - spans[:, 0])
+    param = np.array([ids.get(owned.param, -1) for owned in live.groups], dtype=np.int64)[group]
     order = np.lexsort((index, rank, param))
-    held = [(g.held[i], int(index[i])) for i in order.tolist()]
-    rank, index, param = rank[order], index[order], param[order]
+    held = list(zip([g.held[i] for i in order.tolist()], index[order].tolist(), strict=True))
+    rank, index, param, group = rank[order], index[order], param[order], group[order]
     by_rank = {r: gradient_scale_of(clip) for r, clip in g.clips.items()}
     scales = np.array([by_rank[r] for r in rank.tolist()], dtype=np.float64)
     counts = g.counts[order]
@@ -388,8 +422,9 @@ def _step_table(
     flags = (counts[:, 0] > 0).astype(np.int8) * NAN | ((counts[:, 1] + counts[:, 2]) > 0).astype(
         np.int8
     ) * INF
-    layout = np.array([h.group for h, _ in held], dtype=np.int64) * (len(live.ranks) + 1) + g.coords[order, 0]
-    dtypes = [live.ranks[h.rank].grad_dtype or live.groups[h.group].dtype for h, _ in held]
+    layout = group * (len(live.ranks) + 1) + g.coords[order, 0]
+    grad_dtypes = {r: s.grad_dtype for r, s in live.ranks.items()}
+    dtypes = [grad_dtypes[h.rank] or live.groups[h.group].dtype for h, _ in held]
 
     def rows(at: np.ndarray) -> list[PieceMeasurement]:
         """The pieces of the guard's dump at these positions, measured: built only when asked."""
@@ -423,7 +458,8 @@ def _step_table(
         distinct_layouts=bool(np.unique(layout).size == layout.size),
         rows=rows,
     )
-    params = [live.groups[h.group].param for h, _ in held]
+    names = [group.param for group in live.groups]
+    params = [names[h.group] for h, _ in held]
     return table, _replica_sets(table, params, dtypes, g.coords[order, 0])
 
 
@@ -462,43 +498,42 @@ def _replica_sets(
     table: StepTable, params: list[str], dtypes: list[str], positions: np.ndarray
 ) -> dict[str, tuple[ReplicaSet, ...]]:
     """Parameter -> its groups held on several ranks, each copy compared with the lowest rank's as
-    measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts)."""
+    measuring the guard's dump compares statistics-only copies (their sums, their nonfinite counts):
+    the sets found and every copy's difference taken for all entries at once."""
     import numpy as np
 
-    grad = table.grad
-    copies = np.bincount(table.layout)[table.layout]
-    by_layout: dict[int, list[int]] = {}
-    for i in table.by_rank_order.tolist():
-        if copies[i] > 1:
-            by_layout.setdefault(int(table.layout[i]), []).append(i)
+    grad, order = table.grad, table.by_rank_order
+    chosen = order[np.bincount(table.layout)[table.layout[order]] > 1]  # copies of a layout, by rank
+    entries = chosen[np.argsort(table.layout[chosen], kind="stable")]  # by layout, each by rank
+    layout = table.layout[entries]
+    starts = np.flatnonzero(np.concatenate(([True], layout[1:] != layout[:-1]))) if entries.size else entries
+    bases = entries[starts]
+    base_of = np.repeat(bases, np.diff(np.append(starts, entries.size)))
+    root = np.sqrt(grad.sum_sq)
+    by_sum = np.abs(root[entries] - root[base_of])
+    by_max = np.abs(grad.max_abs[entries] - grad.max_abs[base_of])
+    delta = np.where(by_max > by_sum, by_max, by_sum)  # max(by_sum, by_max), as Python's max takes it
+    delta = np.where(grad.nonfinite[entries] != grad.nonfinite[base_of], math.inf, delta)
+    rank, index = table.rank.tolist(), table.index.tolist()
+    max_abs, sum_sq, at = grad.max_abs.tolist(), grad.sum_sq.tolist(), positions.tolist()
+    ids, deltas, bounds = entries.tolist(), delta.tolist(), [*starts.tolist(), entries.size]
     found: dict[str, list[ReplicaSet]] = {}
-    nonfinite = grad.nonfinite
-    for base, *others in sorted(by_layout.values(), key=lambda at: (table.rank[at[0]], table.index[at[0]])):
-        position = int(positions[base])
-
-        def delta(i: int, base: int = base) -> float:
-            if nonfinite[i] != nonfinite[base]:
-                return math.inf
-            return max(
-                abs(math.sqrt(grad.sum_sq[i]) - math.sqrt(grad.sum_sq[base])),
-                abs(float(grad.max_abs[i]) - float(grad.max_abs[base])),
-            )
-
+    for k in np.lexsort((table.index[bases], table.rank[bases])).tolist():
+        first, past = bounds[k], bounds[k + 1]
+        base = ids[first]
         found.setdefault(params[base], []).append(
             ReplicaSet(
                 param=params[base],
-                regions=(FlatRange(start=position, stop=position + 1),),
+                regions=(FlatRange(start=at[base], stop=at[base] + 1),),
                 dtype=dtypes[base],
-                base_rank=int(table.rank[base]),
-                base_index=int(table.index[base]),
-                base_max_abs=float(grad.max_abs[base]),
-                base_sum_sq=float(grad.sum_sq[base]),
+                base_rank=rank[base],
+                base_index=index[base],
+                base_max_abs=max_abs[base],
+                base_sum_sq=sum_sq[base],
                 numel=1,
                 copies=tuple(
-                    ReplicaCopy(
-                        rank=int(table.rank[i]), index=int(table.index[i]), fingerprint_delta=delta(i)
-                    )
-                    for i in others
+                    ReplicaCopy(rank=rank[ids[j]], index=index[ids[j]], fingerprint_delta=deltas[j])
+                    for j in range(first + 1, past)
                 ),
                 by_values=False,
             )

@@ -79,6 +79,7 @@ class VectorLayout:
         self, row: np.ndarray, *, rank: int, held: tuple[bool, ...], topology: Topology
     ) -> RankSummary:
         """One rank's summary from its row of the gathered matrix (status must be OK)."""
+        row = row.tolist()  # Python floats: read one by one (a failing step unpacks every rank's)
         g = self.num_groups
         num_calls = int(row[1])
         calls = []
