@@ -30,6 +30,9 @@ ALLOWED = {
     # the guard's gathered numbers, one row per rank and group it holds, in rank order: sorted into
     # the step table, sliced into each rank's dump columns
     "gradaudit.live.analysis_input._Gathered",
+    # read-only views of _Gathered's columns (and shared zero counts), sliced into each rank's dump
+    # columns without a copy: the same numbers, not a second form
+    "gradaudit.live.analysis_input._Columns",
     # capture: the rows of a rank's pieces that hold a whole plain tensor, by position, read in bulk
     "gradaudit.capture.plain.WholeRows",
     # capture: the stats mode's float64 rows, one per piece and kind
