@@ -29,7 +29,7 @@ from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
 from .replicas import ReplicaFault, replica_faults
 from .spike import SpikeTest, spike_watch
-from .spike_dump import SpikeSums, spike_params, spike_rank_dump
+from .spike_dump import SpikeSums, params_rank_dump, spike_params, spike_rank_dump
 from .summary import (
     FAILED,
     HEADER,
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
     from ..capture.ownership import LocalPiece
     from ..capture.session import AuditStep
+    from ..model import RankDump
     from ..report.model import Report
 
 OnAnomaly = Literal["warn", "raise"]
@@ -992,7 +993,7 @@ class Guard:
         for fault in self._faults if "GA601" in codes else ():
             for rank in fault.ranks if fault.agreeing else ():
                 self._faulty.setdefault(rank, []).append(step)
-        dumped = self._dump(live, step)
+        dumped = self._dump(live, step, codes)
         said = "; ".join(said_of)
         where = (
             f"; its dump: gradaudit check {live.directory}"
@@ -1171,9 +1172,9 @@ class Guard:
                 f"gradaudit guard: on_verdict raised; the guard goes on:\n{text}",
             )
 
-    def _dump(self, live: LiveStep, step: int) -> bool:
-        """Write this rank's file of the step, and arm a full capture of the next; False when the
-        dump budget or the cooldown says no, or when the file cannot be written (warned)."""
+    def _dump(self, live: LiveStep, step: int, codes: tuple[str, ...]) -> bool:
+        """Write this rank's file of the step (see `_rank_dump`), and arm a full capture of the next;
+        False when the dump budget or the cooldown says no, or when the file cannot be written (warned)."""
         from ..dumpfile.writer import write_rank_file
 
         if self._num_dumped >= self.max_dumps:
@@ -1185,22 +1186,7 @@ class Guard:
         self._last_dump_step = step
         if self.capture_next:
             self._capture_step = self.step + 1  # late or not, the verdict is read before this step ends
-        dump = self._safely(
-            "dump",
-            lambda: dataclasses.replace(
-                rank_dumps(live)[self.rank],
-                host=socket.gethostname(),
-                torch_version=_torch_version(),
-                gradaudit_version=__version__,
-                created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                trigger=TRIGGER,
-                trigger_note=(
-                    f"gradients nonfinite before the step's first clip call in {', '.join(self._nonfinite_in)}"
-                    if self._nonfinite_in
-                    else None
-                ),
-            ),
-        )
+        dump = self._safely("dump", lambda: self._stamped(self._rank_dump(live, codes)))
         if dump is None:
             return False
         try:
@@ -1214,6 +1200,69 @@ class Guard:
             )
             return False
         return True
+
+    def _stamped(self, dump: RankDump) -> RankDump:
+        """`dump` as the guard writes it: where and by what it was made, and why."""
+        return dataclasses.replace(
+            dump,
+            host=socket.gethostname(),
+            torch_version=_torch_version(),
+            gradaudit_version=__version__,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            trigger=TRIGGER,
+            trigger_note=(
+                f"gradients nonfinite before the step's first clip call in {', '.join(self._nonfinite_in)}"
+                if self._nonfinite_in
+                else dump.trigger_note
+            ),
+        )
+
+    def _rank_dump(self, live: LiveStep, codes: tuple[str, ...]) -> RankDump:
+        """This rank's dump of the step: its ownership groups (`rank_dumps`), or on a step whose
+        replicas differ (GA601) its pieces of the parameters, so that `gradaudit check` of it names
+        the parameters whose copies differ (spike_dump.params_rank_dump). Every rank decides alike,
+        from the gathered numbers: the parameters' pieces when the norm is the 2-norm, and every rank
+        made at most one clip call (its pieces' norms before it are what its group terms were summed
+        from) and holds finite terms; else the groups."""
+        dump = rank_dumps(live)[self.rank]
+        ranks = live.ranks.values()
+        if (
+            "GA601" not in codes
+            or self.norm_type != 2.0
+            or any(r.num_calls > 1 or any(r.num_nan) or any(r.num_inf) for r in ranks)
+            or not all(math.isfinite(term) for r in ranks for term in r.terms)
+        ):
+            return dump
+        summary = live.ranks[self.rank]
+        return params_rank_dump(
+            dump,
+            self._pieces,
+            self._first_norms_of(live),
+            coef=summary.applied_coef,
+            grad_dtype=summary.grad_dtype,
+        )
+
+    def _first_norms_of(self, live: LiveStep) -> tuple[Any, tuple[int, ...]] | None:
+        """This rank's per-piece 2-norms before the step's first clip call (on the host, float64), as
+        its group terms were summed from them: divided by the loss scale where the clip call unscaled
+        the gradients itself (see `_record_call`). None when they are not known, or do not sum to its
+        terms (a scale the rows do not hold): its pieces are then dumped without statistics."""
+        import torch
+
+        norms = self._said_of.get(live.step, ((), None))[1]
+        if norms is None:
+            return None
+        values, present = norms
+        values = values.detach().to("cpu", torch.float64)
+        summary = live.ranks[self.rank]
+        terms = torch.tensor(summary.terms, dtype=torch.float64)
+        index = torch.tensor([self._summary.group_index[i] for i in present], dtype=torch.int64)
+        for scale in dict.fromkeys((1.0, summary.loss_scale or 1.0)):
+            scaled = values / scale
+            sums = torch.zeros_like(terms).index_add_(0, index, scaled.square())
+            if torch.allclose(sums, terms, rtol=1e-9, atol=0.0):
+                return scaled, present
+        return None
 
     def _begin_capture(self) -> None:
         from ..capture.session import AuditStep

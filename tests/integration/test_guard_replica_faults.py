@@ -1,11 +1,12 @@
 """A flipped bit in one rank's gradient copy, after the reduction that makes every replica's bytes equal,
 is named by the guard at its step as a rank-local fault with that rank, its host and device, under DDP,
-HSDP's replicate dimension and a tensor-parallel-replicated LayerNorm, and a flipped bit in one
-replica's weights at the next comparison of the weights; correct runs of the same stacks give no
-replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
+HSDP's replicate dimension and a tensor-parallel-replicated LayerNorm, and `gradaudit check` of the
+step's dump names the parameter and the rank; a flipped bit in one replica's weights is named at the
+next comparison of the weights; correct runs of the same stacks give no replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -24,7 +25,7 @@ CASES = {  # stack -> (world size, the rank whose copy is flipped, the ranks hol
 
 
 @pytest.mark.parametrize("stack", sorted(CASES))
-def test_a_flipped_bit_in_one_replica_is_a_rank_local_fault_named_at_its_step(tmp_path, stack):
+def test_a_flipped_bit_in_one_replica_is_a_rank_local_fault_named_at_its_step(tmp_path, stack, cli):
     world_size, flip_rank, holders = CASES[stack]
     results = run_ranks(workers.train, world_size, (str(tmp_path), stack, flip_rank), timeout_s=300)
     for result in results:
@@ -39,6 +40,16 @@ def test_a_flipped_bit_in_one_replica_is_a_rank_local_fault_named_at_its_step(tm
         assert "re-run the step on it, and drain the node if it repeats" in said
     else:  # two copies: either may be the faulty one
         assert f"ranks {compact_ranks(holders)} hold copies over group" in said
+    # the dump of the step holds the parameters' pieces: `gradaudit check` names the flipped one
+    flipped = results[0]["flipped"].removeprefix("module.")  # DDP's wrapper is not in the names
+    code, out, _ = cli("check", str(tmp_path / f"step_{workers.FLIP_STEP}"), "--format", "json")
+    report = json.loads(out)
+    (ga601,) = [f for f in report["findings"] if f["code"] == "GA601"]
+    assert ga601["params"] == [flipped], ga601
+    assert ga601["ranks"] == [[flip_rank, flip_rank]], ga601  # runs of ranks
+    assert f"{flipped}: rank {flip_rank} differ" in ga601["message"]
+    assert "head.weight" not in ga601["message"] and code != 0
+    assert any("guard-triggered" in w and "ownership group" not in w for w in report["warnings"])
 
 
 def test_a_correct_run_gives_no_replica_finding(tmp_path):
