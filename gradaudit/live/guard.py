@@ -35,6 +35,7 @@ from .summary import (
     HEADER,
     NONFINITE_SLOTS,
     OFF,
+    OK,
     SKIP,
     STEP,
     CallRecord,
@@ -123,8 +124,9 @@ class Guard:
       over the median true norm of the last 20 checked steps, or a callable (step, true_norm,
       recent_norms) -> bool: a step it calls a spike is marked in the trend, the parameters holding
       most of its Σg² are named, and each rank writes their statistics as a dump (max_dumps of them);
-      weights_every (10): every N-th checked step, the replicas' weights after the optimizer step are
-      compared too (GA605: a replica whose weights drifted from the others').
+      weights_every (10): every N-th checked step, and every step whose rows are gathered (every step
+      it dumps), the replicas' weights after the optimizer step are compared too (GA605: a replica
+      whose weights drifted from the others').
     `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
 
@@ -188,7 +190,9 @@ class Guard:
         self._weight_faults: tuple[ReplicaFault, ...] = ()
         """Of the step being judged: the replicas whose weights differ from the others' after its step."""
         self._weights_agreed_at: int | None = None
-        """The last weight check at which every replica's weights agreed."""
+        """The last step whose replicas' weights were compared and agreed."""
+        self._weights_after: int | None = None
+        """The step whose optimizer step made the weights as they are now (see `_with_weights`)."""
         self.on_anomaly = on_anomaly
         self.max_dumps = max_dumps
         self.cooldown = cooldown
@@ -634,6 +638,7 @@ class Guard:
         # The summary is sent after the step, not before: a closure (Lightning, LBFGS) runs the backward
         # and the clip inside optimizer.step(); optimizers leave the gradients as they were.
         self._stepped = True
+        self._weights_after = self.step
         self._end_of_step(skipped=False)
 
     def _end_of_step(self, *, skipped: bool) -> None:
@@ -767,7 +772,9 @@ class Guard:
                 self._safely("judge", functools.partial(self._conclude_fast, exchange.step, fast))
                 continue
             try:  # the sum does not settle the step: every rank's row, read in the same loop
-                self._exchange = self._channel.post(exchange.step, exchange.row)
+                self._exchange = self._channel.post(
+                    exchange.step, self._with_weights(exchange.step, exchange.row)
+                )
             except Exception as exc:
                 if _is_signal(exc):
                     raise
@@ -821,10 +828,13 @@ class Guard:
             self._realignments = 0
             self._ask_where_nonfinite(rows)
             self._faults = replica_faults(rows, self.groups, self._held, self._topologies)
-            self._weight_faults = replica_faults(
-                rows, self.groups, self._held, self._topologies, at=self.layout.weights_offset
+            held = self._weights_held(rows, step)
+            self._weight_faults = (
+                ()
+                if held is None
+                else replica_faults(rows, self.groups, held, self._topologies, at=self.layout.weights_offset)
             )
-            if self._weight_check(step) and not self._weight_faults:
+            if held is not None and not self._weight_faults:
                 self._weights_agreed_at = step
             live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
@@ -1081,6 +1091,38 @@ class Guard:
         if code == "GA601" and self._faults:
             return " — " + "; ".join(self._fault_text(fault, live.step) for fault in self._faults)
         return ""
+
+    def _with_weights(self, step: int, row: Any) -> Any:
+        """This rank's `row` of a step the sum did not settle (every step the guard dumps is one), to
+        be gathered: on a step that is no weight check, with the weights block filled in (see
+        summary.VectorLayout) so that the gathered rows compare the replicas' weights too (GA605)
+        at no collective of their own. The weights are those after `step`'s optimizer step, as on a
+        weight check's step: they are filled only while no later optimizer step has run (late=True
+        reads the verdict before the next step's optimizer step), else the block stays nan and
+        `_weights_held` leaves the step's weights uncompared."""
+        if self._weight_check(step) or self._weights_after != step or float(row[0]) != OK:
+            return row
+        weights = self._safely("measure the weights of", self._summary.weight_terms)
+        if weights is not None:
+            at = self.layout.weights_offset
+            row[at : at + self.layout.num_groups] = weights.to("cpu")
+        return row
+
+    def _weights_held(self, rows: Any, step: int) -> Sequence[Sequence[bool]] | None:
+        """Which ranks' weights of which groups the gathered `rows` of `step` hold: every holder's on a
+        weight check's step; on another step the same when every measured rank holding a replica filled
+        its block in (`_with_weights`), else None: the step's weights are not compared."""
+        import numpy as np
+
+        if self._weight_check(step):
+            return self._held
+        at = self.layout.weights_offset
+        replicated = [i for i, group in enumerate(self.groups) if group.replica_group is not None]
+        for rank, row in enumerate(rows):
+            mine = [at + i for i in replicated if self._held[rank][i]]
+            if row[0] == OK and mine and np.isnan(row[mine]).all():
+                return None
+        return self._held
 
     def _weight_check(self, step: int) -> bool:
         """Whether the replicas' weights are compared after this step (every weights_every-th checked step)."""

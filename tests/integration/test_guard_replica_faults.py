@@ -2,7 +2,8 @@
 is named by the guard at its step as a rank-local fault with that rank, its host and device, under DDP,
 HSDP's replicate dimension and a tensor-parallel-replicated LayerNorm, and `gradaudit check` of the
 step's dump names the parameter and the rank; a flipped bit in one replica's weights is named at the
-next comparison of the weights; correct runs of the same stacks give no replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
+next comparison of the weights, or at the next step the guard dumps; correct runs of the same stacks
+give no replica finding (the stacks' correct runs in every dtype: test_guard_stacks.py)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,47 @@ def test_a_flipped_bit_in_one_replicas_weights_is_named_at_the_next_weight_check
     said = " ".join(results[0]["warnings"])
     assert f"the weights of rank 1 (host {socket.gethostname()}, device cpu) over group" in said
     assert "first seen at step 8, they last agreed at step 4" in said
+
+
+def test_a_flipped_bit_in_one_replicas_weights_is_named_at_the_next_step_the_guard_dumps(tmp_path):
+    """Flipped after the optimizer step of step 6, the weights compared every 10 steps: a clip call that
+    leaves a parameter out at step 7 makes the guard gather its rows, and the weights after its
+    optimizer step are compared with them: GA605 at step 7, beside the clipping's own finding."""
+    results = run_ranks(
+        workers.train,
+        4,
+        (str(tmp_path), "ddp", 1, True, 10, True),
+        timeout_s=300,
+    )
+    for result in results:
+        steps = dict(result["anomalies"])
+        assert min(steps) == workers.WRONG_CLIP_STEP, result["anomalies"]
+        assert "GA605" in steps[workers.WRONG_CLIP_STEP] and len(steps[workers.WRONG_CLIP_STEP]) > 1
+        assert all("GA601" not in codes for codes in steps.values())
+    said = " ".join(results[0]["warnings"])
+    assert f"the weights of rank 1 (host {socket.gethostname()}, device cpu) over group" in said
+    assert f"first seen at step {workers.WRONG_CLIP_STEP}, they last agreed at step 1" in said
+
+
+def test_a_steps_weights_are_compared_only_when_every_replica_sent_them():
+    """A rank that reads a step's verdict only after the next optimizer step (its wait ran out) sends no
+    weights: that step's weights are not compared, rather than compared across two optimizer steps."""
+    import numpy as np
+
+    from gradaudit.live.analysis_input import OwnershipGroup
+    from gradaudit.live.guard import Guard
+    from gradaudit.live.summary import OK, VectorLayout
+
+    guard = object.__new__(Guard)
+    guard.every, guard.weights_every = 1, 10
+    guard.groups = (OwnershipGroup(name="dp", replica_group="dp"),)
+    guard._held = [(True,), (True,), (True,)]
+    guard.layout = VectorLayout(num_groups=1)
+    rows = np.full((3, guard.layout.size), np.nan)
+    rows[:, 0] = OK
+    at = guard.layout.weights_offset
+    rows[:, at] = [4.0, 4.0, 5.0]
+    assert guard._weights_held(rows, 7) == guard._held
+    rows[2, at] = np.nan
+    assert guard._weights_held(rows, 7) is None
+    assert guard._weights_held(rows, 10) == guard._held  # a weight check's step: every rank measured
