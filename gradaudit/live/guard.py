@@ -1111,11 +1111,20 @@ class Guard:
     def _weights_held(self, rows: Any, step: int) -> Sequence[Sequence[bool]] | None:
         """Which ranks' weights of which groups the gathered `rows` of `step` hold: every holder's on a
         weight check's step; on another step the same when every measured rank holding a replica filled
-        its block in (`_with_weights`), else None: the step's weights are not compared."""
+        its block in (`_with_weights`) and the step's own update was the same on every replica
+        (`_same_update`), else None: the step's weights are not compared. Nor are they between a step
+        some ranks skipped (their weights differ from then on, as `_caught_up` says) and the next
+        weight check, which compares them as before."""
         import numpy as np
 
         if self._weight_check(step):
             return self._held
+        checks = step // self.every
+        last_check = (checks - checks % self.weights_every) * self.every
+        if self.skipped_steps and self.skipped_steps[-1][0] >= last_check:
+            return None
+        if self._faults or not self._same_update(rows):
+            return None
         at = self.layout.weights_offset
         replicated = [i for i, group in enumerate(self.groups) if group.replica_group is not None]
         for rank, row in enumerate(rows):
@@ -1123,6 +1132,32 @@ class Guard:
             if row[0] == OK and mine and np.isnan(row[mine]).all():
                 return None
         return self._held
+
+    def _same_update(self, rows: Any) -> bool:
+        """Whether every measured rank's row says its optimizer step made the same update of the same
+        gradient copies: the same clip calls (reported norm, max_norm, norm_type bit for bit), the same
+        scaler state, and applied coefficients within the gradients' dtype's tolerance. A step whose
+        ranks clipped differently (GA301, a rank's scaler skipping alone) makes its replicas' weights
+        differ by itself, which its own findings name: only after a step that did not can a difference
+        of the weights say they drifted before it (GA605, a rank-local fault)."""
+        import numpy as np
+
+        from ..norms import NORM_RTOL_BY_DTYPE
+        from .summary import GRAD_DTYPES
+
+        measured = rows[rows[:, 0] == OK]
+        if not len(measured):
+            return False
+        calls = min(int(measured[0, 1]), self.layout.max_calls)
+        at = [1, 3, 4, 5] + [self.layout.call_offset(k) + j for k in range(calls) for j in range(3)]
+        bits = np.ascontiguousarray(measured[:, at]).view(np.uint64)
+        if (bits != bits[0]).any():
+            return False
+        coef = measured[:, 2]
+        coef = coef[np.isfinite(coef)]
+        dtypes = [GRAD_DTYPES[int(d)] for d in measured[:, 6] if math.isfinite(d)]
+        rtol = max((NORM_RTOL_BY_DTYPE[d] for d in dtypes), default=max(NORM_RTOL_BY_DTYPE.values()))
+        return not len(coef) or float(coef.max() - coef.min()) <= rtol * float(np.abs(coef).max())
 
     def _weight_check(self, step: int) -> bool:
         """Whether the replicas' weights are compared after this step (every weights_every-th checked step)."""

@@ -92,9 +92,11 @@ def test_a_flipped_bit_in_one_replicas_weights_is_named_at_the_next_step_the_gua
     assert f"first seen at step {workers.WRONG_CLIP_STEP}, they last agreed at step 1" in said
 
 
-def test_a_steps_weights_are_compared_only_when_every_replica_sent_them():
+def test_a_steps_weights_are_compared_only_when_every_replica_sent_them_after_the_same_update():
     """A rank that reads a step's verdict only after the next optimizer step (its wait ran out) sends no
-    weights: that step's weights are not compared, rather than compared across two optimizer steps."""
+    weights: that step's weights are not compared, rather than compared across two optimizer steps; nor
+    are they when the ranks clipped differently at the step (their weights then differ by its update),
+    or after a step some ranks skipped, until the next weight check."""
     import numpy as np
 
     from gradaudit.live.analysis_input import OwnershipGroup
@@ -105,12 +107,22 @@ def test_a_steps_weights_are_compared_only_when_every_replica_sent_them():
     guard.every, guard.weights_every = 1, 10
     guard.groups = (OwnershipGroup(name="dp", replica_group="dp"),)
     guard._held = [(True,), (True,), (True,)]
+    guard._faults, guard.skipped_steps = (), []
     guard.layout = VectorLayout(num_groups=1)
     rows = np.full((3, guard.layout.size), np.nan)
-    rows[:, 0] = OK
+    call = guard.layout.call_offset(0)
+    rows[:, :3] = (OK, 1.0, 0.25)  # measured, one clip call, its applied coefficient
+    rows[:, call : call + 3] = (4.0, 1.0, 2.0)  # reported norm, max_norm, norm_type
     at = guard.layout.weights_offset
     rows[:, at] = [4.0, 4.0, 5.0]
     assert guard._weights_held(rows, 7) == guard._held
+    rows[1, call + 1] = 0.5  # rank 1 clipped to another max_norm
+    assert guard._weights_held(rows, 7) is None
+    rows[1, call + 1] = 1.0
     rows[2, at] = np.nan
     assert guard._weights_held(rows, 7) is None
     assert guard._weights_held(rows, 10) == guard._held  # a weight check's step: every rank measured
+    rows[2, at] = 5.0
+    guard.skipped_steps = [(3, (1,))]  # rank 1 skipped step 3: its weights differ until the next check
+    assert guard._weights_held(rows, 7) is None
+    assert guard._weights_held(rows, 13) == guard._held
