@@ -299,13 +299,20 @@ def _spike_shares(inputs: Analysis) -> SumSqShares | None:
 
 
 def _trigger_notes(step: StepDump) -> tuple[str, ...]:
-    """A dump gradaudit.guard wrote on its own says so: its pieces are ownership groups, not parameters."""
+    """A dump gradaudit.guard wrote on its own says so: its pieces are ownership groups, not parameters
+    (but those of its dump of a step whose replicas differ, "guard.params": live/spike_dump.py)."""
     if not any(step.ranks[r].trigger == "guard" for r in step.ranks_present):
         return ()
     notes = dict.fromkeys(n for r in step.ranks_present if (n := step.ranks[r].trigger_note))
+    groups = any(step.ranks[r].capture_api != "guard.params" for r in step.ranks_present)
     return (
-        f"guard-triggered: gradaudit.guard wrote step {step.step} when it found its clipping wrong; each "
-        "piece is one rank's ownership group (its shards, or what it holds of a replicated group), not a parameter",
+        f"guard-triggered: gradaudit.guard wrote step {step.step} when it found its clipping wrong"
+        + (
+            "; each piece is one rank's ownership group (its shards, or what it holds of a replicated group), "
+            "not a parameter"
+            if groups
+            else ""
+        ),
         *(f"guard-triggered: {note}" for note in notes),
     )
 

@@ -381,7 +381,8 @@ class RankDump:
     "DeepSpeedAudit"), so that a hint names what its user called; None in files that do not record it."""
     trigger: str | None = None
     """What wrote this file unasked: "guard" for a step `gradaudit.guard` found wrong (its pieces are
-    the rank's ownership groups); None for a capture the training code asked for."""
+    the rank's ownership groups, or its real pieces when capture_api is "guard.params"); None for a
+    capture the training code asked for."""
     trigger_note: str | None = None
     """What the writer of a triggered dump found that its pieces cannot hold (the guard: the
     parameters whose gradients were nonfinite before the step's first clip call); None: nothing."""

@@ -17,6 +17,8 @@ _RECORD_PARAMETERS = {
     "audited step",
     "guard": "the guard's dump of a wrong step holds its group norms only: check the next step's full "
     "capture (under full/ in the guard's out_dir)",
+    "guard.params": "the guard's dump of a step whose replicas differ holds its gradients' norms only: check "
+    "the next step's full capture (under full/ in the guard's out_dir)",
     "guard.full": "the guard's full capture records them when the guarded optimizer steps in the captured step",
 }
 

@@ -15,6 +15,10 @@ TINY = 1e-30
 GUARD = "guard"
 """The capture_api of a step the guard measured: its copies are its own sums over each copy, made by
 one kernel over bytes the stack's reduction makes identical on every replica, so any difference is one."""
+GUARD_MEASURED = frozenset({GUARD, "guard.params", "guard.spike"})
+"""The capture_apis whose copies the guard measured, compared exactly (see GUARD): its ownership
+groups' sums, and the per-parameter pieces' norms of its GA601 and spike dumps (live/spike_dump.py),
+each measured by the same kernel on the same bytes."""
 
 
 def replica_tolerance(rs: ReplicaSet, *, exact: bool = False) -> float:
@@ -53,7 +57,7 @@ def replicas_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     sets = [rs for pm in m.params.values() for rs in pm.replica_sets]
     if not sets:
         return Skip(reason="no parameter piece is held on more than one present rank")
-    exact = all(step.ranks[r].capture_api == GUARD for r in step.ranks_present)
+    exact = all(step.ranks[r].capture_api in GUARD_MEASURED for r in step.ranks_present)
     bad = []
     for rs in sets:
         copies = differing_copies(rs, exact=exact)

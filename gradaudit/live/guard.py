@@ -29,12 +29,13 @@ from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
 from .replicas import ReplicaFault, replica_faults
 from .spike import SpikeTest, spike_watch
-from .spike_dump import SpikeSums, spike_params, spike_rank_dump
+from .spike_dump import SpikeSums, params_rank_dump, spike_params, spike_rank_dump
 from .summary import (
     FAILED,
     HEADER,
     NONFINITE_SLOTS,
     OFF,
+    OK,
     SKIP,
     STEP,
     LocalSummary,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from ..capture.arguments import CallRecord
     from ..capture.ownership import LocalPiece
     from ..capture.session import AuditStep
+    from ..model import RankDump
     from ..report.model import Report
 
 OnAnomaly = Literal["warn", "raise"]
@@ -122,8 +124,9 @@ class Guard:
       over the median true norm of the last 20 checked steps, or a callable (step, true_norm,
       recent_norms) -> bool: a step it calls a spike is marked in the trend, the parameters holding
       most of its Σg² are named, and each rank writes their statistics as a dump (max_dumps of them);
-      weights_every (10): every N-th checked step, the replicas' weights after the optimizer step are
-      compared too (GA605: a replica whose weights drifted from the others').
+      weights_every (10): every N-th checked step, and every step whose rows are gathered (every step
+      it dumps), the replicas' weights after the optimizer step are compared too (GA605: a replica
+      whose weights drifted from the others').
     `guard.remove()` stops it; `with gradaudit.guard(...):` removes it on exit.
     """
 
@@ -187,7 +190,9 @@ class Guard:
         self._weight_faults: tuple[ReplicaFault, ...] = ()
         """Of the step being judged: the replicas whose weights differ from the others' after its step."""
         self._weights_agreed_at: int | None = None
-        """The last weight check at which every replica's weights agreed."""
+        """The last step whose replicas' weights were compared and agreed."""
+        self._weights_after: int | None = None
+        """The step whose optimizer step made the weights as they are now (see `_with_weights`)."""
         self.on_anomaly = on_anomaly
         self.max_dumps = max_dumps
         self.cooldown = cooldown
@@ -626,6 +631,7 @@ class Guard:
         # The summary is sent after the step, not before: a closure (Lightning, LBFGS) runs the backward
         # and the clip inside optimizer.step(); optimizers leave the gradients as they were.
         self._stepped = True
+        self._weights_after = self.step
         self._end_of_step(skipped=False)
 
     def _end_of_step(self, *, skipped: bool) -> None:
@@ -759,7 +765,9 @@ class Guard:
                 self._safely("judge", functools.partial(self._conclude_fast, exchange.step, fast))
                 continue
             try:  # the sum does not settle the step: every rank's row, read in the same loop
-                self._exchange = self._channel.post(exchange.step, exchange.row)
+                self._exchange = self._channel.post(
+                    exchange.step, self._with_weights(exchange.step, exchange.row)
+                )
             except Exception as exc:
                 if _is_signal(exc):
                     raise
@@ -813,10 +821,13 @@ class Guard:
             self._realignments = 0
             self._ask_where_nonfinite(rows)
             self._faults = replica_faults(rows, self.groups, self._held, self._topologies)
-            self._weight_faults = replica_faults(
-                rows, self.groups, self._held, self._topologies, at=self.layout.weights_offset
+            held = self._weights_held(rows, step)
+            self._weight_faults = (
+                ()
+                if held is None
+                else replica_faults(rows, self.groups, held, self._topologies, at=self.layout.weights_offset)
             )
-            if self._weight_check(step) and not self._weight_faults:
+            if held is not None and not self._weight_faults:
                 self._weights_agreed_at = step
             live = self._safely("judge", lambda: self._as_clipped(self.live_step(step, rows)))
             if live is not None and all(r.skipped for r in live.ranks.values()):
@@ -985,7 +996,7 @@ class Guard:
         for fault in self._faults if "GA601" in codes else ():
             for rank in fault.ranks if fault.agreeing else ():
                 self._faulty.setdefault(rank, []).append(step)
-        dumped = self._dump(live, step)
+        dumped = self._dump(live, step, codes)
         said = "; ".join(said_of)
         where = (
             f"; its dump: gradaudit check {live.directory}"
@@ -1073,6 +1084,73 @@ class Guard:
         if code == "GA601" and self._faults:
             return " — " + "; ".join(self._fault_text(fault, live.step) for fault in self._faults)
         return ""
+
+    def _with_weights(self, step: int, row: Any) -> Any:
+        """This rank's `row` of a step the sum did not settle (every step the guard dumps is one), to
+        be gathered: on a step that is no weight check, with the weights block filled in (see
+        summary.VectorLayout) so that the gathered rows compare the replicas' weights too (GA605)
+        at no collective of their own. The weights are those after `step`'s optimizer step, as on a
+        weight check's step: they are filled only while no later optimizer step has run (late=True
+        reads the verdict before the next step's optimizer step), else the block stays nan and
+        `_weights_held` leaves the step's weights uncompared."""
+        if self._weight_check(step) or self._weights_after != step or float(row[0]) != OK:
+            return row
+        weights = self._safely("measure the weights of", self._summary.weight_terms)
+        if weights is not None:
+            at = self.layout.weights_offset
+            row[at : at + self.layout.num_groups] = weights.to("cpu")
+        return row
+
+    def _weights_held(self, rows: Any, step: int) -> Sequence[Sequence[bool]] | None:
+        """Which ranks' weights of which groups the gathered `rows` of `step` hold: every holder's on a
+        weight check's step; on another step the same when every measured rank holding a replica filled
+        its block in (`_with_weights`) and the step's own update was the same on every replica
+        (`_same_update`), else None: the step's weights are not compared. Nor are they between a step
+        some ranks skipped (their weights differ from then on, as `_caught_up` says) and the next
+        weight check, which compares them as before."""
+        import numpy as np
+
+        if self._weight_check(step):
+            return self._held
+        checks = step // self.every
+        last_check = (checks - checks % self.weights_every) * self.every
+        if self.skipped_steps and self.skipped_steps[-1][0] >= last_check:
+            return None
+        if self._faults or not self._same_update(rows):
+            return None
+        at = self.layout.weights_offset
+        replicated = [i for i, group in enumerate(self.groups) if group.replica_group is not None]
+        for rank, row in enumerate(rows):
+            mine = [at + i for i in replicated if self._held[rank][i]]
+            if row[0] == OK and mine and np.isnan(row[mine]).all():
+                return None
+        return self._held
+
+    def _same_update(self, rows: Any) -> bool:
+        """Whether every measured rank's row says its optimizer step made the same update of the same
+        gradient copies: the same clip calls (reported norm, max_norm, norm_type bit for bit), the same
+        scaler state, and applied coefficients within the gradients' dtype's tolerance. A step whose
+        ranks clipped differently (GA301, a rank's scaler skipping alone) makes its replicas' weights
+        differ by itself, which its own findings name: only after a step that did not can a difference
+        of the weights say they drifted before it (GA605, a rank-local fault)."""
+        import numpy as np
+
+        from ..norms import NORM_RTOL_BY_DTYPE
+        from .summary import GRAD_DTYPES
+
+        measured = rows[rows[:, 0] == OK]
+        if not len(measured):
+            return False
+        calls = min(int(measured[0, 1]), self.layout.max_calls)
+        at = [1, 3, 4, 5] + [self.layout.call_offset(k) + j for k in range(calls) for j in range(3)]
+        bits = np.ascontiguousarray(measured[:, at]).view(np.uint64)
+        if (bits != bits[0]).any():
+            return False
+        coef = measured[:, 2]
+        coef = coef[np.isfinite(coef)]
+        dtypes = [GRAD_DTYPES[int(d)] for d in measured[:, 6] if math.isfinite(d)]
+        rtol = max((NORM_RTOL_BY_DTYPE[d] for d in dtypes), default=max(NORM_RTOL_BY_DTYPE.values()))
+        return not len(coef) or float(coef.max() - coef.min()) <= rtol * float(np.abs(coef).max())
 
     def _weight_check(self, step: int) -> bool:
         """Whether the replicas' weights are compared after this step (every weights_every-th checked step)."""
@@ -1164,9 +1242,9 @@ class Guard:
                 f"gradaudit guard: on_verdict raised; the guard goes on:\n{text}",
             )
 
-    def _dump(self, live: LiveStep, step: int) -> bool:
-        """Write this rank's file of the step, and arm a full capture of the next; False when the
-        dump budget or the cooldown says no, or when the file cannot be written (warned)."""
+    def _dump(self, live: LiveStep, step: int, codes: tuple[str, ...]) -> bool:
+        """Write this rank's file of the step (see `_rank_dump`), and arm a full capture of the next;
+        False when the dump budget or the cooldown says no, or when the file cannot be written (warned)."""
         from ..dumpfile.writer import write_rank_file
 
         if self._num_dumped >= self.max_dumps:
@@ -1178,22 +1256,7 @@ class Guard:
         self._last_dump_step = step
         if self.capture_next:
             self._capture_step = self.step + 1  # late or not, the verdict is read before this step ends
-        dump = self._safely(
-            "dump",
-            lambda: dataclasses.replace(
-                rank_dumps(live)[self.rank],
-                host=socket.gethostname(),
-                torch_version=_torch_version(),
-                gradaudit_version=__version__,
-                created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                trigger=TRIGGER,
-                trigger_note=(
-                    f"gradients nonfinite before the step's first clip call in {', '.join(self._nonfinite_in)}"
-                    if self._nonfinite_in
-                    else None
-                ),
-            ),
-        )
+        dump = self._safely("dump", lambda: self._stamped(self._rank_dump(live, codes)))
         if dump is None:
             return False
         try:
@@ -1207,6 +1270,69 @@ class Guard:
             )
             return False
         return True
+
+    def _stamped(self, dump: RankDump) -> RankDump:
+        """`dump` as the guard writes it: where and by what it was made, and why."""
+        return dataclasses.replace(
+            dump,
+            host=socket.gethostname(),
+            torch_version=_torch_version(),
+            gradaudit_version=__version__,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            trigger=TRIGGER,
+            trigger_note=(
+                f"gradients nonfinite before the step's first clip call in {', '.join(self._nonfinite_in)}"
+                if self._nonfinite_in
+                else dump.trigger_note
+            ),
+        )
+
+    def _rank_dump(self, live: LiveStep, codes: tuple[str, ...]) -> RankDump:
+        """This rank's dump of the step: its ownership groups (`rank_dumps`), or on a step whose
+        replicas differ (GA601) its pieces of the parameters, so that `gradaudit check` of it names
+        the parameters whose copies differ (spike_dump.params_rank_dump). Every rank decides alike,
+        from the gathered numbers: the parameters' pieces when the norm is the 2-norm, and every rank
+        made at most one clip call (its pieces' norms before it are what its group terms were summed
+        from) and holds finite terms; else the groups."""
+        dump = rank_dumps(live)[self.rank]
+        ranks = live.ranks.values()
+        if (
+            "GA601" not in codes
+            or self.norm_type != 2.0
+            or any(r.num_calls > 1 or any(r.num_nan) or any(r.num_inf) for r in ranks)
+            or not all(math.isfinite(term) for r in ranks for term in r.terms)
+        ):
+            return dump
+        summary = live.ranks[self.rank]
+        return params_rank_dump(
+            dump,
+            self._pieces,
+            self._first_norms_of(live),
+            coef=summary.applied_coef,
+            grad_dtype=summary.grad_dtype,
+        )
+
+    def _first_norms_of(self, live: LiveStep) -> tuple[Any, tuple[int, ...]] | None:
+        """This rank's per-piece 2-norms before the step's first clip call (on the host, float64), as
+        its group terms were summed from them: divided by the loss scale where the clip call unscaled
+        the gradients itself (see `_record_call`). None when they are not known, or do not sum to its
+        terms (a scale the rows do not hold): its pieces are then dumped without statistics."""
+        import torch
+
+        norms = self._said_of.get(live.step, ((), None))[1]
+        if norms is None:
+            return None
+        values, present = norms
+        values = values.detach().to("cpu", torch.float64)
+        summary = live.ranks[self.rank]
+        terms = torch.tensor(summary.terms, dtype=torch.float64)
+        index = torch.tensor([self._summary.group_index[i] for i in present], dtype=torch.int64)
+        for scale in dict.fromkeys((1.0, summary.loss_scale or 1.0)):
+            scaled = values / scale
+            sums = torch.zeros_like(terms).index_add_(0, index, scaled.square())
+            if torch.allclose(sums, terms, rtol=1e-9, atol=0.0):
+                return scaled, present
+        return None
 
     def _begin_capture(self) -> None:
         from ..capture.session import AuditStep

@@ -60,13 +60,24 @@ def _model(stack: str, world_size: int):
 
 WEIGHT_FLIP_STEP = 6
 WEIGHTS_EVERY = 4
+WRONG_CLIP_STEP = 7
+"""Of `wrong_clip`: the step whose clip call leaves the first parameter out (every rank alike)."""
 
 
 def train(
-    rank: int, world_size: int, out_dir: str, stack: str, flip_rank: int | None, weights: bool = False
+    rank: int,
+    world_size: int,
+    out_dir: str,
+    stack: str,
+    flip_rank: int | None,
+    weights: bool = False,
+    weights_every: int = WEIGHTS_EVERY,
+    wrong_clip: bool = False,
 ) -> dict:
     """`weights`: flip a bit of the parameter itself after the optimizer step of WEIGHT_FLIP_STEP
-    (the guard compares the replicas' weights every WEIGHTS_EVERY steps), not of its gradient."""
+    (the guard compares the replicas' weights every `weights_every` steps), not of its gradient;
+    `wrong_clip`: at WRONG_CLIP_STEP every rank clips without the first parameter. Returns what the
+    guard found, and the flipped parameter's name."""
     model, flipped, index, count = _model(stack, world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = batch()
@@ -75,7 +86,7 @@ def train(
     with warnings.catch_warnings(record=True) as caught, GuardLog() as log:
         warnings.simplefilter("always")
         guard = gradaudit.guard(
-            model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, weights_every=WEIGHTS_EVERY
+            model, max_norm=MAX_NORM, optimizer=opt, out_dir=out_dir, weights_every=weights_every
         )
         for step in range(1, NUM_STEPS + 1):
             opt.zero_grad()
@@ -84,6 +95,8 @@ def train(
                 flip_one_bit(params[flipped].grad)
             if stack == "tp":  # DTensor and plain gradients: each mesh's norm, then one total
                 guard.clip(per_mesh_clip, list(model.parameters()), MAX_NORM)
+            elif wrong_clip and step == WRONG_CLIP_STEP:
+                torch.nn.utils.clip_grad_norm_(list(model.parameters())[1:], MAX_NORM)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
@@ -91,4 +104,4 @@ def train(
                 with torch.no_grad():
                     flip_one_bit(params[flipped])
         guard.remove()
-    return found(guard, caught, log)
+    return {**found(guard, caught, log), "flipped": flipped}
