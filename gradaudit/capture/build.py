@@ -79,19 +79,9 @@ class PieceOptions(TypedDict, total=False):
     call_stats: Sequence[TensorStats | torch.Tensor]
 
 
-def _tensors(
-    grad: torch.Tensor | None,
-    grad_clipped: torch.Tensor | None,
-    param_before: torch.Tensor | None,
-    param_after: torch.Tensor | None,
-) -> dict[TensorKind, torch.Tensor]:
-    given: dict[TensorKind, torch.Tensor | None] = {
-        "grad": grad,
-        "grad_clipped": grad_clipped,
-        "param_before": param_before,
-        "param_after": param_after,
-    }
-    return {k: v for k, v in given.items() if v is not None}
+def _tensors(*given: torch.Tensor | None) -> dict[TensorKind, torch.Tensor]:
+    """The tensors given (grad, grad_clipped, param_before, param_after, in that order) by kind."""
+    return {kind: t for kind, t in zip(TENSOR_KINDS, given, strict=True) if t is not None}
 
 
 def box(

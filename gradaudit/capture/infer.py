@@ -150,9 +150,7 @@ def _whole_replicas(
         if not kept:
             return None
         rows = whole_rows([names[i] for i in kept], [tensors[i] for i in kept])
-    dp_group = _data_parallel_group(model, topology, groups)
-    tensor_parallel = _tensor_parallel_rank(topology, groups)
-    group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
+    _, _, group = _plain_groups(model, topology, world_size, groups)
     return LocalPieces.of_whole(rows, group)
 
 
@@ -173,9 +171,7 @@ def _plain_pieces(
 ) -> list[LocalPiece]:
     """Pieces of the plain-tensor parameters: replicas over the data-parallel (or mesh, or world)
     group, or Megatron tensor-parallel partitions replicated over the data-parallel group."""
-    dp_group = _data_parallel_group(model, topology, groups)
-    tensor_parallel = _tensor_parallel_rank(topology, groups)
-    replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
+    dp_group, tensor_parallel, replicated_group = _plain_groups(model, topology, world_size, groups)
     pieces: list[LocalPiece] = []
     # A tensor without instance attributes carries no Megatron mark (expert, shared, partitioned):
     # it is one whole replica, taken without the checks below (10^5 parameters a rank happen).
@@ -349,24 +345,21 @@ def _tensor_parallel_rank(
     return None
 
 
-def _plain_replica_group(
+def _plain_groups(
+    model: torch.nn.Module,
     topology: TopologyBuilder,
     world_size: int,
     groups: Mapping[str, tuple[tuple[int, ...], ...]],
-    dp_group: str | None,
-    tensor_parallel: TensorParallelRank | None,
-) -> str | None:
-    """The group a plain (unsharded) parameter is replicated over on this rank."""
+) -> tuple[str | None, TensorParallelRank | None, str | None]:
+    """(the data-parallel group, this rank's tensor-parallel place, and the group a plain (unsharded)
+    parameter is replicated over on this rank: data and tensor parallel, else the largest mesh, else
+    the data-parallel group, else the world when no group was given)."""
+    dp_group = _data_parallel_group(model, topology, groups)
+    tensor_parallel = _tensor_parallel_rank(topology, groups)
     if tensor_parallel is not None:
-        if dp_group is None:
-            return tensor_parallel.group
-        name = f"{dp_group}+{tensor_parallel.group}"
-        return name
-    mesh_group = topology.largest_mesh_group()
-    if mesh_group is not None:
-        return mesh_group
-    if dp_group is not None:
-        return dp_group
-    if world_size > 1 and not groups:
-        return WORLD
-    return None
+        tp_group = tensor_parallel.group
+        return dp_group, tensor_parallel, tp_group if dp_group is None else f"{dp_group}+{tp_group}"
+    replicated = (
+        topology.largest_mesh_group() or dp_group or (WORLD if world_size > 1 and not groups else None)
+    )
+    return dp_group, tensor_parallel, replicated

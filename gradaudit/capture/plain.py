@@ -260,17 +260,7 @@ class LocalPieces(Sequence[LocalPiece]):
         return self._positions.get(param, [])
 
 
-_COLUMNS = (
-    "params",
-    "global_shapes",
-    "dtypes",
-    "regions",
-    "local_shapes",
-    "replica_groups",
-    "local_names",
-    "readers",
-    "tensors",
-)
+_COLUMNS = tuple(f.name for f in dataclasses.fields(LocalPieces) if f.init and f.name != "whole")
 """The columns of a LocalPieces, one entry a row each."""
 
 

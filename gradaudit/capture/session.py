@@ -284,27 +284,16 @@ class AuditStep:
     ) -> Any:
         if clips_nothing(fn, args, kwargs):
             return fn(*args, **kwargs)  # reads the norm, clips nothing: not a clip call
-        scaler = self._guard("capture", self._before_clip) if self._recording else None
-        unscaled, loss_scale = scaler or (None, None)
+        before = self._guard("capture", self._before_clip) if self._recording else None
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
         returned = self._guard("capture", lambda: norm_results(result))
         if self._recording:
+            measured = {"clip_value": clip_value, **(before or {})}
             self._guard(
                 "capture",
-                lambda: self._after_clip(
-                    CallRecord.of(
-                        fn,
-                        args,
-                        kwargs,
-                        returned,
-                        clip_value=clip_value,
-                        unscaled=unscaled,
-                        loss_scale=loss_scale,
-                    ),
-                    result,
-                ),
+                lambda: self._after_clip(CallRecord.of(fn, args, kwargs, returned, **measured), result),
             )
         return result
 
@@ -344,13 +333,8 @@ class AuditStep:
         """Add what the training code logged (values given as numbers or one-element tensors)."""
         if loss_reduction is not None and loss_reduction not in ("mean", "sum"):
             raise CaptureError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        given = {
-            "reported_norm": reported_norm,
-            "clip_coef": clip_coef,
-            "loss": loss,
-            "tokens": check_tokens(tokens),
-            "loss_reduction": loss_reduction,
-        }
+        tokens = check_tokens(tokens)
+        given = {k: v for k, v in locals().items() if k != "self"}  # every keyword above, as given
         self._logged.update({k: v for k, v in given.items() if v is not None})
 
     # -- recording ----------------------------------------------------------------------------
@@ -361,14 +345,14 @@ class AuditStep:
         assert snapshots is not None
         return snapshots
 
-    def _before_clip(self) -> tuple[bool | None, float | None]:
-        """Snapshot the gradients the call is about to clip; (unscaled, loss scale) of the scaler now."""
+    def _before_clip(self) -> dict[str, Any]:
+        """Snapshot the gradients the call is about to clip; the scaler's `unscaled` and `loss_scale` now."""
         if self._calls:
             # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
             # (the common case) no statistics beyond the dump's own are ever computed.
             self._call_stats.append(grad_stats_of_snapshot(self._taken()))
         self._taken().take("grad")
-        scaler = self._scaler.unscaled(), self._scaler.scale()
+        scaler = {"unscaled": self._scaler.unscaled(), "loss_scale": self._scaler.scale()}
         self._scaler.hold()
         return scaler
 

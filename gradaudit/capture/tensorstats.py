@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -230,13 +231,8 @@ def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int 
     flat = tensor.detach().reshape(-1)
     step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
     acc = StatsAccumulator(norm_type)
-    numel = flat.numel()
-    if numel <= step:
-        if numel:
-            acc._add(flat)
-    else:
-        for start in range(0, numel, step):
-            acc._add(flat[start : start + step])
+    for start in range(0, flat.numel(), step):
+        acc._add(flat[start : start + step])
     return acc.result()
 
 
@@ -269,15 +265,10 @@ def stats_rows(
 
     out = np.zeros((len(tensors), len(STATS_COLUMNS)), dtype=np.float64)
     if groups is None:
-        found_groups: dict[tuple[Any, ...], list[int]] = {}
+        found: defaultdict[tuple[Any, ...], list[int]] = defaultdict(list)
         for position, tensor in enumerate(tensors):
-            key = (tensor.shape, tensor.dtype, tensor.device)
-            found = found_groups.get(key)
-            if found is None:
-                found_groups[key] = [position]
-            else:
-                found.append(position)
-        groups = found_groups
+            found[(tensor.shape, tensor.dtype, tensor.device)].append(position)
+        groups = found
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for (shape, _dtype, device), positions in groups.items():
         numel = math.prod(shape)

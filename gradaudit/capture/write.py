@@ -251,23 +251,15 @@ class _Columns:
     def add_rows(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
         import numpy as np
 
-        infos, layouts, not_captured, pieces = (
-            self.infos,
-            self._layouts,
-            snapshots.not_captured,
-            snapshots.pieces,
-        )
+        infos, layouts = self.infos, self._layouts
+        not_captured, pieces = snapshots.not_captured, snapshots.pieces
         ndims: list[int] = []
         coords: list[int] = []
         for index in indices:
             name = pieces.params[index]
             if name in not_captured:
                 continue
-            dtype, regions, local_shape = (
-                pieces.dtypes[index],
-                pieces.regions[index],
-                pieces.local_shapes[index],
-            )
+            dtype, regions = pieces.dtypes[index], pieces.regions[index]
             info = infos.get(name)
             if info is None:
                 infos[name] = ParamInfo(name=name, global_shape=pieces.global_shapes[index], dtype=dtype)
@@ -278,6 +270,7 @@ class _Columns:
             if layout is None or pieces.local_names[index] is not None:
                 return False
             ndim, values, needs = layout
+            local_shape = pieces.local_shapes[index]
             if needs != (local_shape if ndim else numel_of(local_shape)):
                 return False
             self.kept.append(index)
