@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
@@ -65,7 +66,7 @@ def dtensor_pieces(
                 regions=(Box(offsets=offsets, shape=shape),),
                 local_shape=shape,
                 grad=_grad_of(name, dtensor, placements, select),
-                value=_value_of(dtensor, select),
+                value=functools.partial(_local_value, dtensor, select),
                 replica_group=replica_group,
                 local_name=local_name,
                 grad_partial=_partial_of(name, dtensor, placements) if replica_group else None,
@@ -74,13 +75,8 @@ def dtensor_pieces(
     return pieces
 
 
-def _value_of(
-    param: DTensor, select: Callable[[torch.Tensor], torch.Tensor]
-) -> Callable[[], torch.Tensor | None]:
-    def value() -> torch.Tensor | None:
-        return select(param.to_local().detach())
-
-    return value
+def _local_value(param: DTensor, select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return select(param.to_local().detach())
 
 
 def _grad_of(

@@ -181,14 +181,10 @@ def fsdp1_pieces(model: torch.nn.Module, *, exclude: frozenset[str] = frozenset(
 
 def fsdp1_groups(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
     """This rank's view of the FSDP1 process groups: {"dp_shard", "dp_replicate"} or {"dp"} (NO_SHARD)."""
-    units = _fsdp1_units(model) or []
     groups: dict[str, tuple[int, ...]] = {}
-    for unit in units:
-        if unit.strategy == "NO_SHARD":
-            _add_group(groups, NO_SHARD_GROUP, unit.shard_ranks)
-            continue
-        _add_group(groups, SHARD_GROUP, unit.shard_ranks)
-        if unit.replicate_ranks is not None:
+    for unit in _fsdp1_units(model) or []:
+        _add_group(groups, NO_SHARD_GROUP if unit.strategy == "NO_SHARD" else SHARD_GROUP, unit.shard_ranks)
+        if unit.replicate_ranks is not None:  # the hybrid strategies
             _add_group(groups, REPLICATE_GROUP, unit.replicate_ranks)
     return {name: (ranks,) for name, ranks in sorted(groups.items())}
 
@@ -216,12 +212,8 @@ def _fsdp1_units(model: torch.nn.Module) -> list[_Unit] | None:
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, fsdp_class)]
     if not found:
         return None
-    units = []
-    for path, module in found:
-        handle = _handle_of(module, path)
-        if handle is not None:
-            units.append(_unit_of(path, module, handle))
-    return units
+    handles = ((path, module, _handle_of(module, path)) for path, module in found)  # one module at a time
+    return [_unit_of(path, module, handle) for path, module, handle in handles if handle is not None]
 
 
 def _unmanaged_parameters(model: torch.nn.Module, units: list[_Unit]) -> list[tuple[str, Any]]:

@@ -78,13 +78,13 @@ def infer_ownership(
         _check_aliases(aliases, params)
         alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
 
-    fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
+    explicit_names = frozenset(p.local_name or p.param for p in explicit)
+    fsdp1 = _fsdp1_pieces(model, topology, explicit_names)
     if fsdp1 is not None:
         flat = LocalPieces.of([_aliased(p, alias_of) for p in fsdp1])
         held = LocalPieces.joined([flat, LocalPieces.of(explicit)])
         return Ownership(pieces=held, topology=topology.build(), aliases=_local_aliases(flat))
 
-    explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
     plain_types = {torch.Tensor, torch.nn.Parameter}
     if not explicit_names and set(map(type, tensors)) <= plain_types:  # no DTensor: all plain
@@ -99,12 +99,8 @@ def infer_ownership(
             if not param.requires_grad or logical in explicit_names or fqn in explicit_names:
                 continue
             if type(param) not in plain_types and is_dtensor(param):
-                _extend(
-                    pieces,
-                    on_unsupported,
-                    logical,
-                    functools.partial(_dtensor_pieces, logical, param, alias_of, topology),
-                )
+                make = functools.partial(dtensor_pieces, *_names(logical, alias_of), param, topology)
+                _extend(pieces, on_unsupported, logical, make)
             else:
                 plain.append((logical, fqn, param))
         logicals = [logical for logical, _, _ in plain]
@@ -154,12 +150,6 @@ def _whole_replicas(
     return LocalPieces.of_whole(rows, group)
 
 
-def _dtensor_pieces(
-    logical: str, param: torch.Tensor, alias_of: Mapping[str, str], topology: TopologyBuilder
-) -> list[LocalPiece]:
-    return dtensor_pieces(*_names(logical, alias_of), param, topology)
-
-
 def _plain_pieces(
     model: torch.nn.Module,
     plain: Sequence[tuple[str, str, torch.Tensor]],
@@ -198,8 +188,8 @@ def _plain_pieces(
                 on_unsupported(logical, exc)
             continue
         if is_megatron_expert(param):
-            make = lambda logical=logical, param=param: megatron_expert_pieces(  # noqa: E731
-                logical, param, experts, alias_of, tensor_parallel, expert_problem
+            make = functools.partial(
+                megatron_expert_pieces, logical, param, experts, alias_of, tensor_parallel, expert_problem
             )
             _extend(pieces, on_unsupported, logical, make)
             continue

@@ -271,9 +271,8 @@ def whole_pieces(
     local_shape = tuple(param.shape)
     if 0 in local_shape:
         return []
-    return [
-        _piece(name, local_name, param, local_shape, local_shape, _whole_regions(local_shape), replica_group)
-    ]
+    regions = _whole_regions(local_shape)
+    return [_piece(name, local_name, param, local_shape, local_shape, regions, replica_group)]
 
 
 def _piece(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeAlias, TypeVar
 
 from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
@@ -46,6 +47,7 @@ GroupSpec: TypeAlias = "ProcessGroup | Sequence[int] | Sequence[Sequence[int]]"
 """One entry of `groups=`: a process group, its rank list, or the list of all its rank lists."""
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class AuditStep:
@@ -86,14 +88,12 @@ class AuditStep:
             raise CaptureError(
                 f"unknown mode {mode!r}; pass mode='full' (gradient values) or mode='stats' (float64 summaries)"
             )
-        if isinstance(full_params, str):
-            full_params = (full_params,)
         if ownership is not None and not all(isinstance(p, LocalPiece) for p in ownership):
             raise CaptureError("ownership= takes a list of gradaudit.capture.LocalPiece, one per local piece")
         self.optimizer = hookable_optimizer(optimizer)
         self.scaler = scaler
         self.mode = mode
-        self.full_params = tuple(full_params)
+        self.full_params = (full_params,) if isinstance(full_params, str) else tuple(full_params)
         self.strict = strict
         self.run_id = check_run_id(run_id)
         self.capture_api = capture_api
@@ -179,11 +179,8 @@ class AuditStep:
             f"{path}: a dump of rank {self.rank} for step {self.step} already exists; gradaudit never "
             "overwrites one. Remove it, or pass another out_dir"
         )
-        if self.strict:
-            raise DumpExistsError(message)
-        warn_once(
-            f"exists:{path}", f"gradaudit: not capturing rank {self.rank} of step {self.step}: {message}"
-        )
+        warning = f"gradaudit: not capturing rank {self.rank} of step {self.step}: {message}"
+        self._raise_or_warn(DumpExistsError(message), f"exists:{path}", warning)
         return True
 
     def end(self) -> Path | None:
@@ -403,14 +400,11 @@ class AuditStep:
             snapshots.take("grad", copy=False)  # written below, before training resumes
         if snapshots.abandoned is not None:
             # Better a missing rank (GA100) than a file that looks complete and is not.
-            if self.strict:
-                raise CaptureError(
-                    f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}"
-                )
-            warn_once(
-                "abandoned",
-                f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}",
+            error = CaptureError(
+                f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}"
             )
+            warning = f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}"
+            self._raise_or_warn(error, "abandoned", warning)
             return
         if self._call_stats:  # the last of two or more calls (one call's would be dropped)
             self._call_stats.append(grad_stats_of_snapshot(snapshots))
@@ -439,12 +433,8 @@ class AuditStep:
         try:
             self.path = write_dump(self.out_dir, dump, tensors)
         except DumpExistsError as exc:
-            if self.strict:
-                raise
-            warn_once(
-                f"exists:{self.out_dir}",
-                f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}",
-            )
+            warning = f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}"
+            self._raise_or_warn(exc, f"exists:{self.out_dir}", warning)
 
     def _read_scaler_at_start(self) -> None:
         self._loss_scale = self._scaler.scale()
@@ -484,6 +474,12 @@ class AuditStep:
         )
 
     # -- failures -------------------------------------------------------------------------------
+
+    def _raise_or_warn(self, error: Exception, key: str, warning: str) -> None:
+        """Raise `error` when strict; else warn once (per `key`) and let training go on."""
+        if self.strict:
+            raise error
+        warn_once(key, warning)
 
     def _unsupported(self, param: str, exc: Exception) -> None:
         if self.strict:
@@ -528,6 +524,17 @@ def _selected(step: int, *, steps: Iterable[int] | int | None, every: int | None
     from .steps import select_steps
 
     return enabled and select_steps(steps, every).wants(step)
+
+
+def _takes_arguments_of(source: Callable[P, Any]) -> Callable[[Callable[..., T]], Callable[P, T]]:
+    """Give the decorated function the parameters of `source`, for type checkers and for
+    `inspect.signature` alike: the capture API's keyword arguments are written once."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[P, T]:
+        fn.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
 
 
 def audit_step(
@@ -586,26 +593,8 @@ def audit_step(
     return AuditStep(**locals())  # every parameter above, as given
 
 
-def begin_audit(
-    model: torch.nn.Module,
-    out_dir: str | os.PathLike[str],
-    *,
-    step: int,
-    max_norm: float | None = None,
-    norm_type: float | str = 2.0,
-    optimizer: torch.optim.Optimizer | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    groups: Mapping[str, GroupSpec] | None = None,
-    aliases: Mapping[str, str] | None = None,
-    ownership: Sequence[LocalPiece] | None = None,
-    mode: Mode = "full",
-    full_params: Sequence[str] | str = (),
-    strict: bool = False,
-    run_id: str | int | None = None,
-    steps: Iterable[int] | int | None = None,
-    every: int | None = None,
-    enabled: bool = True,
-) -> AuditStep:
+@_takes_arguments_of(audit_step)
+def begin_audit(*args: Any, **kwargs: Any) -> AuditStep:
     """Begin recording one training step now; `audit.end()` writes the dump (the begin/end form of
     `audit_step`, for callback frameworks where one hook opens the audit and a later one closes it).
 
@@ -617,7 +606,7 @@ def begin_audit(
     framework's wrapper that exposes the torch optimizer as `.optimizer` (Accelerate, HF Trainer,
     Lightning).
     """
-    return AuditStep(**locals(), capture_api="begin_audit").begin()
+    return AuditStep(*args, **kwargs, capture_api="begin_audit").begin()
 
 
 def dump(

@@ -206,12 +206,7 @@ class StatsAccumulator:
                     column.append(value)
                 max_abs = max(max_abs, chunk_max)
         sum_sq, fp_proj, fp_sum = (math.fsum(c) for c in columns[:3])
-        if math.isinf(self.norm_type):
-            sum_pow = max_abs
-        elif width == 3:
-            sum_pow = sum_sq
-        else:
-            sum_pow = math.fsum(columns[3])
+        sum_pow = max_abs if math.isinf(self.norm_type) else (sum_sq if width == 3 else math.fsum(columns[3]))
         return TensorStats(
             numel=self.numel,
             norm_type=self.norm_type,
@@ -275,11 +270,8 @@ def stats_rows(
         if not 0 < numel <= SMALL_ELEMENTS:
             for position in positions if numel else ():
                 stats = stats_of_tensor(tensors[position], norm_type)
-                out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint) + (
-                    stats.num_nan,
-                    stats.num_posinf,
-                    stats.num_neginf,
-                )
+                counts = (stats.num_nan, stats.num_posinf, stats.num_neginf)
+                out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint, *counts)
             continue
         weights = _weights_of_length(device, numel)
         step = max(1, (CPU_BATCH_ELEMENTS if device.type == "cpu" else BATCH_ELEMENTS) // numel)
