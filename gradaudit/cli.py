@@ -212,8 +212,12 @@ def check(
     ):
         result = audit_run(directory, options, progress=progress, shares=shares)
     if printing:
-        color_on = _use_color(color, to_file=output is not None)
-        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only, color=color_on)
+        to_file = output is not None
+        color_on = _use_color(color, to_file=to_file)
+        text = _render(
+            result, format, fold=not all_ranks, to_file=to_file, failing_only=failing_only, color=color_on
+        )
+        _emit_report(text, output)
         trend = result.guard_trend if isinstance(result, MultiStepReport) else None
         if trend is not None and (format is not OutputFormat.terminal or output is not None):
             sys.stderr.write("".join(f"warning: {note}\n" for note in trend.notes))  # beside the report
@@ -236,20 +240,10 @@ def _use_color(choice: ColorChoice, *, to_file: bool = False) -> bool:
     return sys.stdout.isatty()
 
 
-def _emit_report(
-    result: Report | MultiStepReport,
-    format: OutputFormat,
-    output: Path | None,
-    *,
-    fold: bool,
-    failing_only: bool,
-    color: bool,
-) -> None:
+def _emit_report(text: str, output: Path | None) -> None:
+    """Print the rendered report, or write it to --output; a failed write is a usage error."""
     from .errors import UsageError
 
-    text = _render(
-        result, format, fold=fold, to_file=output is not None, failing_only=failing_only, color=color
-    )
     try:
         _emit(text, output)
     except OSError as exc:
