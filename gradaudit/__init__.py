@@ -5,29 +5,25 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["AuditStep", "Guard", "__version__", "audit_step", "begin_audit", "dump", "guard", "run_reference"]
 
 
+_HOMES = {
+    **dict.fromkeys(("AuditStep", "audit_step", "begin_audit", "dump"), "capture.session"),
+    **dict.fromkeys(("guard", "Guard"), "live.guard"),
+    "run_reference": "capture.reference_run",
+    "__version__": "version",
+}
+"""Each public name -> the module (under this package) that defines it, imported on first use."""
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("AuditStep", "audit_step", "begin_audit", "dump"):
-        from .capture import session
-
-        return getattr(session, name)
-    if name in ("guard", "Guard"):
-        from .live import guard as guard_module
-
-        return getattr(guard_module, name)
-    if name == "run_reference":
-        from .capture.reference_run import run_reference
-
-        return run_reference
-    if name == "__version__":
-        from .version import __version__
-
-        return __version__
-    raise AttributeError(f"module 'gradaudit' has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'gradaudit' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
 
 
 def __dir__() -> list[str]:

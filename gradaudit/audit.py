@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,16 @@ if TYPE_CHECKING:
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
 """`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shares:
+    """What the audit calls instead of loading and measuring alone (under torchrun: scaleout.scaled_out)."""
+
+    load_files: LoadFiles
+    """Loads this process's share of the rank files and returns every process's."""
+    measure: Measure
+    """Measures this process's share of the parameters and returns the merged measurements."""
 
 
 def verdict(
@@ -118,8 +129,7 @@ def _local_equals_global(diagnosis: StepDiagnosis) -> bool:
 
 def _rank_rows(inputs: Analysis) -> tuple[RankRow, ...]:
     step, diagnosis = inputs.step, inputs.diagnosis
-    by_rank = _grad_counts_by_rank(inputs.table)
-    counts = {rank: by_rank.get(rank, (0, 0, 0)) for rank in step.ranks_present}
+    counts = _grad_counts_by_rank(inputs.table)
     from .checks.valueclip import gate
 
     by_value = gate(inputs) is not None  # element-wise clipping applies no coefficient to report
@@ -128,6 +138,7 @@ def _rank_rows(inputs: Analysis) -> tuple[RankRow, ...]:
     rows = []
     for rank in step.ranks_present:
         d = diagnosis.ranks[rank]
+        nan, posinf, neginf = counts.get(rank, (0, 0, 0))
         detail = d.detail + (" (logging bug: see GA205)" if d.logging_bug else "")
         if rank in mixed:  # a mean over parameters that received different coefficients is none of them
             detail += "; its parameters received different coefficients (GA304)"
@@ -143,9 +154,7 @@ def _rank_rows(inputs: Analysis) -> tuple[RankRow, ...]:
                 diagnosis=None if by_value or d.hypothesis is None else d.hypothesis.text,
                 diagnosis_detail=detail,
                 share_of_squared_norm=d.share_of_squared_norm,
-                nonfinite=NonfiniteCounts(
-                    nan=counts[rank][0], posinf=counts[rank][1], neginf=counts[rank][2]
-                ),
+                nonfinite=NonfiniteCounts(nan=nan, posinf=posinf, neginf=neginf),
             )
         )
     return tuple(rows)
@@ -324,7 +333,7 @@ def audit_step(
     reference: StepDump | None = None,
     progress: Progress | None = None,
     warnings: tuple[str, ...] = (),
-    measure: Measure | None = None,
+    shares: Shares | None = None,
 ) -> Report:
     from .dumpfile import TensorReader
     from .dumpfile.loader import gc_paused
@@ -332,9 +341,8 @@ def audit_step(
 
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step, reference) as reader:
-            m = (measure or measure_step)(
-                step, reader, reference=reference, progress=progress, params=checked_params(step)
-            )
+            measure = measure_step if shares is None else shares.measure
+            m = measure(step, reader, reference=reference, progress=progress, params=checked_params(step))
             judgements = {} if reference is None else judge_updates(step, reference, m, reader, options)
         inputs = analyse(step, m, update_judgements=judgements)
         warnings = tuple(warnings) + overflow_notes(inputs.table)
@@ -346,17 +354,15 @@ def audit_step_dir(
     options: AuditOptions,
     *,
     progress: Progress | None = None,
-    measure: Measure | None = None,
-    load_files: LoadFiles | None = None,
+    shares: Shares | None = None,
 ) -> Report:
     """Audit one step_<N> folder (with options.reference, against that reference step)."""
     from .dumpfile import load_step
 
+    load_files = None if shares is None else shares.load_files
     step = load_step(path, allow_incomplete=options.allow_incomplete_ranks, load_files=load_files)
     reference, warnings = _reference_for(step, options)
-    return audit_step(
-        step, options, reference=reference, progress=progress, warnings=warnings, measure=measure
-    )
+    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings, shares=shares)
 
 
 def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | None, tuple[str, ...]]:
@@ -431,14 +437,13 @@ def audit_folder(
     options: AuditOptions,
     *,
     progress: Progress | None = None,
-    measure: Measure | None = None,
-    load_files: LoadFiles | None = None,
+    shares: Shares | None = None,
 ) -> Report | MultiStepReport:
     """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
     step_dirs = run_step_dirs(path)
     if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
-        return audit_step_dir(path, options, progress=progress, measure=measure, load_files=load_files)
-    return audit_steps(path, step_dirs, options, progress=progress, measure=measure, load_files=load_files)
+        return audit_step_dir(path, options, progress=progress, shares=shares)
+    return audit_steps(path, step_dirs, options, progress=progress, shares=shares)
 
 
 def audit_steps(
@@ -447,28 +452,23 @@ def audit_steps(
     options: AuditOptions,
     *,
     progress: Progress | None = None,
-    measure: Measure | None = None,
-    load_files: LoadFiles | None = None,
+    shares: Shares | None = None,
 ) -> MultiStepReport:
     """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more); `progress`
     sees one count over all of them."""
     reports = [
-        (
-            str(directory),
-            audit_step_dir(
-                directory,
-                options,
-                progress=None if progress is None else _over_steps(progress, index, len(step_dirs)),
-                measure=measure,
-                load_files=load_files,
-            ),
+        audit_step_dir(
+            directory,
+            options,
+            progress=None if progress is None else _over_steps(progress, index, len(step_dirs)),
+            shares=shares,
         )
         for index, directory in enumerate(step_dirs)
     ]
     return MultiStepReport(
         directory=str(path),
-        steps=tuple(r for _, r in reports),
-        summary=tuple(summarize(r, d) for d, r in reports),
+        steps=tuple(reports),
+        summary=tuple(summarize(r, str(d)) for d, r in zip(step_dirs, reports, strict=True)),
     )
 
 

@@ -6,7 +6,7 @@ import contextlib
 import enum
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -210,32 +210,19 @@ def check(
         scaled_out(env) as shares,
         check_progress(enabled=printing and format is not OutputFormat.json) as progress,
     ):
-        result = audit_run(
-            directory,
-            options,
-            progress=progress,
-            measure=None if shares is None else shares.measure,
-            load_files=None if shares is None else shares.load_files,
-        )
-    reports = result.steps if isinstance(result, MultiStepReport) else (result,)
+        result = audit_run(directory, options, progress=progress, shares=shares)
     if printing:
-        color_on = _use_color(color, to_file=output is not None)
-        _emit_report(result, format, output, fold=not all_ranks, failing_only=failing_only, color=color_on)
+        to_file = output is not None
+        color_on = _use_color(color, to_file=to_file)
+        text = _render(
+            result, format, fold=not all_ranks, to_file=to_file, failing_only=failing_only, color=color_on
+        )
+        _emit_report(text, output)
         trend = result.guard_trend if isinstance(result, MultiStepReport) else None
         if trend is not None and (format is not OutputFormat.terminal or output is not None):
             sys.stderr.write("".join(f"warning: {note}\n" for note in trend.notes))  # beside the report
-    if _fails(reports, fail_on) or _trend_fails(result, fail_on):
+    if _fails(result, fail_on):
         raise SystemExit(EXIT_FINDINGS)
-
-
-def _trend_fails(result: Report | MultiStepReport, fail_on: FailOn) -> bool:
-    """A failing step of a guarded run's trend fails the check as an error finding would (its codes
-    are the step's errors), whether or not the guard dumped it."""
-    from .report.model import MultiStepReport
-
-    if fail_on is FailOn.never or not isinstance(result, MultiStepReport) or result.guard_trend is None:
-        return False
-    return bool(result.guard_trend.failing)
 
 
 def _use_color(choice: ColorChoice, *, to_file: bool = False) -> bool:
@@ -253,20 +240,10 @@ def _use_color(choice: ColorChoice, *, to_file: bool = False) -> bool:
     return sys.stdout.isatty()
 
 
-def _emit_report(
-    result: Report | MultiStepReport,
-    format: OutputFormat,
-    output: Path | None,
-    *,
-    fold: bool,
-    failing_only: bool,
-    color: bool,
-) -> None:
+def _emit_report(text: str, output: Path | None) -> None:
+    """Print the rendered report, or write it to --output; a failed write is a usage error."""
     from .errors import UsageError
 
-    text = _render(
-        result, format, fold=fold, to_file=output is not None, failing_only=failing_only, color=color
-    )
     try:
         _emit(text, output)
     except OSError as exc:
@@ -308,11 +285,17 @@ def _render(
     return terminal_renderer.render_report(result, width=width, color=color, fold=fold)
 
 
-def _fails(reports: Sequence[Report], fail_on: FailOn) -> bool:
-    from .report.model import Severity
+def _fails(result: Report | MultiStepReport, fail_on: FailOn) -> bool:
+    """Whether a finding at or above --fail-on, or a failing step of a guarded run's trend, fails the
+    check (a failing trend step as an error finding would: its codes are the step's errors, whether
+    or not the guard dumped it)."""
+    from .report.model import MultiStepReport, Severity
 
     if fail_on is FailOn.never:
         return False
+    if isinstance(result, MultiStepReport) and result.guard_trend is not None and result.guard_trend.failing:
+        return True
+    reports = result.steps if isinstance(result, MultiStepReport) else (result,)
     failing = {Severity.ERROR} if fail_on is FailOn.error else {Severity.ERROR, Severity.WARNING}
     return any(f.severity in failing for report in reports for f in report.findings)
 

@@ -31,6 +31,10 @@ class DumpFormatError(GradauditError):
             text += f" ({hint})"
         super().__init__(text)
 
+    def __reduce__(self) -> tuple[type[DumpFormatError], tuple[str, str, str]]:
+        """Rebuilt from its fields, not its message alone (the scaled-out check sends it across processes)."""
+        return type(self), (self.path, self.problem, self.hint)
+
 
 class StepFolderError(GradauditError):
     """A step folder (or a folder of steps) that cannot be audited as a whole."""

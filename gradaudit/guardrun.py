@@ -8,14 +8,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .audit import Measure, Progress, audit_folder, audit_steps, run_step_dirs
+from .audit import Progress, Shares, audit_folder, audit_steps, run_step_dirs
 from .live.trend import TREND_FILE, TrendLine, read_trend
 from .live.writing import FULL_CAPTURES
 from .report.model import GuardTrend, TrendStep, guard_trend
 
 if TYPE_CHECKING:
     from .checks.base import AuditOptions
-    from .dumpfile.loader import LoadFiles
     from .report.model import MultiStepReport, Report
 
 
@@ -40,16 +39,15 @@ def audit_run(
     options: AuditOptions,
     *,
     progress: Progress | None = None,
-    measure: Measure | None = None,
-    load_files: LoadFiles | None = None,
+    shares: Shares | None = None,
 ) -> Report | MultiStepReport:
     """`audit.audit_folder`, and of a guarded run's folder the MultiStepReport of its dumps (none or
     more) with the guard's trend, read first (a damaged trend stops the check before any audit)."""
     if not is_guarded_run(path):
-        return audit_folder(path, options, progress=progress, measure=measure, load_files=load_files)
+        return audit_folder(path, options, progress=progress, shares=shares)
     step_dirs = step_dirs_of(path)
     trend = read_guard_trend(path, step_dirs)
-    multi = audit_steps(path, step_dirs, options, progress=progress, measure=measure, load_files=load_files)
+    multi = audit_steps(path, step_dirs, options, progress=progress, shares=shares)
     return replace(multi, guard_trend=trend)
 
 

@@ -21,7 +21,6 @@ import os
 import pickle
 import queue
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from .capture.reference_run import free_port, launcher_variables
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -41,14 +41,6 @@ if TYPE_CHECKING:
 StartMethod = Literal["forkserver", "spawn"]
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor"]
 """Imported once by the fork server, so that each rank starts in a fraction of a second, not seconds."""
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def process_context(start_method: StartMethod = "forkserver") -> ForkServerContext | SpawnContext:
@@ -271,14 +263,7 @@ def _rank_main(
     os.environ["OMP_NUM_THREADS"] = "1"
     if init_group:
         # For frameworks that read the launcher's variables; the group itself is joined by file store.
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-        )
+        os.environ.update(launcher_variables(rank, world_size, port))
     try:
         try:
             fn, args = pickle.loads(payload)
@@ -298,13 +283,8 @@ def _rank_main(
     except BaseException as exc:  # noqa: BLE001  the parent reports it; a rank must never die silently
         kind = type(exc)
         text = "".join(traceback.format_exception(kind, exc, _from_user_code(exc.__traceback__)))
-        results.put(
-            (
-                rank,
-                "raised",
-                pickle.dumps((f"{kind.__module__}.{kind.__qualname__}", str(exc), text)),
-            )
-        )
+        raised = (f"{kind.__module__}.{kind.__qualname__}", str(exc), text)
+        results.put((rank, "raised", pickle.dumps(raised)))
         # Sent before the group's sockets close: the rank that failed first reports first, ahead of
         # the peers whose collectives fail with it.
         results.close()

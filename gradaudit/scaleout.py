@@ -26,6 +26,7 @@ from .errors import DumpFormatError, GradauditError, StepFolderError, UsageError
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from .audit import Shares
     from .dumpfile.loader import LoadFiles, LoadOutcome
     from .dumpfile.reader import TensorReader
     from .model import StepDump
@@ -123,15 +124,6 @@ class Exchange:
                 raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Unreadable:
-    """A DumpFormatError on the wire (the exception itself cannot be rebuilt from its message alone)."""
-
-    path: str
-    problem: str
-    hint: str
-
-
 def _file_bytes(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -154,9 +146,7 @@ def load_share(exchange: Exchange) -> LoadFiles:
         own = [path for path in paths if str(path) in mine]
         outcomes_of_own = load_rank_files(own, stop_at_error=stop_at_error, tables=tables)
         loaded = {
-            str(path): _Unreadable(path=outcome.path, problem=outcome.problem, hint=outcome.hint)
-            if isinstance(outcome, DumpFormatError)
-            else outcome
+            str(path): outcome
             for path, outcome in zip(own, outcomes_of_own, strict=True)
             if outcome is not None
         }
@@ -175,8 +165,6 @@ def load_share(exchange: Exchange) -> LoadFiles:
                     f"{path}: the processes of the scaled-out check saw different rank files "
                     "(is a job still writing this step?); check it again once it is complete"
                 )
-            if isinstance(outcome, _Unreadable):
-                outcome = DumpFormatError(outcome.path, outcome.problem, outcome.hint)
             outcomes.append(outcome)
         return outcomes
 
@@ -212,16 +200,6 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     return measure
 
 
-@dataclass(frozen=True, kw_only=True)
-class Shares:
-    """What the audit calls instead of loading and measuring alone (audit.audit_folder's arguments)."""
-
-    load_files: LoadFiles
-    """Loads this process's share of the rank files and returns every process's."""
-    measure: Callable[..., StepMeasurements]
-    """Measures this process's share of the parameters and returns the merged measurements."""
-
-
 @contextlib.contextmanager
 def scaled_out(env: LaunchEnv | None) -> Iterator[Shares | None]:
     """Under torchrun: join (or create) the gloo group and give the sharing load and measure
@@ -231,6 +209,8 @@ def scaled_out(env: LaunchEnv | None) -> Iterator[Shares | None]:
         yield None
         return
     import torch.distributed as dist
+
+    from .audit import Shares
 
     created = not dist.is_initialized()
     if created:

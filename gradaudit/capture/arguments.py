@@ -145,13 +145,12 @@ class CallRecord:
     ) -> CallRecord:
         """The call `fn(*args, **kwargs)` that returned `norms` (`norm_results` of its result; None:
         unread), with what the recorder measured around it (the other fields)."""
-        max_norm, norm_type = clip_arguments(fn, args, kwargs)
         reported, reported_local = (None, None) if norms is None else norms
         return cls(
             reported=reported,
             reported_local=reported_local,
-            max_norm=max_norm,
-            norm_type=norm_type,
+            max_norm=call_argument(fn, args, kwargs, "max_norm"),
+            norm_type=call_argument(fn, args, kwargs, "norm_type"),
             **measured,
         )
 
@@ -166,11 +165,6 @@ class CallRecord:
             loss_scale=self.loss_scale,
             clip_value=opt_float(self.clip_value),
         )
-
-
-def clip_arguments(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
-    """max_norm and norm_type as passed to a clipping function that names them so, else None."""
-    return call_argument(fn, args, kwargs, "max_norm"), call_argument(fn, args, kwargs, "norm_type")
 
 
 def clips_nothing(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -9,10 +9,10 @@ write_rank(step_dir, rank=0, world_size=2, step=7,
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..dumpfile.writer import write_rank_file
 from ..model import (
@@ -71,78 +71,43 @@ class PieceSpec:
 
 
 class PieceOptions(TypedDict, total=False):
-    """The optional fields of a PieceSpec that `box`, `whole` and `flat` pass through."""
+    """What `box`, `whole` and `flat` take besides the gradient: the other tensors, and the optional
+    fields of a PieceSpec they pass through."""
 
+    grad_clipped: torch.Tensor | None
+    param_before: torch.Tensor | None
+    param_after: torch.Tensor | None
     local_name: str | None
     replica_group: str | None
     stats_only: bool
     call_stats: Sequence[TensorStats | torch.Tensor]
 
 
-def _tensors(
-    grad: torch.Tensor | None,
-    grad_clipped: torch.Tensor | None,
-    param_before: torch.Tensor | None,
-    param_after: torch.Tensor | None,
-) -> dict[TensorKind, torch.Tensor]:
-    given: dict[TensorKind, torch.Tensor | None] = {
-        "grad": grad,
-        "grad_clipped": grad_clipped,
-        "param_before": param_before,
-        "param_after": param_after,
-    }
-    return {k: v for k, v in given.items() if v is not None}
+def _spec(
+    param: str, grad: torch.Tensor | None, options: PieceOptions, region: Callable[[torch.Tensor], Region]
+) -> PieceSpec:
+    """The PieceSpec of `param` holding the tensors given, its one region `region(first tensor)`."""
+    fields: dict[str, Any] = dict(options)
+    given = (grad, *(fields.pop(kind, None) for kind in TENSOR_KINDS[1:]))
+    tensors = {kind: t for kind, t in zip(TENSOR_KINDS, given, strict=True) if t is not None}
+    return PieceSpec(param=param, regions=(region(next(iter(tensors.values()))),), tensors=tensors, **fields)
 
 
 def box(
-    param: str,
-    offsets: Sequence[int],
-    grad: torch.Tensor | None = None,
-    *,
-    grad_clipped: torch.Tensor | None = None,
-    param_before: torch.Tensor | None = None,
-    param_after: torch.Tensor | None = None,
-    **kw: Unpack[PieceOptions],
+    param: str, offsets: Sequence[int], grad: torch.Tensor | None = None, **kw: Unpack[PieceOptions]
 ) -> PieceSpec:
     """A piece that is the N-D block of `param` starting at `offsets`, shaped like its tensors."""
-    tensors = _tensors(grad, grad_clipped, param_before, param_after)
-    shape = tuple(next(iter(tensors.values())).shape)
-    return PieceSpec(param=param, regions=(Box(offsets=tuple(offsets), shape=shape),), tensors=tensors, **kw)
+    return _spec(param, grad, kw, lambda t: Box(offsets=tuple(offsets), shape=tuple(t.shape)))
 
 
-def whole(
-    param: str,
-    grad: torch.Tensor | None = None,
-    *,
-    grad_clipped: torch.Tensor | None = None,
-    param_before: torch.Tensor | None = None,
-    param_after: torch.Tensor | None = None,
-    **kw: Unpack[PieceOptions],
-) -> PieceSpec:
+def whole(param: str, grad: torch.Tensor | None = None, **kw: Unpack[PieceOptions]) -> PieceSpec:
     """A piece holding all of `param` (a replica, or an unsharded parameter)."""
-    tensors = _tensors(grad, grad_clipped, param_before, param_after)
-    shape = tuple(next(iter(tensors.values())).shape)
-    return PieceSpec(
-        param=param, regions=(Box(offsets=(0,) * len(shape), shape=shape),), tensors=tensors, **kw
-    )
+    return _spec(param, grad, kw, lambda t: Box(offsets=(0,) * t.dim(), shape=tuple(t.shape)))
 
 
-def flat(
-    param: str,
-    start: int,
-    grad: torch.Tensor | None = None,
-    *,
-    grad_clipped: torch.Tensor | None = None,
-    param_before: torch.Tensor | None = None,
-    param_after: torch.Tensor | None = None,
-    **kw: Unpack[PieceOptions],
-) -> PieceSpec:
+def flat(param: str, start: int, grad: torch.Tensor | None = None, **kw: Unpack[PieceOptions]) -> PieceSpec:
     """A 1-D piece holding elements [start, start + numel) of the flattened `param`."""
-    tensors = _tensors(grad, grad_clipped, param_before, param_after)
-    numel = next(iter(tensors.values())).numel()
-    return PieceSpec(
-        param=param, regions=(FlatRange(start=start, stop=start + numel),), tensors=tensors, **kw
-    )
+    return _spec(param, grad, kw, lambda t: FlatRange(start=start, stop=start + t.numel()))
 
 
 def write_rank(

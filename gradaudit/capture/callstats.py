@@ -40,9 +40,5 @@ def per_piece(calls: list[dict[int, TensorStats]], num_pieces: int) -> dict[int,
     """Transpose per-call statistics to per-piece tuples, keeping only pieces seen at every call."""
     if len(calls) < 2:
         return {}
-    out: dict[int, tuple[TensorStats, ...]] = {}
-    for index in range(num_pieces):
-        row = tuple(call.get(index) for call in calls)
-        if all(s is not None for s in row):
-            out[index] = row  # type: ignore[assignment]
-    return out
+    rows = {index: tuple(call.get(index) for call in calls) for index in range(num_pieces)}
+    return {index: row for index, row in rows.items() if None not in row}  # type: ignore[misc]

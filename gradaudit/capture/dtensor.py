@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
@@ -65,7 +66,7 @@ def dtensor_pieces(
                 regions=(Box(offsets=offsets, shape=shape),),
                 local_shape=shape,
                 grad=_grad_of(name, dtensor, placements, select),
-                value=_value_of(dtensor, select),
+                value=functools.partial(_local_value, dtensor, select),
                 replica_group=replica_group,
                 local_name=local_name,
                 grad_partial=_partial_of(name, dtensor, placements) if replica_group else None,
@@ -74,13 +75,8 @@ def dtensor_pieces(
     return pieces
 
 
-def _value_of(
-    param: DTensor, select: Callable[[torch.Tensor], torch.Tensor]
-) -> Callable[[], torch.Tensor | None]:
-    def value() -> torch.Tensor | None:
-        return select(param.to_local().detach())
-
-    return value
+def _local_value(param: DTensor, select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return select(param.to_local().detach())
 
 
 def _grad_of(
@@ -168,12 +164,9 @@ def _selector(
 
 
 def _with_local_starts(dim_runs: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
-    out: list[tuple[tuple[int, int], int]] = []
-    local = 0
-    for start, stop in dim_runs:
-        out.append(((start, stop), local))
-        local += stop - start
-    return out
+    """Each run with where it starts in the local shard (the runs before it, end to end)."""
+    local_starts = itertools.accumulate((stop - start for start, stop in dim_runs), initial=0)
+    return list(zip(dim_runs, local_starts, strict=False))
 
 
 def _local_runs(
@@ -184,11 +177,9 @@ def _local_runs(
 ) -> list[list[tuple[int, int]]]:
     """For each tensor dim, the global index runs [start, stop) this rank's local shard holds, in order."""
     indices = _local_indices(global_shape, mesh, placements, coordinate)
-    runs: list[list[tuple[int, int]]] = []
-    for dim, size in enumerate(global_shape):
-        index = indices.get(dim)
-        runs.append([(0, size)] if index is None else _runs_of(index))
-    return runs
+    return [
+        _runs_of(indices[dim]) if dim in indices else [(0, size)] for dim, size in enumerate(global_shape)
+    ]
 
 
 def _local_indices(

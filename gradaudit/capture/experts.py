@@ -72,12 +72,10 @@ def expert_rank(
     if replica is None and len(lists) > 1 and len({len(g) for g in lists}) == 1:
         replica = "edp"
         added[replica] = tuple(tuple(sorted(g[i] for g in lists)) for i in range(len(mine)))
-    return (
-        ExpertRank(
-            group=name, index=mine.index(rank), size=len(mine), num_local=num_local, replica_group=replica
-        ),
-        added,
+    experts = ExpertRank(
+        group=name, index=mine.index(rank), size=len(mine), num_local=num_local, replica_group=replica
     )
+    return experts, added
 
 
 def global_expert_name(name: str, experts: ExpertRank | None) -> str:

@@ -3,6 +3,7 @@ shard mapped back to flat ranges of the original parameters it holds."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class ParamShard:
     """First element of the row-major flattened parameter held here; `stop` is one past the last."""
     stop: int
     """One past the last element held (see `start`)."""
+
+    def held_in(self, shard: torch.Tensor) -> torch.Tensor:
+        """This parameter's part of the rank's local flat shard (or of its gradient)."""
+        return shard.detach()[self.offset_in_shard : self.offset_in_shard + self.numel_in_shard]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,14 +181,10 @@ def fsdp1_pieces(model: torch.nn.Module, *, exclude: frozenset[str] = frozenset(
 
 def fsdp1_groups(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], ...]]:
     """This rank's view of the FSDP1 process groups: {"dp_shard", "dp_replicate"} or {"dp"} (NO_SHARD)."""
-    units = _fsdp1_units(model) or []
     groups: dict[str, tuple[int, ...]] = {}
-    for unit in units:
-        if unit.strategy == "NO_SHARD":
-            _add_group(groups, NO_SHARD_GROUP, unit.shard_ranks)
-            continue
-        _add_group(groups, SHARD_GROUP, unit.shard_ranks)
-        if unit.replicate_ranks is not None:
+    for unit in _fsdp1_units(model) or []:
+        _add_group(groups, NO_SHARD_GROUP if unit.strategy == "NO_SHARD" else SHARD_GROUP, unit.shard_ranks)
+        if unit.replicate_ranks is not None:  # the hybrid strategies
             _add_group(groups, REPLICATE_GROUP, unit.replicate_ranks)
     return {name: (ranks,) for name, ranks in sorted(groups.items())}
 
@@ -211,12 +212,8 @@ def _fsdp1_units(model: torch.nn.Module) -> list[_Unit] | None:
     found = [(path, m) for path, m in model.named_modules() if isinstance(m, fsdp_class)]
     if not found:
         return None
-    units = []
-    for path, module in found:
-        handle = _handle_of(module, path)
-        if handle is not None:
-            units.append(_unit_of(path, module, handle))
-    return units
+    handles = ((path, module, _handle_of(module, path)) for path, module in found)  # one module at a time
+    return [_unit_of(path, module, handle) for path, module, handle in handles if handle is not None]
 
 
 def _unmanaged_parameters(model: torch.nn.Module, units: list[_Unit]) -> list[tuple[str, Any]]:
@@ -306,9 +303,7 @@ def _grad_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], torc
                     f"the {shard.numel_in_shard} of this rank's FSDP1 shard; capture after backward, outside no_sync()"
                 )
             return grad.detach().reshape(-1)
-        if flat_grad is None:
-            return None
-        return flat_grad.detach()[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+        return None if flat_grad is None else shard.held_in(flat_grad)
 
     return read
 
@@ -320,9 +315,7 @@ def _value_reader(unit: _Unit, shard: ParamShard, name: str) -> Callable[[], tor
             if param.numel() == shard.numel_in_shard:
                 return param.detach().reshape(-1)
         flat = _sharded_flat_param(unit)
-        if flat is None:
-            return None
-        return flat.detach()[shard.offset_in_shard : shard.offset_in_shard + shard.numel_in_shard]
+        return None if flat is None else shard.held_in(flat)
 
     return read
 
@@ -340,11 +333,8 @@ def _orig_param(unit: _Unit, shard: ParamShard, name: str) -> torch.Tensor:
 def _sharded_flat_param(unit: _Unit) -> torch.Tensor | None:
     """The FlatParameter's local shard: itself when resharded, else its saved `_local_shard`."""
     sharded_numel = _numel(unit.flat_param._sharded_size)
-    candidates: tuple[torch.Tensor | None, ...] = (
-        unit.flat_param,
-        getattr(unit.flat_param, "_local_shard", None),
-    )
-    for candidate in candidates:
+    local_shard: torch.Tensor | None = getattr(unit.flat_param, "_local_shard", None)
+    for candidate in (unit.flat_param, local_shard):
         if candidate is not None and candidate.numel() == sharded_numel:
             return candidate
     return None
@@ -363,7 +353,4 @@ def _check_grad_is_sharded(unit: _Unit, flat_grad: torch.Tensor | None, name: st
 
 
 def _numel(shape: Any) -> int:
-    total = 1
-    for dim in shape:
-        total *= int(dim)
-    return total
+    return math.prod(int(dim) for dim in shape)

@@ -78,13 +78,13 @@ def infer_ownership(
         _check_aliases(aliases, params)
         alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
 
-    fsdp1 = _fsdp1_pieces(model, topology, frozenset(p.local_name or p.param for p in explicit))
+    explicit_names = frozenset(p.local_name or p.param for p in explicit)
+    fsdp1 = _fsdp1_pieces(model, topology, explicit_names)
     if fsdp1 is not None:
         flat = LocalPieces.of([_aliased(p, alias_of) for p in fsdp1])
         held = LocalPieces.joined([flat, LocalPieces.of(explicit)])
         return Ownership(pieces=held, topology=topology.build(), aliases=_local_aliases(flat))
 
-    explicit_names = {p.local_name or p.param for p in explicit}
     pieces: list[LocalPiece] = []
     plain_types = {torch.Tensor, torch.nn.Parameter}
     if not explicit_names and set(map(type, tensors)) <= plain_types:  # no DTensor: all plain
@@ -99,12 +99,8 @@ def infer_ownership(
             if not param.requires_grad or logical in explicit_names or fqn in explicit_names:
                 continue
             if type(param) not in plain_types and is_dtensor(param):
-                _extend(
-                    pieces,
-                    on_unsupported,
-                    logical,
-                    functools.partial(_dtensor_pieces, logical, param, alias_of, topology),
-                )
+                make = functools.partial(dtensor_pieces, *_names(logical, alias_of), param, topology)
+                _extend(pieces, on_unsupported, logical, make)
             else:
                 plain.append((logical, fqn, param))
         logicals = [logical for logical, _, _ in plain]
@@ -150,16 +146,8 @@ def _whole_replicas(
         if not kept:
             return None
         rows = whole_rows([names[i] for i in kept], [tensors[i] for i in kept])
-    dp_group = _data_parallel_group(model, topology, groups)
-    tensor_parallel = _tensor_parallel_rank(topology, groups)
-    group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
+    _, _, group = _plain_groups(model, topology, world_size, groups)
     return LocalPieces.of_whole(rows, group)
-
-
-def _dtensor_pieces(
-    logical: str, param: torch.Tensor, alias_of: Mapping[str, str], topology: TopologyBuilder
-) -> list[LocalPiece]:
-    return dtensor_pieces(*_names(logical, alias_of), param, topology)
 
 
 def _plain_pieces(
@@ -173,9 +161,7 @@ def _plain_pieces(
 ) -> list[LocalPiece]:
     """Pieces of the plain-tensor parameters: replicas over the data-parallel (or mesh, or world)
     group, or Megatron tensor-parallel partitions replicated over the data-parallel group."""
-    dp_group = _data_parallel_group(model, topology, groups)
-    tensor_parallel = _tensor_parallel_rank(topology, groups)
-    replicated_group = _plain_replica_group(topology, world_size, groups, dp_group, tensor_parallel)
+    dp_group, tensor_parallel, replicated_group = _plain_groups(model, topology, world_size, groups)
     pieces: list[LocalPiece] = []
     # A tensor without instance attributes carries no Megatron mark (expert, shared, partitioned):
     # it is one whole replica, taken without the checks below (10^5 parameters a rank happen).
@@ -202,8 +188,8 @@ def _plain_pieces(
                 on_unsupported(logical, exc)
             continue
         if is_megatron_expert(param):
-            make = lambda logical=logical, param=param: megatron_expert_pieces(  # noqa: E731
-                logical, param, experts, alias_of, tensor_parallel, expert_problem
+            make = functools.partial(
+                megatron_expert_pieces, logical, param, experts, alias_of, tensor_parallel, expert_problem
             )
             _extend(pieces, on_unsupported, logical, make)
             continue
@@ -349,24 +335,21 @@ def _tensor_parallel_rank(
     return None
 
 
-def _plain_replica_group(
+def _plain_groups(
+    model: torch.nn.Module,
     topology: TopologyBuilder,
     world_size: int,
     groups: Mapping[str, tuple[tuple[int, ...], ...]],
-    dp_group: str | None,
-    tensor_parallel: TensorParallelRank | None,
-) -> str | None:
-    """The group a plain (unsharded) parameter is replicated over on this rank."""
+) -> tuple[str | None, TensorParallelRank | None, str | None]:
+    """(the data-parallel group, this rank's tensor-parallel place, and the group a plain (unsharded)
+    parameter is replicated over on this rank: data and tensor parallel, else the largest mesh, else
+    the data-parallel group, else the world when no group was given)."""
+    dp_group = _data_parallel_group(model, topology, groups)
+    tensor_parallel = _tensor_parallel_rank(topology, groups)
     if tensor_parallel is not None:
-        if dp_group is None:
-            return tensor_parallel.group
-        name = f"{dp_group}+{tensor_parallel.group}"
-        return name
-    mesh_group = topology.largest_mesh_group()
-    if mesh_group is not None:
-        return mesh_group
-    if dp_group is not None:
-        return dp_group
-    if world_size > 1 and not groups:
-        return WORLD
-    return None
+        tp_group = tensor_parallel.group
+        return dp_group, tensor_parallel, tp_group if dp_group is None else f"{dp_group}+{tp_group}"
+    replicated = (
+        topology.largest_mesh_group() or dp_group or (WORLD if world_size > 1 and not groups else None)
+    )
+    return dp_group, tensor_parallel, replicated

@@ -49,19 +49,18 @@ class ClipTarget:
     intercepted only when the training process imported them already."""
 
 
+def _torch(module: str, attribute: str, kind: ClipKind) -> ClipTarget:
+    """A function of torch's own (its module is imported when installing)."""
+    return ClipTarget(module=module, attribute=attribute, kind=kind, needs_import=True)
+
+
 TARGETS: tuple[ClipTarget, ...] = (
-    ClipTarget(module="torch.nn.utils", attribute="clip_grad_norm_", kind="norm", needs_import=True),
-    ClipTarget(
-        module="torch.nn.utils.clip_grad", attribute="clip_grad_norm_", kind="norm", needs_import=True
-    ),
-    ClipTarget(module="torch.nn.utils", attribute="clip_grads_with_norm_", kind="apply", needs_import=True),
-    ClipTarget(
-        module="torch.nn.utils.clip_grad", attribute="_clip_grads_with_norm_", kind="apply", needs_import=True
-    ),
-    ClipTarget(module="torch.nn.utils", attribute="clip_grad_value_", kind="value", needs_import=True),
-    ClipTarget(
-        module="torch.nn.utils.clip_grad", attribute="clip_grad_value_", kind="value", needs_import=True
-    ),
+    _torch("torch.nn.utils", "clip_grad_norm_", "norm"),
+    _torch("torch.nn.utils.clip_grad", "clip_grad_norm_", "norm"),
+    _torch("torch.nn.utils", "clip_grads_with_norm_", "apply"),
+    _torch("torch.nn.utils.clip_grad", "_clip_grads_with_norm_", "apply"),
+    _torch("torch.nn.utils", "clip_grad_value_", "value"),
+    _torch("torch.nn.utils.clip_grad", "clip_grad_value_", "value"),
     ClipTarget(
         module="torch.distributed.fsdp.fully_sharded_data_parallel",
         attribute="FullyShardedDataParallel.clip_grad_norm_",

@@ -260,17 +260,7 @@ class LocalPieces(Sequence[LocalPiece]):
         return self._positions.get(param, [])
 
 
-_COLUMNS = (
-    "params",
-    "global_shapes",
-    "dtypes",
-    "regions",
-    "local_shapes",
-    "replica_groups",
-    "local_names",
-    "readers",
-    "tensors",
-)
+_COLUMNS = tuple(f.name for f in dataclasses.fields(LocalPieces) if f.init and f.name != "whole")
 """The columns of a LocalPieces, one entry a row each."""
 
 
@@ -281,9 +271,8 @@ def whole_pieces(
     local_shape = tuple(param.shape)
     if 0 in local_shape:
         return []
-    return [
-        _piece(name, local_name, param, local_shape, local_shape, _whole_regions(local_shape), replica_group)
-    ]
+    regions = _whole_regions(local_shape)
+    return [_piece(name, local_name, param, local_shape, local_shape, regions, replica_group)]
 
 
 def _piece(

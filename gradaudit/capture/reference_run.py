@@ -19,8 +19,6 @@ from ..errors import UsageError
 
 T = TypeVar("T")
 
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
 
 def run_reference(fn: Callable[..., T], /, *args: object, **kwargs: object) -> T:
     """Call `fn(*args, **kwargs)` as the only rank of a fresh one-process gloo group and return its result.
@@ -46,20 +44,25 @@ def run_reference(fn: Callable[..., T], /, *args: object, **kwargs: object) -> T
             dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def launcher_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for rank `rank` of `world_size` on this host (frameworks read them)."""
+    ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size}
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **{k: str(v) for k, v in ranks.items()}}
+
+
 @contextmanager
 def _single_rank_environment() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in _ENV}
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-    )
+    variables = launcher_variables(0, 1, free_port())
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeAlias, TypeVar
 
 from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
 from ..errors import CaptureError
@@ -46,6 +47,7 @@ GroupSpec: TypeAlias = "ProcessGroup | Sequence[int] | Sequence[Sequence[int]]"
 """One entry of `groups=`: a process group, its rank list, or the list of all its rank lists."""
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class AuditStep:
@@ -86,14 +88,12 @@ class AuditStep:
             raise CaptureError(
                 f"unknown mode {mode!r}; pass mode='full' (gradient values) or mode='stats' (float64 summaries)"
             )
-        if isinstance(full_params, str):
-            full_params = (full_params,)
         if ownership is not None and not all(isinstance(p, LocalPiece) for p in ownership):
             raise CaptureError("ownership= takes a list of gradaudit.capture.LocalPiece, one per local piece")
         self.optimizer = hookable_optimizer(optimizer)
         self.scaler = scaler
         self.mode = mode
-        self.full_params = tuple(full_params)
+        self.full_params = (full_params,) if isinstance(full_params, str) else tuple(full_params)
         self.strict = strict
         self.run_id = check_run_id(run_id)
         self.capture_api = capture_api
@@ -179,11 +179,8 @@ class AuditStep:
             f"{path}: a dump of rank {self.rank} for step {self.step} already exists; gradaudit never "
             "overwrites one. Remove it, or pass another out_dir"
         )
-        if self.strict:
-            raise DumpExistsError(message)
-        warn_once(
-            f"exists:{path}", f"gradaudit: not capturing rank {self.rank} of step {self.step}: {message}"
-        )
+        warning = f"gradaudit: not capturing rank {self.rank} of step {self.step}: {message}"
+        self._raise_or_warn(DumpExistsError(message), f"exists:{path}", warning)
         return True
 
     def end(self) -> Path | None:
@@ -284,27 +281,16 @@ class AuditStep:
     ) -> Any:
         if clips_nothing(fn, args, kwargs):
             return fn(*args, **kwargs)  # reads the norm, clips nothing: not a clip call
-        scaler = self._guard("capture", self._before_clip) if self._recording else None
-        unscaled, loss_scale = scaler or (None, None)
+        before = self._guard("capture", self._before_clip) if self._recording else None
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
         returned = self._guard("capture", lambda: norm_results(result))
         if self._recording:
+            measured = {"clip_value": clip_value, **(before or {})}
             self._guard(
                 "capture",
-                lambda: self._after_clip(
-                    CallRecord.of(
-                        fn,
-                        args,
-                        kwargs,
-                        returned,
-                        clip_value=clip_value,
-                        unscaled=unscaled,
-                        loss_scale=loss_scale,
-                    ),
-                    result,
-                ),
+                lambda: self._after_clip(CallRecord.of(fn, args, kwargs, returned, **measured), result),
             )
         return result
 
@@ -344,13 +330,8 @@ class AuditStep:
         """Add what the training code logged (values given as numbers or one-element tensors)."""
         if loss_reduction is not None and loss_reduction not in ("mean", "sum"):
             raise CaptureError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        given = {
-            "reported_norm": reported_norm,
-            "clip_coef": clip_coef,
-            "loss": loss,
-            "tokens": check_tokens(tokens),
-            "loss_reduction": loss_reduction,
-        }
+        tokens = check_tokens(tokens)
+        given = {k: v for k, v in locals().items() if k != "self"}  # every keyword above, as given
         self._logged.update({k: v for k, v in given.items() if v is not None})
 
     # -- recording ----------------------------------------------------------------------------
@@ -361,14 +342,14 @@ class AuditStep:
         assert snapshots is not None
         return snapshots
 
-    def _before_clip(self) -> tuple[bool | None, float | None]:
-        """Snapshot the gradients the call is about to clip; (unscaled, loss scale) of the scaler now."""
+    def _before_clip(self) -> dict[str, Any]:
+        """Snapshot the gradients the call is about to clip; the scaler's `unscaled` and `loss_scale` now."""
         if self._calls:
             # Summarize the previous call's pre-clip snapshot before it is replaced: with one call
             # (the common case) no statistics beyond the dump's own are ever computed.
             self._call_stats.append(grad_stats_of_snapshot(self._taken()))
         self._taken().take("grad")
-        scaler = self._scaler.unscaled(), self._scaler.scale()
+        scaler = {"unscaled": self._scaler.unscaled(), "loss_scale": self._scaler.scale()}
         self._scaler.hold()
         return scaler
 
@@ -419,14 +400,11 @@ class AuditStep:
             snapshots.take("grad", copy=False)  # written below, before training resumes
         if snapshots.abandoned is not None:
             # Better a missing rank (GA100) than a file that looks complete and is not.
-            if self.strict:
-                raise CaptureError(
-                    f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}"
-                )
-            warn_once(
-                "abandoned",
-                f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}",
+            error = CaptureError(
+                f"gradaudit did not write rank {self.rank} of step {self.step}: {snapshots.abandoned}"
             )
+            warning = f"gradaudit: rank {self.rank} writes no dump of step {self.step}: {snapshots.abandoned}"
+            self._raise_or_warn(error, "abandoned", warning)
             return
         if self._call_stats:  # the last of two or more calls (one call's would be dropped)
             self._call_stats.append(grad_stats_of_snapshot(snapshots))
@@ -455,12 +433,8 @@ class AuditStep:
         try:
             self.path = write_dump(self.out_dir, dump, tensors)
         except DumpExistsError as exc:
-            if self.strict:
-                raise
-            warn_once(
-                f"exists:{self.out_dir}",
-                f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}",
-            )
+            warning = f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}"
+            self._raise_or_warn(exc, f"exists:{self.out_dir}", warning)
 
     def _read_scaler_at_start(self) -> None:
         self._loss_scale = self._scaler.scale()
@@ -500,6 +474,12 @@ class AuditStep:
         )
 
     # -- failures -------------------------------------------------------------------------------
+
+    def _raise_or_warn(self, error: Exception, key: str, warning: str) -> None:
+        """Raise `error` when strict; else warn once (per `key`) and let training go on."""
+        if self.strict:
+            raise error
+        warn_once(key, warning)
 
     def _unsupported(self, param: str, exc: Exception) -> None:
         if self.strict:
@@ -544,6 +524,17 @@ def _selected(step: int, *, steps: Iterable[int] | int | None, every: int | None
     from .steps import select_steps
 
     return enabled and select_steps(steps, every).wants(step)
+
+
+def _takes_arguments_of(source: Callable[P, Any]) -> Callable[[Callable[..., T]], Callable[P, T]]:
+    """Give the decorated function the parameters of `source`, for type checkers and for
+    `inspect.signature` alike: the capture API's keyword arguments are written once."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[P, T]:
+        fn.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
 
 
 def audit_step(
@@ -602,26 +593,8 @@ def audit_step(
     return AuditStep(**locals())  # every parameter above, as given
 
 
-def begin_audit(
-    model: torch.nn.Module,
-    out_dir: str | os.PathLike[str],
-    *,
-    step: int,
-    max_norm: float | None = None,
-    norm_type: float | str = 2.0,
-    optimizer: torch.optim.Optimizer | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    groups: Mapping[str, GroupSpec] | None = None,
-    aliases: Mapping[str, str] | None = None,
-    ownership: Sequence[LocalPiece] | None = None,
-    mode: Mode = "full",
-    full_params: Sequence[str] | str = (),
-    strict: bool = False,
-    run_id: str | int | None = None,
-    steps: Iterable[int] | int | None = None,
-    every: int | None = None,
-    enabled: bool = True,
-) -> AuditStep:
+@_takes_arguments_of(audit_step)
+def begin_audit(*args: Any, **kwargs: Any) -> AuditStep:
     """Begin recording one training step now; `audit.end()` writes the dump (the begin/end form of
     `audit_step`, for callback frameworks where one hook opens the audit and a later one closes it).
 
@@ -633,7 +606,7 @@ def begin_audit(
     framework's wrapper that exposes the torch optimizer as `.optimizer` (Accelerate, HF Trainer,
     Lightning).
     """
-    return AuditStep(**locals(), capture_api="begin_audit").begin()
+    return AuditStep(*args, **kwargs, capture_api="begin_audit").begin()
 
 
 def dump(

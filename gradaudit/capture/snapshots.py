@@ -196,12 +196,8 @@ class Snapshots:
         from .tensorstats import stats_rows
 
         param, not_captured = self.pieces.params.__getitem__, self.not_captured
-        kept = (
-            [i for i, index in enumerate(positions) if param(index) not in not_captured]
-            if not_captured
-            else []
-        )
-        if not_captured and len(kept) < len(positions):
+        if not_captured:
+            kept = [i for i, index in enumerate(positions) if param(index) not in not_captured]
             positions, tensors = [positions[i] for i in kept], [tensors[i] for i in kept]
         try:
             self.stats.put(kind, positions, stats_rows(tensors, self.norm_type))
@@ -314,12 +310,6 @@ class StatsTable:
             self.rows[kind][index].tolist(), numel_of(self.pieces[index].local_shape), self.norm_type
         )
 
-    def __getitem__(self, key: tuple[int, str]) -> TensorStats:
-        found = self.get(key)
-        if found is None:
-            raise KeyError(key)
-        return found
-
     def pop(self, key: tuple[int, str], default: None = None) -> None:
         if key in self:
             self.present[key[1]][key[0]] = False
@@ -332,6 +322,3 @@ class StatsTable:
     def clear(self) -> None:
         self.rows.clear()
         self.present.clear()
-
-    def __len__(self) -> int:
-        return sum(int(p.sum()) for p in self.present.values())

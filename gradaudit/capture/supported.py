@@ -37,14 +37,13 @@ def screen_pieces(pieces: LocalPieces, norm_type: float) -> tuple[LocalPieces, t
             changes[index] = _as_real_pairs(piece)
             continue
         changes[index] = None
-        if dtype in REAL_OF_COMPLEX:
-            left_out.setdefault(
-                piece.param,
-                f"complex gradient ({dtype}) under norm_type {norm_type:g}: only its 2-norm is the "
-                "norm of its real and imaginary parts",
-            )
-        else:
-            left_out.setdefault(piece.param, f"dtype {dtype}, which the dump format cannot hold")
+        reason = (
+            f"complex gradient ({dtype}) under norm_type {norm_type:g}: only its 2-norm is the "
+            "norm of its real and imaginary parts"
+            if dtype in REAL_OF_COMPLEX
+            else f"dtype {dtype}, which the dump format cannot hold"
+        )
+        left_out.setdefault(piece.param, reason)
     not_captured = tuple(NotCapturedParam(name=n, reason=r) for n, r in left_out.items())
     warn_not_captured(not_captured)
     return pieces.edited(changes), not_captured

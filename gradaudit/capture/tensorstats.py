@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -205,12 +206,7 @@ class StatsAccumulator:
                     column.append(value)
                 max_abs = max(max_abs, chunk_max)
         sum_sq, fp_proj, fp_sum = (math.fsum(c) for c in columns[:3])
-        if math.isinf(self.norm_type):
-            sum_pow = max_abs
-        elif width == 3:
-            sum_pow = sum_sq
-        else:
-            sum_pow = math.fsum(columns[3])
+        sum_pow = max_abs if math.isinf(self.norm_type) else (sum_sq if width == 3 else math.fsum(columns[3]))
         return TensorStats(
             numel=self.numel,
             norm_type=self.norm_type,
@@ -230,13 +226,8 @@ def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int 
     flat = tensor.detach().reshape(-1)
     step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
     acc = StatsAccumulator(norm_type)
-    numel = flat.numel()
-    if numel <= step:
-        if numel:
-            acc._add(flat)
-    else:
-        for start in range(0, numel, step):
-            acc._add(flat[start : start + step])
+    for start in range(0, flat.numel(), step):
+        acc._add(flat[start : start + step])
     return acc.result()
 
 
@@ -269,26 +260,18 @@ def stats_rows(
 
     out = np.zeros((len(tensors), len(STATS_COLUMNS)), dtype=np.float64)
     if groups is None:
-        found_groups: dict[tuple[Any, ...], list[int]] = {}
+        found: defaultdict[tuple[Any, ...], list[int]] = defaultdict(list)
         for position, tensor in enumerate(tensors):
-            key = (tensor.shape, tensor.dtype, tensor.device)
-            found = found_groups.get(key)
-            if found is None:
-                found_groups[key] = [position]
-            else:
-                found.append(position)
-        groups = found_groups
+            found[(tensor.shape, tensor.dtype, tensor.device)].append(position)
+        groups = found
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for (shape, _dtype, device), positions in groups.items():
         numel = math.prod(shape)
         if not 0 < numel <= SMALL_ELEMENTS:
             for position in positions if numel else ():
                 stats = stats_of_tensor(tensors[position], norm_type)
-                out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint) + (
-                    stats.num_nan,
-                    stats.num_posinf,
-                    stats.num_neginf,
-                )
+                counts = (stats.num_nan, stats.num_posinf, stats.num_neginf)
+                out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint, *counts)
             continue
         weights = _weights_of_length(device, numel)
         step = max(1, (CPU_BATCH_ELEMENTS if device.type == "cpu" else BATCH_ELEMENTS) // numel)

@@ -85,7 +85,7 @@ class TopologyBuilder:
         self.add_group(default, [ranks])
         return default
 
-    def add_mesh(self, mesh: DeviceMesh) -> tuple[MeshInfo, tuple[str, ...]]:
+    def add_mesh(self, mesh: DeviceMesh) -> MeshInfo:
         """Record a root mesh: its shape, axis names and the rank lists of each axis."""
         names = axis_names(mesh)
         info = MeshInfo(
@@ -97,7 +97,7 @@ class TopologyBuilder:
             self._meshes[(info.shape, info.axis_names, info.ranks)] = info
             for axis, name in enumerate(names):
                 self.add_group(name, rank_lists_over_axes(info.ranks, info.shape, [axis]))
-        return info, names
+        return info
 
     def replica_group_of(self, mesh: DeviceMesh, replicated_axes: Sequence[int]) -> str | None:
         """Name (and record) the group over which a DTensor on `mesh` is replicated.
@@ -112,7 +112,7 @@ class TopologyBuilder:
         root_names = axis_names(root)
         if root is not mesh and not set(sub_names) <= set(root_names):
             root, root_names = mesh, sub_names  # a flattened slice: only its own axes are known
-        info, _ = self.add_mesh(root)
+        info = self.add_mesh(root)
         axes = {root_names.index(sub_names[i]) for i in replicated_axes}
         axes |= {a for a, n in enumerate(root_names) if n not in sub_names and n not in PIPELINE_AXIS_NAMES}
         if not axes:

@@ -77,6 +77,7 @@ def build_rank_dump(
 ) -> RankDump:
     """The RankDump of one rank's step, stamped with where and when it was made (this host, the
     running torch and gradaudit, now) unless `host` or `created_at` say otherwise."""
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return RankDump(
         path="",
         rank=rank,
@@ -87,9 +88,7 @@ def build_rank_dump(
         host=host if host is not None else socket.gethostname(),
         torch_version=torch_version(),
         gradaudit_version=__version__,
-        created_at=created_at
-        if created_at is not None
-        else datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=created_at if created_at is not None else now,
         params=params,
         pieces=pieces,
         aliases=dict(aliases),
@@ -125,7 +124,7 @@ def _pieces(
         index = len(pieces)
         # Looked up by (piece, kind): a scan of every snapshot per piece grew with the square of the
         # rank's parameter count (13 s at 8,000 parameters).
-        stats = {k: snapshots.stats[(source_index, k)] for k in kinds if (source_index, k) in snapshots.stats}
+        stats = {k: found for k in kinds if (found := snapshots.stats.get((source_index, k))) is not None}
         for kind in kinds:
             value = snapshots.values.get((source_index, kind))
             if value is not None:
@@ -251,23 +250,15 @@ class _Columns:
     def add_rows(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
         import numpy as np
 
-        infos, layouts, not_captured, pieces = (
-            self.infos,
-            self._layouts,
-            snapshots.not_captured,
-            snapshots.pieces,
-        )
+        infos, layouts = self.infos, self._layouts
+        not_captured, pieces = snapshots.not_captured, snapshots.pieces
         ndims: list[int] = []
         coords: list[int] = []
         for index in indices:
             name = pieces.params[index]
             if name in not_captured:
                 continue
-            dtype, regions, local_shape = (
-                pieces.dtypes[index],
-                pieces.regions[index],
-                pieces.local_shapes[index],
-            )
+            dtype, regions = pieces.dtypes[index], pieces.regions[index]
             info = infos.get(name)
             if info is None:
                 infos[name] = ParamInfo(name=name, global_shape=pieces.global_shapes[index], dtype=dtype)
@@ -278,6 +269,7 @@ class _Columns:
             if layout is None or pieces.local_names[index] is not None:
                 return False
             ndim, values, needs = layout
+            local_shape = pieces.local_shapes[index]
             if needs != (local_shape if ndim else numel_of(local_shape)):
                 return False
             self.kept.append(index)

@@ -14,9 +14,10 @@ import torch
 from builders import FIXED, box, flat, whole
 from scaleout_support import launch, single_process
 
-from gradaudit.audit import audit_folder
+from gradaudit.audit import Shares, audit_folder
 from gradaudit.capture.build import write_rank
 from gradaudit.checks.base import AuditOptions
+from gradaudit.dumpfile.loader import load_rank_files
 from gradaudit.measure.measure import bytes_to_read, measure_step
 from gradaudit.model import ClipRecord, Topology
 from gradaudit.render import json as json_renderer
@@ -97,8 +98,9 @@ def steps(tmp_path_factory) -> Path:
     return parent
 
 
-def _json_of(directory: Path, **audit_kw) -> str:
-    result = audit_folder(directory, AuditOptions(), **audit_kw)
+def _json_of(directory: Path, measure) -> str:
+    shares = Shares(load_files=load_rank_files, measure=measure)
+    result = audit_folder(directory, AuditOptions(), shares=shares)
     return (
         json_renderer.render_multi(result)
         if hasattr(result, "summary")
@@ -107,9 +109,9 @@ def _json_of(directory: Path, **audit_kw) -> str:
 
 
 def test_parallel_workers_give_the_report_of_one_worker_byte_for_byte(steps):
-    simple = _json_of(steps, measure=functools.partial(measure_step, workers=1))
+    simple = _json_of(steps, functools.partial(measure_step, workers=1))
     for workers in (2, 5):
-        assert _json_of(steps, measure=functools.partial(measure_step, workers=workers)) == simple
+        assert _json_of(steps, functools.partial(measure_step, workers=workers)) == simple
     assert '"GA401"' in simple and '"GA601"' in simple
 
 
