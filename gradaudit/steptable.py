@@ -36,8 +36,6 @@ class KindColumns:
     """float64: the entry's term of the step's p-norm (sum |x|^p, max |x| for the inf-norm)."""
     flags: np.ndarray
     """int8: the UNKNOWN, NAN and INF bits of `term` (norms.flags_of_stats)."""
-    sum_pow: np.ndarray | None = None
-    """float64: sum |x|^p, for the gradient only."""
 
     @property
     def nonfinite(self) -> np.ndarray:

@@ -244,7 +244,6 @@ def step_table_of(rows, norm_type: float):
         dtypes=frozenset({"float64"}) if n else frozenset(),
         grad=KindColumns(
             has=np.ones(n, dtype=bool),
-            sum_pow=column([s.sum_pow for s in stats], dtype=np.float64).reshape(n),
             sum_sq=column([s.sum_sq for s in stats], dtype=np.float64).reshape(n),
             max_abs=column([s.max_abs for s in stats], dtype=np.float64).reshape(n),
             counts=column([(s.num_nan, s.num_posinf, s.num_neginf) for s in stats], dtype=np.int64).reshape(

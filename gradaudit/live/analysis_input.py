@@ -400,7 +400,6 @@ def _step_table(
         dtypes=frozenset(dtypes),
         grad=KindColumns(
             has=np.ones(len(held), dtype=bool),
-            sum_pow=sum_pow,
             sum_sq=sum_sq,
             max_abs=max_abs,
             counts=counts,

@@ -50,17 +50,17 @@ stays in cache). numpy and the kernel load on first measurement."""
 
 
 def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
-    """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
-    squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    """Why a norm is inf although every value is finite: pieces whose float64 sum of squares (or
+    their term of the p-norm, sum |x|^p) exceeds float64. Such a sum is stored as inf, so every norm
+    that includes it is inf."""
     import numpy as np
 
     notes = []
     grad = table.grad
-    assert grad.sum_pow is not None  # the gradient's columns hold it
-    overflowing = np.flatnonzero(grad.has & (np.isinf(grad.sum_sq) | np.isinf(grad.sum_pow)))
+    overflowing = np.flatnonzero(grad.has & (np.isinf(grad.sum_sq) | np.isinf(grad.term)))
     overflowing = overflowing[(grad.nonfinite[overflowing] == 0) & (table.numel[overflowing] > 0)]
     for at in overflowing.tolist():
-        sums = (("squares", grad.sum_sq[at]), (f"|x|^{table.norm_type:g}", grad.sum_pow[at]))
+        sums = (("squares", grad.sum_sq[at]), (f"|x|^{table.norm_type:g}", grad.term[at]))
         what = next(what for what, value in sums if math.isinf(value))
         notes.append(
             f"{table.param_names[table.param[at]]} on rank {table.rank[at]}: the sum of {what} of its finite "

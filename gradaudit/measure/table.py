@@ -614,7 +614,6 @@ def step_table(step: StepDump, table: PieceTable, names: Iterable[str]) -> StepT
         chosen = np.concatenate([np.arange(s.start, s.stop) for s in spans] or [np.zeros(0, dtype=np.int64)])
         n = chosen.size
     products, has_products = table.products()
-    sum_pow = table.kind_column("grad", 0)[chosen]
     # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
     # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
     same = (
@@ -637,8 +636,7 @@ def step_table(step: StepDump, table: PieceTable, names: Iterable[str]) -> StepT
     unknown = unknown[chosen]
     grad = KindColumns(
         has=table.kind_has("grad")[chosen],
-        sum_pow=sum_pow,
-        sum_sq=sum_pow if same else table.kind_column("grad", 1)[chosen],
+        sum_sq=table.kind_column("grad", 0 if same else 1)[chosen],
         max_abs=table.kind_column("grad", 2)[chosen],
         counts=counts,
         term=np.where(unknown, math.nan, term[chosen]) if unknown.any() else term[chosen],

@@ -19,7 +19,6 @@ _COMPARED_COLUMNS = (
     "has_grad",
     "term",
     "sum_sq",
-    "sum_pow",
     "counts",
     "unknown",
     "has_clipped",
@@ -40,7 +39,6 @@ def _columns(table):
         "has_grad": grad.has,
         "term": grad.term,
         "sum_sq": grad.sum_sq,
-        "sum_pow": grad.sum_pow,
         "max_abs": grad.max_abs,
         "numel": table.numel,
         "counts": grad.counts,
@@ -351,7 +349,6 @@ class _ObjectColumns:
         self.dtypes = frozenset(p.dtype for p in pieces)
         stats = [p.stats.get("grad") for p in pieces]
         self.has_grad = np.array([s is not None for s in stats], dtype=bool)
-        self.sum_pow = np.array([0.0 if s is None else s.sum_pow for s in stats])
         self.sum_sq = np.array([0.0 if s is None else s.sum_sq for s in stats])
         self.max_abs = np.array([0.0 if s is None else s.max_abs for s in stats])
         self.numel = np.array([p.numel for p in pieces], dtype=np.int64)
@@ -371,7 +368,7 @@ class _ObjectColumns:
         self.grad = SimpleNamespace(
             has=self.has_grad,
             sum_sq=self.sum_sq,
-            sum_pow=self.sum_pow,
+            term=self.term,
             max_abs=self.max_abs,
             nonfinite=self.counts.sum(axis=1),
         )
