@@ -4,8 +4,8 @@ The unit of work is one logical parameter: all its pieces on all present ranks, 
 (never more than a few pieces' chunks in memory) into the step's PieceTable, with its frozen
 `ParamMeasurement`; `measure_step` spreads parameters over worker threads, optionally a subset, and
 freezes the table into the step table. Measurements of disjoint subsets join into the result of one
-pass (`scaleout.merged`: parameters split among processes). The inner loop over chunks is kernel.ChunkKernel; all of
-it is numpy, so that checking a dump never imports torch.
+pass (`scaleout.merged`: parameters split among processes). The inner loop over chunks is
+kernel.ChunkKernel; all of it is numpy, so that checking a dump never imports torch.
 """
 
 from __future__ import annotations
