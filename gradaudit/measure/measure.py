@@ -58,7 +58,7 @@ def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
     notes = []
     grad = table.grad
     overflowing = np.flatnonzero(grad.has & (np.isinf(grad.sum_sq) | np.isinf(grad.term)))
-    overflowing = overflowing[(grad.nonfinite[overflowing] == 0) & (table.numel[overflowing] > 0)]
+    overflowing = overflowing[(grad.counts[overflowing].sum(axis=1) == 0) & (table.numel[overflowing] > 0)]
     for at in overflowing.tolist():
         sums = (("squares", grad.sum_sq[at]), (f"|x|^{table.norm_type:g}", grad.term[at]))
         what = next(what for what, value in sums if math.isinf(value))

@@ -113,7 +113,8 @@ class PieceTable:
         self.dtype_names = list(dtypes)
         bounds = np.searchsorted(self.param, np.arange(len(self.names) + 1))
         self.bounds = {name: (int(bounds[i]), int(bounds[i + 1])) for i, name in enumerate(self.names)}
-        self.layout = self._layouts()
+        self.layout, self.numel = self._layouts()
+        """Per position, its layout (equal ids: replicas) and its piece's elements."""
         self.copies = np.bincount(self.layout) if self.size else np.zeros(0, dtype=np.int64)
         """Pieces holding each layout: more than one are replicas."""
         reads = sorted({kind for _, _, pieces in self.sources for kind in pieces.tensor_kinds})
@@ -150,12 +151,18 @@ class PieceTable:
             return np.zeros(0)
         return np.concatenate(parts)[self._order]
 
-    def _layouts(self) -> np.ndarray:
-        """A number per position, equal exactly when the pieces' layout keys are."""
+    def _layouts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a number per position, equal exactly when the pieces' layout keys are; the elements of
+        each position's piece, from the same columns: a flat range's stop - start, a box's shape)."""
         if not self.size:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         width = max(pieces.layout_width for _, _, pieces in self.sources)
         keys = [self.param] + [self._gather(_layout_column(column, width)) for column in range(1, 2 + width)]
+        ndim = keys[1]
+        numel = keys[3] - keys[2]
+        for k in np.unique(ndim[ndim > 0]).tolist():
+            at = ndim == k
+            numel[at] = np.prod(np.stack([keys[2 + k + j][at] for j in range(k)]), axis=0)
         order = _sorting(keys)
         starts = np.zeros(self.size, dtype=bool)
         starts[0] = True
@@ -172,7 +179,8 @@ class PieceTable:
             ids: dict[tuple[object, ...], int] = {}
             for position, (_, _, piece) in zip(at.tolist(), self.entries(at), strict=True):
                 layout[position] = self.size + ids.setdefault(piece.layout_key, len(ids))
-        return layout
+                numel[position] = piece.numel
+        return layout, numel.astype(np.int64, copy=False)
 
     def all_sources(self, test: Callable[[ColumnarPieces], bool]) -> bool:
         """Whether `test` holds for every rank's columns (all their pieces, kept or not)."""
@@ -404,11 +412,6 @@ class PieceTable:
             keys = {kind: by[local] for kind, by in pieces.extras.tensors.items() if local in by}
             found.append((path, keys, int(numel[position])))
         return found
-
-    @functools.cached_property
-    def numel(self) -> np.ndarray:
-        """Elements of each position's piece."""
-        return self._gather(lambda _, pieces: pieces.numel).astype(np.int64, copy=False)
 
     def grad_stats(self, positions: np.ndarray) -> list[tuple[TensorStats | None, float]]:
         """(the gradient's statistics, what was read overriding what is stored, divided by its value
@@ -650,7 +653,9 @@ def step_table(step: StepDump, table: PieceTable, names: Iterable[str]) -> StepT
         param=table.param[chosen],
         param_names=tuple(table.names),
         layout=layout,
-        dtypes=frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist()),
+        dtypes=frozenset(table.dtype_names)  # one dtype in the step (the common case): no pass
+        if len(table.dtype_names) == 1 and n
+        else frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist()),
         grad=grad,
         clipped=_clipped(table, chosen, norm_type),
         has_dots=has_products[chosen, 0] & has_products[chosen, 1],

@@ -370,7 +370,7 @@ class _ObjectColumns:
             sum_sq=self.sum_sq,
             term=self.term,
             max_abs=self.max_abs,
-            nonfinite=self.counts.sum(axis=1),
+            counts=self.counts,
         )
 
     def cover_positions(self):
