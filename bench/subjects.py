@@ -110,10 +110,12 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     from gradaudit.audit import analyse
     from gradaudit.checks.base import AuditOptions
     from gradaudit.checks.coverage import ownership_gap, ownership_overlap
+    from gradaudit.measure.table import piece_table, step_table
     from gradaudit.steptable import StepMeasurements
 
     step = _coverage_step(layout, num_pieces, num_ranks)
-    measured, options = StepMeasurements(norm_type=2.0, params={}), AuditOptions()
+    table = step_table(step, piece_table(step, ()), ())  # nothing measured: the checks read the coverage
+    measured, options = StepMeasurements(norm_type=2.0, params={}, table=table), AuditOptions()
     analysed = analyse(step, measured, update_judgements={})
     start = time.perf_counter()
     inputs = replace(analysed, coverage=coverage_by_param(step))

@@ -236,18 +236,15 @@ def analyse(
     m: StepMeasurements,
     *,
     update_judgements: Mapping[str, UpdateJudgement],
-    table: StepTable | None = None,
 ) -> Analysis:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
-    `update_judgements`: judge_updates' result with a reference, {} without one; `table`: the step
-    table, when another source than the measurements' pieces gives it (the guard's gathered numbers)."""
+    `update_judgements`: judge_updates' result with a reference, {} without one."""
     from .analysis.coverage import coverage_by_param
     from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
-    from .measure.table import step_table
 
-    table = step_table(m) if table is None else table
+    table = m.table
     diagnosis = diagnose(step, norm_input_of(step, m, table))
     return Analysis(
         step=step,

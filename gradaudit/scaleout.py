@@ -15,6 +15,7 @@ module and the capture hook are the only ones that touch torch.distributed.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .dumpfile.loader import LoadFiles, LoadOutcome
     from .dumpfile.reader import TensorReader
     from .model import StepDump
-    from .steptable import StepMeasurements
+    from .steptable import StepMeasurements, StepTable
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a process waits for the others at one exchange before giving up (a process that died
@@ -181,7 +182,6 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
     from functools import reduce
 
     from .measure.measure import available_workers, bytes_to_read, measure_step
-    from .measure.table import merged
 
     def measure(
         step: StepDump, reader: TensorReader, *, params: Iterable[str] | None = None, **kwargs: Any
@@ -198,6 +198,97 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
         return reduce(merged, gathered)
 
     return measure
+
+
+def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurements:
+    """The measurements of disjoint parameter subsets of the same step (measured apart: each
+    process of a scaled-out check measures its share) as those of one pass."""
+    from .steptable import StepMeasurements
+
+    if first.norm_type != second.norm_type and not (
+        math.isnan(first.norm_type) and math.isnan(second.norm_type)
+    ):
+        raise ValueError(f"cannot merge measurements of norm types {first.norm_type} and {second.norm_type}")
+    if first.reference_given != second.reference_given:
+        raise ValueError("cannot merge measurements with and without a reference")
+    overlap = set(first.params) & set(second.params)
+    if overlap:
+        raise ValueError(
+            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+        )
+    references = (first.reference_table, second.reference_table)
+    return StepMeasurements(
+        norm_type=first.norm_type,
+        params=dict(sorted({**first.params, **second.params}.items())),
+        table=_joined(first.table, second.table),
+        reference_table=None if None in references else _joined(*references),  # type: ignore[arg-type]
+        reference_given=first.reference_given,
+        reference_step=first.reference_step,
+        reference_only_params=tuple(
+            sorted(set(first.reference_only_params) | set(second.reference_only_params))
+        ),
+    )
+
+
+def _joined(a: StepTable, b: StepTable) -> StepTable:
+    """One step table of two of disjoint parameters of the same step, in parameter name order."""
+    from dataclasses import fields
+
+    import numpy as np
+
+    from .norms import UNKNOWN
+    from .steptable import KindColumns, StepTable
+
+    names = tuple(a.param_names)
+    if tuple(b.param_names) != names:
+        raise ValueError("cannot merge the step tables of different steps")
+    name_order = np.argsort(np.argsort(np.array(names, dtype=object), kind="stable"))
+    order = np.argsort(name_order[np.concatenate([a.param, b.param])], kind="stable")
+
+    def both(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        found: np.ndarray = np.concatenate([x, y])[order]
+        return found
+
+    def kinds(x: Any, y: Any, blank: Callable[[int], Any]) -> Any:
+        x, y = x or blank(a.size), y or blank(b.size)
+        columns = {f.name: getattr(x, f.name) for f in fields(x)}
+        return type(x)(**{k: None if v is None else both(v, getattr(y, k)) for k, v in columns.items()})
+
+    def no_kind(n: int, flags: int = UNKNOWN) -> KindColumns:
+        """The columns of entries without the kind (the clipped gradient's UNKNOWN, a call's none)."""
+        zeros, counts = np.zeros(n), np.zeros((n, 3), dtype=np.int64)
+        return KindColumns(
+            has=zeros > 0,
+            sum_sq=zeros,
+            max_abs=zeros,
+            counts=counts,
+            term=zeros,
+            flags=np.full(n, flags, np.int8),
+        )
+
+    arrays = {
+        f.name: both(getattr(a, f.name), getattr(b, f.name))
+        for f in fields(StepTable)
+        if isinstance(getattr(a, f.name), np.ndarray)
+    }
+    arrays["layout"] = both(a.layout, b.layout + int(a.layout.max(initial=-1)) + 1)
+    return StepTable(
+        **arrays,
+        norm_type=a.norm_type,
+        param_names=names,
+        dtypes=a.dtypes | b.dtypes,
+        grad=kinds(a.grad, b.grad, no_kind),
+        clipped=None if a.clipped is b.clipped is None else kinds(a.clipped, b.clipped, no_kind),
+        distinct_layouts=a.distinct_layouts and b.distinct_layouts,
+        calls=tuple(
+            kinds(_at(a.calls, c), _at(b.calls, c), lambda n: no_kind(n, 0))
+            for c in range(max(len(a.calls), len(b.calls)))
+        ),
+    )
+
+
+def _at(calls: Sequence[Any], call: int) -> Any:
+    return calls[call] if call < len(calls) else None
 
 
 @contextlib.contextmanager

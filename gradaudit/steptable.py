@@ -1,7 +1,6 @@
 """What measuring a step gives, the values the analysis and the checks read: the step table (every
-entry of a step, a measured piece of a dump or an ownership group of the guard, as frozen columns,
-with its row form for a finding's message and for tests), the replica comparisons and the
-comparisons with a reference.
+entry of a step, a measured piece of a dump or an ownership group of the guard, as frozen columns),
+the replica comparisons and the comparisons with a reference.
 
 Measuring builds them from files (`measure.measure_step`, `measure.table.step_table`), the guard from
 its gathered numbers (`live.analysis_input`); the diagnosis, the coefficients, the rank rows and the
@@ -11,50 +10,14 @@ checks ask the table their questions as arrays, never walking the pieces one by 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .model import Region, TensorKind, TensorStats
+from .model import Region, TensorKind
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PieceMeasurement:
-    """One row of the step table: a piece of a parameter on one rank, its stats per tensor kind, and
-    two-tensor products."""
-
-    rank: int
-    """The rank holding the piece."""
-    index: int
-    """The piece's index in its rank's file."""
-    param: str
-    """The logical parameter it is part of."""
-    regions: tuple[Region, ...]
-    """Which elements of the parameter it holds."""
-    dtype: str
-    """Dtype name of the dumped values (it chooses the tolerances)."""
-    numel: int
-    """Elements of the piece."""
-    replica_group: str | None = None
-    """The process group over which this piece is replicated, when the capture named one."""
-    stats: Mapping[TensorKind, TensorStats] = field(default_factory=dict)
-    """Tensor kind -> float64 statistics (read from the values, or as dumped in stats mode)."""
-    dot_pre_post: float | None = None
-    """sum(grad * grad_clipped) over elements finite in both, when both tensors were dumped with values."""
-    dot_pre_pre: float | None = None
-    """sum(grad * grad) over the same elements as `dot_pre_post`."""
-    update_sum_sq: float | None = None
-    """sum((param_after - param_before)^2) over finite elements, when both were dumped with values."""
-    value_scale: float = 1.0
-    """The dumped gradients were this many times the true ones (the loss scale, when they were captured
-    before GradScaler.unscale_); every gradient number here is already divided by it."""
-
-    @property
-    def layout_key(self) -> tuple[object, ...]:
-        return (self.param, self.regions)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -73,8 +36,6 @@ class KindColumns:
     """float64: the entry's term of the step's p-norm (sum |x|^p, max |x| for the inf-norm)."""
     flags: np.ndarray
     """int8: the UNKNOWN, NAN and INF bits of `term` (norms.flags_of_stats)."""
-    sum_pow: np.ndarray | None = None
-    """float64: sum |x|^p, for the gradient only."""
 
     @property
     def nonfinite(self) -> np.ndarray:
@@ -115,10 +76,16 @@ class StepTable:
     """float64: sum(pre * pre) over the same elements."""
     has_update: np.ndarray
     """bool: the entry holds its update's sum of squares (parameters dumped before and after the step)."""
+    update_sum_sq: np.ndarray
+    """float64: sum((param_after - param_before)^2) over finite elements (0 where not held)."""
+    numel: np.ndarray
+    """int64: elements of the entry."""
     distinct_layouts: bool
     """No two entries share a layout (no replicas)."""
-    rows: Callable[[np.ndarray], Sequence[PieceMeasurement]] = field(repr=False)
-    """The row form of the entries at these positions (for a message, or a test)."""
+    calls: tuple[KindColumns, ...] = ()
+    """Per clip call, when a rank made two or more and its entries hold per-call statistics: the
+    gradient just before it, in true-gradient scale (the loss scale divided out of a call that ran
+    before GradScaler.unscale_); `has` false where an entry holds none for that call."""
 
     @property
     def size(self) -> int:
@@ -230,12 +197,8 @@ class ParamMeasurement:
     """The logical parameter."""
     norm_type: float
     """`p` of the norm the statistics were taken for."""
-    pieces: Sequence[PieceMeasurement]
-    """Its rows of the step's table (a table.TablePieces: each built when indexed or iterated)."""
     replica_sets: tuple[ReplicaSet, ...] = ()
     """Its layouts held on two or more ranks, compared copy by copy."""
-    reference_pieces: Sequence[PieceMeasurement] = ()
-    """The reference dump's pieces of this parameter (their stats), when a reference was given."""
     reference_errors: tuple[ReferenceDifference, ...] = ()
     """Per tensor kind, the comparison with the reference (empty without one)."""
     notes: tuple[str, ...] = ()
@@ -250,17 +213,16 @@ class StepMeasurements:
     """`p` of the norm the statistics were taken for (the recorded clipping's, else 2)."""
     params: Mapping[str, ParamMeasurement]
     """Parameter name -> its measurement, sorted by name."""
+    table: StepTable
+    """Every measured piece of the parameters, as the step table."""
+    reference_table: StepTable | None = None
+    """The reference dump's pieces of the parameters compared with it (their stats), with a reference."""
     reference_given: bool = False
     """Whether an unsharded reference step was compared (--reference)."""
     reference_step: int | None = None
     """The reference's step number; None without a reference."""
     reference_only_params: tuple[str, ...] = ()
     """Parameters the reference holds and the checked dump does not."""
-
-    @property
-    def pieces(self) -> Iterator[PieceMeasurement]:
-        for pm in self.params.values():
-            yield from pm.pieces
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -173,3 +173,93 @@ def assert_exact_sums(stats, values: Sequence[float], norm_type: float) -> None:
         values.count(math.inf),
         values.count(-math.inf),
     )
+
+
+def assert_same_tables(a, b) -> None:
+    """Two step tables hold the same entries: every column equal (nan where nan), the layouts as
+    the same classes (their numbers may differ: equal ids are replicas), the same per-call columns."""
+    import dataclasses
+
+    import numpy as np
+
+    def same(x, y, where: str) -> None:
+        if dataclasses.is_dataclass(x) or dataclasses.is_dataclass(y):
+            assert type(x) is type(y), where
+            for f in dataclasses.fields(x):
+                same(getattr(x, f.name), getattr(y, f.name), f"{where}.{f.name}")
+        elif isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.shape == y.shape, where
+            assert np.array_equal(x, y, equal_nan=x.dtype.kind == "f"), where
+        elif isinstance(x, tuple) and where.endswith("calls"):
+            assert len(x) == len(y), where
+            for k, (p, q) in enumerate(zip(x, y, strict=True)):
+                same(p, q, f"{where}[{k}]")
+        else:
+            assert x == y, where
+
+    def classes(layout):
+        _, first, inverse = np.unique(layout, return_index=True, return_inverse=True)
+        return np.argsort(np.argsort(first))[inverse]
+
+    same(
+        dataclasses.replace(a, layout=classes(a.layout)), dataclasses.replace(b, layout=classes(b.layout)), ""
+    )
+    assert np.array_equal(a.cover, b.cover)
+
+
+def assert_same_measurements(a, b) -> None:
+    """Two StepMeasurements are the same: every field equal, the step tables as assert_same_tables."""
+    import dataclasses
+
+    assert dataclasses.replace(a, table=None, reference_table=None) == dataclasses.replace(
+        b, table=None, reference_table=None
+    )
+    assert_same_tables(a.table, b.table)
+    assert (a.reference_table is None) == (b.reference_table is None)
+    if a.reference_table is not None:
+        assert_same_tables(a.reference_table, b.reference_table)
+
+
+def step_table_of(rows, norm_type: float):
+    """A step table of (rank, index, layout, gradient TensorStats) rows of one parameter "w", in
+    the given order: the row form as a test states it."""
+    import numpy as np
+
+    from gradaudit.norms import flags_of_stats, term_of
+    from gradaudit.steptable import KindColumns, StepTable
+
+    n = len(rows)
+    stats = [s for *_, s in rows]
+    terms = [term_of(s, norm_type) for s in stats]
+    column = np.array
+    zeros = np.zeros(n)
+    layout = column([r[2] for r in rows], dtype=np.int64).reshape(n)
+    return StepTable(
+        norm_type=norm_type,
+        rank=column([r[0] for r in rows], dtype=np.int64).reshape(n),
+        index=column([r[1] for r in rows], dtype=np.int64).reshape(n),
+        param=np.zeros(n, dtype=np.int64),
+        param_names=("w",),
+        layout=layout,
+        dtypes=frozenset({"float64"}) if n else frozenset(),
+        grad=KindColumns(
+            has=np.ones(n, dtype=bool),
+            sum_sq=column([s.sum_sq for s in stats], dtype=np.float64).reshape(n),
+            max_abs=column([s.max_abs for s in stats], dtype=np.float64).reshape(n),
+            counts=column([(s.num_nan, s.num_posinf, s.num_neginf) for s in stats], dtype=np.int64).reshape(
+                n, 3
+            ),
+            term=column([math.nan if t is None else t for t in terms], dtype=np.float64).reshape(n),
+            flags=column(
+                [flags_of_stats(s, t) for s, t in zip(stats, terms, strict=True)], dtype=np.int8
+            ).reshape(n),
+        ),
+        clipped=None,
+        has_dots=np.zeros(n, dtype=bool),
+        dot_pre_post=zeros,
+        dot_pre_pre=zeros,
+        has_update=np.zeros(n, dtype=bool),
+        update_sum_sq=zeros,
+        numel=column([s.numel for s in stats], dtype=np.int64).reshape(n),
+        distinct_layouts=bool(np.unique(layout).size == n),
+    )

@@ -6,6 +6,7 @@ import math
 import random
 
 import torch
+from builders import step_table_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,6 @@ from gradaudit.analysis.norm_input import cover_norm
 from gradaudit.capture.tensorstats import stats_of_tensor
 from gradaudit.model import Box, FlatRange
 from gradaudit.norms import expected_clip_coef
-from gradaudit.steptable import PieceMeasurement
 
 NORM_TYPES = (1.0, 2.0, 3.5, math.inf)
 
@@ -56,27 +56,37 @@ def _product(lists):
 
 
 def _measurements(pieces, norm_type, rng, num_ranks=4, replica_chance=0.5):
-    """PieceMeasurements with every piece on a random rank, some copied onto other ranks."""
+    """(rank, index, layout, stats) rows with every piece on a random rank, some copied onto other ranks."""
     found = []
     next_index = dict.fromkeys(range(num_ranks), 0)
-    for region, values in pieces:
+    for layout, (_, values) in enumerate(pieces):
         ranks = {rng.randrange(num_ranks)}
         while rng.random() < replica_chance and len(ranks) < num_ranks:
             ranks.add(rng.randrange(num_ranks))
         for rank in sorted(ranks):
-            found.append(
-                PieceMeasurement(
-                    rank=rank,
-                    index=next_index[rank],
-                    param="w",
-                    regions=(region,),
-                    dtype="float64",
-                    numel=values.numel(),
-                    stats={"grad": stats_of_tensor(values, norm_type)},
-                )
-            )
+            found.append((rank, next_index[rank], layout, stats_of_tensor(values, norm_type)))
             next_index[rank] += 1
     return found
+
+
+def _entries(rows):
+    """Entries from (rank, layout, term, flags) rows in (rank, entry) order."""
+    import numpy as np
+
+    from gradaudit.analysis.norm_input import Entries
+
+    rank, layout, term, flags = zip(*rows, strict=True) if rows else ((), (), (), ())
+    return Entries(
+        rank=np.array(rank, dtype=np.int64),
+        layout=np.array(layout, dtype=np.int64),
+        term=np.array(term, dtype=np.float64),
+        flags=np.array(flags, dtype=np.int8),
+    )
+
+
+def _cover_norm(rows, norm_type):
+    table = step_table_of(rows, norm_type)
+    return cover_norm(table, table.cover, table.grad, norm_type)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -84,7 +94,7 @@ def _measurements(pieces, norm_type, rng, num_ranks=4, replica_chance=0.5):
 def test_a_disjoint_cover_with_replicas_gives_the_norm_of_the_reassembled_tensor(cut, norm_type, seed):
     tensor, pieces = cut
     measured = _measurements(pieces, norm_type, random.Random(seed))
-    got = cover_norm(measured, norm_type)
+    got = _cover_norm(measured, norm_type)
     expected = float(torch.linalg.vector_norm(tensor, ord=norm_type))
     assert math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-300)
 
@@ -97,7 +107,7 @@ def test_permuting_pieces_changes_nothing(cut, norm_type, seed):
     measured = _measurements(pieces, norm_type, rng)
     shuffled = list(measured)
     rng.shuffle(shuffled)
-    assert cover_norm(shuffled, norm_type) == cover_norm(measured, norm_type)
+    assert _cover_norm(shuffled, norm_type) == _cover_norm(measured, norm_type)
 
 
 @settings(max_examples=40, deadline=None)
@@ -160,28 +170,20 @@ def test_the_coverage_sweep_counts_gaps_and_overlaps_like_a_dense_count_of_every
 def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed, chosen):
     """NormSet (the diagnosis' one norm of a set of entries) against the object path, its oracle:
     any set of ranks, replicas once through the first rank's copy or every copy counted."""
-    import dataclasses
+    from collections import namedtuple
 
-    from gradaudit.analysis.norm_input import Entries, NormSet
+    from gradaudit.analysis.norm_input import NormSet
     from gradaudit.norms import flags_of_stats, norm_of_terms, term_of
 
     _, pieces = cut
     rng = random.Random(seed)
-    values = {(region,): v for region, v in pieces}
+    Row = namedtuple("Row", "rank index layout stats")
     measured = [  # copies that drifted apart, so that which rank's copy counts shows
-        dataclasses.replace(
-            p, stats={"grad": stats_of_tensor(values[p.regions] * (1 + p.rank / 8), norm_type)}
-        )
-        for p in sorted(_measurements(pieces, norm_type, rng), key=lambda p: (p.rank, p.index))
+        Row(rank, index, layout, stats_of_tensor(pieces[layout][1] * (1 + rank / 8), norm_type))
+        for rank, index, layout, _ in sorted(_measurements(pieces, norm_type, rng))
     ]
-    ids = {}
-    entries = Entries.of(
-        [
-            (p.rank, ids.setdefault(p.layout_key, len(ids)), term_of(p.stats["grad"], norm_type), 0)
-            for p in measured
-        ]
-    )
-    assert all(flags_of_stats(p.stats["grad"], term_of(p.stats["grad"], norm_type)) == 0 for p in measured)
+    entries = _entries([(p.rank, p.layout, term_of(p.stats, norm_type), 0) for p in measured])
+    assert all(flags_of_stats(p.stats, term_of(p.stats, norm_type)) == 0 for p in measured)
     norms = NormSet(entries, norm_type)
     inside = [p for p in measured if p.rank in chosen]
     first = rng.choice(sorted(chosen))
@@ -189,11 +191,11 @@ def test_the_norm_of_a_set_of_entries_is_that_of_its_pieces(cut, norm_type, seed
     once, repeated = norms.norm(tuple(chosen), True, first=first)
 
     def norm_of(counted):  # the oracle: every piece's term, as given
-        return norm_of_terms([term_of(p.stats["grad"], norm_type) for p in counted], norm_type)
+        return norm_of_terms([term_of(p.stats, norm_type) for p in counted], norm_type)
 
-    assert once == norm_of(list({p.layout_key: p for p in reversed(firsts)}.values()))
+    assert once == norm_of(list({p.layout: p for p in reversed(firsts)}.values()))
     assert norms.norm(tuple(chosen), False)[0] == norm_of(inside)
-    assert repeated == (len({p.layout_key for p in inside}) < len(inside))
+    assert repeated == (len({p.layout for p in inside}) < len(inside))
 
 
 _SUMMABLE = st.one_of(
@@ -250,10 +252,10 @@ def test_norms_primed_for_many_rank_sets_at_once_are_those_asked_one_by_one(
 ):
     """NormSet.prime (every rank set's norms in a few numpy passes, as the diagnosis asks them of each
     rank and group of a large step) gives norm() and num_layouts() bit for bit what asking gives."""
-    from gradaudit.analysis.norm_input import Entries, NormSet
+    from gradaudit.analysis.norm_input import NormSet
 
     rows = sorted(rows, key=lambda r: r[0])
-    entries = dataclasses.replace(Entries.of(rows), replicated=replicated)
+    entries = dataclasses.replace(_entries(rows), replicated=replicated)
     asked = NormSet(entries, norm_type)
     primed = NormSet(entries, norm_type)
     sets = [*sets, sorted({r for r, *_ in rows}), *([r] for r, *_ in rows)]

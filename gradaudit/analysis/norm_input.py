@@ -16,20 +16,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import ClipCall, StepDump, TensorKind
+from ..model import StepDump
 from ..norms import (
     INF,
     NAN,
     UNKNOWN,
-    flags_of_stats,
     is_inf_norm,
     norm_from_total,
     norm_of_terms,
     safe_fsum,
     segment_fsums,
-    term_of,
 )
-from ..steptable import PieceMeasurement, StepMeasurements, StepTable
+from ..steptable import KindColumns, StepMeasurements, StepTable
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -48,30 +46,6 @@ class Entries:
     """int8: the UNKNOWN, NAN and INF bits of the entry."""
     replicated: bool = True
     """Some layout is held by more than one entry (False: no replicas to look for)."""
-
-    @staticmethod
-    def of(rows: Sequence[tuple[int, int, float, int]]) -> Entries:
-        """From (rank, layout, term, flags) rows in (rank, entry) order."""
-        rank, layout, term, flags = zip(*rows, strict=True) if rows else ((), (), (), ())
-        return Entries(
-            rank=np.array(rank, dtype=np.int64),
-            layout=np.array(layout, dtype=np.int64),
-            term=np.array(term, dtype=np.float64),
-            flags=np.array(flags, dtype=np.int8),
-        )
-
-    @staticmethod
-    def of_pieces(pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad") -> Entries:
-        """The `kind` terms of these pieces in (rank, index) order, copies of a layout sharing its id
-        (a piece without the kind counts as zero: a parameter without gradient)."""
-        ids: dict[tuple[object, ...], int] = {}
-        rows = []
-        for piece in sorted(pieces, key=lambda p: (p.rank, p.index)):
-            stats = piece.stats.get(kind)
-            term = None if stats is None else term_of(stats, norm_type)
-            flags = 0 if stats is None else flags_of_stats(stats, term)
-            rows.append((piece.rank, ids.setdefault(piece.layout_key, len(ids)), term or 0.0, flags))
-        return Entries.of(rows)
 
     def subset(self, inside: np.ndarray) -> Entries:
         """The entries where the boolean `inside` is set."""
@@ -275,12 +249,16 @@ class NormSet:
         return self._sums[key]
 
 
-def cover_norm(
-    pieces: Iterable[PieceMeasurement], norm_type: float, kind: TensorKind = "grad"
-) -> float | None:
-    """The norm of these pieces' `kind` statistics, each layout once through its lowest-rank copy
-    (NormSet's norm of their entries)."""
-    entries = Entries.of_pieces(pieces, norm_type, kind)
+def cover_norm(table: StepTable, at: np.ndarray, kind: KindColumns, norm_type: float) -> float | None:
+    """The norm of these entries' `kind` (`at`: some of the cover's, in its order), each counted
+    (NormSet's norm of their terms); any p the table's, or 2 from the sums of squares."""
+    if norm_type == table.norm_type:
+        term, flags = kind.term[at], kind.flags[at]
+    else:
+        counts = kind.counts[at]
+        term = kind.sum_sq[at]
+        flags = (counts[:, 0] > 0) * NAN | ((counts[:, 1] + counts[:, 2]) > 0) * INF
+    entries = Entries(rank=table.rank[at], layout=table.layout[at], term=term, flags=flags.astype(np.int8))
     return NormSet(entries, norm_type).norm(sorted(set(entries.rank.tolist())), True)[0]
 
 
@@ -352,41 +330,15 @@ def norm_input_of(step: StepDump, m: StepMeasurements, table: StepTable) -> Norm
         param_names=tuple(table.param_names),
         sum_sq=of_grad(grad_columns.sum_sq, np.float64),
         clipped=clipped,
-        calls=_call_entries(step, m.norm_type),
+        calls=tuple(
+            Entries(rank=rank[has], layout=layout[has], term=c.term[order][has], flags=c.flags[order][has])
+            for c in table.calls
+            for has in [c.has[order]]
+        ),
         dtypes=table.dtypes,
         measured_coef=measured,
         drifted=_ranks_with_drifted_replicas(m),
-        covers_every_param=not step.missing_ranks or _covers_every_param(step, table.rows(table.cover)),
-    )
-
-
-def _call_entries(step: StepDump, norm_type: float) -> tuple[Entries, ...]:
-    """Per clip call, the pieces' per-call statistics (read only when a rank made two or more calls;
-    format-1.1 columns hold none): only the pieces holding some are built."""
-    if all(len(c.calls) < 2 for c in (step.ranks[r].clip for r in step.ranks_present) if c is not None):
-        return ()
-    ids: dict[tuple[object, ...], int] = {}
-    rows: list[list[tuple[int, int, float, int]]] = []
-    for rank in step.ranks_present:
-        dump = step.ranks[rank]
-        scales = [_call_scale(c) for c in (dump.clip.calls if dump.clip is not None else ())]
-        columns = dump.pieces
-        with_calls = [p for p, stats in columns.extras.call_stats.items() if stats]
-        for piece in sorted(columns.build(with_calls), key=lambda p: p.index):
-            layout = ids.setdefault(piece.layout_key, len(ids))
-            for call, stats in enumerate(piece.call_stats):
-                rows += [[] for _ in range(call + 1 - len(rows))]
-                term = term_of(stats, norm_type, scales[call] if call < len(scales) else 1.0)
-                rows[call].append((rank, layout, term or 0.0, flags_of_stats(stats, term)))
-    return tuple(Entries.of(found) for found in rows)
-
-
-def _call_scale(call: ClipCall) -> float:
-    """How many times the true gradient the gradient before this clip call was (the loss scale when
-    the call ran before GradScaler.unscale_)."""
-    scale = call.loss_scale
-    return (
-        scale if call.unscaled is False and scale is not None and math.isfinite(scale) and scale > 0 else 1.0
+        covers_every_param=not step.missing_ranks or _covers_every_param(step, table),
     )
 
 
@@ -437,10 +389,10 @@ def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:
     )
 
 
-def _covers_every_param(step: StepDump, cover: Sequence[PieceMeasurement]) -> bool:
-    """Whether the present ranks' distinct pieces hold as many elements as every parameter has
+def _covers_every_param(step: StepDump, table: StepTable) -> bool:
+    """Whether the present ranks' distinct entries hold as many elements as every parameter has
     (the exact overlap/gap check is GA102/GA103; this only tells whether missing ranks mattered)."""
-    held: dict[str, int] = {}
-    for piece in cover:
-        held[piece.param] = held.get(piece.param, 0) + piece.numel
+    cover = table.cover
+    sums = np.bincount(table.param[cover], weights=table.numel[cover], minlength=len(table.param_names))
+    held = dict(zip(table.param_names, sums.tolist(), strict=True))
     return all(held.get(name, 0) >= info.numel for name, info in step.params.items())

@@ -10,14 +10,14 @@ MAX_ENTRIES_IN_MESSAGE = 8
 def nonfinite_gradients(inputs: Analysis, options: AuditOptions) -> CheckResult:
     counts: dict[tuple[int, str], list[int]] = {}
     table = inputs.table
-    for piece in table.rows(table.grad.counts.any(axis=1).nonzero()[0]):
-        stats = piece.stats.get("grad")
-        if stats is None or not stats.num_nonfinite:
-            continue
-        entry = counts.setdefault((piece.rank, piece.param), [0, 0, 0])
-        entry[0] += stats.num_nan
-        entry[1] += stats.num_posinf
-        entry[2] += stats.num_neginf
+    grad = table.grad
+    at = (grad.has & grad.counts.any(axis=1)).nonzero()[0]
+    for rank, param, found in zip(
+        table.rank[at].tolist(), table.param[at].tolist(), grad.counts[at].tolist(), strict=True
+    ):
+        entry = counts.setdefault((rank, table.param_names[param]), [0, 0, 0])
+        for k in range(3):
+            entry[k] += found[k]
     if not counts:
         return ()
     ranks = sorted({r for r, _ in counts})

@@ -63,10 +63,10 @@ def reference_comparisons(m: StepMeasurements, options: AuditOptions) -> tuple[P
 
 def reference_norm(m: StepMeasurements) -> float | None:
     """The global norm of the reference's gradients."""
-    pieces = [p for pm in m.params.values() for p in pm.reference_pieces]
-    if not pieces:
+    table = m.reference_table
+    if table is None or not table.size:
         return None
-    return cover_norm(pieces, m.norm_type)
+    return cover_norm(table, table.cover, table.grad, m.norm_type)
 
 
 def _describe(c: ParamComparison) -> str:

@@ -14,8 +14,8 @@ def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
     step = inputs.step
     table = inputs.table
     everything = table.cover.size
-    cover = list(table.rows(table.cover[table.has_update[table.cover]]))
-    if not cover:
+    cover = table.cover[table.has_update[table.cover]]
+    if not cover.size:
         stats = any(step.ranks[r].mode == "stats" for r in step.ranks_present)
         return Skip(
             reason="parameters before and after the optimizer step were not dumped with values"
@@ -25,10 +25,11 @@ def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
                 else f" ({record_parameters_hint(step)})"
             )
         )
-    partial = len(cover) < everything
-    update_norm = math.sqrt(safe_fsum(p.update_sum_sq for p in cover if p.update_sum_sq is not None))
-    clipped = all("grad_clipped" in p.stats for p in cover)
-    grad_norm = cover_norm(cover, 2.0, "grad_clipped" if clipped else "grad")
+    partial = cover.size < everything
+    update_norm = math.sqrt(safe_fsum(table.update_sum_sq[cover]))
+    after = table.clipped
+    clipped = after is not None and bool(after.has[cover].all())
+    grad_norm = cover_norm(table, cover, after if after is not None and clipped else table.grad, 2.0)
     if grad_norm is None or not math.isfinite(grad_norm) or not math.isfinite(update_norm):
         return Skip(
             reason=f"the gradient or update norm is not finite ({num(grad_norm)}, {num(update_norm)}; see GA401)"
@@ -39,7 +40,7 @@ def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
         Hit(
             message=(
                 (
-                    f"over the {len(cover)} of {everything} pieces dumped with parameter values: "
+                    f"over the {cover.size} of {everything} pieces dumped with parameter values: "
                     if partial
                     else ""
                 )
@@ -53,7 +54,7 @@ def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
                 "gradient_norm": grad_norm,
                 "ratio": ratio,
                 "gradient_kind": "grad_clipped" if clipped else "grad",
-                **({"num_pieces": len(cover), "num_pieces_in_step": everything} if partial else {}),
+                **({"num_pieces": cover.size, "num_pieces_in_step": everything} if partial else {}),
             },
         ),
     )

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..measure.measurements import gradient_scale_of, piece_measurement, unscaled_sums
+from ..measure.measurements import call_columns, call_row, call_scale, gradient_scale_of, unscaled_sums
 from ..model import (
     NO_EXTRAS,
     ClipCall,
@@ -38,7 +38,6 @@ from ..norms import INF, NAN, UNKNOWN
 from ..steptable import (
     KindColumns,
     ParamMeasurement,
-    PieceMeasurement,
     ReplicaCopy,
     ReplicaSet,
     StepMeasurements,
@@ -389,13 +388,12 @@ def analysis_of(live: LiveStep) -> Analysis:
     measurements = StepMeasurements(
         norm_type=live.norm_type,
         params={
-            name: ParamMeasurement(
-                param=name, norm_type=live.norm_type, pieces=(), replica_sets=replicas.get(name, ())
-            )
+            name: ParamMeasurement(param=name, norm_type=live.norm_type, replica_sets=replicas.get(name, ()))
             for name in sorted(step.params)
         },
+        table=table,
     )
-    return analyse(step, measurements, table=table, update_judgements={})
+    return analyse(step, measurements, update_judgements={})
 
 
 def _step_table(
@@ -426,12 +424,6 @@ def _step_table(
     grad_dtypes = {r: s.grad_dtype for r, s in live.ranks.items()}
     dtypes = [grad_dtypes[h.rank] or live.groups[h.group].dtype for h, _ in held]
 
-    def rows(at: np.ndarray) -> list[PieceMeasurement]:
-        """The pieces of the guard's dump at these positions, measured: built only when asked."""
-        return [
-            piece_measurement(int(rank[i]), _piece(live, *held[i]), float(scales[i])) for i in at.tolist()
-        ]
-
     zeros = np.zeros(len(held))
     table = StepTable(
         norm_type=p,
@@ -443,7 +435,6 @@ def _step_table(
         dtypes=frozenset(dtypes),
         grad=KindColumns(
             has=np.ones(len(held), dtype=bool),
-            sum_pow=sum_pow,
             sum_sq=sum_sq,
             max_abs=max_abs,
             counts=counts,
@@ -455,12 +446,28 @@ def _step_table(
         dot_pre_post=zeros,
         dot_pre_pre=zeros,
         has_update=np.zeros(len(held), dtype=bool),
+        update_sum_sq=zeros,
+        numel=np.ones(len(held), dtype=np.int64),
         distinct_layouts=bool(np.unique(layout).size == layout.size),
-        rows=rows,
+        calls=_call_columns([h for h, _ in held], g.clips, p),
     )
     names = [group.param for group in live.groups]
     params = [names[h.group] for h, _ in held]
     return table, _replica_sets(table, params, dtypes, g.coords[order, 0])
+
+
+def _call_columns(held: list[_Held], clips: Mapping[int, ClipRecord], p: float) -> tuple[KindColumns, ...]:
+    """Per clip call, each entry's statistics just before it, as measuring the guard's dump gives
+    them from the pieces' per-call statistics."""
+    import numpy as np
+
+    rows = np.zeros((len(held), max((len(h.calls) for h in held), default=0), 8))
+    for i, h in enumerate(held):
+        calls = clips[h.rank].calls
+        for call, term in enumerate(h.calls):
+            scale = call_scale(calls[call]) if call < len(calls) else 1.0
+            rows[i, call] = call_row(_one_element(term, p), p, scale)
+    return call_columns(rows)
 
 
 def _unscaled_columns(

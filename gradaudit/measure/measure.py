@@ -1,25 +1,24 @@
 """Reading the dumped tensors once, by parameter, into the numbers the checks need (the shell side).
 
-The unit of work is one logical parameter: all its pieces on all present ranks. `measure_param`
-reads them by chunks (never more than a few pieces' chunks in memory) and returns a frozen
+The unit of work is one logical parameter: all its pieces on all present ranks, read by chunks
+(never more than a few pieces' chunks in memory) into the step's PieceTable, with its frozen
 `ParamMeasurement`; `measure_step` spreads parameters over worker threads, optionally a subset, and
-measurements of disjoint subsets `merge` into the same result as one pass (so parameters can be
-split among processes: see scaleout.py). The inner loop over chunks is kernel.ChunkKernel; all of
-it is numpy, so that checking a dump never imports torch.
+freezes the table into the step table. Measurements of disjoint subsets join into the result of one
+pass (`scaleout.merged`: parameters split among processes). The inner loop over chunks is
+kernel.ChunkKernel; all of it is numpy, so that checking a dump never imports torch.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..model import ParamInfo, Piece, StepDump, TensorKind
+from ..model import ParamInfo, Piece, StepDump, TensorKind, TensorStats
 from ..norms import divide_by_power
 from ..steptable import (
     ParamMeasurement,
-    PieceMeasurement,
     ReferenceDifference,
     ReplicaCopy,
     ReplicaSet,
@@ -51,28 +50,23 @@ stays in cache). numpy and the kernel load on first measurement."""
 
 
 def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
-    """Why a norm is inf although every value is finite: pieces whose float64 sum of |x|^p (or of
-    squares) exceeds float64. Such a sum is stored as inf, so every norm that includes it is inf."""
+    """Why a norm is inf although every value is finite: pieces whose float64 sum of squares (or
+    their term of the p-norm, sum |x|^p) exceeds float64. Such a sum is stored as inf, so every norm
+    that includes it is inf."""
     import numpy as np
 
     notes = []
-    inf = math.inf
     grad = table.grad
-    assert grad.sum_pow is not None  # the gradient's columns hold it
-    overflowing = np.flatnonzero(grad.has & (np.isinf(grad.sum_sq) | np.isinf(grad.sum_pow)))
-    for piece in table.rows(overflowing):
-        stats = piece.stats.get("grad")
-        if stats is None or (stats.sum_sq != inf and stats.sum_pow != inf):  # sums are >= 0 or nan
-            continue
-        if stats.num_nonfinite or not stats.numel:
-            continue
-        for what, value in (("squares", stats.sum_sq), (f"|x|^{stats.norm_type:g}", stats.sum_pow)):
-            if math.isinf(value):
-                notes.append(
-                    f"{piece.param} on rank {piece.rank}: the sum of {what} of its finite gradient values "
-                    f"(max |x| {stats.max_abs:.6g}) exceeds float64, so norms that include it are reported as inf"
-                )
-                break
+    overflowing = np.flatnonzero(grad.has & (np.isinf(grad.sum_sq) | np.isinf(grad.term)))
+    overflowing = overflowing[(grad.counts[overflowing].sum(axis=1) == 0) & (table.numel[overflowing] > 0)]
+    for at in overflowing.tolist():
+        sums = (("squares", grad.sum_sq[at]), (f"|x|^{table.norm_type:g}", grad.term[at]))
+        what = next(what for what, value in sums if math.isinf(value))
+        notes.append(
+            f"{table.param_names[table.param[at]]} on rank {table.rank[at]}: the sum of {what} of its finite "
+            f"gradient values (max |x| {grad.max_abs[at]:.6g}) exceeds float64, so norms that include it "
+            "are reported as inf"
+        )
     if len(notes) > limit:
         notes = notes[:limit] + [f"and {len(notes) - limit} more pieces whose sums exceed float64"]
     return tuple(notes)
@@ -135,15 +129,16 @@ def _read_values(
 def _compare_replicas(
     reader: TensorReader,
     copies: list[tuple[int, str, Piece]],
-    measured: Mapping[tuple[int, int], PieceMeasurement],
+    measured: Mapping[tuple[int, int], tuple[TensorStats | None, float]],
     chunk: int,
 ) -> ReplicaSet:
-    """Compare every copy of one layout with the lowest-rank copy: values when all have them, else fingerprints."""
+    """Compare every copy of one layout with the lowest-rank copy: values when all have them, else
+    fingerprints (`measured`: (rank, index) -> PieceTable.grad_stats of the copy)."""
     from .reference import compare_values
 
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
     base_rank, base_path, base = copies[0]
-    base_stats = measured[(base_rank, base.index)].stats.get("grad")
+    base_stats = measured[(base_rank, base.index)][0]
     by_values = all("grad" in p.tensors for _, _, p in copies)
     results = []
     if by_values:
@@ -153,11 +148,11 @@ def _compare_replicas(
         mismatches = [0] * len(others)
         for start, stop in _flat_windows(base.numel, per_copy):
             ref = _piece_flat(
-                reader, base_path, base, "grad", start, stop, measured[(base_rank, base.index)].value_scale
+                reader, base_path, base, "grad", start, stop, measured[(base_rank, base.index)][1]
             )
             for i, (rank, path, piece) in enumerate(others):
                 values = _piece_flat(
-                    reader, path, piece, "grad", start, stop, measured[(rank, piece.index)].value_scale
+                    reader, path, piece, "grad", start, stop, measured[(rank, piece.index)][1]
                 )
                 diff, _, mismatch = compare_values(values, ref)
                 diffs[i] = max(diffs[i], diff)
@@ -168,7 +163,7 @@ def _compare_replicas(
         ]
     else:
         for rank, _, piece in copies[1:]:
-            stats = measured[(rank, piece.index)].stats.get("grad")
+            stats = measured[(rank, piece.index)][0]
             delta = None
             if (
                 stats is not None
@@ -290,7 +285,8 @@ def _replica_sets(
     by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
     for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
         by_layout.setdefault(layout, []).append(entry)
-    lookup = {(pm.rank, pm.index): pm for pm in table.measurements(replicated)}
+    keys = zip(table.rank[replicated].tolist(), table.index[replicated].tolist(), strict=True)
+    lookup = dict(zip(keys, table.grad_stats(replicated), strict=True))
     return tuple(
         _compare_replicas(reader, copies, lookup, chunk)
         for copies in sorted(by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p in copies))
@@ -324,15 +320,16 @@ def _measure_reference(
     scale_of: Callable[[int], float],
     reference: StepDump,
     kernel: ChunkKernel,
-) -> tuple[Sequence[PieceMeasurement], tuple[ReferenceDifference, ...], tuple[str, ...]]:
+) -> tuple[bool, tuple[ReferenceDifference, ...], tuple[str, ...]]:
+    """(whether the reference's pieces of the parameter were read, the differences, notes)."""
     from .reference import ReferenceSource, covers
 
     info, ref_info = infos
     if ref_info is None:
-        return (), (), (f"{name}: not in the reference dump",)
+        return False, (), (f"{name}: not in the reference dump",)
     if info is not None and tuple(ref_info.global_shape) != tuple(info.global_shape):
         return (
-            (),
+            False,
             (),
             (
                 f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
@@ -360,7 +357,7 @@ def _measure_reference(
             for rank, path, piece in ours
         ]
         errors.append(_merge_errors(per_piece))
-    return ref_table.pieces(positions), tuple(errors), tuple(notes)
+    return True, tuple(errors), tuple(notes)
 
 
 def measure_step(
@@ -391,12 +388,14 @@ def measure_step(
     if unknown:
         raise ValueError(f"parameters {unknown[:3]} are not in step {step.step}; pass names from step.params")
     from .partials import partial_sums, record_sum
-    from .table import piece_table
+    from .table import piece_table, step_table
 
     sums, dropped = partial_sums(step)
     table = piece_table(step, names, norm_type=norm_type, dropped=dropped)
     ref_table = None if reference is None else piece_table(reference, names, norm_type=norm_type)
     reference_infos = {} if reference is None else reference.params
+    compared: set[str] = set()
+    """The parameters whose reference pieces were read."""
 
     def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
         import numpy as np
@@ -411,12 +410,11 @@ def measure_step(
         found = ParamMeasurement(
             param=name,
             norm_type=norm_type,
-            pieces=table.pieces(positions),
             replica_sets=_replica_sets(table, positions, worker_reader, chunk_elements),
         )
         if ref_table is None or reference is None:
             return found
-        pieces, errors, notes = _measure_reference(
+        read, errors, notes = _measure_reference(
             name,
             worker_reader,
             (known[name], reference_infos.get(name)),
@@ -427,7 +425,9 @@ def measure_step(
             reference=reference,
             kernel=kernel,
         )
-        return replace(found, reference_pieces=pieces, reference_errors=errors, notes=notes)
+        if read:
+            compared.add(name)
+        return replace(found, reference_errors=errors, notes=notes)
 
     cost = bytes_to_read(step, reference)
     results = _measure_all(
@@ -445,6 +445,10 @@ def measure_step(
     return StepMeasurements(
         norm_type=norm_type,
         params=dict(sorted(results.items())),
+        table=step_table(step, table, names),
+        reference_table=None
+        if ref_table is None or reference is None
+        else step_table(reference, ref_table, sorted(compared)),
         reference_given=reference is not None,
         reference_step=None if reference is None else reference.step,
         reference_only_params=reference_only,

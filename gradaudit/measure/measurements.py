@@ -1,16 +1,14 @@
-"""The loss-scale rule of the dumped gradients, and a piece's measurement (a row of the step table)
-from its statistics."""
+"""The loss-scale rule of the dumped gradients and of the gradients before each clip call."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
-from ..model import ClipRecord, Piece, RankDump, TensorKind, TensorStats
-from ..norms import divide_by_power
-from ..steptable import PieceMeasurement
+from ..model import ClipCall, ClipRecord, RankDump, TensorKind, TensorStats
+from ..norms import divide_by_power, flags_of_stats, term_of
+from ..steptable import KindColumns
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,31 +68,45 @@ def unscaled_sums(sum_pow: _F, sum_sq: _F, max_abs: _F, scale: float, norm_type:
     )
 
 
-def piece_measurement(
-    rank: int,
-    piece: Piece,
-    scale: float = 1.0,
-    *,
-    stats: Mapping[TensorKind, TensorStats] | None = None,
-    products: tuple[float | None, float | None, float | None] = (None, None, None),
-) -> PieceMeasurement:
-    """The measurement of a piece: its statistics (`stats`, by default those it holds: a piece with
-    statistics only has nothing to read), its gradient's divided by `scale`; `products`: its
-    dot_pre_post, dot_pre_pre and update_sum_sq, read from its values (already unscaled)."""
-    stats = piece.stats if stats is None else stats
-    if scale != 1.0:
-        stats = {k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()}
-    return PieceMeasurement(
-        rank=rank,
-        index=piece.index,
-        param=piece.param,
-        regions=piece.regions,
-        dtype=piece.dtype,
-        numel=math.prod(piece.local_shape),
-        replica_group=piece.replica_group,
-        stats=dict(sorted(stats.items())) if len(stats) > 1 else stats,
-        dot_pre_post=products[0],
-        dot_pre_pre=products[1],
-        update_sum_sq=products[2],
-        value_scale=scale,
+def call_scale(call: ClipCall) -> float:
+    """How many times the true gradient the gradient before this clip call was (the loss scale when
+    the call ran before GradScaler.unscale_)."""
+    scale = call.loss_scale
+    return (
+        scale if call.unscaled is False and scale is not None and math.isfinite(scale) and scale > 0 else 1.0
+    )
+
+
+def call_row(stats: TensorStats, norm_type: float, scale: float) -> tuple[float, ...]:
+    """A piece's statistics before one clip call as a row of `call_columns`: in true-gradient scale
+    (`scale`: call_scale of the call), its term of the `norm_type`-norm and that term's flags."""
+    term = term_of(stats, norm_type, scale)
+    unscaled = unscaled_stats(stats, scale)
+    return (
+        1.0,
+        term or 0.0,
+        flags_of_stats(stats, term),
+        unscaled.sum_sq,
+        unscaled.max_abs,
+        stats.num_nan,
+        stats.num_posinf,
+        stats.num_neginf,
+    )
+
+
+def call_columns(rows: np.ndarray) -> tuple[KindColumns, ...]:
+    """Per clip call, the step table's columns of the gradient before it, from [entries, calls, 8]
+    `call_row`s (zeros where an entry holds none for a call)."""
+    import numpy as np
+
+    return tuple(
+        KindColumns(
+            has=c[:, 0] > 0,
+            term=c[:, 1],
+            flags=c[:, 2].astype(np.int8),
+            sum_sq=c[:, 3],
+            max_abs=c[:, 4],
+            counts=c[:, 5:].astype(np.int64),
+        )
+        for c in np.moveaxis(rows, 1, 0)
     )

@@ -3,34 +3,32 @@
 The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank, index and layout of
 every piece. A piece's measurement is its stored statistics (the gradient's divided by its rank's
 loss scale, `dumped_gradient_scale`, when the dump holds them before unscale_), overwritten by what
-the tensor pass read from its values (`record`): arrays indexed by position. A PieceMeasurement is
-built only for the pieces a caller asks for (a finding that names a few, the copies of a
-replicated layout).
+the tensor pass read from its values (`record`): arrays indexed by position. `step_table` freezes
+it into the step table the analysis reads.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, cast, overload
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, Region, StepDump, TensorKind, TensorStats
 from ..norms import INF, NAN, UNKNOWN, term_column
-from ..steptable import KindColumns, PieceMeasurement, ReplicaCopy, ReplicaSet, StepMeasurements, StepTable
+from ..steptable import KindColumns, ReplicaCopy, ReplicaSet, StepTable
 from .measurements import (
     SCALED_KINDS,
+    call_columns,
+    call_row,
+    call_scale,
     dumped_gradient_scale,
-    piece_measurement,
     unscaled_stats,
     unscaled_sums,
 )
 
-_BATCH = 1024
 _READ, _FINGERPRINTED, _REMOVED = 1, 2, -1
 """A position's state per kind in the tensor pass: read from its values (with the fingerprint), or
 its statistics dropped (a partial sum's kind that the group's sum does not give)."""
@@ -115,7 +113,8 @@ class PieceTable:
         self.dtype_names = list(dtypes)
         bounds = np.searchsorted(self.param, np.arange(len(self.names) + 1))
         self.bounds = {name: (int(bounds[i]), int(bounds[i + 1])) for i, name in enumerate(self.names)}
-        self.layout = self._layouts()
+        self.layout, self.numel = self._layouts()
+        """Per position, its layout (equal ids: replicas) and its piece's elements."""
         self.copies = np.bincount(self.layout) if self.size else np.zeros(0, dtype=np.int64)
         """Pieces holding each layout: more than one are replicas."""
         reads = sorted({kind for _, _, pieces in self.sources for kind in pieces.tensor_kinds})
@@ -145,36 +144,6 @@ class PieceTable:
         """Every rank's pieces are statistics only, of one kind set, fingerprint length and norm type."""
         return _uniform(self.sources)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuilt, (self._arguments(), self._measured()))
-
-    def _arguments(self) -> tuple[object, ...]:
-        return (self.sources, self.names, self.wanted, self.scales, self.read_norm_type, self.dropped)
-
-    def _measured(self) -> list[np.ndarray]:
-        """What the tensor pass wrote, every array indexed by position."""
-        return [
-            *self._state.values(),
-            *self._read.values(),
-            *self._read_counts.values(),
-            self._products,
-            self._has_products,
-            self.scale_at,
-        ]
-
-    def merged(self, other: PieceTable) -> PieceTable:
-        """One table of both tables' parameters (of the same step, measured apart), with what each
-        read for its own."""
-        sources, names, _, *rest = self._arguments()
-        table = _rebuilt((sources, names, self.wanted | other.wanted, *rest), None)
-        for part in (self, other):
-            for name in part.wanted:
-                start, stop = part.bounds.get(name, (0, 0))
-                begin = table.bounds.get(name, (0, 0))[0]
-                for mine, theirs in zip(table._measured(), part._measured(), strict=True):
-                    mine[begin : begin + stop - start] = theirs[start:stop]
-        return table
-
     def _gather(self, column: Callable[[int, ColumnarPieces], np.ndarray]) -> np.ndarray:
         """`column(k, pieces)` of every source `k`, rows kept only, in position order."""
         parts = [_take(column(k, pieces), self._chosen[k]) for k, (_, _, pieces) in enumerate(self.sources)]
@@ -182,12 +151,18 @@ class PieceTable:
             return np.zeros(0)
         return np.concatenate(parts)[self._order]
 
-    def _layouts(self) -> np.ndarray:
-        """A number per position, equal exactly when the pieces' layout keys are."""
+    def _layouts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a number per position, equal exactly when the pieces' layout keys are; the elements of
+        each position's piece, from the same columns: a flat range's stop - start, a box's shape)."""
         if not self.size:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         width = max(pieces.layout_width for _, _, pieces in self.sources)
         keys = [self.param] + [self._gather(_layout_column(column, width)) for column in range(1, 2 + width)]
+        ndim = keys[1]
+        numel = keys[3] - keys[2]
+        for k in np.unique(ndim[ndim > 0]).tolist():
+            at = ndim == k
+            numel[at] = np.prod(np.stack([keys[2 + k + j][at] for j in range(k)]), axis=0)
         order = _sorting(keys)
         starts = np.zeros(self.size, dtype=bool)
         starts[0] = True
@@ -204,7 +179,8 @@ class PieceTable:
             ids: dict[tuple[object, ...], int] = {}
             for position, (_, _, piece) in zip(at.tolist(), self.entries(at), strict=True):
                 layout[position] = self.size + ids.setdefault(piece.layout_key, len(ids))
-        return layout
+                numel[position] = piece.numel
+        return layout, numel.astype(np.int64, copy=False)
 
     def all_sources(self, test: Callable[[ColumnarPieces], bool]) -> bool:
         """Whether `test` holds for every rank's columns (all their pieces, kept or not)."""
@@ -428,7 +404,7 @@ class PieceTable:
     def tensors(self, positions: np.ndarray) -> list[tuple[str, dict[TensorKind, str], int]]:
         """(file path, kind -> tensor key, elements) of the pieces at these positions."""
         found = []
-        numel = self._numel
+        numel = self.numel
         for position, rank, local in zip(
             positions.tolist(), self.rank[positions].tolist(), self.local[positions].tolist(), strict=True
         ):
@@ -437,34 +413,19 @@ class PieceTable:
             found.append((path, keys, int(numel[position])))
         return found
 
-    @functools.cached_property
-    def _numel(self) -> np.ndarray:
-        return self._gather(lambda _, pieces: pieces.numel)
-
-    def measurements(self, positions: Sequence[int] | np.ndarray) -> list[PieceMeasurement]:
-        """The PieceMeasurement of each position: its stored statistics, what was read overriding them."""
-        positions = np.asarray(positions, dtype=np.int64)
+    def grad_stats(self, positions: np.ndarray) -> list[tuple[TensorStats | None, float]]:
+        """(the gradient's statistics, what was read overriding what is stored, divided by its value
+        scale; that scale) of each position: what comparing replicas one set at a time reads."""
         found = []
-        products, has = self.products()
-        scales = (
-            self.scale_at[positions].tolist()
-            if self.scale_at.size
-            else [self.scales[self._source_of[rank]] for rank in self.rank[positions].tolist()]
-        )
-        for position, scale, (rank, _, piece) in zip(
-            positions.tolist(), scales, self.entries(positions), strict=True
-        ):
-            stats: Mapping[TensorKind, TensorStats] = piece.stats
-            row: tuple[float | None, ...] = (None, None, None)
+        for position, (rank, _, piece) in zip(positions.tolist(), self.entries(positions), strict=True):
+            stats = piece.stats.get("grad")
             if self._state:
                 read, removed = self._read_stats(position, piece.numel)
-                if read or removed:
-                    stats = {k: v for k, v in {**piece.stats, **read}.items() if k not in removed}
-                row = tuple(
-                    v if h else None
-                    for v, h in zip(products[position].tolist(), has[position].tolist(), strict=True)
-                )
-            found.append(piece_measurement(rank, piece, scale, stats=stats, products=row))  # type: ignore[arg-type]
+                stats = None if "grad" in removed else read.get("grad", stats)
+            scale = (
+                float(self.scale_at[position]) if self.scale_at.size else self.scales[self._source_of[rank]]
+            )
+            found.append((None if stats is None else unscaled_stats(stats, scale), scale))
         return found
 
     @functools.cached_property
@@ -541,17 +502,6 @@ class PieceTable:
                 )
             )
         return tuple(sets)
-
-    def pieces(self, positions: np.ndarray | range) -> TablePieces:
-        return TablePieces(self, positions)
-
-
-def _rebuilt(arguments: tuple[Any, ...], measured: list[np.ndarray] | None) -> PieceTable:
-    sources, names, wanted, scales, norm_type, dropped = arguments
-    table = PieceTable(sources, names, wanted, scales, norm_type=norm_type, dropped=dropped)
-    for mine, theirs in zip(table._measured(), measured or table._measured(), strict=True):
-        mine[...] = theirs
-    return table
 
 
 def _uniform(sources: Sequence[tuple[int, str, ColumnarPieces]]) -> bool:
@@ -654,70 +604,19 @@ def piece_table(
     return PieceTable(sources, list(step.params), names, scales, norm_type=norm_type, dropped=dropped)
 
 
-class TablePieces(Sequence[PieceMeasurement]):
-    """Measurements of some positions of a PieceTable (a range, or an array of positions), built
-    when indexed or iterated (not kept); equal to any sequence of equal measurements."""
-
-    __slots__ = ("_positions", "table")
-
-    def __init__(self, table: PieceTable, positions: np.ndarray | range) -> None:
-        self.table, self._positions = table, positions
-
-    @property
-    def positions(self) -> np.ndarray:
-        found = self._positions
-        if isinstance(found, range):
-            return np.arange(found.start, found.stop, dtype=np.int64)
-        return found
-
-    @property
-    def span(self) -> range | None:
-        """The positions when they are one range (a parameter's pieces), else None."""
-        return self._positions if isinstance(self._positions, range) else None
-
-    def __len__(self) -> int:
-        return len(self._positions)
-
-    @overload
-    def __getitem__(self, index: int) -> PieceMeasurement: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> TablePieces: ...
-
-    def __getitem__(self, index: int | slice) -> PieceMeasurement | TablePieces:
-        if isinstance(index, slice):
-            return TablePieces(self.table, self._positions[index])
-        return self.table.measurements([int(self._positions[index])])[0]
-
-    def __iter__(self) -> Iterator[PieceMeasurement]:
-        for start in range(0, len(self), _BATCH):
-            yield from self.table.measurements(self._positions[start : start + _BATCH])
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"TablePieces({len(self)} pieces)"
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return TablePieces, (self.table, self._positions)
-
-
-def step_table(m: StepMeasurements) -> StepTable:
-    """The step table of these measurements: every measured piece (in `m.params` order) as frozen
-    columns, gathered once from the one PieceTable the parameters' pieces are rows of."""
-    norm_type = m.norm_type
-    table, positions = _table_positions(m)
-    chosen: slice | np.ndarray = (
-        slice(positions.start, positions.stop) if isinstance(positions, range) else positions
-    )
-    n = len(positions)
+def step_table(step: StepDump, table: PieceTable, names: Iterable[str]) -> StepTable:
+    """The step table of these parameters' pieces (in the order of `names`) as frozen columns,
+    gathered once from the table the tensor pass wrote into."""
+    norm_type = table.read_norm_type
+    spans = [table.param_positions(name) for name in names]
+    ends = [0] + [s.stop for s in spans]
+    if all(s.start == end for s, end in zip(spans, ends, strict=False)):
+        chosen: slice | np.ndarray = slice(0, ends[-1])  # every parameter's pieces, one after the other
+        n = ends[-1]
+    else:
+        chosen = np.concatenate([np.arange(s.start, s.stop) for s in spans] or [np.zeros(0, dtype=np.int64)])
+        n = chosen.size
     products, has_products = table.products()
-    sum_pow = table.kind_column("grad", 0)[chosen]
     # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
     # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
     same = (
@@ -740,8 +639,7 @@ def step_table(m: StepMeasurements) -> StepTable:
     unknown = unknown[chosen]
     grad = KindColumns(
         has=table.kind_has("grad")[chosen],
-        sum_pow=sum_pow,
-        sum_sq=sum_pow if same else table.kind_column("grad", 1)[chosen],
+        sum_sq=table.kind_column("grad", 0 if same else 1)[chosen],
         max_abs=table.kind_column("grad", 2)[chosen],
         counts=counts,
         term=np.where(unknown, math.nan, term[chosen]) if unknown.any() else term[chosen],
@@ -755,19 +653,44 @@ def step_table(m: StepMeasurements) -> StepTable:
         param=table.param[chosen],
         param_names=tuple(table.names),
         layout=layout,
-        dtypes=frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist()),
+        dtypes=frozenset(table.dtype_names)  # one dtype in the step (the common case): no pass
+        if len(table.dtype_names) == 1 and n
+        else frozenset(table.dtype_names[c] for c in np.unique(table.dtype[chosen]).tolist()),
         grad=grad,
         clipped=_clipped(table, chosen, norm_type),
         has_dots=has_products[chosen, 0] & has_products[chosen, 1],
         dot_pre_post=products[chosen, 0],
         dot_pre_pre=products[chosen, 1],
         has_update=has_products[chosen, 2],
+        update_sum_sq=products[chosen, 2],
+        numel=table.numel[chosen],
         distinct_layouts=bool(table.copies.max(initial=0) <= 1)
         or bool(np.unique(layout).size == layout.size),
-        rows=lambda at: table.measurements(
-            at + (chosen.start or 0) if isinstance(chosen, slice) else chosen[at]
-        ),
+        calls=_calls(step, table, chosen),
     )
+
+
+def _calls(step: StepDump, table: PieceTable, chosen: slice | np.ndarray) -> tuple[KindColumns, ...]:
+    """Per clip call, the pieces' per-call statistics (format 1.0's; format 1.1 holds none), when a
+    rank made two or more calls."""
+    clips = {rank: step.ranks[rank].clip for rank in step.ranks_present}
+    if all(c is None or len(c.calls) < 2 for c in clips.values()):
+        return ()
+    width = max((len(s) for _, _, p in table.sources for s in p.extras.call_stats.values()), default=0)
+    if not width:
+        return ()
+    rows = []  # per source: [pieces, calls, 8] call_rows
+    for rank, _, pieces in table.sources:
+        clip = clips[rank]
+        scales = [call_scale(c) for c in (clip.calls if clip is not None else ())]
+        found = np.zeros((len(pieces), width, 8))
+        for at, stats in pieces.extras.call_stats.items():
+            for call, s in enumerate(stats):
+                found[at, call] = call_row(
+                    s, table.read_norm_type, scales[call] if call < len(scales) else 1.0
+                )
+        rows.append(found)
+    return call_columns(table._gather(lambda k, _: rows[k])[chosen])
 
 
 def _clipped(table: PieceTable, chosen: slice | np.ndarray, norm_type: float) -> KindColumns | None:
@@ -792,52 +715,3 @@ def _nonfinite_flags(counts: np.ndarray) -> np.ndarray:
     infinite = (counts[:, 1] + counts[:, 2]) > 0
     flags: np.ndarray = (counts[:, 0] > 0).astype(np.int8) * NAN | infinite.astype(np.int8) * INF
     return flags
-
-
-def _table_positions(m: StepMeasurements) -> tuple[PieceTable, np.ndarray | range]:
-    """The table every parameter's pieces are in and their positions, in `m.params` order."""
-    parts = [cast("TablePieces", pm.pieces) for pm in m.params.values()]
-    tables = {id(p.table): p.table for p in parts}
-    if len(tables) > 1:
-        raise ValueError(
-            "the measurements hold pieces of several tables; merge them with StepMeasurements.merge"
-        )
-    table = next(iter(tables.values()), None) or PieceTable([], [], [])
-    spans = [p.span for p in parts]
-    ends = [0] + [s.stop for s in spans if s is not None]
-    if all(s is not None and s.start == end for s, end in zip(spans, ends, strict=False)):
-        return table, range(ends[-1])  # every parameter's pieces, one after the other
-    return table, np.concatenate([p.positions for p in parts])
-
-
-def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurements:
-    """The measurements of disjoint parameter subsets of the same step (measured apart: each
-    process of a scaled-out check measures its share) as those of one pass."""
-    if first.norm_type != second.norm_type and not (
-        math.isnan(first.norm_type) and math.isnan(second.norm_type)
-    ):
-        raise ValueError(f"cannot merge measurements of norm types {first.norm_type} and {second.norm_type}")
-    if first.reference_given != second.reference_given:
-        raise ValueError("cannot merge measurements with and without a reference")
-    overlap = set(first.params) & set(second.params)
-    if overlap:
-        raise ValueError(
-            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
-        )
-    params = dict(sorted({**first.params, **second.params}.items()))
-    pieces = [cast("TablePieces", pm.pieces) for pm in (*first.params.values(), *second.params.values())]
-    tables = list({id(p.table): p.table for p in pieces}.values())
-    if tables:  # one table of both, the pieces of each parameter its rows
-        table = functools.reduce(lambda a, b: a.merged(b), tables)
-        params = {
-            name: replace(pm, pieces=table.pieces(table.param_positions(name))) for name, pm in params.items()
-        }
-    return StepMeasurements(
-        norm_type=first.norm_type,
-        params=params,
-        reference_given=first.reference_given,
-        reference_step=first.reference_step,
-        reference_only_params=tuple(
-            sorted(set(first.reference_only_params) | set(second.reference_only_params))
-        ),
-    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -18,10 +19,11 @@ _COMPARED_COLUMNS = (
     "has_grad",
     "term",
     "sum_sq",
-    "sum_pow",
     "counts",
     "unknown",
     "has_clipped",
+    "max_abs",
+    "numel",
 )
 """The step table's columns the object oracle and the table must give alike (`_columns`)."""
 
@@ -37,7 +39,8 @@ def _columns(table):
         "has_grad": grad.has,
         "term": grad.term,
         "sum_sq": grad.sum_sq,
-        "sum_pow": grad.sum_pow,
+        "max_abs": grad.max_abs,
+        "numel": table.numel,
         "counts": grad.counts,
         "unknown": (grad.flags & UNKNOWN) > 0,
         "has_clipped": table.has_clipped,
@@ -136,42 +139,43 @@ def _step_in_both_forms(tmp_path, world_size=2):
 
 
 def test_measuring_columnar_ranks_gives_the_measurements_of_their_json_form(tmp_path):
+    from builders import assert_same_measurements
+
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.measure import measure_step
-    from gradaudit.measure.table import TablePieces
 
     json_step, columnar_step = _step_in_both_forms(tmp_path)
     with TensorReader(json_step) as reader:
         expected = measure_step(json_step, reader, workers=1)
     with TensorReader(columnar_step) as reader:
         measured = measure_step(columnar_step, reader, workers=1)
-    assert all(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
     assert measured.params["norm"].replica_sets  # the replicated whole piece, compared by fingerprint
-    for name, pm in expected.params.items():
-        ours = measured.params[name]
-        assert tuple(ours.pieces) == tuple(pm.pieces), name
-        assert ours.replica_sets == pm.replica_sets, name
-    assert measured == expected
+    assert_same_measurements(measured, expected)
     with TensorReader(columnar_step) as reader:
         part = measure_step(columnar_step, reader, params=["emb"], workers=1)
-    assert tuple(part.params["emb"].pieces) == tuple(expected.params["emb"].pieces)
+    whole = expected.table
+    emb = whole.param == whole.param_names.index("emb")
+    assert part.table.size == int(emb.sum()) > 0
+    for name in ("rank", "index", "numel"):
+        assert getattr(part.table, name).tolist() == getattr(whole, name)[emb].tolist(), name
+    assert part.table.grad.term.tolist() == whole.grad.term[emb].tolist()
 
 
 def test_measurements_of_columnar_ranks_pickle_as_their_table(tmp_path):
     import pickle
 
     import numpy as np
+    from builders import assert_same_measurements
 
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.measure import measure_step
-    from gradaudit.measure.table import step_table
 
     _, columnar_step = _step_in_both_forms(tmp_path)
     with TensorReader(columnar_step) as reader:
         measured = measure_step(columnar_step, reader, workers=1)
     back = pickle.loads(pickle.dumps(measured))
-    assert back == measured
-    assert np.array_equal(step_table(back).grad.term, step_table(measured).grad.term, equal_nan=True)
+    assert_same_measurements(back, measured)
+    assert np.array_equal(back.table.grad.term, measured.table.grad.term, equal_nan=True)
 
 
 def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=False):
@@ -233,31 +237,49 @@ def _random_step(tmp_path, seed: int, world_size: int = 4, clip=None, values=Fal
 
 
 def _measured_as_by_objects(step, oracle=None):
-    """`step` measured through its column table, asserted equal (replica sets too) to `oracle`
-    (`step` unless given) measured piece object by piece object; both measurements."""
+    """`step` measured through its column table, its parameters' measurements (replica sets too)
+    asserted equal to those of `oracle` (`step` unless given) measured piece object by piece
+    object; both measurements."""
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.measure import measure_step
 
     expected = _measured_by_objects(step if oracle is None else oracle)
     with TensorReader(step) as reader:
         ours = measure_step(step, reader, workers=1)
-    assert ours == expected
-    assert [pm.replica_sets for pm in ours.params.values()] == [
-        pm.replica_sets for pm in expected.params.values()
-    ]
+    assert ours.params == expected.params
     return ours, expected
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Row:
+    """The oracle's row: one piece measured, its gradients' statistics divided by `value_scale`."""
+
+    rank: int
+    index: int
+    param: str
+    regions: tuple
+    dtype: str
+    numel: int
+    stats: dict
+    dot_pre_post: float | None
+    dot_pre_pre: float | None
+    value_scale: float
+
+    @property
+    def layout_key(self):
+        return (self.param, self.regions)
 
 
 def _measured_by_objects(step):
     """The oracle: `step` measured piece object by piece object (each piece's stored statistics,
     the gradient's divided by its rank's loss scale; replicas compared by fingerprint one set at a
-    time), not through the step's column table."""
+    time), not through the step's column table: its parameters' measurements and the rows."""
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.kernel import ChunkKernel
     from gradaudit.measure.measure import _compare_replicas
-    from gradaudit.measure.measurements import dumped_gradient_scale, piece_measurement
+    from gradaudit.measure.measurements import SCALED_KINDS, dumped_gradient_scale, unscaled_stats
     from gradaudit.norms import divide_by_power
-    from gradaudit.steptable import ParamMeasurement, StepMeasurements
+    from gradaudit.steptable import ParamMeasurement
 
     norm_type = step.clip.norm_type if step.clip is not None else 2.0
     reader, held = TensorReader(step), {}
@@ -273,16 +295,28 @@ def _measured_by_objects(step):
                 stats = {**piece.stats, **read}
                 if products[0] is not None and scale != 1.0:
                     products[:2] = [divide_by_power(v, scale, 2.0) for v in products[:2]]
-            measured = piece_measurement(rank, piece, scale, stats=stats, products=tuple(products))
-            held.setdefault(piece.param, []).append(((rank, dump.path, piece), measured))
-    params = {}
+            row = _Row(
+                rank=rank,
+                index=piece.index,
+                param=piece.param,
+                regions=piece.regions,
+                dtype=piece.dtype,
+                numel=piece.numel,
+                stats={k: unscaled_stats(v, scale) if k in SCALED_KINDS else v for k, v in stats.items()},
+                dot_pre_post=products[0],
+                dot_pre_pre=products[1],
+                value_scale=scale,
+            )
+            held.setdefault(piece.param, []).append(((rank, dump.path, piece), row))
+    params, rows = {}, []
     for name in sorted(step.params):
         entries = held.get(name, [])
         pieces = tuple(sorted((m for _, m in entries), key=lambda m: (m.rank, m.index)))
+        rows += pieces
         by_layout = {}
         for entry, _ in entries:
             by_layout.setdefault(entry[2].layout_key, []).append(entry)
-        lookup = {(m.rank, m.index): m for m in pieces}
+        lookup = {(m.rank, m.index): (m.stats.get("grad"), m.value_scale) for m in pieces}
         replicated = sorted(
             (copies for copies in by_layout.values() if len(copies) > 1),
             key=lambda copies: min((r, p.index) for r, _, p in copies),
@@ -290,11 +324,10 @@ def _measured_by_objects(step):
         params[name] = ParamMeasurement(
             param=name,
             norm_type=norm_type,
-            pieces=pieces,
             replica_sets=tuple(_compare_replicas(reader, copies, lookup, 1 << 16) for copies in replicated),
         )
     reader.close()
-    return StepMeasurements(norm_type=norm_type, params=params)
+    return SimpleNamespace(norm_type=norm_type, params=params, rows=tuple(rows), names=tuple(step.params))
 
 
 class _ObjectColumns:
@@ -307,7 +340,8 @@ class _ObjectColumns:
 
         from gradaudit.norms import term_of
 
-        self.pieces = pieces = tuple(m.pieces)
+        self.pieces = pieces = m.rows
+        self.norm_type, self.param_names = m.norm_type, m.names
         ids = {}
         self.layout = np.array([ids.setdefault(p.layout_key, len(ids)) for p in pieces], dtype=np.int64)
         self.rank = np.array([p.rank for p in pieces], dtype=np.int64)
@@ -315,8 +349,10 @@ class _ObjectColumns:
         self.dtypes = frozenset(p.dtype for p in pieces)
         stats = [p.stats.get("grad") for p in pieces]
         self.has_grad = np.array([s is not None for s in stats], dtype=bool)
-        self.sum_pow = np.array([0.0 if s is None else s.sum_pow for s in stats])
         self.sum_sq = np.array([0.0 if s is None else s.sum_sq for s in stats])
+        self.max_abs = np.array([0.0 if s is None else s.max_abs for s in stats])
+        self.numel = np.array([p.numel for p in pieces], dtype=np.int64)
+        self.param = np.array([m.names.index(p.param) for p in pieces], dtype=np.int64)
         self.counts = np.array(
             [(0, 0, 0) if s is None else (s.num_nan, s.num_posinf, s.num_neginf) for s in stats],
             dtype=np.int64,
@@ -329,7 +365,13 @@ class _ObjectColumns:
         self.dot_pre_post = np.array([p.dot_pre_post or 0.0 for p in pieces])
         self.dot_pre_pre = np.array([p.dot_pre_pre or 0.0 for p in pieces])
         self.by_rank_order = np.lexsort((self.index, self.rank))
-        self.grad = SimpleNamespace(has=self.has_grad, sum_sq=self.sum_sq, sum_pow=self.sum_pow)
+        self.grad = SimpleNamespace(
+            has=self.has_grad,
+            sum_sq=self.sum_sq,
+            term=self.term,
+            max_abs=self.max_abs,
+            counts=self.counts,
+        )
 
     def cover_positions(self):
         import numpy as np
@@ -338,15 +380,6 @@ class _ObjectColumns:
         for i in self.by_rank_order.tolist():
             first.setdefault(self.pieces[i].layout_key, i)
         return np.array(list(first.values()), dtype=np.int64)
-
-    def cover(self):
-        return tuple(self.pieces[i] for i in self.cover_positions().tolist())
-
-    def with_nonfinite_grad(self):
-        return [p for p, counts in zip(self.pieces, self.counts.tolist(), strict=True) if any(counts)]
-
-    def rows(self, positions):
-        return [self.pieces[i] for i in positions.tolist()]
 
 
 @pytest.mark.parametrize(
@@ -362,19 +395,17 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
 
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.measure import measure_step, overflow_notes
-    from gradaudit.measure.table import step_table
 
     clip = _clip(norm_type, loss_scale)
     json_step, columnar_step = _random_step(tmp_path, seed, clip=clip)
     ours, expected = _measured_as_by_objects(columnar_step, oracle=json_step)
-    a, b = _ObjectColumns(expected), step_table(ours)
+    a, b = _ObjectColumns(expected), ours.table
     for name in (*_COMPARED_COLUMNS, "by_rank_order"):
         assert np.array_equal(getattr(a, name), _columns(b)[name], equal_nan=True), name
     same = a.layout[:, None] == a.layout[None, :]
     assert np.array_equal(same, b.layout[:, None] == b.layout[None, :])
-    assert np.array_equal(a.cover_positions(), b.cover)
-    assert a.cover() == tuple(b.rows(b.cover)) and a.dtypes == b.dtypes
-    assert a.with_nonfinite_grad() == list(b.rows(np.flatnonzero(b.grad.counts.any(axis=1))))
+    assert np.array_equal(a.cover_positions(), b.cover) and a.dtypes == b.dtypes
+    assert [b.param_names[i] for i in b.param.tolist()] == [p.param for p in expected.rows]
     assert not b.has_update.any()
     assert overflow_notes(a) == overflow_notes(b)
     from gradaudit.analysis.hypotheses import groups_of
@@ -382,11 +413,11 @@ def test_the_step_columns_of_a_table_equal_those_of_the_objects_on_random_layout
 
     json_measured = measure_step(json_step, TensorReader(json_step), workers=1)
     signatures = [
-        param_signatures(norm_input_of(s, m, step_table(m)))
+        param_signatures(norm_input_of(s, m, m.table))
         for s, m in ((json_step, json_measured), (columnar_step, ours))
     ]
     assert signatures[0] == signatures[1]
-    assert groups_of(signatures[1]) == _param_groups(tuple(expected.pieces))
+    assert groups_of(signatures[1]) == _param_groups(expected.rows)
     reports = json_reports(capsys, tmp_path / "v10", tmp_path / "v11")
     assert reports[0] == reports[1]
 
@@ -403,20 +434,18 @@ def test_the_columns_of_a_full_mode_step_equal_those_of_its_pieces_read_one_by_o
     import numpy as np
 
     from gradaudit.measure.measure import overflow_notes
-    from gradaudit.measure.table import step_table
 
     clip = _clip(norm_type, loss_scale)
     _, step = _random_step(tmp_path, seed, clip=clip, values=True)
     ours, expected = _measured_as_by_objects(step)
     compared = any(s.by_values for pm in ours.params.values() for s in pm.replica_sets)
     assert compared or seed != 10  # seed 10 holds replicas, compared value by value
-    a, b = _ObjectColumns(expected), step_table(ours)
+    a, b = _ObjectColumns(expected), ours.table
     for name in _COMPARED_COLUMNS:
         assert np.array_equal(getattr(a, name), _columns(b)[name], equal_nan=True), name
     for name in ("has_dots", "dot_pre_post", "dot_pre_pre"):
         assert np.array_equal(getattr(a, name), _columns(b)[name]), name
     assert b.has_dots.all() and np.array_equal(a.cover_positions(), b.cover)
-    assert a.with_nonfinite_grad() == list(b.rows(np.flatnonzero(b.grad.counts.any(axis=1))))
     assert overflow_notes(a) == overflow_notes(b)
 
 
@@ -443,10 +472,12 @@ def test_norms_of_term_arrays_equal_those_of_their_floats(norm_type):
 def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_json_form(tmp_path, capsys):
     import shutil
 
+    import numpy as np
+    from builders import assert_same_measurements
+
     from gradaudit.dumpfile import load_step
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.measure import measure_step
-    from gradaudit.measure.table import TablePieces
 
     json_step, _ = _step_in_both_forms(tmp_path)
     mixed = tmp_path / "mixed"
@@ -459,9 +490,12 @@ def test_a_step_mixing_columnar_and_json_ranks_is_measured_and_reported_as_its_j
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, workers=1)
     expected = _measured_by_objects(json_step)
-    assert all(isinstance(pm.pieces, TablePieces) for pm in measured.params.values())
-    assert not any(isinstance(pm.pieces, TablePieces) for pm in expected.params.values())
-    assert measured == expected
+    assert measured.params == expected.params
+    a, b = _ObjectColumns(expected), measured.table
+    for name in _COMPARED_COLUMNS:
+        assert np.array_equal(getattr(a, name), _columns(b)[name], equal_nan=True), name
+    with TensorReader(json_step) as reader:
+        assert_same_measurements(measured, measure_step(json_step, reader, workers=1))
     reports = json_reports(capsys, tmp_path / "v10", mixed)
     assert reports[0] == reports[1]
 

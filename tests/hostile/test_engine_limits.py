@@ -160,6 +160,17 @@ def _float64_step(tmp_path: Path, values: dict[str, torch.Tensor], **clip_fields
     return tmp_path
 
 
+def test_a_p_norm_term_beyond_float64_is_named_with_its_power(tmp_path):
+    """The sum of squares fits, the sum of cubes does not: the note names the cubes."""
+    step_dir = _float64_step(
+        tmp_path, {"a": torch.tensor([1e110, 2.0], dtype=torch.float64)}, norm_type=3.0, reported_norm=1.0
+    )
+    report = check(step_dir)
+    assert report.global_norm == math.inf
+    notes = [w for w in report.warnings if "exceeds float64" in w]
+    assert len(notes) == 1 and notes[0].startswith("a on rank 0: the sum of |x|^3 of its finite"), notes
+
+
 def test_two_gradients_whose_squares_sum_beyond_float64_give_their_finite_norm(tmp_path, capsys):
     step_dir = _float64_step(
         tmp_path,
