@@ -90,15 +90,14 @@ class Channel:
     def post_sum(
         self, step: int, vector: torch.Tensor, row: torch.Tensor | None, kind: str = "sum"
     ) -> Exchange:
-        """All-reduce (sum) `vector` (a 1-D float64 host tensor, the same size on every rank) without
-        waiting; `row` is kept with it."""
+        """All-reduce (sum) `vector` in place (a 1-D float64 host tensor, the same size on every rank)
+        without waiting; `row` is kept with it."""
         import torch.distributed as dist
 
         if self.groups is None:
             return Exchange(step=step, vector=vector, gathered=vector, row=row)
-        summed = vector.clone()
-        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self.groups[kind], async_op=True)
-        return Exchange(step=step, vector=vector, gathered=summed, work=work, row=row)
+        work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.groups[kind], async_op=True)
+        return Exchange(step=step, vector=vector, gathered=vector, work=work, row=row)
 
     def read(self, exchange: Exchange, wait_s: float | None = None) -> torch.Tensor | None:
         """The gathered vector, every rank's in rank order; None when the others have not posted theirs
