@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import NamedTuple
 
 from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
 from ..analysis.hypotheses import (
@@ -16,7 +18,6 @@ from ..analysis.hypotheses import (
     PER_PARAM_GROUP,
     UNEXPLAINED,
     WRONG_GROUP,
-    Hypothesis,
 )
 from ..norms import CLIP_EPS
 from ..report.sentences import fold_sentences
@@ -24,6 +25,7 @@ from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num, ranks_nam
 
 MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
+Evidence = Mapping[str, int | float | str | None]
 
 
 def diagnosis_or_skip(inputs: Analysis) -> StepDiagnosis | Skip:
@@ -49,12 +51,12 @@ def diagnosis_or_skip(inputs: Analysis) -> StepDiagnosis | Skip:
     return diagnosis
 
 
-def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[Hypothesis], bool]) -> list[RankDiagnosis]:
-    """The ranks whose clipping used an accounting `wanted` accepts (of loss-scaled gradients or not)."""
+def _ranks_with(diagnosis: StepDiagnosis, kind: str) -> list[RankDiagnosis]:
+    """The ranks whose clipping used an accounting of this kind (of loss-scaled gradients or not)."""
     return [
         d
         for d in diagnosis.ranks.values()
-        if not d.logging_bug and d.hypothesis is not None and wanted(d.hypothesis.scaled(False))
+        if not d.logging_bug and d.hypothesis is not None and d.hypothesis.kind == kind
     ]
 
 
@@ -81,7 +83,7 @@ def _update_unaffected(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> 
     )
 
 
-def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
+def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str, extra: Evidence) -> Hit:
     first = ranks[0]
     scaled = any(d.hypothesis is not None and d.hypothesis.loss_scaled for d in ranks)
     if diagnosis.true_norm is None:
@@ -100,89 +102,76 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
             ". This step's update was unaffected: the true norm is below max_norm, so the coefficient is 1 "
             "either way; the wrong norm changes the update from the first step whose true norm is above max_norm"
         )
-    return Hit(
-        message=message,
-        ranks=tuple(d.rank for d in ranks),
-        evidence={
-            "true_norm": diagnosis.true_norm,
-            "expected_clip_coef": diagnosis.expected_coef,
-            "reported_norm": first.reported_norm,
-            "local_norm": first.local_norm,
-            "applied_clip_coef": first.applied_coef,
-            "matched_norm": None
-            if first.reported_match is None or first.reported_match.candidate is None
-            else first.reported_match.candidate.value,
-            "rtol": diagnosis.rtol,
-            **(
-                {}
-                if diagnosis.norm_lower_bound is None
-                else {"true_norm_lower_bound": diagnosis.norm_lower_bound}
-            ),
-        },
-    )
+    evidence: dict[str, int | float | str | None] = {
+        "true_norm": diagnosis.true_norm,
+        "expected_clip_coef": diagnosis.expected_coef,
+        "reported_norm": first.reported_norm,
+        "local_norm": first.local_norm,
+        "applied_clip_coef": first.applied_coef,
+        "matched_norm": None
+        if first.reported_match is None or first.reported_match.candidate is None
+        else first.reported_match.candidate.value,
+        "rtol": diagnosis.rtol,
+        **extra,
+    }
+    if diagnosis.norm_lower_bound is not None:
+        evidence["true_norm_lower_bound"] = diagnosis.norm_lower_bound
+    return Hit(message=message, ranks=tuple(d.rank for d in ranks), evidence=evidence)
 
 
-def _matching(inputs: Analysis, hypothesis: Hypothesis, lead: str) -> CheckResult:
-    """One hit for the ranks whose clipping used the accounting `hypothesis`."""
+class _Mistake(NamedTuple):
+    """An accounting mistake a norm check reports: its hypothesis kind, the lead of its finding (a
+    template of the hypothesis' `what`, or a function of it), the evidence key that gives `what` (None:
+    not given; "param" also names it as the finding's parameter) and further evidence."""
+
+    kind: str
+    lead: str | Callable[[str], str]
+    key: str | None = "hypothesis"
+    extra: Evidence | None = None
+
+
+def _by_kind(inputs: Analysis, *mistakes: _Mistake) -> CheckResult:
+    """One hit per hypothesis of these kinds, for the ranks whose clipping used it."""
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h == hypothesis)
-    return (_hit(diagnosis, ranks, lead),) if ranks else ()
+    hits = []
+    for kind, lead, key, extra in mistakes:
+        by_what: dict[str, list[RankDiagnosis]] = {}
+        for d in _ranks_with(diagnosis, kind):
+            by_what.setdefault(d.hypothesis.what if d.hypothesis is not None else "", []).append(d)
+        for what, ranks in sorted(by_what.items()):
+            text = lead.format(what) if isinstance(lead, str) else lead(what)
+            hit = _hit(diagnosis, ranks, text, {**({} if key is None else {key: what}), **(extra or {})})
+            hits.append(replace(hit, params=(what,)) if key == "param" else hit)
+    return tuple(hits)
 
 
 def local_norm(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _matching(inputs, LOCAL_ONLY, "clipping used each rank's local norm, never reduced across ranks")
+    lead = "clipping used each rank's local norm, never reduced across ranks"
+    return _by_kind(inputs, _Mistake(LOCAL_ONLY.kind, lead, key=None))
 
 
 def double_counted(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    replicas = _matching(
-        inputs, DOUBLE_COUNTED, "clipping used a norm that counts every replica of replicated gradients"
+    every_copy = (
+        "clipping used a norm that counts every copy: each rank of group {!r} computed the group's "
+        "full norm and their squares were summed over the group again"
     )
-    copies = _by_hypothesis(
+    return _by_kind(
         inputs,
-        EVERY_COPY,
-        lambda group: (
-            f"clipping used a norm that counts every copy: each rank of group {group!r} computed the group's "
-            "full norm and their squares were summed over the group again"
+        _Mistake(
+            DOUBLE_COUNTED.kind,
+            "clipping used a norm that counts every replica of replicated gradients",
+            None,
         ),
-        evidence_key="group",
+        _Mistake(EVERY_COPY, every_copy, key="group"),
     )
-    if isinstance(replicas, Skip) or isinstance(copies, Skip):
-        return replicas  # both read the one diagnosis: both skip, or neither
-    return replicas + copies
 
 
 def wrong_group(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(
-        inputs,
-        WRONG_GROUP,
-        lambda group: f"clipping reduced the norm over process group {group!r} only",
-        evidence_key="group",
+    return _by_kind(
+        inputs, _Mistake(WRONG_GROUP, "clipping reduced the norm over process group {!r} only", "group")
     )
-
-
-def _by_hypothesis(
-    inputs: Analysis,
-    kind: str,
-    lead: Callable[[str], str],
-    *,
-    evidence_key: str = "hypothesis",
-) -> CheckResult:
-    """One hit per hypothesis of this kind, naming what it is about (its `what`, also given as
-    evidence under `evidence_key`)."""
-    diagnosis = diagnosis_or_skip(inputs)
-    if isinstance(diagnosis, Skip):
-        return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h.kind == kind)
-    by_what: dict[str, list[RankDiagnosis]] = {}
-    for d in ranks:
-        by_what.setdefault(d.hypothesis.what if d.hypothesis is not None else "", []).append(d)
-    hits = []
-    for what, members in sorted(by_what.items()):
-        hit = _hit(diagnosis, members, lead(what))
-        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, evidence_key: what}))
-    return tuple(hits)
 
 
 _HOW = {
@@ -199,87 +188,51 @@ def _group_lead(what: str) -> str:
 
 
 def param_group_mistake(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(inputs, PARAM_GROUP, _group_lead)
+    return _by_kind(inputs, _Mistake(PARAM_GROUP, _group_lead))
 
 
 def averaged_norms(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(
-        inputs,
-        AVERAGED,
-        lambda group: (
-            f"clipping used per-rank norms averaged over process group {group!r} instead of their "
-            "squares summed"
-        ),
-    )
+    lead = "clipping used per-rank norms averaged over process group {!r} instead of their squares summed"
+    return _by_kind(inputs, _Mistake(AVERAGED, lead))
 
 
 def overflowed(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(
-        inputs,
-        OVERFLOW,
-        lambda dtype: f"clipping's norm overflowed to inf in {dtype} although every gradient value is finite",
-    )
+    lead = "clipping's norm overflowed to inf in {} although every gradient value is finite"
+    return _by_kind(inputs, _Mistake(OVERFLOW, lead))
 
 
 def wrong_clip_list(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA210: the right reduction of a wrong list of parameters: one listed twice, or each param group's
     own list, one clip call per group (the evidence's cause picks the fix line)."""
-    twice = _by_hypothesis(
-        inputs,
-        LISTED_TWICE,
-        lambda param: (
-            f"clipping used a norm that counts parameter {param!r} twice (it is listed twice in the clip "
-            "list, as a tied weight listed under both of its names is)"
-        ),
-        evidence_key="param",
+    listed_twice = (
+        "clipping used a norm that counts parameter {!r} twice (it is listed twice in the clip list, as a "
+        "tied weight listed under both of its names is)"
     )
-    per_group = _by_hypothesis(
-        inputs,
-        PER_PARAM_GROUP,
-        lambda _: (
-            "each clip call used the norm of its own parameters only (one clip call per optimizer param "
-            "group), never the norm of all of them together"
-        ),
-        evidence_key="cause",
+    per_call = (
+        "each clip call used the norm of its own parameters only (one clip call per optimizer param group), "
+        "never the norm of all of them together"
     )
-    if isinstance(twice, Skip) or isinstance(per_group, Skip):
-        return twice  # both read the one diagnosis: both skip, or neither
     calls = inputs.diagnosis.num_clip_calls
-    return tuple(
-        Hit(
-            message=hit.message,
-            ranks=hit.ranks,
-            params=(str(hit.evidence["param"]),),
-            evidence={**hit.evidence, "cause": "listed_twice"},
-        )
-        for hit in twice
-    ) + tuple(
-        Hit(
-            message=hit.message,
-            ranks=hit.ranks,
-            evidence={**hit.evidence, "cause": "per_call", "num_clip_calls": calls},
-        )
-        for hit in per_group
+    return _by_kind(
+        inputs,
+        _Mistake(LISTED_TWICE, listed_twice, "param", {"cause": "listed_twice"}),
+        _Mistake(PER_PARAM_GROUP, per_call, None, {"cause": "per_call", "num_clip_calls": calls}),
     )
 
 
 def unexplained(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(inputs)
-    if isinstance(diagnosis, Skip):
-        return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h == UNEXPLAINED)
-    if not ranks:
-        return ()
-    hit = _hit(diagnosis, ranks, "clipping used a norm that matches no known accounting mistake")
-    tried = ranks[0].candidates
+    lead = "clipping used a norm that matches no known accounting mistake"
+    found = _by_kind(inputs, _Mistake(UNEXPLAINED.kind, lead, key=None))
+    if isinstance(found, Skip) or not found:
+        return found
+    first = inputs.diagnosis.ranks[found[0].ranks[0]]
+    tried = first.candidates
     candidates = ", ".join(f"{c.hypothesis.text} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
     if len(tried) > MAX_CANDIDATES_IN_MESSAGE:
         candidates += f", and {len(tried) - MAX_CANDIDATES_IN_MESSAGE} more"
     return (
-        Hit(
-            message=f"{hit.message}. Candidates tried for rank {ranks[0].rank}: {candidates}",
-            ranks=hit.ranks,
-            evidence=hit.evidence,
+        replace(
+            found[0], message=f"{found[0].message}. Candidates tried for rank {first.rank}: {candidates}"
         ),
     )
 
