@@ -172,6 +172,11 @@ def num(value: float | None) -> str:
     return f"{value:.6g}"
 
 
+def listing(texts: Sequence[str], total: int, more: str = "more", sep: str = "; ") -> str:
+    """`texts`, of the first of `total` items, joined; then "and N more" for the items left out."""
+    return sep.join([*texts, f"and {total - len(texts)} {more}"] if total > len(texts) else texts)
+
+
 MAX_FINDINGS_PER_CODE = 100
 """Findings one check reports in full; the rest fold into one more. Rank lists fold into ranges
 already (render/fold.py folds the per-rank rows the same way for the human renderers)."""

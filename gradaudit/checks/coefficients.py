@@ -16,6 +16,7 @@ from .base import (
     Hit,
     Skip,
     count,
+    listing,
     num,
     ranks_named,
 )
@@ -133,11 +134,11 @@ def _applied_text(wrong: list[RankDiagnosis], extra: Callable[[RankDiagnosis], s
     alike: dict[tuple[str, str | None, str], list[int]] = {}
     for d in wrong:
         alike.setdefault((num(d.applied_coef), d.coef_source, extra(d)), []).append(d.rank)
-    details = "; ".join(
+    details = [
         f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)}){tail}"
         for (coef, source, tail), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
-    )
-    return details + (f"; and {len(alike) - 6} more coefficients" if len(alike) > 6 else "")
+    ]
+    return listing(details, len(alike), "more coefficients")
 
 
 def _close(a: float | None, b: float | None, rtol: float) -> bool:

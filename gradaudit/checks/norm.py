@@ -21,7 +21,7 @@ from ..analysis.hypotheses import (
 )
 from ..norms import CLIP_EPS
 from ..report.sentences import fold_sentences
-from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, listing, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
@@ -227,9 +227,8 @@ def unexplained(inputs: Analysis, options: AuditOptions) -> CheckResult:
         return found
     first = inputs.diagnosis.ranks[found[0].ranks[0]]
     tried = first.candidates
-    candidates = ", ".join(f"{c.hypothesis.text} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
-    if len(tried) > MAX_CANDIDATES_IN_MESSAGE:
-        candidates += f", and {len(tried) - MAX_CANDIDATES_IN_MESSAGE} more"
+    shown = [f"{c.hypothesis.text} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE]]
+    candidates = listing(shown, len(tried), sep=", ")
     return (
         replace(
             found[0], message=f"{found[0].message}. Candidates tried for rank {first.rank}: {candidates}"
