@@ -147,17 +147,12 @@ class CheckSpec:
         ]
 
 
-def ranks_text(ranks: Iterable[int]) -> str:
-    """Ranks as compact text: "0-3, 6"."""
-    return compact_ranks(ranks) or "none"
-
-
 def ranks_named(ranks: Iterable[int]) -> str:
     """ "rank 3" or "ranks 0-3, 6"."""
     ranks = sorted(set(ranks))
     if not ranks:
         return "no rank"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
 
 
 def count(n: int, noun: str) -> str:
@@ -167,9 +162,7 @@ def count(n: int, noun: str) -> str:
 
 def num(value: float | None) -> str:
     """A number for a message: 6 significant digits, nan/inf spelled out, "unknown" for None."""
-    if value is None:
-        return "unknown"
-    return f"{value:.6g}"
+    return "unknown" if value is None else f"{value:.6g}"
 
 
 def listing(texts: Sequence[str], total: int, more: str = "more", sep: str = "; ") -> str:
