@@ -177,6 +177,12 @@ MAX_FOLDED_PARAMS_LISTED = 10
 """Parameter names a folded finding lists (its evidence counts them all)."""
 
 
+def first_names(names: Sequence[str]) -> tuple[tuple[str, ...], str]:
+    """The first MAX_FOLDED_PARAMS_LISTED names, and them as text ending in ", …" when there are more."""
+    listed = tuple(names[:MAX_FOLDED_PARAMS_LISTED])
+    return listed, ", ".join(listed) + (", …" if len(names) > len(listed) else "")
+
+
 def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
     """`hits` unchanged when at most MAX_FINDINGS_PER_CODE, else the first MAX_FINDINGS_PER_CODE - 1
     (in report order: ranks, then parameters, then message) and one hit standing for all the others:
@@ -189,8 +195,8 @@ def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
     kept, rest = ordered[: MAX_FINDINGS_PER_CODE - 1], ordered[MAX_FINDINGS_PER_CODE - 1 :]
     ranks = sorted({r for hit in rest for r in hit.ranks})
     params = sorted({p for hit in rest for p in hit.params})
-    listed = params[:MAX_FOLDED_PARAMS_LISTED]
-    named = f" ({', '.join(listed)}{', …' if len(params) > len(listed) else ''})" if listed else ""
+    listed, text = first_names(params)
+    named = f" ({text})" if listed else ""
     on_ranks = f" on {ranks_named(ranks)}" if ranks else ""
     folded = Hit(
         message=(
@@ -198,7 +204,7 @@ def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
             f"{count(len(params), 'parameter')}{named}{on_ranks}; the first of them: {rest[0].message}"
         ),
         ranks=tuple(ranks),
-        params=tuple(listed),
+        params=listed,
         evidence={"folded_findings": len(rest), "folded_params": len(params)},
     )
     return (*kept, folded)

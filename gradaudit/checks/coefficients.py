@@ -9,13 +9,13 @@ from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
 from ..analysis.param_coefs import LEFT_OUT, LISTED_TWICE, PER_CALL, CoefGroup, ParamCoefficients, clusters
 from ..norms import relative_difference
 from .base import (
-    MAX_FOLDED_PARAMS_LISTED,
     Analysis,
     AuditOptions,
     CheckResult,
     Hit,
     Skip,
     count,
+    first_names,
     listing,
     num,
     ranks_named,
@@ -243,9 +243,8 @@ def coefficients_by_parameter(inputs: Analysis, options: AuditOptions) -> CheckR
 
 
 def _params_text(params: tuple[str, ...]) -> str:
-    listed = ", ".join(params[:MAX_FOLDED_PARAMS_LISTED])
-    more = f", … ({count(len(params), 'parameter')})" if len(params) > MAX_FOLDED_PARAMS_LISTED else ""
-    return listed + more
+    listed, text = first_names(params)
+    return text + (f" ({count(len(params), 'parameter')})" if len(params) > len(listed) else "")
 
 
 def _against_first(found: ParamCoefficients, first: CoefGroup, group: CoefGroup) -> str:

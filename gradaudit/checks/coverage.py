@@ -7,12 +7,12 @@ from ..errors import clipped
 from ..model import ParamInfo
 from .base import (
     MAX_FINDINGS_PER_CODE,
-    MAX_FOLDED_PARAMS_LISTED,
     Analysis,
     AuditOptions,
     CheckResult,
     Hit,
     Skip,
+    first_names,
     ranks_named,
 )
 
@@ -108,15 +108,14 @@ def ownership_gap(inputs: Analysis, options: AuditOptions) -> CheckResult:
 
 def _unheld_params(unheld: list[ParamInfo], num_params: int) -> Hit:
     names = sorted(info.name for info in unheld)
-    listed = names[:MAX_FOLDED_PARAMS_LISTED]
-    more = ", …" if len(names) > len(listed) else ""
+    listed, text = first_names(names)
     numel = sum(info.numel for info in unheld)
     return Hit(
         message=(
             f"{len(unheld)} of the step's {num_params} parameters are held by no rank at all "
-            f"({', '.join(listed)}{more}; {numel} elements); their gradients are absent from every norm"
+            f"({text}; {numel} elements); their gradients are absent from every norm"
         ),
-        params=tuple(listed),
+        params=listed,
         evidence={"num_params": len(unheld), "num_gap_elements": numel, "numel": numel},
     )
 

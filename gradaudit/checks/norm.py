@@ -29,8 +29,7 @@ Evidence = Mapping[str, int | float | str | None]
 
 
 def diagnosis_or_skip(inputs: Analysis) -> StepDiagnosis | Skip:
-    step = inputs.step
-    if step.clip is None:
+    if inputs.step.clip is None:
         return Skip(reason="no rank recorded what its clipping did (no clip record in the dump)")
     diagnosis = inputs.diagnosis
     if diagnosis.true_norm is None and diagnosis.norm_lower_bound is None:
@@ -269,13 +268,10 @@ def logging_bug(inputs: Analysis, options: AuditOptions) -> CheckResult:
 def not_checked(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
     for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
-    step = inputs.step
     from .coefficients import coefficient_vs_expected
 
     diagnosis = diagnosis_or_skip(inputs)
-    if not isinstance(diagnosis, Skip):
-        return ()
-    if step.clip is not None and inputs.diagnosis.num_clip_calls > 1:
+    if not isinstance(diagnosis, Skip) or inputs.diagnosis.num_clip_calls > 1:
         return ()
     coefficient = coefficient_vs_expected(inputs, options)
     if not isinstance(coefficient, Skip):
@@ -286,7 +282,7 @@ def not_checked(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return (
         Hit(
             message=f"clipping not checked: {reason}; nothing in this report says clipping was right",
-            ranks=tuple(step.ranks_present),
+            ranks=tuple(inputs.step.ranks_present),
             evidence={"reason": reason},
         ),
     )

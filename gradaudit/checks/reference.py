@@ -37,7 +37,6 @@ def compare(error: ReferenceDifference, options: AuditOptions) -> ParamCompariso
     )
     if error.num_nonfinite_mismatch:
         rel = math.inf
-    within = within_reference_tolerance(error, rtol, atol)
     return ParamComparison(
         param=error.param,
         kind=error.kind,
@@ -45,7 +44,7 @@ def compare(error: ReferenceDifference, options: AuditOptions) -> ParamCompariso
         max_rel_error=rel,
         atol=atol,
         rtol=rtol,
-        within_tolerance=within,
+        within_tolerance=within_reference_tolerance(error, rtol, atol),
     )
 
 

@@ -3,7 +3,6 @@ step after one whose ranks applied different coefficients shows."""
 
 from __future__ import annotations
 
-from ..model import StepDump
 from ..norms import norm_rtol
 from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, listing, num, ranks_named
 
@@ -16,7 +15,9 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
     replicated = [rs for pm in m.params.values() for rs in pm.replica_sets]
     sets = [rs for rs in replicated if rs.param_base_max_abs is not None]
     if not sets:
-        if replicated and _any_weights(step):
+        if replicated and any(
+            "param_before" in step.ranks[r].pieces.tensor_kinds for r in step.ranks_present
+        ):
             return Skip(reason="the replicated pieces' parameters were not recorded on every copy")
         return ()  # nothing replicated, or no weights recorded at all (GA701 says so)
     bad = []
@@ -53,8 +54,3 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
             },
         ),
     )
-
-
-def _any_weights(step: StepDump) -> bool:
-    """Whether any rank recorded parameter values."""
-    return any("param_before" in step.ranks[rank].pieces.tensor_kinds for rank in step.ranks_present)
