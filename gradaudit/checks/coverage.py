@@ -59,22 +59,20 @@ def metadata_disagreement(inputs: Analysis, options: AuditOptions) -> CheckResul
 
 
 def ownership_overlap(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    hits = []
-    for name, (info, result, ranks, _) in inputs.coverage.items():
-        if result.num_overlap_elements:
-            hits.append(
-                Hit(
-                    message=(
-                        f"{result.num_overlap_elements} of {info.numel} elements of {name} are held by more than "
-                        f"one piece that is not an identical replica ({ranks_named(ranks)}); those "
-                        "elements would be counted twice in any norm"
-                    ),
-                    ranks=tuple(ranks),
-                    params=(name,),
-                    evidence={"num_overlap_elements": result.num_overlap_elements, "numel": info.numel},
-                )
-            )
-    return tuple(hits)
+    return tuple(
+        Hit(
+            message=(
+                f"{result.num_overlap_elements} of {info.numel} elements of {name} are held by more than "
+                f"one piece that is not an identical replica ({ranks_named(ranks)}); those "
+                "elements would be counted twice in any norm"
+            ),
+            ranks=tuple(ranks),
+            params=(name,),
+            evidence={"num_overlap_elements": result.num_overlap_elements, "numel": info.numel},
+        )
+        for name, (info, result, ranks, _) in inputs.coverage.items()
+        if result.num_overlap_elements
+    )
 
 
 def ownership_gap(inputs: Analysis, options: AuditOptions) -> CheckResult:

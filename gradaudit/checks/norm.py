@@ -84,7 +84,6 @@ def _update_unaffected(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> 
 
 def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str, extra: Evidence) -> Hit:
     first = ranks[0]
-    scaled = any(d.hypothesis is not None and d.hypothesis.loss_scaled for d in ranks)
     if diagnosis.true_norm is None:
         truth = (
             f"true global norm at least {num(diagnosis.norm_lower_bound)} ({diagnosis.true_norm_note}; a lower "
@@ -94,7 +93,7 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str, extra:
         moment = f" {diagnosis.moment}" if diagnosis.moment else ""
         truth = f"true global norm {num(diagnosis.true_norm)}{moment}, expected coefficient {num(diagnosis.expected_coef)}"
     message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(ranks)}"
-    if scaled:
+    if any(d.hypothesis is not None and d.hypothesis.loss_scaled for d in ranks):
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
     if _update_unaffected(diagnosis, ranks):
         message += (

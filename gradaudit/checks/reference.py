@@ -82,7 +82,7 @@ def _describe(c: ParamComparison) -> str:
 
 
 def _hits_for(
-    kinds: tuple[TensorKind, ...],
+    kind: TensorKind,
     m: StepMeasurements,
     options: AuditOptions,
     lead: str,
@@ -91,7 +91,7 @@ def _hits_for(
     bad = [
         c
         for c in reference_comparisons(m, options)
-        if c.kind in kinds and not c.within_tolerance and c.param not in excused
+        if c.kind == kind and not c.within_tolerance and c.param not in excused
     ]
     if not bad:
         return []
@@ -125,7 +125,7 @@ def gradients_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
         inputs.diagnosis.moment
     )  # when the dumped gradient was taken, when several clip calls make it matter
     lead = f"gradients ({moment})" if moment else "gradients"
-    hits = _hits_for(("grad",), m, options, f"{lead} differ from the unsharded reference")
+    hits = _hits_for("grad", m, options, f"{lead} differ from the unsharded reference")
     if notes or m.reference_only_params:
         missing = notes + [f"{name}: only in the reference" for name in m.reference_only_params]
         hits.append(
@@ -169,10 +169,10 @@ def clipped_or_next_weights_differ(inputs: Analysis, options: AuditOptions) -> C
             reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
         )
 
-    hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
+    hits = _hits_for("grad_clipped", m, options, "clipped gradients differ from the unsharded reference")
     explained = frozenset(name for name, j in inputs.update_judgements.items() if j.explained)
     hits += _hits_for(
-        ("param_after",), m, options, "the next weights differ from the unsharded reference", explained
+        "param_after", m, options, "the next weights differ from the unsharded reference", explained
     )
     return tuple(hits)
 
