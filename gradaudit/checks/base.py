@@ -147,17 +147,12 @@ class CheckSpec:
         ]
 
 
-def ranks_text(ranks: Iterable[int]) -> str:
-    """Ranks as compact text: "0-3, 6"."""
-    return compact_ranks(ranks) or "none"
-
-
 def ranks_named(ranks: Iterable[int]) -> str:
     """ "rank 3" or "ranks 0-3, 6"."""
     ranks = sorted(set(ranks))
     if not ranks:
         return "no rank"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
 
 
 def count(n: int, noun: str) -> str:
@@ -167,9 +162,12 @@ def count(n: int, noun: str) -> str:
 
 def num(value: float | None) -> str:
     """A number for a message: 6 significant digits, nan/inf spelled out, "unknown" for None."""
-    if value is None:
-        return "unknown"
-    return f"{value:.6g}"
+    return "unknown" if value is None else f"{value:.6g}"
+
+
+def listing(texts: Sequence[str], total: int, more: str = "more", sep: str = "; ") -> str:
+    """`texts`, of the first of `total` items, joined; then "and N more" for the items left out."""
+    return sep.join([*texts, f"and {total - len(texts)} {more}"] if total > len(texts) else texts)
 
 
 MAX_FINDINGS_PER_CODE = 100
@@ -177,6 +175,12 @@ MAX_FINDINGS_PER_CODE = 100
 already (render/fold.py folds the per-rank rows the same way for the human renderers)."""
 MAX_FOLDED_PARAMS_LISTED = 10
 """Parameter names a folded finding lists (its evidence counts them all)."""
+
+
+def first_names(names: Sequence[str]) -> tuple[tuple[str, ...], str]:
+    """The first MAX_FOLDED_PARAMS_LISTED names, and them as text ending in ", …" when there are more."""
+    listed = tuple(names[:MAX_FOLDED_PARAMS_LISTED])
+    return listed, ", ".join(listed) + (", …" if len(names) > len(listed) else "")
 
 
 def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
@@ -191,8 +195,8 @@ def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
     kept, rest = ordered[: MAX_FINDINGS_PER_CODE - 1], ordered[MAX_FINDINGS_PER_CODE - 1 :]
     ranks = sorted({r for hit in rest for r in hit.ranks})
     params = sorted({p for hit in rest for p in hit.params})
-    listed = params[:MAX_FOLDED_PARAMS_LISTED]
-    named = f" ({', '.join(listed)}{', …' if len(params) > len(listed) else ''})" if listed else ""
+    listed, text = first_names(params)
+    named = f" ({text})" if listed else ""
     on_ranks = f" on {ranks_named(ranks)}" if ranks else ""
     folded = Hit(
         message=(
@@ -200,7 +204,7 @@ def fold_hits(hits: Sequence[Hit]) -> tuple[Hit, ...]:
             f"{count(len(params), 'parameter')}{named}{on_ranks}; the first of them: {rest[0].message}"
         ),
         ranks=tuple(ranks),
-        params=tuple(listed),
+        params=listed,
         evidence={"folded_findings": len(rest), "folded_params": len(params)},
     )
     return (*kept, folded)

@@ -9,13 +9,14 @@ from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
 from ..analysis.param_coefs import LEFT_OUT, LISTED_TWICE, PER_CALL, CoefGroup, ParamCoefficients, clusters
 from ..norms import relative_difference
 from .base import (
-    MAX_FOLDED_PARAMS_LISTED,
     Analysis,
     AuditOptions,
     CheckResult,
     Hit,
     Skip,
     count,
+    first_names,
+    listing,
     num,
     ranks_named,
 )
@@ -36,12 +37,6 @@ BY_PARAMETER = (
     "parameters received different coefficients (GA304), so no one coefficient per rank is to compare: "
     "GA304 compares each with the expected one"
 )
-
-
-def _by_parameter(inputs: Analysis) -> bool:
-    """Whether a rank applied several coefficients to its own parameters (GA304's finding)."""
-    found = inputs.param_coefficients
-    return found is not None and found.differ
 
 
 def coefficients_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
@@ -96,31 +91,57 @@ def coefficient_vs_expected(inputs: Analysis, options: AuditOptions) -> CheckRes
     known = [d for d in diagnosis.ranks.values() if d.applied_coef is not None]
     if not known:
         return Skip(reason="no rank dumped post-clip gradients, a clip coefficient or a reported norm")
-    if _by_parameter(inputs):
-        return Skip(reason=BY_PARAMETER)
+    if inputs.param_coefficients is not None and inputs.param_coefficients.differ:
+        return Skip(reason=BY_PARAMETER)  # a rank applied several coefficients to its own parameters
     if diagnosis.true_norm is None:
         return _above_bound(diagnosis, known)
+    # A rank may rightly have applied the step's expected coefficient or, when its copies of replicated
+    # pieces drifted (GA601), the one its own copies give.
     wrong = [
         d
         for d in known
-        if not any(_close(d.applied_coef, e, diagnosis.rtol) for e in _expected_of(diagnosis, d))
+        if not any(
+            _close(d.applied_coef, e, diagnosis.rtol) for e in (diagnosis.expected_coef, d.expected_coef)
+        )
     ]
-    if not wrong:
-        return ()
-    details = _applied_text(wrong, lambda d: _expected_text(diagnosis, d))
     moment = f" {diagnosis.moment}" if diagnosis.moment else ""
     lead = "the last clip call's coefficient: " if diagnosis.moment else ""
+    return _wrong_coefficients(
+        diagnosis,
+        wrong,
+        f"{lead}the true global norm {num(diagnosis.true_norm)}{moment} with max_norm "
+        f"{num(diagnosis.max_norm)} asks for coefficient {num(diagnosis.expected_coef)}",
+        lambda d: _expected_text(diagnosis, d),
+        true_norm=diagnosis.true_norm,
+        expected_clip_coef=diagnosis.expected_coef,
+    )
+
+
+def _wrong_coefficients(
+    diagnosis: StepDiagnosis,
+    wrong: list[RankDiagnosis],
+    asks: str,
+    extra: Callable[[RankDiagnosis], str] = lambda d: "",
+    **evidence: float | None,
+) -> CheckResult:
+    """One hit for the ranks that applied a wrong coefficient: what the norm `asks` for, but what they
+    applied, the ranks grouped by the coefficient, its source (and `extra`), first rank first."""
+    if not wrong:
+        return ()
+    alike: dict[tuple[str, str | None, str], list[int]] = {}
+    for d in wrong:
+        alike.setdefault((num(d.applied_coef), d.coef_source, extra(d)), []).append(d.rank)
+    details = [
+        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)}){tail}"
+        for (coef, source, tail), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
+    ]
     return (
         Hit(
-            message=(
-                f"{lead}the true global norm {num(diagnosis.true_norm)}{moment} with max_norm "
-                f"{num(diagnosis.max_norm)} asks for coefficient {num(diagnosis.expected_coef)}, but {details}"
-            ),
+            message=f"{asks}, but {listing(details, len(alike), 'more coefficients')}",
             ranks=tuple(d.rank for d in wrong),
             evidence={
-                "true_norm": diagnosis.true_norm,
+                **evidence,
                 "max_norm": diagnosis.max_norm,
-                "expected_clip_coef": diagnosis.expected_coef,
                 "applied_clip_coef": wrong[0].applied_coef,
                 "rtol": diagnosis.rtol,
             },
@@ -128,26 +149,8 @@ def coefficient_vs_expected(inputs: Analysis, options: AuditOptions) -> CheckRes
     )
 
 
-def _applied_text(wrong: list[RankDiagnosis], extra: Callable[[RankDiagnosis], str] = lambda d: "") -> str:
-    """The ranks grouped by the coefficient they applied, its source (and `extra`), first rank first."""
-    alike: dict[tuple[str, str | None, str], list[int]] = {}
-    for d in wrong:
-        alike.setdefault((num(d.applied_coef), d.coef_source, extra(d)), []).append(d.rank)
-    details = "; ".join(
-        f"{ranks_named(ranks)} applied {coef} ({SOURCE_TEXT.get(source, source)}){tail}"
-        for (coef, source, tail), ranks in sorted(alike.items(), key=lambda kv: kv[1][0])[:6]
-    )
-    return details + (f"; and {len(alike) - 6} more coefficients" if len(alike) > 6 else "")
-
-
 def _close(a: float | None, b: float | None, rtol: float) -> bool:
     return a is not None and b is not None and relative_difference(a, b) <= rtol
-
-
-def _expected_of(diagnosis: StepDiagnosis, d: RankDiagnosis) -> tuple[float | None, ...]:
-    """The coefficients a rank may rightly have applied: the step's expected one, or (when its copies
-    of replicated pieces drifted, GA601) the one its own copies give."""
-    return (diagnosis.expected_coef, d.expected_coef)
 
 
 def _expected_text(diagnosis: StepDiagnosis, d: RankDiagnosis) -> str:
@@ -167,30 +170,17 @@ def _above_bound(diagnosis: StepDiagnosis, known: list[RankDiagnosis]) -> CheckR
         for d in known
         if limit is not None and d.applied_coef is not None and d.applied_coef > limit * (1 + diagnosis.rtol)
     ]
-    if not wrong:
-        return ()
-    details = _applied_text(wrong)
-    return (
-        Hit(
-            message=(
-                f"the true global norm is at least {num(bound)} ({diagnosis.true_norm_note}; a bound from the "
-                f"present ranks), so max_norm {num(diagnosis.max_norm)} asks for a coefficient of at most "
-                f"{num(limit)}, but {details}"
-            ),
-            ranks=tuple(d.rank for d in wrong),
-            evidence={
-                "true_norm_lower_bound": bound,
-                "max_norm": diagnosis.max_norm,
-                "expected_clip_coef_upper_bound": limit,
-                "applied_clip_coef": wrong[0].applied_coef,
-                "rtol": diagnosis.rtol,
-            },
-        ),
+    return _wrong_coefficients(
+        diagnosis,
+        wrong,
+        f"the true global norm is at least {num(bound)} ({diagnosis.true_norm_note}; a bound from the "
+        f"present ranks), so max_norm {num(diagnosis.max_norm)} asks for a coefficient of at most {num(limit)}",
+        true_norm_lower_bound=bound,
+        expected_clip_coef_upper_bound=limit,
     )
 
 
 def post_clip_norm(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    step = inputs.step
     diagnosis = inputs.diagnosis
     if diagnosis.max_norm is None:
         return Skip(reason="no rank recorded max_norm (no clip record in the dump)")
@@ -216,7 +206,7 @@ def post_clip_norm(inputs: Analysis, options: AuditOptions) -> CheckResult:
                 f"{' (' + diagnosis.true_norm_note + ')' if bound else ''}, above max_norm "
                 f"{num(diagnosis.max_norm)} (ratio {num(diagnosis.post_clip_norm / diagnosis.max_norm)})"
             ),
-            ranks=tuple(step.ranks_present),
+            ranks=tuple(inputs.step.ranks_present),
             evidence={
                 "post_clip_norm": diagnosis.post_clip_norm,
                 "max_norm": diagnosis.max_norm,
@@ -253,9 +243,8 @@ def coefficients_by_parameter(inputs: Analysis, options: AuditOptions) -> CheckR
 
 
 def _params_text(params: tuple[str, ...]) -> str:
-    listed = ", ".join(params[:MAX_FOLDED_PARAMS_LISTED])
-    more = f", … ({count(len(params), 'parameter')})" if len(params) > MAX_FOLDED_PARAMS_LISTED else ""
-    return listed + more
+    listed, text = first_names(params)
+    return text + (f" ({count(len(params), 'parameter')})" if len(params) > len(listed) else "")
 
 
 def _against_first(found: ParamCoefficients, first: CoefGroup, group: CoefGroup) -> str:

@@ -7,12 +7,12 @@ from ..errors import clipped
 from ..model import ParamInfo
 from .base import (
     MAX_FINDINGS_PER_CODE,
-    MAX_FOLDED_PARAMS_LISTED,
     Analysis,
     AuditOptions,
     CheckResult,
     Hit,
     Skip,
+    first_names,
     ranks_named,
 )
 
@@ -59,22 +59,20 @@ def metadata_disagreement(inputs: Analysis, options: AuditOptions) -> CheckResul
 
 
 def ownership_overlap(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    hits = []
-    for name, (info, result, ranks, _) in inputs.coverage.items():
-        if result.num_overlap_elements:
-            hits.append(
-                Hit(
-                    message=(
-                        f"{result.num_overlap_elements} of {info.numel} elements of {name} are held by more than "
-                        f"one piece that is not an identical replica ({ranks_named(ranks)}); those "
-                        "elements would be counted twice in any norm"
-                    ),
-                    ranks=tuple(ranks),
-                    params=(name,),
-                    evidence={"num_overlap_elements": result.num_overlap_elements, "numel": info.numel},
-                )
-            )
-    return tuple(hits)
+    return tuple(
+        Hit(
+            message=(
+                f"{result.num_overlap_elements} of {info.numel} elements of {name} are held by more than "
+                f"one piece that is not an identical replica ({ranks_named(ranks)}); those "
+                "elements would be counted twice in any norm"
+            ),
+            ranks=tuple(ranks),
+            params=(name,),
+            evidence={"num_overlap_elements": result.num_overlap_elements, "numel": info.numel},
+        )
+        for name, (info, result, ranks, _) in inputs.coverage.items()
+        if result.num_overlap_elements
+    )
 
 
 def ownership_gap(inputs: Analysis, options: AuditOptions) -> CheckResult:
@@ -84,52 +82,38 @@ def ownership_gap(inputs: Analysis, options: AuditOptions) -> CheckResult:
             reason=f"some ranks are missing ({ranks_named(step.missing_ranks)}); "
             "the elements they held cannot be located"
         )
-    hits, unheld = [], []
-    for name, (info, result, _, holders) in inputs.coverage.items():
-        if not result.num_gap_elements:
-            continue
-        if not holders:
-            unheld.append(info)
-            continue
-        hits.append(
-            Hit(
-                message=(
-                    f"{result.num_gap_elements} of {info.numel} elements of {name} are held by no rank "
-                    f"(held pieces are on {ranks_named(holders)}); their gradient is absent from every norm"
-                ),
-                ranks=tuple(holders),
-                params=(name,),
-                evidence={"num_gap_elements": result.num_gap_elements, "numel": info.numel},
-            )
+    gaps = {name: found for name, found in inputs.coverage.items() if found.coverage.num_gap_elements}
+    # Past MAX_FINDINGS_PER_CODE, one finding for the parameters no rank holds any of, not one each: a
+    # table may list 10^6.
+    fold = len(gaps) > MAX_FINDINGS_PER_CODE
+    hits = tuple(
+        Hit(
+            message=(
+                f"{found.coverage.num_gap_elements} of {found.info.numel} elements of {name} are held by no "
+                f"rank (held pieces are on {ranks_named(found.holders)}); their gradient is absent from every norm"
+            ),
+            ranks=tuple(found.holders),
+            params=(name,),
+            evidence={"num_gap_elements": found.coverage.num_gap_elements, "numel": found.info.numel},
         )
-    if len(hits) + len(unheld) > MAX_FINDINGS_PER_CODE:
-        # One finding for the parameters no rank holds any of, not one each: a table may list 10^6.
-        return (*hits, _unheld_params(unheld, len(step.params)))
-    return (*hits, *(_unheld_param(info) for info in unheld))
-
-
-def _unheld_param(info: ParamInfo) -> Hit:
-    return Hit(
-        message=(
-            f"{info.numel} of {info.numel} elements of {info.name} are held by no rank "
-            "(held pieces are on no rank); their gradient is absent from every norm"
-        ),
-        params=(info.name,),
-        evidence={"num_gap_elements": info.numel, "numel": info.numel},
+        for name, found in gaps.items()
+        if found.holders or not fold
     )
+    if fold:
+        return (*hits, _unheld_params([f.info for f in gaps.values() if not f.holders], len(step.params)))
+    return hits
 
 
 def _unheld_params(unheld: list[ParamInfo], num_params: int) -> Hit:
     names = sorted(info.name for info in unheld)
-    listed = names[:MAX_FOLDED_PARAMS_LISTED]
-    more = ", …" if len(names) > len(listed) else ""
+    listed, text = first_names(names)
     numel = sum(info.numel for info in unheld)
     return Hit(
         message=(
             f"{len(unheld)} of the step's {num_params} parameters are held by no rank at all "
-            f"({', '.join(listed)}{more}; {numel} elements); their gradients are absent from every norm"
+            f"({text}; {numel} elements); their gradients are absent from every norm"
         ),
-        params=tuple(listed),
+        params=listed,
         evidence={"num_params": len(unheld), "num_gap_elements": numel, "numel": numel},
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, listing, ranks_named
 
 MAX_ENTRIES_IN_MESSAGE = 8
 
@@ -28,15 +28,13 @@ def nonfinite_gradients(inputs: Analysis, options: AuditOptions) -> CheckResult:
         f"rank {r} {p}: {c[0]} nan, {c[1]} +inf, {c[2]} -inf"
         for (r, p), c in sorted(counts.items())[:MAX_ENTRIES_IN_MESSAGE]
     ]
-    if len(counts) > MAX_ENTRIES_IN_MESSAGE:
-        entries.append(f"and {len(counts) - MAX_ENTRIES_IN_MESSAGE} more rank/parameter pairs")
     totals = [sum(c[i] for c in counts.values()) for i in range(3)]
     return (
         Hit(
             message=(
                 f"nonfinite gradient values on {ranks_named(ranks)} in {count(len(params), 'parameter')}; they first "
                 f"appear on rank {first} ({', '.join(first_params[:3])}{', ...' if len(first_params) > 3 else ''}). "
-                + "; ".join(entries)
+                + listing(entries, len(counts), "more rank/parameter pairs")
             ),
             ranks=tuple(ranks),
             params=tuple(params),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import NamedTuple
 
 from ..analysis.diagnosis import RankDiagnosis, StepDiagnosis
 from ..analysis.hypotheses import (
@@ -16,19 +18,18 @@ from ..analysis.hypotheses import (
     PER_PARAM_GROUP,
     UNEXPLAINED,
     WRONG_GROUP,
-    Hypothesis,
 )
 from ..norms import CLIP_EPS
 from ..report.sentences import fold_sentences
-from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, listing, num, ranks_named
 
 MAX_RANKS_IN_MESSAGE = 4
 MAX_CANDIDATES_IN_MESSAGE = 16
+Evidence = Mapping[str, int | float | str | None]
 
 
 def diagnosis_or_skip(inputs: Analysis) -> StepDiagnosis | Skip:
-    step = inputs.step
-    if step.clip is None:
+    if inputs.step.clip is None:
         return Skip(reason="no rank recorded what its clipping did (no clip record in the dump)")
     diagnosis = inputs.diagnosis
     if diagnosis.true_norm is None and diagnosis.norm_lower_bound is None:
@@ -49,12 +50,12 @@ def diagnosis_or_skip(inputs: Analysis) -> StepDiagnosis | Skip:
     return diagnosis
 
 
-def _ranks_with(diagnosis: StepDiagnosis, wanted: Callable[[Hypothesis], bool]) -> list[RankDiagnosis]:
-    """The ranks whose clipping used an accounting `wanted` accepts (of loss-scaled gradients or not)."""
+def _ranks_with(diagnosis: StepDiagnosis, kind: str) -> list[RankDiagnosis]:
+    """The ranks whose clipping used an accounting of this kind (of loss-scaled gradients or not)."""
     return [
         d
         for d in diagnosis.ranks.values()
-        if not d.logging_bug and d.hypothesis is not None and wanted(d.hypothesis.scaled(False))
+        if not d.logging_bug and d.hypothesis is not None and d.hypothesis.kind == kind
     ]
 
 
@@ -81,9 +82,8 @@ def _update_unaffected(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis]) -> 
     )
 
 
-def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit:
+def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str, extra: Evidence) -> Hit:
     first = ranks[0]
-    scaled = any(d.hypothesis is not None and d.hypothesis.loss_scaled for d in ranks)
     if diagnosis.true_norm is None:
         truth = (
             f"true global norm at least {num(diagnosis.norm_lower_bound)} ({diagnosis.true_norm_note}; a lower "
@@ -93,96 +93,83 @@ def _hit(diagnosis: StepDiagnosis, ranks: list[RankDiagnosis], lead: str) -> Hit
         moment = f" {diagnosis.moment}" if diagnosis.moment else ""
         truth = f"true global norm {num(diagnosis.true_norm)}{moment}, expected coefficient {num(diagnosis.expected_coef)}"
     message = f"{lead} on {ranks_named(d.rank for d in ranks)}: {truth}. {_evidence_lines(ranks)}"
-    if scaled:
+    if any(d.hypothesis is not None and d.hypothesis.loss_scaled for d in ranks):
         message += f" (computed on gradients still multiplied by the loss scale {num(diagnosis.loss_scale)}: see GA502)"
     if _update_unaffected(diagnosis, ranks):
         message += (
             ". This step's update was unaffected: the true norm is below max_norm, so the coefficient is 1 "
             "either way; the wrong norm changes the update from the first step whose true norm is above max_norm"
         )
-    return Hit(
-        message=message,
-        ranks=tuple(d.rank for d in ranks),
-        evidence={
-            "true_norm": diagnosis.true_norm,
-            "expected_clip_coef": diagnosis.expected_coef,
-            "reported_norm": first.reported_norm,
-            "local_norm": first.local_norm,
-            "applied_clip_coef": first.applied_coef,
-            "matched_norm": None
-            if first.reported_match is None or first.reported_match.candidate is None
-            else first.reported_match.candidate.value,
-            "rtol": diagnosis.rtol,
-            **(
-                {}
-                if diagnosis.norm_lower_bound is None
-                else {"true_norm_lower_bound": diagnosis.norm_lower_bound}
-            ),
-        },
-    )
+    evidence: dict[str, int | float | str | None] = {
+        "true_norm": diagnosis.true_norm,
+        "expected_clip_coef": diagnosis.expected_coef,
+        "reported_norm": first.reported_norm,
+        "local_norm": first.local_norm,
+        "applied_clip_coef": first.applied_coef,
+        "matched_norm": None
+        if first.reported_match is None or first.reported_match.candidate is None
+        else first.reported_match.candidate.value,
+        "rtol": diagnosis.rtol,
+        **extra,
+    }
+    if diagnosis.norm_lower_bound is not None:
+        evidence["true_norm_lower_bound"] = diagnosis.norm_lower_bound
+    return Hit(message=message, ranks=tuple(d.rank for d in ranks), evidence=evidence)
 
 
-def _matching(inputs: Analysis, hypothesis: Hypothesis, lead: str) -> CheckResult:
-    """One hit for the ranks whose clipping used the accounting `hypothesis`."""
+class _Mistake(NamedTuple):
+    """An accounting mistake a norm check reports: its hypothesis kind, the lead of its finding (a
+    template of the hypothesis' `what`, or a function of it), the evidence key that gives `what` (None:
+    not given; "param" also names it as the finding's parameter) and further evidence."""
+
+    kind: str
+    lead: str | Callable[[str], str]
+    key: str | None = "hypothesis"
+    extra: Evidence | None = None
+
+
+def _by_kind(inputs: Analysis, *mistakes: _Mistake) -> CheckResult:
+    """One hit per hypothesis of these kinds, for the ranks whose clipping used it."""
     diagnosis = diagnosis_or_skip(inputs)
     if isinstance(diagnosis, Skip):
         return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h == hypothesis)
-    return (_hit(diagnosis, ranks, lead),) if ranks else ()
+    hits = []
+    for kind, lead, key, extra in mistakes:
+        by_what: dict[str, list[RankDiagnosis]] = {}
+        for d in _ranks_with(diagnosis, kind):
+            by_what.setdefault(d.hypothesis.what if d.hypothesis is not None else "", []).append(d)
+        for what, ranks in sorted(by_what.items()):
+            text = lead.format(what) if isinstance(lead, str) else lead(what)
+            hit = _hit(diagnosis, ranks, text, {**({} if key is None else {key: what}), **(extra or {})})
+            hits.append(replace(hit, params=(what,)) if key == "param" else hit)
+    return tuple(hits)
 
 
 def local_norm(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _matching(inputs, LOCAL_ONLY, "clipping used each rank's local norm, never reduced across ranks")
+    lead = "clipping used each rank's local norm, never reduced across ranks"
+    return _by_kind(inputs, _Mistake(LOCAL_ONLY.kind, lead, key=None))
 
 
 def double_counted(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    replicas = _matching(
-        inputs, DOUBLE_COUNTED, "clipping used a norm that counts every replica of replicated gradients"
+    every_copy = (
+        "clipping used a norm that counts every copy: each rank of group {!r} computed the group's "
+        "full norm and their squares were summed over the group again"
     )
-    copies = _by_hypothesis(
+    return _by_kind(
         inputs,
-        EVERY_COPY,
-        lambda group: (
-            f"clipping used a norm that counts every copy: each rank of group {group!r} computed the group's "
-            "full norm and their squares were summed over the group again"
+        _Mistake(
+            DOUBLE_COUNTED.kind,
+            "clipping used a norm that counts every replica of replicated gradients",
+            None,
         ),
-        evidence_key="group",
+        _Mistake(EVERY_COPY, every_copy, key="group"),
     )
-    if isinstance(replicas, Skip) or isinstance(copies, Skip):
-        return replicas  # both read the one diagnosis: both skip, or neither
-    return replicas + copies
 
 
 def wrong_group(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(
-        inputs,
-        WRONG_GROUP,
-        lambda group: f"clipping reduced the norm over process group {group!r} only",
-        evidence_key="group",
+    return _by_kind(
+        inputs, _Mistake(WRONG_GROUP, "clipping reduced the norm over process group {!r} only", "group")
     )
-
-
-def _by_hypothesis(
-    inputs: Analysis,
-    kind: str,
-    lead: Callable[[str], str],
-    *,
-    evidence_key: str = "hypothesis",
-) -> CheckResult:
-    """One hit per hypothesis of this kind, naming what it is about (its `what`, also given as
-    evidence under `evidence_key`)."""
-    diagnosis = diagnosis_or_skip(inputs)
-    if isinstance(diagnosis, Skip):
-        return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h.kind == kind)
-    by_what: dict[str, list[RankDiagnosis]] = {}
-    for d in ranks:
-        by_what.setdefault(d.hypothesis.what if d.hypothesis is not None else "", []).append(d)
-    hits = []
-    for what, members in sorted(by_what.items()):
-        hit = _hit(diagnosis, members, lead(what))
-        hits.append(Hit(message=hit.message, ranks=hit.ranks, evidence={**hit.evidence, evidence_key: what}))
-    return tuple(hits)
 
 
 _HOW = {
@@ -199,87 +186,50 @@ def _group_lead(what: str) -> str:
 
 
 def param_group_mistake(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(inputs, PARAM_GROUP, _group_lead)
+    return _by_kind(inputs, _Mistake(PARAM_GROUP, _group_lead))
 
 
 def averaged_norms(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(
-        inputs,
-        AVERAGED,
-        lambda group: (
-            f"clipping used per-rank norms averaged over process group {group!r} instead of their "
-            "squares summed"
-        ),
-    )
+    lead = "clipping used per-rank norms averaged over process group {!r} instead of their squares summed"
+    return _by_kind(inputs, _Mistake(AVERAGED, lead))
 
 
 def overflowed(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    return _by_hypothesis(
-        inputs,
-        OVERFLOW,
-        lambda dtype: f"clipping's norm overflowed to inf in {dtype} although every gradient value is finite",
-    )
+    lead = "clipping's norm overflowed to inf in {} although every gradient value is finite"
+    return _by_kind(inputs, _Mistake(OVERFLOW, lead))
 
 
 def wrong_clip_list(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA210: the right reduction of a wrong list of parameters: one listed twice, or each param group's
     own list, one clip call per group (the evidence's cause picks the fix line)."""
-    twice = _by_hypothesis(
-        inputs,
-        LISTED_TWICE,
-        lambda param: (
-            f"clipping used a norm that counts parameter {param!r} twice (it is listed twice in the clip "
-            "list, as a tied weight listed under both of its names is)"
-        ),
-        evidence_key="param",
+    listed_twice = (
+        "clipping used a norm that counts parameter {!r} twice (it is listed twice in the clip list, as a "
+        "tied weight listed under both of its names is)"
     )
-    per_group = _by_hypothesis(
-        inputs,
-        PER_PARAM_GROUP,
-        lambda _: (
-            "each clip call used the norm of its own parameters only (one clip call per optimizer param "
-            "group), never the norm of all of them together"
-        ),
-        evidence_key="cause",
+    per_call = (
+        "each clip call used the norm of its own parameters only (one clip call per optimizer param group), "
+        "never the norm of all of them together"
     )
-    if isinstance(twice, Skip) or isinstance(per_group, Skip):
-        return twice  # both read the one diagnosis: both skip, or neither
     calls = inputs.diagnosis.num_clip_calls
-    return tuple(
-        Hit(
-            message=hit.message,
-            ranks=hit.ranks,
-            params=(str(hit.evidence["param"]),),
-            evidence={**hit.evidence, "cause": "listed_twice"},
-        )
-        for hit in twice
-    ) + tuple(
-        Hit(
-            message=hit.message,
-            ranks=hit.ranks,
-            evidence={**hit.evidence, "cause": "per_call", "num_clip_calls": calls},
-        )
-        for hit in per_group
+    return _by_kind(
+        inputs,
+        _Mistake(LISTED_TWICE, listed_twice, "param", {"cause": "listed_twice"}),
+        _Mistake(PER_PARAM_GROUP, per_call, None, {"cause": "per_call", "num_clip_calls": calls}),
     )
 
 
 def unexplained(inputs: Analysis, options: AuditOptions) -> CheckResult:
-    diagnosis = diagnosis_or_skip(inputs)
-    if isinstance(diagnosis, Skip):
-        return diagnosis
-    ranks = _ranks_with(diagnosis, lambda h: h == UNEXPLAINED)
-    if not ranks:
-        return ()
-    hit = _hit(diagnosis, ranks, "clipping used a norm that matches no known accounting mistake")
-    tried = ranks[0].candidates
-    candidates = ", ".join(f"{c.hypothesis.text} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE])
-    if len(tried) > MAX_CANDIDATES_IN_MESSAGE:
-        candidates += f", and {len(tried) - MAX_CANDIDATES_IN_MESSAGE} more"
+    lead = "clipping used a norm that matches no known accounting mistake"
+    found = _by_kind(inputs, _Mistake(UNEXPLAINED.kind, lead, key=None))
+    if isinstance(found, Skip) or not found:
+        return found
+    first = inputs.diagnosis.ranks[found[0].ranks[0]]
+    tried = first.candidates
+    shown = [f"{c.hypothesis.text} {num(c.value)}" for c in tried[:MAX_CANDIDATES_IN_MESSAGE]]
+    candidates = listing(shown, len(tried), sep=", ")
     return (
-        Hit(
-            message=f"{hit.message}. Candidates tried for rank {ranks[0].rank}: {candidates}",
-            ranks=hit.ranks,
-            evidence=hit.evidence,
+        replace(
+            found[0], message=f"{found[0].message}. Candidates tried for rank {first.rank}: {candidates}"
         ),
     )
 
@@ -317,13 +267,10 @@ def logging_bug(inputs: Analysis, options: AuditOptions) -> CheckResult:
 def not_checked(inputs: Analysis, options: AuditOptions) -> CheckResult:
     """GA206: the norm checks could not run for lack of evidence, said as a warning rather than left
     for the reader to notice among the "not checked" lines (a step that clipped several times is GA501's)."""
-    step = inputs.step
     from .coefficients import coefficient_vs_expected
 
     diagnosis = diagnosis_or_skip(inputs)
-    if not isinstance(diagnosis, Skip):
-        return ()
-    if step.clip is not None and inputs.diagnosis.num_clip_calls > 1:
+    if not isinstance(diagnosis, Skip) or inputs.diagnosis.num_clip_calls > 1:
         return ()
     coefficient = coefficient_vs_expected(inputs, options)
     if not isinstance(coefficient, Skip):
@@ -334,7 +281,7 @@ def not_checked(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return (
         Hit(
             message=f"clipping not checked: {reason}; nothing in this report says clipping was right",
-            ranks=tuple(step.ranks_present),
+            ranks=tuple(inputs.step.ranks_present),
             evidence={"reason": reason},
         ),
     )

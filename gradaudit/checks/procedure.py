@@ -98,14 +98,12 @@ def clipped_scaled_gradients(inputs: Analysis, options: AuditOptions) -> CheckRe
         return ()
     max_norm = step.clip.max_norm if step.clip is not None else None
     first = min(flagged)
-    threshold = (
-        ""
-        if max_norm is None
-        else (
+    threshold = ""
+    if max_norm is not None:
+        threshold = (
             f"; clipping gradients scaled by {num(scale)} at max_norm {num(max_norm)} clips the true gradients at "
             f"{num(max_norm / scale)}"
         )
-    )
     return (
         Hit(
             message=(

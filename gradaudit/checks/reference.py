@@ -8,6 +8,7 @@ nonfinite values in the same places.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from ..analysis.norm_input import cover_norm
 from ..analysis.tolerances import reference_tolerances, within_reference_tolerance
@@ -15,7 +16,10 @@ from ..model import TensorKind
 from ..norms import expected_clip_coef, relative_difference
 from ..report.model import ParamComparison
 from ..steptable import ReferenceDifference, StepMeasurements
-from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, num
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, listing, num
+
+if TYPE_CHECKING:
+    from ..analysis.updates import UpdateJudgement
 
 MAX_PARAMS_IN_MESSAGE = 5
 
@@ -33,7 +37,6 @@ def compare(error: ReferenceDifference, options: AuditOptions) -> ParamCompariso
     )
     if error.num_nonfinite_mismatch:
         rel = math.inf
-    within = within_reference_tolerance(error, rtol, atol)
     return ParamComparison(
         param=error.param,
         kind=error.kind,
@@ -41,7 +44,7 @@ def compare(error: ReferenceDifference, options: AuditOptions) -> ParamCompariso
         max_rel_error=rel,
         atol=atol,
         rtol=rtol,
-        within_tolerance=within,
+        within_tolerance=within_reference_tolerance(error, rtol, atol),
     )
 
 
@@ -79,7 +82,7 @@ def _describe(c: ParamComparison) -> str:
 
 
 def _hits_for(
-    kinds: tuple[TensorKind, ...],
+    kind: TensorKind,
     m: StepMeasurements,
     options: AuditOptions,
     lead: str,
@@ -88,17 +91,15 @@ def _hits_for(
     bad = [
         c
         for c in reference_comparisons(m, options)
-        if c.kind in kinds and not c.within_tolerance and c.param not in excused
+        if c.kind == kind and not c.within_tolerance and c.param not in excused
     ]
     if not bad:
         return []
-    lines = [_describe(c) for c in bad[:MAX_PARAMS_IN_MESSAGE]]
-    if len(bad) > MAX_PARAMS_IN_MESSAGE:
-        lines.append(f"and {len(bad) - MAX_PARAMS_IN_MESSAGE} more")
+    lines = listing([_describe(c) for c in bad[:MAX_PARAMS_IN_MESSAGE]], len(bad))
     worst = bad[0]
     return [
         Hit(
-            message=f"{lead} in {count(len(bad), 'parameter/tensor pair')}, worst first: " + "; ".join(lines),
+            message=f"{lead} in {count(len(bad), 'parameter/tensor pair')}, worst first: " + lines,
             params=tuple(c.param for c in bad),
             evidence={
                 "worst_param": worst.param,
@@ -120,9 +121,11 @@ def gradients_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
         return Skip(
             reason="neither dump holds gradient values of a common parameter (stats-only dumps cannot be compared)"
         )
-    moment = _moment(inputs)
+    moment = (
+        inputs.diagnosis.moment
+    )  # when the dumped gradient was taken, when several clip calls make it matter
     lead = f"gradients ({moment})" if moment else "gradients"
-    hits = _hits_for(("grad",), m, options, f"{lead} differ from the unsharded reference")
+    hits = _hits_for("grad", m, options, f"{lead} differ from the unsharded reference")
     if notes or m.reference_only_params:
         missing = notes + [f"{name}: only in the reference" for name in m.reference_only_params]
         hits.append(
@@ -156,14 +159,6 @@ def gradients_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     return tuple(hits)
 
 
-def _moment(inputs: Analysis) -> str:
-    """When the dumped pre-clip gradient was taken, when several clip calls make it matter."""
-    step = inputs.step
-    if step.clip is None:
-        return ""
-    return inputs.diagnosis.moment
-
-
 def clipped_or_next_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResult:
     m = inputs.measurements
     if not m.reference_given:
@@ -174,10 +169,10 @@ def clipped_or_next_weights_differ(inputs: Analysis, options: AuditOptions) -> C
             reason="the dump and the reference do not both hold post-clip gradients or next weights with values"
         )
 
-    hits = _hits_for(("grad_clipped",), m, options, "clipped gradients differ from the unsharded reference")
+    hits = _hits_for("grad_clipped", m, options, "clipped gradients differ from the unsharded reference")
     explained = frozenset(name for name, j in inputs.update_judgements.items() if j.explained)
     hits += _hits_for(
-        ("param_after",), m, options, "the next weights differ from the unsharded reference", explained
+        "param_after", m, options, "the next weights differ from the unsharded reference", explained
     )
     return tuple(hits)
 
@@ -191,24 +186,12 @@ def updates_explained_by_optimizer(inputs: Analysis, options: AuditOptions) -> C
     explained = sorted((j for j in inputs.update_judgements.values() if j.explained), key=lambda j: j.param)
     if not explained:
         return ()
-    lines = []
-    for j in explained[:MAX_PARAMS_IN_MESSAGE]:
-        why = (
-            f"{count(j.num_near_zero_gradient, 'element')} with a gradient zero within tolerance "
-            f"({num(j.gradient_tolerance)}), moved by up to the step size {num(j.max_update)}"
-            if j.num_near_zero_gradient
-            else "within what the reference's update makes of the gradient tolerance"
-        )
-        lines.append(
-            f"{j.param}: max |error| {num(j.max_abs_error)} (allowed {num(j.base_tolerance)}): {why}"
-        )
-    if len(explained) > MAX_PARAMS_IN_MESSAGE:
-        lines.append(f"and {len(explained) - MAX_PARAMS_IN_MESSAGE} more")
+    lines = listing([_explained(j) for j in explained[:MAX_PARAMS_IN_MESSAGE]], len(explained))
     return (
         Hit(
             message=f"the next weights of {count(len(explained), 'parameter')} differ from the reference while "
             "their gradients agree; the optimizer's normalisation explains it (an adaptive optimizer turns "
-            "near-zero gradients, whose sign is rounding noise, into full-size steps): " + "; ".join(lines),
+            "near-zero gradients, whose sign is rounding noise, into full-size steps): " + lines,
             params=tuple(j.param for j in explained),
             evidence={
                 "num_params": len(explained),
@@ -217,3 +200,13 @@ def updates_explained_by_optimizer(inputs: Analysis, options: AuditOptions) -> C
             },
         ),
     )
+
+
+def _explained(j: UpdateJudgement) -> str:
+    why = (
+        f"{count(j.num_near_zero_gradient, 'element')} with a gradient zero within tolerance "
+        f"({num(j.gradient_tolerance)}), moved by up to the step size {num(j.max_update)}"
+        if j.num_near_zero_gradient
+        else "within what the reference's update makes of the gradient tolerance"
+    )
+    return f"{j.param}: max |error| {num(j.max_abs_error)} (allowed {num(j.base_tolerance)}): {why}"

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import importlib
 import textwrap
+from dataclasses import dataclass
 
 from ..report.model import Finding, NotChecked, Severity
 from .base import Analysis, AuditOptions, CheckFn, CheckResult, CheckSpec
 
 
+@dataclass(frozen=True)
 class DeferredCheck:
     """`module.function` of this package, imported on its first call."""
 
-    __slots__ = ("function", "module")
-
-    def __init__(self, module: str, function: str) -> None:
-        self.module, self.function = module, function
+    module: str
+    function: str
 
     def resolve(self) -> CheckFn:
         fn: CheckFn = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)
@@ -32,8 +32,7 @@ class DeferredCheck:
 
 def deferred(target: str) -> DeferredCheck:
     """The check `module.function` of this package, imported on its first call."""
-    module, function = target.split(".")
-    return DeferredCheck(module=module, function=function)
+    return DeferredCheck(*target.split("."))
 
 
 ERROR, WARNING, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
@@ -446,15 +445,10 @@ def run_checks(inputs: Analysis, options: AuditOptions) -> tuple[tuple[Finding, 
 def explain(code: str) -> str:
     """The text `gradaudit explain CODE` prints."""
     spec = BY_CODE[code.upper()]
-    sections = (
-        ("What it checks", spec.what),
-        ("Why it matters", spec.why),
-        ("Example", spec.example),
-        ("How to fix it", spec.fix),
-    )
+    headings = ("What it checks", "Why it matters", "Example", "How to fix it")
     body = "\n\n".join(
         f"{heading}\n" + textwrap.fill(text, width=88, initial_indent="  ", subsequent_indent="  ")
-        for heading, text in sections
+        for heading, text in zip(headings, (spec.what, spec.why, spec.example, spec.fix), strict=True)
     )
     return f"{spec.code} ({spec.severity.value}): {spec.title}\n\n{body}\n"
 

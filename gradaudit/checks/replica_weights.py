@@ -3,9 +3,8 @@ step after one whose ranks applied different coefficients shows."""
 
 from __future__ import annotations
 
-from ..model import StepDump
 from ..norms import norm_rtol
-from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, num, ranks_named
+from .base import Analysis, AuditOptions, CheckResult, Hit, Skip, count, listing, num, ranks_named
 
 MAX_PARAMS_IN_MESSAGE = 5
 TINY = 1e-30
@@ -16,7 +15,9 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
     replicated = [rs for pm in m.params.values() for rs in pm.replica_sets]
     sets = [rs for rs in replicated if rs.param_base_max_abs is not None]
     if not sets:
-        if replicated and _any_weights(step):
+        if replicated and any(
+            "param_before" in step.ranks[r].pieces.tensor_kinds for r in step.ranks_present
+        ):
             return Skip(reason="the replicated pieces' parameters were not recorded on every copy")
         return ()  # nothing replicated, or no weights recorded at all (GA701 says so)
     bad = []
@@ -34,8 +35,6 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
         f"{num(max(d or 0.0 for _, d in copies))} (tolerance {num(tol)})"
         for rs, copies, tol in bad[:MAX_PARAMS_IN_MESSAGE]
     ]
-    if len(bad) > MAX_PARAMS_IN_MESSAGE:
-        lines.append(f"and {len(bad) - MAX_PARAMS_IN_MESSAGE} more replicated pieces")
     ranks = sorted({r for _, copies, _ in bad for r, _ in copies})
     worst, worst_copies, _ = bad[0]
     return (
@@ -44,7 +43,7 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
                 f"the weights of {count(len(bad), 'replicated piece')} differ between ranks at the start of this "
                 "optimizer step: replicas drifted apart in an earlier step (ranks that applied different "
                 "coefficients, GA301, or skipped different steps), and every later step trains different "
-                "models: " + "; ".join(lines)
+                "models: " + listing(lines, len(bad), "more replicated pieces")
             ),
             ranks=tuple(ranks),
             params=tuple(sorted({rs.param for rs, _, _ in bad})),
@@ -55,8 +54,3 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
             },
         ),
     )
-
-
-def _any_weights(step: StepDump) -> bool:
-    """Whether any rank recorded parameter values."""
-    return any("param_before" in step.ranks[rank].pieces.tensor_kinds for rank in step.ranks_present)

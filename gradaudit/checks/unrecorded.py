@@ -23,15 +23,9 @@ def clipped_before_the_recorded_call(inputs: Analysis, options: AuditOptions) ->
         return ()  # the earlier recorded calls clipped these gradients (GA501)
     diagnosis = inputs.diagnosis
     max_norm, true_norm = diagnosis.max_norm, diagnosis.true_norm
-    if max_norm is None or true_norm is None or not math.isfinite(true_norm):
-        return ()  # GA206 and GA401 say why clipping could not be checked
-    if abs(true_norm - max_norm) > diagnosis.rtol * max_norm:
-        return ()
-    idle = {
-        r: d.applied_coef
-        for r, d in diagnosis.ranks.items()
-        if d.applied_coef is not None and abs(d.applied_coef - 1.0) <= diagnosis.rtol
-    }
+    if max_norm is None or not _is(true_norm, max_norm, diagnosis.rtol):
+        return ()  # not max_norm, or unknown or nonfinite: GA206 and GA401 say why clipping was not checked
+    idle = {r: d.applied_coef for r, d in diagnosis.ranks.items() if _is(d.applied_coef, 1.0, diagnosis.rtol)}
     if len(idle) < len(diagnosis.ranks) and any(d.applied_coef is not None for d in diagnosis.ranks.values()):
         return ()  # the recorded call scaled the gradients: it clipped them itself
     ranks = tuple(sorted(idle or diagnosis.ranks))
@@ -69,7 +63,7 @@ def no_clip_call(inputs: Analysis, options: AuditOptions) -> CheckResult:
     max_norm, true_norm = diagnosis.max_norm, diagnosis.true_norm
     if not stepped or max_norm is None or true_norm is None or not math.isfinite(true_norm):
         return ()  # a dump() before the clip, or a skipped step: nothing says the step went unclipped
-    if abs(true_norm - max_norm) <= diagnosis.rtol * max_norm:
+    if _is(true_norm, max_norm, diagnosis.rtol):
         return ()  # what a clip leaves behind: GA503 (captured after clipping)
     above = true_norm > max_norm
     consequence = (

@@ -36,19 +36,14 @@ def update_vs_gradient(inputs: Analysis, options: AuditOptions) -> CheckResult:
         )
     which = "clipped gradient" if clipped else "gradient (before clipping)"
     ratio = update_norm / grad_norm if grad_norm else math.inf
+    over = f"over the {cover.size} of {everything} pieces dumped with parameter values: " if partial else ""
     return (
         Hit(
             message=(
-                (
-                    f"over the {cover.size} of {everything} pieces dumped with parameter values: "
-                    if partial
-                    else ""
-                )
-                + f"the optimizer moved the parameters by L2 norm {num(update_norm)}; the {which} had L2 norm "
-                f"{num(grad_norm)} (ratio {num(ratio)}). Gradient clipping bounds the gradient, not an adaptive "
-                "optimizer's update: monitor the update norm separately if it matters"
+                f"{over}the optimizer moved the parameters by L2 norm {num(update_norm)}; the {which} had L2 "
+                f"norm {num(grad_norm)} (ratio {num(ratio)}). Gradient clipping bounds the gradient, not an "
+                "adaptive optimizer's update: monitor the update norm separately if it matters"
             ),
-            params=(),
             evidence={
                 "update_norm": update_norm,
                 "gradient_norm": grad_norm,
