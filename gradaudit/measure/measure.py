@@ -10,6 +10,7 @@ kernel.ChunkKernel; all of it is numpy, so that checking a dump never imports to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from ..dumpfile.reader import TensorReader
     from ..steptable import StepTable
     from .kernel import ChunkKernel
-    from .reference import ReferenceSource
     from .table import PieceTable
 
 COMPARED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped", "param_after")
@@ -181,45 +181,6 @@ def _differences(
     return list(zip(diffs, mismatches, strict=True)), base_max
 
 
-def _compare_with_reference(
-    reader: TensorReader,
-    param: str,
-    rank_path: str,
-    piece: Piece,
-    source: ReferenceSource,
-    kind: TensorKind,
-    chunk: int,
-    scale: float,
-) -> ReferenceDifference:
-    from .reference import compare_regions
-
-    max_err, max_ref, mismatches, compared = compare_regions(
-        lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
-    )
-    return ReferenceDifference(
-        param=param,
-        kind=kind,
-        dtype=piece.dtype,
-        numel_compared=compared,
-        max_abs_error=max_err,
-        max_abs_reference=max_ref,
-        num_nonfinite_mismatch=mismatches,
-    )
-
-
-def _merge_errors(errors: list[ReferenceDifference]) -> ReferenceDifference:
-    first = errors[0]
-    return ReferenceDifference(
-        param=first.param,
-        kind=first.kind,
-        dtype=max((e.dtype for e in errors), key=_dtype_looseness),
-        numel_compared=sum(e.numel_compared for e in errors),
-        max_abs_error=max(e.max_abs_error for e in errors),
-        max_abs_reference=max(e.max_abs_reference for e in errors),
-        num_nonfinite_mismatch=sum(e.num_nonfinite_mismatch for e in errors),
-    )
-
-
 def _dtype_looseness(dtype: str) -> float:
     from ..norms import norm_rtol
 
@@ -277,7 +238,7 @@ def _measure_reference(
     kernel: ChunkKernel,
 ) -> tuple[bool, tuple[ReferenceDifference, ...], tuple[str, ...]]:
     """(whether the reference's pieces of the parameter were read, the differences, notes)."""
-    from .reference import ReferenceSource, covers
+    from .reference import ReferenceSource, compare_regions, covers
 
     info, ref_info = infos
     if ref_info is None:
@@ -308,10 +269,25 @@ def _measure_reference(
         ref_scale = dumped_gradient_scale(reference.ranks[ref_rank]) if kind in SCALED_KINDS else 1.0
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
         per_piece = [
-            _compare_with_reference(reader, name, path, piece, source, kind, chunk, scale_of(rank))
+            compare_regions(
+                functools.partial(_piece_flat, reader, path, piece, kind, scale=scale_of(rank)),
+                piece.regions,
+                source,
+                chunk,
+            )
             for rank, path, piece in ours
         ]
-        errors.append(_merge_errors(per_piece))
+        errors.append(
+            ReferenceDifference(
+                param=name,
+                kind=kind,
+                dtype=max((piece.dtype for _, _, piece in ours), key=_dtype_looseness),
+                numel_compared=sum(compared for _, _, _, compared in per_piece),
+                max_abs_error=max(error for error, _, _, _ in per_piece),
+                max_abs_reference=max(largest for _, largest, _, _ in per_piece),
+                num_nonfinite_mismatch=sum(mismatches for _, _, mismatches, _ in per_piece),
+            )
+        )
     return True, tuple(errors), tuple(notes)
 
 
