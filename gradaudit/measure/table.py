@@ -491,7 +491,9 @@ class PieceTable:
         delta[nonfinite != nonfinite[base]] = math.inf
         compared = (width >= 0) & (width == width[base])
         described = self._set_bases
-        deltas = [d if ok else None for d, ok in zip(delta.tolist(), compared.tolist(), strict=True)]
+        deltas: list[float | None] = delta.tolist()
+        for i in np.flatnonzero(~compared).tolist():  # no statistics, or fingerprints of two lengths
+            deltas[i] = None
         ranks, indices, layouts = rank.tolist(), index.tolist(), layout.tolist()
         base_sum_sq, base_max_abs = sum_sq[starts].tolist(), max_abs[starts].tolist()
         sets = []
