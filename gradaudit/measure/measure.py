@@ -10,12 +10,13 @@ kernel.ChunkKernel; all of it is numpy, so that checking a dump never imports to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..model import ParamInfo, Piece, StepDump, TensorKind, TensorStats
+from ..model import ParamInfo, Piece, StepDump, TensorKind
 from ..norms import divide_by_power
 from ..steptable import (
     ParamMeasurement,
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from ..dumpfile.reader import TensorReader
     from ..steptable import StepTable
     from .kernel import ChunkKernel
-    from .reference import ReferenceSource
     from .table import PieceTable
 
 COMPARED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped", "param_after")
@@ -127,141 +127,58 @@ def _read_values(
 
 
 def _compare_replicas(
-    reader: TensorReader,
-    copies: list[tuple[int, str, Piece]],
-    measured: Mapping[tuple[int, int], tuple[TensorStats | None, float]],
-    chunk: int,
+    reader: TensorReader, copies: list[tuple[int, str, Piece, float]], found: ReplicaSet, chunk: int
 ) -> ReplicaSet:
-    """Compare every copy of one layout with the lowest-rank copy: values when all have them, else
-    fingerprints (`measured`: (rank, index) -> PieceTable.grad_stats of the copy)."""
-    from .reference import compare_values
-
+    """The set `found` (compared by fingerprint), its copies (rank, path, piece, value scale) compared
+    with its base copy by gradient values when all have them, and by `param_before` when all have it."""
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
-    base_rank, base_path, base = copies[0]
-    base_stats = measured[(base_rank, base.index)][0]
-    by_values = all("grad" in p.tensors for _, _, p in copies)
-    results = []
-    if by_values:
-        others = copies[1:]
-        per_copy = max(1 << 16, chunk // max(1, len(copies)))
-        diffs = [0.0] * len(others)
-        mismatches = [0] * len(others)
-        for start, stop in _flat_windows(base.numel, per_copy):
-            ref = _piece_flat(
-                reader, base_path, base, "grad", start, stop, measured[(base_rank, base.index)][1]
-            )
-            for i, (rank, path, piece) in enumerate(others):
-                values = _piece_flat(
-                    reader, path, piece, "grad", start, stop, measured[(rank, piece.index)][1]
-                )
-                diff, _, mismatch = compare_values(values, ref)
-                diffs[i] = max(diffs[i], diff)
-                mismatches[i] += mismatch
+    if all("grad" in p.tensors for _, _, p, _ in copies):
         results = [
-            ReplicaCopy(rank=r, index=p.index, max_abs_diff=d, num_nonfinite_mismatch=n)
-            for (r, _, p), d, n in zip(others, diffs, mismatches, strict=False)
+            ReplicaCopy(rank=rank, index=piece.index, max_abs_diff=diff, num_nonfinite_mismatch=mismatch)
+            for (rank, _, piece, _), (diff, mismatch) in zip(
+                copies[1:], _differences(reader, copies, "grad", chunk)[0], strict=True
+            )
         ]
-    else:
-        for rank, _, piece in copies[1:]:
-            stats = measured[(rank, piece.index)][0]
-            delta = None
-            if (
-                stats is not None
-                and base_stats is not None
-                and len(stats.fingerprint) == len(base_stats.fingerprint)
-            ):
-                delta = max(
-                    [abs(a - b) for a, b in zip(stats.fingerprint, base_stats.fingerprint, strict=False)]
-                    + [
-                        abs(math.sqrt(stats.sum_sq) - math.sqrt(base_stats.sum_sq)),
-                        abs(stats.max_abs - base_stats.max_abs),
-                    ]
-                )
-                if stats.num_nonfinite != base_stats.num_nonfinite:
-                    delta = math.inf
-            results.append(ReplicaCopy(rank=rank, index=piece.index, fingerprint_delta=delta))
-    param_base_max_abs = None
-    if all("param_before" in p.tensors for _, _, p in copies):
-        results, param_base_max_abs = _compare_replica_params(reader, copies, results, chunk)
-    return ReplicaSet(
-        param=base.param,
-        regions=base.regions,
-        dtype=base.dtype,
-        base_rank=base_rank,
-        base_index=base.index,
-        base_max_abs=0.0 if base_stats is None else base_stats.max_abs,
-        base_sum_sq=0.0 if base_stats is None else base_stats.sum_sq,
-        numel=base.numel,
-        copies=tuple(results),
-        by_values=by_values,
-        param_base_max_abs=param_base_max_abs,
-    )
+        found = replace(found, copies=tuple(results), by_values=True)
+    if all("param_before" in p.tensors for _, _, p, _ in copies):
+        diffs, base_max = _differences(reader, copies, "param_before", chunk)  # kept unscaled
+        found = replace(
+            found,
+            copies=tuple(
+                replace(c, param_max_abs_diff=d) for c, (d, _) in zip(found.copies, diffs, strict=True)
+            ),
+            param_base_max_abs=base_max,
+        )
+    return found
 
 
-def _compare_replica_params(
-    reader: TensorReader, copies: list[tuple[int, str, Piece]], results: list[ReplicaCopy], chunk: int
-) -> tuple[list[ReplicaCopy], float]:
-    """The copies' results with the largest difference of their `param_before` from the base copy's."""
+def _differences(
+    reader: TensorReader, copies: list[tuple[int, str, Piece, float]], kind: TensorKind, chunk: int
+) -> tuple[list[tuple[float, int]], float]:
+    """(the largest difference and the nonfinite mismatches of each copy but the first from the first,
+    in their tensor `kind` divided by their scale; the first's largest finite |x|)."""
     import numpy as np
 
     from .reference import compare_values
 
-    _, base_path, base = copies[0]
+    _, base_path, base, base_scale = copies[0]
     others = copies[1:]
     diffs = [0.0] * len(others)
+    mismatches = [0] * len(others)
     base_max = 0.0
     per_copy = max(1 << 16, chunk // max(1, len(copies)))
     for start, stop in _flat_windows(base.numel, per_copy):
-        ref = _piece_flat(reader, base_path, base, "param_before", start, stop)
+        ref = _piece_flat(reader, base_path, base, kind, start, stop, base_scale)
         finite = ref[np.isfinite(ref)]
         if finite.size:
             base_max = max(base_max, float(np.abs(finite).max()))
-        for i, (_, path, piece) in enumerate(others):
-            diff, _, _ = compare_values(_piece_flat(reader, path, piece, "param_before", start, stop), ref)
+        for i, (_, path, piece, scale) in enumerate(others):
+            diff, _, mismatch = compare_values(
+                _piece_flat(reader, path, piece, kind, start, stop, scale), ref
+            )
             diffs[i] = max(diffs[i], diff)
-    by_rank = {(r, p.index): d for (r, _, p), d in zip(others, diffs, strict=True)}
-    if not results:  # grads were compared by fingerprint with none to compare: start from the copies
-        results = [ReplicaCopy(rank=r, index=p.index) for r, _, p in others]
-    return [replace(c, param_max_abs_diff=by_rank.get((c.rank, c.index))) for c in results], base_max
-
-
-def _compare_with_reference(
-    reader: TensorReader,
-    param: str,
-    rank_path: str,
-    piece: Piece,
-    source: ReferenceSource,
-    kind: TensorKind,
-    chunk: int,
-    scale: float,
-) -> ReferenceDifference:
-    from .reference import compare_regions
-
-    max_err, max_ref, mismatches, compared = compare_regions(
-        lambda a, b: _piece_flat(reader, rank_path, piece, kind, a, b, scale), piece.regions, source, chunk
-    )
-    return ReferenceDifference(
-        param=param,
-        kind=kind,
-        dtype=piece.dtype,
-        numel_compared=compared,
-        max_abs_error=max_err,
-        max_abs_reference=max_ref,
-        num_nonfinite_mismatch=mismatches,
-    )
-
-
-def _merge_errors(errors: list[ReferenceDifference]) -> ReferenceDifference:
-    first = errors[0]
-    return ReferenceDifference(
-        param=first.param,
-        kind=first.kind,
-        dtype=max((e.dtype for e in errors), key=_dtype_looseness),
-        numel_compared=sum(e.numel_compared for e in errors),
-        max_abs_error=max(e.max_abs_error for e in errors),
-        max_abs_reference=max(e.max_abs_reference for e in errors),
-        num_nonfinite_mismatch=sum(e.num_nonfinite_mismatch for e in errors),
-    )
+            mismatches[i] += mismatch
+    return list(zip(diffs, mismatches, strict=True)), base_max
 
 
 def _dtype_looseness(dtype: str) -> float:
@@ -273,23 +190,22 @@ def _dtype_looseness(dtype: str) -> float:
 def _replica_sets(
     table: PieceTable, positions: range, reader: TensorReader, chunk: int
 ) -> tuple[ReplicaSet, ...]:
-    """The parameter's layouts held on two or more ranks, compared copy by copy: on the table's
-    columns for statistics only, else one set at a time (values when every copy has them)."""
+    """The parameter's layouts held on two or more ranks, compared copy by copy: by fingerprint on
+    the table's columns, then one set at a time by values where its copies hold them."""
     import numpy as np
 
     replicated = np.flatnonzero(table.copies[table.layout[positions.start : positions.stop]] > 1)
     replicated += positions.start
-    found = table.replica_sets(replicated)
-    if found is not None or not replicated.size:
-        return found or ()
-    by_layout: dict[int, list[tuple[int, str, Piece]]] = {}
-    for layout, entry in zip(table.layout[replicated].tolist(), table.entries(replicated), strict=True):
-        by_layout.setdefault(layout, []).append(entry)
-    keys = zip(table.rank[replicated].tolist(), table.index[replicated].tolist(), strict=True)
-    lookup = dict(zip(keys, table.grad_stats(replicated), strict=True))
+    sets = table.replica_sets(replicated) if replicated.size else ()
+    if not table.with_values:
+        return sets
+    by_layout: dict[int, list[tuple[int, str, Piece, float]]] = {}
+    layouts, scales = table.layout[replicated].tolist(), table.scale_at[replicated].tolist()
+    for layout, scale, entry in zip(layouts, scales, table.entries(replicated), strict=True):
+        by_layout.setdefault(layout, []).append((*entry, scale))
+    groups = sorted(by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p, _ in copies))
     return tuple(
-        _compare_replicas(reader, copies, lookup, chunk)
-        for copies in sorted(by_layout.values(), key=lambda copies: min((r, p.index) for r, _, p in copies))
+        _compare_replicas(reader, copies, found, chunk) for copies, found in zip(groups, sets, strict=True)
     )
 
 
@@ -322,7 +238,7 @@ def _measure_reference(
     kernel: ChunkKernel,
 ) -> tuple[bool, tuple[ReferenceDifference, ...], tuple[str, ...]]:
     """(whether the reference's pieces of the parameter were read, the differences, notes)."""
-    from .reference import ReferenceSource, covers
+    from .reference import ReferenceSource, compare_regions, covers
 
     info, ref_info = infos
     if ref_info is None:
@@ -353,10 +269,25 @@ def _measure_reference(
         ref_scale = dumped_gradient_scale(reference.ranks[ref_rank]) if kind in SCALED_KINDS else 1.0
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
         per_piece = [
-            _compare_with_reference(reader, name, path, piece, source, kind, chunk, scale_of(rank))
+            compare_regions(
+                functools.partial(_piece_flat, reader, path, piece, kind, scale=scale_of(rank)),
+                piece.regions,
+                source,
+                chunk,
+            )
             for rank, path, piece in ours
         ]
-        errors.append(_merge_errors(per_piece))
+        errors.append(
+            ReferenceDifference(
+                param=name,
+                kind=kind,
+                dtype=max((piece.dtype for _, _, piece in ours), key=_dtype_looseness),
+                numel_compared=sum(compared for _, _, _, compared in per_piece),
+                max_abs_error=max(error for error, _, _, _ in per_piece),
+                max_abs_reference=max(largest for _, largest, _, _ in per_piece),
+                num_nonfinite_mismatch=sum(mismatches for _, _, mismatches, _ in per_piece),
+            )
+        )
     return True, tuple(errors), tuple(notes)
 
 

@@ -413,10 +413,16 @@ class PieceTable:
             found.append((path, keys, int(numel[position])))
         return found
 
-    def grad_stats(self, positions: np.ndarray) -> list[tuple[TensorStats | None, float]]:
-        """(the gradient's statistics, what was read overriding what is stored, divided by its value
-        scale; that scale) of each position: what comparing replicas one set at a time reads."""
-        found = []
+    def _grad_rows(self, positions: np.ndarray) -> tuple[np.ndarray, ...]:
+        """sum_sq, max_abs, fingerprint [n, f] (zeros past its own length), fingerprint length (-1:
+        no statistics) and nonfinite count of each position's gradient, what was read overriding
+        what is stored, divided by its value scale: gathered once from the columns when the step
+        is statistics only, else from each piece."""
+        if self.stats_only and "grad" in self.kinds:
+            sum_sq, max_abs, fingerprint, nonfinite = self._grad_columns
+            width = np.full(positions.size, fingerprint.shape[1])
+            return sum_sq[positions], max_abs[positions], fingerprint[positions], width, nonfinite[positions]
+        found: list[TensorStats | None] = []
         for position, (rank, _, piece) in zip(positions.tolist(), self.entries(positions), strict=True):
             stats = piece.stats.get("grad")
             if self._state:
@@ -425,8 +431,18 @@ class PieceTable:
             scale = (
                 float(self.scale_at[position]) if self.scale_at.size else self.scales[self._source_of[rank]]
             )
-            found.append((None if stats is None else unscaled_stats(stats, scale), scale))
-        return found
+            found.append(None if stats is None else unscaled_stats(stats, scale))
+        fingerprint = np.zeros((len(found), max((len(s.fingerprint) for s in found if s), default=0)))
+        for row, stats in zip(fingerprint, found, strict=True):
+            if stats is not None:
+                row[: len(stats.fingerprint)] = stats.fingerprint
+        return (
+            np.array([0.0 if s is None else s.sum_sq for s in found]),
+            np.array([0.0 if s is None else s.max_abs for s in found]),
+            fingerprint,
+            np.array([-1 if s is None else len(s.fingerprint) for s in found]),
+            np.array([0 if s is None else s.num_nonfinite for s in found]),
+        )
 
     @functools.cached_property
     def _grad_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -457,29 +473,29 @@ class PieceTable:
             for layout_id, (_, _, piece) in zip(self.layout[bases].tolist(), self.entries(bases), strict=True)
         }
 
-    def replica_sets(self, positions: np.ndarray) -> tuple[ReplicaSet, ...] | None:
-        """The replica sets of these replicated positions compared by fingerprint, as
-        measure._compare_replicas gives them for stats-only copies, from the columns: objects only
-        for each set's base piece and its copies' results. None unless the step is statistics
-        only with gradient statistics (the copies are then compared one set at a time)."""
-        if not self.stats_only or "grad" not in self.kinds or not positions.size:
-            return None
+    def replica_sets(self, positions: np.ndarray) -> tuple[ReplicaSet, ...]:
+        """The replica sets of these replicated positions, each copy compared with its set's lowest
+        (rank, index) copy by fingerprint, in the order of their base copies: objects only for each
+        set's base piece and its copies' results."""
         layout, rank, index = self.layout[positions], self.rank[positions], self.index[positions]
         order = np.lexsort((index, rank, layout))
         positions, layout, rank, index = positions[order], layout[order], rank[order], index[order]
         starts = np.flatnonzero(np.concatenate(([True], layout[1:] != layout[:-1])))
         sizes = np.diff(np.append(starts, positions.size))
-        base = positions[np.repeat(starts, sizes)]
-        sum_sq, max_abs, fingerprint, nonfinite = self._grad_columns
-        delta = np.abs(np.sqrt(sum_sq[positions]) - np.sqrt(sum_sq[base]))
-        delta = np.maximum(delta, np.abs(max_abs[positions] - max_abs[base]))
+        base = np.repeat(starts, sizes)
+        sum_sq, max_abs, fingerprint, width, nonfinite = self._grad_rows(positions)
+        delta = np.abs(np.sqrt(sum_sq) - np.sqrt(sum_sq[base]))
+        delta = np.maximum(delta, np.abs(max_abs - max_abs[base]))
         if fingerprint.shape[1]:
-            delta = np.maximum(delta, np.abs(fingerprint[positions] - fingerprint[base]).max(axis=1))
-        delta[nonfinite[positions] != nonfinite[base]] = math.inf
-        bases = positions[starts]
+            delta = np.maximum(delta, np.abs(fingerprint - fingerprint[base]).max(axis=1))
+        delta[nonfinite != nonfinite[base]] = math.inf
+        compared = (width >= 0) & (width == width[base])
         described = self._set_bases
-        deltas, ranks, indices, layouts = delta.tolist(), rank.tolist(), index.tolist(), layout.tolist()
-        base_sum_sq, base_max_abs = sum_sq[bases].tolist(), max_abs[bases].tolist()
+        deltas: list[float | None] = delta.tolist()
+        for i in np.flatnonzero(~compared).tolist():  # no statistics, or fingerprints of two lengths
+            deltas[i] = None
+        ranks, indices, layouts = rank.tolist(), index.tolist(), layout.tolist()
+        base_sum_sq, base_max_abs = sum_sq[starts].tolist(), max_abs[starts].tolist()
         sets = []
         for k in np.lexsort((index[starts], rank[starts])).tolist():
             start, stop = int(starts[k]), int(starts[k] + sizes[k])
