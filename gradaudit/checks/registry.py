@@ -20,7 +20,9 @@ class DeferredCheck:
     """`module.function` of this package, imported on its first call."""
 
     module: str
+    """The module under gradaudit/checks/ that holds the check."""
     function: str
+    """The check's function in it."""
 
     def resolve(self) -> CheckFn:
         fn: CheckFn = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.function)
