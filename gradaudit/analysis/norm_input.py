@@ -195,15 +195,17 @@ class NormSet:
                 renumbered = np.cumsum(inside) - 1
                 sub = [orders[k] for k in repeated.tolist()]
                 for k, value in zip(
-                    repeated.tolist(), self._primed(sub, rows[kept], renumbered[of_set[kept]], True), strict=True
+                    repeated.tolist(),
+                    self._primed(sub, rows[kept], renumbered[of_set[kept]], True),
+                    strict=True,
                 ):
                     once[k] = value
             for order, k in zip(orders, (n_once == n).tolist(), strict=True):
                 if k and (order, False) in self._sums:
                     self._sums.setdefault((order, True), self._sums[(order, False)])
         shared = (n_once < n).tolist()
-        self._cache.update(zip(((o, False) for o in orders), zip(every, shared, strict=True)))
-        self._cache.update(zip(((o, True) for o in orders), zip(once, shared, strict=True)))
+        self._cache.update(zip(((o, False) for o in orders), zip(every, shared, strict=True), strict=True))
+        self._cache.update(zip(((o, True) for o in orders), zip(once, shared, strict=True), strict=True))
         self._layouts.update(zip(orders, n_once.tolist(), strict=True))
 
     def _primed(
@@ -225,7 +227,9 @@ class NormSet:
         elif p == 1.0:
             found = list(sums)
         else:
-            found = [norm_from_total(t, p) if ok else None for t, ok in zip(sums, plain.tolist(), strict=True)]
+            found = [
+                norm_from_total(t, p) if ok else None for t, ok in zip(sums, plain.tolist(), strict=True)
+            ]
         clean = (flags & (UNKNOWN | NAN | INF) == 0).tolist()
         fresh = {(orders[k], dedupe): sums[k] for k in np.flatnonzero(clean).tolist()}
         kept = fresh.keys() & self._sums.keys()  # summed before: that sum is the one counted
