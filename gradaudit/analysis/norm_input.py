@@ -219,8 +219,16 @@ class NormSet:
             return [self.norm_of(rows[bounds[k] : bounds[k + 1]]) for k in range(len(orders))]
         flags = np.bitwise_or.reduceat(self.entries.flags[rows], starts)
         terms = self.entries.term[rows]
-        sums, _ = segment_fsums(terms, starts.tolist())
-        totals = np.array(sums, dtype=np.float64)
+        totals = _small_sums(terms, starts)
+        summed = np.isnan(totals)
+        if summed.any():
+            inside = np.repeat(summed, np.diff(bounds))
+            exact, _ = segment_fsums(
+                terms[inside],
+                (np.cumsum(summed * np.diff(bounds)) - summed * np.diff(bounds))[summed].tolist(),
+            )
+            totals[summed] = exact
+        sums = totals.tolist()
         plain = (flags & (UNKNOWN | NAN | INF) == 0) & np.isfinite(totals)
         if p == 2.0:  # math.sqrt's correctly rounded root, for all at once
             found: list[float | None] = np.sqrt(np.where(plain, totals, 0.0)).tolist()
@@ -290,6 +298,17 @@ class NormSet:
         if key not in self._sums:
             self._sums[key] = safe_fsum(self.entries.term[rows])
         return self._sums[key]
+
+
+def _small_sums(terms: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per segment of `terms` (from each start to the next): the sum of a segment of one or two
+    values, as one float64 addition (correctly rounded: math.fsum's sum); nan where that does not
+    stand for math.fsum's (more values, a nonfinite or zero sum: its sign) and where it overflows."""
+    ends = np.append(starts[1:], terms.size)
+    first = terms[starts]
+    second = np.where(ends - starts == 2, terms[np.minimum(starts + 1, terms.size - 1)], 0.0)
+    total = first + second
+    return np.where((ends - starts <= 2) & np.isfinite(total) & (total != 0), total, np.nan)
 
 
 def cover_norm(table: StepTable, at: np.ndarray, kind: KindColumns, norm_type: float) -> float | None:
