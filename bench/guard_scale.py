@@ -92,10 +92,7 @@ def _full_diagnosis(
 ) -> tuple[str, tuple[str, ...]]:
     world = rows.shape[0]
     conclusion = agree(rows).conclusion
-    ranks = {
-        rank: layout.unpack(rows[rank], rank=rank, held=(True, True), topology=topology)
-        for rank in range(world)
-    }
+    ranks = layout.unpack_rows(rows, held=[(True, True)] * world, topologies=[topology] * world)
     live = LiveStep(step=7, world_size=world, max_norm=MAX_NORM, norm_type=2.0, groups=GROUPS, ranks=ranks)
     report = report_of(live)
     return conclusion, tuple(sorted({f.code for f in report.findings if f.severity.name == "ERROR"}))

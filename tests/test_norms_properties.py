@@ -238,7 +238,10 @@ def test_segment_fsums_are_safe_fsum_of_each_segment_and_of_all_bit_for_bit(valu
         st.tuples(
             st.integers(0, 6),
             st.integers(0, 5),
-            st.one_of(st.floats(0, 1e6), st.sampled_from((0.0, 1e300, math.inf, math.nan))),
+            st.one_of(
+                st.floats(0, 1e6),
+                st.sampled_from((0.0, -0.0, 5e-324, 1e300, 1.7e308, math.inf, math.nan)),
+            ),
             st.sampled_from((0, 0, 0, 1, 2, 4)),
         ),
         max_size=30,

@@ -10,6 +10,7 @@ the guard from its gathered summary).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,61 +145,111 @@ class NormSet:
         """What `norm` (each layout once, and every copy counted) and `num_layouts` give for each of
         these rank sets, computed for all of them in a few numpy passes, as those compute them (the
         same rows, the same exact sums): the diagnosis asks them of every rank and group."""
-        spans = self.spans
         orders = [
             o for o in dict.fromkeys(tuple(sorted(s)) for s in rank_sets) if (o, False) not in self._cache
         ]
-        chunk: list[tuple[int, ...]] = []
-        size = 0
-        for order in orders:
-            if len(set(order)) == len(order) and any(r in spans for r in order):
-                chunk.append(order)
-                size += sum(spans[r][1] - spans[r][0] for r in order if r in spans)
-            if chunk and (size >= 1 << 18 or order is orders[-1]):  # a few MiB of temporaries
-                self._prime(chunk)
-                chunk, size = [], 0
+        if not orders or not self._ranks:
+            return
+        spans, held = self.spans, np.array(self._ranks, dtype=np.int64)
+        first_row = np.array([spans[r][0] for r in self._ranks], dtype=np.int64)
+        num_rows = np.array([spans[r][1] - spans[r][0] for r in self._ranks], dtype=np.int64)
+        members = np.fromiter(itertools.chain.from_iterable(orders), dtype=np.int64)
+        sizes = np.fromiter(map(len, orders), dtype=np.int64, count=len(orders))
+        set_of = np.repeat(np.arange(len(orders)), sizes)
+        at = np.searchsorted(held, members).clip(max=held.size - 1)
+        present = held[at] == members
+        begin, length = np.where(present, first_row[at], 0), np.where(present, num_rows[at], 0)
+        size = np.bincount(set_of, weights=length, minlength=len(orders))
+        usable = size > 0  # a set holding some entry, with no rank twice (a sorted set: neighbours)
+        usable[set_of[1:][(members[1:] == members[:-1]) & (set_of[1:] == set_of[:-1])]] = False
+        # chunks of about 2^18 rows: a few MiB of temporaries
+        chunk_of = np.where(usable, (np.cumsum(size * usable) - size) // (1 << 18), -1).astype(np.int64)
+        for chunk in np.unique(chunk_of[usable]).tolist():
+            inside = chunk_of == chunk
+            taken = inside[set_of]
+            chosen = [orders[k] for k in np.flatnonzero(inside).tolist()]
+            self._prime(chosen, begin[taken], length[taken], sizes[inside])
 
-    def _prime(self, orders: list[tuple[int, ...]]) -> None:
-        entries, spans = self.entries, self.spans
-        members = [r for o in orders for r in o]
-        begin = np.array([spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
-        length = np.array([spans[r][1] - spans[r][0] if r in spans else 0 for r in members], dtype=np.int64)
+    def _prime(
+        self, orders: list[tuple[int, ...]], begin: np.ndarray, length: np.ndarray, sizes: np.ndarray
+    ) -> None:
+        """Prime these rank sets, their members' (in order) first entry and number of entries given."""
+        entries = self.entries
         ends = np.cumsum(length)
         rows = np.repeat(begin - ends + length, length) + np.arange(int(ends[-1]))
-        of_set = np.repeat(np.repeat(np.arange(len(orders)), [len(o) for o in orders]), length)
-        every = once = self._primed(orders, rows, of_set, False)
+        of_set = np.repeat(np.repeat(np.arange(len(orders)), sizes), length)
+        n = np.bincount(of_set, minlength=len(orders))
+        every = self._primed(orders, rows, of_set, False)
+        once, n_once = every, n
         if entries.replicated:
             key = of_set * (int(entries.layout.max()) + 1) + entries.layout[rows]
             first = np.sort(np.unique(key, return_index=True)[1])
-            once = self._primed(orders, rows[first], of_set[first], True)
-        for order, (n, value), (n_once, value_once) in zip(orders, every, once, strict=True):
-            self._cache[(order, False)] = (value, n_once < n)
-            self._cache[(order, True)] = (value_once, n_once < n)
-            self._layouts[order] = n_once
+            n_once = np.bincount(of_set[first], minlength=len(orders))
+            # a set whose every entry is its layout's first copy counts the same rows both ways
+            repeated = np.flatnonzero(n_once < n)
+            once = list(every)
+            if repeated.size:
+                inside = np.zeros(len(orders), dtype=bool)
+                inside[repeated] = True
+                kept = first[inside[of_set[first]]]
+                renumbered = np.cumsum(inside) - 1
+                sub = [orders[k] for k in repeated.tolist()]
+                for k, value in zip(
+                    repeated.tolist(),
+                    self._primed(sub, rows[kept], renumbered[of_set[kept]], True),
+                    strict=True,
+                ):
+                    once[k] = value
+            for order, k in zip(orders, (n_once == n).tolist(), strict=True):
+                if k and (order, False) in self._sums:
+                    self._sums.setdefault((order, True), self._sums[(order, False)])
+        shared = (n_once < n).tolist()
+        self._cache.update(zip(((o, False) for o in orders), zip(every, shared, strict=True), strict=True))
+        self._cache.update(zip(((o, True) for o in orders), zip(once, shared, strict=True), strict=True))
+        self._layouts.update(zip(orders, n_once.tolist(), strict=True))
 
     def _primed(
         self, orders: list[tuple[int, ...]], rows: np.ndarray, of_set: np.ndarray, dedupe: bool
-    ) -> list[tuple[int, float | None]]:
-        """Per rank set: (entries counted, their norm) of the `rows` of each (`of_set`, ascending)."""
+    ) -> list[float | None]:
+        """Per rank set: the norm of the `rows` of each (`of_set`, ascending)."""
         starts = np.searchsorted(of_set, np.arange(len(orders)))
         bounds = [*starts.tolist(), rows.size]
-        flags = np.bitwise_or.reduceat(self.entries.flags[rows], starts).tolist()
+        p, dedupe = self.norm_type, dedupe and self.entries.replicated
+        if is_inf_norm(p):
+            return [self.norm_of(rows[bounds[k] : bounds[k + 1]]) for k in range(len(orders))]
+        flags = np.bitwise_or.reduceat(self.entries.flags[rows], starts)
         terms = self.entries.term[rows]
-        sums, _ = segment_fsums(terms, starts.tolist())
-        found = []
-        for k, order in enumerate(orders):
+        totals = _small_sums(terms, starts)
+        summed = np.isnan(totals)
+        if summed.any():
+            inside = np.repeat(summed, np.diff(bounds))
+            exact, _ = segment_fsums(
+                terms[inside],
+                (np.cumsum(summed * np.diff(bounds)) - summed * np.diff(bounds))[summed].tolist(),
+            )
+            totals[summed] = exact
+        sums = totals.tolist()
+        plain = (flags & (UNKNOWN | NAN | INF) == 0) & np.isfinite(totals)
+        if p == 2.0:  # math.sqrt's correctly rounded root, for all at once
+            found: list[float | None] = np.sqrt(np.where(plain, totals, 0.0)).tolist()
+        elif p == 1.0:
+            found = list(sums)
+        else:
+            found = [
+                norm_from_total(t, p) if ok else None for t, ok in zip(sums, plain.tolist(), strict=True)
+            ]
+        clean = (flags & (UNKNOWN | NAN | INF) == 0).tolist()
+        fresh = {(orders[k], dedupe): sums[k] for k in np.flatnonzero(clean).tolist()}
+        kept = fresh.keys() & self._sums.keys()  # summed before: that sum is the one counted
+        self._sums.update((key, total) for key, total in fresh.items() if key not in kept)
+        redo = set(np.flatnonzero(~plain).tolist()) | {orders.index(key[0]) for key in kept}
+        for k in sorted(redo):
             at = slice(bounds[k], bounds[k + 1])
-            if flags[k] & (UNKNOWN | NAN | INF) or is_inf_norm(self.norm_type):
-                value = self.norm_of(rows[at])
-            else:
-                key = (order, dedupe and self.entries.replicated)
-                total = self._sums.setdefault(key, sums[k])
-                value = (
-                    norm_from_total(total, self.norm_type)
-                    if math.isfinite(total)
-                    else norm_of_terms(terms[at], self.norm_type)
-                )
-            found.append((at.stop - at.start, value))
+            if not clean[k]:
+                found[k] = self.norm_of(rows[at])
+                continue
+            total = self._sums[(orders[k], dedupe)]
+            found[k] = norm_from_total(total, p) if math.isfinite(total) else norm_of_terms(terms[at], p)
         return found
 
     def num_layouts(self, ranks: Sequence[int]) -> int:
@@ -247,6 +298,17 @@ class NormSet:
         if key not in self._sums:
             self._sums[key] = safe_fsum(self.entries.term[rows])
         return self._sums[key]
+
+
+def _small_sums(terms: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per segment of `terms` (from each start to the next): the sum of a segment of one or two
+    values, as one float64 addition (correctly rounded: math.fsum's sum); nan where that does not
+    stand for math.fsum's (more values, a nonfinite or zero sum: its sign) and where it overflows."""
+    ends = np.append(starts[1:], terms.size)
+    first = terms[starts]
+    second = np.where(ends - starts == 2, terms[np.minimum(starts + 1, terms.size - 1)], 0.0)
+    total = first + second
+    return np.where((ends - starts <= 2) & np.isfinite(total) & (total != 0), total, np.nan)
 
 
 def cover_norm(table: StepTable, at: np.ndarray, kind: KindColumns, norm_type: float) -> float | None:

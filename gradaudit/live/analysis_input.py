@@ -173,8 +173,9 @@ class _Gathered(NamedTuple):
 def _gathered(live: LiveStep) -> _Gathered:
     import numpy as np
 
-    layouts = _layouts(live)
-    by_rank, p = _held(live, layouts), live.norm_type
+    classes = _classes(live)
+    layouts = _layouts(classes)
+    by_rank, p = _held(live, classes, layouts), live.norm_type
     held = [h for own in by_rank.values() for h in own]
     bounds, at = {}, 0
     for rank, own in by_rank.items():
@@ -184,9 +185,9 @@ def _gathered(live: LiveStep) -> _Gathered:
         held=held,
         bounds=bounds,
         layouts=layouts,
-        grad=np.array([_sums(h.term, p) for h in held], dtype=np.float64).reshape(-1, 3),
+        grad=_sum_columns([h.term for h in held], p),
         counts=np.array([(h.num_nan, h.num_inf, 0) for h in held], dtype=np.int64).reshape(-1, 3),
-        clipped=np.array([_sums(c or 0.0, p) for c in clipped], dtype=np.float64).reshape(-1, 3),
+        clipped=_sum_columns([c or 0.0 for c in clipped], p),
         has_clipped=np.array([c is not None for c in clipped], dtype=bool),
         coords=np.array([(h.position, h.position + 1) for h in held], dtype=np.int64).reshape(-1, 2),
         clips=_clip_records(live),
@@ -201,17 +202,32 @@ def _sums(term: float, norm_type: float) -> tuple[float, float, float]:
     return term, magnitude * magnitude, magnitude
 
 
-def _held(live: LiveStep, layouts: list[dict[tuple[int, ...], int]]) -> dict[int, list[_Held]]:
+def _sum_columns(terms: list[float], norm_type: float) -> np.ndarray:
+    """[n, 3]: `_sums` of each term, the same numbers (the root of each taken as `_sums` takes it)."""
+    import numpy as np
+
+    term = np.array(terms, dtype=np.float64).reshape(-1)
+    if math.isinf(norm_type):
+        magnitude = term
+    else:
+        root = 1.0 / norm_type
+        magnitude = np.array([t**root if t > 0 else 0.0 for t in terms], dtype=np.float64).reshape(-1)
+    return np.stack((term, magnitude * magnitude, magnitude), axis=1)
+
+
+def _held(
+    live: LiveStep, classes: list[dict[int, tuple[int, ...]]], layouts: list[dict[tuple[int, ...], int]]
+) -> dict[int, list[_Held]]:
     """Rank -> every group it holds, in group order; the ranks in order."""
-    p = live.norm_type
-    groups = list(enumerate(live.groups))
+    p, inf = live.norm_type, math.isinf(live.norm_type)
+    groups = range(len(live.groups))
     by_rank: dict[int, list[_Held]] = {}
     for rank, summary in sorted(live.ranks.items()):
         coef, found = summary.applied_coef, by_rank.setdefault(rank, [])
         scales = coef is not None and math.isfinite(coef)
         calls = () if len(summary.calls) < 2 else summary.calls
         num_nans, num_infs, terms, held = summary.num_nan, summary.num_inf, summary.terms, summary.held
-        for i, group in groups:
+        for i in groups:
             if not held[i]:
                 continue
             num_nan = num_nans[i] if num_nans else 0
@@ -220,13 +236,13 @@ def _held(live: LiveStep, layouts: list[dict[tuple[int, ...], int]]) -> dict[int
             clipped = None
             if scales and not (num_nan or num_inf):
                 assert coef is not None
-                clipped = term * abs(coef) ** p if not math.isinf(p) else term * abs(coef)
+                clipped = term * abs(coef) ** p if not inf else term * abs(coef)
             call_terms = (
                 tuple(c.terms[i] if c.terms and math.isfinite(c.terms[i]) else 0.0 for c in calls)
                 if calls
                 else ()
             )
-            position = layouts[i][_class_of(live, group, summary)]
+            position = layouts[i][classes[i][rank]]
             found.append(_Held(rank, i, position, term, num_nan, num_inf, clipped, call_terms))
     return by_rank
 
@@ -563,13 +579,17 @@ def _class_of(live: LiveStep, group: OwnershipGroup, summary: RankSummary) -> tu
     return members if members else (summary.rank,)
 
 
-def _layouts(live: LiveStep) -> list[dict[tuple[int, ...], int]]:
+def _classes(live: LiveStep) -> list[dict[int, tuple[int, ...]]]:
+    """Per group: each rank holding it -> its replica class (see `_class_of`)."""
+    return [
+        {rank: _class_of(live, group, s) for rank, s in live.ranks.items() if s.held[i]}
+        for i, group in enumerate(live.groups)
+    ]
+
+
+def _layouts(classes: list[dict[int, tuple[int, ...]]]) -> list[dict[tuple[int, ...], int]]:
     """Per group: each replica class -> its element in the group's one-dimensional parameter."""
-    found = []
-    for i, group in enumerate(live.groups):
-        classes = {_class_of(live, group, s) for s in live.ranks.values() if s.held[i]}
-        found.append({members: n for n, members in enumerate(sorted(classes))})
-    return found
+    return [{members: n for n, members in enumerate(sorted(set(of.values())))} for of in classes]
 
 
 def _one_element(term: float, norm_type: float, *, num_nan: int = 0, num_inf: int = 0) -> TensorStats:

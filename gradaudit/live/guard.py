@@ -24,7 +24,7 @@ from ..model import Topology
 from ..version import __version__
 from . import wire
 from .agreement import Agreement, agree
-from .analysis_input import SHARDED, LiveStep, RankSummary, rank_dumps, report_of
+from .analysis_input import SHARDED, LiveStep, rank_dumps, report_of
 from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
 from .replicas import ReplicaFault, replica_faults
@@ -955,12 +955,7 @@ class Guard:
         )
 
     def live_step(self, step: int, rows: Any) -> LiveStep:
-        ranks: dict[int, RankSummary] = {
-            rank: self.layout.unpack(
-                rows[rank], rank=rank, held=self._held[rank], topology=self._topologies[rank]
-            )
-            for rank in range(self.world_size)
-        }
+        ranks = self.layout.unpack_rows(rows[: self.world_size], held=self._held, topologies=self._topologies)
         return LiveStep(
             step=step,
             world_size=self.world_size,

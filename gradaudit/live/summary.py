@@ -111,6 +111,93 @@ class VectorLayout:
             topology=topology,
         )
 
+    def unpack_rows(
+        self, rows: np.ndarray, *, held: Sequence[tuple[bool, ...]], topologies: Sequence[Topology]
+    ) -> dict[int, RankSummary]:
+        """Every rank's summary from the gathered matrix (every status OK; rank k's row k): what
+        `unpack` gives for each row, read a column at a time (a failing step unpacks every rank's)."""
+        import numpy as np
+
+        rows = np.asarray(rows, dtype=np.float64)
+        g, h, n = self.num_groups, HEADER, rows.shape[0]
+        counted = rows[:, [1, *range(h + g, h + 3 * g)]]
+        if not (np.abs(counted) < 2.0**53).all():  # a count `unpack` raises on or reads otherwise
+            return {
+                rank: self.unpack(rows[rank], rank=rank, held=held[rank], topology=topologies[rank])
+                for rank in range(n)
+            }
+        num_calls = rows[:, 1].astype(np.int64).tolist()
+        slots = [self._calls_at(rows, k) for k in range(min(max(num_calls, default=0), self.max_calls))]
+        calls = [
+            tuple(slot[r] for slot in slots[: max(0, min(c, self.max_calls))])
+            for r, c in enumerate(num_calls)
+        ]
+        dtype = rows[:, 6]
+        return {
+            rank: RankSummary(
+                rank=rank,
+                terms=terms,
+                held=held[rank],
+                num_nan=num_nan,
+                num_inf=num_inf,
+                applied_coef=applied_coef,
+                loss_scale=loss_scale,
+                unscaled=unscaled,
+                skipped=skipped,
+                grad_dtype=grad_dtype,
+                calls=calls[rank],
+                num_calls=num_calls[rank],
+                topology=topologies[rank],
+            )
+            for rank, terms, num_nan, num_inf, applied_coef, loss_scale, unscaled, skipped, grad_dtype in zip(
+                range(n),
+                _tuples(rows[:, h : h + g]),
+                _tuples(rows[:, h + g : h + 2 * g].astype(np.int64)),
+                _tuples(rows[:, h + 2 * g : h + 3 * g].astype(np.int64)),
+                _numbers(rows[:, 2]),
+                _numbers(rows[:, 3]),
+                _flags(rows[:, 4]),
+                _flags(rows[:, 5]),
+                [None] * n
+                if np.isnan(dtype).all()
+                else [None if math.isnan(x) else GRAD_DTYPES[int(x)] for x in dtype.tolist()],
+                strict=True,
+            )
+        }
+
+    def _calls_at(self, rows: np.ndarray, call: int) -> list[CallSummary]:
+        """Every rank's CallSummary of its call slot `call` (read only where the rank made that call)."""
+        at, g = self.call_offset(call), self.num_groups
+        return [
+            CallSummary(
+                reported_norm=reported, max_norm=max_norm, norm_type=norm_type, coef=coef, terms=terms
+            )
+            for reported, max_norm, norm_type, coef, terms in zip(
+                *(_numbers(rows[:, at + i]) for i in range(4)),
+                _tuples(rows[:, at + 4 : at + 4 + g]),
+                strict=True,
+            )
+        ]
+
+
+def _tuples(block: np.ndarray) -> list[tuple[Any, ...]]:
+    """Each row of a [n, k] block as a tuple of Python numbers."""
+    if not block.shape[1]:
+        none: list[tuple[Any, ...]] = [()] * block.shape[0]
+        return none
+    return list(zip(*(block[:, i].tolist() for i in range(block.shape[1])), strict=True))
+
+
+def _numbers(column: np.ndarray) -> list[float | None]:
+    """`_number` of each value."""
+    values = column.tolist()
+    return [None if math.isnan(v) else v for v in values] if (column != column).any() else values
+
+
+def _flags(column: np.ndarray) -> list[bool | None]:
+    """`_flag` of each value."""
+    return [None if math.isnan(v) else bool(v) for v in column.tolist()]
+
 
 def _number(value: float) -> float | None:
     return None if math.isnan(value) else float(value)

@@ -180,3 +180,33 @@ def test_whatever_the_sum_settles_the_full_diagnosis_passes_with_the_same_number
     assert fast.reported_norm == line.reported_norm
     assert fast.expected_coef == pytest.approx(line.expected_coef, rel=1e-12)
     assert fast.min_coef <= line.min_coef * (1 + 1e-12) and line.max_coef <= fast.max_coef * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    num_groups=st.integers(0, 3),
+    nan_chance=st.sampled_from([0.0, 0.3, 1.0]),
+)
+def test_every_rank_unpacked_at_once_is_each_row_unpacked(seed, num_groups, nan_chance):
+    """unpack_rows (the gathered matrix a column at a time) gives what unpack gives row by row: the
+    numbers, the None of a nan, the calls each rank made (none, some, more than MAX_CALLS)."""
+    rng = np.random.default_rng(seed)
+    layout = VectorLayout(num_groups=num_groups)
+    world = 7
+    rows = rng.uniform(-2.0, 2.0, (world, layout.size))
+    rows[rng.random(rows.shape) < nan_chance] = math.nan
+    rows[:, 1] = rng.integers(-1, layout.max_calls + 3, world)  # clip calls
+    counts = slice(10 + num_groups, 10 + 3 * num_groups)
+    rows[:, counts] = rng.integers(0, 5, (world, 2 * num_groups))
+    rows[:, 4:6] = np.where(np.isnan(rows[:, 4:6]), math.nan, rng.integers(0, 2, (world, 2)))
+    rows[:, 6] = np.where(np.isnan(rows[:, 6]), math.nan, rng.integers(0, 3, world))
+    held = [tuple(bool(x) for x in rng.integers(0, 2, num_groups)) for _ in range(world)]
+    topologies = [Topology(groups={"g": ((r, (r + 1) % world),)}) for r in range(world)]
+    expected = {
+        rank: layout.unpack(rows[rank], rank=rank, held=held[rank], topology=topologies[rank])
+        for rank in range(world)
+    }
+    found = layout.unpack_rows(rows, held=held, topologies=topologies)
+    assert repr(found) == repr(expected)  # repr: a nan term is not equal to itself
+    assert any(s.calls for s in expected.values()) or (rows[:, 1] <= 0).all()
