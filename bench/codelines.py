@@ -49,8 +49,11 @@ STAGES = (
     Stage(name="dumpfile", members=("dumpfile",), budget=2800),
     Stage(name="measure", members=("measure",), budget=1200),
     Stage(name="analysis", members=("analysis",), budget=1993),
-    Stage(name="checks+report", members=("checks", "report"), budget=2474),
-    Stage(name="render", members=("render",), budget=1602),
+    # checks+report and render: +120 each for the spike's per-parameter shares and the guard dumps'
+    # exact replica rule; live: +1,100 for the guard's one sum a step (fastpath, reading), the replica
+    # and weight checks and the spike's exchange and dump (the features of those issues, not repetition)
+    Stage(name="checks+report", members=("checks", "report"), budget=2594),
+    Stage(name="render", members=("render",), budget=1722),
     Stage(
         name="shells",
         members=(
@@ -68,10 +71,10 @@ STAGES = (
         budget=1204,
     ),
     Stage(name="capture", members=("capture",), budget=3209),
-    Stage(name="live", members=("live",), budget=1934),
+    Stage(name="live", members=("live",), budget=3034),
     Stage(name="integrations+testing+demo", members=("integrations", "testing", "demo"), budget=2277),
 )
-PACKAGE_BUDGET = 19593
+PACKAGE_BUDGET = 20933
 
 NOT_CODE = frozenset(
     {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
