@@ -330,8 +330,13 @@ class AuditStep:
         """Add what the training code logged (values given as numbers or one-element tensors)."""
         if loss_reduction is not None and loss_reduction not in ("mean", "sum"):
             raise CaptureError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        tokens = check_tokens(tokens)
-        given = {k: v for k, v in locals().items() if k != "self"}  # every keyword above, as given
+        given = {
+            "reported_norm": reported_norm,
+            "clip_coef": clip_coef,
+            "loss": loss,
+            "tokens": check_tokens(tokens),
+            "loss_reduction": loss_reduction,
+        }
         self._logged.update({k: v for k, v in given.items() if v is not None})
 
     # -- recording ----------------------------------------------------------------------------
