@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -276,7 +278,6 @@ def _measured_by_objects(step):
     time), not through the step's column table: its parameters' measurements and the rows."""
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.kernel import ChunkKernel
-    from gradaudit.measure.measure import _compare_replicas
     from gradaudit.measure.measurements import SCALED_KINDS, dumped_gradient_scale, unscaled_stats
     from gradaudit.norms import divide_by_power
     from gradaudit.steptable import ParamMeasurement
@@ -324,10 +325,71 @@ def _measured_by_objects(step):
         params[name] = ParamMeasurement(
             param=name,
             norm_type=norm_type,
-            replica_sets=tuple(_compare_replicas(reader, copies, lookup, 1 << 16) for copies in replicated),
+            replica_sets=tuple(
+                _replica_set_by_objects(reader, copies, lookup, 1 << 16) for copies in replicated
+            ),
         )
     reader.close()
     return SimpleNamespace(norm_type=norm_type, params=params, rows=tuple(rows), names=tuple(step.params))
+
+
+def _replica_set_by_objects(reader, copies, measured, chunk):
+    """The oracle of one replica set: every copy compared with the lowest (rank, index) copy one
+    object at a time, by values when all hold gradient values, else by their stored fingerprints
+    (`measured`: (rank, index) -> (the copy's gradient statistics, its value scale))."""
+    from gradaudit.measure.measure import _differences
+    from gradaudit.steptable import ReplicaCopy, ReplicaSet
+
+    copies = sorted(copies, key=lambda c: (c[0], c[2].index))
+    base_rank, _, base = copies[0]
+    base_stats = measured[(base_rank, base.index)][0]
+    scaled = [(rank, path, piece, measured[(rank, piece.index)][1]) for rank, path, piece in copies]
+    by_values = all("grad" in piece.tensors for _, _, piece in copies)
+    if by_values:
+        compared = _differences(reader, scaled, "grad", chunk)[0]
+        results = [
+            ReplicaCopy(rank=rank, index=piece.index, max_abs_diff=diff, num_nonfinite_mismatch=mismatch)
+            for (rank, _, piece, _), (diff, mismatch) in zip(scaled[1:], compared, strict=True)
+        ]
+    else:
+        results = [
+            ReplicaCopy(
+                rank=rank,
+                index=piece.index,
+                fingerprint_delta=_fingerprint_delta(measured[(rank, piece.index)][0], base_stats),
+            )
+            for rank, _, piece in copies[1:]
+        ]
+    param_base_max_abs = None
+    if all("param_before" in piece.tensors for _, _, piece in copies):
+        diffs, param_base_max_abs = _differences(reader, scaled, "param_before", chunk)
+        results = [replace(c, param_max_abs_diff=d) for c, (d, _) in zip(results, diffs, strict=True)]
+    return ReplicaSet(
+        param=base.param,
+        regions=base.regions,
+        dtype=base.dtype,
+        base_rank=base_rank,
+        base_index=base.index,
+        base_max_abs=0.0 if base_stats is None else base_stats.max_abs,
+        base_sum_sq=0.0 if base_stats is None else base_stats.sum_sq,
+        numel=base.numel,
+        copies=tuple(results),
+        by_values=by_values,
+        param_base_max_abs=param_base_max_abs,
+    )
+
+
+def _fingerprint_delta(stats, base):
+    """The largest difference of a copy's fingerprint, norm and largest |g| from the base copy's
+    (inf when their nonfinite counts differ); None when either has no statistics to compare."""
+    if stats is None or base is None or len(stats.fingerprint) != len(base.fingerprint):
+        return None
+    if stats.num_nonfinite != base.num_nonfinite:
+        return math.inf
+    return max(
+        [abs(a - b) for a, b in zip(stats.fingerprint, base.fingerprint, strict=True)]
+        + [abs(math.sqrt(stats.sum_sq) - math.sqrt(base.sum_sq)), abs(stats.max_abs - base.max_abs)]
+    )
 
 
 class _ObjectColumns:
