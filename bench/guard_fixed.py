@@ -11,6 +11,10 @@ its collective included; the clip and the step themselves are not in it), less o
 the same step: the one fused norm pass the guard makes, which grows with the parameters. Target:
 median <= 0.5 ms.
 
+Beside a neighbour: the world-1 run again while a 2-rank DDP job without the guard steps on the same
+machine. It shows what the second rank's processes cost the same code here (its caches and cores
+shared): on a machine with a core or two per rank, the world-2 figure reads against this one.
+
 Short step: a model whose step takes 5-20 ms on one CPU thread; steps paused and checked alternate in
 a shuffled order (the same on every rank); target: median checked / median paused <= 1.05.
 """
@@ -140,6 +144,42 @@ def _worker(rank: int, world_size: int, port: int, name: str, config: dict, resu
         dist.destroy_process_group()
 
 
+def _neighbour(rank: int, port: int, stop: Any) -> None:
+    """A 2-rank DDP training loop without the guard, stepping until `stop` is set."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(_layers(16, 8))
+    x = torch.randn(4, 8)
+    stopping = torch.zeros(1)
+    while not stopping.item():  # both ranks stop after the same step
+        model.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        stopping.fill_(float(stop.is_set()))
+        dist.all_reduce(stopping)
+    dist.destroy_process_group()
+
+
+def _beside_neighbour(config: dict) -> dict:
+    """`_run("fixed", 1, config)` while `_neighbour` runs on two other processes."""
+    context = mp.get_context("spawn")
+    stop = context.Event()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    neighbours = [context.Process(target=_neighbour, args=(rank, port, stop)) for rank in range(2)]
+    for process in neighbours:
+        process.start()
+    try:
+        time.sleep(3.0)  # both neighbours stepping
+        return _run("fixed", 1, config)
+    finally:
+        stop.set()
+        for process in neighbours:
+            process.join()
+
+
 def _run(name: str, world_size: int, config: dict) -> dict:
     if world_size == 1:
         return {0: (_fixed if name == "fixed" else _short)(0, 1, config)}
@@ -157,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     steps, rounds, batch = (20, 2, 64) if args.tiny else (200, 25, 512)
     for tensors in (16, 1000):
-        for world_size in (1, 2):
-            results = _run("fixed", world_size, {"tensors": tensors, "steps": steps})
+        for world_size in (1, 2, "1 beside a 2-rank neighbour"):
+            config = {"tensors": tensors, "steps": steps}
+            if isinstance(world_size, str):
+                results = _beside_neighbour(config)
+            else:
+                results = _run("fixed", world_size, config)
             for rank, r in sorted(results.items()):
                 extra = [o - f for o, f in zip(r["own"], r["fused"], strict=True)]
                 fixed, fused = statistics.median(extra), statistics.median(r["fused"])
