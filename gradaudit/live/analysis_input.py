@@ -25,7 +25,6 @@ from ..model import (
     ColumnarPieces,
     FlatRange,
     ParamInfo,
-    Piece,
     PieceExtras,
     RankDump,
     StepDump,
@@ -247,35 +246,15 @@ def _held(
     return by_rank
 
 
-def _piece(live: LiveStep, h: _Held, index: int) -> Piece:
-    """The piece of the guard's dump that one ownership group on one rank amounts to: one element
-    whose magnitude is the group's norm, at its replica class's position."""
-    group, p = live.groups[h.group], live.norm_type
-    stats: dict[TensorKind, TensorStats] = {
-        "grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)
-    }
-    if h.clipped is not None:
-        stats["grad_clipped"] = _one_element(h.clipped, p)
-    return Piece(
-        index=index,
-        param=group.param,
-        regions=(FlatRange(start=h.position, stop=h.position + 1),),
-        local_shape=(1,),
-        dtype=live.ranks[h.rank].grad_dtype or group.dtype,
-        replica_group=group.replica_group,
-        stats=stats,
-        call_stats=tuple(_one_element(term, p) for term in h.calls),
-    )
-
-
 def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
     return _rank_dumps(live, _gathered(live))
 
 
 def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
-    """Each rank's dump, its pieces' columns sliced from the gathered ones: what `as_columns` makes
-    of the pieces `_piece` builds (the test's oracle), with no Piece object built."""
+    """Each rank's dump, its pieces' columns sliced from the gathered ones (one element per group the
+    rank holds, whose magnitude is the group's norm, at its replica class's position), with no Piece
+    object built."""
     params = tuple(
         ParamInfo(name=group.param, global_shape=(len(g.layouts[i]),), dtype=group.dtype)
         for i, group in enumerate(live.groups)

@@ -235,11 +235,11 @@ class Guard:
         self._first_norms: Any = None
         """The per-piece norms of the step's gradients before its first clip call (see LocalSummary)."""
         self._nonfinite_in: list[str] = []
+        """Of the step being judged: the parameters (and ranks) nonfinite before its first clip call."""
         self._faults: tuple[ReplicaFault, ...] = ()
         """Of the step being judged: the copies of replicated groups that differ from their replicas'."""
         self._faulty: dict[int, list[int]] = {}
         """Rank -> the steps its copy differed from its replicas' (see _fault_text)."""
-        """Of the step being judged: the parameters (and ranks) nonfinite before its first clip call."""
         self._said_of: dict[int, tuple[tuple[str, ...], Any]] = {}
         """Per step sent and not judged yet: its clip calls' sites and its per-piece norms before the
         first clip call (on the device)."""

@@ -23,8 +23,6 @@ MAX_LINE_BYTES = 1 << 16
 """A trend line is a few hundred bytes; a longer one is damage, and is not read into memory."""
 _CHUNK_BYTES = 1 << 20
 _DECODER = json.JSONDecoder()
-BAR_WIDTH = 40
-SHOWN_STEPS = 12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +198,7 @@ class Trend:
             before = self.cut_short - 1 - self.num_unread
             notes.append(
                 f"{name}: its last line ({self.cut_short}) is cut short (the guard was stopped while "
-                f"writing it); read the {before} line{_s(before)} before it"
+                f"writing it); read the {before} line{'' if before == 1 else 's'} before it"
             )
         return tuple(notes)
 
@@ -339,74 +337,6 @@ def _damaged(path: Path, number: int, problem: str) -> StepFolderError:
     return StepFolderError(
         f"{path}:{number}: {problem}; the guard's trend file is damaged: remove the line or the file"
     )
-
-
-def trend_text(trend: Trend) -> str:
-    """Plain text: what was not read, the failing steps first, then true vs reported norm of the
-    last checked steps."""
-    lines = trend.lines
-    out = []
-    failing = [line for line in lines if not line.ok]
-    read = f"the newest {len(lines)}" if trend.num_unread else f"{len(lines)}"
-    out.append(f"guard trend: {read} checked step{_s(len(lines))}, {len(failing)} with wrong clipping")
-    out.extend(f"  warning: {note}" for note in trend.notes)
-    out.extend(
-        f"  step {line.step}: {', '.join(line.codes)}{_numbers(line)}" for line in failing[:SHOWN_STEPS]
-    )
-    if len(failing) > SHOWN_STEPS:
-        out.append(f"  (and {len(failing) - SHOWN_STEPS} more failing steps)")
-    shown = lines[-SHOWN_STEPS:]
-    top = max(
-        (
-            v
-            for line in shown
-            for v in (line.true_norm, line.reported_norm)
-            if v is not None and math.isfinite(v)
-        ),
-        default=0.0,
-    )
-    if shown and top > 0:
-        out.append("  true (#) vs reported (|) norm, last checked steps:")
-        out.extend(
-            f"  {line.step:>8} {_bar(line.true_norm, line.reported_norm, top)} {_pair(line)}"
-            for line in shown
-        )
-    return "\n".join(out)
-
-
-def _s(count: int) -> str:
-    return "" if count == 1 else "s"
-
-
-def _bar(true: float | None, reported: float | None, top: float) -> str:
-    cells = [" "] * BAR_WIDTH
-    for value, mark in ((true, "#"), (reported, "|")):
-        if value is None or not math.isfinite(value):
-            continue
-        filled = min(BAR_WIDTH, round(BAR_WIDTH * value / top))
-        if mark == "#":
-            cells[:filled] = ["#"] * filled
-        elif filled > 0:
-            cells[filled - 1] = "|"
-    return "".join(cells)
-
-
-def _pair(line: TrendLine) -> str:
-    mark = "  skipped by the scaler" if line.skipped else "" if line.ok else "  " + ",".join(line.codes)
-    spike = "  spike" if line.spike else ""
-    return f"{_fmt(line.true_norm)} / {_fmt(line.reported_norm)}{mark}{spike}"
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6g}"
-
-
-def _numbers(line: TrendLine) -> str:
-    parts = [f"true norm {_fmt(line.true_norm)}", f"reported {_fmt(line.reported_norm)}"]
-    if line.coef_spread is not None:
-        by = f" applied{by_last_call(line)}" if line.clip_calls > 1 else ""
-        parts.append(f"coefficients{by} {_fmt(line.min_coef)}..{_fmt(line.max_coef)}")
-    return " (" + ", ".join(parts) + ")"
 
 
 def by_last_call(line: TrendLine) -> str:

@@ -25,7 +25,7 @@ from gradaudit.live.analysis_input import (
     report_of,
     step_dump,
 )
-from gradaudit.live.trend import TREND_FILE, Trend, TrendLine, read_trend, trend_text
+from gradaudit.live.trend import TREND_FILE, Trend, TrendLine, read_trend
 from gradaudit.model import Topology
 from live.trends import skipped_line, write_trend
 
@@ -125,40 +125,44 @@ def _line(step, codes=(), true=1.2, reported=1.2):
     )
 
 
-def test_the_trend_reads_back_and_lists_the_failing_steps_first(tmp_path):
+def test_the_trend_reads_back_and_lists_the_failing_steps_first(tmp_path, cli):
     lines = [_line(1), _line(2, ("GA201",), reported=0.7), _line(3, reported=math.inf)]
     folder = write_trend(tmp_path, lines)
     trend = read_trend(folder / TREND_FILE)
     assert trend == Trend(path=str(folder / TREND_FILE), lines=tuple(lines))
-    text = trend_text(trend)
-    assert text.splitlines()[0] == "guard trend: 3 checked steps, 1 with wrong clipping"
-    assert text.splitlines()[1].startswith("  step 2: GA201")
+    _, out, _ = cli("check", str(folder))
+    assert out.splitlines()[0] == "guard trend: 3 checked steps, 1 with wrong clipping"
+    assert out.splitlines()[1].startswith("  step 2: GA201")
 
 
 def test_a_step_clipped_twice_keeps_its_clip_calls_in_the_trend_and_names_the_last_as_the_coefficients(
-    tmp_path,
+    tmp_path, cli
 ):
     twice = replace(_line(2, ("GA501",), true=71.0, reported=71.0), min_coef=0.5, clip_calls=2)
     lines = [_line(1), twice]
-    trend = read_trend(write_trend(tmp_path, lines) / TREND_FILE)
-    assert trend.lines == tuple(lines)
+    folder = write_trend(tmp_path, lines)
+    assert read_trend(folder / TREND_FILE).lines == tuple(lines)
     assert "clip_calls" not in _line(1).to_json() and twice.to_json()["clip_calls"] == 2  # once: as before
-    (failing,) = [row for row in trend_text(trend).splitlines() if row.startswith("  step 2:")]
-    assert failing.endswith(
+    _, out, _ = cli("check", str(folder))
+    assert (
         "(true norm 71, reported 71, coefficients applied by the last of 2 clip calls 0.5..0.8)"
+        in " ".join(out.split())
     )
 
 
-def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_path):
+def test_a_step_the_scaler_skipped_reads_back_as_skipped_and_not_failing(tmp_path, cli):
     skipped = skipped_line(2)
     lines = [_line(1), skipped, _line(3)]
-    trend = read_trend(write_trend(tmp_path, lines) / TREND_FILE)
-    assert trend.lines == tuple(lines)
+    folder = write_trend(tmp_path, lines)
+    assert read_trend(folder / TREND_FILE).lines == tuple(lines)
     assert skipped.to_json()["verdict"] == "skipped"
-    text = trend_text(trend)
-    assert text.splitlines()[0] == "guard trend: 3 checked steps, 0 with wrong clipping"
+    code, out, _ = cli("check", str(folder))
+    assert code == 0
+    assert (
+        out.splitlines()[0] == "guard trend: 3 checked steps, 0 with wrong clipping, 1 skipped by the scaler"
+    )
     assert any(
-        row.strip().startswith("2 ") and row.endswith("skipped by the scaler") for row in text.splitlines()
+        row.strip().startswith("2 ") and row.endswith("skipped by the scaler") for row in out.splitlines()
     )
 
 
@@ -228,13 +232,35 @@ def _random_live_step(seed):
     return LiveStep(step=3, world_size=4, max_norm=MAX_NORM, norm_type=norm_type, groups=groups, ranks=ranks)
 
 
+def _piece(live, h, index):
+    """The oracle: the piece of the guard's dump that one ownership group on one rank amounts to, one
+    element whose magnitude is the group's norm, at its replica class's position."""
+    from gradaudit.live.analysis_input import _one_element
+    from gradaudit.model import FlatRange, Piece
+
+    group, p = live.groups[h.group], live.norm_type
+    stats = {"grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)}
+    if h.clipped is not None:
+        stats["grad_clipped"] = _one_element(h.clipped, p)
+    return Piece(
+        index=index,
+        param=group.param,
+        regions=(FlatRange(start=h.position, stop=h.position + 1),),
+        local_shape=(1,),
+        dtype=live.ranks[h.rank].grad_dtype or group.dtype,
+        replica_group=group.replica_group,
+        stats=stats,
+        call_stats=tuple(_one_element(term, p) for term in h.calls),
+    )
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_guard_dumps_pieces_are_those_of_its_groups_built_one_by_one(seed):
     """rank_dumps slices every rank's columns from the gathered ones; they equal `as_columns` of the
     pieces built one at a time (the row form), extras included (dtypes, absent kinds, call stats)."""
     import dataclasses
 
-    from gradaudit.live.analysis_input import _gathered, _piece
+    from gradaudit.live.analysis_input import _gathered
     from gradaudit.model import as_columns
 
     live = _random_live_step(seed)
