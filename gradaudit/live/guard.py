@@ -1160,6 +1160,18 @@ class Guard:
             if self._weights_agreed_at is not None
             else "no earlier weight check agreed"
         )
+        since = self._weights_agreed_at if self._weights_agreed_at is not None else -1
+        holders = set(fault.ranks) | set(fault.agreeing)
+        skipped = [
+            (s, ranks) for s, ranks in self.skipped_steps if since < s <= step and holders & set(ranks)
+        ]
+        if skipped:  # named when it happened: the weights differ since, with no fault of a device
+            said = "; ".join(f"rank(s) {list(ranks)} skipped optimizer step {s}" for s, ranks in skipped)
+            return (
+                f"the weights of ranks {compact_ranks(sorted(holders))} over group {fault.group!r} differ after "
+                f"the optimizer step ({agreed}) since {said}, as the guard said then: restore the replicas' "
+                "weights from one rank or the last checkpoint"
+            )
         if not fault.agreeing:
             return (
                 f"the weights of ranks {compact_ranks(fault.ranks)} over group {fault.group!r} differ after the "

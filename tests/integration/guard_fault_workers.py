@@ -191,8 +191,9 @@ def _fault_around_step(fault, rank, fault_rank, step, out_dir):
 
 
 def faults(rank: int, world_size: int, out_root: str, stack: str, names: tuple[str, ...]) -> dict:
-    """The run without the guard (with and without a skipped step), then the guard's runs: unfaulted,
-    then one per fault in `names`; each in its own folder under out_root."""
+    """The run without the guard (with and without a skipped step), then the guard's runs: under DDP a
+    skipped step whose weights a weight check compares, unfaulted, then one per fault in `names`;
+    each in its own folder under out_root."""
     results = {
         "unguarded": _train(rank, world_size, stack, os.path.join(out_root, "unguarded"), guarded=False),
         "unguarded_skip": _train(
@@ -204,6 +205,16 @@ def faults(rank: int, world_size: int, out_root: str, stack: str, names: tuple[s
             fault="skipped_step",
         ),
     }
+    if stack == "ddp":  # replicated weights, compared after the skipped step (weights_every=2: at step 4)
+        results["skipped_step_weighed"] = _train(
+            rank,
+            world_size,
+            stack,
+            os.path.join(out_root, "skipped_step_weighed"),
+            guarded=True,
+            fault="skipped_step",
+            guard_options={"weights_every": 2},
+        )
     for name in ("clean", *names):
         out_dir = os.path.join(out_root, name)
         os.makedirs(out_dir, exist_ok=True)

@@ -112,6 +112,24 @@ def test_what_the_guard_says_of_each_fault(runs):
         ]
 
 
+def test_replica_weights_that_differ_after_a_skipped_step_are_said_to_differ_for_that_reason(runs):
+    stack, _, results = runs
+    if stack != "ddp":
+        pytest.skip("FSDP2 over 2 ranks holds no replicated weights")
+    for result in results:
+        run = result["skipped_step_weighed"]
+        assert run["digest"] == result["unguarded_skip"]["digest"]
+        # the first weight check after the skip, and each later one: the weights stay apart
+        assert next(s for s, c in run["anomalies"] if "GA605" in c) == 4, run["anomalies"]
+    found = [w for w in results[0]["skipped_step_weighed"]["warnings"] if "GA605 the weights" in w]
+    assert found and all(
+        "GA605 the weights of ranks 0-1 over group 'world' differ" in w
+        and "since rank(s) [1] skipped optimizer step 3, as the guard said then" in w
+        and "rank-local fault" not in w
+        for w in found
+    ), found
+
+
 def test_sigterm_while_a_rank_writes_a_dump_passes_through_and_leaves_no_partial_file(tmp_path):
     outcomes = launch(
         workers.terminated_while_dumping, WORLD_SIZE, (str(tmp_path),), timeout_s=120, start_method="spawn"
