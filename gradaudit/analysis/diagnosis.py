@@ -656,14 +656,9 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
             bounded = None
             if true_norm is None and lower_bound is not None:
                 bounded = _BoundedMatcher(step, rank, norms, lower_bound, rtol)
+            more = functools.partial(further.for_rank, rank, true_norm)
             candidates, reported_match, implied_match = _match_both(
-                reported,
-                implied,
-                candidates,
-                rtol,
-                bounded,
-                functools.partial(further.for_rank, rank, true_norm),
-                memo,
+                reported, implied, candidates, rtol, bounded, more, memo
             )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
@@ -752,22 +747,18 @@ class _FurtherCandidates:
     ) -> tuple[Candidate, ...]:
         """The further candidates for this rank's observed numbers (the reported norm, the implied one)."""
         groups, per_group = self._param_groups
-        norm_type = self.terms.norm_type
+        step, norms, norm_type = self.step, self.norms, self.terms.norm_type
         extras = []
         if groups and true_norm is not None:
             norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
-            extras += group_candidates(self.step, rank, groups, norm_of, norm_type)
-        clip = self.step.ranks[rank].clip
+            extras += group_candidates(step, rank, groups, norm_of, norm_type)
+        clip = step.ranks[rank].clip
         if clip is not None and len(clip.calls) > 1:
             extras += per_param_group_candidates(
                 [call.reported_norm for call in clip.calls], self.first_call_norm, norm_type, self.max_norm
             )
-        extras += averaged_candidates(
-            self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
-        )
-        extras += every_copy_candidates(
-            self.step, rank, _norm_fn(self.norms), norm_type, self.shared.holds_everything
-        )
+        extras += averaged_candidates(step, rank, lambda r: norms.norm((r,), False)[0], self._averaged)
+        extras += every_copy_candidates(step, rank, _norm_fn(norms), norm_type, self.shared.holds_everything)
         # after the whole-step accountings: one parameter counted twice is the narrower explanation
         extras += listed_twice_candidates(
             observed, true_norm, norm_type, self.max_norm, self._params, self.rtol

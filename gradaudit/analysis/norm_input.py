@@ -185,11 +185,8 @@ class NormSet:
                 kept = first[inside[of_set[first]]]
                 renumbered = np.cumsum(inside) - 1
                 sub = [orders[k] for k in repeated.tolist()]
-                for k, value in zip(
-                    repeated.tolist(),
-                    self._primed(sub, rows[kept], renumbered[of_set[kept]], True),
-                    strict=True,
-                ):
+                values = self._primed(sub, rows[kept], renumbered[of_set[kept]], True)
+                for k, value in zip(repeated.tolist(), values, strict=True):
                     once[k] = value
             for order, k in zip(orders, (n_once == n).tolist(), strict=True):
                 if k and (order, False) in self._sums:
@@ -213,11 +210,10 @@ class NormSet:
         totals = _small_sums(terms, starts)
         summed = np.isnan(totals)
         if summed.any():
-            inside = np.repeat(summed, np.diff(bounds))
-            exact, _ = segment_fsums(
-                terms[inside],
-                (np.cumsum(summed * np.diff(bounds)) - summed * np.diff(bounds))[summed].tolist(),
-            )
+            sizes = np.diff(bounds)
+            lengths = summed * sizes  # of the segments summed exactly, 0 for the others
+            inside = np.repeat(summed, sizes)
+            exact, _ = segment_fsums(terms[inside], (np.cumsum(lengths) - lengths)[summed].tolist())
             totals[summed] = exact
         sums = totals.tolist()
         plain = (flags & (UNKNOWN | NAN | INF) == 0) & np.isfinite(totals)
