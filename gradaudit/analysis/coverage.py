@@ -102,7 +102,7 @@ def coverage_by_param(step: StepDump) -> dict[str, ParamCoverage]:
             )
             continue
         if name not in flat:  # held by no rank: all of it is a gap (most of a table listing 10^6)
-            found[name] = ParamCoverage(info, _all_gap(info), unheld, unheld)
+            found[name] = ParamCoverage(info, _disjoint(info.numel), unheld, unheld)
             continue
         fast = _flat_param_coverage(info, flat[name], holders)
         if fast is not None:
@@ -145,10 +145,9 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
         first = rows[:, 2]  # a box has at least two coordinates too: both reads stay inside
         flat = rows[:, 3] == 0
         flat[list(pieces.extras.regions)] = False  # not one region
-        if coords.size == 2 * first.size and flat.all():  # laid out piece after piece: start, stop, ...
-            columns.append((ids.of(pieces), coords[0::2], coords[1::2], flat, rank))
-        else:
-            columns.append((ids.of(pieces), coords[first], coords[first + 1], flat, rank))
+        laid_out = coords.size == 2 * first.size and flat.all()  # piece after piece: start, stop, ...
+        start, stop = (coords[0::2], coords[1::2]) if laid_out else (coords[first], coords[first + 1])
+        columns.append((ids.of(pieces), start, stop, flat, rank))
     if not columns:
         return {}, {}, []
     held = columns[0][0]
@@ -211,11 +210,7 @@ def _uniform_flat_ranges(
     order = None
     if (start[1:] >= stop[:-1]).all():  # each rank's range after the previous rank's (FSDP): disjoint
         covered = (stop - start).sum(axis=0)
-        return (
-            {},
-            {names[p]: n for p, n in zip(held.tolist(), covered.tolist(), strict=True)},
-            ranks.tolist(),
-        )
+        return {}, {names[p]: n for p, n in zip(held.tolist(), covered.tolist(), strict=True)}, ranks.tolist()
     if (start[1:] < start[:-1]).any():  # not already by start
         order = np.argsort(start, axis=0, kind="stable")
         start, stop = np.take_along_axis(start, order, 0), np.take_along_axis(stop, order, 0)
@@ -247,10 +242,7 @@ def _pieces_by_param(
 ) -> dict[str, FlatPieces]:
     import numpy as np
 
-    param = np.concatenate([c[0] for c in columns])
-    start = np.concatenate([c[1] for c in columns])
-    stop = np.concatenate([c[2] for c in columns])
-    is_flat = np.concatenate([c[3] for c in columns])
+    param, start, stop, is_flat = (np.concatenate([c[k] for c in columns]) for k in range(4))
     ranks = np.concatenate([np.full(len(c[0]), c[4], dtype=np.int64) for c in columns])
     order = np.argsort(param, kind="stable")
     distinct, bounds = np.unique(param[order], return_index=True)
@@ -262,10 +254,6 @@ def _pieces_by_param(
             (start[chosen], stop[chosen], ranks[chosen]) if is_flat[chosen].all() else None
         )
     return found
-
-
-def _all_gap(info: ParamInfo) -> Coverage:
-    return _disjoint(info.numel)
 
 
 def _disjoint(num_gap_elements: int) -> Coverage:

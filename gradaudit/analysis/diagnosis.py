@@ -41,13 +41,7 @@ from .hypotheses import (
     overflow_candidates,
     per_param_group_candidates,
 )
-from .norm_input import (
-    Entries,
-    NormInput,
-    NormSet,
-    param_signatures,
-    shares_of_squared_norm,
-)
+from .norm_input import Entries, NormInput, NormSet, param_signatures, shares_of_squared_norm
 
 GROUP_PIECES_API = "guard"
 """The capture API whose entries are a rank's ownership groups (the guard's summary and its dump), not
@@ -144,9 +138,7 @@ class StepDiagnosis:
     @property
     def coef_upper_bound(self) -> float | None:
         """With ranks missing: the largest coefficient the lower bound on the norm allows."""
-        if self.norm_lower_bound is None or self.max_norm is None:
-            return None
-        return expected_clip_coef(self.norm_lower_bound, self.max_norm)
+        return _expected_coef(self.norm_lower_bound, self.max_norm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +195,10 @@ _Signature = tuple[frozenset[int], str]
 """A candidate's identity: the ranks whose entries it counts and how ("once": replicas once, "every":
 every copy, "per_member": the ranks' norm once per member)."""
 _Signed = tuple[_Signature, Candidate]
+_OfGroup = tuple[tuple[int, ...], tuple[_Signed, ...]]
+"""(a group's members, sorted, and its wrong-group candidates)."""
+_WithScaled = tuple[tuple[Candidate, ...], tuple[Candidate, ...]]
+"""(candidates, their loss-scaled copies)."""
 
 
 class _StepWide:
@@ -222,12 +218,9 @@ class _StepWide:
         self._num_layouts: int | None = None
         self._holds_everything: dict[int, bool] = {}
         self._topology, self._names = step.topology, tuple(step.topology.groups)
-        self._of_group: dict[tuple[str, int], tuple[tuple[int, ...], tuple[_Signed, ...]]] = {}
+        self._of_group: dict[tuple[str, int], _OfGroup] = {}
         self._scaled: dict[int, tuple[Candidate, Candidate]] = {}
-        self._distinct: bool | None = None
-        self._tails: dict[
-            tuple[tuple[str, int], ...], tuple[tuple[Candidate, ...], tuple[Candidate, ...]]
-        ] = {}
+        self._tails: dict[tuple[tuple[str, int], ...], _WithScaled] = {}
         self.first: tuple[_Signed, ...] = ()
         """The true norm's candidate, first of every rank's."""
         self.double_counted: tuple[_Signed, ...] = ()
@@ -285,7 +278,7 @@ class _StepWide:
             listed.sort(key=lambda g: (len(g[1] or ()), g[0]))
         return [(name, members) for name, members in listed if members is not None]
 
-    def of_group(self, name: str, listed: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[_Signed, ...]]:
+    def of_group(self, name: str, listed: tuple[int, ...]) -> _OfGroup:
         """(sorted members, wrong-group candidates) of group `name`'s rank list `listed` (the
         topology's own tuple); no candidates for a group not to try (see `group`)."""
         key = (name, id(listed))
@@ -293,9 +286,7 @@ class _StepWide:
             self._of_group[key] = self._group_candidates(name, listed)
         return self._of_group[key]
 
-    def _group_candidates(
-        self, name: str, listed: tuple[int, ...]
-    ) -> tuple[tuple[int, ...], tuple[_Signed, ...]]:
+    def _group_candidates(self, name: str, listed: tuple[int, ...]) -> _OfGroup:
         group, norms = self.group(listed), self._norms
         if group is None:
             return (), ()
@@ -324,31 +315,26 @@ class _StepWide:
             add("per_member", _per_member(shown, members, once, norm_type), per_member)
         return members, tuple(found)
 
+    @functools.cached_property
     def distinct_signatures(self) -> bool:
         """Whether no two candidates of any rank count the same ranks the same way, so that no rank's
         list needs deduplicating: more than one rank present, and no group list tried that is every
         present rank, one rank, or the ranks of another list."""
-        if self._distinct is None:
-            seen: set[frozenset[int]] = set()
-            self._distinct = len(self.everyone) > 1
-            for lists in self._topology.groups.values():
-                for listed in lists:
-                    group = self.group(listed)
-                    if group is None:
-                        continue
-                    members = group[1]
-                    if members == self.everyone or len(members) == 1 or members in seen:
-                        self._distinct = False
-                        return False
-                    seen.add(members)
-        return self._distinct
+        seen: set[frozenset[int]] = set()
+        for lists in self._topology.groups.values():
+            for group in filter(None, map(self.group, lists)):
+                members = group[1]
+                if members == self.everyone or len(members) == 1 or members in seen:
+                    return False
+                seen.add(members)
+        return len(self.everyone) > 1
 
-    def head(self) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+    def head(self) -> _WithScaled:
         """(the candidates every rank's list starts with, their loss-scaled copies)."""
         first = tuple(c for _, c in self.first)
         return first, tuple(self.scaled(c) for c in first) if self.loss_scale is not None else ()
 
-    def tail(self, rank: int) -> tuple[tuple[Candidate, ...], tuple[Candidate, ...]]:
+    def tail(self, rank: int) -> _WithScaled:
         """(the candidates after the rank's own: the double-counted one and its groups', their
         loss-scaled copies), built once for all ranks of the same group lists."""
         groups = self.groups_of(rank)
@@ -394,14 +380,12 @@ def _candidates(
     counting the same ranks the same way (one signature), the first only."""
     found: list[tuple[_Signature | None, Candidate]] = list(shared.first)
     own: list[Candidate] = []
-    drifted = (
+    if (
         true_norm is not None
         and rank_true is not None
         and rank_true is not true_norm
         and relative_difference(rank_true, true_norm) > 0
-    )
-    if drifted:
-        assert rank_true is not None
+    ):  # drifted replicas
         own.append(
             Candidate(
                 hypothesis=CORRECT,
@@ -415,7 +399,7 @@ def _candidates(
             Candidate(hypothesis=LOCAL_ONLY, value=local, description=f"rank {rank}'s own pieces only")
         )
         found.append(((frozenset((rank,)), "every"), own[-1]))
-    if shared.distinct_signatures():  # nothing to deduplicate: the shared parts as built once
+    if shared.distinct_signatures:  # nothing to deduplicate: the shared parts as built once
         head, tail = shared.head(), shared.tail(rank)
         if shared.loss_scale is None:
             return (*head[0], *own, *tail[0])
@@ -488,9 +472,7 @@ class _Memo:
         """_decide's answer; `coef` matters only with a candidate giving parameters different
         coefficients (`coef_range`), which no shared candidate does."""
         kept = self._kept
-        if (reported is not None and id(reported) not in kept) or (
-            implied is not None and id(implied) not in kept
-        ):
+        if any(match is not None and id(match) not in kept for match in (reported, implied)):
             return _decide(reported, implied, coef_is_one, coef, rtol)
         key = (id(reported), id(implied), coef_is_one)
         if key not in self._decisions:
@@ -554,11 +536,7 @@ def _implied_norm(coef: float | None, max_norm: float | None, rtol: float) -> fl
 
 
 def _decide(
-    reported: Match | None,
-    implied: Match | None,
-    coef_is_one: bool = False,
-    coef: float | None = None,
-    rtol: float = MIN_RTOL,
+    reported: Match | None, implied: Match | None, coef_is_one: bool, coef: float | None, rtol: float
 ) -> tuple[Hypothesis | None, bool, str]:
     """(hypothesis, logging_bug, detail) from the two matches; the applied coefficient shows what clipping used,
     unless the reported norm's accounting gives parameters different coefficients: the rank's coefficient
@@ -633,19 +611,15 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
     """The true global norm, the expected coefficient, and every present rank's diagnosis: the
     numbers from `terms` (a loaded dump's or the guard's), the clip records and topology from `step`."""
     norm_type = terms.norm_type
-    clip = step.clip
-    max_norm = None if clip is None else clip.max_norm
+    max_norm = None if step.clip is None else step.clip.max_norm
     norms = NormSet(terms.grad, norm_type)
     shared = _StepWide(step, norms)
     groups = (members for lists in step.topology.groups.values() for members in lists)
     norms.prime(itertools.chain([shared.all_ranks], ((r,) for r in shared.all_ranks), groups))
     true_norm, note, lower_bound = _true_norm(step, terms, norms.norm(shared.all_ranks, True)[0])
     post_clip = None
-    if (
-        terms.clipped is not None
-        and terms.grad.rank.size
-        and (true_norm is not None or lower_bound is not None)
-    ):
+    bounded_or_known = true_norm is not None or lower_bound is not None
+    if terms.clipped is not None and terms.grad.rank.size and bounded_or_known:
         post_clip = NormSet(terms.clipped, norm_type).norm(shared.all_ranks, True)[0]
     expected = _expected_coef(true_norm, max_norm)
     rtol = max(norm_rtol(set(terms.dtypes)), MIN_RTOL)
@@ -668,12 +642,10 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
         reported = reported_norm_of(step, rank)
         if num_calls > 1 and rank_clip is not None and rank_clip.calls[-1].reported_norm is not None:
             reported = rank_clip.calls[-1].reported_norm
-        if mixed and num_calls > 1:
-            coef, source = None, None
-        else:
-            coef, source = _applied_coef(step, rank, terms, max_norm)
+        unmatched = mixed and num_calls > 1  # the dumped gradients are of another moment
+        coef, source = (None, None) if unmatched else _applied_coef(step, rank, terms, max_norm)
         implied = _implied_norm(coef, max_norm, rtol) if source != "reported_norm" else None
-        if mixed and num_calls > 1:
+        if unmatched:
             reported_match = implied_match = None
             hypothesis, logging_bug = None, False
             detail = (
@@ -684,14 +656,9 @@ def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
             bounded = None
             if true_norm is None and lower_bound is not None:
                 bounded = _BoundedMatcher(step, rank, norms, lower_bound, rtol)
+            more = functools.partial(further.for_rank, rank, true_norm)
             candidates, reported_match, implied_match = _match_both(
-                reported,
-                implied,
-                candidates,
-                rtol,
-                bounded,
-                functools.partial(further.for_rank, rank, true_norm),
-                memo,
+                reported, implied, candidates, rtol, bounded, more, memo
             )
             coef_is_one = (
                 coef is not None and source != "reported_norm" and relative_difference(coef, 1.0) <= rtol
@@ -755,54 +722,46 @@ class _FurtherCandidates:
         self.step, self.terms, self.norms, self.shared = step, terms, norms, shared
         self.rtol, self.first_call_norm = rtol, first_call_norm
         self.max_norm = None if step.clip is None else step.clip.max_norm
-        self._groups: tuple[tuple[ParamGroup, ...], dict[str, NormSet]] | None = None
-        self._param_terms: ParamTerms | None = None
         self._averaged: dict[tuple[str, tuple[int, ...]], list[Candidate]] = {}
 
+    @functools.cached_property
     def _param_groups(self) -> tuple[tuple[ParamGroup, ...], dict[str, NormSet]]:
-        if self._groups is None:
-            import numpy as np
+        import numpy as np
 
-            terms = self.terms
-            groups = groups_of(param_signatures(terms))
-            ids = {name: i for i, name in enumerate(terms.param_names)}
-            per_group: dict[str, NormSet] = {}
-            for group in groups:
-                inside = np.zeros(len(terms.param_names), dtype=bool)
-                inside[[ids[name] for name in group.params]] = True
-                per_group[group.label] = NormSet(terms.grad.subset(inside[terms.param]), terms.norm_type)
-            self._groups = (groups, per_group)
-        return self._groups
+        terms = self.terms
+        groups = groups_of(param_signatures(terms))
+        ids = {name: i for i, name in enumerate(terms.param_names)}
+        per_group: dict[str, NormSet] = {}
+        for group in groups:
+            inside = np.zeros(len(terms.param_names), dtype=bool)
+            inside[[ids[name] for name in group.params]] = True
+            per_group[group.label] = NormSet(terms.grad.subset(inside[terms.param]), terms.norm_type)
+        return groups, per_group
 
+    @functools.cached_property
     def _params(self) -> ParamTerms:
-        if self._param_terms is None:
-            self._param_terms = _param_terms(self.step, self.terms, self.norms, self.shared.all_ranks)
-        return self._param_terms
+        return _param_terms(self.step, self.terms, self.norms, self.shared.all_ranks)
 
     def for_rank(
         self, rank: int, true_norm: float | None, observed: tuple[float | None, ...]
     ) -> tuple[Candidate, ...]:
         """The further candidates for this rank's observed numbers (the reported norm, the implied one)."""
-        groups, per_group = self._param_groups()
-        norm_type = self.terms.norm_type
+        groups, per_group = self._param_groups
+        step, norms, norm_type = self.step, self.norms, self.terms.norm_type
         extras = []
         if groups and true_norm is not None:
             norm_of = {label: _norm_fn(n) for label, n in per_group.items()}
-            extras += group_candidates(self.step, rank, groups, norm_of, norm_type)
-        clip = self.step.ranks[rank].clip
+            extras += group_candidates(step, rank, groups, norm_of, norm_type)
+        clip = step.ranks[rank].clip
         if clip is not None and len(clip.calls) > 1:
             extras += per_param_group_candidates(
                 [call.reported_norm for call in clip.calls], self.first_call_norm, norm_type, self.max_norm
             )
-        extras += averaged_candidates(
-            self.step, rank, lambda r: self.norms.norm((r,), False)[0], self._averaged
-        )
-        extras += every_copy_candidates(
-            self.step, rank, _norm_fn(self.norms), norm_type, self.shared.holds_everything
-        )
+        extras += averaged_candidates(step, rank, lambda r: norms.norm((r,), False)[0], self._averaged)
+        extras += every_copy_candidates(step, rank, _norm_fn(norms), norm_type, self.shared.holds_everything)
         # after the whole-step accountings: one parameter counted twice is the narrower explanation
         extras += listed_twice_candidates(
-            observed, true_norm, norm_type, self.max_norm, self._params(), self.rtol
+            observed, true_norm, norm_type, self.max_norm, self._params, self.rtol
         )
         extras += overflow_candidates(true_norm, norm_type, sorted(self.terms.dtypes))
         return tuple(extras)
@@ -868,12 +827,8 @@ def _moment(step: StepDump, terms: NormInput, rtol: float) -> tuple[int, tuple[C
         _call_norm(call + 1, entries, terms.norm_type, rtol) for call, entries in enumerate(terms.calls)
     )
     mixed = not call_norms
-    return (
-        num_calls,
-        call_norms,
-        mixed,
-        f"before the {'first' if mixed else 'last'} of {num_calls} clip calls",
-    )
+    moment = f"before the {'first' if mixed else 'last'} of {num_calls} clip calls"
+    return num_calls, call_norms, mixed, moment
 
 
 def _match_both(
@@ -883,7 +838,7 @@ def _match_both(
     rtol: float,
     bounded: _BoundedMatcher | None,
     more: Callable[[tuple[float | None, ...]], tuple[Candidate, ...]],
-    memo: _Memo | None = None,
+    memo: _Memo,
 ) -> tuple[tuple[Candidate, ...], Match | None, Match | None]:
     """(candidates tried, match of the reported norm, match of the implied norm): the usual candidates
     first, then, when one number is left unexplained (and the true norm is known), the further ones."""
@@ -894,9 +849,7 @@ def _match_both(
                 return None
             if bounded is not None:
                 return bounded.match(observed, what, tried)
-            if memo is not None:
-                return memo.match(observed, what, tried, rtol)
-            return match_norm(observed, what, tried, rtol)
+            return memo.match(observed, what, tried, rtol)
 
         return one(reported, "reported norm"), one(implied, "norm implied by the applied coefficient")
 
@@ -926,8 +879,7 @@ class _BoundedMatcher:
     """
 
     def __init__(self, step: StepDump, rank: int, norms: NormSet, lower_bound: float, rtol: float) -> None:
-        self.lower_bound = lower_bound
-        self.rtol = rtol
+        self.lower_bound, self.rtol = lower_bound, rtol
         self.undecided: list[str] = []
         self.partial_groups: list[tuple[str, float]] = []
         """Groups of this rank with missing members: (name, norm of their present members)."""

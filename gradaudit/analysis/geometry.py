@@ -177,11 +177,7 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Bud
     if not boxes:
         return shape[dim] * rest, 0, set()
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][dim])
-    cuts = sorted(
-        {0, shape[dim]}
-        | {boxes[i][0][dim] for i in order}
-        | {boxes[i][0][dim] + boxes[i][1][dim] for i in order}
-    )
+    cuts = sorted({0, shape[dim]} | _ends(boxes, dim))
     gap = overlap = 0
     tags: set[Hashable] = set()
     memo: dict[frozenset[int], _Counts] = {}
@@ -206,6 +202,11 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Bud
         overlap += (b - a) * sub_overlap
         tags |= sub_tags
     return gap, overlap, tags
+
+
+def _ends(boxes: list[BoxTuple], dim: int) -> set[int]:
+    """Where the boxes start and stop along `dim`."""
+    return {b[0][dim] for b in boxes} | {b[0][dim] + b[1][dim] for b in boxes}
 
 
 def _events(boxes: list[BoxTuple], dim: int) -> list[tuple[int, int, int]]:
@@ -269,10 +270,6 @@ class _CoveredLength:
         else:
             self.length[node] = self.length[2 * node] + self.length[2 * node + 1]
 
-    @property
-    def covered(self) -> int:
-        return self.length[1]
-
 
 DENSE_SWEEP_BUDGET = 200_000_000
 """Row positions x column segments up to which the rectangle sweep recounts the columns with numpy at
@@ -283,8 +280,7 @@ def _sweep_2d(boxes: list[BoxTuple], rows: int, cols: int, dim: int, budget: _Bu
     """Rectangles: sweep the rows; overlap = (sum of active widths - covered column length) per row slab."""
     if not boxes:
         return rows * cols, 0, set()
-    num_positions = len({b[0][dim] for b in boxes} | {b[0][dim] + b[1][dim] for b in boxes})
-    num_segments = len({b[0][dim + 1] for b in boxes} | {b[0][dim + 1] + b[1][dim + 1] for b in boxes}) + 1
+    num_positions, num_segments = len(_ends(boxes, dim)), len(_ends(boxes, dim + 1)) + 1
     budget.spend(30 * num_positions + num_positions * num_segments // 16)
     if num_positions * num_segments <= DENSE_SWEEP_BUDGET:
         return _sweep_2d_dense(boxes, rows, cols, dim)
@@ -296,9 +292,7 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _C
     position: O(k log k + positions x segments) in C, with a few numpy calls per row position."""
     import numpy as np
 
-    cuts = np.array(
-        sorted({0, cols} | {b[0][dim + 1] for b in boxes} | {b[0][dim + 1] + b[1][dim + 1] for b in boxes})
-    )
+    cuts = np.array(sorted({0, cols} | _ends(boxes, dim + 1)))
     segment_lengths = np.diff(cuts)
     row_start = np.array([b[0][dim] for b in boxes], dtype=np.int64)
     row_stop = row_start + np.array([b[1][dim] for b in boxes], dtype=np.int64)
@@ -339,7 +333,7 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _C
 
 def _sweep_2d_tree(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _Counts:
     """The rectangle sweep with the covered column length in a segment tree: O(log k) per box."""
-    cuts = sorted({0, cols} | {b[0][dim + 1] for b in boxes} | {b[0][dim + 1] + b[1][dim + 1] for b in boxes})
+    cuts = sorted({0, cols} | _ends(boxes, dim + 1))
     where = {x: i for i, x in enumerate(cuts)}
     tree = _CoveredLength(cuts)
     gap = overlap = widths = previous = named_slabs = 0
@@ -348,7 +342,7 @@ def _sweep_2d_tree(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _Co
     for position, delta, i in _events(boxes, dim):
         span = position - previous
         if span:
-            covered = tree.covered
+            covered = tree.length[1]  # the root's: the whole column range
             gap += span * (cols - covered)
             overlap += span * (widths - covered)
             if widths > covered and named_slabs < MAX_SLABS_NAMED:
@@ -489,9 +483,7 @@ def _without_slabs(
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    covered = sum(b - a for a, b in merged)
-    starts = np.array([a for a, _ in merged], dtype=np.int64)
-    stops = np.array([b for _, b in merged], dtype=np.int64)
+    starts, stops = np.array(merged, dtype=np.int64).reshape(-1, 2).T
     lengths = stops - starts
 
     def squeezed(x: Any) -> Any:
@@ -506,8 +498,8 @@ def _without_slabs(
     lo[:, axis], hi[:, axis] = squeezed(lo[:, axis]), squeezed(hi[:, axis])
     thin_hi = cell_hi.copy()
     thin_hi[axis] = squeezed(cell_hi[axis : axis + 1])[0]
-    other = math.prod((cell_hi - cell_lo).tolist()) // int(cell_hi[axis] - cell_lo[axis])
-    return int(covered * other) + _union(lo, hi, cell_lo, thin_hi, budget)
+    other: int = math.prod((cell_hi - cell_lo).tolist()) // int(cell_hi[axis] - cell_lo[axis])
+    return int(lengths.sum()) * other + _union(lo, hi, cell_lo, thin_hi, budget)
 
 
 def _dense_union(lo: Any, hi: Any, cuts: list[Any]) -> int:

@@ -106,18 +106,15 @@ def groups_of(signatures: Mapping[str, tuple[int, int]]) -> tuple[ParamGroup, ..
         by_signature.setdefault(signature, set()).add(param)
     if len(by_signature) < 2:
         return ()
-    groups = []
-    for (num_holders, num_copies), params in sorted(by_signature.items()):
-        others = [p for sig, ps in by_signature.items() if sig != (num_holders, num_copies) for p in ps]
-        groups.append(
-            ParamGroup(
-                label=_label(params, others),
-                params=frozenset(params),
-                num_holders=num_holders,
-                num_copies=num_copies,
-            )
+    return tuple(
+        ParamGroup(
+            label=_label(params, [p for sig, ps in by_signature.items() if sig != signature for p in ps]),
+            params=frozenset(params),
+            num_holders=signature[0],
+            num_copies=signature[1],
         )
-    return tuple(groups)
+        for signature, params in sorted(by_signature.items())
+    )
 
 
 def _tokens(name: str) -> list[str]:
@@ -413,14 +410,10 @@ def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Seque
     if true_norm is None or not math.isfinite(true_norm) or is_inf_norm(norm_type):
         return []
     total = power(true_norm, norm_type)
-    kinds = [
-        d
-        for d in ("float16", "bfloat16", "float32")
-        if (d in dtypes or d == "float32") and total > DTYPE_MAX[d]
-    ]
-    if not kinds:
+    tried = [d for d in ("float16", "bfloat16") if d in dtypes] + ["float32"]  # float32: always tried
+    dtype = next((d for d in tried if total > DTYPE_MAX[d]), None)
+    if dtype is None:
         return []
-    dtype = kinds[0]
     return [
         Candidate(
             hypothesis=Hypothesis(kind=OVERFLOW, what=dtype),

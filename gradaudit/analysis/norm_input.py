@@ -18,16 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model import StepDump
-from ..norms import (
-    INF,
-    NAN,
-    UNKNOWN,
-    is_inf_norm,
-    norm_from_total,
-    norm_of_terms,
-    safe_fsum,
-    segment_fsums,
-)
+from ..norms import INF, NAN, UNKNOWN, is_inf_norm, norm_from_total, norm_of_terms, safe_fsum, segment_fsums
 from ..steptable import KindColumns, StepMeasurements, StepTable
 
 
@@ -194,11 +185,8 @@ class NormSet:
                 kept = first[inside[of_set[first]]]
                 renumbered = np.cumsum(inside) - 1
                 sub = [orders[k] for k in repeated.tolist()]
-                for k, value in zip(
-                    repeated.tolist(),
-                    self._primed(sub, rows[kept], renumbered[of_set[kept]], True),
-                    strict=True,
-                ):
+                values = self._primed(sub, rows[kept], renumbered[of_set[kept]], True)
+                for k, value in zip(repeated.tolist(), values, strict=True):
                     once[k] = value
             for order, k in zip(orders, (n_once == n).tolist(), strict=True):
                 if k and (order, False) in self._sums:
@@ -222,11 +210,10 @@ class NormSet:
         totals = _small_sums(terms, starts)
         summed = np.isnan(totals)
         if summed.any():
-            inside = np.repeat(summed, np.diff(bounds))
-            exact, _ = segment_fsums(
-                terms[inside],
-                (np.cumsum(summed * np.diff(bounds)) - summed * np.diff(bounds))[summed].tolist(),
-            )
+            sizes = np.diff(bounds)
+            lengths = summed * sizes  # of the segments summed exactly, 0 for the others
+            inside = np.repeat(summed, sizes)
+            exact, _ = segment_fsums(terms[inside], (np.cumsum(lengths) - lengths)[summed].tolist())
             totals[summed] = exact
         sums = totals.tolist()
         plain = (flags & (UNKNOWN | NAN | INF) == 0) & np.isfinite(totals)
@@ -272,14 +259,12 @@ class NormSet:
             return None
         if found & (NAN | INF):
             return math.nan if found & NAN else math.inf
-        if key is None or is_inf_norm(self.norm_type):
-            return norm_of_terms(self.entries.term[rows], self.norm_type)
-        total = self.term_sum(key, rows)
-        return (
-            norm_from_total(total, self.norm_type)
-            if math.isfinite(total)
-            else norm_of_terms(self.entries.term[rows], self.norm_type)
-        )  # the plain sum overflows: norm_of_terms factors the largest term out
+        if key is not None and not is_inf_norm(self.norm_type):
+            total = self.term_sum(key, rows)
+            if math.isfinite(total):
+                return norm_from_total(total, self.norm_type)
+            # the plain sum overflows: norm_of_terms factors the largest term out
+        return norm_of_terms(self.entries.term[rows], self.norm_type)
 
     def term_sum(self, key: tuple[tuple[int, ...], bool], rows: np.ndarray | slice) -> float:
         """safe_fsum of the terms at `rows`, the ones norm(*key) counts, computed once. Without
@@ -370,11 +355,10 @@ def norm_input_of(step: StepDump, m: StepMeasurements, table: StepTable) -> Norm
 
     rank = np.repeat(np.arange(table.rank.max(initial=-1) + 1), np.bincount(table.rank))  # rank[order]
     layout = table.layout[order]
-    term = of_grad(grad_columns.term, np.float64)
     grad = Entries(
         rank=rank,
         layout=layout,
-        term=term,
+        term=of_grad(grad_columns.term, np.float64),
         flags=of_grad(grad_columns.flags, np.int8),
         replicated=not table.distinct_layouts,
     )
@@ -431,9 +415,8 @@ def _coefs_from_gradients(table: StepTable) -> dict[int, float]:
             if rank in found or rank not in before or not whole[k]:
                 continue
             if nonfinite[1][k] > nonfinite[0][k]:
-                found[rank] = (
-                    math.nan
-                )  # a nan coefficient (from a nonfinite norm) turned finite values into nan
+                # a nan coefficient (from a nonfinite norm) turned finite values into nan
+                found[rank] = math.nan
             elif before[rank] > 0:
                 found[rank] = math.sqrt(after[rank] / before[rank])
     return dict(sorted(found.items()))

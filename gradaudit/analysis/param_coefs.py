@@ -87,8 +87,7 @@ def _spread(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     import numpy as np
 
     low, high = np.minimum.reduceat(values, starts), np.maximum.reduceat(values, starts)
-    spread: np.ndarray = (high - low) / np.where(high > 0, high, 1.0)
-    return spread
+    return (high - low) / np.where(high > 0, high, 1.0)
 
 
 def _members_by_label(labels: np.ndarray, values: np.ndarray, num_labels: int) -> list[tuple[int, ...]]:
@@ -141,9 +140,7 @@ def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, table: StepTabl
     disagreeing = tuple(sorted(names[p] for p in present[_spread(coef, starts) > rtol].tolist()))
     by_rank = np.argsort(rank, kind="stable")
     _, rank_starts = np.unique(rank[by_rank], return_index=True)
-    mixed = tuple(
-        sorted(np.unique(rank[by_rank][rank_starts[_spread(coef[by_rank], rank_starts) > rtol]]).tolist())
-    )
+    mixed = tuple(np.unique(rank[by_rank][rank_starts[_spread(coef[by_rank], rank_starts) > rtol]]).tolist())
     grouped = clusters(zip(present.tolist(), coef[starts].tolist(), strict=True), rtol)
     # The most parameters first; of as many, a coefficient below 1 before 1, the larger before the
     # smaller: the others' coefficient a parameter left out (1) or scaled twice (c²) departs from.
@@ -195,8 +192,7 @@ def _per_rank_and_param(
     keys, inverse = _unique_pairs(table.rank, table.param)
 
     def per_key(values: np.ndarray) -> np.ndarray:
-        summed: np.ndarray = np.bincount(inverse, weights=np.where(bad, 0.0, values), minlength=len(keys))
-        return summed
+        return np.bincount(inverse, weights=np.where(bad, 0.0, values), minlength=len(keys))
 
     pre = per_key(table.grad.sum_sq)
     every_value = dots is not None
@@ -230,17 +226,14 @@ def _piece_columns(
     import numpy as np
 
     assert table.clipped is not None  # param_coefficients asks only then
-    post_sq, post_nonfinite = table.clipped.sum_sq, table.clipped.nonfinite
-    dots = None
-    if (table.has_dots | ~table.clipped.has).all():
-        dots = (table.dot_pre_post, table.dot_pre_pre)
+    dots = (table.dot_pre_post, table.dot_pre_pre) if (table.has_dots | ~table.clipped.has).all() else None
     calls = None
     if num_calls > 1:
         by_piece = _call_sums(step)
         found = [by_piece.get(key, ()) for key in zip(table.rank.tolist(), table.index.tolist(), strict=True)]
         if all(len(f) == num_calls for f in found):
             calls = np.array(found, dtype=np.float64).reshape(len(found), num_calls)
-    return post_sq, post_nonfinite > 0, dots, calls
+    return table.clipped.sum_sq, table.clipped.nonfinite > 0, dots, calls
 
 
 def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:

@@ -18,9 +18,7 @@ REFERENCE_TOLERANCE_BY_DTYPE = {
 """(rtol, atol) by the dumped dtype: a sharded run sums in another order than the unsharded one."""
 
 
-def reference_tolerances(
-    dtype: str, rtol: float | None = None, atol: float | None = None
-) -> tuple[float, float]:
+def reference_tolerances(dtype: str, rtol: float | None, atol: float | None) -> tuple[float, float]:
     """(rtol, atol) for values of `dtype`; the user's `--rtol`/`--atol` replace the defaults."""
     default_rtol, default_atol = REFERENCE_TOLERANCE_BY_DTYPE.get(
         dtype, REFERENCE_TOLERANCE_BY_DTYPE["float32"]

@@ -58,12 +58,8 @@ def _clamp(table: StepTable) -> ValueClipping | None:
     both = pre.has & post.has
     if not both.any():
         return None
-    pre_sq, pre_max, post_sq, post_max = (
-        pre.sum_sq[both],
-        pre.max_abs[both],
-        post.sum_sq[both],
-        post.max_abs[both],
-    )
+    pre_sq, pre_max = pre.sum_sq[both], pre.max_abs[both]
+    post_sq, post_max = post.sum_sq[both], post.max_abs[both]
     value = float(post_max.max())
     if not math.isfinite(value) or value <= 0:
         return None
