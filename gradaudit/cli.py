@@ -392,8 +392,6 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"gradaudit: {STOPPED_BY[stopped.signum]}", 128 + stopped.signum, debug)
     except GradauditError as exc:
         _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
-    except SystemExit:
-        raise
     except KeyboardInterrupt:  # where no handler could be installed (main called off the main thread)
         _fail(f"gradaudit: {STOPPED_BY[signal.SIGINT]}", 128 + signal.SIGINT, debug)
     except Exception as exc:  # noqa: BLE001 - the last line of defence

@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from .errors import DumpFormatError, GradauditError, StepFolderError, UsageError
@@ -255,9 +256,7 @@ def _joined(a: StepTable, b: StepTable) -> StepTable:
         grad=kinds(a.grad, b.grad),
         clipped=None if a.clipped is b.clipped is None else kinds(a.clipped, b.clipped),
         distinct_layouts=a.distinct_layouts and b.distinct_layouts,
-        calls=tuple(
-            kinds(_at(a.calls, c), _at(b.calls, c), flags=0) for c in range(max(len(a.calls), len(b.calls)))
-        ),
+        calls=tuple(kinds(x, y, flags=0) for x, y in zip_longest(a.calls, b.calls)),
     )
 
 
@@ -271,10 +270,6 @@ def _no_kind(n: int, flags: int) -> KindColumns:
     rows[:, 0, 2] = flags  # the call row's flags column
     (columns,) = call_columns(rows)
     return columns
-
-
-def _at(calls: Sequence[Any], call: int) -> Any:
-    return calls[call] if call < len(calls) else None
 
 
 @contextlib.contextmanager
