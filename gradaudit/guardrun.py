@@ -50,8 +50,7 @@ def audit_run(
         return audit_folder(path, options, progress=progress, shares=shares)
     step_dirs = step_dirs_of(path)
     trend = read_guard_trend(path, step_dirs)
-    multi = audit_steps(path, step_dirs, options, progress=progress, shares=shares)
-    return replace(multi, guard_trend=trend)
+    return replace(audit_steps(path, step_dirs, options, progress=progress, shares=shares), guard_trend=trend)
 
 
 def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend | None:
