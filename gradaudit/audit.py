@@ -42,7 +42,7 @@ from .report.model import (
     TopologySummary,
     first_call_numbers,
 )
-from .steptable import StepMeasurements
+from .steptable import StepMeasurements, StepTable
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
     from .report.param_shares import SumSqShares
-    from .steptable import StepTable
 
 Progress = Callable[[int, int], None]
 Measure = Callable[..., StepMeasurements]
@@ -208,10 +207,9 @@ def command_for(directory: str, options: AuditOptions) -> str:
     parts = ["gradaudit", "check", directory]
     if options.reference is not None:
         parts += ["--reference", options.reference]
-    if options.rtol is not None:
-        parts += ["--rtol", f"{options.rtol:g}"]
-    if options.atol is not None:
-        parts += ["--atol", f"{options.atol:g}"]
+    for flag, tolerance in (("--rtol", options.rtol), ("--atol", options.atol)):
+        if tolerance is not None:
+            parts += [flag, f"{tolerance:g}"]
     if options.allow_incomplete_ranks:
         parts += ["--allow-incomplete-ranks"]
     return " ".join(shlex.quote(p) for p in parts)
@@ -310,17 +308,13 @@ def _trigger_notes(step: StepDump) -> tuple[str, ...]:
     if not any(step.ranks[r].trigger == "guard" for r in step.ranks_present):
         return ()
     notes = dict.fromkeys(n for r in step.ranks_present if (n := step.ranks[r].trigger_note))
-    groups = any(step.ranks[r].capture_api != "guard.params" for r in step.ranks_present)
-    return (
-        f"guard-triggered: gradaudit.guard wrote step {step.step} when it found its clipping wrong"
-        + (
+    head = f"guard-triggered: gradaudit.guard wrote step {step.step} when it found its clipping wrong"
+    if any(step.ranks[r].capture_api != "guard.params" for r in step.ranks_present):
+        head += (
             "; each piece is one rank's ownership group (its shards, or what it holds of a replicated group), "
             "not a parameter"
-            if groups
-            else ""
-        ),
-        *(f"guard-triggered: {note}" for note in notes),
-    )
+        )
+    return (head, *(f"guard-triggered: {note}" for note in notes))
 
 
 def audit_step(
@@ -455,10 +449,7 @@ def audit_steps(
     sees one count over all of them."""
     reports = [
         audit_step_dir(
-            directory,
-            options,
-            progress=None if progress is None else _over_steps(progress, index, len(step_dirs)),
-            shares=shares,
+            directory, options, progress=_over_steps(progress, index, len(step_dirs)), shares=shares
         )
         for index, directory in enumerate(step_dirs)
     ]
@@ -469,9 +460,11 @@ def audit_steps(
     )
 
 
-def _over_steps(progress: Progress, index: int, num_steps: int) -> Progress:
+def _over_steps(progress: Progress | None, index: int, num_steps: int) -> Progress | None:
     """Step `index`'s parameter count as part of one count over the folder's `num_steps` steps, each
     taken to have as many parameters as this one (the steps of a run hold the same model)."""
+    if progress is None:
+        return None
 
     def advance(done: int, total: int) -> None:
         progress(index * total + done, num_steps * total)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
-from .errors import GradauditError
+from .errors import GradauditError, UsageError
 
 if TYPE_CHECKING:
     from .report.model import MultiStepReport, Report
@@ -58,14 +58,10 @@ COLOR_HELP = (
 
 def _print_version(value: bool) -> None:
     if value:
-        _emit(_version_line(), None)
+        from .version import FORMAT_VERSION, __version__
+
+        _emit(f"gradaudit {__version__} (dump format {FORMAT_VERSION})")
         raise SystemExit(EXIT_OK)
-
-
-def _version_line() -> str:
-    from .version import FORMAT_VERSION, __version__
-
-    return f"gradaudit {__version__} (dump format {FORMAT_VERSION})"
 
 
 @app.callback()
@@ -77,7 +73,7 @@ def _root(
     """Audit gradient clipping under sharded training from per-rank gradient dumps."""
 
 
-def _emit(text: str, output: Path | None) -> None:
+def _emit(text: str, output: Path | None = None) -> None:
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
@@ -100,26 +96,20 @@ def show(
     """
     from .dumpfile import find_step_dirs, load_step
     from .live.trend import TREND_FILE
-    from .report.inventory import build_inventory, inventory_to_json
+    from .report.inventory import RunInventory, build_inventory, inventory_to_json
 
     if find_step_dirs(directory) == [directory] and not (directory / TREND_FILE).is_file():
         inventory = build_inventory(load_step(directory))
         if format is ShowFormat.json:
             import json
 
-            _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True), None)
+            _emit(json.dumps(inventory_to_json(inventory), indent=2, sort_keys=True))
         else:
             from .render.inventory import render_inventory
 
-            _emit(render_inventory(inventory, width=_terminal_width(), color=_use_color(color)), None)
+            _emit(render_inventory(inventory, width=_terminal_width(), color=_use_color(color)))
         return
-    _show_run(directory, format, color)
-
-
-def _show_run(directory: Path, format: ShowFormat, color: ColorChoice) -> None:
-    from .dumpfile import load_step
     from .guardrun import read_guard_trend, step_dirs_of
-    from .report.inventory import RunInventory, build_inventory
 
     step_dirs = step_dirs_of(directory)
     run = RunInventory(
@@ -130,11 +120,11 @@ def _show_run(directory: Path, format: ShowFormat, color: ColorChoice) -> None:
     if format is ShowFormat.json:
         from .render.json import render_run_inventory
 
-        _emit(render_run_inventory(run), None)
+        _emit(render_run_inventory(run))
     else:
         from .render.inventory import render_run_inventory as render_run_text
 
-        _emit(render_run_text(run, width=_terminal_width(), color=_use_color(color)), None)
+        _emit(render_run_text(run, width=_terminal_width(), color=_use_color(color)))
 
 
 class FailOn(str, enum.Enum):
@@ -184,7 +174,6 @@ def check(
     2 unusable input or usage, 3 internal error, 130 and 143 stopped by SIGINT (Ctrl-C) and SIGTERM.
     """
     from .checks.base import AuditOptions
-    from .errors import UsageError
     from .guardrun import audit_run
     from .report.model import MultiStepReport
 
@@ -242,8 +231,6 @@ def _use_color(choice: ColorChoice, *, to_file: bool = False) -> bool:
 
 def _emit_report(text: str, output: Path | None) -> None:
     """Print the rendered report, or write it to --output; a failed write is a usage error."""
-    from .errors import UsageError
-
     try:
         _emit(text, output)
     except OSError as exc:
@@ -316,7 +303,6 @@ def _explain(args: list[str]) -> None:
     """`gradaudit explain`, also called by `main` without typer (see `main`)."""
     from .checks.registry import BY_CODE, explain_all
     from .checks.registry import explain as explain_code
-    from .errors import UsageError
 
     options = [arg for arg in args if arg.startswith("-")]
     codes = [arg.upper() for arg in args if not arg.startswith("-")]
@@ -326,14 +312,14 @@ def _explain(args: list[str]) -> None:
     if options:
         if codes:
             raise UsageError("explain: give codes or --all, not both")
-        _emit(explain_all(), None)
+        _emit(explain_all())
         return
     if not codes:
         raise UsageError("give a code such as GA201, or --all to list every code")
     unknown = [code for code in codes if code not in BY_CODE]
     if unknown:
         raise UsageError(f"unknown code {unknown[0]!r}; run `gradaudit explain --all` for the list")
-    _emit("\n".join(explain_code(code) for code in codes), None)
+    _emit("\n".join(explain_code(code) for code in codes))
 
 
 @app.command()
@@ -349,10 +335,9 @@ def demo(
     then prints the `gradaudit check` command to run next. Existing dumps are never overwritten.
     """
     from .demo import DemoRunFailed, get_scenario, run_demo, scenario_table
-    from .errors import UsageError
 
     if list_scenarios:
-        _emit(scenario_table(), None)
+        _emit(scenario_table())
         return
     if scenario is None or out_dir is None:
         raise UsageError(
@@ -407,13 +392,12 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"gradaudit: {STOPPED_BY[stopped.signum]}", 128 + stopped.signum, debug)
     except GradauditError as exc:
         _fail(f"error: {exc}", EXIT_BAD_INPUT, debug)
-    except SystemExit:
-        raise
     except KeyboardInterrupt:  # where no handler could be installed (main called off the main thread)
         _fail(f"gradaudit: {STOPPED_BY[signal.SIGINT]}", 128 + signal.SIGINT, debug)
     except Exception as exc:  # noqa: BLE001 - the last line of defence
-        if _is_usage_error(exc):
-            exc.show()  # type: ignore[attr-defined]
+        # typer may bundle its own click: its usage errors are recognised by their class family
+        if any(cls.__name__ == "ClickException" for cls in type(exc).__mro__) and hasattr(exc, "show"):
+            exc.show()
             sys.exit(EXIT_BAD_INPUT)
         if type(exc).__name__ == "Abort":
             _fail("aborted", EXIT_BAD_INPUT, debug)
@@ -431,8 +415,7 @@ def main(argv: list[str] | None = None) -> None:
 def _dispatch(args: list[str]) -> int:
     """Run the command `args` names; its exit code when it returns."""
     if args == ["--version"]:
-        _emit(_version_line(), None)  # answered before typer loads its parsers
-        return EXIT_OK
+        _print_version(True)  # answered before typer loads its parsers
     if args[:1] == ["explain"] and "--help" not in args:
         # typer coerces every parameter, even the group's --help flag, through pydantic, which would
         # double the time `explain` takes to print a paragraph; its arguments need no parser.
@@ -476,11 +459,6 @@ def _stopped_by_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-
-def _is_usage_error(exc: Exception) -> bool:
-    """typer may bundle its own click; recognise its usage errors by their class family."""
-    return any(cls.__name__ == "ClickException" for cls in type(exc).__mro__) and hasattr(exc, "show")
 
 
 def _fail(message: str, code: int, debug: bool) -> NoReturn:

@@ -27,36 +27,22 @@ class PlainParam:
         self.convert, self.label = convert, label
 
     def coerce(self, value: Any, param: Any, ctx: Any) -> Any:
-        multiple = bool(getattr(param, "multiple", False)) or getattr(param, "nargs", 1) == -1
-        if value is None:
-            return () if multiple else None
-        if multiple:
-            return tuple(self._one(v, param, ctx) for v in value)
-        return self._one(value, param, ctx)
-
-    def _one(self, value: Any, param: Any, ctx: Any) -> Any:
+        """A parameter taking several values is annotated as a list or tuple, which `plain_param` leaves
+        to typer: here every value is one value, or None."""
         import typer
 
+        if value is None:
+            return None
         try:
             return self.convert(value)
         except (ValueError, TypeError):
             raise typer.BadParameter(f"{value!r} is not {self.label}.", ctx=ctx, param=param) from None
 
 
-def _choice(annotation: type[enum.Enum]) -> PlainParam:
-    values = [member.value for member in annotation]
-
-    def convert(value: Any) -> enum.Enum:
-        return value if isinstance(value, annotation) else annotation(value)
-
-    return PlainParam(convert, "one of " + ", ".join(repr(v) for v in values))
-
-
 def plain_param(annotation: Any) -> PlainParam | None:
     """The plain converter for `annotation`, or None where typer's own is needed."""
-    args = typing.get_args(annotation)
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        inner = [a for a in args if a is not type(None)]
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
         return plain_param(inner[0]) if len(inner) == 1 else None
     if annotation is Path:
         return PlainParam(lambda v: v if isinstance(v, Path) else Path(v), "a path")
@@ -67,7 +53,10 @@ def plain_param(annotation: Any) -> PlainParam | None:
     if annotation is float:
         return PlainParam(lambda v: float(v) if not isinstance(v, bool) else _refuse(v), "a number")
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return _choice(annotation)
+        return PlainParam(
+            lambda v: v if isinstance(v, annotation) else annotation(v),
+            "one of " + ", ".join(repr(member.value) for member in annotation),
+        )
     return None
 
 

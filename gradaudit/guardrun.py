@@ -4,18 +4,21 @@ beside the dumps and full captures `audit` audits; what `check` and `show` read 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .audit import Progress, Shares, audit_folder, audit_steps, run_step_dirs
-from .live.trend import TREND_FILE, TrendLine, read_trend
+from .live.trend import TREND_FILE, read_trend
 from .live.writing import FULL_CAPTURES
 from .report.model import GuardTrend, TrendStep, guard_trend
 
 if TYPE_CHECKING:
     from .checks.base import AuditOptions
     from .report.model import MultiStepReport, Report
+
+_TREND_LINE_FIELDS = tuple(f.name for f in fields(TrendStep) if f.name != "dump")
+"""What a TrendStep takes from the trend file's TrendLine, under the same names (`dump`: the run folder's)."""
 
 
 def is_guarded_run(path: str | Path) -> bool:
@@ -47,8 +50,7 @@ def audit_run(
         return audit_folder(path, options, progress=progress, shares=shares)
     step_dirs = step_dirs_of(path)
     trend = read_guard_trend(path, step_dirs)
-    multi = audit_steps(path, step_dirs, options, progress=progress, shares=shares)
-    return replace(multi, guard_trend=trend)
+    return replace(audit_steps(path, step_dirs, options, progress=progress, shares=shares), guard_trend=trend)
 
 
 def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend | None:
@@ -69,22 +71,7 @@ def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend 
             dumps[int(number)] = str(directory)
     file = path / TREND_FILE
     trend = read_trend(file)
-    steps = (_trend_step(line) for line in trend.lines)
+    steps = (TrendStep(**{name: getattr(line, name) for name in _TREND_LINE_FIELDS}) for line in trend.lines)
     return guard_trend(
         steps, file=str(file), dumps=dumps, full_captures=full, num_unread=trend.num_unread, notes=trend.notes
-    )
-
-
-def _trend_step(line: TrendLine) -> TrendStep:
-    return TrendStep(
-        step=line.step,
-        verdict=line.verdict,
-        codes=line.codes,
-        true_norm=line.true_norm,
-        reported_norm=line.reported_norm,
-        expected_coef=line.expected_coef,
-        min_coef=line.min_coef,
-        max_coef=line.max_coef,
-        clip_calls=line.clip_calls,
-        spike=line.spike,
     )

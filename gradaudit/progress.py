@@ -20,15 +20,8 @@ class DelayedProgress:
     SHOW_AFTER_S. A run folder's steps share the one bar: the audit counts over all of them (see
     audit._over_steps), so the bar moves on from step to step instead of starting again."""
 
-    def __init__(
-        self,
-        stream: TextIO,
-        *,
-        show_after_s: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, stream: TextIO, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._stream = stream
-        self._show_after_s = SHOW_AFTER_S if show_after_s is None else show_after_s
         self._clock = clock
         self._started = clock()
         self._bar: Progress | None = None
@@ -36,29 +29,26 @@ class DelayedProgress:
 
     def __call__(self, done: int, total: int) -> None:
         if self._bar is None or self._task is None:
-            if self._clock() - self._started < self._show_after_s:
+            if self._clock() - self._started < SHOW_AFTER_S:
                 return
-            self._bar, self._task = self._show(total)
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("measuring parameters"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=Console(file=self._stream),
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("measure", total=total)
         self._bar.update(self._task, completed=done, total=total)
 
     @property
     def shown(self) -> bool:
         return self._bar is not None
-
-    def _show(self, total: int) -> tuple[Progress, TaskID]:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        bar = Progress(
-            TextColumn("measuring parameters"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=Console(file=self._stream),
-            transient=True,
-        )
-        bar.start()
-        return bar, bar.add_task("measure", total=total)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -67,9 +57,7 @@ class DelayedProgress:
 
 
 @contextlib.contextmanager
-def check_progress(
-    *, enabled: bool, stream: TextIO | None = None
-) -> Iterator[Callable[[int, int], None] | None]:
+def check_progress(*, enabled: bool, stream: TextIO | None = None) -> Iterator[DelayedProgress | None]:
     """The progress callback for `gradaudit check`, or None when `enabled` is false or either of
     stdout and stderr is not a terminal (a pipe, a file, CI logs)."""
     stream = sys.stderr if stream is None else stream

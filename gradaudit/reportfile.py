@@ -76,8 +76,7 @@ def write_report_file(output: Path, text: str) -> None:
     except FileNotFoundError:
         existing = None
     if existing is not None and not stat.S_ISREG(existing.st_mode):
-        with open(target, "wb") as handle:
-            handle.write(data)
+        target.write_bytes(data)
         return
     temporary = target.with_name(temporary_name(target.name))  # no other process's: pid and a token
     try:

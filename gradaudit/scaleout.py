@@ -18,8 +18,9 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from .errors import DumpFormatError, GradauditError, StepFolderError, UsageError
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from .dumpfile.loader import LoadFiles, LoadOutcome
     from .dumpfile.reader import TensorReader
     from .model import StepDump
-    from .steptable import StepMeasurements, StepTable
+    from .steptable import KindColumns, StepMeasurements, StepTable
 
 GROUP_TIMEOUT = timedelta(minutes=10)
 """How long a process waits for the others at one exchange before giving up (a process that died
@@ -91,17 +92,21 @@ def share_of(costs: Mapping[str, int], rank: int, world_size: int) -> list[str]:
     return sorted(mine)
 
 
+@dataclass(frozen=True)
 class Exchange:
     """All-gathers one picklable value per process; every exchange carries either a result or the
     error that stopped a process, so that one failing process stops all of them with its message
     instead of leaving them waiting."""
 
-    def __init__(self, env: LaunchEnv) -> None:
-        self.env = env
+    env: LaunchEnv
 
     def gather(self, value: Any) -> list[Any]:
         outcomes = self._all_gather(("ok", value))
-        self._raise_failures(outcomes)
+        for rank, (kind, payload) in enumerate(outcomes):
+            if kind == "user":
+                raise ScaleOutError(f"process {rank} of the scaled-out check stopped: {payload}")
+            if kind == "internal":
+                raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
         return [payload for _, payload in outcomes]
 
     def fail(self, exc: BaseException) -> None:
@@ -116,13 +121,6 @@ class Exchange:
         gathered: list[Any] = [None] * self.env.world_size
         dist.all_gather_object(gathered, outcome)
         return gathered
-
-    def _raise_failures(self, outcomes: Sequence[tuple[str, Any]]) -> None:
-        for rank, (kind, payload) in enumerate(outcomes):
-            if kind == "user":
-                raise ScaleOutError(f"process {rank} of the scaled-out check stopped: {payload}")
-            if kind == "internal":
-                raise RuntimeError(f"process {rank} of the scaled-out check failed: {payload}")
 
 
 def _file_bytes(path: Path) -> int:
@@ -145,12 +143,8 @@ def load_share(exchange: Exchange) -> LoadFiles:
         costs = {str(path): _file_bytes(path) for path in paths}
         mine = set(share_of(costs, exchange.env.rank, exchange.env.world_size))
         own = [path for path in paths if str(path) in mine]
-        outcomes_of_own = load_rank_files(own, stop_at_error=stop_at_error, tables=tables)
-        loaded = {
-            str(path): outcome
-            for path, outcome in zip(own, outcomes_of_own, strict=True)
-            if outcome is not None
-        }
+        own_outcomes = zip(own, load_rank_files(own, stop_at_error=stop_at_error, tables=tables), strict=True)
+        loaded = {str(path): outcome for path, outcome in own_outcomes if outcome is not None}
         found: dict[str, Any] = {}
         for part, referenced in exchange.gather((loaded, sorted(tables.referenced))):
             found.update(part)
@@ -193,8 +187,7 @@ def measure_share(exchange: Exchange) -> Callable[..., StepMeasurements]:
         if params is not None:
             costs = {name: costs.get(name, 0) for name in params}
         mine = share_of(costs, exchange.env.rank, exchange.env.world_size)
-        partial = measure_step(step, reader, params=mine, **kwargs)
-        gathered: list[StepMeasurements] = exchange.gather(partial)
+        gathered: list[StepMeasurements] = exchange.gather(measure_step(step, reader, params=mine, **kwargs))
         return reduce(merged, gathered)
 
     return measure
@@ -232,8 +225,6 @@ def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurement
 
 def _joined(a: StepTable, b: StepTable) -> StepTable:
     """One step table of two of disjoint parameters of the same step, in parameter name order."""
-    from dataclasses import fields
-
     import numpy as np
 
     from .norms import UNKNOWN
@@ -245,50 +236,40 @@ def _joined(a: StepTable, b: StepTable) -> StepTable:
     name_order = np.argsort(np.argsort(np.array(names, dtype=object), kind="stable"))
     order = np.argsort(name_order[np.concatenate([a.param, b.param])], kind="stable")
 
-    def both(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        found: np.ndarray = np.concatenate([x, y])[order]
-        return found
+    def both(x: Any, y: Any, columns: Iterable[str]) -> dict[str, np.ndarray]:
+        """The `columns` of x's entries then y's, in parameter name order."""
+        return {name: np.concatenate([getattr(x, name), getattr(y, name)])[order] for name in columns}
 
-    def kinds(x: Any, y: Any, blank: Callable[[int], Any]) -> Any:
-        x, y = x or blank(a.size), y or blank(b.size)
-        columns = {f.name: getattr(x, f.name) for f in fields(x)}
-        return type(x)(**{k: None if v is None else both(v, getattr(y, k)) for k, v in columns.items()})
+    def kinds(x: KindColumns | None, y: KindColumns | None, flags: int = UNKNOWN) -> KindColumns:
+        """The columns of one kind, `flags` set where a table lacks it (the clipped gradient's UNKNOWN,
+        a call's none)."""
+        x, y = x or _no_kind(a.size, flags), y or _no_kind(b.size, flags)
+        return KindColumns(**both(x, y, (f.name for f in fields(KindColumns))))
 
-    def no_kind(n: int, flags: int = UNKNOWN) -> KindColumns:
-        """The columns of entries without the kind (the clipped gradient's UNKNOWN, a call's none)."""
-        zeros, counts = np.zeros(n), np.zeros((n, 3), dtype=np.int64)
-        return KindColumns(
-            has=zeros > 0,
-            sum_sq=zeros,
-            max_abs=zeros,
-            counts=counts,
-            term=zeros,
-            flags=np.full(n, flags, np.int8),
-        )
-
-    arrays = {
-        f.name: both(getattr(a, f.name), getattr(b, f.name))
-        for f in fields(StepTable)
-        if isinstance(getattr(a, f.name), np.ndarray)
-    }
-    arrays["layout"] = both(a.layout, b.layout + int(a.layout.max(initial=-1)) + 1)
+    arrays = both(a, b, (f.name for f in fields(StepTable) if isinstance(getattr(a, f.name), np.ndarray)))
+    arrays["layout"] = np.concatenate([a.layout, b.layout + int(a.layout.max(initial=-1)) + 1])[order]
     return StepTable(
         **arrays,
         norm_type=a.norm_type,
         param_names=names,
         dtypes=a.dtypes | b.dtypes,
-        grad=kinds(a.grad, b.grad, no_kind),
-        clipped=None if a.clipped is b.clipped is None else kinds(a.clipped, b.clipped, no_kind),
+        grad=kinds(a.grad, b.grad),
+        clipped=None if a.clipped is b.clipped is None else kinds(a.clipped, b.clipped),
         distinct_layouts=a.distinct_layouts and b.distinct_layouts,
-        calls=tuple(
-            kinds(_at(a.calls, c), _at(b.calls, c), lambda n: no_kind(n, 0))
-            for c in range(max(len(a.calls), len(b.calls)))
-        ),
+        calls=tuple(kinds(x, y, flags=0) for x, y in zip_longest(a.calls, b.calls)),
     )
 
 
-def _at(calls: Sequence[Any], call: int) -> Any:
-    return calls[call] if call < len(calls) else None
+def _no_kind(n: int, flags: int) -> KindColumns:
+    """The columns of `n` entries without the kind: none held, zero statistics, these `flags`."""
+    import numpy as np
+
+    from .measure.measurements import call_columns
+
+    rows = np.zeros((n, 1, 8))  # one all-zero call row per entry: no statistics held
+    rows[:, 0, 2] = flags  # the call row's flags column
+    (columns,) = call_columns(rows)
+    return columns
 
 
 @contextlib.contextmanager
