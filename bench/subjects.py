@@ -116,7 +116,7 @@ def coverage(layout: str, num_pieces: int, num_ranks: int = 64) -> float:
     step = _coverage_step(layout, num_pieces, num_ranks)
     table = step_table(step, piece_table(step, ()), ())  # nothing measured: the checks read the coverage
     measured, options = StepMeasurements(norm_type=2.0, params={}, table=table), AuditOptions()
-    analysed = analyse(step, measured, update_judgements={})
+    analysed = analyse(step, measured, coverage={}, update_judgements={})
     start = time.perf_counter()
     inputs = replace(analysed, coverage=coverage_by_param(step))
     hits = ownership_overlap(inputs, options), ownership_gap(inputs, options)

@@ -26,7 +26,7 @@ from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .errors import StepFolderError
 from .live.writing import ATTEMPT_PREFIX, FULL_CAPTURES
 from .measure.measure import measure_step, overflow_notes
-from .model import StepDump
+from .model import StepDump, StepFacts
 from .norms import norm_name
 from .report.model import (
     Environment,
@@ -46,6 +46,7 @@ from .steptable import StepMeasurements, StepTable
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .analysis.coverage import ParamCoverage
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
@@ -176,7 +177,7 @@ def _grad_counts_by_rank(table: StepTable) -> dict[int, tuple[int, int, int]]:
     return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
-def _environment(step: StepDump) -> Environment:
+def _environment(step: StepFacts) -> Environment:
     dumps = [step.ranks[r] for r in step.ranks_present]
 
     def distinct(values: Iterable[str | None]) -> tuple[str, ...]:
@@ -193,7 +194,7 @@ def _environment(step: StepDump) -> Environment:
     )
 
 
-def _topology(step: StepDump) -> TopologySummary:
+def _topology(step: StepFacts) -> TopologySummary:
     topo = step.topology
     mesh = topo.mesh
     return TopologySummary(
@@ -230,14 +231,16 @@ def judge_updates(
 
 
 def analyse(
-    step: StepDump,
+    step: StepFacts,
     m: StepMeasurements,
     *,
+    coverage: Mapping[str, ParamCoverage],
     update_judgements: Mapping[str, UpdateJudgement],
 ) -> Analysis:
     """The analysis stage: what the measured numbers mean, once per step, for every check (pure).
-    `update_judgements`: judge_updates' result with a reference, {} without one."""
-    from .analysis.coverage import coverage_by_param
+    `coverage`: who holds which element of each parameter (`coverage_by_param` of the loaded step's
+    pieces; the guard's from its ownership groups). `update_judgements`: judge_updates' result with a
+    reference, {} without one."""
     from .analysis.norm_input import norm_input_of
     from .analysis.param_coefs import param_coefficients
     from .analysis.valueclip import value_clipping
@@ -249,7 +252,7 @@ def analyse(
         measurements=m,
         table=table,
         diagnosis=diagnosis,
-        coverage=coverage_by_param(step),
+        coverage=coverage,
         update_judgements=update_judgements,
         value_clipping=value_clipping(step, table),
         param_coefficients=param_coefficients(step, diagnosis, table),
@@ -302,7 +305,7 @@ def _spike_shares(inputs: Analysis) -> SumSqShares | None:
     return sum_sq_shares(inputs.table, note=note)
 
 
-def _trigger_notes(step: StepDump) -> tuple[str, ...]:
+def _trigger_notes(step: StepFacts) -> tuple[str, ...]:
     """A dump gradaudit.guard wrote on its own says so: its pieces are ownership groups, not parameters
     (but those of its dump of a step whose replicas differ, "guard.params": live/spike_dump.py)."""
     if not any(step.ranks[r].trigger == "guard" for r in step.ranks_present):
@@ -326,6 +329,7 @@ def audit_step(
     warnings: tuple[str, ...] = (),
     shares: Shares | None = None,
 ) -> Report:
+    from .analysis.coverage import coverage_by_param
     from .dumpfile import TensorReader
     from .dumpfile.loader import gc_paused
     from .measure.leftout import checked_params
@@ -335,7 +339,7 @@ def audit_step(
             measure = measure_step if shares is None else shares.measure
             m = measure(step, reader, reference=reference, progress=progress, params=checked_params(step))
             judgements = {} if reference is None else judge_updates(step, reference, m, reader, options)
-        inputs = analyse(step, m, update_judgements=judgements)
+        inputs = analyse(step, m, coverage=coverage_by_param(step), update_judgements=judgements)
         warnings = tuple(warnings) + overflow_notes(inputs.table)
         return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
 

@@ -337,11 +337,11 @@ class NotCapturedParam:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankDump:
-    """One rank's file: who wrote it, what it holds and what the training code believed."""
+class RankFacts:
+    """What one rank's file says besides its pieces: who wrote it, what the training code believed,
+    what it left out. The analysis reads a rank through these and its pieces through the step table
+    (the guard builds them from its gathered numbers, with no file)."""
 
-    path: str
-    """The file it was read from ("" before it is written)."""
     rank: int
     """Global rank of the writer, 0 <= rank < world_size."""
     world_size: int
@@ -362,10 +362,6 @@ class RankDump:
     """ISO 8601 time of writing (provenance only)."""
     params: tuple[ParamInfo, ...] = ()
     """Every logical parameter this rank knows, with its global shape and dtype."""
-    pieces: ColumnarPieces
-    """The pieces, as columns of `params` (`as_columns(params, pieces)` of Piece objects)."""
-    aliases: Mapping[str, str] = field(default_factory=dict)
-    """This rank's parameter name -> logical name, for the names that differ (wrapper prefixes)."""
     topology: Topology = field(default_factory=Topology)
     """The process groups this rank could see."""
     clip: ClipRecord | None = None
@@ -386,9 +382,12 @@ class RankDump:
     trigger_note: str | None = None
     """What the writer of a triggered dump found that its pieces cannot hold (the guard: the
     parameters whose gradients were nonfinite before the step's first clip call); None: nothing."""
-    header_digest: bytes = field(default=b"", compare=False, repr=False)
-    """The digest of the file's header as it was loaded (b"" for a dump not read from a file), so that
-    the tensor reader can refuse a file changed since without decoding it again."""
+    tensor_kinds: tuple[TensorKind, ...] = ()
+    """The kinds some piece holds values of (a key in the safetensors file)."""
+    holds_flat_range: bool = False
+    """Whether some piece's region is a flat range (FSDP1's and ZeRO's pieces are)."""
+    all_replicated: bool = False
+    """Whether the rank holds pieces and every one is replicated over a process group (DDP's are)."""
 
     def __post_init__(self) -> None:
         if not (0 <= self.rank < self.world_size):
@@ -404,6 +403,35 @@ class RankDump:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RankDump(RankFacts):
+    """One rank's file: its facts and its pieces (what the pieces show of the layout is read from
+    them: `tensor_kinds`, `holds_flat_range`, `all_replicated`)."""
+
+    path: str
+    """The file it was read from ("" before it is written)."""
+    pieces: ColumnarPieces
+    """The pieces, as columns of `params` (`as_columns(params, pieces)` of Piece objects)."""
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    """This rank's parameter name -> logical name, for the names that differ (wrapper prefixes)."""
+    header_digest: bytes = field(default=b"", compare=False, repr=False)
+    """The digest of the file's header as it was loaded (b"" for a dump not read from a file), so that
+    the tensor reader can refuse a file changed since without decoding it again."""
+    tensor_kinds: tuple[TensorKind, ...] = field(init=False, default=())
+    """Read from the pieces (`ColumnarPieces.tensor_kinds`)."""
+    holds_flat_range: bool = field(init=False, default=False)
+    """Read from the pieces (`ColumnarPieces.holds_flat_range`)."""
+    all_replicated: bool = field(init=False, default=False)
+    """Read from the pieces: their replica group column."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        pieces = self.pieces
+        object.__setattr__(self, "tensor_kinds", pieces.tensor_kinds)
+        object.__setattr__(self, "holds_flat_range", pieces.holds_flat_range)
+        object.__setattr__(self, "all_replicated", bool(len(pieces) and (pieces.rows[:, 1] >= 0).all()))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Inconsistency:
     """Ranks that disagree on something every rank must agree on (evidence for GA101)."""
 
@@ -414,8 +442,9 @@ class Inconsistency:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepDump:
-    """All ranks of one step as the loader found them."""
+class StepFacts:
+    """What every rank of one step says besides its pieces (`RankFacts`), cross-checked: what the
+    analysis reads of a step, beside its step table."""
 
     directory: str
     """The step folder."""
@@ -423,8 +452,8 @@ class StepDump:
     """The optimizer step every rank dumped."""
     world_size: int
     """Number of ranks of the run (the ranks' own, when they agree)."""
-    ranks: Mapping[int, RankDump]
-    """Rank -> its dump, for the ranks present."""
+    ranks: Mapping[int, RankFacts]
+    """Rank -> its facts, for the ranks present."""
     missing_ranks: tuple[int, ...] = ()
     """Ranks of the world size without a (readable) file: every check that needs them says so."""
     inconsistencies: tuple[Inconsistency, ...] = ()
@@ -467,6 +496,14 @@ class StepDump:
         for rank in self.ranks_present:
             return self.ranks[rank].topology
         return Topology()
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDump(StepFacts):
+    """All ranks of one step as the loader found them: their files, pieces included."""
+
+    ranks: Mapping[int, RankDump]
+    """Rank -> its dump, for the ranks present."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -567,6 +604,16 @@ class ColumnarPieces(Sequence[Piece]):
     def tensor_kinds(self) -> tuple[TensorKind, ...]:
         """The kinds some piece holds values of (a key in the safetensors file)."""
         return tuple(kind for kind, keys in self.extras.tensors.items() if keys)
+
+    @property
+    def holds_flat_range(self) -> bool:
+        """Whether some piece's region is a flat range (ndim 0 in the columns, or among its extra regions)."""
+        extra = self.extras.regions
+        plain = np.ones(len(self), dtype=bool)
+        plain[list(extra)] = False
+        return bool((plain & (self.rows[:, 3] == 0)).any()) or any(
+            isinstance(region, FlatRange) for regions in extra.values() for region in regions
+        )
 
     def with_tensors(self, tensors: Mapping[TensorKind, Mapping[int, str]]) -> ColumnarPieces:
         """These pieces naming the tensors `tensors` (kind -> position -> key) too."""

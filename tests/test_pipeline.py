@@ -9,6 +9,7 @@ import pytest
 import torch
 from builders import clip, whole, write_step
 
+from gradaudit.analysis.coverage import coverage_by_param
 from gradaudit.audit import analyse, audit_step_dir, build_report, judge_updates
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile import TensorReader, load_step
@@ -53,7 +54,7 @@ def test_the_stages_called_one_by_one_give_the_report_of_the_whole_audit(dumps):
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, reference=reference)
         judgements = judge_updates(step, reference, measured, reader, options)
-    inputs = analyse(step, measured, update_judgements=judgements)
+    inputs = analyse(step, measured, coverage=coverage_by_param(step), update_judgements=judgements)
     assert set(inputs.update_judgements) == {"w"} and inputs.update_judgements["w"].explained
     direct = build_report(inputs, options, command=whole_audit.command, warnings=whole_audit.warnings)
     assert json.dumps(report_to_dict(direct)) == json.dumps(report_to_dict(whole_audit))
@@ -66,5 +67,8 @@ def test_the_analysis_cannot_be_called_without_saying_what_the_update_judgements
     with TensorReader(step) as reader:
         measured = measure_step(step, reader)
     with pytest.raises(TypeError, match="update_judgements"):
-        analyse(step, measured)  # type: ignore[call-arg]
-    assert analyse(step, measured, update_judgements={}).update_judgements == {}
+        analyse(step, measured, coverage=coverage_by_param(step))  # type: ignore[call-arg]
+    assert (
+        analyse(step, measured, coverage=coverage_by_param(step), update_judgements={}).update_judgements
+        == {}
+    )

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..model import StepDump
+from ..model import StepFacts
 from ..norms import (
     CLIP_EPS,
     INF,
@@ -151,7 +151,7 @@ class CallNorm:
     """Copies of replicated pieces differed at this call (not yet reduced): the lowest rank's count."""
 
 
-def loss_scale_of(step: StepDump) -> float | None:
+def loss_scale_of(step: StepFacts) -> float | None:
     for rank in step.ranks_present:
         clip = step.ranks[rank].clip
         if clip is None:
@@ -164,7 +164,7 @@ def loss_scale_of(step: StepDump) -> float | None:
     return None
 
 
-def reported_norm_of(step: StepDump, rank: int) -> float | None:
+def reported_norm_of(step: StepFacts, rank: int) -> float | None:
     clip = step.ranks[rank].clip
     if clip is None:
         return None
@@ -177,7 +177,7 @@ def reported_norm_of(step: StepDump, rank: int) -> float | None:
 
 
 def _applied_coef(
-    step: StepDump, rank: int, norms: NormInput, max_norm: float | None
+    step: StepFacts, rank: int, norms: NormInput, max_norm: float | None
 ) -> tuple[float | None, str | None]:
     """The coefficient this rank applied, and where it comes from: "gradients", "reported" or "reported_norm"."""
     if rank in norms.measured_coef:
@@ -207,7 +207,7 @@ class _StepWide:
     name no single rank (the true norm's, each group's, their loss-scaled copies), each built once
     and shared by every rank it applies to (a many-rank step would otherwise build them per rank)."""
 
-    def __init__(self, step: StepDump, norms: NormSet) -> None:
+    def __init__(self, step: StepFacts, norms: NormSet) -> None:
         self.all_ranks = tuple(step.ranks_present)
         self.everyone = frozenset(self.all_ranks)
         self.double, self.repeated = norms.norm(self.all_ranks, False)
@@ -607,7 +607,7 @@ def _same_conclusion(chosen: Hypothesis, coinciding: Hypothesis) -> bool:
     return chosen == CORRECT.scaled(scaled) and coinciding == LOCAL_ONLY.scaled(scaled)
 
 
-def diagnose(step: StepDump, terms: NormInput) -> StepDiagnosis:
+def diagnose(step: StepFacts, terms: NormInput) -> StepDiagnosis:
     """The true global norm, the expected coefficient, and every present rank's diagnosis: the
     numbers from `terms` (a loaded dump's or the guard's), the clip records and topology from `step`."""
     norm_type = terms.norm_type
@@ -712,7 +712,7 @@ class _FurtherCandidates:
 
     def __init__(
         self,
-        step: StepDump,
+        step: StepFacts,
         terms: NormInput,
         norms: NormSet,
         shared: _StepWide,
@@ -767,7 +767,7 @@ class _FurtherCandidates:
         return tuple(extras)
 
 
-def _param_terms(step: StepDump, terms: NormInput, norms: NormSet, ranks: tuple[int, ...]) -> ParamTerms:
+def _param_terms(step: StepFacts, terms: NormInput, norms: NormSet, ranks: tuple[int, ...]) -> ParamTerms:
     """Each parameter's term of the true norm (its elements once) and of its clipped gradient, for the
     listed-twice hypothesis; none when the entries are the guard's ownership groups, not parameters,
     and parameters with an unknown or nonfinite term left out."""
@@ -802,7 +802,7 @@ def _norm_fn(norms: NormSet) -> NormOf:
 
 
 def _true_norm(
-    step: StepDump, terms: NormInput, value: float | None
+    step: StepFacts, terms: NormInput, value: float | None
 ) -> tuple[float | None, str, float | None]:
     """(true norm or None, why it is unknown, the lower bound the present ranks give when ranks are
     missing), from `value`, the norm of the present ranks' entries, each layout once."""
@@ -814,7 +814,7 @@ def _true_norm(
     return value, "", None
 
 
-def _moment(step: StepDump, terms: NormInput, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
+def _moment(step: StepFacts, terms: NormInput, rtol: float) -> tuple[int, tuple[CallNorm, ...], bool, str]:
     """(most clip calls on a rank, true norm before each call, whether the dumped pre- and post-clip
     gradients are of different moments, when the dumped pre-clip gradient was taken)."""
     num_calls = max(
@@ -878,7 +878,7 @@ class _BoundedMatcher:
     present ranks and no other accounting, partly held by the missing ranks, could also give it.
     """
 
-    def __init__(self, step: StepDump, rank: int, norms: NormSet, lower_bound: float, rtol: float) -> None:
+    def __init__(self, step: StepFacts, rank: int, norms: NormSet, lower_bound: float, rtol: float) -> None:
         self.lower_bound, self.rtol = lower_bound, rtol
         self.undecided: list[str] = []
         self.partial_groups: list[tuple[str, float]] = []

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..model import StepDump
+from ..model import StepFacts
 from ..norms import expected_clip_coef, is_inf_norm, norm_of_terms, power, relative_difference, safe_fsum
 from ..ranksets import compact_ranks
 
@@ -146,7 +146,7 @@ class Candidate:
 
 
 def group_candidates(
-    step: StepDump,
+    step: StepFacts,
     rank: int,
     groups: Sequence[ParamGroup],
     norm_of_group: Mapping[str, NormOf],
@@ -193,7 +193,7 @@ def group_candidates(
 
 
 def averaged_candidates(
-    step: StepDump,
+    step: StepFacts,
     rank: int,
     local_norm: Callable[[int], float | None],
     memo: dict[tuple[str, tuple[int, ...]], list[Candidate]],
@@ -231,7 +231,7 @@ def _averaged(
 
 
 def every_copy_candidates(
-    step: StepDump,
+    step: StepFacts,
     rank: int,
     norm_of: NormOf,
     norm_type: float,
@@ -424,7 +424,7 @@ def overflow_candidates(true_norm: float | None, norm_type: float, dtypes: Seque
     ]
 
 
-def _complete_groups(step: StepDump, rank: int, smallest: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+def _complete_groups(step: StepFacts, rank: int, smallest: int = 1) -> list[tuple[str, tuple[int, ...]]]:
     """(name, members as the topology lists them) of each named group of this rank with at least
     `smallest` members, none of them missing (not sorted: a world of thousands of ranks is one tuple,
     shared by its members, and the norms sort their rank sets themselves)."""

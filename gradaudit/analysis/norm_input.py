@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import StepDump
+from ..model import StepFacts
 from ..norms import INF, NAN, UNKNOWN, is_inf_norm, norm_from_total, norm_of_terms, safe_fsum, segment_fsums
 from ..steptable import KindColumns, StepMeasurements, StepTable
 
@@ -53,7 +53,7 @@ class Entries:
 @dataclass(frozen=True, kw_only=True, eq=False)
 class NormInput:
     """Everything numeric the diagnosis reads of a step (the clip records, the topology and the
-    missing ranks it reads from the StepDump)."""
+    missing ranks it reads from the StepFacts)."""
 
     norm_type: float
     grad: Entries
@@ -341,7 +341,7 @@ def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet
     return {rank: sums[k] / total if total > 0 else 0.0 for k, rank in enumerate(ordered)}
 
 
-def norm_input_of(step: StepDump, m: StepMeasurements, table: StepTable) -> NormInput:
+def norm_input_of(step: StepFacts, m: StepMeasurements, table: StepTable) -> NormInput:
     """The diagnosis' input from a loaded step's measurements and their step table."""
     order, grad_columns = table.by_rank_order, table.grad
     held = None if grad_columns.has.all() else grad_columns.has[order]
@@ -434,7 +434,7 @@ def _ranks_with_drifted_replicas(m: StepMeasurements) -> frozenset[int]:
     )
 
 
-def _covers_every_param(step: StepDump, table: StepTable) -> bool:
+def _covers_every_param(step: StepFacts, table: StepTable) -> bool:
     """Whether the present ranks' distinct entries hold as many elements as every parameter has
     (the exact overlap/gap check is GA102/GA103; this only tells whether missing ranks mattered)."""
     cover = table.cover

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..model import StepDump
+from ..model import StepFacts
 from ..norms import expected_clip_coef, relative_difference, safe_fsum
 from ..steptable import StepTable
 from .diagnosis import StepDiagnosis
@@ -114,7 +114,7 @@ def _unique_pairs(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np
     return rows, inverse.reshape(-1)
 
 
-def param_coefficients(step: StepDump, diagnosis: StepDiagnosis, table: StepTable) -> ParamCoefficients:
+def param_coefficients(step: StepFacts, diagnosis: StepDiagnosis, table: StepTable) -> ParamCoefficients:
     """The step's per-parameter coefficients (none, with a note, when they cannot be measured; none
     without a note when fewer than two parameters have a nonzero finite gradient)."""
     num_calls = diagnosis.num_clip_calls
@@ -178,7 +178,7 @@ Coefficients = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
 
 def _per_rank_and_param(
-    step: StepDump, table: StepTable, num_calls: int, rtol: float
+    step: StepFacts, table: StepTable, num_calls: int, rtol: float
 ) -> tuple[Coefficients, Coefficients | None, bool]:
     """(the last clip call's coefficients, the coefficients across every call, whether every one was
     measured from the values). With several calls, a coefficient spans them only when each parameter
@@ -217,7 +217,7 @@ def _per_rank_and_param(
 
 
 def _piece_columns(
-    step: StepDump, table: StepTable, num_calls: int
+    step: StepFacts, table: StepTable, num_calls: int
 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
     """Per entry of `table`: the post-clip sum of squares, whether the post-clip gradient holds a
     nonfinite value, (sum(pre * post), sum(pre * pre)) when every piece with a post-clip gradient has
@@ -228,27 +228,20 @@ def _piece_columns(
     assert table.clipped is not None  # param_coefficients asks only then
     dots = (table.dot_pre_post, table.dot_pre_pre) if (table.has_dots | ~table.clipped.has).all() else None
     calls = None
-    if num_calls > 1:
-        by_piece = _call_sums(step)
-        found = [by_piece.get(key, ()) for key in zip(table.rank.tolist(), table.index.tolist(), strict=True)]
-        if all(len(f) == num_calls for f in found):
-            calls = np.array(found, dtype=np.float64).reshape(len(found), num_calls)
+    if num_calls > 1 and _call_sums_comparable(step, table, num_calls):
+        calls = np.stack([c.sum_sq for c in table.calls], axis=1).reshape(len(table.rank), num_calls)
     return table.clipped.sum_sq, table.clipped.nonfinite > 0, dots, calls
 
 
-def _call_sums(step: StepDump) -> dict[tuple[int, int], tuple[float, ...]]:
-    """(rank, piece index) -> the piece's gradient sum of squares before each clip call (raw: the loss
-    scale cancels in their ratios), for the pieces that hold per-call statistics."""
-    found = {}
-    for rank in step.ranks_present:
-        dump = step.ranks[rank]
-        clip = dump.clip
-        if clip is None or len({c.unscaled for c in clip.calls}) > 1:
-            continue  # unscale_ between calls changes the gradients by more than the clip coefficient
-        pieces = dump.pieces
-        for at, stats in pieces.extras.call_stats.items():
-            found[(rank, pieces.extras.indices.get(at, at))] = tuple(s.sum_sq for s in stats)
-    return found
+def _call_sums_comparable(step: StepFacts, table: StepTable, num_calls: int) -> bool:
+    """Whether every entry holds its sum of squares before each of the `num_calls` clip calls, and
+    every rank holding entries clipped with one unscale_ state throughout (unscale_ between calls
+    changes the gradients by more than the clip coefficient); within a rank the loss scale divided
+    out of the sums is one number, which cancels in their ratios."""
+    if len(table.calls) != num_calls or not all(c.has.all() for c in table.calls):
+        return False
+    clips = [step.ranks[rank].clip for rank in set(table.rank.tolist())]
+    return all(clip is not None and len({c.unscaled for c in clip.calls}) == 1 for clip in clips)
 
 
 def _cause(groups: list[CoefGroup], per_call: bool, rtol: float) -> tuple[list[CoefGroup], str | None]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..model import StepDump
+from ..model import StepFacts
 from ..steptable import StepTable
 
 CLAMP_RTOL = 1e-6
@@ -32,7 +32,7 @@ class ValueClipping:
     """No recorded call clipped by norm: the norm checks have nothing to check."""
 
 
-def value_clipping(step: StepDump, table: StepTable) -> ValueClipping | None:
+def value_clipping(step: StepFacts, table: StepTable) -> ValueClipping | None:
     """The step's element-wise clipping, from its recorded calls or from the clamp it left; else None."""
     values = {
         rank: call.clip_value

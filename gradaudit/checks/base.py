@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # for type checking only, so that `gradaudit explain` loads n
     from ..analysis.param_coefs import ParamCoefficients
     from ..analysis.updates import UpdateJudgement
     from ..analysis.valueclip import ValueClipping
-    from ..model import StepDump
+    from ..model import StepFacts
     from ..steptable import StepMeasurements, StepTable
 
 
@@ -47,7 +47,7 @@ class Analysis:
     read from its tensors, and what the analysis made of them (audit.analyse builds it once per step,
     from a loaded dump or the guard's gathered numbers; the checks only read it)."""
 
-    step: StepDump
+    step: StepFacts
     """The loaded step."""
     measurements: StepMeasurements
     """What was read from its tensors (and the reference's)."""

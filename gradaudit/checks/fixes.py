@@ -10,9 +10,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-import numpy as np
-
-from ..model import ColumnarPieces, FlatRange, StepDump
+from ..model import StepFacts
 from ..report.model import Finding, Severity
 from .registry import BY_CODE
 
@@ -41,36 +39,26 @@ _SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
 _TENSOR_PARALLEL_AXES = frozenset({"tp", "tensor_model_parallel"})
 
 
-def stack_of(step: StepDump) -> str | None:
+def stack_of(step: StepFacts) -> str | None:
     """The training stack the dump shows (one of STACKS), or None when it does not tell.
 
     Read from the first present rank: every rank of a step runs the same stack."""
     if not step.ranks_present:
         return None
-    dump = step.ranks[step.ranks_present[0]]
-    by_api = CAPTURE_STACKS.get(dump.capture_api or "")
+    rank = step.ranks[step.ranks_present[0]]
+    by_api = CAPTURE_STACKS.get(rank.capture_api or "")
     if by_api is not None:
         return by_api
-    topology, columns = dump.topology, dump.pieces
-    if dump.capture_api not in GROUP_PIECE_APIS and _has_flat_range(columns):
+    topology = rank.topology
+    if rank.capture_api not in GROUP_PIECE_APIS and rank.holds_flat_range:
         return "FSDP1"
     if topology.mesh is not None:
         return "DTensor" if set(topology.mesh.axis_names) <= _TENSOR_PARALLEL_AXES else "FSDP2"
     if _TENSOR_PARALLEL_AXES & set(topology.groups):
         return "Megatron-style"
-    if len(columns) and bool((columns.rows[:, 1] >= 0).all()):
+    if rank.all_replicated:
         return "DDP"
     return None
-
-
-def _has_flat_range(columns: ColumnarPieces) -> bool:
-    """Whether some piece's region is a flat range (ndim 0 in the columns, or among its extra regions)."""
-    extra = columns.extras.regions
-    plain = np.ones(len(columns), dtype=bool)
-    plain[list(extra)] = False
-    return bool((plain & (columns.rows[:, 3] == 0)).any()) or any(
-        isinstance(region, FlatRange) for regions in extra.values() for region in regions
-    )
 
 
 def fix_for(fix_text: str, stack: str | None) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..model import StepDump
+from ..model import StepFacts
 
 _RECORD_PARAMETERS = {
     "audit_step": "pass optimizer= to audit_step",
@@ -23,14 +23,14 @@ _RECORD_PARAMETERS = {
 }
 
 
-def capture_api(step: StepDump) -> str | None:
+def capture_api(step: StepFacts) -> str | None:
     """The API that captured the step (from its first present rank), or None when the files do not say."""
     for rank in step.ranks_present:
         return step.ranks[rank].capture_api
     return None
 
 
-def record_parameters_hint(step: StepDump) -> str:
+def record_parameters_hint(step: StepFacts) -> str:
     """How to get the parameters before and after the optimizer step recorded, with this step's API."""
     api = capture_api(step)
     return _RECORD_PARAMETERS.get(api or "", "pass optimizer= to audit_step or begin_audit")

@@ -15,9 +15,7 @@ def replica_weights_differ(inputs: Analysis, options: AuditOptions) -> CheckResu
     replicated = [rs for pm in m.params.values() for rs in pm.replica_sets]
     sets = [rs for rs in replicated if rs.param_base_max_abs is not None]
     if not sets:
-        if replicated and any(
-            "param_before" in step.ranks[r].pieces.tensor_kinds for r in step.ranks_present
-        ):
+        if replicated and any("param_before" in step.ranks[r].tensor_kinds for r in step.ranks_present):
             return Skip(reason="the replicated pieces' parameters were not recorded on every copy")
         return ()  # nothing replicated, or no weights recorded at all (GA701 says so)
     bad = []

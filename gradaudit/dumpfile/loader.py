@@ -10,12 +10,12 @@ import os
 import re
 import stat
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from ..errors import DumpFormatError, GradauditError, StepFolderError, clipped, shown
-from ..model import Inconsistency, ParamInfo, RankDump, StepDump, Topology
+from ..model import Inconsistency, ParamInfo, RankDump, RankFacts, StepDump, StepFacts, Topology
 from .columnar import ParamsCache
 from .header import (
     Header,
@@ -330,13 +330,46 @@ def refuse_mixed_runs(ranks: dict[int, RankDump]) -> None:
 
 def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple[str, ...] = ()) -> StepDump:
     """Cross-check the ranks of one step; disagreements become data (GA101), not errors."""
+    step, world_size, missing, inconsistencies, checked = cross_checked(ranks)
+    return StepDump(
+        directory=directory,
+        step=step,
+        world_size=world_size,
+        ranks=checked,
+        missing_ranks=missing,
+        inconsistencies=inconsistencies,
+        warnings=warnings,
+    )
+
+
+def assemble_facts(directory: str, ranks: dict[int, RankFacts]) -> StepFacts:
+    """`assemble_step` of ranks known by their facts alone (the guard's gathered numbers)."""
+    step, world_size, missing, inconsistencies, checked = cross_checked(ranks)
+    return StepFacts(
+        directory=directory,
+        step=step,
+        world_size=world_size,
+        ranks=checked,
+        missing_ranks=missing,
+        inconsistencies=inconsistencies,
+    )
+
+
+_Rank = TypeVar("_Rank", bound=RankFacts)
+
+
+def cross_checked(
+    ranks: dict[int, _Rank],
+) -> tuple[int, int, tuple[int, ...], tuple[Inconsistency, ...], dict[int, _Rank]]:
+    """(the step most ranks name, the world size, the missing ranks, what the ranks disagree on, the
+    ranks in order with every rank's topology holding every rank's view of its groups)."""
     world_sizes = Counter(d.world_size for d in ranks.values())
     world_size = max(world_sizes)
     steps = Counter(d.step for d in ranks.values())
     step = steps.most_common(1)[0][0]
     inconsistencies = []
 
-    def compare(what: str, value_of: Callable[[RankDump], object]) -> None:
+    def compare(what: str, value_of: Callable[[RankFacts], object]) -> None:
         values = {rank: value_of(d) for rank, d in sorted(ranks.items())}
         present = {r: v for r, v in values.items() if v is not None}
         if len(set(present.values())) > 1:
@@ -360,24 +393,16 @@ def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple
             merged[id(d.topology)] = (
                 d.topology if same else dataclasses.replace(d.topology, groups=merged_groups)
             )
-    ranks = {
+    checked = {
         rank: d
         if d.topology is merged[id(d.topology)]
         else dataclasses.replace(d, topology=merged[id(d.topology)])
-        for rank, d in ranks.items()
+        for rank, d in sorted(ranks.items())
     }
-    return StepDump(
-        directory=directory,
-        step=step,
-        world_size=world_size,
-        ranks=dict(sorted(ranks.items())),
-        missing_ranks=missing,
-        inconsistencies=tuple(inconsistencies),
-        warnings=warnings,
-    )
+    return step, world_size, missing, tuple(inconsistencies), checked
 
 
-def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
+def _param_disagreements(ranks: Mapping[int, RankFacts]) -> list[Inconsistency]:
     """Parameters whose global shape or dtype differs between ranks. Ranks holding an equal
     parameter table (consecutive ranks mostly share one) are looked at once."""
     tables: list[tuple[tuple[ParamInfo, ...], list[int]]] = []
@@ -401,7 +426,7 @@ def _param_disagreements(ranks: dict[int, RankDump]) -> list[Inconsistency]:
 
 
 def merge_groups(
-    ranks: dict[int, RankDump],
+    ranks: Mapping[int, RankFacts],
 ) -> tuple[dict[str, tuple[tuple[int, ...], ...]], list[Inconsistency]]:
     """Union of every rank's view of each named group (a rank may know only its own rank list).
 

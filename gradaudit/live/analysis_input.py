@@ -27,6 +27,7 @@ from ..model import (
     ParamInfo,
     PieceExtras,
     RankDump,
+    RankFacts,
     StepDump,
     TensorKind,
     TensorStats,
@@ -46,6 +47,7 @@ from ..steptable import (
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..analysis.coverage import ParamCoverage
     from ..checks.base import Analysis
     from ..report.model import Report
 
@@ -251,15 +253,63 @@ def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
     return _rank_dumps(live, _gathered(live))
 
 
-def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
-    """Each rank's dump, its pieces' columns sliced from the gathered ones (one element per group the
-    rank holds, whose magnitude is the group's norm, at its replica class's position), with no Piece
-    object built."""
-    params = tuple(
+def _group_params(live: LiveStep, g: _Gathered) -> tuple[ParamInfo, ...]:
+    """The parameter each ownership group some rank holds is in the guard's dump: one element per
+    replica class."""
+    return tuple(
         ParamInfo(name=group.param, global_shape=(len(g.layouts[i]),), dtype=group.dtype)
         for i, group in enumerate(live.groups)
         if g.layouts[i]
     )
+
+
+def _rank_facts(live: LiveStep, g: _Gathered) -> dict[int, RankFacts]:
+    """Each rank's facts: what its dump (`_rank_dumps`) says besides its pieces, with no dump built."""
+    params = _group_params(live, g)
+    shared: dict[tuple[int, ...], tuple[tuple[ParamInfo, ...], bool]] = {}
+    facts = {}
+    for rank, summary in sorted(live.ranks.items()):
+        lo, hi = g.bounds[rank]
+        held = tuple(h.group for h in g.held[lo:hi])
+        if held not in shared:
+            names = {live.groups[i].param for i in held}
+            replicated = bool(held) and all(live.groups[i].replica_group is not None for i in held)
+            shared[held] = (tuple(p for p in params if p.name in names), replicated)
+        rank_params, replicated = shared[held]
+        facts[rank] = RankFacts(
+            rank=rank,
+            world_size=live.world_size,
+            step=live.step,
+            mode="stats",
+            run_id=live.run_id,
+            params=rank_params,
+            topology=summary.topology,
+            clip=g.clips[rank],
+            capture_api="guard",
+            holds_flat_range=bool(held),  # each group's piece: one element of a flat range
+            all_replicated=replicated,
+        )
+    return facts
+
+
+def _coverage(live: LiveStep, g: _Gathered, params: Mapping[str, ParamInfo]) -> dict[str, ParamCoverage]:
+    """Who holds which element of each group's parameter: each element (a replica class) by that
+    class's ranks, and no element by two classes, as `coverage_by_param` finds the guard's dump."""
+    from ..analysis.coverage import ParamCoverage
+    from ..analysis.geometry import Coverage
+
+    holders: dict[str, list[int]] = {}
+    for h in g.held:  # by rank
+        holders.setdefault(live.groups[h.group].param, []).append(h.rank)
+    whole = Coverage(num_gap_elements=0, num_overlap_elements=0, overlapping_tags=frozenset())
+    return {name: ParamCoverage(info, whole, [], sorted(set(holders[name]))) for name, info in params.items()}
+
+
+def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
+    """Each rank's dump, its pieces' columns sliced from the gathered ones (one element per group the
+    rank holds, whose magnitude is the group's norm, at its replica class's position), with no Piece
+    object built."""
+    params = _group_params(live, g)
     shapes: dict[tuple[tuple[int, ...], str | None], _RankShape] = {}
     columns = _Columns(live, g)
     dumps = {}
@@ -375,10 +425,10 @@ def analysis_of(live: LiveStep) -> Analysis:
     measured, but from the gathered numbers: the step table and the replica sets built from them
     (nothing measured, no tensor read), the facts from the step the guard's dump amounts to."""
     from ..audit import analyse
-    from ..dumpfile.loader import assemble_step
+    from ..dumpfile.loader import assemble_facts
 
     g = _gathered(live)
-    step = assemble_step(live.directory, _rank_dumps(live, g))
+    step = assemble_facts(live.directory, _rank_facts(live, g))
     table, replicas = _step_table(live, g, tuple(step.params))
     measurements = StepMeasurements(
         norm_type=live.norm_type,
@@ -388,7 +438,7 @@ def analysis_of(live: LiveStep) -> Analysis:
         },
         table=table,
     )
-    return analyse(step, measurements, update_judgements={})
+    return analyse(step, measurements, coverage=_coverage(live, g, step.params), update_judgements={})
 
 
 def _step_table(

@@ -18,6 +18,7 @@ from builders import (
     write_step,
 )
 
+from gradaudit.analysis.coverage import coverage_by_param
 from gradaudit.audit import analyse
 from gradaudit.dumpfile import TensorReader, load_step
 from gradaudit.measure.measure import measure_step
@@ -86,7 +87,7 @@ def test_replicas_count_once_in_the_true_norm_and_every_copy_in_the_double_count
     step, a, b = _mixed_step(tmp_path)
     with TensorReader() as reader:
         m = measure_step(step, reader)
-    diagnosis = analyse(step, m, update_judgements={}).diagnosis
+    diagnosis = analyse(step, m, coverage=coverage_by_param(step), update_judgements={}).diagnosis
     expected = math.sqrt(float(a.double().square().sum() + b.double().square().sum()) + 3.0)
     assert math.isclose(diagnosis.true_norm, expected, rel_tol=1e-12)
     double = {c.hypothesis.text: c.value for c in diagnosis.ranks[0].candidates}["replicas_double_counted"]

@@ -287,10 +287,12 @@ def test_the_analysis_of_the_live_summary_is_that_of_the_guard_dump(seed, clippe
     oracle); with gradients measured before GradScaler.unscale_, both divide the loss scale out alike."""
     import dataclasses
 
+    from gradaudit.analysis.coverage import coverage_by_param
     from gradaudit.audit import analyse
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.live.analysis_input import analysis_of
     from gradaudit.measure.measure import measure_step
+    from gradaudit.model import StepFacts
 
     live = _random_live_step(seed)
     if clipped_before_unscale:
@@ -301,7 +303,17 @@ def test_the_analysis_of_the_live_summary_is_that_of_the_guard_dump(seed, clippe
     step = step_dump(live)
     with TensorReader(step) as reader:
         measured = measure_step(step, reader, workers=1)
-    expected, ours = analyse(step, measured, update_judgements={}), analysis_of(live)
+    expected = analyse(step, measured, coverage=coverage_by_param(step), update_judgements={})
+    ours = analysis_of(live)
+    assert type(ours.step) is StepFacts  # no dump built: the facts alone
+    assert ours.coverage == expected.coverage and list(ours.coverage) == list(expected.coverage)
+    for field in ("step", "world_size", "missing_ranks", "inconsistencies", "ranks_present", "params"):
+        assert getattr(ours.step, field) == getattr(expected.step, field), field
+    for rank in step.ranks_present:
+        facts, dump = ours.step.ranks[rank], step.ranks[rank]
+        for field in dataclasses.fields(facts):
+            assert getattr(facts, field.name) == getattr(dump, field.name), (rank, field.name)
+    assert stack_of(ours.step) == stack_of(step)
     assert_same_tables(expected.table, ours.table)
     assert bool(ours.table.calls) == any(len(s.calls) > 1 for s in live.ranks.values())
     assert [pm.replica_sets for pm in measured.params.values()] == [
