@@ -126,22 +126,16 @@ def _compare_replicas(
     with its base copy by gradient values when all have them, and by `param_before` when all have it."""
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
     if all("grad" in p.tensors for _, _, p, _ in copies):
+        diffs = _differences(reader, copies, "grad", chunk)[0]
         results = [
             ReplicaCopy(rank=rank, index=piece.index, max_abs_diff=diff, num_nonfinite_mismatch=mismatch)
-            for (rank, _, piece, _), (diff, mismatch) in zip(
-                copies[1:], _differences(reader, copies, "grad", chunk)[0], strict=True
-            )
+            for (rank, _, piece, _), (diff, mismatch) in zip(copies[1:], diffs, strict=True)
         ]
         found = replace(found, copies=tuple(results), by_values=True)
     if all("param_before" in p.tensors for _, _, p, _ in copies):
         diffs, base_max = _differences(reader, copies, "param_before", chunk)  # kept unscaled
-        found = replace(
-            found,
-            copies=tuple(
-                replace(c, param_max_abs_diff=d) for c, (d, _) in zip(found.copies, diffs, strict=True)
-            ),
-            param_base_max_abs=base_max,
-        )
+        results = [replace(c, param_max_abs_diff=d) for c, (d, _) in zip(found.copies, diffs, strict=True)]
+        found = replace(found, copies=tuple(results), param_base_max_abs=base_max)
     return found
 
 

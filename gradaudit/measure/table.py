@@ -34,6 +34,12 @@ _READ, _FINGERPRINTED, _REMOVED = 1, 2, -1
 its statistics dropped (a partial sum's kind that the group's sum does not give)."""
 
 
+_Key = tuple[str, TensorKind, int]
+"""A gathered column: (what, kind, column)."""
+_ReadAt = Callable[[np.ndarray], np.ndarray]
+"""What the tensor pass read at these positions (a column of theirs)."""
+
+
 class PieceTable:
     """Every piece of the chosen parameters on the step's ranks, by parameter (in the order of
     `names`), then rank, then piece index: position `p` is piece `index[p]` (`local[p]` in its
@@ -133,7 +139,7 @@ class PieceTable:
         self.scale_at = np.repeat(self.scales, sizes)[self._order] if reads else np.zeros(0)
         """Per position, the value scale of its gradients (1 for a partial sum's base), when some
         piece holds values (else its rank's, `scales`)."""
-        self._cache: dict[tuple[str, TensorKind, int], np.ndarray] = {}
+        self._cache: dict[_Key, np.ndarray] = {}
         """Gathered gradient columns, by (what, kind, column): asked for by several questions."""
 
     @functools.cached_property
@@ -204,19 +210,17 @@ class PieceTable:
         its gradients divided by their loss scale; 0 where it holds none."""
         return self._kept(
             ("column", kind, column),
-            lambda: self._overlay(
-                kind,
-                self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column)),
-                lambda read: self._unscaled_read(kind, read)[column],
-            ),
+            lambda: self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column)),
+            lambda read: self._unscaled_read(kind, read)[column],
         )
 
-    def _kept(self, key: tuple[str, TensorKind, int], compute: Callable[[], np.ndarray]) -> np.ndarray:
-        """`compute()`, kept when it is a column of the gradient (asked again by the columns, which
-        hold it anyway): another kind's is gathered again when asked, not kept in memory."""
+    def _kept(self, key: _Key, stored: Callable[[], np.ndarray], read: _ReadAt) -> np.ndarray:
+        """`stored()` overlaid with `read` (`_overlay`), kept when it is a column of the gradient
+        (asked again by the columns, which hold it anyway): another kind's is gathered again when
+        asked, not kept in memory."""
         found = self._cache.get(key)
         if found is None:
-            found = compute()
+            found = self._overlay(key[1], stored(), read)
             if key[1] == "grad":
                 self._cache[key] = found
         return found
@@ -246,9 +250,7 @@ class PieceTable:
                     column[chosen] = values
         return out
 
-    def _overlay(
-        self, kind: TensorKind, stored: np.ndarray, read: Callable[[np.ndarray], np.ndarray]
-    ) -> np.ndarray:
+    def _overlay(self, kind: TensorKind, stored: np.ndarray, read: _ReadAt) -> np.ndarray:
         state = self._state.get(kind)
         if state is None or not state.any():
             return stored
@@ -262,11 +264,8 @@ class PieceTable:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
         return self._kept(
             ("counts", kind, 0),
-            lambda: self._overlay(
-                kind,
-                self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3),
-                lambda at: self._read_counts[kind][at],
-            ),
+            lambda: self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3),
+            lambda at: self._read_counts[kind][at],
         )
 
     def kind_term(self, kind: TensorKind, norm_type: float) -> tuple[np.ndarray, np.ndarray]:
