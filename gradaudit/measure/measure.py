@@ -242,15 +242,10 @@ def _measure_reference(
         ref_rank = next(rank for rank, _, piece in ref_held if kind in piece.tensors)
         ref_scale = ref_table.scale_of(ref_rank) if kind in SCALED_KINDS else 1.0
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
-        per_piece = [
-            compare_regions(
-                functools.partial(_piece_flat, reader, path, piece, kind, scale=table.scale_of(rank)),
-                piece.regions,
-                source,
-                chunk,
-            )
-            for rank, path, piece in ours
-        ]
+        per_piece = []
+        for rank, path, piece in ours:
+            read_ours = functools.partial(_piece_flat, reader, path, piece, kind, scale=table.scale_of(rank))
+            per_piece.append(compare_regions(read_ours, piece.regions, source, chunk))
         errors.append(
             ReferenceDifference(
                 param=name,
