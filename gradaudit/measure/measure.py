@@ -380,7 +380,7 @@ def _measure_all(
     results: dict[str, ParamMeasurement] = {}
 
     def finished(name: str, measurement: ParamMeasurement) -> None:
-        results[name] = measurement  # the names are distinct: one more done
+        results[name] = measurement  # one entry per parameter done: the names are distinct
         if progress is not None:
             progress(len(results), len(names))
 
