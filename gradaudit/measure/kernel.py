@@ -67,6 +67,12 @@ def projection(x: F64, offset: int) -> float:
     return result
 
 
+def windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) of each chunk of `chunk` elements of `numel`, in order."""
+    for start in range(0, numel, chunk):
+        yield start, min(numel, start + chunk)
+
+
 class StatsSums:
     """Running float64 sums of one tensor's chunks (finite values only)."""
 
@@ -92,13 +98,11 @@ class StatsSums:
             finite = np.isfinite(wide)
             if not finite.all():
                 finite_mask = finite
-                nan = np.isnan(wide)
-                self.num_nan += int(np.count_nonzero(nan))
+                nan = int(np.count_nonzero(np.isnan(wide)))
                 positive = int(np.count_nonzero(wide == math.inf))
+                self.num_nan += nan
                 self.num_posinf += positive
-                self.num_neginf += (
-                    wide.size - int(np.count_nonzero(finite)) - int(np.count_nonzero(nan)) - positive
-                )
+                self.num_neginf += wide.size - int(np.count_nonzero(finite)) - nan - positive
                 np.copyto(wide, 0.0, where=~finite)
                 sq = float(np.dot(wide, wide))
         extremes = wide if finite_mask is not None or narrow is None else narrow
@@ -159,10 +163,6 @@ class ChunkKernel:
         self.chunk_elements = chunk_elements
         self.widener = Widener(chunk_elements)
 
-    def windows(self, numel: int) -> Iterator[tuple[int, int]]:
-        for start in range(0, numel, self.chunk_elements):
-            yield start, min(numel, start + self.chunk_elements)
-
     def read_piece(
         self,
         reader: TensorReader,
@@ -186,9 +186,10 @@ class ChunkKernel:
         sums = {kind: StatsSums(float(norm_type), fingerprint=fingerprint) for kind in kinds}
         pre_post = "grad" in tensors and "grad_clipped" in tensors
         update = "param_before" in tensors and "param_after" in tensors
-        pairs: dict[str, list[float]] = {"pre_post": [], "pre_pre": [], "update": []}
+        pairs: tuple[list[float], list[float], list[float]] = ([], [], [])
+        """Per chunk: sum grad*grad_clipped, sum grad*grad, sum (param_after - param_before)^2."""
         with np.errstate(all="ignore"):
-            for start, stop in self.windows(numel):
+            for start, stop in windows(numel, self.chunk_elements):
                 wide: dict[str, F64] = {}
                 masks: dict[str, Mask | None] = {}
                 scratch = self.widener.buffer("scratch", stop - start)
@@ -198,46 +199,32 @@ class ChunkKernel:
                     narrow = raw if dtypes[kind] in NARROW_FLOATS else None
                     masks[kind] = sums[kind].add(wide[kind], scratch, narrow)
                 if pre_post:
-                    ab, aa, _ = _finite_products(
-                        wide["grad"], wide["grad_clipped"], masks["grad"], masks["grad_clipped"], scratch
-                    )
-                    pairs["pre_post"].append(ab)
-                    pairs["pre_pre"].append(aa)
+                    grad, clipped = _finite_in_both(wide, masks, "grad", "grad_clipped")
+                    pairs[0].append(float(np.dot(grad, clipped)))
+                    pairs[1].append(float(np.dot(grad, grad)))
                 if update:
-                    pairs["update"].append(
-                        _finite_products(
-                            wide["param_before"],
-                            wide["param_after"],
-                            masks["param_before"],
-                            masks["param_after"],
-                            scratch,
-                            difference=True,
-                        )[2]
-                    )
+                    before, after = _finite_in_both(wide, masks, "param_before", "param_after")
+                    difference = np.subtract(after, before, out=scratch)
+                    pairs[2].append(float(np.dot(difference, difference)))
         stats = {kind: s.result(numel) for kind, s in sums.items()}
+        dot_pre_post, dot_pre_pre, update_sum_sq = (safe_fsum(chunks) for chunks in pairs)
+        return (
+            stats,
+            dot_pre_post if pre_post else None,
+            dot_pre_pre if pre_post else None,
+            update_sum_sq if update else None,
+        )
 
-        def total(key: str, wanted: bool) -> float | None:
-            return safe_fsum(pairs[key]) if wanted else None
 
-        return stats, total("pre_post", pre_post), total("pre_pre", pre_post), total("update", update)
-
-
-def _finite_products(
-    a: F64,
-    b: F64,
-    mask_a: Mask | None,
-    mask_b: Mask | None,
-    scratch: F64,
-    *,
-    difference: bool = False,
-) -> tuple[float, float, float]:
-    """(a.b, a.a, |b-a|^2) over the elements finite in both. Nonfinite values were zeroed already;
-    where only one of the two was, the other is zeroed here too (in place: the chunk is done)."""
+def _finite_in_both(
+    wide: Mapping[str, F64], masks: Mapping[str, Mask | None], a: TensorKind, b: TensorKind
+) -> tuple[F64, F64]:
+    """The chunks of kinds `a` and `b`, zeroed where either is not finite. Nonfinite values were
+    zeroed already; where only one of the two was, the other is zeroed here too (in place: the
+    chunk is done)."""
+    mask_a, mask_b = masks[a], masks[b]
     both = mask_a if mask_b is None else (mask_b if mask_a is None else mask_a & mask_b)
     if both is not None:
-        np.copyto(a, 0.0, where=~both)
-        np.copyto(b, 0.0, where=~both)
-    if difference:
-        d = np.subtract(b, a, out=scratch)
-        return 0.0, 0.0, float(np.dot(d, d))
-    return float(np.dot(a, b)), float(np.dot(a, a)), 0.0
+        np.copyto(wide[a], 0.0, where=~both)
+        np.copyto(wide[b], 0.0, where=~both)
+    return wide[a], wide[b]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ from ..steptable import (
     ReplicaSet,
     StepMeasurements,
 )
-from .measurements import SCALED_KINDS, dumped_gradient_scale
+from .measurements import SCALED_KINDS
 
 if TYPE_CHECKING:
     import numpy as np
@@ -75,11 +75,6 @@ def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
 # ---------------------------------------------------------------- reading helpers
 
 
-def _flat_windows(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, numel, chunk):
-        yield start, min(numel, start + chunk)
-
-
 def _piece_flat(
     reader: TensorReader, path: str, piece: Piece, kind: TensorKind, start: int, stop: int, scale: float = 1.0
 ) -> np.ndarray:
@@ -98,27 +93,25 @@ def _piece_flat(
 
 def _read_values(
     table: PieceTable,
-    positions: np.ndarray,
+    positions: range,
     reader: TensorReader,
     kernel: ChunkKernel,
-    fingerprinted: np.ndarray,
+    fingerprinted: Collection[int] = (),
 ) -> None:
     """Read the values of the pieces at these positions that hold some, into the table: their
-    statistics (values measured here win over stored summaries) and two-tensor products."""
+    statistics (values measured here win over stored summaries) and two-tensor products, with
+    the fingerprint of those in `fingerprinted`."""
     import numpy as np
 
     if not table.with_values:
         return
-    holding = np.zeros(positions.size, dtype=bool)
-    for flags in table.with_values.values():
-        holding |= flags[positions]
-    chosen = positions[holding]
-    wanted = set(fingerprinted.tolist())
+    at = np.arange(positions.start, positions.stop)
+    chosen = at[np.any([flags[at] for flags in table.with_values.values()], axis=0)]
     for position, scale, (path, tensors, numel) in zip(
         chosen.tolist(), table.scale_at[chosen].tolist(), table.tensors(chosen), strict=True
     ):
         read, dot_pre_post, dot_pre_pre, update_sum_sq = kernel.read_piece(
-            reader, path, tensors, numel, table.read_norm_type, fingerprint=position in wanted
+            reader, path, tensors, numel, table.read_norm_type, fingerprint=position in fingerprinted
         )
         if dot_pre_post is not None and dot_pre_pre is not None and scale != 1.0:
             dot_pre_post = divide_by_power(dot_pre_post, scale, 2.0)
@@ -133,22 +126,16 @@ def _compare_replicas(
     with its base copy by gradient values when all have them, and by `param_before` when all have it."""
     copies = sorted(copies, key=lambda c: (c[0], c[2].index))
     if all("grad" in p.tensors for _, _, p, _ in copies):
+        diffs = _differences(reader, copies, "grad", chunk)[0]
         results = [
             ReplicaCopy(rank=rank, index=piece.index, max_abs_diff=diff, num_nonfinite_mismatch=mismatch)
-            for (rank, _, piece, _), (diff, mismatch) in zip(
-                copies[1:], _differences(reader, copies, "grad", chunk)[0], strict=True
-            )
+            for (rank, _, piece, _), (diff, mismatch) in zip(copies[1:], diffs, strict=True)
         ]
         found = replace(found, copies=tuple(results), by_values=True)
     if all("param_before" in p.tensors for _, _, p, _ in copies):
         diffs, base_max = _differences(reader, copies, "param_before", chunk)  # kept unscaled
-        found = replace(
-            found,
-            copies=tuple(
-                replace(c, param_max_abs_diff=d) for c, (d, _) in zip(found.copies, diffs, strict=True)
-            ),
-            param_base_max_abs=base_max,
-        )
+        results = [replace(c, param_max_abs_diff=d) for c, (d, _) in zip(found.copies, diffs, strict=True)]
+        found = replace(found, copies=tuple(results), param_base_max_abs=base_max)
     return found
 
 
@@ -159,6 +146,7 @@ def _differences(
     in their tensor `kind` divided by their scale; the first's largest finite |x|)."""
     import numpy as np
 
+    from .kernel import windows
     from .reference import compare_values
 
     _, base_path, base, base_scale = copies[0]
@@ -167,7 +155,7 @@ def _differences(
     mismatches = [0] * len(others)
     base_max = 0.0
     per_copy = max(1 << 16, chunk // max(1, len(copies)))
-    for start, stop in _flat_windows(base.numel, per_copy):
+    for start, stop in windows(base.numel, per_copy):
         ref = _piece_flat(reader, base_path, base, kind, start, stop, base_scale)
         finite = ref[np.isfinite(ref)]
         if finite.size:
@@ -179,12 +167,6 @@ def _differences(
             diffs[i] = max(diffs[i], diff)
             mismatches[i] += mismatch
     return list(zip(diffs, mismatches, strict=True)), base_max
-
-
-def _dtype_looseness(dtype: str) -> float:
-    from ..norms import norm_rtol
-
-    return norm_rtol([dtype])
 
 
 def _replica_sets(
@@ -209,7 +191,7 @@ def _replica_sets(
     )
 
 
-def _fingerprinted(table: PieceTable, positions: range) -> np.ndarray:
+def _fingerprinted(table: PieceTable, positions: range) -> set[int]:
     """The positions with gradient values whose replica set also holds stats-only copies: those
     are compared by fingerprint, so theirs must be computed (it costs several passes)."""
     import numpy as np
@@ -217,45 +199,37 @@ def _fingerprinted(table: PieceTable, positions: range) -> np.ndarray:
     values = table.with_values.get("grad")
     layout = table.layout[positions.start : positions.stop]
     if values is None or not (table.copies[layout] > 1).any():
-        return np.zeros(0, dtype=np.int64)
+        return set()
     with_values = values[positions.start : positions.stop]
     _, inverse, copies = np.unique(layout, return_inverse=True, return_counts=True)
     holding = np.bincount(inverse, weights=with_values, minlength=copies.size)
     mixed = (holding > 0) & (holding < copies)
-    return np.flatnonzero(mixed[inverse] & with_values) + positions.start
+    return set((np.flatnonzero(mixed[inverse] & with_values) + positions.start).tolist())
 
 
 def _measure_reference(
     name: str,
     reader: TensorReader,
     infos: tuple[ParamInfo | None, ParamInfo | None],
-    ref_table: PieceTable,
-    cover: list[tuple[int, str, Piece]],
+    tables: tuple[PieceTable, PieceTable],
     *,
     chunk: int,
-    scale_of: Callable[[int], float],
-    reference: StepDump,
     kernel: ChunkKernel,
 ) -> tuple[bool, tuple[ReferenceDifference, ...], tuple[str, ...]]:
     """(whether the reference's pieces of the parameter were read, the differences, notes)."""
+    from ..norms import norm_rtol
     from .reference import ReferenceSource, compare_regions, covers
 
     info, ref_info = infos
+    table, ref_table = tables
     if ref_info is None:
         return False, (), (f"{name}: not in the reference dump",)
     if info is not None and tuple(ref_info.global_shape) != tuple(info.global_shape):
-        return (
-            False,
-            (),
-            (
-                f"{name}: shape {list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference",
-            ),
-        )
-    import numpy as np
-
+        shapes = f"{list(info.global_shape)} here but {list(ref_info.global_shape)} in the reference"
+        return False, (), (f"{name}: shape {shapes}",)
     positions = ref_table.param_positions(name)
-    _read_values(ref_table, np.arange(positions.start, positions.stop), reader, kernel, np.zeros(0))
-    ref_held = ref_table.entries(np.arange(positions.start, positions.stop))
+    _read_values(ref_table, positions, reader, kernel)
+    ref_held, cover = ref_table.entries(positions), table.cover(name)
     errors, notes = [], []
     for kind in COMPARED_KINDS:
         ref_with_values = [(path, piece) for _, path, piece in ref_held if kind in piece.tensors]
@@ -266,22 +240,17 @@ def _measure_reference(
             notes.append(f"{name}: the reference's {kind} pieces do not cover the parameter; not compared")
             continue
         ref_rank = next(rank for rank, _, piece in ref_held if kind in piece.tensors)
-        ref_scale = dumped_gradient_scale(reference.ranks[ref_rank]) if kind in SCALED_KINDS else 1.0
+        ref_scale = ref_table.scale_of(ref_rank) if kind in SCALED_KINDS else 1.0
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
-        per_piece = [
-            compare_regions(
-                functools.partial(_piece_flat, reader, path, piece, kind, scale=scale_of(rank)),
-                piece.regions,
-                source,
-                chunk,
-            )
-            for rank, path, piece in ours
-        ]
+        per_piece = []
+        for rank, path, piece in ours:
+            read_ours = functools.partial(_piece_flat, reader, path, piece, kind, scale=table.scale_of(rank))
+            per_piece.append(compare_regions(read_ours, piece.regions, source, chunk))
         errors.append(
             ReferenceDifference(
                 param=name,
                 kind=kind,
-                dtype=max((piece.dtype for _, _, piece in ours), key=_dtype_looseness),
+                dtype=max((piece.dtype for _, _, piece in ours), key=lambda dtype: norm_rtol([dtype])),
                 numel_compared=sum(compared for _, _, _, compared in per_piece),
                 max_abs_error=max(error for error, _, _, _ in per_piece),
                 max_abs_reference=max(largest for _, largest, _, _ in per_piece),
@@ -329,31 +298,23 @@ def measure_step(
     """The parameters whose reference pieces were read."""
 
     def measure(name: str, worker_reader: TensorReader, kernel: ChunkKernel) -> ParamMeasurement:
-        import numpy as np
-
         positions = table.param_positions(name)
-        at = np.arange(positions.start, positions.stop)
-        _read_values(table, at, worker_reader, kernel, _fingerprinted(table, positions))
+        _read_values(table, positions, worker_reader, kernel, _fingerprinted(table, positions))
         for members in sums.get(name, []):
-            record_sum(
-                table, members, norm_type, worker_reader, lambda rank: table.scales[table.source_of(rank)]
-            )
+            record_sum(table, members, worker_reader)
         found = ParamMeasurement(
             param=name,
             norm_type=norm_type,
             replica_sets=_replica_sets(table, positions, worker_reader, chunk_elements),
         )
-        if ref_table is None or reference is None:
+        if ref_table is None:
             return found
         read, errors, notes = _measure_reference(
             name,
             worker_reader,
             (known[name], reference_infos.get(name)),
-            ref_table,
-            table.cover(name),
+            (table, ref_table),
             chunk=chunk_elements,
-            scale_of=lambda rank: table.scales[table.source_of(rank)],
-            reference=reference,
             kernel=kernel,
         )
         if read:
@@ -361,18 +322,17 @@ def measure_step(
         return replace(found, reference_errors=errors, notes=notes)
 
     cost = bytes_to_read(step, reference)
+    if workers is None:
+        workers = 1 if sum(cost.values()) < PARALLEL_MIN_BYTES else available_workers()
     results = _measure_all(
         names,
         cost,
         measure,
         reader,
-        workers=_default_workers(cost) if workers is None else workers,
+        workers=workers,
         chunk_elements=chunk_elements,
         progress=progress,
     )
-    reference_only: tuple[str, ...] = ()
-    if reference is not None:
-        reference_only = tuple(sorted(set(reference_infos) - set(known)))
     return StepMeasurements(
         norm_type=norm_type,
         params=dict(sorted(results.items())),
@@ -382,7 +342,7 @@ def measure_step(
         else step_table(reference, ref_table, sorted(compared)),
         reference_given=reference is not None,
         reference_step=None if reference is None else reference.step,
-        reference_only_params=reference_only,
+        reference_only_params=tuple(sorted(set(reference_infos) - set(known))),
     )
 
 
@@ -392,9 +352,7 @@ def bytes_to_read(step: StepDump, reference: StepDump | None = None) -> dict[str
 
     itemsize = dict(SAFETENSORS_DTYPES.values())
     cost = dict.fromkeys(step.params, 0)
-    for dump in (step, reference):
-        if dump is None:
-            continue
+    for dump in (step,) if reference is None else (step, reference):
         for rank in dump.ranks_present:
             pieces = dump.ranks[rank].pieces
             dtypes = pieces.extras.dtypes
@@ -420,26 +378,22 @@ def _measure_all(
     would only contend for the GIL. The others go to the worker threads, largest first."""
 
     results: dict[str, ParamMeasurement] = {}
-    done = 0
 
     def finished(name: str, measurement: ParamMeasurement) -> None:
-        nonlocal done
-        results[name] = measurement
-        done += 1
+        results[name] = measurement  # one entry per parameter done: the names are distinct
         if progress is not None:
-            progress(done, len(names))
+            progress(len(results), len(names))
 
     from .kernel import ChunkKernel
 
     kernel = ChunkKernel(chunk_elements)
     to_read = sorted((n for n in names if cost[n] > 0), key=lambda n: (-cost[n], n))
-    if workers <= 1 or len(to_read) <= 1:
-        for name in names:
-            finished(name, measure(name, reader, kernel))
-        return results
+    serial = workers <= 1 or len(to_read) <= 1
     for name in names:
-        if cost[name] == 0:
+        if serial or cost[name] == 0:
             finished(name, measure(name, reader, kernel))
+    if serial:
+        return results
     import threading
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -470,10 +424,6 @@ def _measure_all(
         for worker_reader in opened:
             worker_reader.close()
     return results
-
-
-def _default_workers(cost: Mapping[str, int]) -> int:
-    return 1 if sum(cost.values()) < PARALLEL_MIN_BYTES else available_workers()
 
 
 def available_workers() -> int:

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
-from ..model import ClipCall, ClipRecord, RankDump, TensorKind, TensorStats
+from ..model import ClipCall, ClipRecord, TensorKind, TensorStats
 from ..norms import divide_by_power, flags_of_stats, term_of
 from ..steptable import KindColumns
 
@@ -17,14 +17,10 @@ SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
 
 
-def dumped_gradient_scale(dump: RankDump) -> float:
-    """How many times the true gradient the dumped gradients are: the loss scale when the rank's first
-    clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
-    return gradient_scale_of(dump.clip)
-
-
 def gradient_scale_of(clip: ClipRecord | None) -> float:
-    """`dumped_gradient_scale` of a rank whose clip record is `clip` (the guard's summary has one too)."""
+    """How many times the true gradient the dumped gradients of a rank whose clip record is `clip`
+    are (`RankDump.clip`; the guard's summary has one too): the loss scale when the rank's first
+    clip call ran before GradScaler.unscale_ (the dump holds gradients "as the training had them"), else 1."""
     if clip is None:
         return 1.0
     first = clip.calls[0] if clip.calls else None
@@ -32,13 +28,16 @@ def gradient_scale_of(clip: ClipRecord | None) -> float:
         first.unscaled if first is not None and first.unscaled is not None else clip.unscaled_before_clip
     )
     scale = first.loss_scale if first is not None and first.loss_scale is not None else clip.loss_scale
-    if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0:
-        return scale
-    return 1.0
+    return _loss_scale(unscaled, scale)
+
+
+def _loss_scale(unscaled: bool | None, scale: float | None) -> float:
+    """`scale` when the gradients were not unscaled yet and it is finite and positive, else 1."""
+    return scale if unscaled is False and scale is not None and math.isfinite(scale) and scale > 0 else 1.0
 
 
 def unscaled_stats(stats: TensorStats, scale: float) -> TensorStats:
-    """The statistics of the gradient divided by `scale` (`dumped_gradient_scale`); a sum whose
+    """The statistics of the gradient divided by `scale` (`gradient_scale_of`); a sum whose
     quotient is beyond float64 becomes inf or 0 (as the float64 sum of the unscaled values would),
     never an exception."""
     if scale == 1.0:
@@ -71,10 +70,7 @@ def unscaled_sums(sum_pow: _F, sum_sq: _F, max_abs: _F, scale: float, norm_type:
 def call_scale(call: ClipCall) -> float:
     """How many times the true gradient the gradient before this clip call was (the loss scale when
     the call ran before GradScaler.unscale_)."""
-    scale = call.loss_scale
-    return (
-        scale if call.unscaled is False and scale is not None and math.isfinite(scale) and scale > 0 else 1.0
-    )
+    return _loss_scale(call.unscaled, call.loss_scale)
 
 
 def call_row(stats: TensorStats, norm_type: float, scale: float) -> tuple[float, ...]:

@@ -11,7 +11,7 @@ put on its lowest rank, like a replica set's base copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import StepFolderError
@@ -75,13 +75,7 @@ def partial_sums(step: StepDump) -> tuple[dict[str, list[list[Member]]], dict[in
     return found, dropped
 
 
-def record_sum(
-    table: PieceTable,
-    members: Sequence[Member],
-    norm_type: float,
-    reader: TensorReader,
-    scale_of: Callable[[int], float],
-) -> None:
+def record_sum(table: PieceTable, members: Sequence[Member], reader: TensorReader) -> None:
     """The base member's measurement (its parameters, its update, already read) with the gradient
     numbers of the group's sum, taken in float64: what the table holds at the base's position."""
     import numpy as np
@@ -96,11 +90,11 @@ def record_sum(
         with np.errstate(all="ignore"):
             for rank, path, piece, _ in members:
                 values = reader.float64(path, piece.tensors[kind], 0, piece.numel)
-                scale = scale_of(rank)
+                scale = table.scale_of(rank)
                 total += values / scale if scale != 1.0 else values
         totals[kind] = total
     stats: dict[TensorKind, TensorStats] = {
-        kind: stats_of_array(total, "float64", norm_type) for kind, total in totals.items()
+        kind: stats_of_array(total, "float64", table.read_norm_type) for kind, total in totals.items()
     }
     dot_pre_post = dot_pre_pre = None
     if "grad" in totals and "grad_clipped" in totals:
@@ -109,8 +103,7 @@ def record_sum(
         dot_pre_post, dot_pre_pre = float(np.dot(a[both], b[both])), float(np.dot(a[both], a[both]))
     rank, _, _, local = members[0]
     position = table.find(rank, local)
-    products, has = table.products()
-    update = float(products[position, 2]) if has[position, 2] else None
+    update = float(table.products[position, 2]) if table.has_products[position, 2] else None
     table.record(
         position,
         stats,

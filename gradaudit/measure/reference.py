@@ -37,7 +37,8 @@ class ReferenceSource:
 
     A reference piece holding the whole parameter is read row range by row range from its file; any
     other cover of the parameter (a sharded reference) is assembled densely in memory first
-    (references are small models). Values are divided by `scale` (a loss scale still in them).
+    (references are small models). `pieces`: (path, piece) of the reference's pieces that hold
+    `kind`'s values. Values are divided by `scale` (a loss scale still in them).
     """
 
     def __init__(
@@ -54,12 +55,11 @@ class ReferenceSource:
         self.scale = scale
         self.whole: tuple[str, Piece] | None = None
         self.dense: np.ndarray | None = None
-        with_values = [(path, piece) for path, piece in pieces if kind in piece.tensors]
-        for path, piece in with_values:
+        for path, piece in pieces:
             if is_whole(piece.regions, self.global_shape):
                 self.whole = (path, piece)
                 return
-        self.dense = assemble_dense(reader, self.global_shape, with_values, kind)
+        self.dense = assemble_dense(reader, self.global_shape, pieces, kind)
 
     def flat(self, start: int, stop: int) -> np.ndarray:
         """Elements [start, stop) of the row-major flattened parameter."""
@@ -76,10 +76,6 @@ class ReferenceSource:
         if len(shape) == 0:
             return self.flat(0, 1)
         index = tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=False))
-        if self.whole is None:
-            assert self.dense is not None
-            values = self.dense[index].reshape(-1)
-            return values / self.scale if self.scale != 1.0 else values
         inner = numel_of(self.global_shape[1:])
         rows = self.flat(offsets[0] * inner, (offsets[0] + shape[0]) * inner)
         return rows.reshape((shape[0],) + self.global_shape[1:])[(slice(None),) + index[1:]].reshape(-1)
@@ -205,9 +201,8 @@ def dense_updates(
 
 
 def _scale(step: StepDump, kind: TensorKind) -> float:
-    from .measurements import SCALED_KINDS, dumped_gradient_scale
+    from .measurements import SCALED_KINDS, gradient_scale_of
 
     if kind not in SCALED_KINDS or not step.ranks_present:
         return 1.0
-    scale = dumped_gradient_scale(step.ranks[step.ranks_present[0]])
-    return scale if math.isfinite(scale) and scale > 0 else 1.0
+    return gradient_scale_of(step.ranks[step.ranks_present[0]].clip)  # finite and positive

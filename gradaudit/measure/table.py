@@ -2,7 +2,7 @@
 
 The table keeps each rank's ColumnarPieces and, step-wide, the parameter, rank, index and layout of
 every piece. A piece's measurement is its stored statistics (the gradient's divided by its rank's
-loss scale, `dumped_gradient_scale`, when the dump holds them before unscale_), overwritten by what
+loss scale, `gradient_scale_of`, when the dump holds them before unscale_), overwritten by what
 the tensor pass read from its values (`record`): arrays indexed by position. `step_table` freezes
 it into the step table the analysis reads.
 """
@@ -17,14 +17,14 @@ import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
 from ..model import Piece, Region, StepDump, TensorKind, TensorStats
-from ..norms import INF, NAN, UNKNOWN, term_column
+from ..norms import INF, NAN, UNKNOWN, term_column, term_of
 from ..steptable import KindColumns, ReplicaCopy, ReplicaSet, StepTable
 from .measurements import (
     SCALED_KINDS,
     call_columns,
     call_row,
     call_scale,
-    dumped_gradient_scale,
+    gradient_scale_of,
     unscaled_stats,
     unscaled_sums,
 )
@@ -32,6 +32,12 @@ from .measurements import (
 _READ, _FINGERPRINTED, _REMOVED = 1, 2, -1
 """A position's state per kind in the tensor pass: read from its values (with the fingerprint), or
 its statistics dropped (a partial sum's kind that the group's sum does not give)."""
+
+
+_Key = tuple[str, TensorKind, int]
+"""A gathered column: (what, kind, column)."""
+_ReadAt = Callable[[np.ndarray], np.ndarray]
+"""What the tensor pass read at these positions (a column of theirs)."""
 
 
 class PieceTable:
@@ -45,7 +51,7 @@ class PieceTable:
         sources: Sequence[tuple[int, str, ColumnarPieces]],
         names: Sequence[str],
         wanted: Iterable[str],
-        scales: Sequence[float] = (),
+        scales: Sequence[float],
         *,
         norm_type: float = 2.0,
         dropped: Mapping[int, Iterable[int]] | None = None,
@@ -55,9 +61,8 @@ class PieceTable:
         self.dropped = {rank: tuple(at) for rank, at in (dropped or {}).items()}
         self.read_norm_type = float(norm_type)
         """`p` of the statistics the tensor pass reads (the measurement's norm type)."""
-        self.scales = tuple(scales) or (1.0,) * len(self.sources)
-        """Per source, `dumped_gradient_scale` of its rank: its gradients' columns are divided by it."""
-        self.kinds = tuple(sorted({kind for _, _, pieces in sources for kind in pieces.kinds}))
+        self.scales = tuple(scales)
+        """Per source, `gradient_scale_of` of its rank: its gradients' columns are divided by it."""
         self._source_of = {rank: k for k, (rank, _, _) in enumerate(self.sources)}
         ids = ParamIds(names)
         per_source = [ids.of(pieces).astype(np.int32) for _, _, pieces in self.sources]
@@ -67,33 +72,29 @@ class PieceTable:
         self._chosen: list[np.ndarray | None] = []
         """Per source, the local indices of the pieces kept (None: all)."""
         for (rank, _, _), param in zip(self.sources, per_source, strict=True):
-            kept = keep[param]
+            kept = keep[param]  # a new array: fancy indexing copies
             if self.dropped.get(rank):
-                kept = kept.copy()
                 kept[list(self.dropped[rank])] = False
             self._chosen.append(None if kept.all() else np.flatnonzero(kept))
-        sizes = np.array(
-            [_count(c, p) for c, p in zip(self._chosen, per_source, strict=True)], dtype=np.int64
-        )
-        self.size = int(sizes.sum())
+        files = [
+            np.arange(len(p), dtype=np.int32) if c is None else c.astype(np.int32)
+            for p, c in zip(per_source, self._chosen, strict=True)
+        ]
+        sizes = [len(at) for at in files]
+        self.size = sum(sizes)
         empty = np.zeros(0, dtype=np.int32)
         param = np.concatenate(
             [_take(p, c) for p, c in zip(per_source, self._chosen, strict=True)] or [empty]
         )
         ranks = np.repeat(np.array([r for r, _, _ in self.sources], dtype=np.int32), sizes)
-        files = [
-            np.arange(len(p), dtype=np.int32) if c is None else c.astype(np.int32)
-            for p, c in zip(per_source, self._chosen, strict=True)
-        ]
         local = np.concatenate(files or [empty])
-        index = local
         if any(pieces.extras.indices for _, _, pieces in self.sources):
             index = np.concatenate(
                 [_mapped(p.extras.indices, at) for (_, _, p), at in zip(self.sources, files, strict=True)]
             )
-        if index is not local:
             self._order = np.lexsort((index, ranks, param))
         else:
+            index = local
             self._order = np.argsort(param, kind="stable")
         """Rank-major position (the ranks' columns one after the other) of each position."""
         self.param, self.rank = param[self._order], ranks[self._order]
@@ -107,8 +108,10 @@ class PieceTable:
             if not (seen[0] is pieces.params or seen[0] == pieces.params):
                 table = [dtypes.setdefault(p.dtype, len(dtypes)) for p in pieces.params]
                 seen = (pieces.params, np.array(table, dtype=np.int16))
-            own = {at: dtypes.setdefault(dtype, len(dtypes)) for at, dtype in pieces.extras.dtypes.items()}
-            codes.append(_with(seen[1][pieces.rows[:, 0]], own) if own else seen[1][pieces.rows[:, 0]])
+            code = seen[1][pieces.rows[:, 0]]  # a new array: fancy indexing copies
+            for at, dtype in pieces.extras.dtypes.items():
+                code[at] = dtypes.setdefault(dtype, len(dtypes))
+            codes.append(code)
         self.dtype = self._gather(lambda k, _: codes[k])
         self.dtype_names = list(dtypes)
         bounds = np.searchsorted(self.param, np.arange(len(self.names) + 1))
@@ -128,28 +131,36 @@ class PieceTable:
         self._read = {kind: np.zeros((n, 5)) for kind in reads}
         """Per kind, (sum_pow, sum_sq, max_abs, fingerprint) read, as the values were dumped."""
         self._read_counts = {kind: np.zeros((n, 3), dtype=np.int64) for kind in reads}
-        self._products = np.zeros((n, 3)) if reads else np.zeros((0, 3))
-        """dot_pre_post, dot_pre_pre (unscaled), update_sum_sq read from each piece's values."""
-        self._has_products = np.zeros((n, 3), dtype=bool) if reads else np.zeros((0, 3), dtype=bool)
-        self.scale_at = (
-            self._gather(lambda k, pieces: np.full(len(pieces), self.scales[k])) if reads else np.zeros(0)
-        )
+        self.products = np.zeros((n, 3)) if reads else np.broadcast_to(0.0, (n, 3))
+        """[n, 3] dot_pre_post, dot_pre_pre (unscaled), update_sum_sq read from each piece's values
+        (read-only zeros when no piece holds values, not a copy per piece)."""
+        self.has_products = np.zeros((n, 3), dtype=bool) if reads else np.broadcast_to(False, (n, 3))
+        """[n, 3] whether each of `products` was read."""
+        self.scale_at = np.repeat(self.scales, sizes)[self._order] if reads else np.zeros(0)
         """Per position, the value scale of its gradients (1 for a partial sum's base), when some
         piece holds values (else its rank's, `scales`)."""
-        self._cache: dict[tuple[str, TensorKind, int], np.ndarray] = {}
+        self._cache: dict[_Key, np.ndarray] = {}
         """Gathered gradient columns, by (what, kind, column): asked for by several questions."""
 
     @functools.cached_property
     def stats_only(self) -> bool:
         """Every rank's pieces are statistics only, of one kind set, fingerprint length and norm type."""
-        return _uniform(self.sources)
+        if not self.sources:
+            return False
+        first = self.sources[0][2]
+        kinds = sorted(first.kinds)
+        return all(
+            pieces.stats_only
+            and sorted(pieces.kinds) == kinds
+            and pieces.fingerprint_length == first.fingerprint_length
+            and pieces.norm_type == first.norm_type
+            for _, _, pieces in self.sources
+        )
 
     def _gather(self, column: Callable[[int, ColumnarPieces], np.ndarray]) -> np.ndarray:
         """`column(k, pieces)` of every source `k`, rows kept only, in position order."""
         parts = [_take(column(k, pieces), self._chosen[k]) for k, (_, _, pieces) in enumerate(self.sources)]
-        if not parts:
-            return np.zeros(0)
-        return np.concatenate(parts)[self._order]
+        return np.concatenate(parts or [np.zeros(0)])[self._order]
 
     def _layouts(self) -> tuple[np.ndarray, np.ndarray]:
         """(a number per position, equal exactly when the pieces' layout keys are; the elements of
@@ -172,9 +183,8 @@ class PieceTable:
         del keys
         layout = np.empty(self.size, dtype=np.int64)
         layout[order] = np.cumsum(starts) - 1
-        if any(
-            pieces.extras.regions for _, _, pieces in self.sources
-        ):  # pieces of several regions: their key is the regions themselves
+        # pieces of several regions: their key is the regions themselves
+        if any(pieces.extras.regions for _, _, pieces in self.sources):
             at = np.flatnonzero(self._gather(lambda _, pieces: _flags(len(pieces), pieces.extras.regions)))
             ids: dict[tuple[object, ...], int] = {}
             for position, (_, _, piece) in zip(at.tolist(), self.entries(at), strict=True):
@@ -182,15 +192,11 @@ class PieceTable:
                 numel[position] = piece.numel
         return layout, numel.astype(np.int64, copy=False)
 
-    def all_sources(self, test: Callable[[ColumnarPieces], bool]) -> bool:
-        """Whether `test` holds for every rank's columns (all their pieces, kept or not)."""
-        return all(test(pieces) for _, _, pieces in self.sources)
-
     def kind_has(self, kind: TensorKind) -> np.ndarray:
         """Whether each position holds `kind` (statistics stored or read)."""
-        if self.all_sources(lambda pieces: kind in pieces.stats and not pieces.extras.absent.get(kind)):
+        if all(kind in p.stats and not p.extras.absent.get(kind) for _, _, p in self.sources):
             has = np.ones(self.size, dtype=bool)
-        elif self.all_sources(lambda pieces: kind not in pieces.stats):
+        elif all(kind not in p.stats for _, _, p in self.sources):
             has = np.zeros(self.size, dtype=bool)
         else:
             has = self._gather(lambda _, pieces: _holds(pieces, kind))
@@ -204,19 +210,17 @@ class PieceTable:
         its gradients divided by their loss scale; 0 where it holds none."""
         return self._kept(
             ("column", kind, column),
-            lambda: self._overlay(
-                kind,
-                self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column)),
-                lambda read: self._unscaled_read(kind, read)[column],
-            ),
+            lambda: self._gather(lambda k, pieces: self._unscaled(k, kind, pieces, column)),
+            lambda read: self._unscaled_read(kind, read)[column],
         )
 
-    def _kept(self, key: tuple[str, TensorKind, int], compute: Callable[[], np.ndarray]) -> np.ndarray:
-        """`compute()`, kept when it is a column of the gradient (asked again by the columns, which
-        hold it anyway): another kind's is gathered again when asked, not kept in memory."""
+    def _kept(self, key: _Key, stored: Callable[[], np.ndarray], read: _ReadAt) -> np.ndarray:
+        """`stored()` overlaid with `read` (`_overlay`), kept when it is a column of the gradient
+        (asked again by the columns, which hold it anyway): another kind's is gathered again when
+        asked, not kept in memory."""
         found = self._cache.get(key)
         if found is None:
-            found = compute()
+            found = self._overlay(key[1], stored(), read)
             if key[1] == "grad":
                 self._cache[key] = found
         return found
@@ -246,9 +250,7 @@ class PieceTable:
                     column[chosen] = values
         return out
 
-    def _overlay(
-        self, kind: TensorKind, stored: np.ndarray, read: Callable[[np.ndarray], np.ndarray]
-    ) -> np.ndarray:
+    def _overlay(self, kind: TensorKind, stored: np.ndarray, read: _ReadAt) -> np.ndarray:
         state = self._state.get(kind)
         if state is None or not state.any():
             return stored
@@ -262,11 +264,8 @@ class PieceTable:
         """[n, 3] nonfinite counts (nan, +inf, -inf) of every position's `kind`."""
         return self._kept(
             ("counts", kind, 0),
-            lambda: self._overlay(
-                kind,
-                self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3),
-                lambda at: self._read_counts[kind][at],
-            ),
+            lambda: self._gather(lambda _, pieces: _counts(pieces, kind)).reshape(self.size, 3),
+            lambda at: self._read_counts[kind][at],
         )
 
     def kind_term(self, kind: TensorKind, norm_type: float) -> tuple[np.ndarray, np.ndarray]:
@@ -282,23 +281,15 @@ class PieceTable:
                 term = term.copy()
             for (at, odd_kind), stats in pieces.extras.odd_stats.items():
                 if odd_kind == kind:
-                    odd = stats if kind not in SCALED_KINDS else unscaled_stats(stats, self.scales[k])
-                    odd_column = term_column(odd.norm_type, norm_type)
-                    term[at] = (
-                        math.nan if odd_column is None else (odd.sum_pow, odd.sum_sq, odd.max_abs)[odd_column]
-                    )
+                    odd = term_of(stats, norm_type, self.scales[k] if kind in SCALED_KINDS else 1.0)
+                    term[at] = math.nan if odd is None else odd
             return term
 
         columns = {term_column(pieces.norm_type, norm_type) for _, _, pieces in self.sources}
-        if (
-            len(columns) == 1
-            and not self._state
-            and self.all_sources(lambda pieces: not pieces.extras.odd_stats)
-        ):
+        if len(columns) == 1 and not self._state and not any(p.extras.odd_stats for _, _, p in self.sources):
             (only,) = columns
-            has = self.kind_has(kind)
-            if only is None:
-                return np.zeros(self.size), has
+            if only is None:  # every term unknown where the kind is held
+                return np.zeros(self.size), self.kind_has(kind)
             return self.kind_column(kind, only), np.zeros(self.size, dtype=bool)
         column = term_column(self.read_norm_type, norm_type)
         term = self._overlay(
@@ -312,20 +303,11 @@ class PieceTable:
         unknown = has & np.isnan(term)
         return np.where(has & ~unknown, term, 0.0), unknown
 
-    def products(self) -> tuple[np.ndarray, np.ndarray]:
-        """([n, 3] dot_pre_post, dot_pre_pre, update_sum_sq of each position; [n, 3] whether read)."""
-        if not self._products.size and self.size:
-            return (
-                np.broadcast_to(np.zeros((1, 3)), (self.size, 3)),
-                np.broadcast_to(np.zeros((1, 3), dtype=bool), (self.size, 3)),
-            )
-        return self._products, self._has_products
-
     def record(
         self,
         position: int,
         stats: Mapping[TensorKind, TensorStats],
-        products: tuple[float | None, float | None, float | None] | None = None,
+        products: tuple[float | None, float | None, float | None],
         *,
         removed: Iterable[TensorKind] = (),
         scale: float | None = None,
@@ -339,38 +321,14 @@ class PieceTable:
             self._read_counts[kind][position] = (s.num_nan, s.num_posinf, s.num_neginf)
         for kind in removed:
             self._state[kind][position] = _REMOVED
-        if products is not None:
-            self._products[position] = [0.0 if v is None else v for v in products]
-            self._has_products[position] = [v is not None for v in products]
+        self.products[position] = [0.0 if v is None else v for v in products]
+        self.has_products[position] = [v is not None for v in products]
         if scale is not None:
             self.scale_at[position] = scale
 
-    def _read_stats(self, position: int, numel: int) -> tuple[dict[TensorKind, TensorStats], set[TensorKind]]:
-        """(the statistics read at `position`, as dumped; the kinds removed there)."""
-        found, removed = {}, set()
-        for kind, state in self._state.items():
-            flag = int(state[position])
-            if flag == _REMOVED:
-                removed.add(kind)
-            elif flag:
-                sum_pow, sum_sq, max_abs, *fingerprint = self._read[kind][position].tolist()
-                nan, posinf, neginf = self._read_counts[kind][position].tolist()
-                found[kind] = TensorStats(
-                    numel=numel,
-                    norm_type=self.read_norm_type,
-                    sum_pow=sum_pow,
-                    sum_sq=sum_sq,
-                    max_abs=max_abs,
-                    num_nan=nan,
-                    num_posinf=posinf,
-                    num_neginf=neginf,
-                    fingerprint=tuple(fingerprint) if flag == _FINGERPRINTED else (),
-                )
-        return found, removed
-
-    def source_of(self, rank: int) -> int:
-        """The index in `sources` (and `scales`) of this rank's columns."""
-        return self._source_of[rank]
+    def scale_of(self, rank: int) -> float:
+        """`gradient_scale_of` of this rank: its gradients' columns are divided by it."""
+        return self.scales[self._source_of[rank]]
 
     def param_positions(self, name: str) -> range:
         return range(*self.bounds.get(name, (0, 0)))
@@ -404,13 +362,12 @@ class PieceTable:
     def tensors(self, positions: np.ndarray) -> list[tuple[str, dict[TensorKind, str], int]]:
         """(file path, kind -> tensor key, elements) of the pieces at these positions."""
         found = []
-        numel = self.numel
         for position, rank, local in zip(
             positions.tolist(), self.rank[positions].tolist(), self.local[positions].tolist(), strict=True
         ):
             _, path, pieces = self.sources[self._source_of[rank]]
             keys = {kind: by[local] for kind, by in pieces.extras.tensors.items() if local in by}
-            found.append((path, keys, int(numel[position])))
+            found.append((path, keys, int(self.numel[position])))
         return found
 
     def _grad_rows(self, positions: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -418,19 +375,30 @@ class PieceTable:
         no statistics) and nonfinite count of each position's gradient, what was read overriding
         what is stored, divided by its value scale: gathered once from the columns when the step
         is statistics only, else from each piece."""
-        if self.stats_only and "grad" in self.kinds:
+        if self.stats_only and "grad" in self.sources[0][2].kinds:  # one kind set on every rank
             sum_sq, max_abs, fingerprint, nonfinite = self._grad_columns
             width = np.full(positions.size, fingerprint.shape[1])
             return sum_sq[positions], max_abs[positions], fingerprint[positions], width, nonfinite[positions]
         found: list[TensorStats | None] = []
+        state = self._state.get("grad")
         for position, (rank, _, piece) in zip(positions.tolist(), self.entries(positions), strict=True):
-            stats = piece.stats.get("grad")
-            if self._state:
-                read, removed = self._read_stats(position, piece.numel)
-                stats = None if "grad" in removed else read.get("grad", stats)
-            scale = (
-                float(self.scale_at[position]) if self.scale_at.size else self.scales[self._source_of[rank]]
-            )
+            flag = 0 if state is None else int(state[position])
+            stats = None if flag == _REMOVED else piece.stats.get("grad")
+            if flag > 0:  # read, as dumped
+                sum_pow, sum_sq, max_abs, *fingerprint = self._read["grad"][position].tolist()
+                nan, posinf, neginf = self._read_counts["grad"][position].tolist()
+                stats = TensorStats(
+                    numel=piece.numel,
+                    norm_type=self.read_norm_type,
+                    sum_pow=sum_pow,
+                    sum_sq=sum_sq,
+                    max_abs=max_abs,
+                    num_nan=nan,
+                    num_posinf=posinf,
+                    num_neginf=neginf,
+                    fingerprint=tuple(fingerprint) if flag == _FINGERPRINTED else (),
+                )
+            scale = float(self.scale_at[position]) if self.scale_at.size else self.scale_of(rank)
             found.append(None if stats is None else unscaled_stats(stats, scale))
         fingerprint = np.zeros((len(found), max((len(s.fingerprint) for s in found if s), default=0)))
         for row, stats in zip(fingerprint, found, strict=True):
@@ -449,12 +417,12 @@ class PieceTable:
         """sum_sq, max_abs, fingerprint [n, f] and nonfinite count of every position's gradient
         (gathered once, when the step has replicas to compare)."""
         width = 3 + self.sources[0][2].fingerprint_length
-        stats = [self._gather(self._grad_column(c)) for c in range(width)]
+        sum_sq, max_abs, *fingerprint = (self._gather(self._grad_column(c)) for c in range(1, width))
         counts = self._gather(lambda _, pieces: pieces.counts["grad"]).sum(axis=1)
         return (
-            stats[1],
-            stats[2],
-            np.stack(stats[3:], axis=1) if width > 3 else np.zeros((self.size, 0)),
+            sum_sq,
+            max_abs,
+            np.stack(fingerprint, axis=1) if fingerprint else np.zeros((self.size, 0)),
             counts,
         )
 
@@ -489,17 +457,14 @@ class PieceTable:
         if fingerprint.shape[1]:
             delta = np.maximum(delta, np.abs(fingerprint - fingerprint[base]).max(axis=1))
         delta[nonfinite != nonfinite[base]] = math.inf
-        compared = (width >= 0) & (width == width[base])
-        described = self._set_bases
-        deltas: list[float | None] = delta.tolist()
-        for i in np.flatnonzero(~compared).tolist():  # no statistics, or fingerprints of two lengths
-            deltas[i] = None
+        compared = (width >= 0) & (width == width[base])  # else no statistics, or fingerprints of two lengths
+        deltas = [d if c else None for d, c in zip(delta.tolist(), compared.tolist(), strict=True)]
         ranks, indices, layouts = rank.tolist(), index.tolist(), layout.tolist()
         base_sum_sq, base_max_abs = sum_sq[starts].tolist(), max_abs[starts].tolist()
         sets = []
         for k in np.lexsort((index[starts], rank[starts])).tolist():
             start, stop = int(starts[k]), int(starts[k] + sizes[k])
-            param, regions, dtype, numel = described[layouts[start]]
+            param, regions, dtype, numel = self._set_bases[layouts[start]]
             sets.append(
                 ReplicaSet(
                     param=param,
@@ -520,25 +485,10 @@ class PieceTable:
         return tuple(sets)
 
 
-def _uniform(sources: Sequence[tuple[int, str, ColumnarPieces]]) -> bool:
-    if not sources:
-        return False
-    first = sources[0][2]
-    kinds = sorted(first.kinds)
-    return all(
-        pieces.stats_only
-        and sorted(pieces.kinds) == kinds
-        and pieces.fingerprint_length == first.fingerprint_length
-        and pieces.norm_type == first.norm_type
-        for _, _, pieces in sources
-    )
-
-
 def _holds(pieces: ColumnarPieces, kind: TensorKind) -> np.ndarray:
     if kind not in pieces.stats:
         return np.zeros(len(pieces), dtype=bool)
-    absent = pieces.extras.absent.get(kind)
-    return ~_flags(len(pieces), absent) if absent else np.ones(len(pieces), dtype=bool)
+    return ~_flags(len(pieces), pieces.extras.absent.get(kind))
 
 
 def _counts(pieces: ColumnarPieces, kind: TensorKind) -> np.ndarray:
@@ -555,12 +505,6 @@ def _flags(n: int, positions: Iterable[int] | None) -> np.ndarray:
 
 def _tensor_flags(kind: TensorKind) -> Callable[[int, ColumnarPieces], np.ndarray]:
     return lambda _, pieces: _flags(len(pieces), pieces.extras.tensors.get(kind))
-
-
-def _with(values: np.ndarray, changes: Mapping[int, int]) -> np.ndarray:
-    out: np.ndarray = values.copy()
-    out[list(changes)] = list(changes.values())
-    return out
 
 
 def _mapped(changes: Mapping[int, int], at: np.ndarray) -> np.ndarray:
@@ -598,10 +542,6 @@ def _take(array: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
     return array if chosen is None else array[chosen]
 
 
-def _count(chosen: np.ndarray | None, param: np.ndarray) -> int:
-    return len(param) if chosen is None else int(chosen.size)
-
-
 def piece_table(
     step: StepDump,
     names: Iterable[str],
@@ -616,7 +556,7 @@ def piece_table(
         dump = step.ranks[rank]
         if len(dump.pieces):
             sources.append((rank, dump.path, dump.pieces))
-            scales.append(dumped_gradient_scale(dump))
+            scales.append(gradient_scale_of(dump.clip))
     return PieceTable(sources, list(step.params), names, scales, norm_type=norm_type, dropped=dropped)
 
 
@@ -625,28 +565,25 @@ def step_table(step: StepDump, table: PieceTable, names: Iterable[str]) -> StepT
     gathered once from the table the tensor pass wrote into."""
     norm_type = table.read_norm_type
     spans = [table.param_positions(name) for name in names]
+    n = sum(len(s) for s in spans)
     ends = [0] + [s.stop for s in spans]
     if all(s.start == end for s, end in zip(spans, ends, strict=False)):
-        chosen: slice | np.ndarray = slice(0, ends[-1])  # every parameter's pieces, one after the other
-        n = ends[-1]
+        chosen: slice | np.ndarray = slice(0, n)  # every parameter's pieces, one after the other
     else:
         chosen = np.concatenate([np.arange(s.start, s.stop) for s in spans] or [np.zeros(0, dtype=np.int64)])
-        n = chosen.size
-    products, has_products = table.products()
+    products, has_products = table.products, table.has_products
     # Read-only stand-ins where the columns hold nothing new (the common case), not a copy per piece:
     # the L2 norm's two sums are one column, and a step without nonfinite values counts zeros.
     same = (
         not table.with_values
         and ((table.stats_only and table.sources[0][2].norm_type == 2.0) or set(table.scales) == {1.0})
-        and table.all_sources(
-            lambda pieces: (
-                "grad" not in pieces.stats
-                or np.array_equal(pieces.stats["grad"][:, 0], pieces.stats["grad"][:, 1])
-            )
+        and all(
+            "grad" not in p.stats or np.array_equal(p.stats["grad"][:, 0], p.stats["grad"][:, 1])
+            for _, _, p in table.sources
         )
     )  # equal sums stay equal divided by the loss scale when they are both of squares
-    if not table.with_values and table.all_sources(
-        lambda p: "grad" not in p.counts or not p.counts["grad"].any()
+    if not table.with_values and all(
+        "grad" not in p.counts or not p.counts["grad"].any() for _, _, p in table.sources
     ):
         counts = np.broadcast_to(np.zeros((1, 3), dtype=np.int64), (n, 3))
     else:
@@ -702,9 +639,8 @@ def _calls(step: StepDump, table: PieceTable, chosen: slice | np.ndarray) -> tup
         found = np.zeros((len(pieces), width, 8))
         for at, stats in pieces.extras.call_stats.items():
             for call, s in enumerate(stats):
-                found[at, call] = call_row(
-                    s, table.read_norm_type, scales[call] if call < len(scales) else 1.0
-                )
+                scale = scales[call] if call < len(scales) else 1.0
+                found[at, call] = call_row(s, table.read_norm_type, scale)
         rows.append(found)
     return call_columns(table._gather(lambda k, _: rows[k])[chosen])
 

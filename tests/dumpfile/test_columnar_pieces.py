@@ -278,7 +278,7 @@ def _measured_by_objects(step):
     time), not through the step's column table: its parameters' measurements and the rows."""
     from gradaudit.dumpfile.reader import TensorReader
     from gradaudit.measure.kernel import ChunkKernel
-    from gradaudit.measure.measurements import SCALED_KINDS, dumped_gradient_scale, unscaled_stats
+    from gradaudit.measure.measurements import SCALED_KINDS, gradient_scale_of, unscaled_stats
     from gradaudit.norms import divide_by_power
     from gradaudit.steptable import ParamMeasurement
 
@@ -286,7 +286,7 @@ def _measured_by_objects(step):
     reader, held = TensorReader(step), {}
     for rank in step.ranks_present:
         dump = step.ranks[rank]
-        scale = dumped_gradient_scale(dump)
+        scale = gradient_scale_of(dump.clip)
         for piece in dump.pieces:
             stats, products = piece.stats, (None, None, None)
             if piece.tensors:  # read from the values, which win over the stored statistics
