@@ -329,7 +329,8 @@ class _stats_rank_dumps:
         """Rank `rank` as a RankDump value, built the ordinary way."""
         from torch import __version__ as torch_version
 
-        from gradaudit.model import FlatRange, Piece, RankDump, as_columns
+        from gradaudit.dumpfile.dump import RankDump, as_columns
+        from gradaudit.model import FlatRange, Piece
         from gradaudit.version import __version__
 
         pieces = []
@@ -447,8 +448,9 @@ def write_replicated_stats_dump(
     capture records them. Written rank by rank with the project's writer."""
     import dataclasses
 
+    from gradaudit.dumpfile.dump import as_columns
     from gradaudit.dumpfile.writer import write_rank_file
-    from gradaudit.model import Topology, as_columns
+    from gradaudit.model import Topology
 
     layout = _stats_rank_dumps(num_ranks=num_shards, num_params=num_params, seed=0)
     world = num_shards * num_replicas

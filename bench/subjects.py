@@ -150,8 +150,9 @@ def _coverage_regions(layout: str, num_pieces: int):
 
 
 def _coverage_step(layout: str, num_pieces: int, num_ranks: int):
+    from gradaudit.dumpfile.dump import RankDump, as_columns
     from gradaudit.dumpfile.loader import assemble_step
-    from gradaudit.model import ParamInfo, Piece, RankDump, as_columns
+    from gradaudit.model import ParamInfo, Piece
 
     shape, regions = _coverage_regions(layout, num_pieces)
     info = ParamInfo(name="w", global_shape=shape, dtype="float32")

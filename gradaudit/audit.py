@@ -23,10 +23,11 @@ from .checks.base import Analysis, AuditOptions, num, ranks_named
 from .checks.fixes import stack_of, with_fixes
 from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
+from .dumpfile.dump import StepDump
 from .errors import StepFolderError
 from .live.writing import ATTEMPT_PREFIX, FULL_CAPTURES
 from .measure.measure import measure_step, overflow_notes
-from .model import StepDump, StepFacts
+from .model import StepFacts
 from .norms import norm_name
 from .report.model import (
     Environment,

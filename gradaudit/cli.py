@@ -15,6 +15,8 @@ import typer
 from .errors import GradauditError, UsageError
 
 if TYPE_CHECKING:
+    from .dumpfile.dump import StepDump
+    from .report.inventory import Inventory
     from .report.model import MultiStepReport, Report
 
 EXIT_OK = 0
@@ -96,10 +98,10 @@ def show(
     """
     from .dumpfile import find_step_dirs, load_step
     from .live.trend import TREND_FILE
-    from .report.inventory import RunInventory, build_inventory, inventory_to_json
+    from .report.inventory import RunInventory, inventory_to_json
 
     if find_step_dirs(directory) == [directory] and not (directory / TREND_FILE).is_file():
-        inventory = build_inventory(load_step(directory))
+        inventory = _inventory(load_step(directory))
         if format is ShowFormat.json:
             import json
 
@@ -115,7 +117,7 @@ def show(
     run = RunInventory(
         directory=str(directory),
         guard_trend=read_guard_trend(directory, step_dirs),
-        steps=tuple(build_inventory(load_step(d)) for d in step_dirs),
+        steps=tuple(_inventory(load_step(d)) for d in step_dirs),
     )
     if format is ShowFormat.json:
         from .render.json import render_run_inventory
@@ -358,6 +360,12 @@ def demo(
 
 def _print_progress(line: str) -> None:
     sys.stderr.write(line + "\n")
+
+
+def _inventory(step: StepDump) -> Inventory:
+    from .report.inventory import build_inventory
+
+    return build_inventory(step, {rank: dump.pieces for rank, dump in step.ranks.items()})
 
 
 def _terminal_width() -> int:

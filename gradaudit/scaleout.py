@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from .audit import Shares
+    from .dumpfile.dump import StepDump
     from .dumpfile.loader import LoadFiles, LoadOutcome
     from .dumpfile.reader import TensorReader
-    from .model import StepDump
     from .steptable import KindColumns, StepMeasurements, StepTable
 
 GROUP_TIMEOUT = timedelta(minutes=10)
@@ -99,6 +99,7 @@ class Exchange:
     instead of leaving them waiting."""
 
     env: LaunchEnv
+    """Where this process stands in the launch (its rank and the number of processes)."""
 
     def gather(self, value: Any) -> list[Any]:
         outcomes = self._all_gather(("ok", value))

@@ -58,9 +58,9 @@ ALLOWED = {
     # every piece of the chosen parameters of a step, ordered by parameter then rank
     "gradaudit.measure.table.PieceTable",
     # a rank's pieces as columns: the format 1.1 layout, the model's one columnar form
-    "gradaudit.model.ColumnarPieces",
+    "gradaudit.dumpfile.dump.ColumnarPieces",
     # the columns of pieces while they are filled, before ColumnarPieces
-    "gradaudit.model.PieceColumnsBuilder",
+    "gradaudit.dumpfile.dump.PieceColumnsBuilder",
     # the step table: every measured piece (or the guard's ownership group) of a step, frozen columns
     "gradaudit.steptable.StepTable",
     # one tensor kind's statistics in the step table, one value per entry

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, TypeAlias, cast
 
+from ..dumpfile.dump import StepDump
 from ..errors import StepFolderError, shown
 from ..measure.leftout import left_out_params
-from ..model import FlatRange, ParamInfo, Region, StepDump, numel_of
+from ..model import FlatRange, ParamInfo, Region, numel_of
 from .geometry import BoxTuple, Coverage, CoverageTooIntricate, coverage, region_boxes
 
 if TYPE_CHECKING:

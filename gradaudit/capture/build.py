@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from ..dumpfile.dump import as_columns
 from ..dumpfile.writer import write_rank_file
 from ..model import (
     TENSOR_KINDS,
@@ -27,7 +28,6 @@ from ..model import (
     TensorKind,
     TensorStats,
     Topology,
-    as_columns,
 )
 from .write import build_rank_dump
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..dumpfile.columnar import ColumnarPieces
+from ..dumpfile.dump import RankDump, as_columns
 from ..dumpfile.writer import step_dir, write_rank_file
 from ..model import (
     Box,
@@ -21,12 +22,10 @@ from ..model import (
     NotCapturedParam,
     ParamInfo,
     Piece,
-    RankDump,
     Region,
     TensorKind,
     TensorStats,
     Topology,
-    as_columns,
     numel_of,
 )
 from ..version import __version__

@@ -24,7 +24,7 @@ by its bytes) and all ranks share one tuple of ParamInfo.
 
 `to_columns` gives None for a dump it cannot store losslessly (then the JSON form is written);
 `from_columns` validates every column against the parameter table as a whole and keeps the pieces
-as columns (model.ColumnarPieces, the one form of every rank's pieces): a Piece object is built
+as columns (dump.ColumnarPieces, the one form of every rank's pieces): a Piece object is built
 only when one is indexed or iterated.
 """
 
@@ -42,16 +42,14 @@ from ..model import (
     FLOAT_DTYPES,
     TENSOR_KINDS,
     Box,
-    ColumnarPieces,
     FlatRange,
     ParamInfo,
-    PieceColumnsBuilder,
-    RankDump,
     Region,
     TensorKind,
     TensorStats,
     Topology,
 )
+from .dump import ColumnarPieces, PieceColumnsBuilder, RankDump
 from .header import PREFIX as PREFIX  # the column keys; reader.py imports it from here
 
 __all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]

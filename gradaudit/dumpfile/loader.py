@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from ..errors import DumpFormatError, GradauditError, StepFolderError, clipped, shown
-from ..model import Inconsistency, ParamInfo, RankDump, RankFacts, StepDump, StepFacts, Topology
+from ..model import Inconsistency, ParamInfo, RankFacts, StepFacts, Topology
 from .columnar import ParamsCache
+from .dump import RankDump, StepDump
 from .header import (
     Header,
     OpenFileLimitError,

@@ -32,7 +32,7 @@ from .header import (
 if TYPE_CHECKING:
     import torch
 
-    from ..model import StepDump
+    from .dump import StepDump
 
 MAX_OPEN_FILES = 32
 """Files kept open at once per reader (one reader per worker thread): enough for the pieces a worker

@@ -23,7 +23,6 @@ from ..model import (
     NotCapturedParam,
     ParamInfo,
     Piece,
-    RankDump,
     Region,
     TensorStats,
     Topology,
@@ -40,6 +39,7 @@ from .columnar import (
     pieces_from_json,
 )
 from .columnar import MAX_INT as MAX_INT  # capture/arguments.py checks counters against it
+from .dump import RankDump
 
 METADATA_KEY = "gradaudit"
 """The key of the safetensors `__metadata__` entry that holds our JSON document."""

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import DumpFormatError, GradauditError
-from ..model import TENSOR_KINDS, RankDump, TensorKind, as_columns
+from ..model import TENSOR_KINDS, TensorKind
 from .columnar import from_columns, to_columns
+from .dump import RankDump, as_columns
 from .header import DTYPE_CODES
 from .paramtable import TABLE_COLUMNS, publish_table, table_file_bytes, table_reference
 from .schema import METADATA_KEY, decode_rank, encode_rank

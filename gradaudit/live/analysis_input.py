@@ -19,16 +19,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ..measure.measurements import call_columns, call_row, call_scale, gradient_scale_of, unscaled_sums
 from ..model import (
-    NO_EXTRAS,
     ClipCall,
     ClipRecord,
-    ColumnarPieces,
     FlatRange,
     ParamInfo,
-    PieceExtras,
-    RankDump,
     RankFacts,
-    StepDump,
     TensorKind,
     TensorStats,
     Topology,
@@ -49,6 +44,7 @@ if TYPE_CHECKING:
 
     from ..analysis.coverage import ParamCoverage
     from ..checks.base import Analysis
+    from ..dumpfile.dump import ColumnarPieces, RankDump, StepDump
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -309,6 +305,8 @@ def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
     """Each rank's dump, its pieces' columns sliced from the gathered ones (one element per group the
     rank holds, whose magnitude is the group's norm, at its replica class's position), with no Piece
     object built."""
+    from ..dumpfile.dump import RankDump
+
     params = _group_params(live, g)
     shapes: dict[tuple[tuple[int, ...], str | None], _RankShape] = {}
     columns = _Columns(live, g)
@@ -384,6 +382,8 @@ class _Columns:
 
     def of(self, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
         import numpy as np
+
+        from ..dumpfile.dump import NO_EXTRAS, ColumnarPieces, PieceExtras
 
         params, rows, groups, dtypes = shape
         g = self.g

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from ..capture.arguments import CallRecord
     from ..capture.ownership import LocalPiece
     from ..capture.session import AuditStep
-    from ..model import RankDump
+    from ..dumpfile.dump import RankDump
     from ..report.model import Report
 
 OnAnomaly = Literal["warn", "raise"]

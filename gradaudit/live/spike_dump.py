@@ -16,24 +16,14 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..model import (
-    ClipCall,
-    ClipRecord,
-    ColumnarPieces,
-    ParamInfo,
-    Piece,
-    RankDump,
-    TensorKind,
-    TensorStats,
-    Topology,
-    as_columns,
-)
+from ..model import ClipCall, ClipRecord, ParamInfo, Piece, TensorKind, TensorStats, Topology
 from ..report.param_shares import SPIKE_TRIGGER
 
 if TYPE_CHECKING:
     import torch
 
     from ..capture.ownership import LocalPiece
+    from ..dumpfile.dump import ColumnarPieces, RankDump
 
 SPIKE_API = "guard.spike"
 """The capture_api of a spike dump: its pieces are the parameters' (the guard's anomaly dumps hold
@@ -80,6 +70,8 @@ def spike_rank_dump(
 ) -> RankDump:
     """This rank's stats dump of the spike step: its pieces with their gradients' sums of squares
     before the first clip call; `clip`: (reported norm, max_norm, norm_type) of the step's call."""
+    from ..dumpfile.dump import RankDump
+
     infos, columns = param_pieces(pieces, norms)
     reported, max_norm, norm_type = clip
     call = ClipCall(reported_norm=reported, max_norm=max_norm, norm_type=norm_type)
@@ -137,6 +129,8 @@ def param_pieces(
     clipped gradient's too given the finite coefficient `coef` the step applied; `dtype`: the
     gradients' where it is not the parameters'. A piece with no norm (no gradient) is left out, or
     with `every_piece` kept without statistics, as a capture keeps a piece with no gradient."""
+    from ..dumpfile.dump import as_columns
+
     norm_of: dict[int, float] = {}
     if norms is not None:
         values, present = norms

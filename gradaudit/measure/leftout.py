@@ -3,7 +3,7 @@ checked" (GA104) everywhere instead of an ownership gap (GA103) or a norm short 
 
 from __future__ import annotations
 
-from ..model import StepDump
+from ..dumpfile.dump import StepDump
 
 
 def left_out_params(step: StepDump) -> frozenset[str]:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..model import ParamInfo, Piece, StepDump, TensorKind
+from ..dumpfile.dump import StepDump
+from ..model import ParamInfo, Piece, TensorKind
 from ..norms import divide_by_power
 from ..steptable import (
     ParamMeasurement,

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..dumpfile.dump import StepDump
 from ..errors import StepFolderError
-from ..model import Piece, StepDump, TensorKind, TensorStats
+from ..model import Piece, TensorKind, TensorStats
 
 if TYPE_CHECKING:
     import numpy as np

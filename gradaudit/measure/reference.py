@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..model import Box, FlatRange, Piece, Region, StepDump, TensorKind, numel_of
+from ..dumpfile.dump import StepDump
+from ..model import Box, FlatRange, Piece, Region, TensorKind, numel_of
 
 if TYPE_CHECKING:
     from ..dumpfile.reader import TensorReader

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ..dumpfile.columnar import ColumnarPieces, ParamIds
-from ..model import Piece, Region, StepDump, TensorKind, TensorStats
+from ..dumpfile.dump import StepDump
+from ..model import Piece, Region, TensorKind, TensorStats
 from ..norms import INF, NAN, UNKNOWN, term_column, term_of
 from ..steptable import KindColumns, ReplicaCopy, ReplicaSet, StepTable
 from .measurements import (

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..model import Box, FlatRange, Mode, Piece, Region, StepDump
+from ..model import Box, FlatRange, Mode, Piece, Region, StepFacts
 from .model import GuardTrend
 
 
@@ -90,10 +91,11 @@ def _region_text(region: Region) -> str:
     return f"flat[{region.start}:{region.stop}]"
 
 
-def build_inventory(step: StepDump) -> Inventory:
+def build_inventory(step: StepFacts, pieces: Mapping[int, Sequence[Piece]]) -> Inventory:
+    """What the step's files hold: `step`'s facts, and each present rank's pieces."""
     pieces_by_param: dict[str, list[tuple[int, Piece]]] = {}
     for rank in step.ranks_present:
-        for piece in step.ranks[rank].pieces:
+        for piece in pieces[rank]:
             pieces_by_param.setdefault(piece.param, []).append((rank, piece))
     params = []
     for name, info in step.params.items():
@@ -145,7 +147,7 @@ def build_inventory(step: StepDump) -> Inventory:
     )
 
 
-def _left_out(step: StepDump) -> tuple[LeftOut, ...]:
+def _left_out(step: StepFacts) -> tuple[LeftOut, ...]:
     ranks_of: dict[tuple[str, str], list[int]] = {}
     for rank in step.ranks_present:
         for param in step.ranks[rank].not_captured:

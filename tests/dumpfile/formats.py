@@ -13,8 +13,9 @@ from builders import FIXED
 from cli_runner import run_cli
 
 from gradaudit.capture.build import box, flat, whole, write_rank
+from gradaudit.dumpfile.dump import RankDump
 from gradaudit.dumpfile.schema import METADATA_KEY, encode_rank
-from gradaudit.model import ClipRecord, RankDump
+from gradaudit.model import ClipRecord
 
 
 def stats_step(directory: Path, rank: int = 0, world_size: int = 2) -> Path:

@@ -23,23 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaudit.dumpfile.columnar import MAX_CLIP_CALLS
+from gradaudit.dumpfile.dump import PieceColumnsBuilder, PieceExtras, RankDump, as_columns
 from gradaudit.dumpfile.header import parse_json
 from gradaudit.dumpfile.schema import _quick_param, _Reader, decode_rank, encode_rank
 from gradaudit.errors import DumpFormatError, shown
-from gradaudit.model import (
-    TENSOR_KINDS,
-    Box,
-    ClipRecord,
-    FlatRange,
-    ParamInfo,
-    Piece,
-    PieceColumnsBuilder,
-    PieceExtras,
-    RankDump,
-    Region,
-    TensorStats,
-    as_columns,
-)
+from gradaudit.model import TENSOR_KINDS, Box, ClipRecord, FlatRange, ParamInfo, Piece, Region, TensorStats
 
 # ---------------------------------------------------------------- the oracle: the careful per-piece decoder
 

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
+from gradaudit.dumpfile.dump import RankDump, as_columns
 from gradaudit.dumpfile.loader import assemble_step
-from gradaudit.model import Inconsistency, ParamInfo, RankDump, as_columns
+from gradaudit.model import Inconsistency, ParamInfo
 
 
 def _every_rank(ranks: dict[int, RankDump]) -> list[Inconsistency]:

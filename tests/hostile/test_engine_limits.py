@@ -15,8 +15,9 @@ import torch
 from builders import FIXED, check
 
 from gradaudit.capture.build import flat, whole, write_rank
+from gradaudit.dumpfile.dump import RankDump, as_columns
 from gradaudit.dumpfile.writer import write_rank_file
-from gradaudit.model import ClipRecord, FlatRange, ParamInfo, Piece, RankDump, TensorStats, as_columns
+from gradaudit.model import ClipRecord, FlatRange, ParamInfo, Piece, TensorStats
 
 from .cli import assert_clean_refusal, assert_report_or_clean_refusal, run_cli
 from .corpus import (

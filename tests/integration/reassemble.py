@@ -7,7 +7,8 @@ import math
 import torch
 
 from gradaudit.dumpfile import TensorReader, load_step
-from gradaudit.model import Box, FlatRange, StepDump
+from gradaudit.dumpfile.dump import StepDump
+from gradaudit.model import Box, FlatRange
 
 
 def reassemble(step: StepDump, kind: str = "grad") -> dict[str, torch.Tensor]:

@@ -260,8 +260,8 @@ def test_the_guard_dumps_pieces_are_those_of_its_groups_built_one_by_one(seed):
     pieces built one at a time (the row form), extras included (dtypes, absent kinds, call stats)."""
     import dataclasses
 
+    from gradaudit.dumpfile.dump import as_columns
     from gradaudit.live.analysis_input import _gathered
-    from gradaudit.model import as_columns
 
     live = _random_live_step(seed)
     if seed % 3 == 0:  # bfloat16 gradients of float32 groups: each piece's dtype differs
