@@ -28,11 +28,8 @@ ALLOWED = {
     # everything numeric the diagnosis reads of a step
     "gradaudit.analysis.norm_input.NormInput",
     # the guard's gathered numbers, one row per rank and group it holds, in rank order: sorted into
-    # the step table, sliced into each rank's dump columns
+    # the step table
     "gradaudit.live.analysis_input._Gathered",
-    # read-only views of _Gathered's columns (and shared zero counts), sliced into each rank's dump
-    # columns without a copy: the same numbers, not a second form
-    "gradaudit.live.analysis_input._Columns",
     # capture: the rows of a rank's pieces that hold a whole plain tensor, by position, read in bulk
     "gradaudit.capture.plain.WholeRows",
     # capture: the stats mode's float64 rows, one per piece and kind

@@ -5,9 +5,9 @@ into the analysis value, so that the guard's verdict and `gradaudit check` come 
 ownership group it holds, replicas of a group sharing a layout, each entry's statistics those of one
 element whose magnitude is the group's norm), and the replica sets from its columns: nothing is
 measured and no tensor read, and every accounting the diagnosis tries gives the number it would from
-the real pieces. The step's facts (clip records, topology, parameters) come from the step the guard's
-dump amounts to (`rank_dumps`: one stats-mode `RankDump` per rank, which the guard also writes on an
-anomaly); `report_of` runs `audit.build_report` on the analysis, as `audit.audit_step` does.
+the real pieces; the step's facts (clip records, topology, parameters) and the coverage too, with no
+dump built. `report_of` runs `audit.build_report` on the analysis, as `audit.audit_step` does. Only
+on an anomaly does the guard build its rank's dump (`rank_dump`: one piece per ownership group).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from ..model import (
     ClipRecord,
     FlatRange,
     ParamInfo,
+    Piece,
     RankFacts,
     TensorKind,
     TensorStats,
     Topology,
-    read_only,
 )
 from ..norms import INF, NAN, UNKNOWN
 from ..steptable import (
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from ..analysis.coverage import ParamCoverage
     from ..checks.base import Analysis
-    from ..dumpfile.dump import ColumnarPieces, RankDump, StepDump
+    from ..dumpfile.dump import RankDump, StepDump
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -244,9 +244,17 @@ def _held(
     return by_rank
 
 
-def rank_dumps(live: LiveStep) -> dict[int, RankDump]:
-    """The stats-mode rank dumps the live step amounts to (what the guard writes on an anomaly)."""
-    return _rank_dumps(live, _gathered(live))
+def rank_dump(live: LiveStep, rank: int) -> RankDump:
+    """The stats-mode dump of `rank` the live step amounts to (what the guard writes on an anomaly)."""
+    return _rank_dump(live, _gathered(live), rank)
+
+
+def step_dump(live: LiveStep) -> StepDump:
+    """The live step as the loader would give it after reading every rank's `rank_dump`."""
+    from ..dumpfile.loader import assemble_step
+
+    g = _gathered(live)
+    return assemble_step(live.directory, {rank: _rank_dump(live, g, rank) for rank in sorted(live.ranks)})
 
 
 def _group_params(live: LiveStep, g: _Gathered) -> tuple[ParamInfo, ...]:
@@ -260,7 +268,7 @@ def _group_params(live: LiveStep, g: _Gathered) -> tuple[ParamInfo, ...]:
 
 
 def _rank_facts(live: LiveStep, g: _Gathered) -> dict[int, RankFacts]:
-    """Each rank's facts: what its dump (`_rank_dumps`) says besides its pieces, with no dump built."""
+    """Each rank's facts: what its dump (`_rank_dump`) says besides its pieces, with no dump built."""
     params = _group_params(live, g)
     shared: dict[tuple[int, ...], tuple[tuple[ParamInfo, ...], bool]] = {}
     facts = {}
@@ -301,123 +309,48 @@ def _coverage(live: LiveStep, g: _Gathered, params: Mapping[str, ParamInfo]) -> 
     return {name: ParamCoverage(info, whole, [], sorted(set(holders[name]))) for name, info in params.items()}
 
 
-def _rank_dumps(live: LiveStep, g: _Gathered) -> dict[int, RankDump]:
-    """Each rank's dump, its pieces' columns sliced from the gathered ones (one element per group the
-    rank holds, whose magnitude is the group's norm, at its replica class's position), with no Piece
-    object built."""
-    from ..dumpfile.dump import RankDump
+def _rank_dump(live: LiveStep, g: _Gathered, rank: int) -> RankDump:
+    """`rank`'s dump: its facts, and one piece per ownership group it holds (`_piece`)."""
+    from ..dumpfile.dump import RankDump, as_columns
 
-    params = _group_params(live, g)
-    shapes: dict[tuple[tuple[int, ...], str | None], _RankShape] = {}
-    columns = _Columns(live, g)
-    dumps = {}
-    for rank, summary in sorted(live.ranks.items()):
-        lo, hi = g.bounds[rank]
-        held = tuple(h.group for h in g.held[lo:hi])
-        key = (held, summary.grad_dtype)
-        shape = shapes.get(key) or shapes.setdefault(key, _rank_shape(live, params, held, summary.grad_dtype))
-        dumps[rank] = RankDump(
-            path="",
-            rank=rank,
-            world_size=live.world_size,
-            step=live.step,
-            mode="stats",
-            run_id=live.run_id,
-            params=shape[0],
-            pieces=columns.of(shape, lo, hi),
-            topology=summary.topology,
-            clip=g.clips[rank],
-            capture_api="guard",
-        )
-    return dumps
+    lo, hi = g.bounds[rank]
+    held = g.held[lo:hi]
+    names = {live.groups[h.group].param for h in held}
+    params = tuple(info for info in _group_params(live, g) if info.name in names)
+    return RankDump(
+        path="",
+        rank=rank,
+        world_size=live.world_size,
+        step=live.step,
+        mode="stats",
+        run_id=live.run_id,
+        params=params,
+        pieces=as_columns(params, [_piece(live, h, k) for k, h in enumerate(held)]),
+        topology=live.ranks[rank].topology,
+        clip=g.clips[rank],
+        capture_api="guard",
+    )
 
 
-_RankShape = tuple[tuple[ParamInfo, ...], "np.ndarray", tuple[str, ...], dict[int, str]]
-"""What the pieces of every rank holding the same groups (with one gradient dtype) share: the
-parameters, the columns' rows, the replica groups, position -> dtype where not the parameter's."""
-
-
-def _rank_shape(
-    live: LiveStep, params: tuple[ParamInfo, ...], held: tuple[int, ...], grad_dtype: str | None
-) -> _RankShape:
-    import numpy as np
-
-    names = [live.groups[i].param for i in held]
-    rank_params = tuple(p for p in params if p.name in names)
-    index_of = {info.name: i for i, info in enumerate(rank_params)}
-    replica_groups = [live.groups[i].replica_group for i in held]
-    groups = sorted({r for r in replica_groups if r is not None})
-    rows = np.zeros((len(held), 4), dtype=np.int64)
-    rows[:, 0] = [index_of[name] for name in names]
-    rows[:, 1] = [-1 if r is None else groups.index(r) for r in replica_groups]
-    rows[:, 2] = np.arange(0, 2 * len(held), 2)
-    rows.flags.writeable = False  # shared by every rank of this shape
-    dtypes = {
-        k: dtype
-        for k, i in enumerate(held)
-        if (dtype := grad_dtype or live.groups[i].dtype) != rank_params[rows[k, 0]].dtype
+def _piece(live: LiveStep, h: _Held, index: int) -> Piece:
+    """The piece of the guard's dump that one ownership group on one rank amounts to: one element
+    whose magnitude is the group's norm, at its replica class's position."""
+    group, p = live.groups[h.group], live.norm_type
+    stats: dict[TensorKind, TensorStats] = {
+        "grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)
     }
-    return rank_params, rows, tuple(groups), dtypes
-
-
-class _Columns:
-    """Each rank's pieces as columns, sliced from the gathered ones: read-only slices of read-only
-    columns (nothing copied per rank), and what every rank shares decided once."""
-
-    def __init__(self, live: LiveStep, g: _Gathered) -> None:
-
-        self.live, self.g = live, g
-        self.grad, self.counts, self.clipped = (read_only(a) for a in (g.grad, g.counts, g.clipped))
-        self.coords = read_only(g.coords.reshape(-1))
-        self.every_clipped, self.any_clipped = bool(g.has_clipped.all()), bool(g.has_clipped.any())
-        self.any_calls = any(h.calls for h in g.held)
-        self._zeros: dict[int, np.ndarray] = {}
-
-    def zeros(self, n: int) -> np.ndarray:
-        import numpy as np
-
-        if n not in self._zeros:
-            self._zeros[n] = read_only(np.zeros((n, 3), dtype=np.int64))
-        return self._zeros[n]
-
-    def of(self, shape: _RankShape, lo: int, hi: int) -> ColumnarPieces:
-        import numpy as np
-
-        from ..dumpfile.dump import NO_EXTRAS, ColumnarPieces, PieceExtras
-
-        params, rows, groups, dtypes = shape
-        g = self.g
-        stats, counts = {"grad": self.grad[lo:hi]}, {"grad": self.counts[lo:hi]}
-        absent: dict[TensorKind, frozenset[int]] = {}
-        if self.every_clipped or (self.any_clipped and g.has_clipped[lo:hi].any()):
-            stats["grad_clipped"], counts["grad_clipped"] = self.clipped[lo:hi], self.zeros(hi - lo)
-            if not self.every_clipped and not (has := g.has_clipped[lo:hi]).all():
-                absent["grad_clipped"] = frozenset(np.flatnonzero(~has).tolist())
-        p = self.live.norm_type
-        call_stats = (
-            {
-                k: tuple(_one_element(term, p) for term in h.calls)
-                for k, h in enumerate(g.held[lo:hi])
-                if h.calls
-            }
-            if self.any_calls
-            else {}
-        )
-        extras = (
-            PieceExtras(absent=absent, call_stats=call_stats, dtypes=dtypes)
-            if absent or call_stats or dtypes
-            else NO_EXTRAS
-        )
-        return ColumnarPieces(
-            rows,
-            self.coords[2 * lo : 2 * hi],
-            params,
-            groups,
-            stats,
-            counts,
-            p if hi > lo else 2.0,
-            extras=extras,
-        )
+    if h.clipped is not None:
+        stats["grad_clipped"] = _one_element(h.clipped, p)
+    return Piece(
+        index=index,
+        param=group.param,
+        regions=(FlatRange(start=h.position, stop=h.position + 1),),
+        local_shape=(1,),
+        dtype=live.ranks[h.rank].grad_dtype or group.dtype,
+        replica_group=group.replica_group,
+        stats=stats,
+        call_stats=tuple(_one_element(term, p) for term in h.calls),
+    )
 
 
 def analysis_of(live: LiveStep) -> Analysis:
@@ -591,13 +524,6 @@ def _replica_sets(
             )
         )
     return {name: tuple(sets) for name, sets in found.items()}
-
-
-def step_dump(live: LiveStep) -> StepDump:
-    """The live step as the loader would give it after reading `rank_dumps(live)`."""
-    from ..dumpfile.loader import assemble_step
-
-    return assemble_step(live.directory, rank_dumps(live))
 
 
 def _class_of(live: LiveStep, group: OwnershipGroup, summary: RankSummary) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from ..model import Topology
 from ..version import __version__
 from . import wire
 from .agreement import Agreement, agree
-from .analysis_input import SHARDED, LiveStep, rank_dumps, report_of
+from .analysis_input import SHARDED, LiveStep, rank_dump, report_of
 from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
 from .replicas import ReplicaFault, replica_faults
@@ -1295,13 +1295,13 @@ class Guard:
         )
 
     def _rank_dump(self, live: LiveStep, codes: tuple[str, ...]) -> RankDump:
-        """This rank's dump of the step: its ownership groups (`rank_dumps`), or on a step whose
+        """This rank's dump of the step: its ownership groups (`rank_dump`), or on a step whose
         replicas differ (GA601) its pieces of the parameters, so that `gradaudit check` of it names
         the parameters whose copies differ (spike_dump.params_rank_dump). Every rank decides alike,
         from the gathered numbers: the parameters' pieces when the norm is the 2-norm, and every rank
         made at most one clip call (its pieces' norms before it are what its group terms were summed
         from) and holds finite terms; else the groups."""
-        dump = rank_dumps(live)[self.rank]
+        dump = rank_dump(live, self.rank)
         ranks = live.ranks.values()
         if (
             "GA601" not in codes

@@ -23,7 +23,7 @@ from gradaudit.live import channel as channel_module
 from gradaudit.live import guard as guard_module
 from gradaudit.live.trend import TREND_FILE, read_trend
 
-_ORIGINALS = (guard_module.report_of, guard_module.rank_dumps)
+_ORIGINALS = (guard_module.report_of, guard_module.rank_dump)
 NUM_STEPS = 8
 MISTAKE_AT = 6
 """The step whose clipping is wrong in every run (a local clip under FSDP2, two clips under DDP)."""
@@ -85,7 +85,7 @@ def _inject(fault: str, guard, rank: int, fault_rank: int, step_of) -> None:
     elif fault == "raise_read":
         guard._channel.read = at_fault_step(guard._channel.read, channel_module.ChannelError("injected"))
     elif fault == "raise_dump":
-        guard_module.rank_dumps = _at_step(guard_module.rank_dumps, step_of, MISTAKE_AT)
+        guard_module.rank_dump = _at_step(guard_module.rank_dump, step_of, MISTAKE_AT)
     elif fault == "raise_capture":
         guard._begin_capture = _at_step(guard._begin_capture, step_of, MISTAKE_AT + 1)
     elif fault == "raise_on_verdict":
@@ -159,7 +159,7 @@ def _train(rank, world_size, stack, out_dir, *, guarded, fault=None, fault_rank=
         elapsed = time.monotonic() - started
         if guard is not None:
             guard.remove()
-        guard_module.report_of, guard_module.rank_dumps = _ORIGINALS
+        guard_module.report_of, guard_module.rank_dump = _ORIGINALS
     dist.barrier()
     trend_path = os.path.join(out_dir, TREND_FILE)
     return {

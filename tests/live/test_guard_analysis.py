@@ -21,7 +21,6 @@ from gradaudit.live.analysis_input import (
     LiveStep,
     OwnershipGroup,
     RankSummary,
-    rank_dumps,
     report_of,
     step_dump,
 )
@@ -95,7 +94,7 @@ def test_the_guard_dump_loads_and_check_marks_it_guard_triggered(tmp_path):
     live = live_step((0.6, 0.9), (math.sqrt(0.6), math.sqrt(0.9)), directory=str(tmp_path / "step_5"))
     import dataclasses
 
-    for rank, dump in rank_dumps(live).items():
+    for rank, dump in step_dump(live).ranks.items():
         write_rank_file(live.directory, dataclasses.replace(dump, trigger="guard"), {})
         assert rank in (0, 1)
     report = audit_folder(live.directory, AuditOptions())
@@ -232,53 +231,6 @@ def _random_live_step(seed):
     return LiveStep(step=3, world_size=4, max_norm=MAX_NORM, norm_type=norm_type, groups=groups, ranks=ranks)
 
 
-def _piece(live, h, index):
-    """The oracle: the piece of the guard's dump that one ownership group on one rank amounts to, one
-    element whose magnitude is the group's norm, at its replica class's position."""
-    from gradaudit.live.analysis_input import _one_element
-    from gradaudit.model import FlatRange, Piece
-
-    group, p = live.groups[h.group], live.norm_type
-    stats = {"grad": _one_element(h.term, p, num_nan=h.num_nan, num_inf=h.num_inf)}
-    if h.clipped is not None:
-        stats["grad_clipped"] = _one_element(h.clipped, p)
-    return Piece(
-        index=index,
-        param=group.param,
-        regions=(FlatRange(start=h.position, stop=h.position + 1),),
-        local_shape=(1,),
-        dtype=live.ranks[h.rank].grad_dtype or group.dtype,
-        replica_group=group.replica_group,
-        stats=stats,
-        call_stats=tuple(_one_element(term, p) for term in h.calls),
-    )
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_the_guard_dumps_pieces_are_those_of_its_groups_built_one_by_one(seed):
-    """rank_dumps slices every rank's columns from the gathered ones; they equal `as_columns` of the
-    pieces built one at a time (the row form), extras included (dtypes, absent kinds, call stats)."""
-    import dataclasses
-
-    from gradaudit.dumpfile.dump import as_columns
-    from gradaudit.live.analysis_input import _gathered
-
-    live = _random_live_step(seed)
-    if seed % 3 == 0:  # bfloat16 gradients of float32 groups: each piece's dtype differs
-        live = dataclasses.replace(
-            live, ranks={r: dataclasses.replace(s, grad_dtype="bfloat16") for r, s in live.ranks.items()}
-        )
-    g = _gathered(live)
-    dumps = rank_dumps(live)
-    for rank, dump in dumps.items():
-        first, past = g.bounds[rank]
-        pieces = [_piece(live, h, k) for k, h in enumerate(g.held[first:past])]
-        expected = as_columns(dump.params, pieces)
-        assert dump.pieces.extras == expected.extras and dump.pieces == expected, rank
-        assert list(dump.pieces) == pieces
-        assert {p.name for p in dump.params} == {p.param for p in pieces}
-
-
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("clipped_before_unscale", [False, True])
 def test_the_analysis_of_the_live_summary_is_that_of_the_guard_dump(seed, clipped_before_unscale):
@@ -334,7 +286,7 @@ def test_check_of_a_guarded_run_folder_lists_the_full_captures_beside_the_guards
     wrong = live_step((0.6, 0.9), (math.sqrt(0.6), math.sqrt(0.9)), directory=str(folder / "step_5"))
     right = live_step((0.6, 0.9), (math.sqrt(1.5), math.sqrt(1.5)), directory=str(folder / "full" / "step_6"))
     for live, step in ((wrong, 5), (right, 6)):
-        for dump in rank_dumps(live).values():
+        for dump in step_dump(live).ranks.values():
             write_rank_file(live.directory, dataclasses.replace(dump, step=step), {})
     result = audit_folder(folder, AuditOptions())
     assert [(s.step, Path(s.directory).relative_to(folder).as_posix()) for s in result.summary] == [
