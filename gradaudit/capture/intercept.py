@@ -166,6 +166,28 @@ def outermost() -> Iterator[bool]:
         _DEPTH.value = depth
 
 
+_RECORDED = ClipTarget(module="", attribute="recorded", kind="norm")
+"""The target of a call its caller records itself (`audit.clip(fn, ...)`, `guard.clip(fn, ...)`)."""
+
+
+def recorded(
+    own: Handle | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    record: Callable[[], Any],
+) -> Any:
+    """A clip call that the route `own` records itself (`record()` makes it, once): made through the
+    other routes installed too, newest outermost, so that a guard sees a clip call an audit of the
+    same step records with `audit.clip`, and the other way round."""
+    routes = [handle.route for handle in _ROUTES if handle is not own]
+    call = InterceptedCall(target=_RECORDED, fn=fn, args=args, kwargs=kwargs, make=record)
+    for route in routes[:-1]:
+        call = dataclasses.replace(call, make=functools.partial(route, call))
+    with outermost():
+        return routes[-1](call) if routes else call()
+
+
 def _wrapper(target: ClipTarget, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def intercepted(*args: Any, **kwargs: Any) -> Any:

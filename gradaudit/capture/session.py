@@ -273,8 +273,9 @@ class AuditStep:
         # Inside: part of a clip call being recorded (torch's clip inside a framework's).
         if self._skipped or intercept.inside():
             return fn(*args, **kwargs)
-        with intercept.outermost():
-            return self._record_clip(fn, args, kwargs)
+        return intercept.recorded(
+            self._interception, fn, args, kwargs, lambda: self._record_clip(fn, args, kwargs)
+        )
 
     def _record_clip(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], clip_value: Any = None

@@ -506,8 +506,9 @@ class Guard:
             return self._capture.clip(fn, *args, **kwargs)
         if intercept.inside():
             return fn(*args, **kwargs)
-        with intercept.outermost():
-            return self._measured(fn, args, kwargs)
+        return intercept.recorded(
+            self._interception, fn, args, kwargs, lambda: self._measured(fn, args, kwargs)
+        )
 
     def clip_unscaling(self, loss_scale: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`clip` of a call that divides the gradients by the loss scale they carry before its norm (DeepSpeed's

@@ -399,14 +399,27 @@ def test_a_step_the_training_discards_after_clipping_is_not_counted_toward_the_n
     assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 3]
 
 
-def test_a_guard_and_an_audit_of_the_same_step_both_record_its_clip_call(tmp_path):
+@pytest.mark.parametrize("recorded_by", ["interception", "audit.clip", "guard.clip"])
+def test_a_guard_and_an_audit_of_the_same_step_both_record_its_clip_call(tmp_path, recorded_by):
+    """Whichever records the call itself (an integration's `audit.clip`, a loop's `guard.clip`), the
+    other sees it too: no false GA503 (a guard that saw no clip call measures after the clip)."""
     model, opt = _setup()
+    clip = torch.nn.utils.clip_grad_norm_
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path / "guard") as guard:
             _steps(model, opt, 1)
-            with gradaudit.audit_step(model, tmp_path / "dumps", step=2, max_norm=MAX_NORM, optimizer=opt):
-                _steps(model, opt, 1)
+            with gradaudit.audit_step(
+                model, tmp_path / "dumps", step=2, max_norm=MAX_NORM, optimizer=opt
+            ) as audit:
+                if recorded_by == "interception":
+                    _steps(model, opt, 1)
+                else:
+                    recorder = audit if recorded_by == "audit.clip" else guard
+                    opt.zero_grad()
+                    model(torch.randn(4, 8)).pow(2).sum().backward()
+                    recorder.clip(clip, model.parameters(), MAX_NORM)
+                    opt.step()
             _steps(model, opt, 1)
     assert guard.anomalies == [], [str(w.message) for w in caught]  # before: GA503 at step 2
     assert [line["verdict"] for line in _trend(tmp_path / "guard")] == ["ok", "ok", "ok"]
