@@ -13,7 +13,7 @@ on an anomaly does the guard build its rank's dump (`rank_dump`: one piece per o
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -267,6 +267,12 @@ def _group_params(live: LiveStep, g: _Gathered) -> tuple[ParamInfo, ...]:
     )
 
 
+def _params_of(live: LiveStep, params: tuple[ParamInfo, ...], groups: Sequence[int]) -> tuple[ParamInfo, ...]:
+    """The parameters (of the groups' `params`) a rank holding these ownership groups knows."""
+    names = {live.groups[i].param for i in groups}
+    return tuple(info for info in params if info.name in names)
+
+
 def _rank_facts(live: LiveStep, g: _Gathered) -> dict[int, RankFacts]:
     """Each rank's facts: what its dump (`_rank_dump`) says besides its pieces, with no dump built."""
     params = _group_params(live, g)
@@ -276,9 +282,8 @@ def _rank_facts(live: LiveStep, g: _Gathered) -> dict[int, RankFacts]:
         lo, hi = g.bounds[rank]
         held = tuple(h.group for h in g.held[lo:hi])
         if held not in shared:
-            names = {live.groups[i].param for i in held}
             replicated = bool(held) and all(live.groups[i].replica_group is not None for i in held)
-            shared[held] = (tuple(p for p in params if p.name in names), replicated)
+            shared[held] = (_params_of(live, params, held), replicated)
         rank_params, replicated = shared[held]
         facts[rank] = RankFacts(
             rank=rank,
@@ -315,8 +320,7 @@ def _rank_dump(live: LiveStep, g: _Gathered, rank: int) -> RankDump:
 
     lo, hi = g.bounds[rank]
     held = g.held[lo:hi]
-    names = {live.groups[h.group].param for h in held}
-    params = tuple(info for info in _group_params(live, g) if info.name in names)
+    params = _params_of(live, _group_params(live, g), [h.group for h in held])
     return RankDump(
         path="",
         rank=rank,
