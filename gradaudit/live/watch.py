@@ -1,7 +1,11 @@
 """What the guard watches of the model besides its gradients: the training forward passes, a clock
 every rank compares so that a rank that skipped an optimizer step is named rather than paired with
 the others' next step; and the set of trained parameters, so that ownership is inferred again when it
-changes (a block unfrozen, a param group added, a module swapped) rather than judged against a stale map."""
+grows (a block unfrozen, a param group added, a module swapped) rather than judged against a stale map.
+
+A parameter frozen after inference needs no new map: its gradient stops coming, which the measuring
+reads as an absent gradient, as the clip call does. So only the parameters frozen at inference are
+read per step, not every parameter of the model."""
 
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ class ModelWatch:
         """Forward passes of the model with autograd on, since the guard was attached."""
         self._on_forward = on_forward
         self._params: list[torch.nn.Parameter] = []
+        self._frozen: list[torch.nn.Parameter] = []
+        """The parameters not trained when `mark` was last called."""
         self._ids = 0
         self._dirty = True
         self._handles: list[RemovableHandle] = [model.register_forward_pre_hook(self._forward)]
@@ -42,7 +48,8 @@ class ModelWatch:
             # any module of the process: only marks the parameter list to be read again
             self._handles.append(modules.register_module_parameter_registration_hook(self._registered))
             self._handles.append(modules.register_module_module_registration_hook(self._registered))
-        self._marked = self.signature()
+        self._marked = 0
+        self.mark()
 
     def _forward(self, module: Any, args: Any) -> None:
         import torch
@@ -56,8 +63,8 @@ class ModelWatch:
         self._dirty = True
 
     def signature(self) -> int:
-        """A hash of which parameters the model holds, which of them are trained, and which the
-        optimizer steps (0 when not following: the pieces were given, not inferred)."""
+        """A hash of which parameters the model holds, whether one frozen at `mark` is trained now, and
+        which the optimizer steps (0 when not following: the pieces were given, not inferred)."""
         if not self.follow:
             return 0
         if self._dirty:
@@ -66,7 +73,7 @@ class ModelWatch:
             self._dirty = False
         # each group's list and its length: a group added, a list replaced or grown (not read per parameter)
         stepped = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
-        return hash((self._ids, tuple(map(_trained, self._params)), stepped))
+        return hash((self._ids, any(map(_trained, self._frozen)), stepped))
 
     def changed(self) -> bool:
         """Whether the parameters changed since `mark`."""
@@ -74,6 +81,8 @@ class ModelWatch:
 
     def mark(self) -> None:
         """Ownership was inferred for the parameters as they are now."""
+        self.signature()  # the parameter list read again where it changed
+        self._frozen = [param for param in self._params if not param.requires_grad]
         self._marked = self.signature()
 
     def remove(self) -> None:

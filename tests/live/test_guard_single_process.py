@@ -326,6 +326,32 @@ def test_parameters_that_change_mid_run_are_followed_without_a_false_finding(tmp
     assert all(t is not None and t > MAX_NORM for t in true_norms)
 
 
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_a_block_frozen_or_unfrozen_under_the_same_optimizer_gives_no_false_finding(tmp_path, change):
+    # The optimizer holds every parameter from the start: only requires_grad changes at step 4. An
+    # unfrozen block is new to the ownership (inferred again, that step unchecked); a frozen one's
+    # gradient stops coming, which the checks read as an absent gradient, as the clip does.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model[2].requires_grad_(change == "freeze")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+            _steps(model, opt, 3)
+            model[2].requires_grad_(change == "unfreeze")
+            _steps(model, opt, 10)
+    said = [str(w.message) for w in caught if issubclass(w.category, GuardWarning)]
+    assert guard.anomalies == [], said
+    unchecked = [4] if change == "unfreeze" else []
+    assert len(said) == len(unchecked), said
+    assert all("step 4 is not checked: the trained parameters changed" in text for text in said)
+    lines = _trend(tmp_path)
+    assert [line["step"] for line in lines] == [s for s in range(1, 14) if s not in unchecked]
+    # the true norm the guard checked is the clip's own: with the head or without it
+    assert all(line["true_norm"] == pytest.approx(line["reported_norm"], rel=1e-6) for line in lines)
+
+
 def test_a_restart_into_the_same_out_dir_appends_the_trend_after_a_cut_line_and_writes_beside_earlier_dumps(
     tmp_path,
 ):
