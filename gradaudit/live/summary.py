@@ -75,57 +75,18 @@ class VectorLayout:
     def call_offset(self, call: int) -> int:
         return HEADER + 3 * self.num_groups + call * self.call_size
 
-    def unpack(
-        self, row: np.ndarray, *, rank: int, held: tuple[bool, ...], topology: Topology
-    ) -> RankSummary:
-        """One rank's summary from its row of the gathered matrix (status must be OK)."""
-        row = row.tolist()  # Python floats: read one by one (a failing step unpacks every rank's)
-        g = self.num_groups
-        num_calls = int(row[1])
-        calls = []
-        for k in range(min(num_calls, self.max_calls)):
-            at = self.call_offset(k)
-            calls.append(
-                CallSummary(
-                    reported_norm=_number(row[at]),
-                    max_norm=_number(row[at + 1]),
-                    norm_type=_number(row[at + 2]),
-                    coef=_number(row[at + 3]),
-                    terms=tuple(float(x) for x in row[at + 4 : at + 4 + g]),
-                )
-            )
-        h = HEADER
-        return RankSummary(
-            rank=rank,
-            terms=tuple(float(x) for x in row[h : h + g]),
-            held=held,
-            num_nan=tuple(int(x) for x in row[h + g : h + 2 * g]),
-            num_inf=tuple(int(x) for x in row[h + 2 * g : h + 3 * g]),
-            applied_coef=_number(row[2]),
-            loss_scale=_number(row[3]),
-            unscaled=_flag(row[4]),
-            skipped=_flag(row[5]),
-            grad_dtype=None if math.isnan(row[6]) else GRAD_DTYPES[int(row[6])],
-            calls=tuple(calls),
-            num_calls=num_calls,
-            topology=topology,
-        )
-
     def unpack_rows(
         self, rows: np.ndarray, *, held: Sequence[tuple[bool, ...]], topologies: Sequence[Topology]
     ) -> dict[int, RankSummary]:
-        """Every rank's summary from the gathered matrix (every status OK; rank k's row k): what
-        `unpack` gives for each row, read a column at a time (a failing step unpacks every rank's)."""
+        """Every rank's summary from the gathered matrix (every status OK; rank k's row k), read a
+        column at a time (a failing step unpacks every rank's)."""
         import numpy as np
 
         rows = np.asarray(rows, dtype=np.float64)
         g, h, n = self.num_groups, HEADER, rows.shape[0]
         counted = rows[:, [1, *range(h + g, h + 3 * g)]]
-        if not (np.abs(counted) < 2.0**53).all():  # a count `unpack` raises on or reads otherwise
-            return {
-                rank: self.unpack(rows[rank], rank=rank, held=held[rank], topology=topologies[rank])
-                for rank in range(n)
-            }
+        if not (np.abs(counted) < 2.0**53).all():
+            raise ValueError("a rank's row holds a count that is not an integer")
         num_calls = rows[:, 1].astype(np.int64).tolist()
         slots = [self._calls_at(rows, k) for k in range(min(max(num_calls, default=0), self.max_calls))]
         calls = [
@@ -189,22 +150,14 @@ def _tuples(block: np.ndarray) -> list[tuple[Any, ...]]:
 
 
 def _numbers(column: np.ndarray) -> list[float | None]:
-    """`_number` of each value."""
+    """Each value as a Python float, None for a nan."""
     values = column.tolist()
     return [None if math.isnan(v) else v for v in values] if (column != column).any() else values
 
 
 def _flags(column: np.ndarray) -> list[bool | None]:
-    """`_flag` of each value."""
+    """Each value as a bool, None for a nan."""
     return [None if math.isnan(v) else bool(v) for v in column.tolist()]
-
-
-def _number(value: float) -> float | None:
-    return None if math.isnan(value) else float(value)
-
-
-def _flag(value: float) -> bool | None:
-    return None if math.isnan(value) else bool(value)
 
 
 def group_key(piece: LocalPiece) -> str:

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradaudit.capture.arguments import CallRecord
-from gradaudit.live.analysis_input import LiveStep, OwnershipGroup, report_of
+from gradaudit.live.analysis_input import CallSummary, LiveStep, OwnershipGroup, RankSummary, report_of
 from gradaudit.live.fastpath import Reduction, role_of
-from gradaudit.live.summary import VectorLayout, pack, stamped
+from gradaudit.live.summary import GRAD_DTYPES, HEADER, VectorLayout, pack, stamped
 from gradaudit.live.trend import trend_line
 from gradaudit.model import Topology
 
@@ -72,10 +72,7 @@ def fast_of(layout, rows, max_norm=MAX_NORM):
 
 
 def slow_of(layout, rows, max_norm=MAX_NORM):
-    ranks = {
-        rank: layout.unpack(rows[rank], rank=rank, held=HELD[rank], topology=TOPOLOGY)
-        for rank in range(WORLD)
-    }
+    ranks = layout.unpack_rows(rows, held=HELD, topologies=[TOPOLOGY] * WORLD)
     live = LiveStep(step=5, world_size=WORLD, max_norm=max_norm, norm_type=2.0, groups=GROUPS, ranks=ranks)
     report = report_of(live)
     codes = tuple(sorted({f.code for f in report.findings if f.severity.name == "ERROR"}))
@@ -189,8 +186,8 @@ def test_whatever_the_sum_settles_the_full_diagnosis_passes_with_the_same_number
     nan_chance=st.sampled_from([0.0, 0.3, 1.0]),
 )
 def test_every_rank_unpacked_at_once_is_each_row_unpacked(seed, num_groups, nan_chance):
-    """unpack_rows (the gathered matrix a column at a time) gives what unpack gives row by row: the
-    numbers, the None of a nan, the calls each rank made (none, some, more than MAX_CALLS)."""
+    """unpack_rows (the gathered matrix a column at a time) gives what the row oracle gives row by row:
+    the numbers, the None of a nan, the calls each rank made (none, some, more than MAX_CALLS)."""
     rng = np.random.default_rng(seed)
     layout = VectorLayout(num_groups=num_groups)
     world = 7
@@ -204,9 +201,57 @@ def test_every_rank_unpacked_at_once_is_each_row_unpacked(seed, num_groups, nan_
     held = [tuple(bool(x) for x in rng.integers(0, 2, num_groups)) for _ in range(world)]
     topologies = [Topology(groups={"g": ((r, (r + 1) % world),)}) for r in range(world)]
     expected = {
-        rank: layout.unpack(rows[rank], rank=rank, held=held[rank], topology=topologies[rank])
+        rank: unpack_row(layout, rows[rank], rank=rank, held=held[rank], topology=topologies[rank])
         for rank in range(world)
     }
     found = layout.unpack_rows(rows, held=held, topologies=topologies)
     assert repr(found) == repr(expected)  # repr: a nan term is not equal to itself
     assert any(s.calls for s in expected.values()) or (rows[:, 1] <= 0).all()
+
+
+def test_a_count_that_is_not_an_integer_is_refused():
+    layout = VectorLayout(num_groups=1)
+    rows = np.zeros((2, layout.size))
+    rows[1, 1] = math.nan  # clip calls
+    with pytest.raises(ValueError, match="not an integer"):
+        layout.unpack_rows(rows, held=[(True,), (True,)], topologies=[Topology()] * 2)
+
+
+def _optional(value):
+    return None if math.isnan(value) else value
+
+
+def unpack_row(layout, row, *, rank, held, topology):
+    """One rank's RankSummary from its row, read one number at a time: the oracle of unpack_rows."""
+    row = row.tolist()
+    g, h = layout.num_groups, HEADER
+    num_calls = int(row[1])
+    calls = []
+    for k in range(min(num_calls, layout.max_calls)):
+        at = layout.call_offset(k)
+        numbers = [_optional(x) for x in row[at : at + 4]]
+        calls.append(
+            CallSummary(
+                reported_norm=numbers[0],
+                max_norm=numbers[1],
+                norm_type=numbers[2],
+                coef=numbers[3],
+                terms=tuple(row[at + 4 : at + 4 + g]),
+            )
+        )
+    flags = [None if math.isnan(x) else bool(x) for x in row[4:6]]
+    return RankSummary(
+        rank=rank,
+        terms=tuple(row[h : h + g]),
+        held=held,
+        num_nan=tuple(int(x) for x in row[h + g : h + 2 * g]),
+        num_inf=tuple(int(x) for x in row[h + 2 * g : h + 3 * g]),
+        applied_coef=_optional(row[2]),
+        loss_scale=_optional(row[3]),
+        unscaled=flags[0],
+        skipped=flags[1],
+        grad_dtype=None if math.isnan(row[6]) else GRAD_DTYPES[int(row[6])],
+        calls=tuple(calls),
+        num_calls=num_calls,
+        topology=topology,
+    )
