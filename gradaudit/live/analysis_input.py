@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from ..analysis.coverage import ParamCoverage
     from ..checks.base import Analysis
-    from ..dumpfile.dump import RankDump, StepDump
+    from ..dumpfile.dump import RankDump
     from ..report.model import Report
 
 SHARDED = "sharded"
@@ -247,14 +247,6 @@ def _held(
 def rank_dump(live: LiveStep, rank: int) -> RankDump:
     """The stats-mode dump of `rank` the live step amounts to (what the guard writes on an anomaly)."""
     return _rank_dump(live, _gathered(live), rank)
-
-
-def step_dump(live: LiveStep) -> StepDump:
-    """The live step as the loader would give it after reading every rank's `rank_dump`."""
-    from ..dumpfile.loader import assemble_step
-
-    g = _gathered(live)
-    return assemble_step(live.directory, {rank: _rank_dump(live, g, rank) for rank in sorted(live.ranks)})
 
 
 def _group_params(live: LiveStep, g: _Gathered) -> tuple[ParamInfo, ...]:

@@ -14,6 +14,7 @@ from builders import assert_same_tables
 from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
 from gradaudit.checks.fixes import stack_of
+from gradaudit.dumpfile.loader import assemble_step
 from gradaudit.dumpfile.writer import write_rank_file
 from gradaudit.errors import StepFolderError
 from gradaudit.live.analysis_input import (
@@ -21,14 +22,19 @@ from gradaudit.live.analysis_input import (
     LiveStep,
     OwnershipGroup,
     RankSummary,
+    rank_dump,
     report_of,
-    step_dump,
 )
 from gradaudit.live.trend import TREND_FILE, Trend, TrendLine, read_trend
 from gradaudit.model import Topology
 from live.trends import skipped_line, write_trend
 
 MAX_NORM = 1.0
+
+
+def step_dump(live):
+    """The live step as the loader gives it after reading every rank's dump the guard would write."""
+    return assemble_step(live.directory, {rank: rank_dump(live, rank) for rank in sorted(live.ranks)})
 
 
 def _coef(norm: float) -> float:
