@@ -7,17 +7,7 @@ from collections.abc import Iterable
 
 def compact_ranks(ranks: Iterable[int]) -> str:
     """Sorted ranks with consecutive runs collapsed: (0, 1, 2, 3, 7, 9, 10) -> "0-3, 7, 9-10"; "" if none."""
-    ordered = sorted(set(ranks))
-    runs: list[str] = []
-    last = None
-    for rank in ordered:
-        if last is not None and rank == last + 1:
-            first = runs[-1].split("-")[0]
-            runs[-1] = f"{first}-{rank}"
-        else:
-            runs.append(str(rank))
-        last = rank
-    return ", ".join(runs)
+    return ", ".join(f"{first}" if first == last else f"{first}-{last}" for first, last in rank_runs(ranks))
 
 
 def rank_runs(ranks: Iterable[int]) -> list[list[int]]:

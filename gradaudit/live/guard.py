@@ -1281,10 +1281,12 @@ class Guard:
 
     def _stamped(self, dump: RankDump) -> RankDump:
         """`dump` as the guard writes it: where and by what it was made, and why."""
+        from ..capture.write import torch_version
+
         return dataclasses.replace(
             dump,
             host=socket.gethostname(),
-            torch_version=_torch_version(),
+            torch_version=torch_version(),
             gradaudit_version=__version__,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             trigger=TRIGGER,
@@ -1471,14 +1473,9 @@ def _summary_at_exit(guard_ref: weakref.ref[Guard]) -> None:
 
 def _step_list(steps: list[int]) -> str:
     """ "step 7" or "steps 7, 9, 13-20": runs of consecutive steps folded."""
-    runs: list[list[int]] = []
-    for step in steps:
-        if runs and step == runs[-1][1] + 1:
-            runs[-1][1] = step
-        else:
-            runs.append([step, step])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-    return f"step{'' if len(steps) == 1 else 's'} {text}"
+    from ..ranksets import compact_ranks
+
+    return f"step{'' if len(steps) == 1 else 's'} {compact_ranks(steps)}"
 
 
 def _said(exc: BaseException) -> str:
@@ -1571,12 +1568,6 @@ def _no_parameters() -> torch.nn.Module:
     import torch
 
     return torch.nn.Module()
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 class GuardCallbackOptions:
