@@ -19,6 +19,11 @@ Beside a neighbour: the world-1 run again while a 2-rank DDP job without the gua
 machine. It shows what the second rank's processes cost the same code here (its caches and cores
 shared): on a machine with a core or two per rank, the world-2 figure reads against this one.
 
+Cold against warm: the guard's part of the step's sum (a fixed-size numpy computation, whatever the
+model) is timed as the guard calls it and again at once with the same inputs (that second call is not
+counted in the hooks' time): what the caches the model's step leaves cold cost code that does not
+change with the model.
+
 Short step: a model whose step takes 5-20 ms on one CPU thread; steps paused and checked alternate in
 a shuffled order (the same on every rank); target: median checked / median paused <= 1.05.
 """
@@ -60,6 +65,7 @@ def _fixed(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]
     spent = [0.0]
     clock = time.thread_time  # this rank's CPU time: the wait for the other ranks' numbers is not host work
     _time_own_hooks(Guard, spent, clock)
+    cold_warm = _time_cold_and_warm(spent, clock)
     model = _layers(config["tensors"], 8)
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -101,7 +107,30 @@ def _fixed(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]
         anomalies = list(guard.anomalies)
         guard.remove()
     assert not anomalies, f"a correct run was flagged: {anomalies}"
-    return {"own": own, "fused": checked, "at_its_moment": at_its_moment}
+    return {"own": own, "fused": checked, "at_its_moment": at_its_moment, "cold_warm": cold_warm[10:]}
+
+
+def _time_cold_and_warm(spent: list[float], clock: Any) -> list[tuple[float, float]]:
+    """Per call of the guard's part of the step's sum (`Reduction.contribution`: a fixed-size numpy
+    computation whatever the model): its time as the guard calls it, then again at once with the same
+    inputs; the second call's time is taken back out of `spent`. The ratio is what the caches the
+    model's step leaves cold cost code that does not change with the model."""
+    from gradaudit.live.fastpath import Reduction
+
+    original, times = Reduction.contribution, []
+
+    def both(self: Any, *args: Any) -> Any:
+        start = clock()
+        part = original(self, *args)
+        middle = clock()
+        original(self, *args)
+        end = clock()
+        spent[0] -= end - middle
+        times.append((middle - start, end - middle))
+        return part
+
+    Reduction.contribution = both  # type: ignore[method-assign]
+    return times
 
 
 def _short(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -225,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"RATIO fixed host cost {tensors} tensors world {world_size} rank {rank} / 0.5 ms = "
                     f"{fixed / 5e-4:.3f} ({fixed * 1e6:.0f} us beyond the fused norm pass of {fused * 1e6:.0f} us; "
                     f"in the hooks {statistics.median(r['own']) * 1e6:.0f} us; median of {len(extra)})"
+                )
+                cold = statistics.median(c for c, _ in r["cold_warm"])
+                warm = statistics.median(w for _, w in r["cold_warm"])
+                print(
+                    f"RATIO the guard's part of the sum, as called / again at once {tensors} tensors world "
+                    f"{world_size} rank {rank} = {cold / warm:.2f} ({cold * 1e6:.0f} / {warm * 1e6:.0f} us)"
                 )
                 moment = statistics.median(r["at_its_moment"])
                 beyond = statistics.median(r["own"]) - moment
