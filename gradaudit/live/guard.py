@@ -1475,7 +1475,7 @@ def _step_list(steps: list[int]) -> str:
     """ "step 7" or "steps 7, 9, 13-20": runs of consecutive steps folded."""
     from ..ranksets import compact_ranks
 
-    return f"step{'' if len(steps) == 1 else 's'} {compact_ranks(steps)}"
+    return f"step{'' if len(set(steps)) == 1 else 's'} {compact_ranks(steps)}"
 
 
 def _said(exc: BaseException) -> str:
