@@ -52,7 +52,7 @@ from ..model import (
 from .dump import ColumnarPieces, PieceColumnsBuilder, RankDump
 from .header import PREFIX as PREFIX  # the column keys; reader.py imports it from here
 
-__all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
+__all__ = ["ColumnarPieces", "ParamIds", "from_columns", "pieces_from_rows", "to_columns"]
 
 PIECES, COORDS = PREFIX + "pieces", PREFIX + "coords"
 NAMES, META, DIMS = PREFIX + "params.names", PREFIX + "params.meta", PREFIX + "params.dims"
@@ -200,16 +200,13 @@ def counts_key(kind: TensorKind) -> str:
 
 
 def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, or None when the columns
-    would not hold them whole (tensors, several regions, a local name, a dtype other than its
-    parameter's, differing norm types or fingerprint lengths: `ColumnarPieces.stats_only`)."""
+    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, their parameter table
+    included (inline columns; "json" when a dtype has no code), or None when the columns would not
+    hold them whole (tensors, several regions, a local name, a dtype other than its parameter's,
+    differing norm types or fingerprint lengths: `ColumnarPieces.stats_only`)."""
     pieces = dump.pieces
-    return columns_of(pieces) if pieces.stats_only else None
-
-
-def columns_of(pieces: ColumnarPieces) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(the "columnar" descriptor, the arrays by key) of pieces held as columns, their parameter
-    table included (inline columns; "json" when a dtype has no code)."""
+    if not pieces.stats_only:
+        return None
     arrays: dict[str, np.ndarray] = {PIECES: pieces.rows, COORDS: pieces.coords}
     for kind in pieces.kinds:
         arrays[stats_key(kind)] = pieces.stats[kind]

@@ -232,22 +232,10 @@ class ColumnarPieces(Sequence[Piece]):
             return (stop - start,)
         return tuple(self.coords[first + ndim : first + 2 * ndim].tolist())
 
-    def layout(self, width: int) -> np.ndarray:
-        """[n, 2 + width]: param index, ndim, then the region's coordinates padded with -1: rows are
-        equal exactly when the pieces' layout keys are (for the same parameter table; pieces of
-        one flat range or box each)."""
-        rows, coords = self.rows, self.coords
-        out = np.full((len(rows), 2 + width), -1, dtype=np.int64)
-        out[:, 0], out[:, 1] = rows[:, 0], rows[:, 3]
-        first, ndim = rows[:, 2], rows[:, 3]
-        for k in np.unique(ndim).tolist():
-            chosen = np.flatnonzero(ndim == k)
-            w = 2 if k == 0 else 2 * k
-            out[chosen, 2 : 2 + w] = coords[first[chosen, None] + np.arange(w)]
-        return out
-
     def layout_column(self, column: int, width: int) -> np.ndarray:
-        """Column `column` of `layout(width)` alone."""
+        """Column `column` of [n, 2 + width]: param index, ndim, then the region's coordinates padded
+        with -1: rows are equal exactly when the pieces' layout keys are (for the same parameter
+        table; pieces of one flat range or box each)."""
         rows = self.rows
         if column < 2:
             return rows[:, 0] if column == 0 else rows[:, 3]

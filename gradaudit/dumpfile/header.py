@@ -196,12 +196,6 @@ def read_exactly(handle: BinaryIO, count: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_raw_header(path: str) -> RawHeader:
-    """Parse the header of a safetensors file without validating its tensor entries."""
-    with open_regular_file(path) as handle:
-        return read_raw_header_from(handle, path)
-
-
 def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     try:
         size = os.fstat(handle.fileno()).st_size
@@ -238,7 +232,7 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     except (ValueError, RecursionError) as exc:
         raise DumpFormatError(
             path,
-            f"header is not valid JSON ({_first_line(exc)})",
+            f"header is not valid JSON ({first_line(exc)})",
             "the file is corrupt or not a safetensors file",
         ) from None
     if not isinstance(doc, dict):
@@ -257,7 +251,8 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     )
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of the exception's message (its type when it has none), clipped."""
     text = str(exc)
     return clipped(text.splitlines()[0] if text else type(exc).__name__)
 
@@ -340,7 +335,8 @@ def _check_layout(path: str, tensors: Mapping[str, TensorEntry], data_start: int
 
 def read_header(path: str) -> Header:
     """Parse and validate the header of a safetensors file; raise DumpFormatError on any defect."""
-    return validate_tensors(read_raw_header(path))
+    with open_regular_file(path) as handle:
+        return validate_tensors(read_raw_header_from(handle, path))
 
 
 def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
