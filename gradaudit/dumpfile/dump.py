@@ -89,8 +89,6 @@ class PieceExtras:
     """Position -> `Piece.local_name`, where it is set."""
     partial_groups: Mapping[int, str] = field(default_factory=dict)
     """Position -> `Piece.partial_group`, where it is set."""
-    indices: Mapping[int, int] = field(default_factory=dict)
-    """Position -> `Piece.index`, where it is not the position."""
 
     @property
     def empty(self) -> bool:
@@ -370,7 +368,7 @@ class ColumnarPieces(Sequence[Piece]):
                 )
             pieces.append(
                 Piece(
-                    index=extras.indices.get(position, position),
+                    index=position,
                     param=info.name,
                     regions=regions,
                     local_shape=extras.local_shapes.get(position, local_shape),
@@ -430,6 +428,10 @@ class PieceColumnsBuilder:
         param_index = self.index_of.get(piece.param)
         if param_index is None:
             raise ValueError(f"piece {piece.index} is of {piece.param!r}, which is not in the dump's params")
+        if piece.index != len(self.param):
+            raise ValueError(
+                f"piece {piece.index} is at position {len(self.param)}: pieces are numbered in order"
+            )
         params, firsts, ndims, coords = cast(
             "tuple[list[int], ...]", (self.param, self.first, self.ndim, self.coords)
         )
@@ -461,8 +463,6 @@ class PieceColumnsBuilder:
             extra["local_names"][position] = piece.local_name
         if piece.partial_group is not None:
             extra["partial_groups"][position] = piece.partial_group
-        if piece.index != position:
-            extra["indices"][position] = piece.index
         for kind, key in piece.tensors.items():
             self.tensors.setdefault(kind, {})[position] = key
         for kind, s in piece.stats.items():

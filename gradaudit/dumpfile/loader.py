@@ -99,8 +99,7 @@ def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
             if entry is None:
                 raise DumpFormatError(
                     dump.path,
-                    f"piece {extras.indices.get(at, at)} ({shown(info.name)}) names tensor {shown(key)}, "
-                    "which the file lacks",
+                    f"piece {at} ({shown(info.name)}) names tensor {shown(key)}, which the file lacks",
                 )
             if entry.shape != local_shape:
                 raise DumpFormatError(

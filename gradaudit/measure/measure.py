@@ -76,7 +76,7 @@ def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
 # ---------------------------------------------------------------- reading helpers
 
 
-def _piece_flat(
+def piece_flat(
     reader: TensorReader, path: str, piece: Piece, kind: TensorKind, start: int, stop: int, scale: float = 1.0
 ) -> np.ndarray:
     """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
@@ -157,14 +157,12 @@ def _differences(
     base_max = 0.0
     per_copy = max(1 << 16, chunk // max(1, len(copies)))
     for start, stop in windows(base.numel, per_copy):
-        ref = _piece_flat(reader, base_path, base, kind, start, stop, base_scale)
+        ref = piece_flat(reader, base_path, base, kind, start, stop, base_scale)
         finite = ref[np.isfinite(ref)]
         if finite.size:
             base_max = max(base_max, float(np.abs(finite).max()))
         for i, (_, path, piece, scale) in enumerate(others):
-            diff, _, mismatch = compare_values(
-                _piece_flat(reader, path, piece, kind, start, stop, scale), ref
-            )
+            diff, _, mismatch = compare_values(piece_flat(reader, path, piece, kind, start, stop, scale), ref)
             diffs[i] = max(diffs[i], diff)
             mismatches[i] += mismatch
     return list(zip(diffs, mismatches, strict=True)), base_max
@@ -245,7 +243,7 @@ def _measure_reference(
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
         per_piece = []
         for rank, path, piece in ours:
-            read_ours = functools.partial(_piece_flat, reader, path, piece, kind, scale=table.scale_of(rank))
+            read_ours = functools.partial(piece_flat, reader, path, piece, kind, scale=table.scale_of(rank))
             per_piece.append(compare_regions(read_ours, piece.regions, source, chunk))
         errors.append(
             ReferenceDifference(
