@@ -351,28 +351,19 @@ def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
             raise DumpFormatError(
                 path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
             )
-    # One read when the columns are the data section (a stats-only file: _check_layout tiles it).
-    whole = columns and len(columns) == len(header.tensors)
-    begin = min((e.begin for e in columns.values()), default=0) if whole else 0
-    data = _read_span(handle, path, begin, max(e.end for e in columns.values())) if whole else b""
+    # One read from the first column to the last (a stats-only file's whole data section).
+    begin = min((e.begin for e in columns.values()), default=0)
+    try:
+        handle.seek(begin)
+        data = read_exactly(handle, max((e.end for e in columns.values()), default=0) - begin)
+    except OSError as exc:
+        raise DumpFormatError(path, os_problem(exc)) from None
     arrays: dict[str, Any] = {}
     for key, entry in columns.items():
-        raw = (
-            data[entry.begin - begin : entry.end - begin]
-            if whole
-            else _read_span(handle, path, entry.begin, entry.end)
-        )
+        raw = data[entry.begin - begin : entry.end - begin]
         if len(raw) != entry.end - entry.begin:
             raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
         arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
             entry.shape
         )
     return arrays
-
-
-def _read_span(handle: BinaryIO, path: str, begin: int, end: int) -> bytes:
-    try:
-        handle.seek(begin)
-        return read_exactly(handle, end - begin)
-    except OSError as exc:
-        raise DumpFormatError(path, os_problem(exc)) from None

@@ -80,10 +80,7 @@ def write_rank_file(
     dump, payload = _with_tensor_keys(dump, tensors)
     columns = None if payload or not columnar else to_columns(dump)
     # The JSON document is checked by the reader's own decoder; the columns below by its column checks.
-    shown = dump
-    if columns is not None:
-        params = () if columns[0]["params"] == "columns" else dump.params
-        shown = dataclasses.replace(dump, pieces=as_columns(params, ()), params=params)
+    shown = dump if columns is None else dataclasses.replace(dump, pieces=as_columns((), ()), params=())
     document = encode_rank(shown)
     text = json.dumps(document, sort_keys=True, allow_nan=False)
     try:
@@ -107,7 +104,7 @@ def write_rank_file(
             "choose another output folder or delete it first"
         )
     remove_stale_temporaries(directory, final.name)
-    if share_params and columns is not None and document["columnar"]["params"] == "columns":
+    if share_params and columns is not None:
         data = table_file_bytes(arrays)
         reference = table_reference(data)
         if publish_table(directory, reference["file"], data, directory / temporary_name(reference["file"])):
