@@ -145,8 +145,6 @@ def _differences(
 ) -> tuple[list[tuple[float, int]], float]:
     """(the largest difference and the nonfinite mismatches of each copy but the first from the first,
     in their tensor `kind` divided by their scale; the first's largest finite |x|)."""
-    import numpy as np
-
     from .kernel import windows
     from .reference import compare_values
 
@@ -158,13 +156,13 @@ def _differences(
     per_copy = max(1 << 16, chunk // max(1, len(copies)))
     for start, stop in windows(base.numel, per_copy):
         ref = piece_flat(reader, base_path, base, kind, start, stop, base_scale)
-        finite = ref[np.isfinite(ref)]
-        if finite.size:
-            base_max = max(base_max, float(np.abs(finite).max()))
         for i, (_, path, piece, scale) in enumerate(others):
-            diff, _, mismatch = compare_values(piece_flat(reader, path, piece, kind, start, stop, scale), ref)
+            diff, largest, mismatch = compare_values(
+                piece_flat(reader, path, piece, kind, start, stop, scale), ref
+            )
             diffs[i] = max(diffs[i], diff)
             mismatches[i] += mismatch
+            base_max = max(base_max, largest)  # the largest finite |x| of the base's values
     return list(zip(diffs, mismatches, strict=True)), base_max
 
 
@@ -397,14 +395,12 @@ def _measure_all(
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     local = threading.local()
-    opened: list[TensorReader] = []
-    lock = threading.Lock()
+    opened: list[TensorReader] = []  # appended to by the workers: list.append is atomic
 
     def in_worker(name: str) -> ParamMeasurement:
         if not hasattr(local, "reader"):
             local.reader, local.kernel = reader.another(), ChunkKernel(chunk_elements)
-            with lock:
-                opened.append(local.reader)
+            opened.append(local.reader)
         return measure(name, local.reader, local.kernel)
 
     try:
@@ -416,8 +412,7 @@ def _measure_all(
                 for future in as_completed(futures):
                     finished(futures[future], future.result())
             except BaseException:
-                for future in futures:
-                    future.cancel()
+                pool.shutdown(cancel_futures=True)
                 raise
     finally:
         for worker_reader in opened:
