@@ -240,11 +240,8 @@ def pieces_from_rows(
     num_neginf). Not validated here: the writer checks the columns as the reader does."""
     columns, ndim = PieceColumnsBuilder(params), np.array(ndims, dtype=np.int64)
     columns.param = [columns.index_of[name] for name in param_names]
-    columns.groups, columns.ndim, columns.first = (
-        list(groups),
-        ndim,
-        _starts(np.where(ndim == 0, 2, 2 * ndim)),
-    )
+    columns.groups, columns.ndim = list(groups), ndim
+    columns.first = _starts(np.where(ndim == 0, 2, 2 * ndim))
     columns.coords, columns.norm_type = np.asarray(coords, dtype=np.int64), float(norm_type)
     everyone = np.arange(ndim.size)
     columns.stats = {

@@ -206,15 +206,8 @@ class ColumnarPieces(Sequence[Piece]):
             elif ndim == 0:
                 found.append((FlatRange(start=coords[first], stop=coords[first + 1]),))
             else:
-                end = first + 2 * ndim
-                found.append(
-                    (
-                        Box(
-                            offsets=tuple(coords[first : first + ndim]),
-                            shape=tuple(coords[first + ndim : end]),
-                        ),
-                    )
-                )
+                offsets, shape = coords[first : first + ndim], coords[first + ndim : first + 2 * ndim]
+                found.append((Box(offsets=tuple(offsets), shape=tuple(shape)),))
         return found
 
     def local_shape(self, position: int) -> tuple[int, ...]:
@@ -303,13 +296,8 @@ class ColumnarPieces(Sequence[Piece]):
 
     def build(self, positions: Iterable[int]) -> list[Piece]:
         """The pieces at these positions, as validated objects."""
-        params, coords, counts, norm_type, extras = (
-            self.params,
-            self.coords,
-            self.counts,
-            self.norm_type,
-            self.extras,
-        )
+        params, coords, counts, extras = self.params, self.coords, self.counts, self.extras
+        norm_type = self.norm_type
         chosen = np.fromiter(positions, dtype=np.int64)
         group_names: list[str | None] = [*self.groups, None]  # index -1: no group
         stats_rows = [
@@ -333,11 +321,8 @@ class ColumnarPieces(Sequence[Piece]):
                 local_shape: tuple[int, ...] = (numel,)
             elif ndim == 0:
                 start, stop = coords[first : first + 2].tolist()
-                regions, local_shape, numel = (
-                    (FlatRange(start=start, stop=stop),),
-                    (stop - start,),
-                    stop - start,
-                )
+                numel = stop - start
+                regions, local_shape = (FlatRange(start=start, stop=stop),), (numel,)
             else:
                 values = coords[first : first + 2 * ndim].tolist()
                 offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
