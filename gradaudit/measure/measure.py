@@ -26,11 +26,9 @@ from ..steptable import (
     ReplicaSet,
     StepMeasurements,
 )
-from .measurements import SCALED_KINDS
+from .measurements import SCALED_KINDS, piece_flat
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ..dumpfile.reader import TensorReader
     from ..steptable import StepTable
     from .kernel import ChunkKernel
@@ -71,22 +69,6 @@ def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
     if len(notes) > limit:
         notes = notes[:limit] + [f"and {len(notes) - limit} more pieces whose sums exceed float64"]
     return tuple(notes)
-
-
-# ---------------------------------------------------------------- reading helpers
-
-
-def piece_flat(
-    reader: TensorReader, path: str, piece: Piece, kind: TensorKind, start: int, stop: int, scale: float = 1.0
-) -> np.ndarray:
-    """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
-    import numpy as np
-
-    values = reader.float64(path, piece.tensors[kind], start, stop)
-    if scale != 1.0 and kind in SCALED_KINDS:
-        with np.errstate(all="ignore"):
-            values /= scale
-    return values
 
 
 # ---------------------------------------------------------------- one parameter

@@ -82,7 +82,7 @@ def record_sum(table: PieceTable, members: Sequence[Member], reader: TensorReade
     import numpy as np
 
     from .kernel import stats_of_array
-    from .measure import piece_flat
+    from .measurements import piece_flat
 
     totals: dict[TensorKind, np.ndarray] = {}
     for kind in SUMMED_KINDS:
