@@ -52,7 +52,7 @@ from ..model import (
 from .dump import ColumnarPieces, PieceColumnsBuilder, RankDump
 from .header import PREFIX as PREFIX  # the column keys; reader.py imports it from here
 
-__all__ = ["ColumnarPieces", "ParamIds", "columns_of", "from_columns", "pieces_from_rows", "to_columns"]
+__all__ = ["ColumnarPieces", "ParamIds", "from_columns", "pieces_from_rows", "to_columns"]
 
 PIECES, COORDS = PREFIX + "pieces", PREFIX + "coords"
 NAMES, META, DIMS = PREFIX + "params.names", PREFIX + "params.meta", PREFIX + "params.dims"
@@ -107,9 +107,8 @@ class ParamsCache:
         self.by_arrays = [(arrays, params), *self.by_arrays[:7]]
 
 
-def params_to_columns(params: Sequence[ParamInfo]) -> dict[str, np.ndarray] | None:
-    if not params or any(p.dtype not in FLOAT_DTYPES for p in params):
-        return None
+def params_to_columns(params: Sequence[ParamInfo]) -> dict[str, np.ndarray]:
+    """The parameter table as columns (each dtype one of FLOAT_DTYPES)."""
     names = [p.name.encode("utf-8") for p in params]
     ends = np.cumsum([len(n) for n in names], dtype=np.int64)
     meta = np.stack(
@@ -200,26 +199,22 @@ def counts_key(kind: TensorKind) -> str:
 
 
 def to_columns(dump: RankDump) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, or None when the columns
-    would not hold them whole (tensors, several regions, a local name, a dtype other than its
-    parameter's, differing norm types or fingerprint lengths: `ColumnarPieces.stats_only`)."""
+    """(the "columnar" descriptor, the arrays by key) of `dump`'s pieces, their parameter table
+    included, or None when the columns would not hold them whole (tensors, several regions, a local
+    name, a dtype other than its parameter's, differing norm types or fingerprint lengths:
+    `ColumnarPieces.stats_only`) or a dtype has no code (the JSON form, which the writer's own
+    check then refuses with the reader's words)."""
     pieces = dump.pieces
-    return columns_of(pieces) if pieces.stats_only else None
-
-
-def columns_of(pieces: ColumnarPieces) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(the "columnar" descriptor, the arrays by key) of pieces held as columns, their parameter
-    table included (inline columns; "json" when a dtype has no code)."""
+    if not pieces.stats_only or any(p.dtype not in FLOAT_DTYPES for p in pieces.params):
+        return None
     arrays: dict[str, np.ndarray] = {PIECES: pieces.rows, COORDS: pieces.coords}
     for kind in pieces.kinds:
         arrays[stats_key(kind)] = pieces.stats[kind]
         arrays[counts_key(kind)] = pieces.counts[kind]
-    param_columns = params_to_columns(pieces.params)
-    if param_columns is not None:
-        arrays.update(param_columns)
+    arrays.update(params_to_columns(pieces.params))
     norm_type = pieces.norm_type
     descriptor = {
-        "params": "columns" if param_columns is not None else "json",
+        "params": "columns",
         "num_pieces": len(pieces),
         "kinds": list(pieces.kinds),
         "norm_type": "inf" if math.isinf(norm_type) else norm_type,
@@ -245,11 +240,8 @@ def pieces_from_rows(
     num_neginf). Not validated here: the writer checks the columns as the reader does."""
     columns, ndim = PieceColumnsBuilder(params), np.array(ndims, dtype=np.int64)
     columns.param = [columns.index_of[name] for name in param_names]
-    columns.groups, columns.ndim, columns.first = (
-        list(groups),
-        ndim,
-        _starts(np.where(ndim == 0, 2, 2 * ndim)),
-    )
+    columns.groups, columns.ndim = list(groups), ndim
+    columns.first = _starts(np.where(ndim == 0, 2, 2 * ndim))
     columns.coords, columns.norm_type = np.asarray(coords, dtype=np.int64), float(norm_type)
     everyone = np.arange(ndim.size)
     columns.stats = {

@@ -89,8 +89,6 @@ class PieceExtras:
     """Position -> `Piece.local_name`, where it is set."""
     partial_groups: Mapping[int, str] = field(default_factory=dict)
     """Position -> `Piece.partial_group`, where it is set."""
-    indices: Mapping[int, int] = field(default_factory=dict)
-    """Position -> `Piece.index`, where it is not the position."""
 
     @property
     def empty(self) -> bool:
@@ -208,15 +206,8 @@ class ColumnarPieces(Sequence[Piece]):
             elif ndim == 0:
                 found.append((FlatRange(start=coords[first], stop=coords[first + 1]),))
             else:
-                end = first + 2 * ndim
-                found.append(
-                    (
-                        Box(
-                            offsets=tuple(coords[first : first + ndim]),
-                            shape=tuple(coords[first + ndim : end]),
-                        ),
-                    )
-                )
+                offsets, shape = coords[first : first + ndim], coords[first + ndim : first + 2 * ndim]
+                found.append((Box(offsets=tuple(offsets), shape=tuple(shape)),))
         return found
 
     def local_shape(self, position: int) -> tuple[int, ...]:
@@ -232,22 +223,10 @@ class ColumnarPieces(Sequence[Piece]):
             return (stop - start,)
         return tuple(self.coords[first + ndim : first + 2 * ndim].tolist())
 
-    def layout(self, width: int) -> np.ndarray:
-        """[n, 2 + width]: param index, ndim, then the region's coordinates padded with -1: rows are
-        equal exactly when the pieces' layout keys are (for the same parameter table; pieces of
-        one flat range or box each)."""
-        rows, coords = self.rows, self.coords
-        out = np.full((len(rows), 2 + width), -1, dtype=np.int64)
-        out[:, 0], out[:, 1] = rows[:, 0], rows[:, 3]
-        first, ndim = rows[:, 2], rows[:, 3]
-        for k in np.unique(ndim).tolist():
-            chosen = np.flatnonzero(ndim == k)
-            w = 2 if k == 0 else 2 * k
-            out[chosen, 2 : 2 + w] = coords[first[chosen, None] + np.arange(w)]
-        return out
-
     def layout_column(self, column: int, width: int) -> np.ndarray:
-        """Column `column` of `layout(width)` alone."""
+        """Column `column` of [n, 2 + width]: param index, ndim, then the region's coordinates padded
+        with -1: rows are equal exactly when the pieces' layout keys are (for the same parameter
+        table; pieces of one flat range or box each)."""
         rows = self.rows
         if column < 2:
             return rows[:, 0] if column == 0 else rows[:, 3]
@@ -317,13 +296,8 @@ class ColumnarPieces(Sequence[Piece]):
 
     def build(self, positions: Iterable[int]) -> list[Piece]:
         """The pieces at these positions, as validated objects."""
-        params, coords, counts, norm_type, extras = (
-            self.params,
-            self.coords,
-            self.counts,
-            self.norm_type,
-            self.extras,
-        )
+        params, coords, counts, extras = self.params, self.coords, self.counts, self.extras
+        norm_type = self.norm_type
         chosen = np.fromiter(positions, dtype=np.int64)
         group_names: list[str | None] = [*self.groups, None]  # index -1: no group
         stats_rows = [
@@ -347,11 +321,8 @@ class ColumnarPieces(Sequence[Piece]):
                 local_shape: tuple[int, ...] = (numel,)
             elif ndim == 0:
                 start, stop = coords[first : first + 2].tolist()
-                regions, local_shape, numel = (
-                    (FlatRange(start=start, stop=stop),),
-                    (stop - start,),
-                    stop - start,
-                )
+                numel = stop - start
+                regions, local_shape = (FlatRange(start=start, stop=stop),), (numel,)
             else:
                 values = coords[first : first + 2 * ndim].tolist()
                 offsets, shape = tuple(values[:ndim]), tuple(values[ndim:])
@@ -382,7 +353,7 @@ class ColumnarPieces(Sequence[Piece]):
                 )
             pieces.append(
                 Piece(
-                    index=extras.indices.get(position, position),
+                    index=position,
                     param=info.name,
                     regions=regions,
                     local_shape=extras.local_shapes.get(position, local_shape),
@@ -442,6 +413,10 @@ class PieceColumnsBuilder:
         param_index = self.index_of.get(piece.param)
         if param_index is None:
             raise ValueError(f"piece {piece.index} is of {piece.param!r}, which is not in the dump's params")
+        if piece.index != len(self.param):
+            raise ValueError(
+                f"piece {piece.index} is at position {len(self.param)}: pieces are numbered in order"
+            )
         params, firsts, ndims, coords = cast(
             "tuple[list[int], ...]", (self.param, self.first, self.ndim, self.coords)
         )
@@ -473,8 +448,6 @@ class PieceColumnsBuilder:
             extra["local_names"][position] = piece.local_name
         if piece.partial_group is not None:
             extra["partial_groups"][position] = piece.partial_group
-        if piece.index != position:
-            extra["indices"][position] = piece.index
         for kind, key in piece.tensors.items():
             self.tensors.setdefault(kind, {})[position] = key
         for kind, s in piece.stats.items():

@@ -196,12 +196,6 @@ def read_exactly(handle: BinaryIO, count: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_raw_header(path: str) -> RawHeader:
-    """Parse the header of a safetensors file without validating its tensor entries."""
-    with open_regular_file(path) as handle:
-        return read_raw_header_from(handle, path)
-
-
 def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     try:
         size = os.fstat(handle.fileno()).st_size
@@ -238,7 +232,7 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     except (ValueError, RecursionError) as exc:
         raise DumpFormatError(
             path,
-            f"header is not valid JSON ({_first_line(exc)})",
+            f"header is not valid JSON ({first_line(exc)})",
             "the file is corrupt or not a safetensors file",
         ) from None
     if not isinstance(doc, dict):
@@ -257,7 +251,8 @@ def read_raw_header_from(handle: BinaryIO, path: str) -> RawHeader:
     )
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of the exception's message (its type when it has none), clipped."""
     text = str(exc)
     return clipped(text.splitlines()[0] if text else type(exc).__name__)
 
@@ -340,7 +335,8 @@ def _check_layout(path: str, tensors: Mapping[str, TensorEntry], data_start: int
 
 def read_header(path: str) -> Header:
     """Parse and validate the header of a safetensors file; raise DumpFormatError on any defect."""
-    return validate_tensors(read_raw_header(path))
+    with open_regular_file(path) as handle:
+        return validate_tensors(read_raw_header_from(handle, path))
 
 
 def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
@@ -355,28 +351,19 @@ def read_columns(handle: BinaryIO, path: str, header: Header) -> dict[str, Any]:
             raise DumpFormatError(
                 path, f"columnar tensor {shown(key)} is {entry.dtype}, not int64, float64 or uint8"
             )
-    # One read when the columns are the data section (a stats-only file: _check_layout tiles it).
-    whole = columns and len(columns) == len(header.tensors)
-    begin = min((e.begin for e in columns.values()), default=0) if whole else 0
-    data = _read_span(handle, path, begin, max(e.end for e in columns.values())) if whole else b""
+    # One read from the first column to the last (a stats-only file's whole data section).
+    begin = min((e.begin for e in columns.values()), default=0)
+    try:
+        handle.seek(begin)
+        data = read_exactly(handle, max((e.end for e in columns.values()), default=0) - begin)
+    except OSError as exc:
+        raise DumpFormatError(path, os_problem(exc)) from None
     arrays: dict[str, Any] = {}
     for key, entry in columns.items():
-        raw = (
-            data[entry.begin - begin : entry.end - begin]
-            if whole
-            else _read_span(handle, path, entry.begin, entry.end)
-        )
+        raw = data[entry.begin - begin : entry.end - begin]
         if len(raw) != entry.end - entry.begin:
             raise DumpFormatError(path, f"columnar tensor {shown(key)} is cut short", "the file is truncated")
         arrays[key] = np.frombuffer(raw, dtype=np.dtype(dtypes[entry.dtype]).newbyteorder("<")).reshape(
             entry.shape
         )
     return arrays
-
-
-def _read_span(handle: BinaryIO, path: str, begin: int, end: int) -> bytes:
-    try:
-        handle.seek(begin)
-        return read_exactly(handle, end - begin)
-    except OSError as exc:
-        raise DumpFormatError(path, os_problem(exc)) from None

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from ..errors import DumpFormatError, GradauditError, StepFolderError, clipped, shown
+from ..errors import DumpFormatError, GradauditError, StepFolderError, shown
 from ..model import Inconsistency, ParamInfo, RankFacts, StepFacts, Topology
 from .columnar import ParamsCache
 from .dump import RankDump, StepDump
@@ -22,6 +22,7 @@ from .header import (
     Header,
     OpenFileLimitError,
     check_density,
+    first_line,
     open_regular_file,
     os_problem,
     parse_json,
@@ -71,8 +72,7 @@ def _load_rank_from(
     try:
         doc = parse_json(text)
     except (ValueError, RecursionError) as exc:
-        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({clipped(first_line)})") from None
+        raise DumpFormatError(path, f"gradaudit metadata is not valid JSON ({first_line(exc)})") from None
     arrays = read_columns(handle, path, header) if isinstance(doc, dict) and "columnar" in doc else None
     if (
         arrays is not None
@@ -99,8 +99,7 @@ def _check_tensors_against_header(dump: RankDump, header: Header) -> None:
             if entry is None:
                 raise DumpFormatError(
                     dump.path,
-                    f"piece {extras.indices.get(at, at)} ({shown(info.name)}) names tensor {shown(key)}, "
-                    "which the file lacks",
+                    f"piece {at} ({shown(info.name)}) names tensor {shown(key)}, which the file lacks",
                 )
             if entry.shape != local_shape:
                 raise DumpFormatError(
@@ -331,43 +330,25 @@ def refuse_mixed_runs(ranks: dict[int, RankDump]) -> None:
 
 def assemble_step(directory: str, ranks: dict[int, RankDump], *, warnings: tuple[str, ...] = ()) -> StepDump:
     """Cross-check the ranks of one step; disagreements become data (GA101), not errors."""
-    step, world_size, missing, inconsistencies, checked = cross_checked(ranks)
-    return StepDump(
-        directory=directory,
-        step=step,
-        world_size=world_size,
-        ranks=checked,
-        missing_ranks=missing,
-        inconsistencies=inconsistencies,
-        warnings=warnings,
-    )
+    return _assembled(StepDump, directory, ranks, warnings)
 
 
 def assemble_facts(directory: str, ranks: dict[int, RankFacts]) -> StepFacts:
     """`assemble_step` of ranks known by their facts alone (the guard's gathered numbers)."""
-    step, world_size, missing, inconsistencies, checked = cross_checked(ranks)
-    return StepFacts(
-        directory=directory,
-        step=step,
-        world_size=world_size,
-        ranks=checked,
-        missing_ranks=missing,
-        inconsistencies=inconsistencies,
-    )
+    return _assembled(StepFacts, directory, ranks, ())
 
 
-_Rank = TypeVar("_Rank", bound=RankFacts)
+_Step = TypeVar("_Step", bound=StepFacts)
 
 
-def cross_checked(
-    ranks: dict[int, _Rank],
-) -> tuple[int, int, tuple[int, ...], tuple[Inconsistency, ...], dict[int, _Rank]]:
-    """(the step most ranks name, the world size, the missing ranks, what the ranks disagree on, the
-    ranks in order with every rank's topology holding every rank's view of its groups)."""
-    world_sizes = Counter(d.world_size for d in ranks.values())
-    world_size = max(world_sizes)
-    steps = Counter(d.step for d in ranks.values())
-    step = steps.most_common(1)[0][0]
+def _assembled(
+    kind: type[_Step], directory: str, ranks: Mapping[int, RankFacts], warnings: tuple[str, ...]
+) -> _Step:
+    """A `kind` of these ranks: the step most ranks name, the world size, the missing ranks, what
+    the ranks disagree on, and the ranks in order with every rank's topology holding every rank's
+    view of its groups."""
+    world_size = max(d.world_size for d in ranks.values())
+    step = Counter(d.step for d in ranks.values()).most_common(1)[0][0]
     inconsistencies = []
 
     def compare(what: str, value_of: Callable[[RankFacts], object]) -> None:
@@ -386,7 +367,6 @@ def cross_checked(
     merged_groups, conflicts = merge_groups(ranks)
     inconsistencies.extend(conflicts)
     inconsistencies.extend(_param_disagreements(ranks))
-    missing = tuple(r for r in range(world_size) if r not in ranks)
     merged: dict[int, Topology] = {}  # by the id of the rank's own (shared where equal, see load_rank_files)
     for d in ranks.values():
         if id(d.topology) not in merged:
@@ -394,13 +374,20 @@ def cross_checked(
             merged[id(d.topology)] = (
                 d.topology if same else dataclasses.replace(d.topology, groups=merged_groups)
             )
-    checked = {
-        rank: d
-        if d.topology is merged[id(d.topology)]
-        else dataclasses.replace(d, topology=merged[id(d.topology)])
-        for rank, d in sorted(ranks.items())
-    }
-    return step, world_size, missing, tuple(inconsistencies), checked
+    return kind(
+        directory=directory,
+        step=step,
+        world_size=world_size,
+        ranks={
+            rank: d
+            if d.topology is merged[id(d.topology)]
+            else dataclasses.replace(d, topology=merged[id(d.topology)])
+            for rank, d in sorted(ranks.items())
+        },
+        missing_ranks=tuple(r for r in range(world_size) if r not in ranks),
+        inconsistencies=tuple(inconsistencies),
+        warnings=warnings,
+    )
 
 
 def _param_disagreements(ranks: Mapping[int, RankFacts]) -> list[Inconsistency]:

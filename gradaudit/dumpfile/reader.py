@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
@@ -175,35 +174,16 @@ class TensorReader:
         with np.errstate(invalid="ignore"):
             return widen(self.raw(path, key, start, stop), entry.dtype)
 
-    def read_range(self, path: str, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) as a torch tensor of the dumped dtype (imports torch)."""
+    def read(self, path: str, key: str) -> torch.Tensor:
+        """The whole tensor as a torch tensor of its dumped dtype and shape (imports torch)."""
         import torch
 
         entry = self.entry(path, key)
-        raw = self.raw(path, key, start, stop)
+        raw = self.raw(path, key, 0, math.prod(entry.shape))
         dtype = getattr(torch, entry.dtype)
         if raw.size == 0:
-            return torch.empty(0, dtype=dtype)
-        return torch.from_numpy(raw.view(np.uint8).copy()).view(dtype)
-
-    def read(self, path: str, key: str) -> torch.Tensor:
-        """The whole tensor as a torch tensor of its dumped dtype and shape (imports torch)."""
-        entry = self.entry(path, key)
-        return self.read_range(path, key, 0, math.prod(entry.shape)).reshape(entry.shape)
-
-    def chunks(self, path: str, key: str, max_elements: int = 1 << 22) -> Iterator[torch.Tensor]:
-        """The tensor flattened row-major, in consecutive 1-D torch chunks of whole rows of at most
-        about `max_elements` (an empty tensor gives one empty chunk)."""
-        entry = self.entry(path, key)
-        numel = math.prod(entry.shape)
-        if numel == 0 or len(entry.shape) == 0:
-            yield self.read_range(path, key, 0, numel)
-            return
-        row = numel // entry.shape[0]
-        rows_per_chunk = max(1, max_elements // row)
-        for start in range(0, entry.shape[0], rows_per_chunk):
-            stop = min(start + rows_per_chunk, entry.shape[0])
-            yield self.read_range(path, key, start * row, stop * row)
+            return torch.empty(entry.shape, dtype=dtype)
+        return torch.from_numpy(raw.view(np.uint8).copy()).view(dtype).reshape(entry.shape)
 
     def close(self) -> None:
         for handle in self._open_files.values():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, cast, overload
+from typing import Any, TypeVar
 
 from ..errors import DumpFormatError, clipped, shown
 from ..model import (
@@ -110,29 +110,33 @@ def _encode_piece(piece: Piece) -> dict[str, Any]:
     return out
 
 
+_CALL_FLOATS = ("reported_norm", "reported_local_norm", "max_norm", "norm_type", "loss_scale", "clip_value")
+"""The optional numbers of a clip call (`ClipCall`); "clip_value" is written only when set."""
+_CLIP_FLOATS = ("reported_norm", "clip_coef", "loss_scale")
+_CLIP_FLAGS = ("unscaled_before_clip", "found_inf", "step_skipped")
+"""The optional numbers and flags of a clip record (`ClipRecord`) besides max_norm and norm_type."""
+
+
 def _encode_clip(clip: ClipRecord) -> dict[str, Any]:
     return {
         "max_norm": encode_float(clip.max_norm),
         "norm_type": encode_float(clip.norm_type),
-        "reported_norm": encode_float(clip.reported_norm),
-        "clip_coef": encode_float(clip.clip_coef),
         "calls": [
-            {
-                "reported_norm": encode_float(c.reported_norm),
-                "reported_local_norm": encode_float(c.reported_local_norm),
-                "max_norm": encode_float(c.max_norm),
-                "norm_type": encode_float(c.norm_type),
-                "unscaled": c.unscaled,
-                "loss_scale": encode_float(c.loss_scale),
+            {"unscaled": c.unscaled}
+            | {
+                key: encode_float(getattr(c, key))
+                for key in _CALL_FLOATS
+                if key != "clip_value" or c.clip_value is not None
             }
-            | ({} if c.clip_value is None else {"clip_value": encode_float(c.clip_value)})
             for c in clip.calls
         ],
-        "loss_scale": encode_float(clip.loss_scale),
-        "unscaled_before_clip": clip.unscaled_before_clip,
-        "found_inf": clip.found_inf,
-        "step_skipped": clip.step_skipped,
+        **{key: encode_float(getattr(clip, key)) for key in _CLIP_FLOATS},
+        **{key: getattr(clip, key) for key in _CLIP_FLAGS},
     }
+
+
+_NOTES = ("capture_api", "trigger", "trigger_note")
+"""Optional strings of a rank file, written only when set (so that other files keep their bytes)."""
 
 
 def encode_rank(dump: RankDump) -> dict[str, Any]:
@@ -146,9 +150,7 @@ def encode_rank(dump: RankDump) -> dict[str, Any]:
         "world_size": dump.world_size,
         "mode": dump.mode,
         "run_id": dump.run_id,
-        **({} if dump.capture_api is None else {"capture_api": dump.capture_api}),
-        **({} if dump.trigger is None else {"trigger": dump.trigger}),
-        **({} if dump.trigger_note is None else {"trigger_note": dump.trigger_note}),
+        **{key: getattr(dump, key) for key in _NOTES if getattr(dump, key) is not None},
         "host": dump.host,
         "torch_version": dump.torch_version,
         "gradaudit_version": dump.gradaudit_version,
@@ -206,15 +208,6 @@ class _Reader:
             raise self.fail(where, f"expected an object, got {kind_of(value)}")
         return value
 
-    @overload
-    def get(self, obj: Mapping[str, Any], key: str, where: str, conv: Callable[[Any, str], _T]) -> _T: ...
-
-    @overload
-    def get(
-        self, obj: Mapping[str, Any], key: str, where: str, conv: Callable[[Any, str], _T], *, default: _D
-    ) -> _T | _D: ...
-
-    @overload
     def get(
         self,
         obj: Mapping[str, Any],
@@ -222,26 +215,18 @@ class _Reader:
         where: str,
         conv: Callable[[Any, str], _T],
         *,
-        optional: Literal[True],
-    ) -> _T | None: ...
-
-    def get(
-        self,
-        obj: Mapping[str, Any],
-        key: str,
-        where: str,
-        conv: Callable[[Any, str], _T],
-        *,
-        default: Any = ...,
-        optional: bool = False,
-    ) -> _T | None:
-        if key not in obj or (optional and obj[key] is None):
-            if default is not ...:
-                return cast("_T", default)
-            if optional:
-                return None
-            raise self.fail(f"{where}.{key}" if where else key, "missing")
+        default: _T | None = None,
+    ) -> _T:
+        """`conv` of the field, or `default` when it is missing (DumpFormatError without a default)."""
+        if key not in obj:
+            if default is None:
+                raise self.fail(f"{where}.{key}" if where else key, "missing")
+            return default
         return conv(obj[key], f"{where}.{key}" if where else key)
+
+    def opt(self, obj: Mapping[str, Any], key: str, where: str, conv: Callable[[Any, str], _T]) -> _T | None:
+        """`conv` of the field, or None when it is missing or null."""
+        return None if obj.get(key) is None else self.get(obj, key, where, conv)
 
     def int_(self, value: Any, where: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
@@ -391,7 +376,7 @@ def _decode_topology(r: _Reader, raw: Any, world_size: int) -> Topology:
     return Topology(
         groups=_decode_groups(r, obj.get("groups", {}), "topology.groups", world_size),
         mesh=mesh,
-        norm_group=r.get(obj, "norm_group", "topology", r.str_, optional=True),
+        norm_group=r.opt(obj, "norm_group", "topology", r.str_),
     )
 
 
@@ -399,43 +384,22 @@ def _decode_clip(r: _Reader, raw: Any) -> ClipRecord | None:
     if raw is None:
         return None
     obj = r.obj(raw, "clip")
-
-    def opt_float(o: Mapping[str, Any], key: str, where: str) -> float | None:
-        return r.get(o, key, where, r.float_, optional=True)
-
-    def opt_bool(o: Mapping[str, Any], key: str, where: str) -> bool | None:
-        return r.get(o, key, where, r.bool_, optional=True)
-
     calls = []
-    calls_raw = r.get(obj, "calls", "clip", lambda v, w: r.list_(v, w, limit=MAX_CLIP_CALLS), default=[])
+    calls_raw: list[Any] = r.get(
+        obj, "calls", "clip", lambda v, w: r.list_(v, w, limit=MAX_CLIP_CALLS), default=[]
+    )
     for i, call_raw in enumerate(calls_raw):
         where = f"clip.calls[{i}]"
         call = r.obj(call_raw, where)
-        calls.append(
-            ClipCall(
-                reported_norm=opt_float(call, "reported_norm", where),
-                reported_local_norm=opt_float(call, "reported_local_norm", where),
-                max_norm=opt_float(call, "max_norm", where),
-                norm_type=opt_float(call, "norm_type", where),
-                unscaled=opt_bool(call, "unscaled", where),
-                loss_scale=opt_float(call, "loss_scale", where),
-                clip_value=opt_float(call, "clip_value", where),
-            )
-        )
+        floats = {key: r.opt(call, key, where, r.float_) for key in _CALL_FLOATS}
+        calls.append(ClipCall(unscaled=r.opt(call, "unscaled", where, r.bool_), **floats))
     max_norm = r.get(obj, "max_norm", "clip", r.pos_float)
     if not math.isfinite(max_norm):
         raise r.fail("clip.max_norm", "must be finite")
-    return ClipRecord(
-        max_norm=max_norm,
-        norm_type=r.get(obj, "norm_type", "clip", r.pos_float, default=2.0),
-        reported_norm=opt_float(obj, "reported_norm", "clip"),
-        clip_coef=opt_float(obj, "clip_coef", "clip"),
-        calls=tuple(calls),
-        loss_scale=opt_float(obj, "loss_scale", "clip"),
-        unscaled_before_clip=opt_bool(obj, "unscaled_before_clip", "clip"),
-        found_inf=opt_bool(obj, "found_inf", "clip"),
-        step_skipped=opt_bool(obj, "step_skipped", "clip"),
-    )
+    norm_type = r.get(obj, "norm_type", "clip", r.pos_float, default=2.0)
+    fields: dict[str, Any] = {key: r.opt(obj, key, "clip", r.float_) for key in _CLIP_FLOATS}
+    fields |= {key: r.opt(obj, key, "clip", r.bool_) for key in _CLIP_FLAGS}
+    return ClipRecord(max_norm=max_norm, norm_type=norm_type, calls=tuple(calls), **fields)
 
 
 def check_format_version(doc: Mapping[str, Any], path: str) -> None:
@@ -505,15 +469,13 @@ def decode_rank(
         pieces = from_columns(doc["columnar"], arrays or {}, table, path, params_cache)
     else:  # format 1.0: collected into columns, checked as columns, the first bad piece named
         pieces = pieces_from_json(r.get(doc, "pieces", "", r.list_), table, r.fail)
-    aliases = {
-        r.str_(k, "aliases"): r.str_(v, f"aliases.{k}")
-        for k, v in r.get(doc, "aliases", "", r.obj, default={}).items()
-    }
-    data = r.get(doc, "data", "", r.obj, default={})
+    raw_aliases: dict[str, Any] = r.get(doc, "aliases", "", r.obj, default={})
+    aliases = {r.str_(k, "aliases"): r.str_(v, f"aliases.{k}") for k, v in raw_aliases.items()}
+    data: dict[str, Any] = r.get(doc, "data", "", r.obj, default={})
     mode = r.get(doc, "mode", "", r.str_, default="full")
     if mode not in MODES:
         raise r.fail("mode", f"must be 'full' or 'stats', got {shown(mode, 40)}")
-    reduction = r.get(data, "loss_reduction", "data", r.str_, optional=True)
+    reduction = r.opt(data, "loss_reduction", "data", r.str_)
     if reduction not in (None, "mean", "sum"):
         raise r.fail("data.loss_reduction", f"must be 'mean' or 'sum', got {shown(reduction, 40)}")
     return RankDump(
@@ -522,7 +484,7 @@ def decode_rank(
         world_size=world_size,
         step=r.get(doc, "step", "", r.int_),
         mode=mode,
-        run_id=r.get(doc, "run_id", "", r.str_, optional=True),
+        run_id=r.opt(doc, "run_id", "", r.str_),
         host=r.get(doc, "host", "", r.str_, default=""),
         torch_version=r.get(doc, "torch_version", "", r.str_, default=""),
         gradaudit_version=r.get(doc, "gradaudit_version", "", r.str_, default=""),
@@ -533,15 +495,15 @@ def decode_rank(
         topology=_topology_of(r, doc.get("topology", {}), world_size, params_cache),
         clip=_decode_clip(r, doc.get("clip")),
         data=DataRecord(
-            tokens=r.get(data, "tokens", "data", r.int_, optional=True),
-            loss=r.get(data, "loss", "data", r.float_, optional=True),
+            tokens=r.opt(data, "tokens", "data", r.int_),
+            loss=r.opt(data, "loss", "data", r.float_),
             loss_reduction=reduction,
         ),
         num_bytes=num_bytes,
         not_captured=_decode_not_captured(r, doc.get("not_captured")),
-        capture_api=r.get(doc, "capture_api", "", r.str_, optional=True),
-        trigger=r.get(doc, "trigger", "", r.str_, optional=True),
-        trigger_note=r.get(doc, "trigger_note", "", r.str_, optional=True),
+        capture_api=r.opt(doc, "capture_api", "", r.str_),
+        trigger=r.opt(doc, "trigger", "", r.str_),
+        trigger_note=r.opt(doc, "trigger_note", "", r.str_),
     )
 
 

@@ -80,10 +80,7 @@ def write_rank_file(
     dump, payload = _with_tensor_keys(dump, tensors)
     columns = None if payload or not columnar else to_columns(dump)
     # The JSON document is checked by the reader's own decoder; the columns below by its column checks.
-    shown = dump
-    if columns is not None:
-        params = () if columns[0]["params"] == "columns" else dump.params
-        shown = dataclasses.replace(dump, pieces=as_columns(params, ()), params=params)
+    shown = dump if columns is None else dataclasses.replace(dump, pieces=as_columns((), ()), params=())
     document = encode_rank(shown)
     text = json.dumps(document, sort_keys=True, allow_nan=False)
     try:
@@ -107,7 +104,7 @@ def write_rank_file(
             "choose another output folder or delete it first"
         )
     remove_stale_temporaries(directory, final.name)
-    if share_params and columns is not None and document["columnar"]["params"] == "columns":
+    if share_params and columns is not None:
         data = table_file_bytes(arrays)
         reference = table_reference(data)
         if publish_table(directory, reference["file"], data, directory / temporary_name(reference["file"])):
@@ -140,17 +137,16 @@ def _with_tensor_keys(
     if not tensors:
         return dump, {}
     pieces = dump.pieces
-    position_of = {pieces.extras.indices.get(at, at): at for at in range(len(pieces))}
     for index, _kind in tensors:
-        if index not in position_of:
+        if not 0 <= index < len(pieces):
             raise ValueError(f"tensor given for piece {index}, but the dump has no such piece")
     payload: dict[str, torch.Tensor] = {}
     keys: dict[TensorKind, dict[int, str]] = {}
-    for position, index in sorted((position_of[i], i) for i in {index for index, _ in tensors}):
+    for position in sorted({index for index, _ in tensors}):
         info = pieces.params[int(pieces.rows[position, 0])]
         local_shape, dtype = pieces.local_shape(position), pieces.extras.dtypes.get(position, info.dtype)
         for kind in TENSOR_KINDS:
-            tensor = tensors.get((index, kind))
+            tensor = tensors.get((position, kind))
             if tensor is None:
                 continue
             if tuple(tensor.shape) != local_shape:
@@ -160,7 +156,7 @@ def _with_tensor_keys(
                 )
             if str(tensor.dtype).removeprefix("torch.") != dtype:
                 raise ValueError(f"{info.name!r} {kind}: tensor dtype {tensor.dtype} differs from {dtype}")
-            key = tensor_key(info.name, kind, index)
+            key = tensor_key(info.name, kind, position)
             payload[key] = tensor.detach().to("cpu").contiguous()
             keys.setdefault(kind, {})[position] = key
     return dataclasses.replace(dump, pieces=pieces.with_tensors(keys)), payload

@@ -26,11 +26,9 @@ from ..steptable import (
     ReplicaSet,
     StepMeasurements,
 )
-from .measurements import SCALED_KINDS
+from .measurements import SCALED_KINDS, piece_flat
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ..dumpfile.reader import TensorReader
     from ..steptable import StepTable
     from .kernel import ChunkKernel
@@ -71,22 +69,6 @@ def overflow_notes(table: StepTable, limit: int = 5) -> tuple[str, ...]:
     if len(notes) > limit:
         notes = notes[:limit] + [f"and {len(notes) - limit} more pieces whose sums exceed float64"]
     return tuple(notes)
-
-
-# ---------------------------------------------------------------- reading helpers
-
-
-def _piece_flat(
-    reader: TensorReader, path: str, piece: Piece, kind: TensorKind, start: int, stop: int, scale: float = 1.0
-) -> np.ndarray:
-    """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
-    import numpy as np
-
-    values = reader.float64(path, piece.tensors[kind], start, stop)
-    if scale != 1.0 and kind in SCALED_KINDS:
-        with np.errstate(all="ignore"):
-            values /= scale
-    return values
 
 
 # ---------------------------------------------------------------- one parameter
@@ -145,8 +127,6 @@ def _differences(
 ) -> tuple[list[tuple[float, int]], float]:
     """(the largest difference and the nonfinite mismatches of each copy but the first from the first,
     in their tensor `kind` divided by their scale; the first's largest finite |x|)."""
-    import numpy as np
-
     from .kernel import windows
     from .reference import compare_values
 
@@ -157,16 +137,14 @@ def _differences(
     base_max = 0.0
     per_copy = max(1 << 16, chunk // max(1, len(copies)))
     for start, stop in windows(base.numel, per_copy):
-        ref = _piece_flat(reader, base_path, base, kind, start, stop, base_scale)
-        finite = ref[np.isfinite(ref)]
-        if finite.size:
-            base_max = max(base_max, float(np.abs(finite).max()))
+        ref = piece_flat(reader, base_path, base, kind, start, stop, base_scale)
         for i, (_, path, piece, scale) in enumerate(others):
-            diff, _, mismatch = compare_values(
-                _piece_flat(reader, path, piece, kind, start, stop, scale), ref
+            diff, largest, mismatch = compare_values(
+                piece_flat(reader, path, piece, kind, start, stop, scale), ref
             )
             diffs[i] = max(diffs[i], diff)
             mismatches[i] += mismatch
+            base_max = max(base_max, largest)  # the largest finite |x| of the base's values
     return list(zip(diffs, mismatches, strict=True)), base_max
 
 
@@ -245,7 +223,7 @@ def _measure_reference(
         source = ReferenceSource(reader, tuple(ref_info.global_shape), ref_with_values, kind, ref_scale)
         per_piece = []
         for rank, path, piece in ours:
-            read_ours = functools.partial(_piece_flat, reader, path, piece, kind, scale=table.scale_of(rank))
+            read_ours = functools.partial(piece_flat, reader, path, piece, kind, scale=table.scale_of(rank))
             per_piece.append(compare_regions(read_ours, piece.regions, source, chunk))
         errors.append(
             ReferenceDifference(
@@ -399,14 +377,12 @@ def _measure_all(
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     local = threading.local()
-    opened: list[TensorReader] = []
-    lock = threading.Lock()
+    opened: list[TensorReader] = []  # appended to by the workers: list.append is atomic
 
     def in_worker(name: str) -> ParamMeasurement:
         if not hasattr(local, "reader"):
             local.reader, local.kernel = reader.another(), ChunkKernel(chunk_elements)
-            with lock:
-                opened.append(local.reader)
+            opened.append(local.reader)
         return measure(name, local.reader, local.kernel)
 
     try:
@@ -418,8 +394,7 @@ def _measure_all(
                 for future in as_completed(futures):
                     finished(futures[future], future.result())
             except BaseException:
-                for future in futures:
-                    future.cancel()
+                pool.shutdown(cancel_futures=True)
                 raise
     finally:
         for worker_reader in opened:

@@ -1,4 +1,5 @@
-"""The loss-scale rule of the dumped gradients and of the gradients before each clip call."""
+"""The loss-scale rule of the dumped gradients and of the gradients before each clip call, and
+dumped values read with it divided out (`piece_flat`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
-from ..model import ClipCall, ClipRecord, TensorKind, TensorStats
+from ..model import ClipCall, ClipRecord, Piece, TensorKind, TensorStats
 from ..norms import divide_by_power, flags_of_stats, term_of
 from ..steptable import KindColumns
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ..dumpfile.reader import TensorReader
 
 SCALED_KINDS: tuple[TensorKind, ...] = ("grad", "grad_clipped")
 """Tensor kinds captured at clip time: still multiplied by the loss scale when clipping ran before unscale_."""
@@ -106,3 +109,16 @@ def call_columns(rows: np.ndarray) -> tuple[KindColumns, ...]:
         )
         for c in np.moveaxis(rows, 1, 0)
     )
+
+
+def piece_flat(
+    reader: TensorReader, path: str, piece: Piece, kind: TensorKind, start: int, stop: int, scale: float = 1.0
+) -> np.ndarray:
+    """Elements [start, stop) of the piece's tensor `kind` as a new float64 array, unscaled."""
+    import numpy as np
+
+    values = reader.float64(path, piece.tensors[kind], start, stop)
+    if scale != 1.0 and kind in SCALED_KINDS:
+        with np.errstate(all="ignore"):
+            values /= scale
+    return values

@@ -82,6 +82,7 @@ def record_sum(table: PieceTable, members: Sequence[Member], reader: TensorReade
     import numpy as np
 
     from .kernel import stats_of_array
+    from .measurements import piece_flat
 
     totals: dict[TensorKind, np.ndarray] = {}
     for kind in SUMMED_KINDS:
@@ -90,9 +91,7 @@ def record_sum(table: PieceTable, members: Sequence[Member], reader: TensorReade
         total = np.zeros(members[0][2].numel, dtype=np.float64)
         with np.errstate(all="ignore"):
             for rank, path, piece, _ in members:
-                values = reader.float64(path, piece.tensors[kind], 0, piece.numel)
-                scale = table.scale_of(rank)
-                total += values / scale if scale != 1.0 else values
+                total += piece_flat(reader, path, piece, kind, 0, piece.numel, table.scale_of(rank))
         totals[kind] = total
     stats: dict[TensorKind, TensorStats] = {
         kind: stats_of_array(total, "float64", table.read_norm_type) for kind, total in totals.items()

@@ -43,8 +43,8 @@ _ReadAt = Callable[[np.ndarray], np.ndarray]
 
 class PieceTable:
     """Every piece of the chosen parameters on the step's ranks, by parameter (in the order of
-    `names`), then rank, then piece index: position `p` is piece `index[p]` (`local[p]` in its
-    file) of rank `rank[p]`, and a parameter's pieces are the positions `bounds[name]`.
+    `names`), then rank, then piece index: position `p` is piece `local[p]` (its index, its position
+    in its file) of rank `rank[p]`, and a parameter's pieces are the positions `bounds[name]`.
     `dropped`: rank -> positions in its file left out (the members of a partial sum but its base)."""
 
     def __init__(
@@ -89,19 +89,11 @@ class PieceTable:
         )
         ranks = np.repeat(np.array([r for r, _, _ in self.sources], dtype=np.int32), sizes)
         local = np.concatenate(files or [empty])
-        if any(pieces.extras.indices for _, _, pieces in self.sources):
-            index = np.concatenate(
-                [_mapped(p.extras.indices, at) for (_, _, p), at in zip(self.sources, files, strict=True)]
-            )
-            self._order = np.lexsort((index, ranks, param))
-        else:
-            index = local
-            self._order = np.argsort(param, kind="stable")
+        self._order = np.argsort(param, kind="stable")
         """Rank-major position (the ranks' columns one after the other) of each position."""
         self.param, self.rank = param[self._order], ranks[self._order]
         self.local = local[self._order]
-        self.index = self.local if index is local else index[self._order]
-        del param, per_source, ranks, local, index
+        del param, per_source, ranks, local
         dtypes: dict[str, int] = {}
         codes: list[np.ndarray] = []
         seen: tuple[object, np.ndarray] = ((), np.zeros(0, dtype=np.int16))
@@ -339,7 +331,7 @@ class PieceTable:
         pieces: its disjoint cover, replicas through their lowest-rank copy."""
         positions = self.param_positions(name)
         at = np.arange(positions.start, positions.stop)
-        return self.entries(lowest_copies(self.layout, at[np.lexsort((self.index[at], self.rank[at]))]))
+        return self.entries(lowest_copies(self.layout, at[np.lexsort((self.local[at], self.rank[at]))]))
 
     def find(self, rank: int, local: int) -> int:
         """The position of the piece at `local` in rank `rank`'s file."""
@@ -435,7 +427,7 @@ class PieceTable:
         """Layout -> (param, regions, dtype, numel) of its lowest (rank, index) copy, for every
         replicated layout of the step: built at once, one call per rank, and only these kept."""
         replicated = np.flatnonzero(self.copies[self.layout] > 1)
-        order = np.lexsort((self.index[replicated], self.rank[replicated]))
+        order = np.lexsort((self.local[replicated], self.rank[replicated]))
         bases = replicated[lowest_copies(self.layout[replicated], order)]
         return {
             layout_id: (piece.param, piece.regions, piece.dtype, piece.numel)
@@ -446,7 +438,7 @@ class PieceTable:
         """The replica sets of these replicated positions, each copy compared with its set's lowest
         (rank, index) copy by fingerprint, in the order of their base copies: objects only for each
         set's base piece and its copies' results."""
-        layout, rank, index = self.layout[positions], self.rank[positions], self.index[positions]
+        layout, rank, index = self.layout[positions], self.rank[positions], self.local[positions]
         order = np.lexsort((index, rank, layout))
         positions, layout, rank, index = positions[order], layout[order], rank[order], index[order]
         starts = np.flatnonzero(np.concatenate(([True], layout[1:] != layout[:-1])))
@@ -506,13 +498,6 @@ def _flags(n: int, positions: Iterable[int] | None) -> np.ndarray:
 
 def _tensor_flags(kind: TensorKind) -> Callable[[int, ColumnarPieces], np.ndarray]:
     return lambda _, pieces: _flags(len(pieces), pieces.extras.tensors.get(kind))
-
-
-def _mapped(changes: Mapping[int, int], at: np.ndarray) -> np.ndarray:
-    """`Piece.index` of the pieces at these positions of their file."""
-    if not changes:
-        return at
-    return np.array([changes.get(i, i) for i in at.tolist()], dtype=np.int32)
 
 
 def lowest_copies(layout: np.ndarray, order: np.ndarray) -> np.ndarray:
@@ -603,7 +588,7 @@ def step_table(step: StepDump, table: PieceTable, names: Iterable[str]) -> StepT
     return StepTable(
         norm_type=norm_type,
         rank=table.rank[chosen],
-        index=table.index[chosen],
+        index=table.local[chosen],
         param=table.param[chosen],
         param_names=tuple(table.names),
         layout=layout,

@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from dumpfile.formats import json_reports, rewrite_columns, stats_step, write_json_1_0
@@ -104,7 +105,8 @@ def test_the_columns_of_columnar_pieces_are_read_only_and_give_sizes_and_layouts
     with pytest.raises(ValueError):
         pieces.rows[0, 0] = 1
     assert pieces.numel.tolist() == [p.numel for p in json_form.pieces]
-    layouts = pieces.layout(pieces.layout_width).tolist()
+    width = pieces.layout_width
+    layouts = np.stack([pieces.layout_column(c, width) for c in range(2 + width)], axis=1).tolist()
     keys = [p.layout_key for p in json_form.pieces]
     for i in range(len(keys)):
         for j in range(len(keys)):

@@ -149,12 +149,12 @@ def _decode_piece(
         "regions": regions,
         "local_shape": local_shape,
         "dtype": r.get(obj, "dtype", where, r.dtype),
-        "local_name": r.get(obj, "local_name", where, r.str_, optional=True),
-        "replica_group": r.get(obj, "replica_group", where, r.str_, optional=True),
+        "local_name": r.opt(obj, "local_name", where, r.str_),
+        "replica_group": r.opt(obj, "replica_group", where, r.str_),
         "tensors": tensors,
         "stats": stats,
         "call_stats": call_stats,
-        "partial_group": r.get(obj, "partial_group", where, r.str_, optional=True),
+        "partial_group": r.opt(obj, "partial_group", where, r.str_),
     }
 
 

@@ -276,18 +276,17 @@ def test_a_file_replaced_by_another_dump_after_loading_is_refused_when_the_step_
         reader.read(step.ranks[0].path, step.ranks[0].pieces[0].tensors["grad"])
 
 
-def test_chunks_of_a_tensor_claiming_1e15_rows_of_nothing_end_at_once(tmp_path):
+def test_a_read_of_a_tensor_claiming_1e15_rows_of_nothing_ends_at_once(tmp_path):
     step_dir = write_valid_step(tmp_path / "step_7")
     path = rank_path(step_dir, 0)
     edit_header(
         path, lambda h: h.__setitem__("ghost", {"dtype": "F32", "shape": [10**15, 0], "data_offsets": [0, 0]})
     )
     with TensorReader() as reader:
-        chunks = list(reader.chunks(str(path), "ghost"))
-    assert [c.numel() for c in chunks] == [0]
+        assert reader.read(str(path), "ghost").shape == (10**15, 0)
 
 
-def test_chunks_and_whole_reads_agree_for_every_float_dtype(tmp_path):
+def test_whole_reads_give_every_float_dtype_bit_for_bit(tmp_path):
     from gradaudit.capture.build import whole, write_rank
     from gradaudit.model import ClipRecord
 
@@ -315,11 +314,6 @@ def test_chunks_and_whole_reads_agree_for_every_float_dtype(tmp_path):
             whole_tensor = reader.read(step.ranks[0].path, piece.tensors["grad"])
             assert whole_tensor.dtype == dtype
             assert torch.equal(whole_tensor.view(torch.uint8), values.to(dtype).view(torch.uint8))
-            chunks = list(reader.chunks(step.ranks[0].path, piece.tensors["grad"], max_elements=14))
-            assert [c.numel() for c in chunks] == [14, 14, 7]
-            assert torch.equal(
-                torch.cat(chunks).view(torch.uint8), whole_tensor.reshape(-1).view(torch.uint8)
-            )
 
 
 def test_a_step_link_loop_in_a_run_folder_is_listed_so_that_loading_explains_it(tmp_path):
