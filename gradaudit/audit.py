@@ -170,11 +170,8 @@ def _grad_counts_by_rank(table: StepTable) -> dict[int, tuple[int, int, int]]:
 
     held = np.bincount(table.rank)
     ranks = np.flatnonzero(held)
-    totals = np.zeros((ranks.size, 3), dtype=np.int64)
-    for column in range(3):
-        if counts[:, column].any():
-            by_rank = np.bincount(table.rank, weights=counts[:, column], minlength=held.size)
-            totals[:, column] = by_rank[ranks].astype(np.int64)
+    by_rank = [np.bincount(table.rank, weights=column, minlength=held.size)[ranks] for column in counts.T]
+    totals = np.stack(by_rank, axis=1).astype(np.int64)
     return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 

@@ -15,7 +15,6 @@ module and the capture hook are the only ones that touch torch.distributed.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -199,17 +198,6 @@ def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurement
     process of a scaled-out check measures its share) as those of one pass."""
     from .steptable import StepMeasurements
 
-    if first.norm_type != second.norm_type and not (
-        math.isnan(first.norm_type) and math.isnan(second.norm_type)
-    ):
-        raise ValueError(f"cannot merge measurements of norm types {first.norm_type} and {second.norm_type}")
-    if first.reference_given != second.reference_given:
-        raise ValueError("cannot merge measurements with and without a reference")
-    overlap = set(first.params) & set(second.params)
-    if overlap:
-        raise ValueError(
-            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
-        )
     references = (first.reference_table, second.reference_table)
     return StepMeasurements(
         norm_type=first.norm_type,
@@ -232,8 +220,6 @@ def _joined(a: StepTable, b: StepTable) -> StepTable:
     from .steptable import KindColumns, StepTable
 
     names = tuple(a.param_names)
-    if tuple(b.param_names) != names:
-        raise ValueError("cannot merge the step tables of different steps")
     name_order = np.argsort(np.argsort(np.array(names, dtype=object), kind="stable"))
     order = np.argsort(name_order[np.concatenate([a.param, b.param])], kind="stable")
 
