@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .dumpfile.dump import StepDump
 from .errors import StepFolderError
+from .live.trend import TREND_FILE, read_trend
 from .live.writing import ATTEMPT_PREFIX, FULL_CAPTURES
 from .measure.measure import measure_step, overflow_notes
 from .model import StepFacts
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
+    from .report.model import GuardTrend
     from .report.param_shares import SumSqShares
 
 Progress = Callable[[int, int], None]
@@ -399,7 +401,8 @@ def summarize(report: Report, directory: str) -> StepSummary:
 
 def run_step_dirs(path: str | Path) -> list[Path]:
     """The step folders of `path` (see find_step_dirs), with a run folder's full/step_<N> (the guard's
-    full captures) and those of its restarts (attempt_<N>/) among its own step_<N>, by step number."""
+    full captures) and those of its restarts (attempt_<N>/) among its own step_<N>, by step number;
+    none for a guarded run's folder that holds only the trend (the guard dumps only what it finds wrong)."""
     from .dumpfile import find_step_dirs
     from .dumpfile.writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
 
@@ -419,7 +422,7 @@ def run_step_dirs(path: str | Path) -> list[Path]:
         full = root / FULL_CAPTURES
         steps += [(number, d) for d in find_step_dirs(full) if d != full] if full.is_dir() else []
     if not steps or (len(steps) == len(own) and not attempts):
-        return own
+        return [d for d in own if d != path] if (path / TREND_FILE).is_file() else own
     return [
         d for _, _, d in sorted((int(d.name.removeprefix(STEP_DIR_PREFIX)), number, d) for number, d in steps)
     ]
@@ -432,23 +435,13 @@ def audit_folder(
     progress: Progress | None = None,
     shares: Shares | None = None,
 ) -> Report | MultiStepReport:
-    """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
+    """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step
+    (`progress` sees one count over all of them), with the guard's trend for a guarded run's folder,
+    read first (a damaged trend stops the check before any audit)."""
     step_dirs = run_step_dirs(path)
-    if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
+    if step_dirs == [Path(path)]:
         return audit_step_dir(path, options, progress=progress, shares=shares)
-    return audit_steps(path, step_dirs, options, progress=progress, shares=shares)
-
-
-def audit_steps(
-    path: str | Path,
-    step_dirs: Sequence[Path],
-    options: AuditOptions,
-    *,
-    progress: Progress | None = None,
-    shares: Shares | None = None,
-) -> MultiStepReport:
-    """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more); `progress`
-    sees one count over all of them."""
+    trend = read_guard_trend(path, step_dirs)
     reports = [
         audit_step_dir(
             directory, options, progress=_over_steps(progress, index, len(step_dirs)), shares=shares
@@ -459,6 +452,33 @@ def audit_steps(
         directory=str(path),
         steps=tuple(reports),
         summary=tuple(summarize(r, str(d)) for d, r in zip(step_dirs, reports, strict=True)),
+        guard_trend=trend,
+    )
+
+
+def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend | None:
+    """The trend of a guarded run's folder (one that holds the guard's trend and is no step folder;
+    None for any other), its failing steps matched with the guard's dumps among `step_dirs`."""
+    from .dumpfile.writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
+    from .report.model import TrendStep, guard_trend
+
+    path = Path(path)
+    file = path / TREND_FILE
+    if not file.is_file() or any(path.glob(f"*{RANK_FILE_SUFFIX}")):
+        return None
+    dumps: dict[int, str] = {}
+    full: list[str] = []
+    for directory in step_dirs:
+        number = directory.name.removeprefix(STEP_DIR_PREFIX)
+        if directory.parent == path / FULL_CAPTURES:
+            full.append(str(directory))
+        elif directory.parent == path and number.isdigit():
+            dumps[int(number)] = str(directory)
+    trend = read_trend(file)
+    names = [f.name for f in fields(TrendStep) if f.name != "dump"]  # the trend line's, by name
+    steps = (TrendStep(**{name: getattr(line, name) for name in names}) for line in trend.lines)
+    return guard_trend(
+        steps, file=str(file), dumps=dumps, full_captures=full, num_unread=trend.num_unread, notes=trend.notes
     )
 
 

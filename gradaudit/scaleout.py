@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .audit import Shares
     from .dumpfile.dump import StepDump
     from .dumpfile.loader import LoadFiles, LoadOutcome
+    from .dumpfile.paramtable import SharedTables
     from .dumpfile.reader import TensorReader
     from .steptable import KindColumns, StepMeasurements, StepTable
 
@@ -134,12 +135,8 @@ def load_share(exchange: Exchange) -> LoadFiles:
     """A drop-in for `loader.load_rank_files` that loads this process's share of the files (split
     by bytes) and returns what every process loaded, in the order of `paths`."""
     from .dumpfile.loader import load_rank_files
-    from .dumpfile.paramtable import SharedTables
 
-    def load_files(
-        paths: Sequence[Path], *, stop_at_error: bool = False, tables: SharedTables | None = None
-    ) -> list[LoadOutcome]:
-        tables = SharedTables() if tables is None else tables
+    def load_files(paths: Sequence[Path], *, stop_at_error: bool, tables: SharedTables) -> list[LoadOutcome]:
         costs = {str(path): _file_bytes(path) for path in paths}
         mine = set(share_of(costs, exchange.env.rank, exchange.env.world_size))
         own = [path for path in paths if str(path) in mine]
