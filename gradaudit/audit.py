@@ -2,10 +2,9 @@
 
     load_step (dumpfile) -> measure_step (measure) -> analyse (analysis) -> build_report (checks, report)
 
-`audit_step` assembles the stages for one loaded step (with a reference, `judge_updates` reads the
-tensors a second time, for the update judgements); `analyse` and `build_report` are pure given their
-inputs;
-`audit_step_dir` and `audit_folder` are the shell around them that finds and loads files.
+`audit_step_dir` loads one step and assembles the stages for it (with a reference, `judge_updates`
+reads the tensors a second time, for the update judgements); `analyse` and `build_report` are pure
+given their inputs; `audit_folder` finds the step folders (and a guarded run's trend).
 """
 
 from __future__ import annotations
@@ -320,20 +319,23 @@ def _trigger_notes(step: StepFacts) -> tuple[str, ...]:
     return (head, *(f"guard-triggered: {note}" for note in notes))
 
 
-def audit_step(
-    step: StepDump,
+def audit_step_dir(
+    path: str | Path,
     options: AuditOptions,
     *,
-    reference: StepDump | None = None,
     progress: Progress | None = None,
-    warnings: tuple[str, ...] = (),
     shares: Shares | None = None,
 ) -> Report:
+    """Audit one step_<N> folder (with options.reference, against that reference step): the stages
+    assembled for the loaded step (with a reference, `judge_updates` reads the tensors a second time)."""
     from .analysis.coverage import coverage_by_param
-    from .dumpfile import TensorReader
+    from .dumpfile import TensorReader, load_step
     from .dumpfile.loader import gc_paused
     from .measure.leftout import checked_params
 
+    load_files = None if shares is None else shares.load_files
+    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks, load_files=load_files)
+    reference, warnings = _reference_for(step, options)
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step, reference) as reader:
             measure = measure_step if shares is None else shares.measure
@@ -342,22 +344,6 @@ def audit_step(
         inputs = analyse(step, m, coverage=coverage_by_param(step), update_judgements=judgements)
         warnings = tuple(warnings) + overflow_notes(inputs.table)
         return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
-
-
-def audit_step_dir(
-    path: str | Path,
-    options: AuditOptions,
-    *,
-    progress: Progress | None = None,
-    shares: Shares | None = None,
-) -> Report:
-    """Audit one step_<N> folder (with options.reference, against that reference step)."""
-    from .dumpfile import load_step
-
-    load_files = None if shares is None else shares.load_files
-    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks, load_files=load_files)
-    reference, warnings = _reference_for(step, options)
-    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings, shares=shares)
 
 
 def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | None, tuple[str, ...]]:
