@@ -55,8 +55,6 @@ if TYPE_CHECKING:
     from .report.param_shares import SumSqShares
 
 Progress = Callable[[int, int], None]
-Measure = Callable[..., StepMeasurements]
-"""`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +63,9 @@ class Shares:
 
     load_files: LoadFiles
     """Loads this process's share of the rank files and returns every process's."""
-    measure: Measure
-    """Measures this process's share of the parameters and returns the merged measurements."""
+    measure: Callable[..., StepMeasurements]
+    """A drop-in for `measure.measure_step` (scaleout.measure_share): measures this process's share of
+    the parameters and returns the merged measurements."""
 
 
 def verdict(
