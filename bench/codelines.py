@@ -64,7 +64,6 @@ STAGES = (
             "progress",
             "reportfile",
             "localranks",
-            "guardrun",
             "__init__",
             "__main__",
         ),

@@ -2,10 +2,9 @@
 
     load_step (dumpfile) -> measure_step (measure) -> analyse (analysis) -> build_report (checks, report)
 
-`audit_step` assembles the stages for one loaded step (with a reference, `judge_updates` reads the
-tensors a second time, for the update judgements); `analyse` and `build_report` are pure given their
-inputs;
-`audit_step_dir` and `audit_folder` are the shell around them that finds and loads files.
+`audit_step_dir` loads one step and assembles the stages for it (with a reference, `judge_updates`
+reads the tensors a second time, for the update judgements); `analyse` and `build_report` are pure
+given their inputs; `audit_folder` finds the step folders (and a guarded run's trend).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from .checks.reference import reference_comparisons
 from .checks.registry import CAUSES_FIRST, CLIPPING_CODES, run_checks
 from .dumpfile.dump import StepDump
 from .errors import StepFolderError
+from .live.trend import TREND_FILE, read_trend
 from .live.writing import ATTEMPT_PREFIX, FULL_CAPTURES
 from .measure.measure import measure_step, overflow_notes
 from .model import StepFacts
@@ -51,11 +51,10 @@ if TYPE_CHECKING:
     from .analysis.updates import UpdateJudgement
     from .dumpfile.loader import LoadFiles
     from .dumpfile.reader import TensorReader
+    from .report.model import GuardTrend
     from .report.param_shares import SumSqShares
 
 Progress = Callable[[int, int], None]
-Measure = Callable[..., StepMeasurements]
-"""`measure.measure_step` or a drop-in (scaleout.measure_share: this process's share, gathered)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +63,9 @@ class Shares:
 
     load_files: LoadFiles
     """Loads this process's share of the rank files and returns every process's."""
-    measure: Measure
-    """Measures this process's share of the parameters and returns the merged measurements."""
+    measure: Callable[..., StepMeasurements]
+    """A drop-in for `measure.measure_step` (scaleout.measure_share): measures this process's share of
+    the parameters and returns the merged measurements."""
 
 
 def verdict(
@@ -170,11 +170,8 @@ def _grad_counts_by_rank(table: StepTable) -> dict[int, tuple[int, int, int]]:
 
     held = np.bincount(table.rank)
     ranks = np.flatnonzero(held)
-    totals = np.zeros((ranks.size, 3), dtype=np.int64)
-    for column in range(3):
-        if counts[:, column].any():
-            by_rank = np.bincount(table.rank, weights=counts[:, column], minlength=held.size)
-            totals[:, column] = by_rank[ranks].astype(np.int64)
+    by_rank = [np.bincount(table.rank, weights=column, minlength=held.size)[ranks] for column in counts.T]
+    totals = np.stack(by_rank, axis=1).astype(np.int64)
     return {r: (a, b, c) for r, (a, b, c) in zip(ranks.tolist(), totals.tolist(), strict=True)}
 
 
@@ -321,20 +318,23 @@ def _trigger_notes(step: StepFacts) -> tuple[str, ...]:
     return (head, *(f"guard-triggered: {note}" for note in notes))
 
 
-def audit_step(
-    step: StepDump,
+def audit_step_dir(
+    path: str | Path,
     options: AuditOptions,
     *,
-    reference: StepDump | None = None,
     progress: Progress | None = None,
-    warnings: tuple[str, ...] = (),
     shares: Shares | None = None,
 ) -> Report:
+    """Audit one step_<N> folder (with options.reference, against that reference step): the stages
+    assembled for the loaded step (with a reference, `judge_updates` reads the tensors a second time)."""
     from .analysis.coverage import coverage_by_param
-    from .dumpfile import TensorReader
+    from .dumpfile import TensorReader, load_step
     from .dumpfile.loader import gc_paused
     from .measure.leftout import checked_params
 
+    load_files = None if shares is None else shares.load_files
+    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks, load_files=load_files)
+    reference, warnings = _reference_for(step, options)
     with gc_paused():  # see gc_paused: a many-rank step is millions of live objects
         with TensorReader(step, reference) as reader:
             measure = measure_step if shares is None else shares.measure
@@ -343,22 +343,6 @@ def audit_step(
         inputs = analyse(step, m, coverage=coverage_by_param(step), update_judgements=judgements)
         warnings = tuple(warnings) + overflow_notes(inputs.table)
         return build_report(inputs, options, command=command_for(step.directory, options), warnings=warnings)
-
-
-def audit_step_dir(
-    path: str | Path,
-    options: AuditOptions,
-    *,
-    progress: Progress | None = None,
-    shares: Shares | None = None,
-) -> Report:
-    """Audit one step_<N> folder (with options.reference, against that reference step)."""
-    from .dumpfile import load_step
-
-    load_files = None if shares is None else shares.load_files
-    step = load_step(path, allow_incomplete=options.allow_incomplete_ranks, load_files=load_files)
-    reference, warnings = _reference_for(step, options)
-    return audit_step(step, options, reference=reference, progress=progress, warnings=warnings, shares=shares)
 
 
 def _reference_for(step: StepDump, options: AuditOptions) -> tuple[StepDump | None, tuple[str, ...]]:
@@ -402,7 +386,8 @@ def summarize(report: Report, directory: str) -> StepSummary:
 
 def run_step_dirs(path: str | Path) -> list[Path]:
     """The step folders of `path` (see find_step_dirs), with a run folder's full/step_<N> (the guard's
-    full captures) and those of its restarts (attempt_<N>/) among its own step_<N>, by step number."""
+    full captures) and those of its restarts (attempt_<N>/) among its own step_<N>, by step number;
+    none for a guarded run's folder that holds only the trend (the guard dumps only what it finds wrong)."""
     from .dumpfile import find_step_dirs
     from .dumpfile.writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
 
@@ -422,7 +407,7 @@ def run_step_dirs(path: str | Path) -> list[Path]:
         full = root / FULL_CAPTURES
         steps += [(number, d) for d in find_step_dirs(full) if d != full] if full.is_dir() else []
     if not steps or (len(steps) == len(own) and not attempts):
-        return own
+        return [d for d in own if d != path] if (path / TREND_FILE).is_file() else own
     return [
         d for _, _, d in sorted((int(d.name.removeprefix(STEP_DIR_PREFIX)), number, d) for number, d in steps)
     ]
@@ -435,23 +420,13 @@ def audit_folder(
     progress: Progress | None = None,
     shares: Shares | None = None,
 ) -> Report | MultiStepReport:
-    """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step."""
+    """A step folder gives a Report; a folder of step_<N> folders a MultiStepReport, step by step
+    (`progress` sees one count over all of them), with the guard's trend for a guarded run's folder,
+    read first (a damaged trend stops the check before any audit)."""
     step_dirs = run_step_dirs(path)
-    if len(step_dirs) == 1 and Path(step_dirs[0]) == Path(path):
+    if step_dirs == [Path(path)]:
         return audit_step_dir(path, options, progress=progress, shares=shares)
-    return audit_steps(path, step_dirs, options, progress=progress, shares=shares)
-
-
-def audit_steps(
-    path: str | Path,
-    step_dirs: Sequence[Path],
-    options: AuditOptions,
-    *,
-    progress: Progress | None = None,
-    shares: Shares | None = None,
-) -> MultiStepReport:
-    """The run folder `path` as the MultiStepReport of its `step_dirs` (none or more); `progress`
-    sees one count over all of them."""
+    trend = read_guard_trend(path, step_dirs)
     reports = [
         audit_step_dir(
             directory, options, progress=_over_steps(progress, index, len(step_dirs)), shares=shares
@@ -462,6 +437,33 @@ def audit_steps(
         directory=str(path),
         steps=tuple(reports),
         summary=tuple(summarize(r, str(d)) for d, r in zip(step_dirs, reports, strict=True)),
+        guard_trend=trend,
+    )
+
+
+def read_guard_trend(path: str | Path, step_dirs: Sequence[Path]) -> GuardTrend | None:
+    """The trend of a guarded run's folder (one that holds the guard's trend and is no step folder;
+    None for any other), its failing steps matched with the guard's dumps among `step_dirs`."""
+    from .dumpfile.writer import RANK_FILE_SUFFIX, STEP_DIR_PREFIX
+    from .report.model import TrendStep, guard_trend
+
+    path = Path(path)
+    file = path / TREND_FILE
+    if not file.is_file() or any(path.glob(f"*{RANK_FILE_SUFFIX}")):
+        return None
+    dumps: dict[int, str] = {}
+    full: list[str] = []
+    for directory in step_dirs:
+        number = directory.name.removeprefix(STEP_DIR_PREFIX)
+        if directory.parent == path / FULL_CAPTURES:
+            full.append(str(directory))
+        elif directory.parent == path and number.isdigit():
+            dumps[int(number)] = str(directory)
+    trend = read_trend(file)
+    names = [f.name for f in fields(TrendStep) if f.name != "dump"]  # the trend line's, by name
+    steps = (TrendStep(**{name: getattr(line, name) for name in names}) for line in trend.lines)
+    return guard_trend(
+        steps, file=str(file), dumps=dumps, full_captures=full, num_unread=trend.num_unread, notes=trend.notes
     )
 
 

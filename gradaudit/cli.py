@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -111,9 +112,9 @@ def show(
 
             _emit(render_inventory(inventory, width=_terminal_width(), color=_use_color(color)))
         return
-    from .guardrun import read_guard_trend, step_dirs_of
+    from .audit import read_guard_trend, run_step_dirs
 
-    step_dirs = step_dirs_of(directory)
+    step_dirs = run_step_dirs(directory)
     run = RunInventory(
         directory=str(directory),
         guard_trend=read_guard_trend(directory, step_dirs),
@@ -175,8 +176,8 @@ def check(
     Exit codes: 0 nothing at or above --fail-on, 1 findings (or failing steps in the guard's trend),
     2 unusable input or usage, 3 internal error, 130 and 143 stopped by SIGINT (Ctrl-C) and SIGTERM.
     """
+    from .audit import audit_folder
     from .checks.base import AuditOptions
-    from .guardrun import audit_run
     from .report.model import MultiStepReport
 
     if output is not None:
@@ -201,13 +202,21 @@ def check(
         scaled_out(env) as shares,
         check_progress(enabled=printing and format is not OutputFormat.json) as progress,
     ):
-        result = audit_run(directory, options, progress=progress, shares=shares)
+        result = audit_folder(directory, options, progress=progress, shares=shares)
     if printing:
         to_file = output is not None
-        color_on = _use_color(color, to_file=to_file)
-        text = _render(
-            result, format, fold=not all_ranks, to_file=to_file, failing_only=failing_only, color=color_on
-        )
+        renderer = importlib.import_module(f"{__package__}.render.{format.value}")  # render.json, ...
+        multi = isinstance(result, MultiStepReport)
+        looks: dict[str, Any] = {}
+        if format is OutputFormat.terminal:
+            width = 100 if to_file else _terminal_width()
+            looks = {"width": width, "color": _use_color(color, to_file=to_file)}
+        if format is OutputFormat.json:
+            text = renderer.render_multi(result) if multi else renderer.render_report(result)
+        elif multi:
+            text = renderer.render_multi(result, failing_only=failing_only, **looks)
+        else:
+            text = renderer.render_report(result, fold=not all_ranks, **looks)
         _emit_report(text, output)
         trend = result.guard_trend if isinstance(result, MultiStepReport) else None
         if trend is not None and (format is not OutputFormat.terminal or output is not None):
@@ -241,37 +250,6 @@ def _emit_report(text: str, output: Path | None) -> None:
         raise UsageError(f"{where}: cannot write the report ({problem})") from None
     if output is not None:
         sys.stderr.write(f"report written to {output}\n")
-
-
-def _render(
-    result: Report | MultiStepReport,
-    format: OutputFormat,
-    *,
-    fold: bool,
-    to_file: bool,
-    failing_only: bool,
-    color: bool,
-) -> str:
-    from .report.model import MultiStepReport
-
-    if format is OutputFormat.json:
-        from .render import json as json_renderer
-
-        if isinstance(result, MultiStepReport):
-            return json_renderer.render_multi(result)
-        return json_renderer.render_report(result)
-    if format is OutputFormat.markdown:
-        from .render import markdown as markdown_renderer
-
-        if isinstance(result, MultiStepReport):
-            return markdown_renderer.render_multi(result, failing_only=failing_only)
-        return markdown_renderer.render_report(result, fold=fold)
-    from .render import terminal as terminal_renderer
-
-    width = 100 if to_file else _terminal_width()
-    if isinstance(result, MultiStepReport):
-        return terminal_renderer.render_multi(result, width=width, color=color, failing_only=failing_only)
-    return terminal_renderer.render_report(result, width=width, color=color, fold=fold)
 
 
 def _fails(result: Report | MultiStepReport, fail_on: FailOn) -> bool:

@@ -46,8 +46,8 @@ def plain_param(annotation: Any) -> PlainParam | None:
         return plain_param(inner[0]) if len(inner) == 1 else None
     if annotation is Path:
         return PlainParam(lambda v: v if isinstance(v, Path) else Path(v), "a path")
-    if annotation is bool:
-        return PlainParam(_bool, "true or false")
+    if annotation is bool:  # a flag's value: a bool, which typer passes by, or None when not given
+        return PlainParam(lambda v: v if isinstance(v, bool) else _refuse(v), "true or false")
     if annotation is str:
         return PlainParam(str, "a string")
     if annotation is float:
@@ -64,21 +64,13 @@ def _refuse(value: Any) -> Any:
     raise TypeError(value)
 
 
-_BOOLS = {"1": True, "true": True, "t": True, "yes": True, "y": True, "on": True}
-_BOOLS.update({"0": False, "false": False, "f": False, "no": False, "n": False, "off": False})
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    return _BOOLS[str(value).strip().lower()] if str(value).strip().lower() in _BOOLS else _refuse(value)
-
-
-def install_plain_params(command: Any) -> int:
+def install_plain_params(command: Any) -> None:
     """Place plain converters in the parameters of `command` and its subcommands (and in each help
-    option, made when a context first asks for it); how many were placed."""
-    placed = sum(install_plain_params(sub) for sub in getattr(command, "commands", {}).values())
-    placed += sum(_install(param) for param in getattr(command, "params", ()))
+    option, made when a context first asks for it)."""
+    for sub in getattr(command, "commands", {}).values():
+        install_plain_params(sub)
+    for param in getattr(command, "params", ()):
+        _install(param)
     original = getattr(command, "get_help_option", None)
     if callable(original):
 
@@ -89,15 +81,12 @@ def install_plain_params(command: Any) -> int:
             return option
 
         command.get_help_option = get_help_option
-    return placed
 
 
-def _install(param: Any) -> int:
+def _install(param: Any) -> None:
     descriptor = getattr(param, "type_descriptor", None)
     if descriptor is None or getattr(param, "_runtime_param", "absent") is not None:
-        return 0  # not typer's lazy slot (or already filled): typer converts
+        return  # not typer's lazy slot (or already filled): typer converts
     converter = plain_param(getattr(descriptor, "annotation", None))
-    if converter is None:
-        return 0
-    param._runtime_param = converter
-    return 1
+    if converter is not None:
+        param._runtime_param = converter

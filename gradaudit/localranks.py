@@ -15,7 +15,6 @@ failure, not a hung suite.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -25,8 +24,10 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from .capture.reference_run import free_port, launcher_variables
@@ -41,28 +42,6 @@ if TYPE_CHECKING:
 StartMethod = Literal["forkserver", "spawn"]
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor"]
 """Imported once by the fork server, so that each rank starts in a fraction of a second, not seconds."""
-
-
-def process_context(start_method: StartMethod = "forkserver") -> ForkServerContext | SpawnContext:
-    """The multiprocessing context for rank processes: a fork server that has imported torch already
-    when the platform has one and `start_method` asks for it, else spawn."""
-    if start_method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
-        return context
-    return multiprocessing.get_context("spawn")
-
-
-def prepare_rank_process() -> None:
-    """What every rank process does first: one intra-op thread, and FSDP2's view warning silenced."""
-    import warnings
-
-    import torch
-
-    # A few cores shared by all ranks: intra-op threads would only fight each other.
-    torch.set_num_threads(1)
-    # FSDP2 warns about every module that returns a view; a rank's step does not modify outputs in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -136,7 +115,11 @@ def launch(
     if world_size < 1:
         raise UsageError(f"world_size must be at least 1, got {world_size}")
     payload = sendable(f"{getattr(fn, '__qualname__', fn)!r} and its arguments", (fn, tuple(args)))
-    context = process_context(start_method)
+    # A fork server that has imported torch already when the platform has one and it is asked for.
+    context: ForkServerContext | SpawnContext = multiprocessing.get_context("spawn")
+    if start_method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
     results: Queue[tuple[int, str, bytes]] = context.Queue()
     store_dir = tempfile.mkdtemp(prefix="gradaudit-ranks-")
     port = free_port()
@@ -154,12 +137,8 @@ def launch(
         reports, killed, timed_out = _collect(processes, results, timeout_s)
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
-    order = {rank: place for place, rank in enumerate(reports)}
     return tuple(
-        dataclasses.replace(
-            _outcome(rank, reports.get(rank), processes[rank], rank in killed, timed_out, timeout_s),
-            reported=order.get(rank),
-        )
+        _outcome(rank, reports, processes[rank], rank in killed, timed_out, timeout_s)
         for rank in range(world_size)
     )
 
@@ -228,18 +207,22 @@ def _collect(
 
 def _outcome(
     rank: int,
-    report: tuple[str, bytes] | None,
+    reports: dict[int, tuple[str, bytes]],
     process: BaseProcess,
     killed: bool,
     timed_out: bool,
     timeout_s: float,
 ) -> RankOutcome:
-    if report is not None:
-        status, data = report
+    """How `rank` ended, from `reports` (by rank, in the order they arrived)."""
+    if rank in reports:
+        status, data = reports[rank]
+        reported = list(reports).index(rank)
         if status == "ok":
-            return RankOutcome(rank=rank, status="ok", value=pickle.loads(data))
+            return RankOutcome(rank=rank, status="ok", value=pickle.loads(data), reported=reported)
         exc_type, message, text = pickle.loads(data)
-        return RankOutcome(rank=rank, status="raised", exc_type=exc_type, message=message, traceback=text)
+        return RankOutcome(
+            rank=rank, status="raised", exc_type=exc_type, message=message, traceback=text, reported=reported
+        )
     if killed and timed_out:
         why = f"hung and was killed: still running after the timeout of {timeout_s:g} s"
     elif killed:
@@ -273,9 +256,19 @@ def _rank_main(
                 "defined at module level in a module the rank processes can import: a package, or a test "
                 "file collected by pytest's default --import-mode=prepend (not importlib)"
             ) from None
-        prepare_rank_process()
+        import torch
+
+        torch.set_num_threads(1)  # a few cores shared by all ranks: intra-op threads would only fight
+        # FSDP2 warns about every module that returns a view; a rank's step does not modify outputs in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         if init_group:
-            _join_group(rank, world_size, store_dir)
+            import torch.distributed as dist
+
+            init_method = "file://" + os.path.join(store_dir, "store")
+            timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            dist.init_process_group(
+                "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+            )
         value = fn(rank, world_size, *args)
         _leave_group()
         # Plain pickle: tensors travel by value, not as shared memory that dies with this process.
@@ -302,20 +295,6 @@ def _from_user_code(tb: TracebackType | None) -> TracebackType | None:
 
 
 _OWN_FRAMES = (os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "testing"))
-
-
-def _join_group(rank: int, world_size: int, store_dir: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method="file://" + os.path.join(store_dir, "store"),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
 
 
 def _leave_group() -> None:

@@ -15,7 +15,6 @@ module and the capture hook are the only ones that touch torch.distributed.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
     from .audit import Shares
     from .dumpfile.dump import StepDump
     from .dumpfile.loader import LoadFiles, LoadOutcome
+    from .dumpfile.paramtable import SharedTables
     from .dumpfile.reader import TensorReader
     from .steptable import KindColumns, StepMeasurements, StepTable
 
@@ -135,12 +135,8 @@ def load_share(exchange: Exchange) -> LoadFiles:
     """A drop-in for `loader.load_rank_files` that loads this process's share of the files (split
     by bytes) and returns what every process loaded, in the order of `paths`."""
     from .dumpfile.loader import load_rank_files
-    from .dumpfile.paramtable import SharedTables
 
-    def load_files(
-        paths: Sequence[Path], *, stop_at_error: bool = False, tables: SharedTables | None = None
-    ) -> list[LoadOutcome]:
-        tables = SharedTables() if tables is None else tables
+    def load_files(paths: Sequence[Path], *, stop_at_error: bool, tables: SharedTables) -> list[LoadOutcome]:
         costs = {str(path): _file_bytes(path) for path in paths}
         mine = set(share_of(costs, exchange.env.rank, exchange.env.world_size))
         own = [path for path in paths if str(path) in mine]
@@ -199,17 +195,6 @@ def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurement
     process of a scaled-out check measures its share) as those of one pass."""
     from .steptable import StepMeasurements
 
-    if first.norm_type != second.norm_type and not (
-        math.isnan(first.norm_type) and math.isnan(second.norm_type)
-    ):
-        raise ValueError(f"cannot merge measurements of norm types {first.norm_type} and {second.norm_type}")
-    if first.reference_given != second.reference_given:
-        raise ValueError("cannot merge measurements with and without a reference")
-    overlap = set(first.params) & set(second.params)
-    if overlap:
-        raise ValueError(
-            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
-        )
     references = (first.reference_table, second.reference_table)
     return StepMeasurements(
         norm_type=first.norm_type,
@@ -232,8 +217,6 @@ def _joined(a: StepTable, b: StepTable) -> StepTable:
     from .steptable import KindColumns, StepTable
 
     names = tuple(a.param_names)
-    if tuple(b.param_names) != names:
-        raise ValueError("cannot merge the step tables of different steps")
     name_order = np.argsort(np.argsort(np.array(names, dtype=object), kind="stable"))
     order = np.argsort(name_order[np.concatenate([a.param, b.param])], kind="stable")
 

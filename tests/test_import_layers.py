@@ -28,7 +28,6 @@ diagnosis, ...) and its report: they import nothing of the file format or of mea
 SHELLS = (
     "__main__",
     "audit",  # assembles the offline stages
-    "guardrun",  # a guarded run's folder: the guard's trend beside the dumps audit reads
     "cli",  # prints and exits
     "cliparams",  # the CLI's option conversions
     "reportfile",  # writes a rendered report to --output

@@ -6,7 +6,7 @@ ownership group it holds, replicas of a group sharing a layout, each entry's sta
 element whose magnitude is the group's norm), and the replica sets from its columns: nothing is
 measured and no tensor read, and every accounting the diagnosis tries gives the number it would from
 the real pieces; the step's facts (clip records, topology, parameters) and the coverage too, with no
-dump built. `report_of` runs `audit.build_report` on the analysis, as `audit.audit_step` does. Only
+dump built. `report_of` runs `audit.build_report` on the analysis, as `audit.audit_step_dir` does. Only
 on an anomaly does the guard build its rank's dump (`rank_dump`: one piece per ownership group).
 """
 
@@ -597,13 +597,13 @@ def _clip_record(live: LiveStep, summary: RankSummary) -> ClipRecord:
 
 def report_of(live: LiveStep) -> Report:
     """The report `gradaudit check` gives for the live step: `analysis_of(live)` through the offline
-    pipeline's last stage (audit.build_report), as audit.audit_step runs it without a reference."""
+    pipeline's last stage (audit.build_report), as audit.audit_step_dir runs it without a reference."""
     from ..audit import build_report, command_for
     from ..checks.base import AuditOptions
     from ..dumpfile.loader import gc_paused
     from ..measure.measure import overflow_notes
 
-    with gc_paused():  # as audit_step: a many-rank step is many small objects, all kept alive
+    with gc_paused():  # as audit_step_dir: a many-rank step is many small objects, all kept alive
         inputs = analysis_of(live)
         options = AuditOptions()
         command = command_for(live.directory, options) if live.directory else ""

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from goldens import RENDERER_GOLDENS, assert_golden
 
+from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
-from gradaudit.guardrun import audit_run
 from gradaudit.live.trend import TrendLine
 from gradaudit.render import json as json_render
 from gradaudit.render import markdown as markdown_render
@@ -70,7 +70,7 @@ RENDERERS = {
 
 
 def _audit(folder: Path) -> MultiStepReport:
-    result = audit_run(folder, AuditOptions())
+    result = audit_folder(folder, AuditOptions())
     assert isinstance(result, MultiStepReport)
     return result
 

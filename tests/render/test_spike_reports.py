@@ -16,11 +16,11 @@ from builders import box, check, clip, tensor_with_norm, whole, write_step
 from goldens import RENDERER_GOLDENS, assert_golden
 from live.trends import clipped_line, write_trend
 
+from gradaudit.audit import audit_folder
 from gradaudit.checks.base import AuditOptions
 from gradaudit.dumpfile.loader import load_rank_file
 from gradaudit.dumpfile.writer import write_rank_file
 from gradaudit.errors import StepFolderError
-from gradaudit.guardrun import audit_run
 from gradaudit.live.spike import SPIKE_TRIGGER
 from gradaudit.live.trend import TREND_FILE, TrendLine, read_trend
 from gradaudit.model import Topology
@@ -227,7 +227,7 @@ def spike_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _audit(folder: Path) -> MultiStepReport:
-    result = audit_run(folder, AuditOptions())
+    result = audit_folder(folder, AuditOptions())
     assert isinstance(result, MultiStepReport)
     return result
 
