@@ -44,23 +44,8 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     return found
 
 
-def _disjoint_flat_ranges(shape: tuple[int, ...], layouts: list[tuple[Region, ...]]) -> Coverage | None:
-    """The coverage of single flat ranges none of which overlap another (a clean FSDP/ZeRO layout,
-    the common case of a many-rank dump), from sorted arrays; None when that is not the case."""
-    if any(len(regions) != 1 or type(regions[0]) is not FlatRange for regions in layouts):
-        return None
-    import numpy as np
-
-    flats = cast(list[FlatRange], [regions[0] for regions in layouts])
-    bounds = np.array([(f.start, f.stop) for f in flats], dtype=np.int64).reshape(-1, 2)
-    return _disjoint_bounds(bounds, numel_of(shape))
-
-
 def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
     layouts = list(holders)
-    disjoint = _disjoint_flat_ranges(shape, layouts)
-    if disjoint is not None:
-        return disjoint, []
     boxes: list[BoxTuple]
     flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
     if len(flat) == sum(len(regions) for regions in layouts):
@@ -131,7 +116,6 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
     """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank);
     when every rank holds one flat range of the same parameters, in the same order (FSDP/ZeRO), the
     elements covered by the disjoint ones instead, for all parameters at once, and the ranks."""
-    import numpy as np
 
     from ..dumpfile.columnar import ParamIds
 
@@ -151,9 +135,6 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
         columns.append((ids.of(pieces), start, stop, flat, rank))
     if not columns:
         return {}, {}, []
-    held = columns[0][0]
-    if np.unique(held).size == held.size and all(c[3].all() and np.array_equal(c[0], held) for c in columns):
-        return _uniform_flat_pieces(columns, list(ids.ids))
     return _pieces_by_param(columns, list(ids.ids)), {}, []
 
 
@@ -166,7 +147,7 @@ def _uniform_columns(step: StepDump, ids: ParamIds) -> _Uniform | None:
     """Every rank's flat ranges at once, when every rank holds one flat range of the same parameters,
     in the same order, laid out piece after piece (FSDP/ZeRO, the guard's ownership groups); None
     otherwise, and when in doubt (the per-rank reading then decides). A few numpy passes over all
-    ranks' columns, none per rank, one column at a time (4096 ranks x 800 pieces: 26 MiB a column)."""
+    ranks' columns, one column at a time (4096 ranks x 800 pieces: 26 MiB a column)."""
     import numpy as np
 
     dumps = [step.ranks[rank].pieces for rank in step.ranks_present]
@@ -177,28 +158,14 @@ def _uniform_columns(step: StepDump, ids: ParamIds) -> _Uniform | None:
         return None
     if np.concatenate([d.rows[:, 3] for d in dumps]).any():  # a box
         return None
-    table = ids.table(dumps[0].params)
-    if any(ids.table(d.params) is not table for d in dumps):
-        return None
-    param = np.concatenate([d.rows[:, 0] for d in dumps]).reshape(len(dumps), n)
-    held = table[param[0]]
-    if np.unique(held).size != n or not (param == param[0]).all():
+    param = np.concatenate([ids.of(d) for d in dumps]).reshape(len(dumps), n)
+    held = param[0]
+    if np.unique(held).size != n or not (param == held).all():
         return None  # the per-rank reading decides
     del param
     coords = np.concatenate([d.coords for d in dumps]).reshape(len(dumps), 2 * n)
     ranks = np.array(step.ranks_present, dtype=np.int64)
     return ranks, coords[:, 0::2], coords[:, 1::2], held
-
-
-def _uniform_flat_pieces(
-    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]], names: list[str]
-) -> tuple[dict[str, FlatPieces], dict[str, int], list[int]]:
-    """`_uniform_flat_ranges` of per-rank columns (ids, starts, stops, flat, rank)."""
-    import numpy as np
-
-    ranks = np.array([c[4] for c in columns], dtype=np.int64)
-    start, stop = np.stack([c[1] for c in columns]), np.stack([c[2] for c in columns])
-    return _uniform_flat_ranges(ranks, start, stop, columns[0][0], names)
 
 
 def _uniform_flat_ranges(
@@ -262,7 +229,7 @@ def _disjoint(num_gap_elements: int) -> Coverage:
 
 
 def _flat_param_coverage(
-    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]] | None = None
+    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]]
 ) -> ParamCoverage | None:
     """The coverage of a parameter held as flat ranges that overlap nowhere (identical ranges are
     replicas, one layout): the common case of a many-rank FSDP/ZeRO dump, from arrays; None when
@@ -282,8 +249,6 @@ def _flat_param_coverage(
     if result is None:
         return None
     distinct = np.unique(ranks)
-    if holders is None:
-        return ParamCoverage(info, result, [], distinct.tolist())
     key = distinct.astype(np.int64).tobytes()
     if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
         holders[key] = distinct.tolist()

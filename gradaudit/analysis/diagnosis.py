@@ -495,11 +495,6 @@ def _per_member(shown: str, members: tuple[int, ...], once: float, norm_type: fl
     )
 
 
-def match_norm(observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
-    """The first candidate (in order of plausibility) within `rtol` of the observed number."""
-    return _match_of(observed, what, _close(observed, candidates, rtol))
-
-
 def _match_of(observed: float, what: str, close: list[Candidate]) -> Match:
     """The match of the observed number with the candidates close to it (in order of plausibility)."""
     if not close:
@@ -909,7 +904,7 @@ class _BoundedMatcher:
                 "(a lower bound on the true norm): with ranks missing, it may be the true norm"
             )
             return None
-        found = match_norm(observed, what, candidates, self.rtol)
+        found = _match_of(observed, what, _close(observed, candidates, self.rtol))
         if found.candidate is None:
             return found
         rivals = [name for name, value in self.partial_groups if value <= observed * (1 + self.rtol)]
