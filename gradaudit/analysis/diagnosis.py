@@ -138,7 +138,7 @@ class StepDiagnosis:
     @property
     def coef_upper_bound(self) -> float | None:
         """With ranks missing: the largest coefficient the lower bound on the norm allows."""
-        return _expected_coef(self.norm_lower_bound, self.max_norm)
+        return expected_coef_of(self.norm_lower_bound, self.max_norm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -480,7 +480,8 @@ class _Memo:
         return self._decisions[key]
 
 
-def _expected_coef(norm: float | None, max_norm: float | None) -> float | None:
+def expected_coef_of(norm: float | None, max_norm: float | None) -> float | None:
+    """expected_clip_coef of a norm and a threshold either of which may be unknown (None)."""
     return None if norm is None or max_norm is None else expected_clip_coef(norm, max_norm)
 
 
@@ -616,7 +617,7 @@ def diagnose(step: StepFacts, terms: NormInput) -> StepDiagnosis:
     bounded_or_known = true_norm is not None or lower_bound is not None
     if terms.clipped is not None and terms.grad.rank.size and bounded_or_known:
         post_clip = NormSet(terms.clipped, norm_type).norm(shared.all_ranks, True)[0]
-    expected = _expected_coef(true_norm, max_norm)
+    expected = expected_coef_of(true_norm, max_norm)
     rtol = max(norm_rtol(set(terms.dtypes)), MIN_RTOL)
     loss_scale = loss_scale_of(step)
     shared.know(true_norm, loss_scale)
@@ -681,7 +682,7 @@ def diagnose(step: StepFacts, terms: NormInput) -> StepDiagnosis:
             share_of_squared_norm=shares.get(rank, 0.0),
             rtol=rtol,
             true_norm=rank_true,
-            expected_coef=expected if rank_true is true_norm else _expected_coef(rank_true, max_norm),
+            expected_coef=expected if rank_true is true_norm else expected_coef_of(rank_true, max_norm),
             num_clip_calls=num_calls,
         )
     return StepDiagnosis(

@@ -174,8 +174,6 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Bud
     if remaining == 2:
         return _sweep_2d(boxes, shape[dim], shape[dim + 1], dim, budget)
     rest = math.prod(shape[dim + 1 :])
-    if not boxes:
-        return shape[dim] * rest, 0, set()
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][dim])
     cuts = sorted({0, shape[dim]} | _ends(boxes, dim))
     gap = overlap = 0
@@ -476,14 +474,11 @@ def _without_slabs(
 
     axis = int(np.argmin(spans[np.flatnonzero(slabs)[0]]))
     along = slabs & ~spans[:, axis]
-    intervals = sorted(zip(lo[along, axis].tolist(), hi[along, axis].tolist(), strict=True))
-    merged: list[list[int]] = []
-    for a, b in intervals:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    starts, stops = np.array(merged, dtype=np.int64).reshape(-1, 2).T
+    order = np.argsort(lo[along, axis], kind="stable")
+    a, b = lo[along, axis][order], hi[along, axis][order]
+    joins = np.ones(a.size, dtype=bool)  # an interval starting past every earlier one's end: a new run
+    joins[1:] = a[1:] > np.maximum.accumulate(b)[:-1]
+    starts, stops = a[joins], np.maximum.reduceat(b, np.flatnonzero(joins))
     lengths = stops - starts
 
     def squeezed(x: Any) -> Any:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import StepFacts
-from ..norms import expected_clip_coef, relative_difference, safe_fsum
+from ..norms import relative_difference, safe_fsum
 from ..steptable import StepTable
-from .diagnosis import StepDiagnosis
+from .diagnosis import StepDiagnosis, expected_coef_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -269,11 +269,8 @@ def _cause(groups: list[CoefGroup], per_call: bool, rtol: float) -> tuple[list[C
 def _expected(diagnosis: StepDiagnosis, per_call: bool) -> float | None:
     """The coefficient of the true norm before the first clip call when the coefficients span the
     calls (the dumped pre-clip gradient is of the last call), else before the last."""
-    if diagnosis.max_norm is None:
-        return None
     if per_call and diagnosis.call_norms:
-        first = diagnosis.call_norms[0].norm
-        return None if first is None else expected_clip_coef(first, diagnosis.max_norm)
+        return expected_coef_of(diagnosis.call_norms[0].norm, diagnosis.max_norm)
     return diagnosis.expected_coef
 
 
