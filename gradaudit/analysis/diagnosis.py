@@ -259,11 +259,9 @@ class _StepWide:
             self._holds_everything[key] = self._norms.num_layouts(members) >= self._num_layouts
         return self._holds_everything[key]
 
-    def group(self, members: tuple[int, ...] | None) -> tuple[tuple[int, ...], frozenset[int]] | None:
+    def group(self, members: tuple[int, ...]) -> tuple[tuple[int, ...], frozenset[int]] | None:
         """(sorted members, their set) of a group to try as a wrong reduction group: None when the
-        group is absent, has a missing member, or is the whole world."""
-        if members is None:
-            return None
+        group is empty, has a missing member, or is the whole world."""
         key = id(members)  # the topology's own tuple: the same object for every rank of the group
         if key not in self._groups:
             found = frozenset(members)
