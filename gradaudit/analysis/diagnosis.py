@@ -313,37 +313,33 @@ class _StepWide:
             add("per_member", _per_member(shown, members, once, norm_type), per_member)
         return members, tuple(found)
 
-    @functools.cached_property
-    def distinct_signatures(self) -> bool:
-        """Whether no two candidates of any rank count the same ranks the same way, so that no rank's
-        list needs deduplicating: more than one rank present, and no group list tried that is every
-        present rank, one rank, or the ranks of another list."""
-        seen: set[frozenset[int]] = set()
-        for lists in self._topology.groups.values():
-            for group in filter(None, map(self.group, lists)):
-                members = group[1]
-                if members == self.everyone or len(members) == 1 or members in seen:
-                    return False
-                seen.add(members)
-        return len(self.everyone) > 1
-
     def head(self) -> _WithScaled:
         """(the candidates every rank's list starts with, their loss-scaled copies)."""
         first = tuple(c for _, c in self.first)
         return first, tuple(self.scaled(c) for c in first) if self.loss_scale is not None else ()
 
     def tail(self, rank: int) -> _WithScaled:
-        """(the candidates after the rank's own: the double-counted one and its groups', their
-        loss-scaled copies), built once for all ranks of the same group lists."""
+        """(the candidates after the rank's own: the double-counted one and those of its groups of
+        more than one rank, their loss-scaled copies), built once for all ranks of the same group
+        lists. Of the accountings counting the same ranks the same way (one signature), the first
+        only, the true norm's included; every copy of one rank's pieces is that rank's local norm."""
         groups = self.groups_of(rank)
         key = tuple((name, id(listed)) for name, listed in groups)
         found = self._tails.get(key)
         if found is None:
-            tail = tuple(c for _, c in self.double_counted) + tuple(
-                c for name, listed in groups for _, c in self.of_group(name, listed)[1]
-            )
-            scaled = tuple(self.scaled(c) for c in tail) if self.loss_scale is not None else ()
-            found = self._tails[key] = (tail, scaled)
+            signed = list(self.double_counted)
+            for name, listed in groups:
+                members, entries = self.of_group(name, listed)
+                if len(members) > 1:
+                    signed += entries
+            seen = {signature for signature, _ in self.first}
+            kept: list[Candidate] = []
+            for signature, candidate in signed:
+                if signature not in seen and not (len(signature[0]) == 1 and signature[1] == "every"):
+                    seen.add(signature)
+                    kept.append(candidate)
+            scaled = tuple(self.scaled(c) for c in kept) if self.loss_scale is not None else ()
+            found = self._tails[key] = (tuple(kept), scaled)
         return found
 
     def scaled(self, candidate: Candidate) -> Candidate:
@@ -374,9 +370,8 @@ def _candidates(
     rank_true: float | None,
     shared: _StepWide,
 ) -> tuple[Candidate, ...]:
-    """Every norm an accounting gives for this rank, in order of plausibility; of the accountings
-    counting the same ranks the same way (one signature), the first only."""
-    found: list[tuple[_Signature | None, Candidate]] = list(shared.first)
+    """Every norm an accounting gives for this rank, in order of plausibility: the true norm's, the
+    rank's own, the shared tail's (`_StepWide.tail`), then their loss-scaled copies."""
     own: list[Candidate] = []
     if (
         true_norm is not None
@@ -391,47 +386,15 @@ def _candidates(
                 description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
             )
         )
-        found.append((None, own[-1]))  # of this rank only: never taken for another
     if local is not None:
         own.append(
             Candidate(hypothesis=LOCAL_ONLY, value=local, description=f"rank {rank}'s own pieces only")
         )
-        found.append(((frozenset((rank,)), "every"), own[-1]))
-    if shared.distinct_signatures:  # nothing to deduplicate: the shared parts as built once
-        head, tail = shared.head(), shared.tail(rank)
-        if shared.loss_scale is None:
-            return (*head[0], *own, *tail[0])
-        scale = shared.loss_scale
-        return (*head[0], *own, *tail[0], *head[1], *(_scaled(c, scale) for c in own), *tail[1])
-    found += shared.double_counted
-    for name, listed in shared.groups_of(rank):
-        members, entries = shared.of_group(name, listed)
-        if entries and members != (rank,):
-            found += entries
-    signed = [signature for signature, _ in found if signature is not None]
-    if len(set(signed)) < len(signed):
-        found = _first_of_each(found)
-    candidates = [c for _, c in found]
-    if shared.loss_scale is not None:
-        scale = shared.loss_scale
-        mine = {id(c) for c in own}
-        candidates += [_scaled(c, scale) if id(c) in mine else shared.scaled(c) for c in candidates]
-    return tuple(candidates)
-
-
-def _first_of_each(
-    found: list[tuple[_Signature | None, Candidate]],
-) -> list[tuple[_Signature | None, Candidate]]:
-    """The first candidate of each signature, in order (one without a signature is always kept)."""
-    seen: set[_Signature] = set()
-    kept = []
-    for signature, candidate in found:
-        if signature is not None:
-            if signature in seen:
-                continue
-            seen.add(signature)
-        kept.append((signature, candidate))
-    return kept
+    head, tail = shared.head(), shared.tail(rank)
+    if shared.loss_scale is None:
+        return (*head[0], *own, *tail[0])
+    scale = shared.loss_scale
+    return (*head[0], *own, *tail[0], *head[1], *(_scaled(c, scale) for c in own), *tail[1])
 
 
 class _Memo:
