@@ -213,7 +213,6 @@ class _StepWide:
         self.double, self.repeated = norms.norm(self.all_ranks, False)
         self._world = frozenset(range(step.world_size))
         self._missing = frozenset(step.missing_ranks)
-        self._groups: dict[int, tuple[tuple[int, ...], frozenset[int]] | None] = {}
         self._norms = norms
         self._num_layouts: int | None = None
         self._holds_everything: dict[int, bool] = {}
@@ -259,16 +258,6 @@ class _StepWide:
             self._holds_everything[key] = self._norms.num_layouts(members) >= self._num_layouts
         return self._holds_everything[key]
 
-    def group(self, members: tuple[int, ...]) -> tuple[tuple[int, ...], frozenset[int]] | None:
-        """(sorted members, their set) of a group to try as a wrong reduction group: None when the
-        group is empty, has a missing member, or is the whole world."""
-        key = id(members)  # the topology's own tuple: the same object for every rank of the group
-        if key not in self._groups:
-            found = frozenset(members)
-            usable = members and not (found & self._missing) and found != self._world
-            self._groups[key] = (tuple(sorted(members)), found) if usable else None
-        return self._groups[key]
-
     def groups_of(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """The rank's lists of each topology group, smallest first (then by name)."""
         listed = [(name, self._topology.group_of(name, rank)) for name in self._names]
@@ -278,17 +267,18 @@ class _StepWide:
 
     def of_group(self, name: str, listed: tuple[int, ...]) -> _OfGroup:
         """(sorted members, wrong-group candidates) of group `name`'s rank list `listed` (the
-        topology's own tuple); no candidates for a group not to try (see `group`)."""
+        topology's own tuple, holding the rank); no candidates for a group with a missing member or
+        of the whole world (not a wrong reduction group)."""
         key = (name, id(listed))
         if key not in self._of_group:
             self._of_group[key] = self._group_candidates(name, listed)
         return self._of_group[key]
 
     def _group_candidates(self, name: str, listed: tuple[int, ...]) -> _OfGroup:
-        group, norms = self.group(listed), self._norms
-        if group is None:
+        member_set, norms = frozenset(listed), self._norms
+        if member_set & self._missing or member_set == self._world:
             return (), ()
-        members, member_set = group
+        members = tuple(sorted(listed))
         found: list[_Signed] = []
         wrong, shown = Hypothesis(kind=WRONG_GROUP, what=name), f"ranks {list(members)} of group {name}"
 
