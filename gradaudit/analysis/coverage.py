@@ -46,25 +46,16 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
 
 def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
     layouts = list(holders)
-    boxes: list[BoxTuple]
-    flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
-    if len(flat) == sum(len(regions) for regions in layouts):
+    if all(isinstance(r, FlatRange) for regions in layouts for r in regions):
         # Flat ranges are intervals of the flattened parameter: a 1-D sweep, O(k log k). Cut into boxes
         # of a 2-D parameter they would cost the rectangle sweep rows x columns (quadratic in k).
         shape = (numel_of(shape),)
-        boxes = [
-            ((r.start,), (r.numel,), tag)
-            for tag, regions in enumerate(layouts)
-            for r in regions
-            if isinstance(r, FlatRange)
-        ]
-    else:
-        boxes = [
-            (offsets, sizes, tag)
-            for tag, regions in enumerate(layouts)
-            for region in regions
-            for offsets, sizes in region_boxes(region, shape)
-        ]
+    boxes: list[BoxTuple] = [
+        (offsets, sizes, tag)
+        for tag, regions in enumerate(layouts)
+        for region in regions
+        for offsets, sizes in region_boxes(region, shape)
+    ]
     result = coverage(boxes, shape)
     ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[cast(int, tag)]]})
     return result, ranks
