@@ -21,6 +21,7 @@ truly unreasonable into `CoverageTooIntricate` instead of a hang.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -483,10 +484,8 @@ def _dense_union(lo: Any, hi: Any, cuts: list[Any]) -> int:
     for d in range(ndim):
         counts = np.cumsum(counts, axis=d)
     held = counts[tuple(slice(0, -1) for _ in range(ndim))] > 0
-    volume = held.astype(np.int64)
-    for d in range(ndim - 1, -1, -1):
-        volume = np.tensordot(volume, np.diff(cuts[d]), axes=([d], [0]))
-    return int(volume)
+    volumes = functools.reduce(np.multiply, np.ix_(*(np.diff(c) for c in cuts)))  # of each grid cell
+    return int(volumes[held].sum())
 
 
 def _exclusion_union(lo: list[list[int]], hi: list[list[int]], budget: _Budget) -> int:
