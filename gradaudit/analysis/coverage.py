@@ -233,25 +233,14 @@ def _flat_param_coverage(
     starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
     order = np.lexsort((stops, starts))  # the distinct (start, stop) rows, sorted: np.unique(axis=0)
     starts, stops = starts[order], stops[order]
-    distinct = np.ones(starts.size, dtype=bool)
-    distinct[1:] = (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
-    bounds = np.stack([starts[distinct], stops[distinct]], axis=1)
-    result = _disjoint_bounds(bounds, numel_of(info.global_shape))
-    if result is None:
-        return None
+    kept = stops > starts  # the distinct nonempty ranges (replicas: one layout), by start
+    kept[1:] &= (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
+    starts, stops = starts[kept], stops[kept]
+    if (starts[1:] < stops[:-1]).any():
+        return None  # overlaps: the sweep names them
+    result = _disjoint(numel_of(info.global_shape) - int((stops - starts).sum()))
     distinct = np.unique(ranks)
     key = distinct.astype(np.int64).tobytes()
     if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
         holders[key] = distinct.tolist()
     return ParamCoverage(info, result, [], holders[key])
-
-
-def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
-    """Coverage of [start, stop) rows of `bounds` (distinct layouts) when none overlaps another."""
-    import numpy as np
-
-    bounds = bounds[bounds[:, 1] > bounds[:, 0]]
-    bounds = bounds[np.argsort(bounds[:, 0], kind="stable")]
-    if (bounds[1:, 0] < bounds[:-1, 1]).any():
-        return None  # overlaps: the sweep names them
-    return _disjoint(numel - int((bounds[:, 1] - bounds[:, 0]).sum()))
