@@ -149,9 +149,11 @@ def _uniform_columns(step: StepDump, ids: ParamIds) -> _Uniform | None:
         return None
     if np.concatenate([d.rows[:, 3] for d in dumps]).any():  # a box
         return None
-    param = np.concatenate([ids.of(d) for d in dumps]).reshape(len(dumps), n)
-    held = param[0]
-    if np.unique(held).size != n or not (param == held).all():
+    table = ids.table(dumps[0].params)
+    same = all(ids.table(d.params) is table for d in dumps)  # one table (the usual): its indices compare
+    param = np.concatenate([d.rows[:, 0] if same else ids.of(d) for d in dumps]).reshape(len(dumps), n)
+    held = table[param[0]] if same else param[0]
+    if np.unique(held).size != n or not (param == param[0]).all():
         return None  # the per-rank reading decides
     del param
     coords = np.concatenate([d.coords for d in dumps]).reshape(len(dumps), 2 * n)
