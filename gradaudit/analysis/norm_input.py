@@ -313,8 +313,6 @@ def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
     """Parameter -> (ranks holding an entry of it, most entries with one layout): how
     hypotheses.groups_of tells parameter groups apart."""
     grad = norms.grad
-    if not grad.rank.size:
-        return {}
     pairs = np.unique(np.stack([norms.param, grad.rank], axis=1), axis=0)
     params, holders = np.unique(pairs[:, 0], return_counts=True)
     copies = np.bincount(grad.layout)[grad.layout]
