@@ -44,42 +44,18 @@ def layouts_by_param(step: StepDump) -> dict[str, Layouts]:
     return found
 
 
-def _disjoint_flat_ranges(shape: tuple[int, ...], layouts: list[tuple[Region, ...]]) -> Coverage | None:
-    """The coverage of single flat ranges none of which overlap another (a clean FSDP/ZeRO layout,
-    the common case of a many-rank dump), from sorted arrays; None when that is not the case."""
-    if any(len(regions) != 1 or type(regions[0]) is not FlatRange for regions in layouts):
-        return None
-    import numpy as np
-
-    flats = cast(list[FlatRange], [regions[0] for regions in layouts])
-    bounds = np.array([(f.start, f.stop) for f in flats], dtype=np.int64).reshape(-1, 2)
-    return _disjoint_bounds(bounds, numel_of(shape))
-
-
 def _param_coverage(shape: tuple[int, ...], holders: Layouts) -> tuple[Coverage, list[int]]:
     layouts = list(holders)
-    disjoint = _disjoint_flat_ranges(shape, layouts)
-    if disjoint is not None:
-        return disjoint, []
-    boxes: list[BoxTuple]
-    flat = [r for regions in layouts for r in regions if isinstance(r, FlatRange)]
-    if len(flat) == sum(len(regions) for regions in layouts):
+    if all(isinstance(r, FlatRange) for regions in layouts for r in regions):
         # Flat ranges are intervals of the flattened parameter: a 1-D sweep, O(k log k). Cut into boxes
         # of a 2-D parameter they would cost the rectangle sweep rows x columns (quadratic in k).
         shape = (numel_of(shape),)
-        boxes = [
-            ((r.start,), (r.numel,), tag)
-            for tag, regions in enumerate(layouts)
-            for r in regions
-            if isinstance(r, FlatRange)
-        ]
-    else:
-        boxes = [
-            (offsets, sizes, tag)
-            for tag, regions in enumerate(layouts)
-            for region in regions
-            for offsets, sizes in region_boxes(region, shape)
-        ]
+    boxes: list[BoxTuple] = [
+        (offsets, sizes, tag)
+        for tag, regions in enumerate(layouts)
+        for region in regions
+        for offsets, sizes in region_boxes(region, shape)
+    ]
     result = coverage(boxes, shape)
     ranks = sorted({r for tag in result.overlapping_tags for r in holders[layouts[cast(int, tag)]]})
     return result, ranks
@@ -131,7 +107,6 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
     """Every parameter's pieces as three integer arrays (no object per piece of a format-1.1 rank);
     when every rank holds one flat range of the same parameters, in the same order (FSDP/ZeRO), the
     elements covered by the disjoint ones instead, for all parameters at once, and the ranks."""
-    import numpy as np
 
     from ..dumpfile.columnar import ParamIds
 
@@ -151,9 +126,6 @@ def _flat_pieces_by_param(step: StepDump) -> tuple[dict[str, FlatPieces], dict[s
         columns.append((ids.of(pieces), start, stop, flat, rank))
     if not columns:
         return {}, {}, []
-    held = columns[0][0]
-    if np.unique(held).size == held.size and all(c[3].all() and np.array_equal(c[0], held) for c in columns):
-        return _uniform_flat_pieces(columns, list(ids.ids))
     return _pieces_by_param(columns, list(ids.ids)), {}, []
 
 
@@ -166,7 +138,7 @@ def _uniform_columns(step: StepDump, ids: ParamIds) -> _Uniform | None:
     """Every rank's flat ranges at once, when every rank holds one flat range of the same parameters,
     in the same order, laid out piece after piece (FSDP/ZeRO, the guard's ownership groups); None
     otherwise, and when in doubt (the per-rank reading then decides). A few numpy passes over all
-    ranks' columns, none per rank, one column at a time (4096 ranks x 800 pieces: 26 MiB a column)."""
+    ranks' columns, one column at a time (4096 ranks x 800 pieces: 26 MiB a column)."""
     import numpy as np
 
     dumps = [step.ranks[rank].pieces for rank in step.ranks_present]
@@ -178,27 +150,15 @@ def _uniform_columns(step: StepDump, ids: ParamIds) -> _Uniform | None:
     if np.concatenate([d.rows[:, 3] for d in dumps]).any():  # a box
         return None
     table = ids.table(dumps[0].params)
-    if any(ids.table(d.params) is not table for d in dumps):
-        return None
-    param = np.concatenate([d.rows[:, 0] for d in dumps]).reshape(len(dumps), n)
-    held = table[param[0]]
+    same = all(ids.table(d.params) is table for d in dumps)  # one table (the usual): its indices compare
+    param = np.concatenate([d.rows[:, 0] if same else ids.of(d) for d in dumps]).reshape(len(dumps), n)
+    held = table[param[0]] if same else param[0]
     if np.unique(held).size != n or not (param == param[0]).all():
         return None  # the per-rank reading decides
     del param
     coords = np.concatenate([d.coords for d in dumps]).reshape(len(dumps), 2 * n)
     ranks = np.array(step.ranks_present, dtype=np.int64)
     return ranks, coords[:, 0::2], coords[:, 1::2], held
-
-
-def _uniform_flat_pieces(
-    columns: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]], names: list[str]
-) -> tuple[dict[str, FlatPieces], dict[str, int], list[int]]:
-    """`_uniform_flat_ranges` of per-rank columns (ids, starts, stops, flat, rank)."""
-    import numpy as np
-
-    ranks = np.array([c[4] for c in columns], dtype=np.int64)
-    start, stop = np.stack([c[1] for c in columns]), np.stack([c[2] for c in columns])
-    return _uniform_flat_ranges(ranks, start, stop, columns[0][0], names)
 
 
 def _uniform_flat_ranges(
@@ -262,7 +222,7 @@ def _disjoint(num_gap_elements: int) -> Coverage:
 
 
 def _flat_param_coverage(
-    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]] | None = None
+    info: ParamInfo, pieces: FlatPieces, holders: dict[bytes, list[int]]
 ) -> ParamCoverage | None:
     """The coverage of a parameter held as flat ranges that overlap nowhere (identical ranges are
     replicas, one layout): the common case of a many-rank FSDP/ZeRO dump, from arrays; None when
@@ -275,27 +235,14 @@ def _flat_param_coverage(
     starts, stops = np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
     order = np.lexsort((stops, starts))  # the distinct (start, stop) rows, sorted: np.unique(axis=0)
     starts, stops = starts[order], stops[order]
-    distinct = np.ones(starts.size, dtype=bool)
-    distinct[1:] = (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
-    bounds = np.stack([starts[distinct], stops[distinct]], axis=1)
-    result = _disjoint_bounds(bounds, numel_of(info.global_shape))
-    if result is None:
-        return None
+    kept = stops > starts  # the distinct nonempty ranges (replicas: one layout), by start
+    kept[1:] &= (starts[1:] != starts[:-1]) | (stops[1:] != stops[:-1])
+    starts, stops = starts[kept], stops[kept]
+    if (starts[1:] < stops[:-1]).any():
+        return None  # overlaps: the sweep names them
+    result = _disjoint(numel_of(info.global_shape) - int((stops - starts).sum()))
     distinct = np.unique(ranks)
-    if holders is None:
-        return ParamCoverage(info, result, [], distinct.tolist())
     key = distinct.astype(np.int64).tobytes()
     if key not in holders:  # one list for the parameters held by the same ranks (often all of them)
         holders[key] = distinct.tolist()
     return ParamCoverage(info, result, [], holders[key])
-
-
-def _disjoint_bounds(bounds: np.ndarray, numel: int) -> Coverage | None:
-    """Coverage of [start, stop) rows of `bounds` (distinct layouts) when none overlaps another."""
-    import numpy as np
-
-    bounds = bounds[bounds[:, 1] > bounds[:, 0]]
-    bounds = bounds[np.argsort(bounds[:, 0], kind="stable")]
-    if (bounds[1:, 0] < bounds[:-1, 1]).any():
-        return None  # overlaps: the sweep names them
-    return _disjoint(numel - int((bounds[:, 1] - bounds[:, 0]).sum()))

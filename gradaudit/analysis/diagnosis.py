@@ -138,7 +138,7 @@ class StepDiagnosis:
     @property
     def coef_upper_bound(self) -> float | None:
         """With ranks missing: the largest coefficient the lower bound on the norm allows."""
-        return _expected_coef(self.norm_lower_bound, self.max_norm)
+        return expected_coef_of(self.norm_lower_bound, self.max_norm)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,7 +213,6 @@ class _StepWide:
         self.double, self.repeated = norms.norm(self.all_ranks, False)
         self._world = frozenset(range(step.world_size))
         self._missing = frozenset(step.missing_ranks)
-        self._groups: dict[int, tuple[tuple[int, ...], frozenset[int]] | None] = {}
         self._norms = norms
         self._num_layouts: int | None = None
         self._holds_everything: dict[int, bool] = {}
@@ -259,18 +258,6 @@ class _StepWide:
             self._holds_everything[key] = self._norms.num_layouts(members) >= self._num_layouts
         return self._holds_everything[key]
 
-    def group(self, members: tuple[int, ...] | None) -> tuple[tuple[int, ...], frozenset[int]] | None:
-        """(sorted members, their set) of a group to try as a wrong reduction group: None when the
-        group is absent, has a missing member, or is the whole world."""
-        if members is None:
-            return None
-        key = id(members)  # the topology's own tuple: the same object for every rank of the group
-        if key not in self._groups:
-            found = frozenset(members)
-            usable = members and not (found & self._missing) and found != self._world
-            self._groups[key] = (tuple(sorted(members)), found) if usable else None
-        return self._groups[key]
-
     def groups_of(self, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         """The rank's lists of each topology group, smallest first (then by name)."""
         listed = [(name, self._topology.group_of(name, rank)) for name in self._names]
@@ -280,17 +267,18 @@ class _StepWide:
 
     def of_group(self, name: str, listed: tuple[int, ...]) -> _OfGroup:
         """(sorted members, wrong-group candidates) of group `name`'s rank list `listed` (the
-        topology's own tuple); no candidates for a group not to try (see `group`)."""
+        topology's own tuple, holding the rank); no candidates for a group with a missing member or
+        of the whole world (not a wrong reduction group)."""
         key = (name, id(listed))
         if key not in self._of_group:
             self._of_group[key] = self._group_candidates(name, listed)
         return self._of_group[key]
 
     def _group_candidates(self, name: str, listed: tuple[int, ...]) -> _OfGroup:
-        group, norms = self.group(listed), self._norms
-        if group is None:
+        member_set, norms = frozenset(listed), self._norms
+        if member_set & self._missing or member_set == self._world:
             return (), ()
-        members, member_set = group
+        members = tuple(sorted(listed))
         found: list[_Signed] = []
         wrong, shown = Hypothesis(kind=WRONG_GROUP, what=name), f"ranks {list(members)} of group {name}"
 
@@ -315,37 +303,33 @@ class _StepWide:
             add("per_member", _per_member(shown, members, once, norm_type), per_member)
         return members, tuple(found)
 
-    @functools.cached_property
-    def distinct_signatures(self) -> bool:
-        """Whether no two candidates of any rank count the same ranks the same way, so that no rank's
-        list needs deduplicating: more than one rank present, and no group list tried that is every
-        present rank, one rank, or the ranks of another list."""
-        seen: set[frozenset[int]] = set()
-        for lists in self._topology.groups.values():
-            for group in filter(None, map(self.group, lists)):
-                members = group[1]
-                if members == self.everyone or len(members) == 1 or members in seen:
-                    return False
-                seen.add(members)
-        return len(self.everyone) > 1
-
     def head(self) -> _WithScaled:
         """(the candidates every rank's list starts with, their loss-scaled copies)."""
         first = tuple(c for _, c in self.first)
         return first, tuple(self.scaled(c) for c in first) if self.loss_scale is not None else ()
 
     def tail(self, rank: int) -> _WithScaled:
-        """(the candidates after the rank's own: the double-counted one and its groups', their
-        loss-scaled copies), built once for all ranks of the same group lists."""
+        """(the candidates after the rank's own: the double-counted one and those of its groups of
+        more than one rank, their loss-scaled copies), built once for all ranks of the same group
+        lists. Of the accountings counting the same ranks the same way (one signature), the first
+        only, the true norm's included; every copy of one rank's pieces is that rank's local norm."""
         groups = self.groups_of(rank)
         key = tuple((name, id(listed)) for name, listed in groups)
         found = self._tails.get(key)
         if found is None:
-            tail = tuple(c for _, c in self.double_counted) + tuple(
-                c for name, listed in groups for _, c in self.of_group(name, listed)[1]
-            )
-            scaled = tuple(self.scaled(c) for c in tail) if self.loss_scale is not None else ()
-            found = self._tails[key] = (tail, scaled)
+            signed = list(self.double_counted)
+            for name, listed in groups:
+                members, entries = self.of_group(name, listed)
+                if len(members) > 1:
+                    signed += entries
+            seen = {signature for signature, _ in self.first}
+            kept: list[Candidate] = []
+            for signature, candidate in signed:
+                if signature not in seen and not (len(signature[0]) == 1 and signature[1] == "every"):
+                    seen.add(signature)
+                    kept.append(candidate)
+            scaled = tuple(self.scaled(c) for c in kept) if self.loss_scale is not None else ()
+            found = self._tails[key] = (tuple(kept), scaled)
         return found
 
     def scaled(self, candidate: Candidate) -> Candidate:
@@ -376,9 +360,8 @@ def _candidates(
     rank_true: float | None,
     shared: _StepWide,
 ) -> tuple[Candidate, ...]:
-    """Every norm an accounting gives for this rank, in order of plausibility; of the accountings
-    counting the same ranks the same way (one signature), the first only."""
-    found: list[tuple[_Signature | None, Candidate]] = list(shared.first)
+    """Every norm an accounting gives for this rank, in order of plausibility: the true norm's, the
+    rank's own, the shared tail's (`_StepWide.tail`), then their loss-scaled copies."""
     own: list[Candidate] = []
     if (
         true_norm is not None
@@ -393,47 +376,15 @@ def _candidates(
                 description=f"every logical element counted once, with rank {rank}'s own drifted replicas",
             )
         )
-        found.append((None, own[-1]))  # of this rank only: never taken for another
     if local is not None:
         own.append(
             Candidate(hypothesis=LOCAL_ONLY, value=local, description=f"rank {rank}'s own pieces only")
         )
-        found.append(((frozenset((rank,)), "every"), own[-1]))
-    if shared.distinct_signatures:  # nothing to deduplicate: the shared parts as built once
-        head, tail = shared.head(), shared.tail(rank)
-        if shared.loss_scale is None:
-            return (*head[0], *own, *tail[0])
-        scale = shared.loss_scale
-        return (*head[0], *own, *tail[0], *head[1], *(_scaled(c, scale) for c in own), *tail[1])
-    found += shared.double_counted
-    for name, listed in shared.groups_of(rank):
-        members, entries = shared.of_group(name, listed)
-        if entries and members != (rank,):
-            found += entries
-    signed = [signature for signature, _ in found if signature is not None]
-    if len(set(signed)) < len(signed):
-        found = _first_of_each(found)
-    candidates = [c for _, c in found]
-    if shared.loss_scale is not None:
-        scale = shared.loss_scale
-        mine = {id(c) for c in own}
-        candidates += [_scaled(c, scale) if id(c) in mine else shared.scaled(c) for c in candidates]
-    return tuple(candidates)
-
-
-def _first_of_each(
-    found: list[tuple[_Signature | None, Candidate]],
-) -> list[tuple[_Signature | None, Candidate]]:
-    """The first candidate of each signature, in order (one without a signature is always kept)."""
-    seen: set[_Signature] = set()
-    kept = []
-    for signature, candidate in found:
-        if signature is not None:
-            if signature in seen:
-                continue
-            seen.add(signature)
-        kept.append((signature, candidate))
-    return kept
+    head, tail = shared.head(), shared.tail(rank)
+    if shared.loss_scale is None:
+        return (*head[0], *own, *tail[0])
+    scale = shared.loss_scale
+    return (*head[0], *own, *tail[0], *head[1], *(_scaled(c, scale) for c in own), *tail[1])
 
 
 class _Memo:
@@ -480,7 +431,8 @@ class _Memo:
         return self._decisions[key]
 
 
-def _expected_coef(norm: float | None, max_norm: float | None) -> float | None:
+def expected_coef_of(norm: float | None, max_norm: float | None) -> float | None:
+    """expected_clip_coef of a norm and a threshold either of which may be unknown (None)."""
     return None if norm is None or max_norm is None else expected_clip_coef(norm, max_norm)
 
 
@@ -493,11 +445,6 @@ def _per_member(shown: str, members: tuple[int, ...], once: float, norm_type: fl
         f"its {count} ranks and summed over the group again instead of across the other groups: "
         f"{count}^(1/{norm_type:g}) x {once:.6g}"
     )
-
-
-def match_norm(observed: float, what: str, candidates: tuple[Candidate, ...], rtol: float) -> Match:
-    """The first candidate (in order of plausibility) within `rtol` of the observed number."""
-    return _match_of(observed, what, _close(observed, candidates, rtol))
 
 
 def _match_of(observed: float, what: str, close: list[Candidate]) -> Match:
@@ -621,7 +568,7 @@ def diagnose(step: StepFacts, terms: NormInput) -> StepDiagnosis:
     bounded_or_known = true_norm is not None or lower_bound is not None
     if terms.clipped is not None and terms.grad.rank.size and bounded_or_known:
         post_clip = NormSet(terms.clipped, norm_type).norm(shared.all_ranks, True)[0]
-    expected = _expected_coef(true_norm, max_norm)
+    expected = expected_coef_of(true_norm, max_norm)
     rtol = max(norm_rtol(set(terms.dtypes)), MIN_RTOL)
     loss_scale = loss_scale_of(step)
     shared.know(true_norm, loss_scale)
@@ -686,7 +633,7 @@ def diagnose(step: StepFacts, terms: NormInput) -> StepDiagnosis:
             share_of_squared_norm=shares.get(rank, 0.0),
             rtol=rtol,
             true_norm=rank_true,
-            expected_coef=expected if rank_true is true_norm else _expected_coef(rank_true, max_norm),
+            expected_coef=expected if rank_true is true_norm else expected_coef_of(rank_true, max_norm),
             num_clip_calls=num_calls,
         )
     return StepDiagnosis(
@@ -909,7 +856,7 @@ class _BoundedMatcher:
                 "(a lower bound on the true norm): with ranks missing, it may be the true norm"
             )
             return None
-        found = match_norm(observed, what, candidates, self.rtol)
+        found = _match_of(observed, what, _close(observed, candidates, self.rtol))
         if found.candidate is None:
             return found
         rivals = [name for name, value in self.partial_groups if value <= observed * (1 + self.rtol)]

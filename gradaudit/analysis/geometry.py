@@ -21,6 +21,7 @@ truly unreasonable into `CoverageTooIntricate` instead of a hang.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -174,8 +175,6 @@ def _sweep(boxes: list[BoxTuple], shape: tuple[int, ...], dim: int, budget: _Bud
     if remaining == 2:
         return _sweep_2d(boxes, shape[dim], shape[dim + 1], dim, budget)
     rest = math.prod(shape[dim + 1 :])
-    if not boxes:
-        return shape[dim] * rest, 0, set()
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][dim])
     cuts = sorted({0, shape[dim]} | _ends(boxes, dim))
     gap = overlap = 0
@@ -273,26 +272,22 @@ class _CoveredLength:
 
 DENSE_SWEEP_BUDGET = 200_000_000
 """Row positions x column segments up to which the rectangle sweep recounts the columns with numpy at
-every row position (fast in practice); above it, the segment tree keeps every box at O(log k)."""
+every row position (fast in practice); above it, a segment tree keeps every box at O(log k)."""
 
 
 def _sweep_2d(boxes: list[BoxTuple], rows: int, cols: int, dim: int, budget: _Budget) -> _Counts:
-    """Rectangles: sweep the rows; overlap = (sum of active widths - covered column length) per row slab."""
+    """Rectangles: sweep the rows; overlap = (sum of active widths - covered column length) per row slab.
+    The column counts are kept as a difference array, summed by numpy at each row position (O(k log k +
+    positions x segments) in C, a few numpy calls per row position); above DENSE_SWEEP_BUDGET the
+    covered column length is kept in a segment tree instead (O(log k) per box)."""
     if not boxes:
         return rows * cols, 0, set()
-    num_positions, num_segments = len(_ends(boxes, dim)), len(_ends(boxes, dim + 1)) + 1
-    budget.spend(30 * num_positions + num_positions * num_segments // 16)
-    if num_positions * num_segments <= DENSE_SWEEP_BUDGET:
-        return _sweep_2d_dense(boxes, rows, cols, dim)
-    return _sweep_2d_tree(boxes, rows, cols, dim)
-
-
-def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _Counts:
-    """The rectangle sweep with the column counts kept as a difference array, summed by numpy at each row
-    position: O(k log k + positions x segments) in C, with a few numpy calls per row position."""
     import numpy as np
 
+    num_positions, num_segments = len(_ends(boxes, dim)), len(_ends(boxes, dim + 1)) + 1
+    budget.spend(30 * num_positions + num_positions * num_segments // 16)
     cuts = np.array(sorted({0, cols} | _ends(boxes, dim + 1)))
+    tree = None if num_positions * num_segments <= DENSE_SWEEP_BUDGET else _CoveredLength(cuts.tolist())
     segment_lengths = np.diff(cuts)
     row_start = np.array([b[0][dim] for b in boxes], dtype=np.int64)
     row_stop = row_start + np.array([b[1][dim] for b in boxes], dtype=np.int64)
@@ -316,46 +311,22 @@ def _sweep_2d_dense(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _C
         here = int(position[a])
         span = here - previous
         if span:
-            covered = int(segment_lengths[counts > 0].sum())
+            covered = int(segment_lengths[counts > 0].sum()) if tree is None else tree.length[1]
             gap += span * (cols - covered)
             overlap += span * (widths - covered)
             if widths > covered and named_slabs < MAX_SLABS_NAMED:
                 active = np.flatnonzero((row_start <= previous) & (row_stop > previous)).tolist()
                 tags |= _sweep_1d([boxes[j] for j in active], cols, dim + 1)[2]
                 named_slabs += 1
-        np.add.at(difference, lo[a:b], delta[a:b])
-        np.add.at(difference, hi[a:b], -delta[a:b])
-        counts = np.cumsum(difference[:-1])
+        if tree is None:
+            np.add.at(difference, lo[a:b], delta[a:b])
+            np.add.at(difference, hi[a:b], -delta[a:b])
+            counts = np.cumsum(difference[:-1])
+        else:
+            for k in range(a, b):
+                tree.add(int(lo[k]), int(hi[k]), int(delta[k]))
         widths += int(width[a:b].sum())
         previous = here
-    return gap + (rows - previous) * cols, overlap, tags
-
-
-def _sweep_2d_tree(boxes: list[BoxTuple], rows: int, cols: int, dim: int) -> _Counts:
-    """The rectangle sweep with the covered column length in a segment tree: O(log k) per box."""
-    cuts = sorted({0, cols} | _ends(boxes, dim + 1))
-    where = {x: i for i, x in enumerate(cuts)}
-    tree = _CoveredLength(cuts)
-    gap = overlap = widths = previous = named_slabs = 0
-    active: dict[int, None] = {}
-    tags: set[Hashable] = set()
-    for position, delta, i in _events(boxes, dim):
-        span = position - previous
-        if span:
-            covered = tree.length[1]  # the root's: the whole column range
-            gap += span * (cols - covered)
-            overlap += span * (widths - covered)
-            if widths > covered and named_slabs < MAX_SLABS_NAMED:
-                tags |= _sweep_1d([boxes[j] for j in active], cols, dim + 1)[2]
-                named_slabs += 1
-        start, width = boxes[i][0][dim + 1], boxes[i][1][dim + 1]
-        tree.add(where[start], where[start + width], delta)
-        widths += delta * width
-        if delta > 0:
-            active[i] = None
-        else:
-            active.pop(i, None)
-        previous = position
     return gap + (rows - previous) * cols, overlap, tags
 
 
@@ -476,14 +447,11 @@ def _without_slabs(
 
     axis = int(np.argmin(spans[np.flatnonzero(slabs)[0]]))
     along = slabs & ~spans[:, axis]
-    intervals = sorted(zip(lo[along, axis].tolist(), hi[along, axis].tolist(), strict=True))
-    merged: list[list[int]] = []
-    for a, b in intervals:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    starts, stops = np.array(merged, dtype=np.int64).reshape(-1, 2).T
+    order = np.argsort(lo[along, axis], kind="stable")
+    a, b = lo[along, axis][order], hi[along, axis][order]
+    joins = np.ones(a.size, dtype=bool)  # an interval starting past every earlier one's end: a new run
+    joins[1:] = a[1:] > np.maximum.accumulate(b)[:-1]
+    starts, stops = a[joins], np.maximum.reduceat(b, np.flatnonzero(joins))
     lengths = stops - starts
 
     def squeezed(x: Any) -> Any:
@@ -516,10 +484,8 @@ def _dense_union(lo: Any, hi: Any, cuts: list[Any]) -> int:
     for d in range(ndim):
         counts = np.cumsum(counts, axis=d)
     held = counts[tuple(slice(0, -1) for _ in range(ndim))] > 0
-    volume = held.astype(np.int64)
-    for d in range(ndim - 1, -1, -1):
-        volume = np.tensordot(volume, np.diff(cuts[d]), axes=([d], [0]))
-    return int(volume)
+    volumes = functools.reduce(np.multiply, np.ix_(*(np.diff(c) for c in cuts)))  # of each grid cell
+    return int(volumes[held].sum())
 
 
 def _exclusion_union(lo: list[list[int]], hi: list[list[int]], budget: _Budget) -> int:

@@ -87,7 +87,6 @@ class ParamGroup:
     label: str
     params: frozenset[str]
     num_holders: int
-    num_copies: int
 
     @property
     def description(self) -> str:
@@ -111,7 +110,6 @@ def groups_of(signatures: Mapping[str, tuple[int, int]]) -> tuple[ParamGroup, ..
             label=_label(params, [p for sig, ps in by_signature.items() if sig != signature for p in ps]),
             params=frozenset(params),
             num_holders=signature[0],
-            num_copies=signature[1],
         )
         for signature, params in sorted(by_signature.items())
     )

@@ -313,8 +313,6 @@ def param_signatures(norms: NormInput) -> dict[str, tuple[int, int]]:
     """Parameter -> (ranks holding an entry of it, most entries with one layout): how
     hypotheses.groups_of tells parameter groups apart."""
     grad = norms.grad
-    if not grad.rank.size:
-        return {}
     pairs = np.unique(np.stack([norms.param, grad.rank], axis=1), axis=0)
     params, holders = np.unique(pairs[:, 0], return_counts=True)
     copies = np.bincount(grad.layout)[grad.layout]
@@ -331,13 +329,7 @@ def shares_of_squared_norm(norms: NormInput, ranks: Sequence[int], grad: NormSet
     rows, _ = grad.rows(ordered, True)
     values, holders = norms.sum_sq[rows], norms.grad.rank[rows]
     bounds = np.searchsorted(holders, [*ordered, math.inf]).tolist()
-    if norms.sum_sq is not grad.entries.term or grad.entries.replicated:
-        total = safe_fsum(values)
-        sums = [safe_fsum(values[bounds[k] : bounds[k + 1]]) for k in range(len(ordered))]
-    else:  # the L2 terms themselves, each rank's all counted: the sums the norms take (kept)
-        total = grad.term_sum((tuple(ordered), False), rows)
-        spans = grad.spans
-        sums = [grad.term_sum(((r,), False), slice(*spans[r])) if r in spans else 0.0 for r in ordered]
+    sums, total = segment_fsums(values, bounds[:-1])  # the first bound is 0: rows hold only these ranks
     return {rank: sums[k] / total if total > 0 else 0.0 for k, rank in enumerate(ordered)}
 
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..model import StepFacts
-from ..norms import expected_clip_coef, relative_difference, safe_fsum
+from ..norms import relative_difference, safe_fsum
 from ..steptable import StepTable
-from .diagnosis import StepDiagnosis
+from .diagnosis import StepDiagnosis, expected_coef_of
 
 if TYPE_CHECKING:
     import numpy as np
@@ -183,12 +183,16 @@ def _per_rank_and_param(
     """(the last clip call's coefficients, the coefficients across every call, whether every one was
     measured from the values). With several calls, a coefficient spans them only when each parameter
     was changed by one call at most, and only by a scaling (None otherwise: the gradients changed
-    between the calls, as a backward pass between them does, GA501)."""
+    between the calls, as a backward pass between them does, GA501). From the values' dot products
+    (sum(pre * post) / sum(pre * pre)) when every piece with a post-clip gradient has them, else from
+    the sums of squares; across the calls from the sums of squares before each, when comparable."""
     import numpy as np
 
-    post_sq, post_bad, dots, calls = _piece_columns(step, table, num_calls)
-    usable = table.grad.has & table.has_clipped
-    bad = ~usable | post_bad | (table.grad.counts.sum(axis=1) > 0)
+    clipped = table.clipped
+    assert clipped is not None  # param_coefficients asks only then
+    dots = (table.dot_pre_post, table.dot_pre_pre) if (table.has_dots | ~clipped.has).all() else None
+    across = num_calls > 1 and _call_sums_comparable(step, table, num_calls)
+    bad = ~(table.grad.has & clipped.has) | (clipped.nonfinite > 0) | (table.grad.nonfinite > 0)
     keys, inverse = _unique_pairs(table.rank, table.param)
 
     def per_key(values: np.ndarray) -> np.ndarray:
@@ -197,10 +201,12 @@ def _per_rank_and_param(
     pre = per_key(table.grad.sum_sq)
     every_value = dots is not None
     with np.errstate(divide="ignore", invalid="ignore"):
-        last = per_key(dots[0]) / per_key(dots[1]) if dots is not None else np.sqrt(per_key(post_sq) / pre)
-        before = (
-            np.stack([per_key(calls[:, k]) for k in range(num_calls)], axis=1) if calls is not None else None
+        last = (
+            per_key(dots[0]) / per_key(dots[1])
+            if dots is not None
+            else np.sqrt(per_key(clipped.sum_sq) / pre)
         )
+        before = np.stack([per_key(c.sum_sq) for c in table.calls], axis=1) if across else None
         ratios = None if before is None else np.column_stack([np.sqrt(before[:, 1:] / before[:, :-1]), last])
     measured = ~(np.bincount(inverse, weights=bad, minlength=len(keys)) > 0) & (pre > 0) & np.isfinite(last)
     rank, param = keys[measured, 0], keys[measured, 1]
@@ -214,23 +220,6 @@ def _per_rank_and_param(
         return last_call, None, every_value
     call = np.where(changed.any(axis=1), changed.argmax(axis=1) + 1, 0)
     return last_call, (rank, param, ratios.prod(axis=1), call), every_value
-
-
-def _piece_columns(
-    step: StepFacts, table: StepTable, num_calls: int
-) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
-    """Per entry of `table`: the post-clip sum of squares, whether the post-clip gradient holds a
-    nonfinite value, (sum(pre * post), sum(pre * pre)) when every piece with a post-clip gradient has
-    them (0 for the others), and the sum of squares
-    before each clip call when every piece has them (with several calls)."""
-    import numpy as np
-
-    assert table.clipped is not None  # param_coefficients asks only then
-    dots = (table.dot_pre_post, table.dot_pre_pre) if (table.has_dots | ~table.clipped.has).all() else None
-    calls = None
-    if num_calls > 1 and _call_sums_comparable(step, table, num_calls):
-        calls = np.stack([c.sum_sq for c in table.calls], axis=1).reshape(len(table.rank), num_calls)
-    return table.clipped.sum_sq, table.clipped.nonfinite > 0, dots, calls
 
 
 def _call_sums_comparable(step: StepFacts, table: StepTable, num_calls: int) -> bool:
@@ -269,11 +258,8 @@ def _cause(groups: list[CoefGroup], per_call: bool, rtol: float) -> tuple[list[C
 def _expected(diagnosis: StepDiagnosis, per_call: bool) -> float | None:
     """The coefficient of the true norm before the first clip call when the coefficients span the
     calls (the dumped pre-clip gradient is of the last call), else before the last."""
-    if diagnosis.max_norm is None:
-        return None
     if per_call and diagnosis.call_norms:
-        first = diagnosis.call_norms[0].norm
-        return None if first is None else expected_clip_coef(first, diagnosis.max_norm)
+        return expected_coef_of(diagnosis.call_norms[0].norm, diagnosis.max_norm)
     return diagnosis.expected_coef
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradaudit.analysis.coverage import _flat_param_coverage, _pieces_by_param, _uniform_flat_pieces
+from gradaudit.analysis.coverage import _flat_param_coverage, _pieces_by_param, _uniform_flat_ranges
 from gradaudit.model import ParamInfo
 
 
@@ -48,12 +48,14 @@ def _layouts(draw: st.DrawFn) -> tuple[list[ParamInfo], list[tuple[np.ndarray, .
 def test_the_coverage_of_uniform_flat_ranges_equals_the_per_parameter_one(case):
     params, columns = case
     names = [p.name for p in params]
-    others, covered, holding = _uniform_flat_pieces(columns, names)
+    ranks = np.array([c[4] for c in columns], dtype=np.int64)
+    start, stop = np.stack([c[1] for c in columns]), np.stack([c[2] for c in columns])
+    others, covered, holding = _uniform_flat_ranges(ranks, start, stop, columns[0][0], names)
     oracle = _pieces_by_param(columns, names)
     assert holding == sorted(c[4] for c in columns)
     assert set(others) | set(covered) == set(oracle) and not set(others) & set(covered)
     for info in params:
-        expected = _flat_param_coverage(info, oracle[info.name])
+        expected = _flat_param_coverage(info, oracle[info.name], {})
         if info.name in covered:
             assert expected is not None
             assert expected[1].num_gap_elements == info.numel - covered[info.name]

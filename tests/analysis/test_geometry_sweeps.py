@@ -1,7 +1,6 @@
 """The two rectangle sweeps of `geometry.coverage` agree with each other and with counting cells:
 the numpy recount that runs in practice, and the segment tree that takes over above
-DENSE_SWEEP_BUDGET (hostile layouts with tens of thousands of cut points), which no real dump reaches. Both start
-from at least one box (`_sweep_2d` answers an empty list itself)."""
+DENSE_SWEEP_BUDGET (hostile layouts with tens of thousands of cut points), which no real dump reaches."""
 
 from __future__ import annotations
 
@@ -26,8 +25,12 @@ def _cells(boxes, rows, cols):
 def test_the_segment_tree_sweep_counts_what_the_dense_sweep_and_the_cells_count(raw):
     rows, cols = 16, 14
     boxes = [((r, c), (min(h, rows - r), min(w, cols - c)), i) for i, (r, c, h, w) in enumerate(raw)]
-    dense = geometry._sweep_2d_dense(boxes, rows, cols, 0)
-    tree = geometry._sweep_2d_tree(boxes, rows, cols, 0)
+    dense = geometry._sweep_2d(boxes, rows, cols, 0, geometry._Budget(None))
+    saved, geometry.DENSE_SWEEP_BUDGET = geometry.DENSE_SWEEP_BUDGET, 0  # the segment tree from the start
+    try:
+        tree = geometry._sweep_2d(boxes, rows, cols, 0, geometry._Budget(None))
+    finally:
+        geometry.DENSE_SWEEP_BUDGET = saved
     assert tree[:2] == dense[:2] == _cells(boxes, rows, cols)
     assert tree[2] == dense[2]
 
@@ -36,8 +39,8 @@ def test_coverage_takes_the_segment_tree_above_the_budget_and_gives_the_same_ans
     boxes = [((0, 0), (4, 3), "a"), ((2, 1), (4, 4), "b"), ((5, 5), (1, 1), "c")]
     expected = geometry.coverage(boxes, (8, 6))
     taken = []
-    real_tree = geometry._sweep_2d_tree
+    real_tree = geometry._CoveredLength
     monkeypatch.setattr(geometry, "DENSE_SWEEP_BUDGET", 0)
-    monkeypatch.setattr(geometry, "_sweep_2d_tree", lambda *a: taken.append(a) or real_tree(*a))
+    monkeypatch.setattr(geometry, "_CoveredLength", lambda cuts: taken.append(cuts) or real_tree(cuts))
     assert geometry.coverage(boxes, (8, 6)) == expected
     assert taken and expected.num_overlap_elements == 4 and expected.overlapping_tags == {"a", "b"}

@@ -133,10 +133,10 @@ def test_the_coverage_sweep_of_many_overlapping_strips_and_rows_is_not_quadratic
     assert time.perf_counter() - started < 5.0
 
 
-def test_the_array_path_for_disjoint_flat_ranges_agrees_with_the_sweep():
+def test_the_coverage_of_flat_range_layouts_agrees_with_the_sweep():
     import random
 
-    from gradaudit.analysis.coverage import _disjoint_flat_ranges, _param_coverage
+    from gradaudit.analysis.coverage import _param_coverage
     from gradaudit.model import FlatRange
 
     rng = random.Random(7)
@@ -149,13 +149,8 @@ def test_the_array_path_for_disjoint_flat_ranges_agrees_with_the_sweep():
             ranges.append((a, rng.randint(a, numel)))
         holders = {(FlatRange(start=a, stop=b),): [i] for i, (a, b) in enumerate(dict.fromkeys(ranges))}
         shape = (numel,) if trial % 2 else (1, numel)
-        fast = _disjoint_flat_ranges(shape, list(holders))
         swept = coverage([((a,), (b - a,), i) for i, (a, b) in enumerate(dict.fromkeys(ranges))], (numel,))
-        if fast is None:
-            assert swept.num_overlap_elements > 0
-        else:
-            assert fast == swept
-        assert _param_coverage(shape, holders)[0].num_gap_elements == swept.num_gap_elements
+        assert _param_coverage(shape, holders)[0] == swept
 
 
 def test_the_array_path_over_a_whole_parameter_merges_replicas_and_agrees_with_the_sweep():
@@ -179,7 +174,7 @@ def test_the_array_path_over_a_whole_parameter_merges_replicas_and_agrees_with_t
         for a, b, rank in held:
             holders.setdefault((FlatRange(start=a, stop=b),), []).append(rank)
         fast = _flat_param_coverage(
-            info, ([a for a, _, _ in held], [b for _, b, _ in held], [r for _, _, r in held])
+            info, ([a for a, _, _ in held], [b for _, b, _ in held], [r for _, _, r in held]), {}
         )
         layouts = list(holders)
         swept = coverage([((r.start,), (r.numel,), tag) for tag, (r,) in enumerate(layouts)], (numel,))
