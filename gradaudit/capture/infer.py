@@ -16,6 +16,7 @@ from ..warn import warn_once
 from .dtensor import dtensor_pieces, is_dtensor
 from .errors import UnsupportedParameter
 from .experts import ExpertRank, expert_rank, global_expert_name, is_megatron_expert
+from .fsdp1 import fsdp1_groups, fsdp1_pieces
 from .names import is_ddp, logical_parameter_columns
 from .ownership import LocalPiece
 from .plain import (
@@ -290,16 +291,11 @@ def _check_aliases(aliases: Mapping[str, str], params: Sequence[tuple[str, str, 
 def _fsdp1_pieces(
     model: torch.nn.Module, topology: TopologyBuilder, exclude: frozenset[str]
 ) -> list[LocalPiece] | None:
-    try:
-        from . import fsdp1
-    except ImportError:
-        return None
-    pieces = fsdp1.fsdp1_pieces(model, exclude=exclude)
-    if pieces is None:
-        return None
-    for name, lists in fsdp1.fsdp1_groups(model).items():
-        topology.add_group(name, lists)
-    return list(pieces)
+    pieces = fsdp1_pieces(model, exclude=exclude)
+    if pieces is not None:
+        for name, lists in fsdp1_groups(model).items():
+            topology.add_group(name, lists)
+    return pieces
 
 
 def _data_parallel_group(

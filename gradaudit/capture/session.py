@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeAlias, TypeVar
 
-from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
+from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir, write_rank_file
 from ..errors import CaptureError
 from ..model import MODES, ClipRecord, DataRecord, Mode, NotCapturedParam, TensorStats, Topology
 from ..warn import warn_once
@@ -32,9 +32,9 @@ from .infer import Ownership, infer_ownership
 from .optimizers import hookable_optimizer
 from .ownership import LocalPiece
 from .scaler import ScalerWatch
-from .snapshots import Snapshots
+from .snapshots import Snapshots, collection_paused
 from .topology import axis_names, normalize_groups, with_norm_group
-from .write import build_rank_dump, captured_pieces, write_dump
+from .write import build_rank_dump, captured_pieces
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -437,7 +437,8 @@ class AuditStep:
             not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
         )
         try:
-            self.path = write_dump(self.out_dir, dump, tensors)
+            with collection_paused():  # a full dump's document is several objects per piece
+                self.path = write_rank_file(step_dir(self.out_dir, self.step), dump, tensors)
         except DumpExistsError as exc:
             warning = f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}"
             self._raise_or_warn(exc, f"exists:{self.out_dir}", warning)

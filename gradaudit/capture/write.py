@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..dumpfile.columnar import ColumnarPieces
 from ..dumpfile.dump import RankDump, as_columns
-from ..dumpfile.writer import step_dir, write_rank_file
 from ..model import (
     Box,
     ClipRecord,
@@ -76,6 +73,8 @@ def build_rank_dump(
 ) -> RankDump:
     """The RankDump of one rank's step, stamped with where and when it was made (this host, the
     running torch and gradaudit, now) unless `host` or `created_at` say otherwise."""
+    import torch
+
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return RankDump(
         path="",
@@ -85,7 +84,7 @@ def build_rank_dump(
         mode=mode,
         run_id=run_id,
         host=host if host is not None else socket.gethostname(),
-        torch_version=torch_version(),
+        torch_version=str(torch.__version__),
         gradaudit_version=__version__,
         created_at=created_at if created_at is not None else now,
         params=params,
@@ -357,24 +356,9 @@ def _layout(regions: tuple[Region, ...]) -> tuple[int, tuple[int, ...], tuple[in
     return None
 
 
-def write_dump(
-    out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, TensorKind], torch.Tensor]
-) -> Path:
-    """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
-    with collection_paused():  # a full dump's document is several objects per piece
-        return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
-
-
 def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     if str(tensor.dtype).removeprefix("torch.") == dtype:
         return tensor
     import torch
 
     return tensor.to(getattr(torch, dtype))
-
-
-def torch_version() -> str:
-    """The running torch's version, as a dump records it."""
-    import torch
-
-    return str(torch.__version__)
