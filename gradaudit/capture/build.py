@@ -52,7 +52,7 @@ class PieceSpec:
     tensor shaped like the piece whose statistics are written."""
 
     def __post_init__(self) -> None:
-        if "grad" not in self.tensors and not self.tensors:
+        if not self.tensors:
             raise ValueError(f"piece of {self.param!r} has no tensors; give at least grad=")
         unknown = set(self.tensors) - set(TENSOR_KINDS)
         if unknown:
@@ -126,7 +126,6 @@ def write_rank(
     host: str | None = None,
     created_at: str | None = None,
     norm_type: float | None = None,
-    overwrite: bool = False,
     columnar: bool = True,
     share_params: bool = True,
     capture_api: str | None = None,
@@ -188,6 +187,4 @@ def write_rank(
         host=host,
         created_at=created_at,
     )
-    return write_rank_file(
-        step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params
-    )
+    return write_rank_file(step_dir, dump, payload, columnar=columnar, share_params=share_params)

@@ -209,7 +209,7 @@ class LocalPieces(Sequence[LocalPiece]):
         tensor, readers = self.tensors[index], self.readers[index]
         if readers is None:
             assert tensor is not None  # a row holds its tensor or its readers
-            readers = (_grad_of(tensor), tensor.detach, None)
+            readers = (functools.partial(grad_now, tensor), tensor.detach, None)
         grad, value, grad_partial = readers
         return _filled(
             param=self.params[index],
@@ -290,7 +290,7 @@ def _piece(
         dtype=dtype_name(param.dtype),
         regions=regions,
         local_shape=local_shape,
-        grad=_grad_of(param),
+        grad=functools.partial(grad_now, param),
         value=param.detach,
         replica_group=replica_group,
         local_name=local_name,
@@ -320,10 +320,6 @@ def _whole_regions(shape: tuple[int, ...]) -> tuple[Box]:
     """The regions of a whole tensor of `shape` (shared: a model's parameters have a few shapes, and
     a Box is frozen)."""
     return (Box(offsets=(0,) * len(shape), shape=shape),)
-
-
-def _grad_of(param: torch.Tensor) -> Callable[[], torch.Tensor | None]:
-    return functools.partial(grad_now, param)
 
 
 def grad_now(param: torch.Tensor) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
 from .ownership import LocalPiece
 from .plain import LocalPieces, WholeRows
-from .supported import screen_pieces, sparse_reason, warn_not_captured
+from .supported import screen_pieces, warn_not_captured
 
 if TYPE_CHECKING:
     import numpy as np
@@ -124,7 +124,10 @@ class Snapshots:
                     tensor = piece.grad() if gradient else piece.value()
                     if tensor is None:
                         continue
-                    reason = None if tensor.layout is strided else sparse_reason(tensor)
+                    reason = None
+                    if tensor.layout is not strided:
+                        layout = str(tensor.layout).removeprefix("torch.")
+                        reason = f"sparse gradient ({layout}); gradaudit reads dense gradients"
                     if reason is None and gradient and piece.grad_partial is not None:
                         reason = self._note_partial(index, piece.grad_partial())
                     if reason is not None:

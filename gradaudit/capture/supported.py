@@ -49,17 +49,6 @@ def screen_pieces(pieces: LocalPieces, norm_type: float) -> tuple[LocalPieces, t
     return pieces.edited(changes), not_captured
 
 
-def sparse_reason(tensor: torch.Tensor) -> str | None:
-    """Why a gradient tensor cannot be captured as it is, or None when it can."""
-    import torch
-
-    if tensor.layout != torch.strided:
-        return (
-            f"sparse gradient ({str(tensor.layout).removeprefix('torch.')}); gradaudit reads dense gradients"
-        )
-    return None
-
-
 def warn_not_captured(params: Sequence[NotCapturedParam]) -> None:
     if not params:
         return

@@ -136,9 +136,10 @@ class StatsAccumulator:
     def _sums_per_chunk(self) -> int:
         return 3 if self.norm_type == 2.0 or math.isinf(self.norm_type) else 4
 
-    def add(self, chunk: torch.Tensor) -> None:
+    def add(self, chunk: torch.Tensor, chunk_elements: int | None = None) -> None:
+        """Feed `chunk`, cut into chunks of at most `chunk_elements` (and of its device's size)."""
         flat = chunk.reshape(-1)
-        step = chunk_elements_for(flat.device)
+        step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
         for start in range(0, flat.numel(), step):
             self._add(flat[start : start + step])
 
@@ -223,11 +224,8 @@ class StatsAccumulator:
 def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int | None = None) -> TensorStats:
     if 0 < tensor.numel() <= SMALL_ELEMENTS and chunk_elements is None:
         return stats_from_row(stats_rows([tensor], norm_type)[0], tensor.numel(), norm_type)
-    flat = tensor.detach().reshape(-1)
-    step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
     acc = StatsAccumulator(norm_type)
-    for start in range(0, flat.numel(), step):
-        acc._add(flat[start : start + step])
+    acc.add(tensor.detach(), chunk_elements)
     return acc.result()
 
 
