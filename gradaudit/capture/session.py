@@ -118,7 +118,8 @@ class AuditStep:
         """Begun as a no-op: the step is left out, or its rank file already exists."""
         self._begun = False
         self._ended = False
-        self._patched: list[tuple[Any, str, bool, Any]] = []
+        self._patched: list[Callable[[], None]] = []
+        """Per intercept_clip, what puts the attribute back as it was (its own value, or none)."""
         self._interception: intercept.Handle | None = None
         """While the audit is open: the route of every clip call in the process to this audit."""
         self._stepped = False
@@ -206,11 +207,8 @@ class AuditStep:
             self._interception.remove()
             self._interception = None
         self._remove_hooks()
-        for owner, name, had_own, original in reversed(self._patched):
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+        for put_back in reversed(self._patched):
+            put_back()
         self._patched.clear()
 
     def __enter__(self) -> AuditStep:
@@ -311,7 +309,8 @@ class AuditStep:
             return
         original = getattr(owner, name)
         own = vars(owner) if hasattr(owner, "__dict__") else {}
-        self._patched.append((owner, name, name in own, own.get(name)))
+        restore = functools.partial(setattr, owner, name, own[name]) if name in own else None
+        self._patched.append(restore or functools.partial(delattr, owner, name))  # its own, or none
 
         @functools.wraps(original)
         def clip(*args: Any, **kwargs: Any) -> Any:
