@@ -75,9 +75,9 @@ def infer_ownership(
     logicals, fqns, tensors = logical_parameter_columns(model)
     alias_of: dict[str, str] = {}
     if aliases:
-        params = list(zip(logicals, fqns, tensors, strict=True))
-        _check_aliases(aliases, params)
-        alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
+        _check_aliases(aliases, {*logicals, *fqns})
+        pairs = zip(logicals, fqns, strict=True)
+        alias_of = {**{logical: aliases[fqn] for logical, fqn in pairs if fqn in aliases}, **aliases}
 
     explicit_names = frozenset(p.local_name or p.param for p in explicit)
     fsdp1 = _fsdp1_pieces(model, topology, explicit_names)
@@ -273,8 +273,9 @@ def _local_aliases(pieces: LocalPieces) -> dict[str, str]:
     }
 
 
-def _check_aliases(aliases: Mapping[str, str], params: Sequence[tuple[str, str, torch.nn.Parameter]]) -> None:
-    known = {logical for logical, _, _ in params} | {fqn for _, fqn, _ in params}
+def _check_aliases(aliases: Mapping[str, str], known: set[str]) -> None:
+    """Refuse aliases that are not str -> str, or whose key names no parameter (`known`: the
+    logical names and FQNs of this rank's parameters)."""
     for key, value in aliases.items():
         if not isinstance(key, str) or not isinstance(value, str) or not value:
             raise CaptureError(
