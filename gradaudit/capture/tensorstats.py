@@ -271,7 +271,7 @@ def stats_rows(
                 counts = (stats.num_nan, stats.num_posinf, stats.num_neginf)
                 out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint, *counts)
             continue
-        weights = _weights_of_length(device, numel)
+        weights = fingerprint_weights(device)[:numel]  # numel <= SMALL_ELEMENTS, one fingerprint period
         step = max(1, (CPU_BATCH_ELEMENTS if device.type == "cpu" else BATCH_ELEMENTS) // numel)
         taken, results = by_device.setdefault(device, ([], []))
         for start in range(0, len(positions), step):
@@ -282,13 +282,6 @@ def stats_rows(
     for taken, results in by_device.values():
         out[taken] = torch.cat(results).cpu().numpy()
     return out
-
-
-def _weights_of_length(device: torch.device, numel: int) -> torch.Tensor:
-    weights = fingerprint_weights(device)
-    if numel <= FINGERPRINT_PERIOD:
-        return weights[:numel]
-    return weights.repeat(-(-numel // FINGERPRINT_PERIOD))[:numel]
 
 
 def _batch_rows(x: torch.Tensor, weights: torch.Tensor, norm_type: float) -> torch.Tensor:
