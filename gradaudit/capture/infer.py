@@ -89,30 +89,25 @@ def infer_ownership(
     pieces: list[LocalPiece] = []
     plain_types = {torch.Tensor, torch.nn.Parameter}
     if not explicit_names and set(map(type, tensors)) <= plain_types:  # no DTensor: all plain
-        trained = list(map(operator.attrgetter("requires_grad"), tensors))
-        if not all(trained):
-            logicals = list(itertools.compress(logicals, trained))
-            fqns = list(itertools.compress(fqns, trained))
-            tensors = list(itertools.compress(tensors, trained))
-    else:
-        plain: list[tuple[str, str, torch.nn.Parameter]] = []
+        kept: list[bool] = list(map(operator.attrgetter("requires_grad"), tensors))
+    else:  # a DTensor's pieces are made here; the plain parameters kept for below
+        kept = []
         for logical, fqn, param in zip(logicals, fqns, tensors, strict=True):
-            if not param.requires_grad or logical in explicit_names or fqn in explicit_names:
-                continue
-            if type(param) not in plain_types and is_dtensor(param):
+            wanted = param.requires_grad and logical not in explicit_names and fqn not in explicit_names
+            dtensor = wanted and type(param) not in plain_types and is_dtensor(param)
+            if dtensor:
                 make = functools.partial(dtensor_pieces, *_names(logical, alias_of), param, topology)
                 _extend(pieces, on_unsupported, logical, make)
-            else:
-                plain.append((logical, fqn, param))
-        logicals = [logical for logical, _, _ in plain]
-        fqns = [fqn for _, fqn, _ in plain]
-        tensors = [param for _, _, param in plain]
+            kept.append(wanted and not dtensor)
+    if not all(kept):
+        logicals = list(itertools.compress(logicals, kept))
+        tensors = list(itertools.compress(tensors, kept))
 
     whole = None
     if tensors:
         whole = _whole_replicas(model, logicals, tensors, topology, world_size, groups, alias_of)
         if whole is None:
-            plain = list(zip(logicals, fqns, tensors, strict=True))
+            plain = list(zip(logicals, tensors, strict=True))
             pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
     parts = [LocalPieces.of(pieces), *([whole] if whole is not None else []), LocalPieces.of(explicit)]
     held = LocalPieces.joined(parts)
@@ -153,7 +148,7 @@ def _whole_replicas(
 
 def _plain_pieces(
     model: torch.nn.Module,
-    plain: Sequence[tuple[str, str, torch.Tensor]],
+    plain: Sequence[tuple[str, torch.Tensor]],
     topology: TopologyBuilder,
     world_size: int,
     groups: Mapping[str, tuple[tuple[int, ...], ...]],
@@ -166,10 +161,10 @@ def _plain_pieces(
     pieces: list[LocalPiece] = []
     # A tensor without instance attributes carries no Megatron mark (expert, shared, partitioned):
     # it is one whole replica, taken without the checks below (10^5 parameters a rank happen).
-    marked = [bool(vars(param)) for _, _, param in plain]
+    marked = [bool(vars(param)) for _, param in plain]
     expert_names = [
         logical
-        for (logical, _, param), mark in zip(plain, marked, strict=True)
+        for (logical, param), mark in zip(plain, marked, strict=True)
         if mark and is_megatron_expert(param)
     ]
     experts, expert_problem = None, None
@@ -181,7 +176,7 @@ def _plain_pieces(
         else:
             for name, lists in expert_groups.items():
                 topology.add_group(name, lists)
-    for (logical, _fqn, param), mark in zip(plain, marked, strict=True):
+    for (logical, param), mark in zip(plain, marked, strict=True):
         if not mark:
             try:
                 pieces += whole_pieces(*_names(logical, alias_of), param, replicated_group)
