@@ -10,12 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
+import numpy as np
+
 from ..model import Box, Region
 from .errors import UnsupportedParameter
 from .ownership import LocalPiece
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 
@@ -92,8 +93,6 @@ class WholeRows:
 def whole_rows(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> WholeRows:
     """Whole rows of `tensors` (plain tensors without marks), the first rows: a key per tensor, the
     rest per kind."""
-    import numpy as np
-
     keys = [(t.shape, t.dtype, t.device) for t in tensors]
     found = {key: i for i, key in enumerate(dict.fromkeys(keys))}
     codes = np.fromiter(map(found.__getitem__, keys), dtype=np.int64, count=len(keys))
@@ -239,8 +238,6 @@ class LocalPieces(Sequence[LocalPiece]):
                     columns[name][new] = getattr(row, name)[0]
         whole = self.whole
         if whole is not None:
-            import numpy as np
-
             new_of = {old: new for new, old in enumerate(kept)}
             positions = np.array([new_of[i] for i in whole.positions.tolist()], dtype=np.int64)
             whole = dataclasses.replace(whole, positions=positions)

@@ -7,14 +7,16 @@ import gc
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
 from .ownership import LocalPiece
 from .plain import LocalPieces, WholeRows
 from .supported import screen_pieces, warn_not_captured
+from .tensorstats import STATS_COLUMNS, stats_from_row, stats_rows
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 GRAD_KINDS = ("grad", "grad_clipped")
@@ -154,8 +156,6 @@ class Snapshots:
         which says why; False when the step was abandoned."""
         import torch
 
-        from .tensorstats import stats_rows
-
         grads = [param.grad for param in whole.tensors]
         groups = whole.groups
         skip = self._skipped(whole)
@@ -168,8 +168,6 @@ class Snapshots:
         strided = torch.strided
         if any(grads[j].layout is not strided for positions in groups.values() for j in positions):  # type: ignore[union-attr]
             return None
-        import numpy as np
-
         if groups is whole.groups:
             taken = np.arange(len(grads))
         else:
@@ -196,8 +194,6 @@ class Snapshots:
         """Statistics of `tensors` (of the pieces at `positions`) as one batch; when the batch fails,
         one tensor at a time, so that only the pieces that cannot be read are left out. False when
         the step was abandoned."""
-        from .tensorstats import stats_rows
-
         param, not_captured = self.pieces.params.__getitem__, self.not_captured
         if not_captured:
             kept = [i for i, index in enumerate(positions) if param(index) not in not_captured]
@@ -289,10 +285,6 @@ class StatsTable:
         """Per kind: which pieces have a row."""
 
     def put(self, kind: str, positions: Sequence[int] | np.ndarray, rows: np.ndarray) -> None:
-        import numpy as np
-
-        from .tensorstats import STATS_COLUMNS
-
         if kind not in self.rows:
             self.rows[kind] = np.zeros((len(self.pieces), len(STATS_COLUMNS)), dtype=np.float64)
             self.present[kind] = np.zeros(len(self.pieces), dtype=bool)
@@ -304,8 +296,6 @@ class StatsTable:
         return present is not None and bool(present[key[0]])
 
     def get(self, key: tuple[int, str]) -> TensorStats | None:
-        from .tensorstats import stats_from_row
-
         if key not in self:
             return None
         index, kind = key

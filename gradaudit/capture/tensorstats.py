@@ -8,10 +8,11 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..model import TensorStats
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 CHUNK_ELEMENTS = 1 << 22
@@ -253,7 +254,6 @@ def stats_rows(
     batch at a time where they live, with one copy to the host per device; larger ones go through
     the chunked accumulator one by one. `groups` gives those (shape, dtype, device) -> positions
     when the caller knows them; the rows of positions in no group are zeros."""
-    import numpy as np
     import torch
 
     out = np.zeros((len(tensors), len(STATS_COLUMNS)), dtype=np.float64)

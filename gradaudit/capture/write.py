@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, cast
 
-from ..dumpfile.columnar import ColumnarPieces
+import numpy as np
+
+from ..dumpfile.columnar import ColumnarPieces, pieces_from_rows
 from ..dumpfile.dump import RankDump, as_columns
 from ..model import (
     Box,
@@ -30,7 +32,6 @@ from .plain import WholeRows, dtype_name
 from .snapshots import Snapshots, collection_paused
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 
@@ -149,10 +150,6 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     snapshots' statistics rows as they are, the whole replicas' from their columns; None when a
     piece needs the general path (several regions, a local name, a dtype other than its
     parameter's, kinds differing between pieces, a 0-D box, a region that does not match its tensor)."""
-    import numpy as np
-
-    from ..dumpfile.columnar import pieces_from_rows
-
     table = snapshots.stats
     kinds = [k for k in snapshots.kinds_taken if k in table.present and table.present[k].any()]
     if not kinds or snapshots.failed:
@@ -241,13 +238,9 @@ class _Columns:
 
     def column(self, name: str) -> np.ndarray:
         """The "ndims" or "coords" column of every piece added, in order."""
-        import numpy as np
-
         return np.concatenate(self._blocks[name])
 
     def add_rows(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
-        import numpy as np
-
         infos, layouts = self.infos, self._layouts
         not_captured, pieces = snapshots.not_captured, snapshots.pieces
         ndims: list[int] = []
@@ -282,8 +275,6 @@ class _Columns:
     def add_whole(self, snapshots: Snapshots, whole: WholeRows, chosen_rows: np.ndarray) -> bool:
         """The whole rows at `chosen_rows` (indices among them): one whole box each, its parameter's
         ParamInfo filled in directly (their shapes are real tensors')."""
-        import numpy as np
-
         kinds = whole.kinds
         if any(not shape for shape, _, _ in kinds):
             return False  # a 0-D box
