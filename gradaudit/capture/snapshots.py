@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
@@ -15,9 +15,6 @@ from .ownership import LocalPiece
 from .plain import LocalPieces, WholeRows
 from .supported import screen_pieces, warn_not_captured
 from .tensorstats import STATS_COLUMNS, stats_from_row, stats_rows
-
-if TYPE_CHECKING:
-    import torch
 
 GRAD_KINDS = ("grad", "grad_clipped")
 
@@ -89,8 +86,6 @@ class Snapshots:
         `copy=False` keeps a reference instead of a copy: only for a snapshot written before training
         can touch the tensors again (the one taken as the context exits). Statistics are computed
         after the loop, in batches (tensorstats.stats_rows), with one copy to the host per device."""
-        import torch
-
         self.kinds_taken.setdefault(kind, None)
         if self.values:
             self.values = {key: v for key, v in self.values.items() if key[1] != kind}
@@ -154,8 +149,6 @@ class Snapshots:
         shape, dtype and device that inference found (no Python work per parameter beyond reading
         its `.grad`). None when a gradient is not dense: the rows are then read one by one (`take`),
         which says why; False when the step was abandoned."""
-        import torch
-
         grads = [param.grad for param in whole.tensors]
         groups = whole.groups
         skip = self._skipped(whole)
