@@ -8,7 +8,8 @@ import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
 
 from ..errors import CaptureError
 from ..model import FLOAT_DTYPES, Topology
@@ -30,9 +31,6 @@ from .plain import (
 )
 from .snapshots import collection_paused
 from .topology import WORLD, TopologyBuilder
-
-if TYPE_CHECKING:
-    import torch
 
 TENSOR_PARALLEL_GROUP_NAMES = ("tp", "tensor_model_parallel", "tensor_parallel")
 """groups= keys that name the tensor-parallel group of Megatron-style (attribute-marked) parameters."""
@@ -67,8 +65,6 @@ def infer_ownership(
 
     A parameter that cannot be described is reported to `on_unsupported` and left out.
     """
-    import torch
-
     topology = TopologyBuilder(rank=rank, world_size=world_size)
     for name, lists in groups.items():
         topology.add_group(name, lists)
@@ -126,8 +122,6 @@ def _whole_replicas(
     """The plain parameters `tensors` as whole rows when every one is a torch.Tensor or Parameter of
     a float dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
     LocalPiece objects first (the order of the pieces is the same either way)."""
-    import torch
-
     if not set(map(type, tensors)) <= {torch.Tensor, torch.nn.Parameter}:
         return None
     if any(map(vars, tensors)) and any(not _MARKS.isdisjoint(vars(t)) for t in tensors):

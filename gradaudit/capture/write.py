@@ -6,9 +6,10 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
+import torch
 
 from ..dumpfile.columnar import ColumnarPieces, pieces_from_rows
 from ..dumpfile.dump import RankDump, as_columns
@@ -30,9 +31,6 @@ from ..model import (
 from ..version import __version__
 from .plain import WholeRows, dtype_name
 from .snapshots import Snapshots, collection_paused
-
-if TYPE_CHECKING:
-    import torch
 
 
 def captured_pieces(
@@ -74,8 +72,6 @@ def build_rank_dump(
 ) -> RankDump:
     """The RankDump of one rank's step, stamped with where and when it was made (this host, the
     running torch and gradaudit, now) unless `host` or `created_at` say otherwise."""
-    import torch
-
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return RankDump(
         path="",
@@ -350,6 +346,4 @@ def _layout(regions: tuple[Region, ...]) -> tuple[int, tuple[int, ...], tuple[in
 def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     if str(tensor.dtype).removeprefix("torch.") == dtype:
         return tensor
-    import torch
-
     return tensor.to(getattr(torch, dtype))
