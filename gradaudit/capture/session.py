@@ -24,7 +24,6 @@ from .arguments import (
     clips_nothing,
     norm_results,
     opt_float,
-    opt_int,
     rank_and_world_size,
 )
 from .callstats import grad_stats_of_snapshot, per_piece
@@ -427,7 +426,7 @@ class AuditStep:
             aliases=self._owned().aliases,
             clip=self._clip_record(),
             data=DataRecord(
-                tokens=opt_int(self._logged.get("tokens")),
+                tokens=self._logged.get("tokens"),  # an int: record() checked it
                 loss=opt_float(self._logged.get("loss")),
                 loss_reduction=self._logged.get("loss_reduction"),
             ),
