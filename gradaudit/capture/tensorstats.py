@@ -125,10 +125,6 @@ class StatsAccumulator:
         self._sums: list[torch.Tensor] = []
         self._extremes: list[torch.Tensor] = []
 
-    @property
-    def _sums_per_chunk(self) -> int:
-        return 3 if self.norm_type == 2.0 or math.isinf(self.norm_type) else 4
-
     def add(self, chunk: torch.Tensor, chunk_elements: int | None = None) -> None:
         """Feed `chunk`, cut into chunks of at most `chunk_elements` (and of its device's size)."""
         flat = chunk.reshape(-1)
@@ -170,7 +166,7 @@ class StatsAccumulator:
         return sums, float(x.abs().max()), counts
 
     def result(self) -> TensorStats:
-        width = self._sums_per_chunk
+        width = 3 if self.norm_type == 2.0 or math.isinf(self.norm_type) else 4  # sums per chunk (_reduce)
         columns: list[list[float]] = [[] for _ in range(width)]
         max_abs = 0.0
         counts = [0, 0, 0]
