@@ -144,8 +144,7 @@ class AuditStep:
             return self
         try:
             self._guard("capture", self._start)
-            if self._recording:
-                self._guard("capture", self._read_scaler_at_start)
+            self._capture(self._read_scaler_at_start)
         except BaseException:
             self._remove_hooks()  # strict mode raised: leave nothing registered behind
             raise
@@ -279,17 +278,13 @@ class AuditStep:
     ) -> Any:
         if clips_nothing(fn, args, kwargs):
             return fn(*args, **kwargs)  # reads the norm, clips nothing: not a clip call
-        before = self._guard("capture", self._before_clip) if self._recording else None
+        before = self._capture(self._before_clip)
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
         returned = self._guard("capture", lambda: norm_results(result))
-        if self._recording:
-            measured = {"clip_value": clip_value, **(before or {})}
-            self._guard(
-                "capture",
-                lambda: self._after_clip(CallRecord.of(fn, args, kwargs, returned, **measured), result),
-            )
+        measured = {"clip_value": clip_value, **(before or {})}
+        self._capture(lambda: self._after_clip(CallRecord.of(fn, args, kwargs, returned, **measured), result))
         return result
 
     @property
@@ -371,8 +366,7 @@ class AuditStep:
         """Record the gradients as they are now: before clipping (clipped=False) or as the optimizer will
         step with them (clipped=True). For clipping done in user code that no call can wrap, e.g. ZeRO
         gradients clipped by hand between DeepSpeed's `engine.backward` and `engine.step`."""
-        if self._recording:
-            self._guard("capture", lambda: self._taken().take("grad_clipped" if clipped else "grad"))
+        self._capture(lambda: self._taken().take("grad_clipped" if clipped else "grad"))
 
     def before_optimizer_step(self) -> None:
         """Record the parameters the optimizer step starts from (and, when clipping did not go through
@@ -390,13 +384,11 @@ class AuditStep:
                     self._taken().take("grad")
             self._taken().take("param_before")
 
-        if self._recording:
-            self._guard("capture", record)
+        self._capture(record)
 
     def after_optimizer_step(self) -> None:
         """Record the parameters after the optimizer step (the `optimizer=` hooks call this)."""
-        if self._recording:
-            self._guard("capture", lambda: self._taken().take("param_after"))
+        self._capture(lambda: self._taken().take("param_after"))
 
     def _finish(self) -> None:
         snapshots = self._taken()
@@ -499,6 +491,10 @@ class AuditStep:
         captured (GA104), so the report says its gradient is in no norm rather than omitting it silently."""
         self._unsupported(param, exc)
         left_out.setdefault(param, NotCapturedParam(name=param, reason=f"ownership not inferred: {exc}"))
+
+    def _capture(self, action: Callable[[], T]) -> T | None:
+        """Run a capture action when recording, as `_guard` runs it; None when not recording."""
+        return self._guard("capture", action) if self._recording else None
 
     def _guard(self, what: str, action: Callable[[], T]) -> T | None:
         """Run a capture or write action and return its result; a failure warns once (or raises when
