@@ -219,8 +219,3 @@ def opt_float(value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         return None
-
-
-def opt_int(value: Any) -> int | None:
-    number = opt_float(value)
-    return None if number is None else int(number)

@@ -52,7 +52,7 @@ class PieceSpec:
     tensor shaped like the piece whose statistics are written."""
 
     def __post_init__(self) -> None:
-        if "grad" not in self.tensors and not self.tensors:
+        if not self.tensors:
             raise ValueError(f"piece of {self.param!r} has no tensors; give at least grad=")
         unknown = set(self.tensors) - set(TENSOR_KINDS)
         if unknown:
@@ -116,7 +116,7 @@ def write_rank(
     rank: int,
     world_size: int,
     step: int,
-    params: Mapping[str, Sequence[int]] | Sequence[ParamInfo],
+    params: Mapping[str, Sequence[int]],
     pieces: Sequence[PieceSpec],
     clip: ClipRecord | None = None,
     topology: Topology | None = None,
@@ -126,27 +126,23 @@ def write_rank(
     host: str | None = None,
     created_at: str | None = None,
     norm_type: float | None = None,
-    overwrite: bool = False,
     columnar: bool = True,
     share_params: bool = True,
     capture_api: str | None = None,
 ) -> Path:
     """Write one rank's file into `step_dir`. `params` maps names to global shapes (dtype taken
-    from the first piece of each), or is a list of ParamInfo. `columnar=False` keeps stats-only
+    from the first piece of each). `columnar=False` keeps stats-only
     pieces in the JSON header (format 1.0's form) instead of binary columns; `share_params=False`
     keeps a columnar file's parameter table in the file instead of the step's shared table file."""
     from .tensorstats import stats_of_tensor
 
-    if isinstance(params, Mapping):
-        dtypes: dict[str, str] = {}
-        for spec in pieces:
-            dtypes.setdefault(spec.param, spec.dtype)
-        infos = tuple(
-            ParamInfo(name=name, global_shape=tuple(shape), dtype=dtypes.get(name, "float32"))
-            for name, shape in params.items()
-        )
-    else:
-        infos = tuple(params)
+    dtypes: dict[str, str] = {}
+    for spec in pieces:
+        dtypes.setdefault(spec.param, spec.dtype)
+    infos = tuple(
+        ParamInfo(name=name, global_shape=tuple(shape), dtype=dtypes.get(name, "float32"))
+        for name, shape in params.items()
+    )
     stats_norm_type = norm_type if norm_type is not None else (clip.norm_type if clip is not None else 2.0)
     model_pieces, payload = [], {}
     for index, spec in enumerate(pieces):
@@ -188,6 +184,4 @@ def write_rank(
         host=host,
         created_at=created_at,
     )
-    return write_rank_file(
-        step_dir, dump, payload, overwrite=overwrite, columnar=columnar, share_params=share_params
-    )
+    return write_rank_file(step_dir, dump, payload, columnar=columnar, share_params=share_params)

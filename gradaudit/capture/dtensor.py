@@ -46,7 +46,9 @@ def dtensor_pieces(
     if coordinate is None:
         return []
     global_shape = tuple(int(s) for s in param.shape)
-    runs = _local_runs(global_shape, mesh, placements, coordinate)
+    # For each tensor dim, the global index runs [start, stop) this rank's local shard holds, in order.
+    indices = _local_indices(global_shape, mesh, placements, coordinate)
+    runs = [_runs_of(indices[d]) if d in indices else [(0, size)] for d, size in enumerate(global_shape)]
     if any(not r for r in runs):
         return []  # an empty local shard: this rank holds no element of the parameter
     replica_group = topology.replica_group_of(mesh, [i for i, p in enumerate(placements) if p.is_replicate()])
@@ -167,19 +169,6 @@ def _with_local_starts(dim_runs: list[tuple[int, int]]) -> list[tuple[tuple[int,
     """Each run with where it starts in the local shard (the runs before it, end to end)."""
     local_starts = itertools.accumulate((stop - start for start, stop in dim_runs), initial=0)
     return list(zip(dim_runs, local_starts, strict=False))
-
-
-def _local_runs(
-    global_shape: tuple[int, ...],
-    mesh: DeviceMesh,
-    placements: tuple[Placement, ...],
-    coordinate: Sequence[int],
-) -> list[list[tuple[int, int]]]:
-    """For each tensor dim, the global index runs [start, stop) this rank's local shard holds, in order."""
-    indices = _local_indices(global_shape, mesh, placements, coordinate)
-    return [
-        _runs_of(indices[dim]) if dim in indices else [(0, size)] for dim, size in enumerate(global_shape)
-    ]
 
 
 def _local_indices(

@@ -241,11 +241,8 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _handle_of(module: Any, prefix: str) -> Any:
-    if "_handle" in vars(module):
+    if "_handle" in vars(module):  # None for a module without parameters
         return vars(module)["_handle"]
-    handles = vars(module).get("_handles")  # torch < 2.1 kept a list of at most one handle
-    if isinstance(handles, list) and len(handles) <= 1:
-        return handles[0] if handles else None
     raise CaptureError(
         f"cannot find the FlatParameter handle of the FSDP1 module {prefix or '<root>'}: {_LAYOUT_HINT}"
     )

@@ -8,7 +8,8 @@ import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
 
 from ..errors import CaptureError
 from ..model import FLOAT_DTYPES, Topology
@@ -16,6 +17,7 @@ from ..warn import warn_once
 from .dtensor import dtensor_pieces, is_dtensor
 from .errors import UnsupportedParameter
 from .experts import ExpertRank, expert_rank, global_expert_name, is_megatron_expert
+from .fsdp1 import fsdp1_groups, fsdp1_pieces
 from .names import is_ddp, logical_parameter_columns
 from .ownership import LocalPiece
 from .plain import (
@@ -29,9 +31,6 @@ from .plain import (
 )
 from .snapshots import collection_paused
 from .topology import WORLD, TopologyBuilder
-
-if TYPE_CHECKING:
-    import torch
 
 TENSOR_PARALLEL_GROUP_NAMES = ("tp", "tensor_model_parallel", "tensor_parallel")
 """groups= keys that name the tensor-parallel group of Megatron-style (attribute-marked) parameters."""
@@ -66,17 +65,15 @@ def infer_ownership(
 
     A parameter that cannot be described is reported to `on_unsupported` and left out.
     """
-    import torch
-
     topology = TopologyBuilder(rank=rank, world_size=world_size)
     for name, lists in groups.items():
         topology.add_group(name, lists)
     logicals, fqns, tensors = logical_parameter_columns(model)
     alias_of: dict[str, str] = {}
     if aliases:
-        params = list(zip(logicals, fqns, tensors, strict=True))
-        _check_aliases(aliases, params)
-        alias_of = {**{logical: aliases[fqn] for logical, fqn, _ in params if fqn in aliases}, **aliases}
+        _check_aliases(aliases, {*logicals, *fqns})
+        pairs = zip(logicals, fqns, strict=True)
+        alias_of = {**{logical: aliases[fqn] for logical, fqn in pairs if fqn in aliases}, **aliases}
 
     explicit_names = frozenset(p.local_name or p.param for p in explicit)
     fsdp1 = _fsdp1_pieces(model, topology, explicit_names)
@@ -88,30 +85,25 @@ def infer_ownership(
     pieces: list[LocalPiece] = []
     plain_types = {torch.Tensor, torch.nn.Parameter}
     if not explicit_names and set(map(type, tensors)) <= plain_types:  # no DTensor: all plain
-        trained = list(map(operator.attrgetter("requires_grad"), tensors))
-        if not all(trained):
-            logicals = list(itertools.compress(logicals, trained))
-            fqns = list(itertools.compress(fqns, trained))
-            tensors = list(itertools.compress(tensors, trained))
-    else:
-        plain: list[tuple[str, str, torch.nn.Parameter]] = []
+        kept: list[bool] = list(map(operator.attrgetter("requires_grad"), tensors))
+    else:  # a DTensor's pieces are made here; the plain parameters kept for below
+        kept = []
         for logical, fqn, param in zip(logicals, fqns, tensors, strict=True):
-            if not param.requires_grad or logical in explicit_names or fqn in explicit_names:
-                continue
-            if type(param) not in plain_types and is_dtensor(param):
+            wanted = param.requires_grad and logical not in explicit_names and fqn not in explicit_names
+            dtensor = wanted and type(param) not in plain_types and is_dtensor(param)
+            if dtensor:
                 make = functools.partial(dtensor_pieces, *_names(logical, alias_of), param, topology)
                 _extend(pieces, on_unsupported, logical, make)
-            else:
-                plain.append((logical, fqn, param))
-        logicals = [logical for logical, _, _ in plain]
-        fqns = [fqn for _, fqn, _ in plain]
-        tensors = [param for _, _, param in plain]
+            kept.append(wanted and not dtensor)
+    if not all(kept):
+        logicals = list(itertools.compress(logicals, kept))
+        tensors = list(itertools.compress(tensors, kept))
 
     whole = None
     if tensors:
         whole = _whole_replicas(model, logicals, tensors, topology, world_size, groups, alias_of)
         if whole is None:
-            plain = list(zip(logicals, fqns, tensors, strict=True))
+            plain = list(zip(logicals, tensors, strict=True))
             pieces.extend(_plain_pieces(model, plain, topology, world_size, groups, alias_of, on_unsupported))
     parts = [LocalPieces.of(pieces), *([whole] if whole is not None else []), LocalPieces.of(explicit)]
     held = LocalPieces.joined(parts)
@@ -130,8 +122,6 @@ def _whole_replicas(
     """The plain parameters `tensors` as whole rows when every one is a torch.Tensor or Parameter of
     a float dtype, without Megatron's marks or an alias, so a whole replica; else None, and they are
     LocalPiece objects first (the order of the pieces is the same either way)."""
-    import torch
-
     if not set(map(type, tensors)) <= {torch.Tensor, torch.nn.Parameter}:
         return None
     if any(map(vars, tensors)) and any(not _MARKS.isdisjoint(vars(t)) for t in tensors):
@@ -152,7 +142,7 @@ def _whole_replicas(
 
 def _plain_pieces(
     model: torch.nn.Module,
-    plain: Sequence[tuple[str, str, torch.Tensor]],
+    plain: Sequence[tuple[str, torch.Tensor]],
     topology: TopologyBuilder,
     world_size: int,
     groups: Mapping[str, tuple[tuple[int, ...], ...]],
@@ -165,10 +155,10 @@ def _plain_pieces(
     pieces: list[LocalPiece] = []
     # A tensor without instance attributes carries no Megatron mark (expert, shared, partitioned):
     # it is one whole replica, taken without the checks below (10^5 parameters a rank happen).
-    marked = [bool(vars(param)) for _, _, param in plain]
+    marked = [bool(vars(param)) for _, param in plain]
     expert_names = [
         logical
-        for (logical, _, param), mark in zip(plain, marked, strict=True)
+        for (logical, param), mark in zip(plain, marked, strict=True)
         if mark and is_megatron_expert(param)
     ]
     experts, expert_problem = None, None
@@ -180,7 +170,7 @@ def _plain_pieces(
         else:
             for name, lists in expert_groups.items():
                 topology.add_group(name, lists)
-    for (logical, _fqn, param), mark in zip(plain, marked, strict=True):
+    for (logical, param), mark in zip(plain, marked, strict=True):
         if not mark:
             try:
                 pieces += whole_pieces(*_names(logical, alias_of), param, replicated_group)
@@ -272,8 +262,9 @@ def _local_aliases(pieces: LocalPieces) -> dict[str, str]:
     }
 
 
-def _check_aliases(aliases: Mapping[str, str], params: Sequence[tuple[str, str, torch.nn.Parameter]]) -> None:
-    known = {logical for logical, _, _ in params} | {fqn for _, fqn, _ in params}
+def _check_aliases(aliases: Mapping[str, str], known: set[str]) -> None:
+    """Refuse aliases that are not str -> str, or whose key names no parameter (`known`: the
+    logical names and FQNs of this rank's parameters)."""
     for key, value in aliases.items():
         if not isinstance(key, str) or not isinstance(value, str) or not value:
             raise CaptureError(
@@ -290,16 +281,11 @@ def _check_aliases(aliases: Mapping[str, str], params: Sequence[tuple[str, str, 
 def _fsdp1_pieces(
     model: torch.nn.Module, topology: TopologyBuilder, exclude: frozenset[str]
 ) -> list[LocalPiece] | None:
-    try:
-        from . import fsdp1
-    except ImportError:
-        return None
-    pieces = fsdp1.fsdp1_pieces(model, exclude=exclude)
-    if pieces is None:
-        return None
-    for name, lists in fsdp1.fsdp1_groups(model).items():
-        topology.add_group(name, lists)
-    return list(pieces)
+    pieces = fsdp1_pieces(model, exclude=exclude)
+    if pieces is not None:
+        for name, lists in fsdp1_groups(model).items():
+            topology.add_group(name, lists)
+    return pieces
 
 
 def _data_parallel_group(

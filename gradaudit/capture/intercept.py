@@ -181,7 +181,12 @@ def recorded(
     other routes installed too, newest outermost, so that a guard sees a clip call an audit of the
     same step records with `audit.clip`, and the other way round."""
     routes = [handle.route for handle in _ROUTES if handle is not own]
-    call = InterceptedCall(target=_RECORDED, fn=fn, args=args, kwargs=kwargs, make=record)
+    return _through(routes, InterceptedCall(target=_RECORDED, fn=fn, args=args, kwargs=kwargs, make=record))
+
+
+def _through(routes: list[Route], call: InterceptedCall) -> Any:
+    """Make `call` through `routes`, the newest outermost: each makes it through the ones installed
+    before it; with no route, the call itself."""
     for route in routes[:-1]:
         call = dataclasses.replace(call, make=functools.partial(route, call))
     with outermost():
@@ -194,11 +199,7 @@ def _wrapper(target: ClipTarget, original: Callable[..., Any]) -> Callable[..., 
         routes = [handle.route for handle in _ROUTES]
         if not routes or inside():
             return original(*args, **kwargs)
-        call = InterceptedCall(target=target, fn=original, args=args, kwargs=kwargs)
-        for route in routes[:-1]:  # each route makes the call through the ones installed before it
-            call = dataclasses.replace(call, make=functools.partial(route, call))
-        with outermost():
-            return routes[-1](call)
+        return _through(routes, InterceptedCall(target=target, fn=original, args=args, kwargs=kwargs))
 
     intercepted.__gradaudit_intercepted__ = True  # type: ignore[attr-defined]
     return intercepted

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_orig_mod", "_checkpoint_wrapped_module"})
 """Child names that FSDP1, torch.compile and activation checkpointing insert into parameter paths."""
@@ -51,8 +49,6 @@ def logical_parameter_columns(
     """The logical names, this rank's FQNs and the distinct parameters of `model`, in the order of
     `model.named_parameters()`: walked module by module as torch's own walk does, with a module's
     logical prefix found once (a rank may hold 10^5 parameters), unless the model overrides the walk."""
-    import torch
-
     logicals: list[str] = []
     fqns: list[str] = []
     params: list[torch.nn.Parameter] = []

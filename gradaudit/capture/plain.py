@@ -10,12 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, overload
 
+import numpy as np
+
 from ..model import Box, Region
 from .errors import UnsupportedParameter
 from .ownership import LocalPiece
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
 
@@ -92,8 +93,6 @@ class WholeRows:
 def whole_rows(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> WholeRows:
     """Whole rows of `tensors` (plain tensors without marks), the first rows: a key per tensor, the
     rest per kind."""
-    import numpy as np
-
     keys = [(t.shape, t.dtype, t.device) for t in tensors]
     found = {key: i for i, key in enumerate(dict.fromkeys(keys))}
     codes = np.fromiter(map(found.__getitem__, keys), dtype=np.int64, count=len(keys))
@@ -209,7 +208,7 @@ class LocalPieces(Sequence[LocalPiece]):
         tensor, readers = self.tensors[index], self.readers[index]
         if readers is None:
             assert tensor is not None  # a row holds its tensor or its readers
-            readers = (_grad_of(tensor), tensor.detach, None)
+            readers = (functools.partial(grad_now, tensor), tensor.detach, None)
         grad, value, grad_partial = readers
         return _filled(
             param=self.params[index],
@@ -239,8 +238,6 @@ class LocalPieces(Sequence[LocalPiece]):
                     columns[name][new] = getattr(row, name)[0]
         whole = self.whole
         if whole is not None:
-            import numpy as np
-
             new_of = {old: new for new, old in enumerate(kept)}
             positions = np.array([new_of[i] for i in whole.positions.tolist()], dtype=np.int64)
             whole = dataclasses.replace(whole, positions=positions)
@@ -290,7 +287,7 @@ def _piece(
         dtype=dtype_name(param.dtype),
         regions=regions,
         local_shape=local_shape,
-        grad=_grad_of(param),
+        grad=functools.partial(grad_now, param),
         value=param.detach,
         replica_group=replica_group,
         local_name=local_name,
@@ -320,10 +317,6 @@ def _whole_regions(shape: tuple[int, ...]) -> tuple[Box]:
     """The regions of a whole tensor of `shape` (shared: a model's parameters have a few shapes, and
     a Box is frozen)."""
     return (Box(offsets=(0,) * len(shape), shape=shape),)
-
-
-def _grad_of(param: torch.Tensor) -> Callable[[], torch.Tensor | None]:
-    return functools.partial(grad_now, param)
 
 
 def grad_now(param: torch.Tensor) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeAlias, TypeVar
 
-from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir
+from ..dumpfile.writer import DumpExistsError, rank_file_name, step_dir, write_rank_file
 from ..errors import CaptureError
 from ..model import MODES, ClipRecord, DataRecord, Mode, NotCapturedParam, TensorStats, Topology
 from ..warn import warn_once
@@ -24,7 +24,6 @@ from .arguments import (
     clips_nothing,
     norm_results,
     opt_float,
-    opt_int,
     rank_and_world_size,
 )
 from .callstats import grad_stats_of_snapshot, per_piece
@@ -32,9 +31,9 @@ from .infer import Ownership, infer_ownership
 from .optimizers import hookable_optimizer
 from .ownership import LocalPiece
 from .scaler import ScalerWatch
-from .snapshots import Snapshots
+from .snapshots import Snapshots, collection_paused
 from .topology import axis_names, normalize_groups, with_norm_group
-from .write import build_rank_dump, captured_pieces, write_dump
+from .write import build_rank_dump, captured_pieces
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -118,7 +117,8 @@ class AuditStep:
         """Begun as a no-op: the step is left out, or its rank file already exists."""
         self._begun = False
         self._ended = False
-        self._patched: list[tuple[Any, str, bool, Any]] = []
+        self._patched: list[Callable[[], None]] = []
+        """Per intercept_clip, what puts the attribute back as it was (its own value, or none)."""
         self._interception: intercept.Handle | None = None
         """While the audit is open: the route of every clip call in the process to this audit."""
         self._stepped = False
@@ -144,8 +144,7 @@ class AuditStep:
             return self
         try:
             self._guard("capture", self._start)
-            if self._recording:
-                self._guard("capture", self._read_scaler_at_start)
+            self._capture(self._read_scaler_at_start)
         except BaseException:
             self._remove_hooks()  # strict mode raised: leave nothing registered behind
             raise
@@ -206,11 +205,8 @@ class AuditStep:
             self._interception.remove()
             self._interception = None
         self._remove_hooks()
-        for owner, name, had_own, original in reversed(self._patched):
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
+        for put_back in reversed(self._patched):
+            put_back()
         self._patched.clear()
 
     def __enter__(self) -> AuditStep:
@@ -282,17 +278,13 @@ class AuditStep:
     ) -> Any:
         if clips_nothing(fn, args, kwargs):
             return fn(*args, **kwargs)  # reads the norm, clips nothing: not a clip call
-        before = self._guard("capture", self._before_clip) if self._recording else None
+        before = self._capture(self._before_clip)
         result = fn(*args, **kwargs)
         # Every rank reads the norm, recording or not: for a DTensor this is a collective, and a rank
         # whose capture failed must still take part in it or the others would hang.
         returned = self._guard("capture", lambda: norm_results(result))
-        if self._recording:
-            measured = {"clip_value": clip_value, **(before or {})}
-            self._guard(
-                "capture",
-                lambda: self._after_clip(CallRecord.of(fn, args, kwargs, returned, **measured), result),
-            )
+        measured = {"clip_value": clip_value, **(before or {})}
+        self._capture(lambda: self._after_clip(CallRecord.of(fn, args, kwargs, returned, **measured), result))
         return result
 
     @property
@@ -311,7 +303,8 @@ class AuditStep:
             return
         original = getattr(owner, name)
         own = vars(owner) if hasattr(owner, "__dict__") else {}
-        self._patched.append((owner, name, name in own, own.get(name)))
+        restore = functools.partial(setattr, owner, name, own[name]) if name in own else None
+        self._patched.append(restore or functools.partial(delattr, owner, name))  # its own, or none
 
         @functools.wraps(original)
         def clip(*args: Any, **kwargs: Any) -> Any:
@@ -373,8 +366,7 @@ class AuditStep:
         """Record the gradients as they are now: before clipping (clipped=False) or as the optimizer will
         step with them (clipped=True). For clipping done in user code that no call can wrap, e.g. ZeRO
         gradients clipped by hand between DeepSpeed's `engine.backward` and `engine.step`."""
-        if self._recording:
-            self._guard("capture", lambda: self._taken().take("grad_clipped" if clipped else "grad"))
+        self._capture(lambda: self._taken().take("grad_clipped" if clipped else "grad"))
 
     def before_optimizer_step(self) -> None:
         """Record the parameters the optimizer step starts from (and, when clipping did not go through
@@ -392,13 +384,11 @@ class AuditStep:
                     self._taken().take("grad")
             self._taken().take("param_before")
 
-        if self._recording:
-            self._guard("capture", record)
+        self._capture(record)
 
     def after_optimizer_step(self) -> None:
         """Record the parameters after the optimizer step (the `optimizer=` hooks call this)."""
-        if self._recording:
-            self._guard("capture", lambda: self._taken().take("param_after"))
+        self._capture(lambda: self._taken().take("param_after"))
 
     def _finish(self) -> None:
         snapshots = self._taken()
@@ -428,7 +418,7 @@ class AuditStep:
             aliases=self._owned().aliases,
             clip=self._clip_record(),
             data=DataRecord(
-                tokens=opt_int(self._logged.get("tokens")),
+                tokens=self._logged.get("tokens"),  # an int: record() checked it
                 loss=opt_float(self._logged.get("loss")),
                 loss_reduction=self._logged.get("loss_reduction"),
             ),
@@ -437,7 +427,8 @@ class AuditStep:
             not_captured=tuple(snapshots.not_captured[name] for name in sorted(snapshots.not_captured)),
         )
         try:
-            self.path = write_dump(self.out_dir, dump, tensors)
+            with collection_paused():  # a full dump's document is several objects per piece
+                self.path = write_rank_file(step_dir(self.out_dir, self.step), dump, tensors)
         except DumpExistsError as exc:
             warning = f"gradaudit: not writing rank {self.rank} of step {self.step}: {exc}"
             self._raise_or_warn(exc, f"exists:{self.out_dir}", warning)
@@ -500,6 +491,10 @@ class AuditStep:
         captured (GA104), so the report says its gradient is in no norm rather than omitting it silently."""
         self._unsupported(param, exc)
         left_out.setdefault(param, NotCapturedParam(name=param, reason=f"ownership not inferred: {exc}"))
+
+    def _capture(self, action: Callable[[], T]) -> T | None:
+        """Run a capture action when recording, as `_guard` runs it; None when not recording."""
+        return self._guard("capture", action) if self._recording else None
 
     def _guard(self, what: str, action: Callable[[], T]) -> T | None:
         """Run a capture or write action and return its result; a failure warns once (or raises when

@@ -5,17 +5,16 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from ..model import Mode, NotCapturedParam, TensorKind, TensorStats, numel_of
 from .names import matches_any
 from .ownership import LocalPiece
 from .plain import LocalPieces, WholeRows
-from .supported import screen_pieces, sparse_reason, warn_not_captured
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
+from .supported import screen_pieces, warn_not_captured
+from .tensorstats import STATS_COLUMNS, stats_from_row, stats_rows
 
 GRAD_KINDS = ("grad", "grad_clipped")
 
@@ -87,8 +86,6 @@ class Snapshots:
         `copy=False` keeps a reference instead of a copy: only for a snapshot written before training
         can touch the tensors again (the one taken as the context exits). Statistics are computed
         after the loop, in batches (tensorstats.stats_rows), with one copy to the host per device."""
-        import torch
-
         self.kinds_taken.setdefault(kind, None)
         if self.values:
             self.values = {key: v for key, v in self.values.items() if key[1] != kind}
@@ -124,7 +121,10 @@ class Snapshots:
                     tensor = piece.grad() if gradient else piece.value()
                     if tensor is None:
                         continue
-                    reason = None if tensor.layout is strided else sparse_reason(tensor)
+                    reason = None
+                    if tensor.layout is not strided:
+                        layout = str(tensor.layout).removeprefix("torch.")
+                        reason = f"sparse gradient ({layout}); gradaudit reads dense gradients"
                     if reason is None and gradient and piece.grad_partial is not None:
                         reason = self._note_partial(index, piece.grad_partial())
                     if reason is not None:
@@ -149,10 +149,6 @@ class Snapshots:
         shape, dtype and device that inference found (no Python work per parameter beyond reading
         its `.grad`). None when a gradient is not dense: the rows are then read one by one (`take`),
         which says why; False when the step was abandoned."""
-        import torch
-
-        from .tensorstats import stats_rows
-
         grads = [param.grad for param in whole.tensors]
         groups = whole.groups
         skip = self._skipped(whole)
@@ -165,8 +161,6 @@ class Snapshots:
         strided = torch.strided
         if any(grads[j].layout is not strided for positions in groups.values() for j in positions):  # type: ignore[union-attr]
             return None
-        import numpy as np
-
         if groups is whole.groups:
             taken = np.arange(len(grads))
         else:
@@ -193,8 +187,6 @@ class Snapshots:
         """Statistics of `tensors` (of the pieces at `positions`) as one batch; when the batch fails,
         one tensor at a time, so that only the pieces that cannot be read are left out. False when
         the step was abandoned."""
-        from .tensorstats import stats_rows
-
         param, not_captured = self.pieces.params.__getitem__, self.not_captured
         if not_captured:
             kept = [i for i, index in enumerate(positions) if param(index) not in not_captured]
@@ -286,10 +278,6 @@ class StatsTable:
         """Per kind: which pieces have a row."""
 
     def put(self, kind: str, positions: Sequence[int] | np.ndarray, rows: np.ndarray) -> None:
-        import numpy as np
-
-        from .tensorstats import STATS_COLUMNS
-
         if kind not in self.rows:
             self.rows[kind] = np.zeros((len(self.pieces), len(STATS_COLUMNS)), dtype=np.float64)
             self.present[kind] = np.zeros(len(self.pieces), dtype=bool)
@@ -301,8 +289,6 @@ class StatsTable:
         return present is not None and bool(present[key[0]])
 
     def get(self, key: tuple[int, str]) -> TensorStats | None:
-        from .tensorstats import stats_from_row
-
         if key not in self:
             return None
         index, kind = key

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+
+import torch
 
 from ..model import FLOAT_DTYPES, Box, FlatRange, NotCapturedParam, Region
 from ..warn import warn_once
 from .ownership import LocalPiece
 from .plain import LocalPieces
-
-if TYPE_CHECKING:
-    import torch
 
 REAL_OF_COMPLEX = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
 
@@ -49,17 +47,6 @@ def screen_pieces(pieces: LocalPieces, norm_type: float) -> tuple[LocalPieces, t
     return pieces.edited(changes), not_captured
 
 
-def sparse_reason(tensor: torch.Tensor) -> str | None:
-    """Why a gradient tensor cannot be captured as it is, or None when it can."""
-    import torch
-
-    if tensor.layout != torch.strided:
-        return (
-            f"sparse gradient ({str(tensor.layout).removeprefix('torch.')}); gradaudit reads dense gradients"
-        )
-    return None
-
-
 def warn_not_captured(params: Sequence[NotCapturedParam]) -> None:
     if not params:
         return
@@ -93,8 +80,6 @@ def _with_pairs(region: Region) -> Region:
 
 def _real_view(read: Callable[[], torch.Tensor | None]) -> Callable[[], torch.Tensor | None]:
     def real() -> torch.Tensor | None:
-        import torch
-
         tensor = read()
         return None if tensor is None else torch.view_as_real(tensor.resolve_conj())
 

@@ -6,13 +6,12 @@ import math
 import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
+import torch
 
 from ..model import TensorStats
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
 
 CHUNK_ELEMENTS = 1 << 22
 """Elements per chunk on an accelerator, where each kernel launch costs more than the bytes it reads."""
@@ -43,8 +42,6 @@ def fingerprint_weights(device: torch.device | str) -> torch.Tensor:
 def _weight_table(device: torch.device | str) -> torch.Tensor:
     """(2, 4096) float64: the fingerprint weights over a row of ones, so that one matrix-vector product
     with a chunk's column sums gives both sum x*w and sum x."""
-    import torch
-
     key = str(device)
     table = _weight_tables.get(key)
     if table is None:
@@ -61,8 +58,6 @@ class _Scratch:
     has fingerprint periods, and the weight table."""
 
     def __init__(self, device: torch.device, length: int) -> None:
-        import torch
-
         size = max(length, chunk_elements_for(device) + FINGERPRINT_PERIOD)
         self.buffer = torch.empty(size, dtype=torch.float64, device=device)
         self.ones = torch.ones(size // FINGERPRINT_PERIOD, dtype=torch.float64, device=device)
@@ -103,8 +98,6 @@ def _sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     its dot: with two intra-op threads on a loaded machine, torch.dot (and vdot) of 4096 doubles took
     2-15 ms a call (OpenBLAS's own threads contending with OpenMP's; gemv of this size runs on one),
     which made the stats capture of 10^5 small tensors ten times slower than with one thread."""
-    import torch
-
     if x.device.type == "cpu" and x.numel() <= SMALL_DOT_ELEMENTS:
         return torch.mv(x.view(1, -1), x)
     return torch.dot(x, x).reshape(1)
@@ -132,19 +125,14 @@ class StatsAccumulator:
         self._sums: list[torch.Tensor] = []
         self._extremes: list[torch.Tensor] = []
 
-    @property
-    def _sums_per_chunk(self) -> int:
-        return 3 if self.norm_type == 2.0 or math.isinf(self.norm_type) else 4
-
-    def add(self, chunk: torch.Tensor) -> None:
+    def add(self, chunk: torch.Tensor, chunk_elements: int | None = None) -> None:
+        """Feed `chunk`, cut into chunks of at most `chunk_elements` (and of its device's size)."""
         flat = chunk.reshape(-1)
-        step = chunk_elements_for(flat.device)
+        step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
         for start in range(0, flat.numel(), step):
             self._add(flat[start : start + step])
 
     def _add(self, flat: torch.Tensor) -> None:
-        import torch
-
         native = str(flat.dtype) in _NATIVE_EXTREMES
         if native:  # first: the widening then reads the chunk from cache
             self._extremes += torch.aminmax(flat)
@@ -158,8 +146,6 @@ class StatsAccumulator:
     def _reduce(self, x: torch.Tensor, scratch: _Scratch) -> list[torch.Tensor]:
         """[sum x^2], [sum x*w, sum x] and, for p other than 2 and inf, [sum |x|^p] of a padded chunk.
         The column sums are a product with a row of ones: BLAS does it twice as fast as sum(0)."""
-        import torch
-
         rows = x.view(-1, FINGERPRINT_PERIOD)
         column_sums = x if rows.shape[0] == 1 else torch.mv(rows.t(), scratch.ones[: rows.shape[0]])
         sums = [_sum_of_squares(x), torch.mv(scratch.table, column_sums)]
@@ -173,8 +159,6 @@ class StatsAccumulator:
     def _masked(self, offset: int, flat: torch.Tensor) -> tuple[list[float], float, list[int]]:
         """The sums, the max |x| and the nonfinite counts of a chunk with nonfinite values (rare: host
         synchronisations here are fine)."""
-        import torch
-
         x, scratch = _padded(flat, offset % FINGERPRINT_PERIOD)
         counts = [int(torch.isnan(x).sum()), int((x == math.inf).sum()), int((x == -math.inf).sum())]
         x.masked_fill_(~torch.isfinite(x), 0.0)
@@ -182,9 +166,7 @@ class StatsAccumulator:
         return sums, float(x.abs().max()), counts
 
     def result(self) -> TensorStats:
-        import torch
-
-        width = self._sums_per_chunk
+        width = 3 if self.norm_type == 2.0 or math.isinf(self.norm_type) else 4  # sums per chunk (_reduce)
         columns: list[list[float]] = [[] for _ in range(width)]
         max_abs = 0.0
         counts = [0, 0, 0]
@@ -223,11 +205,8 @@ class StatsAccumulator:
 def stats_of_tensor(tensor: torch.Tensor, norm_type: float, chunk_elements: int | None = None) -> TensorStats:
     if 0 < tensor.numel() <= SMALL_ELEMENTS and chunk_elements is None:
         return stats_from_row(stats_rows([tensor], norm_type)[0], tensor.numel(), norm_type)
-    flat = tensor.detach().reshape(-1)
-    step = min(chunk_elements or CHUNK_ELEMENTS, chunk_elements_for(flat.device))
     acc = StatsAccumulator(norm_type)
-    for start in range(0, flat.numel(), step):
-        acc._add(flat[start : start + step])
+    acc.add(tensor.detach(), chunk_elements)
     return acc.result()
 
 
@@ -255,9 +234,6 @@ def stats_rows(
     batch at a time where they live, with one copy to the host per device; larger ones go through
     the chunked accumulator one by one. `groups` gives those (shape, dtype, device) -> positions
     when the caller knows them; the rows of positions in no group are zeros."""
-    import numpy as np
-    import torch
-
     out = np.zeros((len(tensors), len(STATS_COLUMNS)), dtype=np.float64)
     if groups is None:
         found: defaultdict[tuple[Any, ...], list[int]] = defaultdict(list)
@@ -273,7 +249,7 @@ def stats_rows(
                 counts = (stats.num_nan, stats.num_posinf, stats.num_neginf)
                 out[position] = (stats.sum_pow, stats.sum_sq, stats.max_abs, *stats.fingerprint, *counts)
             continue
-        weights = _weights_of_length(device, numel)
+        weights = fingerprint_weights(device)[:numel]  # numel <= SMALL_ELEMENTS, one fingerprint period
         step = max(1, (CPU_BATCH_ELEMENTS if device.type == "cpu" else BATCH_ELEMENTS) // numel)
         taken, results = by_device.setdefault(device, ([], []))
         for start in range(0, len(positions), step):
@@ -286,18 +262,9 @@ def stats_rows(
     return out
 
 
-def _weights_of_length(device: torch.device, numel: int) -> torch.Tensor:
-    weights = fingerprint_weights(device)
-    if numel <= FINGERPRINT_PERIOD:
-        return weights[:numel]
-    return weights.repeat(-(-numel // FINGERPRINT_PERIOD))[:numel]
-
-
 def _batch_rows(x: torch.Tensor, weights: torch.Tensor, norm_type: float) -> torch.Tensor:
     """STATS_COLUMNS of each row of the float64 matrix `x` (one small tensor a row), as a matrix on
     its device; `x` is overwritten (nonfinite values zeroed)."""
-    import torch
-
     counts = [torch.isnan(x).sum(1), (x == math.inf).sum(1), (x == -math.inf).sum(1)]
     x.masked_fill_(~torch.isfinite(x), 0.0)
     magnitudes = x.abs()

@@ -135,9 +135,9 @@ class TopologyBuilder:
             return None
         return max(self._meshes.values(), key=lambda m: (len(m.ranks), len(m.shape)))
 
-    def build(self, *, norm_group: str | None = None) -> Topology:
+    def build(self) -> Topology:
         groups = {name: tuple(sorted(lists)) for name, lists in sorted(self._groups.items())}
-        return Topology(groups=groups, mesh=self.mesh(), norm_group=norm_group)
+        return Topology(groups=groups, mesh=self.mesh())
 
 
 def normalize_groups(

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-from ..dumpfile.columnar import ColumnarPieces
+import numpy as np
+import torch
+
+from ..dumpfile.columnar import ColumnarPieces, pieces_from_rows
 from ..dumpfile.dump import RankDump, as_columns
-from ..dumpfile.writer import step_dir, write_rank_file
 from ..model import (
     Box,
     ClipRecord,
@@ -31,10 +31,6 @@ from ..model import (
 from ..version import __version__
 from .plain import WholeRows, dtype_name
 from .snapshots import Snapshots, collection_paused
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
 
 
 def captured_pieces(
@@ -85,7 +81,7 @@ def build_rank_dump(
         mode=mode,
         run_id=run_id,
         host=host if host is not None else socket.gethostname(),
-        torch_version=torch_version(),
+        torch_version=str(torch.__version__),
         gradaudit_version=__version__,
         created_at=created_at if created_at is not None else now,
         params=params,
@@ -150,10 +146,6 @@ def _columnar(snapshots: Snapshots) -> tuple[tuple[ParamInfo, ...], ColumnarPiec
     snapshots' statistics rows as they are, the whole replicas' from their columns; None when a
     piece needs the general path (several regions, a local name, a dtype other than its
     parameter's, kinds differing between pieces, a 0-D box, a region that does not match its tensor)."""
-    import numpy as np
-
-    from ..dumpfile.columnar import pieces_from_rows
-
     table = snapshots.stats
     kinds = [k for k in snapshots.kinds_taken if k in table.present and table.present[k].any()]
     if not kinds or snapshots.failed:
@@ -242,13 +234,9 @@ class _Columns:
 
     def column(self, name: str) -> np.ndarray:
         """The "ndims" or "coords" column of every piece added, in order."""
-        import numpy as np
-
         return np.concatenate(self._blocks[name])
 
     def add_rows(self, snapshots: Snapshots, indices: Sequence[int]) -> bool:
-        import numpy as np
-
         infos, layouts = self.infos, self._layouts
         not_captured, pieces = snapshots.not_captured, snapshots.pieces
         ndims: list[int] = []
@@ -283,8 +271,6 @@ class _Columns:
     def add_whole(self, snapshots: Snapshots, whole: WholeRows, chosen_rows: np.ndarray) -> bool:
         """The whole rows at `chosen_rows` (indices among them): one whole box each, its parameter's
         ParamInfo filled in directly (their shapes are real tensors')."""
-        import numpy as np
-
         kinds = whole.kinds
         if any(not shape for shape, _, _ in kinds):
             return False  # a 0-D box
@@ -357,24 +343,7 @@ def _layout(regions: tuple[Region, ...]) -> tuple[int, tuple[int, ...], tuple[in
     return None
 
 
-def write_dump(
-    out_dir: str | os.PathLike[str], dump: RankDump, tensors: Mapping[tuple[int, TensorKind], torch.Tensor]
-) -> Path:
-    """Write the rank file under out_dir/step_<N>/ (temporary name, then linked; never overwrites)."""
-    with collection_paused():  # a full dump's document is several objects per piece
-        return write_rank_file(step_dir(out_dir, dump.step), dump, tensors)
-
-
 def _as_dtype(tensor: torch.Tensor, dtype: str) -> torch.Tensor:
     if str(tensor.dtype).removeprefix("torch.") == dtype:
         return tensor
-    import torch
-
     return tensor.to(getattr(torch, dtype))
-
-
-def torch_version() -> str:
-    """The running torch's version, as a dump records it."""
-    import torch
-
-    return str(torch.__version__)
