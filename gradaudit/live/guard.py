@@ -1281,12 +1281,12 @@ class Guard:
 
     def _stamped(self, dump: RankDump) -> RankDump:
         """`dump` as the guard writes it: where and by what it was made, and why."""
-        from ..capture.write import torch_version
+        import torch
 
         return dataclasses.replace(
             dump,
             host=socket.gethostname(),
-            torch_version=torch_version(),
+            torch_version=str(torch.__version__),
             gradaudit_version=__version__,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             trigger=TRIGGER,
