@@ -195,6 +195,11 @@ def merged(first: StepMeasurements, second: StepMeasurements) -> StepMeasurement
     process of a scaled-out check measures its share) as those of one pass."""
     from .steptable import StepMeasurements
 
+    overlap = set(first.params) & set(second.params)
+    if overlap:  # each element once: a parameter measured by two processes would count twice
+        raise ValueError(
+            f"cannot merge measurements that both hold {sorted(overlap)[:3]}; split parameters disjointly"
+        )
     references = (first.reference_table, second.reference_table)
     return StepMeasurements(
         norm_type=first.norm_type,
