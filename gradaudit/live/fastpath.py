@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -122,39 +123,40 @@ class Reduction:
         return _HEADER + len(_EQUAL) * _PER_EQUAL + group * _PER_GROUP
 
     def contribution(self, row: np.ndarray, role: RankRole, declared_max_norm: float) -> np.ndarray:
-        """This rank's part of the sum, from its row (see summary.VectorLayout)."""
+        """This rank's part of the sum, from its row (see summary.VectorLayout). In Python numbers, not
+        numpy operations: it runs right after the model's step, when a few dozen small numpy calls cost
+        several times what they cost warm (see bench/guard_fixed.py's cold-against-warm line)."""
         import numpy as np
 
-        g, count = self.num_groups, len(_EQUAL)
-        out = np.zeros(self.size, dtype=np.float64)
-        status = row[0]
-        out[:_HEADER] = (1.0, *(status == value for value in _STATUSES), row[CHANGED] == 1.0, 0.0, 0.0)
+        g, count, r = self.num_groups, len(_EQUAL), row.tolist()
+        status = r[0]
+        out = [1.0, *(float(status == value) for value in _STATUSES), float(r[CHANGED] == 1.0), 0.0, 0.0]
         if status == OFF:
             out[_LEFT] = float(role.rank)
         # one split into 16-bit pieces: the values every rank holds alike, the gradients' and the weights' copies
-        values = row[_taken(self.layout)]
-        pieces = _pieces(values)
-        squares = pieces * pieces
-        out[_HEADER : _HEADER + count * _PER_EQUAL] = np.concatenate(
-            (pieces[:count], squares[:count]), axis=1
-        ).ravel()
-        lowest, factors = _role_arrays(role)
-        terms = values[count : count + g]
-        block = out[self._group_at(0) : self._group_at(g)].reshape(g, _PER_GROUP)
-        block[:, 0] = np.where(lowest, terms, 0.0)
-        out[_TINY_TERMS] = float(((terms > 0) & (terms < _TINY) & (factors[0] > 0)).sum())
-        block[:, 1] = (row[HEADER + g : HEADER + 2 * g] + row[HEADER + 2 * g : HEADER + 3 * g]) * factors[0]
-        # per group, per copy (gradients, weights), per factor (held, lowest x holders), per power (1, 2)
-        copies = np.stack((pieces[count:], squares[count:]), axis=1).reshape(2, g, 2, CHUNKS)
-        block[:, 2:] = (copies.transpose(1, 0, 2, 3)[:, :, None] * factors.T[:, None, :, None, None]).reshape(
-            g, -1
-        )
-        applied, reported, passed = float(row[2]), float(values[7]), float(values[8])
+        values = [r[i] for i in _taken(self.layout)]
+        pieces = [
+            _chunks(bits)
+            for bits in struct.unpack(f"<{len(values)}Q", struct.pack(f"<{len(values)}d", *values))
+        ]
+        squares = [[c * c for c in chunks] for chunks in pieces]
+        for k in range(count):
+            out += pieces[k] + squares[k]
+        for i in range(g):
+            held = 1.0 if role.holders[i] > 0 else 0.0
+            term = values[count + i]
+            out[_TINY_TERMS] += float(0.0 < term < _TINY and held > 0)
+            out += (term if role.lowest[i] else 0.0, (r[HEADER + g + i] + r[HEADER + 2 * g + i]) * held)
+            # per copy (gradients, weights), per factor (held, lowest x holders), per power (1, 2)
+            for copy in (count + i, count + g + i):
+                for factor in (held, role.lowest[i] * role.holders[i]):
+                    out += [c * factor for c in pieces[copy]] + [c * factor for c in squares[copy]]
+        applied, reported, passed = r[2], values[7], values[8]
         max_norm = passed if math.isfinite(passed) else declared_max_norm
         deviation = applied - expected_clip_coef(reported, max_norm)
-        if math.isfinite(deviation):  # unknown where the sample is all zero: that rank's is not checked
-            out[-3:] = (1.0, deviation, deviation * deviation)
-        return out
+        # unknown where the sample is all zero: that rank's is not checked
+        out += (1.0, deviation, deviation * deviation) if math.isfinite(deviation) else (0.0, 0.0, 0.0)
+        return np.array(out, dtype=np.float64)
 
     def verdict(self, sums: np.ndarray, *, norm_type: float, max_norm: float) -> FastVerdict | None:
         """The step's verdict when the summed numbers agree (see the module's docstring); None when the
@@ -240,34 +242,17 @@ class FastVerdict:
 
 
 @functools.lru_cache(maxsize=8)
-def _role_arrays(role: RankRole) -> tuple[np.ndarray, np.ndarray]:
-    """(lowest, [held, lowest x holders]) of a role as float64 arrays, made once per ownership."""
-    import numpy as np
-
-    lowest = np.asarray(role.lowest, dtype=np.float64)
-    holders = np.asarray(role.holders, dtype=np.float64)
-    return lowest, np.stack(((holders > 0).astype(np.float64), lowest * holders))
-
-
-@functools.lru_cache(maxsize=8)
-def _taken(layout: VectorLayout) -> np.ndarray:
+def _taken(layout: VectorLayout) -> tuple[int, ...]:
     """Where a row holds the values split into pieces: those every rank holds alike (in _EQUAL's
     order), then per group the gradients' copy, then the weights'."""
-    import numpy as np
-
     g, call, weights = layout.num_groups, layout.call_offset(0), layout.weights_offset
-    alike = [STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2]
-    return np.array([*alike, *range(HEADER, HEADER + g), *range(weights, weights + g)], dtype=np.intp)
+    alike = (STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2)
+    return (*alike, *range(HEADER, HEADER + g), *range(weights, weights + g))
 
 
-def _pieces(values: np.ndarray) -> np.ndarray:
-    """Each float64's bits as CHUNKS 16-bit integers, in float64 (one row per value)."""
-    import numpy as np
-
-    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
-    shifts = np.arange(CHUNKS, dtype=np.uint64) * np.uint64(16)
-    pieces: np.ndarray = ((bits[:, None] >> shifts) & np.uint64(0xFFFF)).astype(np.float64)
-    return pieces
+def _chunks(bits: int) -> list[float]:
+    """A float64's bits as CHUNKS 16-bit integers, lowest first, as floats."""
+    return [float((bits >> shift) & 0xFFFF) for shift in range(0, 16 * CHUNKS, 16)]
 
 
 def _common(sums: np.ndarray, n: float) -> np.ndarray | None:
