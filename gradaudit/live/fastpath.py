@@ -161,21 +161,20 @@ class Reduction:
     def verdict(self, sums: np.ndarray, *, norm_type: float, max_norm: float) -> FastVerdict | None:
         """The step's verdict when the summed numbers agree (see the module's docstring); None when the
         full diagnosis must say it."""
-        n = sums[_COUNT]
-        left = int(sums[_STATUS + _STATUSES.index(OFF)])
+        s = sums.tolist()  # Python numbers: see `contribution`
+        n = s[_COUNT]
+        left = int(s[_STATUS + _STATUSES.index(OFF)])
         if left:  # its guard will not take part in another exchange: concluded from the sum alone
-            return FastVerdict(kind="off", max_norm=max_norm, left=(int(sums[_LEFT]),) if left == 1 else ())
-        if not n >= 1 or sums[_CHANGED] != 0:
+            return FastVerdict(kind="off", max_norm=max_norm, left=(int(s[_LEFT]),) if left == 1 else ())
+        if not n >= 1 or s[_CHANGED] != 0:
             return None
-        common = _common(
-            sums[_HEADER : _HEADER + len(_EQUAL) * _PER_EQUAL].reshape(len(_EQUAL), 2, CHUNKS), n
-        )
+        common = _common(s[_HEADER : _HEADER + len(_EQUAL) * _PER_EQUAL], int(n))
         if common is None:
             return None
-        values = dict(zip(_EQUAL, common.tolist(), strict=True))
-        if sums[_STATUS + _STATUSES.index(SKIP)] == n:
+        values = dict(zip(_EQUAL, common, strict=True))
+        if s[_STATUS + _STATUSES.index(SKIP)] == n:
             return FastVerdict(kind="not_measured", max_norm=max_norm)  # paused alike, or captured in full
-        if sums[_STATUS] != n or sums[_TINY_TERMS] or is_inf_norm(norm_type):
+        if s[_STATUS] != n or s[_TINY_TERMS] or is_inf_norm(norm_type):
             return None
         if values["calls"] != 1.0 or values["unscaled"] == 0.0 or math.isnan(values["dtype"]):
             return None  # several or no clip calls; clipped before unscale_; no gradient
@@ -188,14 +187,16 @@ class Reduction:
         skipped = values["skipped"] == 1.0
         if skipped:
             return FastVerdict(kind="skipped", reported_norm=reported, max_norm=used, passed_max_norm=passed)
-        g = self.num_groups
-        blocks = sums[self._group_at(0) : self._group_at(g)].reshape(g, _PER_GROUP)
-        copies = blocks[:, 2:].reshape(g, 2, 2, 2 * CHUNKS)  # (gradients, weights) x (holders, lowest)
-        if blocks[:, 1].any() or (copies[:, :, 0] != copies[:, :, 1]).any():
-            return None  # nonfinite, or a replica's gradient or weights differ from its lowest holder's
-        total = 0.0
-        for term in blocks[:, 0].tolist():
-            total += term
+        total, half = 0.0, 2 * CHUNKS
+        for at in range(self._group_at(0), self._group_at(self.num_groups), _PER_GROUP):
+            block = s[
+                at : at + _PER_GROUP
+            ]  # term, nonfinite, then per copy (gradients, weights): holders, lowest
+            if block[1] or any(
+                block[c : c + half] != block[c + half : c + 2 * half] for c in (2, 2 + 2 * half)
+            ):
+                return None  # nonfinite, or a replica's gradient or weights differ from its lowest holder's
+            total += block[0]
         true_norm = norm_from_total(total, norm_type)
         rtol = NORM_RTOL_BY_DTYPE[GRAD_DTYPES[int(values["dtype"])]] / SAFETY
         if not (math.isfinite(true_norm) and true_norm > 0 and math.isfinite(reported)):
@@ -203,9 +204,9 @@ class Reduction:
         if abs(reported - true_norm) > rtol * true_norm or abs(true_norm - used) <= 2 * SAFETY * rtol * used:
             return None  # a wrong norm, or one at max_norm itself (what clipping leaves behind)
         expected = expected_clip_coef(true_norm, used)
-        known, own = float(sums[-3]), expected_clip_coef(reported, used)
-        mean = float(sums[-2]) / known if known else 0.0
-        spread = math.sqrt(max(0.0, float(sums[-1]) - known * mean * mean))
+        known, own = s[-3], expected_clip_coef(reported, used)
+        mean = s[-2] / known if known else 0.0
+        spread = math.sqrt(max(0.0, s[-1] - known * mean * mean))
         if not math.isfinite(mean) or abs(own - expected) + abs(mean) + spread > rtol * expected:
             return None
         return FastVerdict(
@@ -255,18 +256,18 @@ def _chunks(bits: int) -> list[float]:
     return [float((bits >> shift) & 0xFFFF) for shift in range(0, 16 * CHUNKS, 16)]
 
 
-def _common(sums: np.ndarray, n: float) -> np.ndarray | None:
+def _common(sums: list[float], n: int) -> list[float] | None:
     """The values whose pieces every rank added (per value: the sums of its pieces, then of their
     squares); None when some value's bits differ between ranks. Exact: a mean piece m = sum / n is
     every rank's only when sum == n * m and sum(c^2) == n * m^2, all integers below 2**53."""
-    import numpy as np
-
-    count = np.int64(n)
-    total, squares = sums[:, 0].astype(np.int64), sums[:, 1].astype(np.int64)
-    mean = total // count
-    if (total != mean * count).any() or (squares != count * mean * mean).any():
-        return None
-    shifts = np.arange(CHUNKS, dtype=np.uint64) * np.uint64(16)
-    bits = (mean.astype(np.uint64) << shifts).sum(axis=1, dtype=np.uint64)
-    values: np.ndarray = bits.view(np.float64)
+    values = []
+    for at in range(0, len(sums), 2 * CHUNKS):
+        bits = 0
+        for chunk in range(CHUNKS):
+            total, squares = int(sums[at + chunk]), int(sums[at + CHUNKS + chunk])
+            mean = total // n
+            if total != mean * n or squares != n * mean * mean:
+                return None
+            bits |= mean << (16 * chunk)
+        values.append(struct.unpack("<d", struct.pack("<Q", bits))[0])
     return values
