@@ -34,7 +34,7 @@ import torch
 
 from ..errors import CaptureError
 from ..live.guard import Guard
-from ..live.summary import coefficient, strided_sample
+from ..live.summary import coefficient, float64_cat, strided_sample
 from .deepspeed import zero_pieces
 
 SAMPLE_PER_PARTITION = 64
@@ -132,7 +132,7 @@ class DeepSpeedGuard:
             self.guard.capture_next = self._capture_next and scale == 1.0
             norm = self.guard.clip_unscaling(scale, deepspeed_step, *args, **kwargs)
             if samples:
-                before, after = (torch.cat(s) for s in zip(*samples, strict=True))
+                before, after = (float64_cat(list(s)) for s in zip(*samples, strict=True))
                 self.guard.applied(coefficient(before, after) * scale)
             return norm
 

@@ -27,6 +27,7 @@ from .agreement import Agreement, agree
 from .analysis_input import SHARDED, LiveStep, rank_dump, report_of
 from .channel import WAIT_S, Channel, Exchange
 from .fastpath import FastVerdict, Reduction, role_of
+from .lending import lent
 from .replicas import ReplicaFault, replica_faults
 from .spike import SpikeTest, spike_watch
 from .spike_dump import SpikeSums, params_rank_dump, spike_params, spike_rank_dump
@@ -472,7 +473,8 @@ class Guard:
             made.append(call())
             return call.reported_norm(made[0])
 
-        self._measured(make, call.args, call.kwargs, fn_for_arguments=call.fn)
+        lends = call.target.kind == "norm" and call.target.module in _TORCH_CLIP_MODULES
+        self._measured(make, call.args, call.kwargs, fn_for_arguments=call.fn, lends=lends)
         return made[0]
 
     def _measured(
@@ -482,15 +484,19 @@ class Guard:
         kwargs: dict[str, Any],
         *,
         fn_for_arguments: Callable[..., Any] | None = None,
+        lends: bool = False,
     ) -> Any:
         """Call fn; on a checked step, record the gradient's group norms and sample around the call.
-        `fn` returns the norm the call clipped with."""
+        `fn` returns the norm the call clipped with; with `lends` it is torch's clip_grad_norm_, which
+        takes the per-gradient norms the guard took just before it (see lending.py)."""
         from ..capture.arguments import clips_nothing
 
         if not self._checked or clips_nothing(fn_for_arguments or fn, args, kwargs):
             return fn(*args, **kwargs)  # max_norm=inf reads the norm: a measurement, not a clip call
         before = self._safely("measure", self._before_call)
-        result = fn(*args, **kwargs)
+        done, self._summary.lendable = self._summary.lendable, None
+        with lent(done if lends and before is not None else None):
+            result = fn(*args, **kwargs)
         recorded = before is not None and self._safely(
             "measure", lambda: self._record_call(before, fn_for_arguments or fn, args, kwargs, result)
         )
@@ -1451,6 +1457,11 @@ def _attached_guard(model: Any, optimizer: Any) -> Guard | None:
         if guard.active and guard.model is model:
             return guard
     return None
+
+
+_TORCH_CLIP_MODULES = ("torch.nn.utils", "torch.nn.utils.clip_grad")
+"""Where torch's own clip_grad_norm_ is intercepted (capture/intercept.py): the call the guard's norm
+pass is lent to."""
 
 
 def user_site() -> str:

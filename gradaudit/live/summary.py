@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..norms import NORM_RTOL_BY_DTYPE
 from .analysis_input import SHARDED, CallSummary, OwnershipGroup, RankSummary
+from .lending import NormPass
 
 if TYPE_CHECKING:
     import numpy as np
@@ -202,6 +203,8 @@ class LocalSummary:
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
         self.last_norms: tuple[torch.Tensor, tuple[int, ...]] | None = None
         """The per-piece norms of the latest measuring and the pieces they are of (on the device)."""
+        self.lendable: NormPass | None = None
+        """The norm pass of the latest `measure`, for the clip call it comes before (see lending.py)."""
         largest = sorted(range(len(self.pieces)), key=lambda i: (-math.prod(self.pieces[i].local_shape), i))
         self._sampled = tuple(i for i in largest if math.prod(self.pieces[i].local_shape) > 0)[:SAMPLE_PIECES]
         position = {piece: k for k, piece in enumerate(self.reader.order)}
@@ -211,15 +214,16 @@ class LocalSummary:
     def _grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         return self.reader.read()  # gradients that require grad (create_graph) are measured under no_grad
 
-    def measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
+    def measure(self) -> tuple[torch.Tensor | None, Any, Sampled]:
         """This rank's group terms now (see `terms`), the sample (see `sample`) of the gradients read
-        with them, and its elements as views of those gradients (a clip in place shows in them)."""
+        with them, and its elements as views of those gradients (a clip in place shows in them). The
+        norm pass is kept in `lendable` for the clip call that follows (see lending.py)."""
         import torch
 
         with torch.no_grad():
             return self._measure()
 
-    def _measure(self) -> tuple[torch.Tensor | None, torch.Tensor | None, Sampled]:
+    def _measure(self) -> tuple[torch.Tensor | None, Any, Sampled]:
         grads, present = self._grads()
         if present is self.reader.order:  # every piece has a gradient
             sampled = tuple((i, grads[k]) for i, k in self._sampled_at)
@@ -229,8 +233,8 @@ class LocalSummary:
         views = strided_views([grad for _, grad in sampled], SAMPLE_PER_PIECE)
         sampled = tuple((i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None)
         # the sample first, while the gradients just read are in the caches the norm pass then sweeps
-        sample = _float64_cat([view for _, view in sampled])
-        return self._terms(grads, present), sample, sampled
+        sample = float64_cat([view for _, view in sampled])
+        return self._terms(grads, present, lendable=True), sample, sampled
 
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
@@ -240,14 +244,19 @@ class LocalSummary:
         with torch.no_grad():
             return self._terms(*self._grads())
 
-    def _terms(self, grads: list[torch.Tensor], present: tuple[int, ...]) -> torch.Tensor | None:
+    def _terms(
+        self, grads: list[torch.Tensor], present: tuple[int, ...], *, lendable: bool = False
+    ) -> torch.Tensor | None:
         import torch
 
         if not grads:
             return None
         device = grads[0].device
-        norms = torch.stack(torch._foreach_norm(grads, self.norm_type)).to(torch.float64)
-        self.last_norms = (norms, present)
+        per_piece = torch._foreach_norm(grads, self.norm_type)
+        if lendable:
+            self.lendable = NormPass.made(grads, self.norm_type, per_piece)
+        stacked = torch.stack(per_piece)
+        self.last_norms = (stacked, present)
         key = () if present is self.reader.order else present  # every piece: no hash of the tuple
         index = self._index_cache.get(key)
         if index is None:
@@ -259,9 +268,13 @@ class LocalSummary:
             import numpy as np
 
             g, at = self.layout.num_groups, index.numpy()
-            summed = np.bincount(at, weights=norms.numpy() ** self.norm_type, minlength=g)
+            on_host = stacked.float() if stacked.dtype == torch.bfloat16 else stacked  # numpy has no bfloat16
+            summed = np.bincount(
+                at, weights=on_host.numpy().astype(np.float64) ** self.norm_type, minlength=g
+            )
             if np.isfinite(summed).all():
                 return torch.from_numpy(np.concatenate((summed, np.zeros(2 * g))))
+        norms = stacked.to(torch.float64)
         out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
         finite = norms.nan_to_num(0.0, 0.0, 0.0)
         power = finite if math.isinf(self.norm_type) else finite.pow(self.norm_type)
@@ -313,7 +326,7 @@ class LocalSummary:
         """Whether any of the sampled pieces (the largest) holds a gradient now."""
         return any(self._readers[i]() is not None for i in self._sampled)
 
-    def sample(self, sampled: Sampled | None = None) -> torch.Tensor | None:
+    def sample(self, sampled: Sampled | None = None) -> Any:
         """A fixed sample of this rank's gradient elements (float64, a few per large piece), from the
         views `measure` took (the gradients are clipped in place, so they show the clip), or read now."""
         if sampled is None:
@@ -321,12 +334,22 @@ class LocalSummary:
                 [g for i in self._sampled if (g := self._readers[i]()) is not None], SAMPLE_PER_PIECE
             )
         # a gradient freed since it was read (ZeRO frees its partitions inside the step) gives none
-        return _float64_cat([view for i, view in sampled if self._readers[i]() is not None])
+        return float64_cat([view for i, view in sampled if self._readers[i]() is not None])
 
 
-def strided_views(tensors: Sequence[torch.Tensor], per_tensor: int) -> list[torch.Tensor | None]:
-    """Per tensor, `per_tensor` evenly spaced elements as one strided view (None: not contiguous)."""
-    views: list[torch.Tensor | None] = []
+def strided_views(tensors: Sequence[torch.Tensor], per_tensor: int) -> list[Any]:
+    """Per tensor, `per_tensor` evenly spaced elements as one strided view (None: not contiguous). On the
+    host they are numpy views of the same memory, so that the few numbers are read after the model's
+    step without a tensor op each (see float64_cat); tensor views where numpy cannot see the memory
+    (a device, bfloat16, gradients that require grad)."""
+    try:
+        return _views(tensors, per_tensor, as_numpy=True)
+    except (TypeError, RuntimeError):
+        return _views(tensors, per_tensor, as_numpy=False)
+
+
+def _views(tensors: Sequence[torch.Tensor], per_tensor: int, *, as_numpy: bool) -> list[Any]:
+    views: list[Any] = []
     for tensor in tensors:
         if not tensor.is_contiguous():
             views.append(None)
@@ -334,38 +357,46 @@ def strided_views(tensors: Sequence[torch.Tensor], per_tensor: int) -> list[torc
         numel = tensor.numel()
         count = min(per_tensor, numel)
         stride = max(1, (numel - 1) // (count - 1)) if count > 1 else 1
-        # evenly spaced elements as one strided view (a third cheaper than index_select)
-        views.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
+        if as_numpy:
+            views.append(tensor.numpy().ravel()[: stride * (count - 1) + 1 : stride])
+        else:  # evenly spaced elements as one strided view (a third cheaper than index_select)
+            views.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
     return views
 
 
-def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> torch.Tensor | None:
+def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> Any:
     """`per_tensor` evenly spaced elements of each contiguous tensor, as one float64 copy (None: none)."""
-    return _float64_cat([view for view in strided_views(tensors, per_tensor) if view is not None])
+    return float64_cat([view for view in strided_views(tensors, per_tensor) if view is not None])
 
 
-def _float64_cat(views: list[torch.Tensor]) -> torch.Tensor | None:
+def float64_cat(views: list[Any]) -> Any:
+    """The views' elements as one float64 copy: a numpy array of numpy views, else a tensor."""
     import torch
 
     if not views:
         return None
+    if not isinstance(views[0], torch.Tensor):
+        import numpy as np
+
+        return np.concatenate(views, dtype=np.float64)
     return torch.cat(views).to(torch.float64)  # cat promotes mixed dtypes to the widest, exactly
 
 
-Sampled = tuple[tuple[int, "torch.Tensor"], ...]
-"""(piece index, a strided view of its sampled elements) of the sampled pieces, as read at one moment."""
+Sampled = tuple[tuple[int, Any], ...]
+"""(piece index, a strided view of its sampled elements: numpy on the host, see strided_views) of the sampled pieces, as read at one moment."""
 
 
-def coefficient(before: torch.Tensor | None, after: torch.Tensor | None) -> torch.Tensor | float:
-    """The least-squares factor between two samples of the same elements (nan when unknown)."""
+def coefficient(before: Any, after: Any) -> torch.Tensor | float:
+    """The least-squares factor between two samples of the same elements (nan when unknown): numpy
+    arrays on the host (two dots, no tensor op), else tensors on their device."""
     import torch
 
     if before is None or after is None or before.shape != after.shape:
         return math.nan
-    if before.device.type == "cpu":  # on the host: two numpy dots, no tensor op
-        b = before.numpy()
+    if not isinstance(before, torch.Tensor) or before.device.type == "cpu":
+        b, a = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (before, after))
         squared = float(b @ b)
-        return float(after.numpy() @ b) / squared if squared > 0 else math.nan
+        return float(a @ b) / squared if squared > 0 else math.nan
     denominator = torch.dot(before, before)
     return torch.where(denominator > 0, torch.dot(after, before) / denominator, math.nan)
 

@@ -1,0 +1,115 @@
+"""The guard's norm pass lent to torch's clip_grad_norm_ (live/lending.py): one pass over the gradients
+per checked step instead of two, the clip's numbers bit for bit what they are without the guard, and
+nothing lent that the clip would have computed differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradaudit
+from gradaudit.live.lending import NormPass, lent
+
+MAX_NORM = 1e-3
+
+
+def _run(tmp_path, *, guarded, steps=6, clip=None, dtype=torch.float32):
+    """Per step the clip's returned norm, the passes `torch._foreach_norm` made over the model's
+    gradients, and the weights at the end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = clip or (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
+    real, passes = torch._foreach_norm, []
+
+    def counted(tensors, *args, **kwargs):
+        passes.append(len(tensors))
+        return real(tensors, *args, **kwargs)
+
+    norms = []
+    torch._foreach_norm = counted
+    try:
+        guard = (
+            gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) if guarded else None
+        )
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(len(norms))).to(dtype)).pow(
+                2
+            ).sum().backward()
+            norms.append(clip(model))
+            opt.step()
+        if guard is not None:
+            assert guard.anomalies == []
+            guard.remove()
+    finally:
+        torch._foreach_norm = real
+    return norms, passes, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_clip_takes_the_guards_pass_and_returns_the_same_bits(tmp_path, dtype):
+    norms, passes, weights = _run(tmp_path / "none", guarded=False, dtype=dtype)
+    guarded_norms, guarded_passes, guarded_weights = _run(tmp_path / "guard", guarded=True, dtype=dtype)
+    assert passes == [8] * 6
+    assert guarded_passes == [8] * 6  # the guard's own; the clip took them instead of a second pass
+    assert [n.item() for n in guarded_norms] == [n.item() for n in norms]
+    assert all(torch.equal(a, b) for a, b in zip(weights, guarded_weights, strict=True))
+    assert torch._foreach_norm is not None and torch._foreach_norm.__name__ == "_foreach_norm"
+
+
+def test_a_users_clip_around_torchs_is_measured_and_lent_where_torchs_is_called(tmp_path):
+    """A clip function of the user's that scales the gradients in place before calling torch's: the
+    guard measures at torch's call, and the clip's norm is of what it is given, as without the guard."""
+
+    def halving_clip(model):
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+
+    norms, _, weights = _run(tmp_path / "none", guarded=False, clip=halving_clip)
+    guarded_norms, guarded_passes, guarded_weights = _run(tmp_path / "guard", guarded=True, clip=halving_clip)
+    assert [n.item() for n in guarded_norms] == [n.item() for n in norms]
+    assert all(torch.equal(a, b) for a, b in zip(weights, guarded_weights, strict=True))
+    assert guarded_passes == [8] * 6
+
+
+def test_a_pass_is_lent_only_to_the_same_tensors_unchanged_and_the_same_order():
+    grads = [torch.randn(3, 3) for _ in range(4)]
+    done = NormPass.made(grads, 2.0, torch._foreach_norm(grads, 2.0))
+    assert done.answers((list(grads), 2.0), {})
+    assert not done.answers((grads[::-1], 2.0), {})  # another order
+    assert not done.answers((grads[:3], 2.0), {})  # a part
+    assert not done.answers(([g.clone() for g in grads], 2.0), {})  # equal numbers, other tensors
+    assert not done.answers((grads, 1.0), {})  # another order of norm
+    assert not done.answers((grads, 2.0), {"dtype": torch.float64})  # asked in another dtype
+    grads[1].add_(1.0)
+    assert not done.answers((grads, 2.0), {})  # changed in place since
+
+
+def test_the_lent_pass_answers_inside_the_block_only_and_other_calls_go_through():
+    grads = [torch.randn(5) for _ in range(3)]
+    done = NormPass.made(grads, 2.0, torch._foreach_norm(grads, 2.0))
+    real = torch._foreach_norm
+    with lent(done):
+        assert torch._foreach_norm is not real
+        again = torch._foreach_norm(grads, 2.0)
+        other = torch._foreach_norm([torch.ones(4)], 2.0)
+        assert all(a is b for a, b in zip(again, done.norms, strict=True))
+        assert other[0].item() == 2.0
+    assert torch._foreach_norm is real
+    with pytest.raises(ValueError), lent(done):
+        raise ValueError("the clip failed")
+    assert torch._foreach_norm is real  # restored when the call raises
+
+
+def test_the_pass_is_not_held_past_the_clip_call(tmp_path):
+    """The guard keeps no reference to the step's gradients after the clip (zero_grad frees them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert guard._summary.lendable is None
+        opt.step()
