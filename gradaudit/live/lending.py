@@ -1,9 +1,14 @@
 """The guard's norm pass, lent to the clip call it measured. torch's `clip_grad_norm_` takes the norm of
 each gradient with one `torch._foreach_norm` right after the guard took the same norms of the same
 tensors the same way. While that call runs, a `_foreach_norm` over exactly the guard's tensors (the same
-objects, in the same order, unchanged since: their version counters), of the same order, returns the
-guard's results: the same kernel on the same numbers gives the same bits, so the clip computes what it
-would have, without a second pass. Any other call goes through to torch.
+objects, in the same order), of the same order of norm, returns the guard's results: the same kernel on
+the same numbers gives the same bits, so the clip computes what it would have, without a second pass.
+Any other call goes through to torch.
+
+The numbers are the same because torch's clip writes nothing before its norm and nothing runs between
+the guard's pass and the call. That is why only torch's own clip call is lent to (the guard decides):
+the version counters checked here catch an ordinary in-place op, but not every write moves them
+(GradScaler's unscale kernel, `.data`, collectives do not), and a framework's clip may unscale first.
 """
 
 from __future__ import annotations

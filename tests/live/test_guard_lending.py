@@ -19,7 +19,7 @@ def _run(tmp_path, *, guarded, steps=6, clip=None, dtype=torch.float32):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    clip = clip or (lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
+    clip = clip or (lambda m, _: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
     real, passes = torch._foreach_norm, []
 
     def counted(tensors, *args, **kwargs):
@@ -37,7 +37,7 @@ def _run(tmp_path, *, guarded, steps=6, clip=None, dtype=torch.float32):
             model(torch.randn(4, 8, generator=torch.Generator().manual_seed(len(norms))).to(dtype)).pow(
                 2
             ).sum().backward()
-            norms.append(clip(model))
+            norms.append(clip(model, guard))
             opt.step()
         if guard is not None:
             assert guard.anomalies == []
@@ -62,7 +62,7 @@ def test_a_users_clip_around_torchs_is_measured_and_lent_where_torchs_is_called(
     """A clip function of the user's that scales the gradients in place before calling torch's: the
     guard measures at torch's call, and the clip's norm is of what it is given, as without the guard."""
 
-    def halving_clip(model):
+    def halving_clip(model, _):
         for p in model.parameters():
             p.grad.mul_(0.5)
         return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
@@ -72,6 +72,31 @@ def test_a_users_clip_around_torchs_is_measured_and_lent_where_torchs_is_called(
     assert [n.item() for n in guarded_norms] == [n.item() for n in norms]
     assert all(torch.equal(a, b) for a, b in zip(weights, guarded_weights, strict=True))
     assert guarded_passes == [8] * 6
+
+
+def test_a_clip_that_unscales_inside_the_call_is_not_lent_to(tmp_path):
+    """GradScaler's unscale kernel writes the gradients without moving their version counters: a call
+    that unscales them before torch's clip (Accelerate's, DeepSpeed's, `guard.clip_unscaling`) must not
+    get the norms of the scaled gradients. Only torch's own clip call, which writes nothing before its
+    norm, is lent to."""
+
+    def unscale(model):
+        grads = [p.grad for p in model.parameters()]
+        versions = [g._version for g in grads]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.full((1,), 0.5))
+        assert [g._version for g in grads] == versions  # what makes the version check not enough here
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+
+    def unscaling_clip(model, guard):
+        return guard.clip_unscaling(2.0, unscale, model) if guard is not None else unscale(model)
+
+    norms, passes, weights = _run(tmp_path / "none", guarded=False, clip=unscaling_clip)
+    guarded_norms, guarded_passes, guarded_weights = _run(
+        tmp_path / "guard", guarded=True, clip=unscaling_clip
+    )
+    assert [n.item() for n in guarded_norms] == [n.item() for n in norms]
+    assert all(torch.equal(a, b) for a, b in zip(weights, guarded_weights, strict=True))
+    assert passes == [8] * 6 and guarded_passes == [8] * 12  # the guard's, and the clip's own
 
 
 def test_a_pass_is_lent_only_to_the_same_tensors_unchanged_and_the_same_order():
