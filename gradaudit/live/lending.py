@@ -38,7 +38,7 @@ class NormPass:
             versions: list[int] | None = list(map(_VERSION, tensors))
         except RuntimeError:  # inference tensors keep no version counter
             versions = None
-        return cls(list(tensors), ord, norms, versions)
+        return cls(tensors, ord, norms, versions)
 
     def answers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether `_foreach_norm(*args, **kwargs)` asks for this pass again, unchanged."""
