@@ -5,10 +5,11 @@ objects, in the same order), of the same order of norm, returns the guard's resu
 the same numbers gives the same bits, so the clip computes what it would have, without a second pass.
 Any other call goes through to torch.
 
-The numbers are the same because torch's clip writes nothing before its norm and nothing runs between
-the guard's pass and the call. That is why only torch's own clip call is lent to (the guard decides):
-the version counters checked here catch an ordinary in-place op, but not every write moves them
-(GradScaler's unscale kernel, `.data`, collectives do not), and a framework's clip may unscale first.
+The numbers are the same because nothing writes the gradients between the guard's pass and the clip's:
+the guard lends only to torch's own clip call, entered right after its pass, which writes nothing
+before its norm. A framework's clip may unscale the gradients first (Accelerate's, DeepSpeed's), and
+version counters would not show it (GradScaler's unscale kernel, `.data` and collectives leave them as
+they were), so those calls make their own pass.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-_VERSION = operator.attrgetter("_version")
-
 
 @dataclass(frozen=True)
 class NormPass:
@@ -29,27 +28,16 @@ class NormPass:
     tensors: list[Any]
     ord: float
     norms: tuple[Any, ...]
-    versions: list[int] | None = None
-    """The tensors' version counters when the pass was made (None: not readable, nothing is lent)."""
-
-    @classmethod
-    def made(cls, tensors: list[Any], ord: float, norms: tuple[Any, ...]) -> NormPass:
-        try:
-            versions: list[int] | None = list(map(_VERSION, tensors))
-        except RuntimeError:  # inference tensors keep no version counter
-            versions = None
-        return cls(tensors, ord, norms, versions)
 
     def answers(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether `_foreach_norm(*args, **kwargs)` asks for this pass again, unchanged."""
-        if kwargs or len(args) != 2 or self.versions is None:
+        """Whether `_foreach_norm(*args, **kwargs)` asks for this pass again."""
+        if kwargs or len(args) != 2:
             return False
         tensors, ord = args
         return (
             ord == self.ord
             and len(tensors) == len(self.tensors)
             and all(map(operator.is_, tensors, self.tensors))
-            and list(map(_VERSION, tensors)) == self.versions
         )
 
 

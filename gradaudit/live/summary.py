@@ -254,7 +254,7 @@ class LocalSummary:
         device = grads[0].device
         per_piece = torch._foreach_norm(grads, self.norm_type)
         if lendable:
-            self.lendable = NormPass.made(grads, self.norm_type, per_piece)
+            self.lendable = NormPass(grads, self.norm_type, per_piece)
         stacked = torch.stack(per_piece)
         self.last_norms = (stacked, present)
         key = () if present is self.reader.order else present  # every piece: no hash of the tuple

@@ -84,7 +84,7 @@ def test_a_clip_that_unscales_inside_the_call_is_not_lent_to(tmp_path):
         grads = [p.grad for p in model.parameters()]
         versions = [g._version for g in grads]
         torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.full((1,), 0.5))
-        assert [g._version for g in grads] == versions  # what makes the version check not enough here
+        assert [g._version for g in grads] == versions  # why a version check could not tell
         return torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
 
     def unscaling_clip(model, guard):
@@ -99,22 +99,20 @@ def test_a_clip_that_unscales_inside_the_call_is_not_lent_to(tmp_path):
     assert passes == [8] * 6 and guarded_passes == [8] * 12  # the guard's, and the clip's own
 
 
-def test_a_pass_is_lent_only_to_the_same_tensors_unchanged_and_the_same_order():
+def test_a_pass_is_lent_only_to_the_same_tensors_in_the_same_order():
     grads = [torch.randn(3, 3) for _ in range(4)]
-    done = NormPass.made(grads, 2.0, torch._foreach_norm(grads, 2.0))
+    done = NormPass(grads, 2.0, torch._foreach_norm(grads, 2.0))
     assert done.answers((list(grads), 2.0), {})
     assert not done.answers((grads[::-1], 2.0), {})  # another order
     assert not done.answers((grads[:3], 2.0), {})  # a part
     assert not done.answers(([g.clone() for g in grads], 2.0), {})  # equal numbers, other tensors
     assert not done.answers((grads, 1.0), {})  # another order of norm
     assert not done.answers((grads, 2.0), {"dtype": torch.float64})  # asked in another dtype
-    grads[1].add_(1.0)
-    assert not done.answers((grads, 2.0), {})  # changed in place since
 
 
 def test_the_lent_pass_answers_inside_the_block_only_and_other_calls_go_through():
     grads = [torch.randn(5) for _ in range(3)]
-    done = NormPass.made(grads, 2.0, torch._foreach_norm(grads, 2.0))
+    done = NormPass(grads, 2.0, torch._foreach_norm(grads, 2.0))
     real = torch._foreach_norm
     with lent(done):
         assert torch._foreach_norm is not real
