@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+import torch.distributed as dist
 
 WAIT_S = 10.0
 """How long a rank waits for the others' part of an exchange before it reads it later instead."""
@@ -61,8 +61,6 @@ class Channel:
     @classmethod
     def open(cls, world_size: int, wait_s: float = WAIT_S) -> Channel:
         """The channel of a world of `world_size` ranks; every rank must open it at the same point."""
-        import torch.distributed as dist
-
         if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, wait_s)
         timeout = timedelta(seconds=max(GROUP_TIMEOUT_S, 4 * wait_s))
@@ -76,9 +74,6 @@ class Channel:
 
     def post(self, step: int, vector: torch.Tensor, kind: str = "rows") -> Exchange:
         """All-gather `vector` (a 1-D host tensor, the same size on every rank) without waiting."""
-        import torch
-        import torch.distributed as dist
-
         if self.groups is None:
             return Exchange(step=step, vector=vector, gathered=vector)
         gathered = torch.empty(self.world_size * vector.numel(), dtype=vector.dtype)
@@ -92,8 +87,6 @@ class Channel:
     ) -> Exchange:
         """All-reduce (sum) `vector` in place (a 1-D float64 host tensor, the same size on every rank)
         without waiting; `row` is kept with it."""
-        import torch.distributed as dist
-
         if self.groups is None:
             return Exchange(step=step, vector=vector, gathered=vector, row=row)
         work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.groups[kind], async_op=True)
@@ -120,8 +113,6 @@ class Channel:
     def exchange_bytes(self, mine: bytes, wait_s: float) -> list[bytes]:
         """Every rank's `mine`, in rank order: sizes first, then the padded bytes, each wait bounded by
         `wait_s`. Raises ChannelError when a rank does not take part in time."""
-        import torch
-
         if self.groups is None:
             return [mine]
         sizes = self._all(torch.tensor([float(len(mine))], dtype=torch.float64), wait_s, "sizes")

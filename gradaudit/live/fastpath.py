@@ -28,13 +28,13 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
+
 from ..norms import NORM_RTOL_BY_DTYPE, expected_clip_coef, is_inf_norm, norm_from_total
 from .summary import CHANGED, CLOCK, FAILED, GRAD_DTYPES, HEADER, OFF, OK, SKIP, STEP, VectorLayout
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    import numpy as np
 
     from ..model import Topology
     from .analysis_input import OwnershipGroup
@@ -126,8 +126,6 @@ class Reduction:
         """This rank's part of the sum, from its row (see summary.VectorLayout). In Python numbers, not
         numpy operations: it runs right after the model's step, when a few dozen small numpy calls cost
         several times what they cost warm (see bench/guard_fixed.py's cold-against-warm line)."""
-        import numpy as np
-
         g, count, r = self.num_groups, len(_EQUAL), row.tolist()
         status = r[0]
         out = [1.0, *(float(status == value) for value in _STATUSES), float(r[CHANGED] == 1.0), 0.0, 0.0]

@@ -19,6 +19,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
+
+from ..capture.arguments import CallRecord, clips_nothing, norm_results
 from ..errors import CaptureError, GradauditError
 from ..model import Topology
 from ..version import __version__
@@ -55,10 +58,8 @@ from .writing import FULL_CAPTURES, TrendAppender, attempt_folder, earlier_attem
 if TYPE_CHECKING:
     from types import TracebackType
 
-    import torch
     from torch.utils.hooks import RemovableHandle
 
-    from ..capture.arguments import CallRecord
     from ..capture.ownership import LocalPiece
     from ..capture.session import AuditStep
     from ..dumpfile.dump import RankDump
@@ -489,8 +490,6 @@ class Guard:
         """Call fn; on a checked step, record the gradient's group norms and sample around the call.
         `fn` returns the norm the call clipped with; with `lends` it is torch's clip_grad_norm_, which
         takes the per-gradient norms the guard took just before it (see lending.py)."""
-        from ..capture.arguments import clips_nothing
-
         if not self._checked or clips_nothing(fn_for_arguments or fn, args, kwargs):
             return fn(*args, **kwargs)  # max_norm=inf reads the norm: a measurement, not a clip call
         before = self._safely("measure", self._before_call)
@@ -546,7 +545,6 @@ class Guard:
         kwargs: Any,
         result: Any,
     ) -> bool:
-        from ..capture.arguments import CallRecord, norm_results
 
         terms, sample, sampled, unscaled_before = before
         if self._scaler is not None:
@@ -675,8 +673,6 @@ class Guard:
     def _send(self, vector: Any) -> None:
         """Post `vector` to the other ranks (a device vector once its copy to the host is done); a rank
         that cannot post stops its guard (the others stop theirs when its numbers do not come)."""
-        import torch
-
         try:
             if vector.device.type == "cpu":
                 self._post(self.step, vector)
@@ -710,8 +706,6 @@ class Guard:
 
     def _post(self, step: int, row: Any) -> None:
         """Post this rank's part of the step's one sum (see fastpath); its row goes with it."""
-        import torch
-
         assert self._channel is not None
         part = self._reduction.contribution(row.numpy(), self._role, self._declared(step))
         self._exchange = self._channel.post_sum(step, torch.from_numpy(part), row)
@@ -1033,8 +1027,6 @@ class Guard:
     def _say_spike(self, step: int, line: TrendLine, note: str) -> None:
         """Name the parameters holding most of the spike's Σg² (one exchange of their sums, every rank
         taking part) and write this rank's statistics of them (max_dumps spike dumps at most)."""
-        import torch
-
         from ..dumpfile.writer import write_rank_file
         from .spike import shares_text, top_shares
 
@@ -1287,8 +1279,6 @@ class Guard:
 
     def _stamped(self, dump: RankDump) -> RankDump:
         """`dump` as the guard writes it: where and by what it was made, and why."""
-        import torch
-
         return dataclasses.replace(
             dump,
             host=socket.gethostname(),
@@ -1333,8 +1323,6 @@ class Guard:
         its group terms were summed from them: divided by the loss scale where the clip call unscaled
         the gradients itself (see `_record_call`). None when they are not known, or do not sum to its
         terms (a scale the rows do not hold): its pieces are then dumped without statistics."""
-        import torch
-
         norms = self._said_of.get(live.step, ((), None))[1]
         if norms is None:
             return None
@@ -1528,8 +1516,6 @@ def _ownership_keys(
 def _unscaled(terms: Any, sample: Any, scale: float, norm_type: float, num_groups: int) -> tuple[Any, Any]:
     """Group terms (p-th powers of norms, then nonfinite counts) and a sample measured on gradients
     multiplied by the loss scale, as they are once it is divided out."""
-    import torch
-
     if terms is not None:
         power = scale if math.isinf(norm_type) else scale**norm_type
         terms = torch.cat((terms[:num_groups] / power, terms[num_groups:]))
@@ -1567,7 +1553,6 @@ def _numbers(line: TrendLine) -> str:
 
 
 def _device_of(model: Any) -> Any:
-    import torch
 
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
@@ -1576,7 +1561,6 @@ def _device_of(model: Any) -> Any:
 
 
 def _no_parameters() -> torch.nn.Module:
-    import torch
 
     return torch.nn.Module()
 

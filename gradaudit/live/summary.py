@@ -9,19 +9,23 @@ elements (a few per piece, read before and after a clip call), so no second pass
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from ..norms import NORM_RTOL_BY_DTYPE
 from .analysis_input import SHARDED, CallSummary, OwnershipGroup, RankSummary
 from .lending import NormPass
 
 if TYPE_CHECKING:
-    import numpy as np
-    import torch
-
     from ..capture.arguments import CallRecord
     from ..capture.ownership import LocalPiece
     from ..model import Topology
@@ -31,6 +35,8 @@ MAX_CALLS = 4
 SAMPLE_PIECES = 16
 """The largest pieces of a rank each give SAMPLE_PER_PIECE elements to the coefficient's sample."""
 SAMPLE_PER_PIECE = 8
+_GRAD = operator.attrgetter("grad")
+_NONES = itertools.repeat(None)
 NONFINITE_SLOTS = 4
 """Pieces whose gradient was nonfinite before the step's first clip call, named by their index in the
 rank's ownership (every rank knows every rank's, from attaching): the row's last numbers."""
@@ -81,8 +87,6 @@ class VectorLayout:
     ) -> dict[int, RankSummary]:
         """Every rank's summary from the gathered matrix (every status OK; rank k's row k), read a
         column at a time (a failing step unpacks every rank's)."""
-        import numpy as np
-
         rows = np.asarray(rows, dtype=np.float64)
         g, h, n = self.num_groups, HEADER, rows.shape[0]
         counted = rows[:, [1, *range(h + g, h + 3 * g)]]
@@ -208,8 +212,11 @@ class LocalSummary:
         largest = sorted(range(len(self.pieces)), key=lambda i: (-math.prod(self.pieces[i].local_shape), i))
         self._sampled = tuple(i for i in largest if math.prod(self.pieces[i].local_shape) > 0)[:SAMPLE_PIECES]
         position = {piece: k for k, piece in enumerate(self.reader.order)}
-        self._sampled_at = tuple((i, position[i]) for i in self._sampled)
-        """The sampled pieces and where `read` gives their gradients when every piece has one."""
+        self._sampled_at = operator.itemgetter(*(position[i] for i in self._sampled), 0)
+        """Where `read` gives the sampled pieces' gradients when every piece has one (and one more, so
+        that it always gives a tuple)."""
+        self._sampled_grads = _grads_getter([self._readers[i] for i in self._sampled])
+        """The sampled pieces' gradients now, read in one C-level map when they are whole parameters."""
 
     def _grads(self) -> tuple[list[torch.Tensor], tuple[int, ...]]:
         return self.reader.read()  # gradients that require grad (create_graph) are measured under no_grad
@@ -218,20 +225,21 @@ class LocalSummary:
         """This rank's group terms now (see `terms`), the sample (see `sample`) of the gradients read
         with them, and its elements as views of those gradients (a clip in place shows in them). The
         norm pass is kept in `lendable` for the clip call that follows (see lending.py)."""
-        import torch
-
         with torch.no_grad():
             return self._measure()
 
     def _measure(self) -> tuple[torch.Tensor | None, Any, Sampled]:
         grads, present = self._grads()
-        if present is self.reader.order:  # every piece has a gradient
-            sampled = tuple((i, grads[k]) for i, k in self._sampled_at)
+        if present is self.reader.order and self._sampled:  # every piece has a gradient
+            pieces, tensors = self._sampled, self._sampled_at(grads)[:-1]
         else:
             by_piece = dict(zip(present, grads, strict=True))
-            sampled = tuple((i, by_piece[i]) for i in self._sampled if i in by_piece)
-        views = strided_views([grad for _, grad in sampled], SAMPLE_PER_PIECE)
-        sampled = tuple((i, view) for (i, _), view in zip(sampled, views, strict=True) if view is not None)
+            pieces = tuple(i for i in self._sampled if i in by_piece)
+            tensors = tuple(by_piece[i] for i in pieces)
+        views = strided_views(tensors, SAMPLE_PER_PIECE)
+        sampled = tuple(zip(pieces, views, strict=True))
+        if not all(map(operator.is_not, views, _NONES)):
+            sampled = tuple((i, view) for i, view in sampled if view is not None)
         # the sample first, while the gradients just read are in the caches the norm pass then sweeps
         sample = float64_cat([view for _, view in sampled])
         return self._terms(grads, present, lendable=True), sample, sampled
@@ -239,23 +247,20 @@ class LocalSummary:
     def terms(self) -> torch.Tensor | None:
         """[terms per group, pieces with a nan per group, pieces with an inf per group] in float64, on
         the gradients' device; None when no piece has a gradient."""
-        import torch
-
         with torch.no_grad():
             return self._terms(*self._grads())
 
     def _terms(
         self, grads: list[torch.Tensor], present: tuple[int, ...], *, lendable: bool = False
     ) -> torch.Tensor | None:
-        import torch
 
         if not grads:
             return None
         device = grads[0].device
         per_piece = torch._foreach_norm(grads, self.norm_type)
-        if lendable:
-            self.lendable = NormPass(grads, self.norm_type, per_piece)
         stacked = torch.stack(per_piece)
+        if lendable:
+            self.lendable = NormPass(grads, self.norm_type, per_piece, stacked)
         self.last_norms = (stacked, present)
         key = () if present is self.reader.order else present  # every piece: no hash of the tuple
         index = self._index_cache.get(key)
@@ -265,7 +270,6 @@ class LocalSummary:
         if device.type == "cpu" and not math.isinf(self.norm_type):
             # on the host the norms are read at no cost and summed per group by numpy (no tensor op per
             # number); the pieces with a nan or an inf are counted only when the total is not finite
-            import numpy as np
 
             g, at = self.layout.num_groups, index.numpy()
             on_host = stacked.float() if stacked.dtype == torch.bfloat16 else stacked  # numpy has no bfloat16
@@ -288,8 +292,6 @@ class LocalSummary:
     def nonfinite_pieces(self, norms: tuple[torch.Tensor, tuple[int, ...]]) -> torch.Tensor:
         """The indices (float64, nan-padded) of the first NONFINITE_SLOTS pieces whose norm in `norms` is
         not finite, found on the norms' device without reading them back."""
-        import torch
-
         values, present = norms
         order = self._index_cache.get((-1,) + present)
         if order is None:
@@ -309,8 +311,6 @@ class LocalSummary:
     def weight_terms(self) -> torch.Tensor | None:
         """Per group, sum w^2 of the replicated pieces' weights now (float64, on their device; 0 for
         the groups no replica holds): one fused norm pass over those pieces only."""
-        import torch
-
         weights, present = self.reader.read_weights()
         if not weights:
             return None
@@ -334,6 +334,8 @@ class LocalSummary:
                 [g for i in self._sampled if (g := self._readers[i]()) is not None], SAMPLE_PER_PIECE
             )
         # a gradient freed since it was read (ZeRO frees its partitions inside the step) gives none
+        if len(sampled) == len(self._sampled) and all(map(operator.is_not, self._sampled_grads(), _NONES)):
+            return float64_cat([view for _, view in sampled])
         return float64_cat([view for i, view in sampled if self._readers[i]() is not None])
 
 
@@ -349,19 +351,41 @@ def strided_views(tensors: Sequence[torch.Tensor], per_tensor: int) -> list[Any]
 
 
 def _views(tensors: Sequence[torch.Tensor], per_tensor: int, *, as_numpy: bool) -> list[Any]:
+    if as_numpy:
+        return [
+            tensor.numpy().ravel()[_spacing(tensor.numel(), per_tensor)[2]]
+            if tensor.is_contiguous()
+            else None
+            for tensor in tensors
+        ]
     views: list[Any] = []
     for tensor in tensors:
         if not tensor.is_contiguous():
             views.append(None)
             continue
-        numel = tensor.numel()
-        count = min(per_tensor, numel)
-        stride = max(1, (numel - 1) // (count - 1)) if count > 1 else 1
-        if as_numpy:
-            views.append(tensor.numpy().ravel()[: stride * (count - 1) + 1 : stride])
-        else:  # evenly spaced elements as one strided view (a third cheaper than index_select)
-            views.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
+        count, stride, _ = _spacing(tensor.numel(), per_tensor)
+        # evenly spaced elements as one strided view (a third cheaper than index_select)
+        views.append(tensor.as_strided((count,), (stride,), tensor.storage_offset()))
     return views
+
+
+@functools.lru_cache(maxsize=1024)
+def _spacing(numel: int, per_tensor: int) -> tuple[int, int, slice]:
+    """Of a tensor of `numel` elements: how many the sample takes, their stride, and the slice of them."""
+    count = min(per_tensor, numel)
+    stride = max(1, (numel - 1) // (count - 1)) if count > 1 else 1
+    return count, stride, slice(0, stride * (count - 1) + 1, stride)
+
+
+def _grads_getter(readers: Sequence[Callable[[], Any]]) -> Callable[[], list[Any]]:
+    """What reads these readers' gradients: one map of `.grad` when each reads a whole parameter's
+    (capture.plain.grad_now), else each reader."""
+    from ..capture.plain import grad_now
+
+    params = [r.args[0] for r in readers if isinstance(r, functools.partial) and r.func is grad_now]
+    if len(params) == len(readers):
+        return lambda: list(map(_GRAD, params))
+    return lambda: [read() for read in readers]
 
 
 def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> Any:
@@ -371,13 +395,9 @@ def strided_sample(tensors: Sequence[torch.Tensor], per_tensor: int) -> Any:
 
 def float64_cat(views: list[Any]) -> Any:
     """The views' elements as one float64 copy: a numpy array of numpy views, else a tensor."""
-    import torch
-
     if not views:
         return None
     if not isinstance(views[0], torch.Tensor):
-        import numpy as np
-
         return np.concatenate(views, dtype=np.float64)
     return torch.cat(views).to(torch.float64)  # cat promotes mixed dtypes to the widest, exactly
 
@@ -389,8 +409,6 @@ Sampled = tuple[tuple[int, Any], ...]
 def coefficient(before: Any, after: Any) -> torch.Tensor | float:
     """The least-squares factor between two samples of the same elements (nan when unknown): numpy
     arrays on the host (two dots, no tensor op), else tensors on their device."""
-    import torch
-
     if before is None or after is None or before.shape != after.shape:
         return math.nan
     if not isinstance(before, torch.Tensor) or before.device.type == "cpu":
@@ -414,11 +432,7 @@ def pack(
 ) -> torch.Tensor:
     """This rank's vector: on a device, device tensors are copied in there (no host sync); on the host
     it is written as one numpy array (a few numbers read at no cost, no tensor op per number)."""
-    import torch
-
     if torch.device(device).type == "cpu":
-        import numpy as np
-
         host = np.full(layout.size, math.nan)
         _fill(host, layout, terms, applied_coef, calls, num_calls, scaler, grad_dtype, _put_host)
         return torch.from_numpy(host)
@@ -458,8 +472,6 @@ def _fill(
 
 def status_vector(layout: VectorLayout, status: float, device: Any = "cpu") -> torch.Tensor:
     """The vector of a rank that takes part without measurements (FAILED, OFF or SKIP)."""
-    import torch
-
     vector = torch.full((layout.size,), math.nan, dtype=torch.float64, device=device)
     vector[0] = status
     return vector
@@ -475,8 +487,6 @@ def stamped(vector: torch.Tensor, *, step: int, clock: int, changed: bool) -> to
 def _put(vector: torch.Tensor, at: int | slice, value: Any) -> None:
     """Write `value` (a tensor, a number, or None) at `at` on the vector's device; a span with no
     value is zero (no terms: nothing measured)."""
-    import torch
-
     if isinstance(at, slice):
         vector[at].copy_(value) if value is not None else vector[at].zero_()
         return
@@ -493,23 +503,23 @@ def _put(vector: torch.Tensor, at: int | slice, value: Any) -> None:
 
 def _put_host(vector: np.ndarray, at: int | slice, value: Any) -> None:
     """`_put` on the host's numpy array: a host tensor's numbers are read as they are."""
-    import torch
-
     if isinstance(at, slice):
-        if value is None:
-            vector[at] = 0.0
-        else:
-            vector[at] = (
-                value.detach().to(torch.float64).numpy() if isinstance(value, torch.Tensor) else value
-            )
+        vector[at] = 0.0 if value is None else _host_numbers(value)
         return
     if value is None:
         return
     try:
-        vector[at] = (
-            (value.detach().reshape(-1)[0] if value.dim() else value).item()
-            if isinstance(value, torch.Tensor)
-            else float(value)
-        )
-    except (TypeError, ValueError, IndexError, RuntimeError):
-        return
+        vector[at] = float(value)  # a number, or a tensor of one element
+    except (TypeError, ValueError, RuntimeError):
+        with contextlib.suppress(AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+            vector[at] = value.detach().reshape(-1)[0].item()  # a tensor of several: its first
+
+
+def _host_numbers(value: Any) -> Any:
+    """A host tensor's numbers as numpy reads them (no copy where it can), else `value` itself."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    try:
+        return value.numpy()
+    except (TypeError, RuntimeError):  # it requires grad, or numpy has not its dtype (bfloat16)
+        return value.detach().to(torch.float64).numpy()

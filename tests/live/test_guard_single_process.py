@@ -454,3 +454,20 @@ def test_a_guard_and_an_audit_of_the_same_step_both_record_its_clip_call(tmp_pat
 
     report = audit_folder(tmp_path / "dumps" / "step_2", AuditOptions())
     assert [f.code for f in report.findings if f.severity.name == "ERROR"] == []
+
+
+def test_a_gradient_freed_between_the_clip_and_the_step_leaves_the_coefficient_unmeasured_not_wrong(tmp_path):
+    model, opt = _setup()
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        for step in range(1, 5):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            if step == 3:
+                model[0].weight.grad = None  # the largest piece, sampled: the optimizer skips it
+            opt.step()
+    lines = {line["step"]: line for line in _trend(tmp_path)}
+    assert guard.anomalies == [] and sorted(lines) == [1, 2, 3, 4]
+    assert all(line["verdict"] == "ok" for line in lines.values())
+    assert lines[3]["min_coef"] is None and lines[3]["max_coef"] is None
+    assert all(lines[step]["min_coef"] == pytest.approx(lines[step]["expected_coef"]) for step in (1, 2, 4))
