@@ -1,6 +1,7 @@
 """A correct FSDP2 step with AdamW on an attention model with a qkv bias, against the reference that
 gradaudit.run_reference writes from the same training function: no GA603, and the next-weights
-differences that Adam makes of the near-zero key-bias gradient are explained (GA604)."""
+differences that Adam makes of the near-zero key-bias gradient, where they pass the tolerance, are
+explained (GA604; tests/test_pipeline.py makes one on purpose)."""
 
 from __future__ import annotations
 
@@ -47,9 +48,14 @@ def test_a_correct_adamw_step_with_a_qkv_bias_matches_its_reference_without_ga60
     assert errors == set(), [(f.code, f.message) for f in report.findings]
     bad = [c for c in report.reference if not c.within_tolerance]
     assert {c.kind for c in bad} <= {"param_after"}
-    (explained,) = [f for f in report.findings if f.code == "GA604"]
-    assert set(explained.params) == {c.param for c in bad} == {"blocks.0.attn.qkv.bias"}
-    assert explained.evidence["num_near_zero_gradient_elements"] >= 1
+    assert any(c.param == "blocks.0.attn.qkv.bias" and c.kind == "param_after" for c in report.reference)
+    # Whether Adam lifts the rounding differences of the near-zero key-bias gradient above the
+    # tolerance depends on the CPU's kernels (a relative 7.9e-5 on one machine, over 1e-4 on another):
+    # every next-weights difference that does is explained by GA604, and nothing else is.
+    explained = [f for f in report.findings if f.code == "GA604"]
+    assert {p for f in explained for p in f.params} == {c.param for c in bad}
+    assert {c.param for c in bad} <= {"blocks.0.attn.qkv.bias"}
+    assert all(f.evidence["num_near_zero_gradient_elements"] >= 1 for f in explained)
 
 
 def test_run_reference_refuses_to_run_inside_a_rank_of_the_sharded_run():

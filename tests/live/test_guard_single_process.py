@@ -32,6 +32,17 @@ def _steps(model, opt, count, *, clips=1):
         opt.step()
 
 
+def _steps_with(model, opt, count, after_clip):
+    """`count` steps, numbered from 1; `after_clip(step, norm)` runs between the clip and the
+    optimizer step, which is taken only when it returns True."""
+    for step in range(1, count + 1):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if after_clip(step, norm):
+            opt.step()
+
+
 def _trend(out):
     return [json.loads(line) for line in (out / TREND_FILE).read_text().splitlines()]
 
@@ -412,15 +423,15 @@ def test_a_max_norm_schedule_given_as_a_function_of_the_step_is_followed(tmp_pat
 
 def test_a_step_the_training_discards_after_clipping_is_not_counted_toward_the_next(tmp_path):
     model, opt = _setup()
-    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
-        for step in range(1, 5):
+
+    def skip_batch_two(step, norm):
+        if step == 2 or not torch.isfinite(norm):  # the user's own "skip this batch"
             opt.zero_grad()
-            model(torch.randn(4, 8)).pow(2).sum().backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            if step == 2 or not torch.isfinite(norm):  # the user's own "skip this batch"
-                opt.zero_grad()
-                continue
-            opt.step()
+            return False
+        return True
+
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
+        _steps_with(model, opt, 4, skip_batch_two)
     assert guard.anomalies == []  # before: GA501 at the step after the discarded one
     assert [line["step"] for line in _trend(tmp_path)] == [1, 2, 3]
 
@@ -458,14 +469,14 @@ def test_a_guard_and_an_audit_of_the_same_step_both_record_its_clip_call(tmp_pat
 
 def test_a_gradient_freed_between_the_clip_and_the_step_leaves_the_coefficient_unmeasured_not_wrong(tmp_path):
     model, opt = _setup()
+
+    def free_at_three(step, _):
+        if step == 3:
+            model[0].weight.grad = None  # the largest piece, sampled: the optimizer skips it
+        return True
+
     with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path) as guard:
-        for step in range(1, 5):
-            opt.zero_grad()
-            model(torch.randn(4, 8)).pow(2).sum().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            if step == 3:
-                model[0].weight.grad = None  # the largest piece, sampled: the optimizer skips it
-            opt.step()
+        _steps_with(model, opt, 4, free_at_three)
     lines = {line["step"]: line for line in _trend(tmp_path)}
     assert guard.anomalies == [] and sorted(lines) == [1, 2, 3, 4]
     assert all(line["verdict"] == "ok" for line in lines.values())
