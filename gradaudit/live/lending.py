@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _foreach_utils
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,6 @@ _DTYPE = operator.attrgetter("dtype")
 
 def _has_foreach_kernels(device: Any) -> bool:
     """Whether torch's clip takes the norms on `device` with `_foreach_norm` (else one by one)."""
-    from torch.utils import _foreach_utils
-
     supported = getattr(_foreach_utils, "_device_has_foreach_support", None)
     return bool(supported is not None and supported(device))
 
