@@ -31,11 +31,10 @@ class GradReader:
 
     def __init__(self, pieces: Sequence[LocalPiece], model: torch.nn.Module | None) -> None:
         from ..capture.names import named_logical_parameters
-        from ..capture.plain import grad_now
 
         by_name = {} if model is None else {logical: p for logical, _, p in named_logical_parameters(model)}
         count = Counter(piece.local_name or piece.param for piece in pieces)
-        whole: list[tuple[int, Any]] = []
+        whole: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         shards: list[tuple[int, _ShardReader]] = []
         rest: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         for i, piece in enumerate(pieces):
@@ -44,11 +43,11 @@ class GradReader:
             local = getattr(param, "_local_tensor", None)
             if local is not None and count[name] == 1 and tuple(local.shape) == tuple(piece.local_shape):
                 shards.append((i, _ShardReader(param, piece.grad)))
-            elif isinstance(piece.grad, functools.partial) and piece.grad.func is grad_now:
-                whole.append((i, piece.grad.args[0]))  # a whole plain parameter: its .grad
+            elif whole_param(piece.grad) is not None:
+                whole.append((i, piece.grad))  # a whole plain parameter: its .grad
             else:
                 rest.append((i, piece.grad))
-        self._whole = [param for _, param in whole]
+        self._whole = [whole_param(reader) for _, reader in whole]
         self._shards = [reader for _, reader in shards]
         self._shard_params = [reader.param for reader in self._shards]
         self._known: list[Any] = [None] * len(self._shards)
@@ -58,8 +57,7 @@ class GradReader:
         self._weight_tensors: list[Any] = []
         self.order = tuple(i for i, _ in itertools.chain(whole, shards, rest))
         """The pieces in the order `read` gives their gradients."""
-        by_piece: dict[int, Callable[[], torch.Tensor | None]] = dict(itertools.chain(shards, rest))
-        by_piece.update((i, _grad_now_of(param)) for i, param in whole)
+        by_piece: dict[int, Callable[[], torch.Tensor | None]] = dict(itertools.chain(whole, shards, rest))
         self.readers = tuple(by_piece[i] for i in range(len(pieces)))
         """Per piece, in piece order, what reads its gradient alone."""
 
@@ -120,10 +118,13 @@ class _ShardReader:
         return local  # type: ignore[no-any-return]
 
 
-def _grad_now_of(param: Any) -> Callable[[], torch.Tensor | None]:
+def whole_param(reader: Callable[[], Any]) -> Any:
+    """The parameter whose whole gradient `reader` reads (capture.plain.grad_now), else None."""
     from ..capture.plain import grad_now
 
-    return functools.partial(grad_now, param)
+    if isinstance(reader, functools.partial) and reader.func is grad_now:
+        return reader.args[0]
+    return None
 
 
 def _whole_tensor(piece: LocalPiece) -> Any:

@@ -379,11 +379,11 @@ def _spacing(numel: int, per_tensor: int) -> tuple[int, int, slice]:
 
 def _grads_getter(readers: Sequence[Callable[[], Any]]) -> Callable[[], list[Any]]:
     """What reads these readers' gradients: one map of `.grad` when each reads a whole parameter's
-    (capture.plain.grad_now), else each reader."""
-    from ..capture.plain import grad_now
+    (reading.whole_param), else each reader."""
+    from .reading import whole_param
 
-    params = [r.args[0] for r in readers if isinstance(r, functools.partial) and r.func is grad_now]
-    if len(params) == len(readers):
+    params = [whole_param(reader) for reader in readers]
+    if all(param is not None for param in params):
         return lambda: list(map(_GRAD, params))
     return lambda: [read() for read in readers]
 
