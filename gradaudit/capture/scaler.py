@@ -26,6 +26,15 @@ class ScalerWatch:
     def scale(self) -> float | None:
         return float(self.scaler.get_scale()) if self.active else None
 
+    def scale_unread(self) -> Any:
+        """The loss scale now without reading it (`get_scale` waits for the device): a copy of the
+        scaler's tensor, on its device (update() changes that tensor in place); a float before the
+        scaler's first scale(), or where it keeps no tensor."""
+        if not self.active:
+            return None
+        held = getattr(self.scaler, "_get_scale_async", lambda: None)()
+        return float(self.scaler.get_scale()) if held is None else held.detach().clone()
+
     def hold(self) -> None:
         """Keep a reference to the per-optimizer states: update() replaces the dict, so found_inf
         stays readable from the held one after the user called update() inside the step."""

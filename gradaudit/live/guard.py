@@ -200,9 +200,10 @@ class Guard:
         self.cooldown = cooldown
         self.scaler = scaler
         self._scaler = ScalerWatch(scaler, self.optimizer) if scaler is not None else None
-        self._scale_at_clip: tuple[float | None, bool | None] | None = None
-        """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first:"""
-        self._scale_at_first_clip: tuple[float | None, bool | None] | None = None
+        self._scale_at_clip: tuple[Any, bool | None] | None = None
+        """(loss scale, whether unscale_ had run) at the latest clip call of the step; and at its first.
+        The scale is a tensor on the scaler's device, never read on the host (see ScalerWatch.scale_unread):"""
+        self._scale_at_first_clip: tuple[Any, bool | None] | None = None
         self._call_unscales = 1.0
         """The loss scale the clip call under way divides out itself (see `clip_unscaling`)."""
         self._stepped = False
@@ -548,10 +549,10 @@ class Guard:
 
         terms, sample, sampled, unscaled_before = before
         if self._scaler is not None:
-            self._scale_at_clip = (self._scaler.scale(), self._scaler.unscaled())
+            self._scale_at_clip = (self._scaler.scale_unread(), self._scaler.unscaled())
             self._scale_at_first_clip = self._scale_at_first_clip or self._scale_at_clip
             scale, unscaled = self._scale_at_clip
-            if unscaled_before is False and unscaled and scale:
+            if unscaled_before is False and unscaled and _scales(scale):
                 # the call unscaled the gradients before its norm (accelerator.clip_grad_norm_ does):
                 # what was measured before it is divided by the loss scale, as the call saw it
                 terms, sample = _unscaled(terms, sample, scale, self.norm_type, self.layout.num_groups)
@@ -600,12 +601,13 @@ class Guard:
             # no clip call seen: the optimizer steps with these; what any clip applied is unknown
             terms, applied = self._summary.terms(), math.nan
             self._first_norms = self._summary.last_norms
-        scaler: tuple[float | None, bool | None, bool | None] = (None, None, skipped)
+        scaler: tuple[Any, bool | None, bool | None] = (None, None, skipped)
         if self._scaler is not None:
-            scale, unscaled = self._scale_at_first_clip or (self._scaler.scale(), None)
+            scale, unscaled = self._scale_at_first_clip or (self._scaler.scale_unread(), None)
             scaler = (scale, unscaled, skipped)
-            last_scale, last_unscaled = self._scale_at_clip or (None, None)
-            if last_unscaled is False and last_scale and not skipped:
+            at_last: tuple[Any, bool | None] = self._scale_at_clip or (None, None)
+            last_scale, last_unscaled = at_last
+            if last_unscaled is False and _scales(last_scale) and not skipped:
                 # scaler.step unscaled the gradients after the clip: the sample at the step shows the
                 # clip's coefficient divided by the loss scale
                 applied = applied * last_scale
@@ -696,8 +698,8 @@ class Guard:
         step, host, event = self._staged
         self._staged = None
         try:
-            if event is not None:
-                event.synchronize()  # a step late, the copy is long done: no wait in practice
+            if event is not None and not event.query():  # a step late, the copy is long done
+                event.synchronize()
             self._post(step, host)
         except Exception as exc:
             if _is_signal(exc):
@@ -1513,7 +1515,13 @@ def _ownership_keys(
     return keys_of, added
 
 
-def _unscaled(terms: Any, sample: Any, scale: float, norm_type: float, num_groups: int) -> tuple[Any, Any]:
+def _scales(scale: Any) -> bool:
+    """Whether a loss scale divides out: a tensor's (not read, see ScalerWatch.scale_unread), or a
+    positive number."""
+    return isinstance(scale, torch.Tensor) or (scale is not None and scale > 0)
+
+
+def _unscaled(terms: Any, sample: Any, scale: Any, norm_type: float, num_groups: int) -> tuple[Any, Any]:
     """Group terms (p-th powers of norms, then nonfinite counts) and a sample measured on gradients
     multiplied by the loss scale, as they are once it is divided out."""
     if terms is not None:

@@ -427,7 +427,7 @@ def pack(
     applied_coef: Any,
     calls: Sequence[CallRecord],
     num_calls: int,
-    scaler: tuple[float | None, bool | None, bool | None] = (None, None, None),
+    scaler: tuple[Any, bool | None, bool | None] = (None, None, None),
     grad_dtype: str | None = None,
 ) -> torch.Tensor:
     """This rank's vector: on a device, device tensors are copied in there (no host sync); on the host
@@ -448,7 +448,7 @@ def _fill(
     applied_coef: Any,
     calls: Sequence[CallRecord],
     num_calls: int,
-    scaler: tuple[float | None, bool | None, bool | None],
+    scaler: tuple[Any, bool | None, bool | None],
     grad_dtype: str | None,
     put: Callable[[Any, Any, Any], None],
 ) -> None:

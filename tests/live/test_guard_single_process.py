@@ -142,6 +142,33 @@ def test_a_step_the_scaler_skips_is_written_as_skipped_and_the_scaler_is_left_as
     assert "step" not in vars(scaler)  # removed with the guard: the class's own step again
 
 
+def test_the_guard_keeps_the_loss_scale_on_its_device_and_checks_the_clip_against_it(tmp_path, monkeypatch):
+    # GradScaler.get_scale waits for the device: checked steps leave it unread, and clipping before
+    # unscale_ is still caught (the full capture that follows an anomaly reads it, for its dump)
+    model, opt = _setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    reads: list[float] = []
+    reads_by_step = []
+    get_scale = torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(
+        torch.amp.GradScaler, "get_scale", lambda self: reads.append(get_scale(self)) or reads[-1]
+    )
+    with gradaudit.guard(model, max_norm=MAX_NORM, optimizer=opt, out_dir=tmp_path, scaler=scaler) as guard:
+        for unscale_first in (True, True, False):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(4, 8)).pow(2).sum()).backward()
+            if unscale_first:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            scaler.step(opt)
+            scaler.update()
+            reads_by_step.append(len(reads))
+        lines = _trend(tmp_path)
+    assert reads_by_step[:2] == [0, 0]
+    assert [(line["step"], line["verdict"]) for line in lines] == [(1, "ok"), (2, "ok"), (3, "anomaly")]
+    assert [step for step, _ in guard.anomalies] == [3]
+
+
 def test_pieces_that_ranks_hold_alike_without_a_replica_group_are_one_group_over_their_holders():
     from gradaudit.live.guard import _ownership_keys
     from gradaudit.model import FlatRange
