@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -34,7 +35,7 @@ from ..norms import NORM_RTOL_BY_DTYPE, expected_clip_coef, is_inf_norm, norm_fr
 from .summary import CHANGED, CLOCK, FAILED, GRAD_DTYPES, HEADER, OFF, OK, SKIP, STEP, VectorLayout
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ..model import Topology
     from .analysis_input import OwnershipGroup
@@ -128,18 +129,16 @@ class Reduction:
         several times what they cost warm (see bench/guard_fixed.py's cold-against-warm line)."""
         g, count, r = self.num_groups, len(_EQUAL), row.tolist()
         status = r[0]
-        out = [1.0, *(float(status == value) for value in _STATUSES), float(r[CHANGED] == 1.0), 0.0, 0.0]
+        out = [1.0, *[float(status == value) for value in _STATUSES], float(r[CHANGED] == 1.0), 0.0, 0.0]
         if status == OFF:
             out[_LEFT] = float(role.rank)
-        # one split into 16-bit pieces: the values every rank holds alike, the gradients' and the weights' copies
-        values = [r[i] for i in _taken(self.layout)]
-        pieces = [
-            _chunks(bits)
-            for bits in struct.unpack(f"<{len(values)}Q", struct.pack(f"<{len(values)}d", *values))
-        ]
-        squares = [[c * c for c in chunks] for chunks in pieces]
-        for k in range(count):
-            out += pieces[k] + squares[k]
+        # every value's 16-bit pieces, lowest first, in one split: the values every rank holds alike,
+        # then per group the gradients' and the weights' copies
+        values = _taken(self.layout)(r)
+        pieces = struct.unpack(f"<{CHUNKS * len(values)}H", struct.pack(f"<{len(values)}d", *values))
+        squares = [c * c for c in pieces]
+        out += pieces[: CHUNKS * count]
+        out += squares[: CHUNKS * count]
         for i in range(g):
             held = 1.0 if role.holders[i] > 0 else 0.0
             term = values[count + i]
@@ -147,8 +146,10 @@ class Reduction:
             out += (term if role.lowest[i] else 0.0, (r[HEADER + g + i] + r[HEADER + 2 * g + i]) * held)
             # per copy (gradients, weights), per factor (held, lowest x holders), per power (1, 2)
             for copy in (count + i, count + g + i):
+                at = CHUNKS * copy
+                piece, square = pieces[at : at + CHUNKS], squares[at : at + CHUNKS]
                 for factor in (held, role.lowest[i] * role.holders[i]):
-                    out += [c * factor for c in pieces[copy]] + [c * factor for c in squares[copy]]
+                    out += [c * factor for c in piece] + [c * factor for c in square]
         applied, reported, passed = r[2], values[7], values[8]
         max_norm = passed if math.isfinite(passed) else declared_max_norm
         deviation = applied - expected_clip_coef(reported, max_norm)
@@ -169,21 +170,17 @@ class Reduction:
         common = _common(s[_HEADER : _HEADER + len(_EQUAL) * _PER_EQUAL], int(n))
         if common is None:
             return None
-        values = dict(zip(_EQUAL, common, strict=True))
+        _, _, calls, _, unscaled, skipped_by, dtype, reported, passed, passed_type = common  # _EQUAL's order
         if s[_STATUS + _STATUSES.index(SKIP)] == n:
             return FastVerdict(kind="not_measured", max_norm=max_norm)  # paused alike, or captured in full
         if s[_STATUS] != n or s[_TINY_TERMS] or is_inf_norm(norm_type):
             return None
-        if values["calls"] != 1.0 or values["unscaled"] == 0.0 or math.isnan(values["dtype"]):
+        if calls != 1.0 or unscaled == 0.0 or math.isnan(dtype):
             return None  # several or no clip calls; clipped before unscale_; no gradient
-        passed_type = values["norm_type"]
         if not math.isnan(passed_type) and passed_type != norm_type:
             return None
-        passed = values["max_norm"]
         used = passed if math.isfinite(passed) and passed > 0 else max_norm
-        reported = values["reported"]
-        skipped = values["skipped"] == 1.0
-        if skipped:
+        if skipped_by == 1.0:
             return FastVerdict(kind="skipped", reported_norm=reported, max_norm=used, passed_max_norm=passed)
         total, half = 0.0, 2 * CHUNKS
         for at in range(self._group_at(0), self._group_at(self.num_groups), _PER_GROUP):
@@ -196,7 +193,7 @@ class Reduction:
                 return None  # nonfinite, or a replica's gradient or weights differ from its lowest holder's
             total += block[0]
         true_norm = norm_from_total(total, norm_type)
-        rtol = NORM_RTOL_BY_DTYPE[GRAD_DTYPES[int(values["dtype"])]] / SAFETY
+        rtol = NORM_RTOL_BY_DTYPE[GRAD_DTYPES[int(dtype)]] / SAFETY
         if not (math.isfinite(true_norm) and true_norm > 0 and math.isfinite(reported)):
             return None
         if abs(reported - true_norm) > rtol * true_norm or abs(true_norm - used) <= 2 * SAFETY * rtol * used:
@@ -241,31 +238,22 @@ class FastVerdict:
 
 
 @functools.lru_cache(maxsize=8)
-def _taken(layout: VectorLayout) -> tuple[int, ...]:
-    """Where a row holds the values split into pieces: those every rank holds alike (in _EQUAL's
+def _taken(layout: VectorLayout) -> Callable[[list[float]], tuple[float, ...]]:
+    """What takes from a row the values split into pieces: those every rank holds alike (in _EQUAL's
     order), then per group the gradients' copy, then the weights'."""
     g, call, weights = layout.num_groups, layout.call_offset(0), layout.weights_offset
     alike = (STEP, CLOCK, 1, 3, 4, 5, 6, call, call + 1, call + 2)
-    return (*alike, *range(HEADER, HEADER + g), *range(weights, weights + g))
-
-
-def _chunks(bits: int) -> list[float]:
-    """A float64's bits as CHUNKS 16-bit integers, lowest first, as floats."""
-    return [float((bits >> shift) & 0xFFFF) for shift in range(0, 16 * CHUNKS, 16)]
+    taken = (*alike, *range(HEADER, HEADER + g), *range(weights, weights + g))
+    return operator.itemgetter(*taken)  # taken holds more than one index: a tuple
 
 
 def _common(sums: list[float], n: int) -> list[float] | None:
-    """The values whose pieces every rank added (per value: the sums of its pieces, then of their
+    """The values whose pieces every rank added (the sums of every value's pieces, then of their
     squares); None when some value's bits differ between ranks. Exact: a mean piece m = sum / n is
     every rank's only when sum == n * m and sum(c^2) == n * m^2, all integers below 2**53."""
-    values = []
-    for at in range(0, len(sums), 2 * CHUNKS):
-        bits = 0
-        for chunk in range(CHUNKS):
-            total, squares = int(sums[at + chunk]), int(sums[at + CHUNKS + chunk])
-            mean = total // n
-            if total != mean * n or squares != n * mean * mean:
-                return None
-            bits |= mean << (16 * chunk)
-        values.append(struct.unpack("<d", struct.pack("<Q", bits))[0])
-    return values
+    half = len(sums) // 2
+    totals = sums[:half]  # integers below 2**53: exact as floats
+    means = [total // n for total in totals]
+    if [mean * n for mean in means] != totals or [n * mean * mean for mean in means] != sums[half:]:
+        return None
+    return list(struct.unpack(f"<{half // CHUNKS}d", struct.pack(f"<{half}H", *map(int, means))))

@@ -273,11 +273,12 @@ class LocalSummary:
 
             g, at = self.layout.num_groups, index.numpy()
             on_host = stacked.float() if stacked.dtype == torch.bfloat16 else stacked  # numpy has no bfloat16
+            # the terms, then zeros where the nonfinite counts go (the indices are below g)
             summed = np.bincount(
-                at, weights=on_host.numpy().astype(np.float64) ** self.norm_type, minlength=g
+                at, weights=on_host.numpy().astype(np.float64) ** self.norm_type, minlength=3 * g
             )
-            if np.isfinite(summed).all():
-                return torch.from_numpy(np.concatenate((summed, np.zeros(2 * g))))
+            if math.isfinite(summed.sum()):
+                return torch.from_numpy(summed)
         norms = stacked.to(torch.float64)
         out = torch.zeros((3, self.layout.num_groups), dtype=torch.float64, device=device)
         finite = norms.nan_to_num(0.0, 0.0, 0.0)
