@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -1227,7 +1226,7 @@ class Guard:
 
     def _append_trend(self, line: TrendLine) -> None:
         try:
-            self._trend.append(json.dumps(line.to_json(), sort_keys=True))
+            self._trend.append(line.to_text())
         except OSError as exc:
             self._cannot_write(self._trend.path, exc, "the trend")
 
@@ -1457,12 +1456,19 @@ pass is lent to."""
 def user_site() -> str:
     """file:line of the first frame outside gradaudit and torch: the training code's line."""
     frame = sys._getframe(1)
-    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] in (
-        "gradaudit",
-        "torch",
-    ):
+    while frame.f_back is not None:
+        name = frame.f_globals.get("__name__")
+        ours = _OURS.get(name)
+        if ours is None:
+            ours = _OURS[name] = str(name).split(".")[0] in ("gradaudit", "torch")
+        if not ours:
+            break
         frame = frame.f_back
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+_OURS: dict[Any, bool] = {}
+"""Per module name met by user_site: whether it is gradaudit's or torch's."""
 
 
 def _summary_at_exit(guard_ref: weakref.ref[Guard]) -> None:

@@ -414,8 +414,8 @@ def coefficient(before: Any, after: Any) -> torch.Tensor | float:
         return math.nan
     if not isinstance(before, torch.Tensor) or before.device.type == "cpu":
         b, a = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (before, after))
-        squared = float(b @ b)
-        return float(a @ b) / squared if squared > 0 else math.nan
+        squared = float(b.dot(b))  # dot, not @: the same sum, without matmul's dispatch
+        return float(a.dot(b)) / squared if squared > 0 else math.nan
     denominator = torch.dot(before, before)
     return torch.where(denominator > 0, torch.dot(after, before) / denominator, math.nan)
 

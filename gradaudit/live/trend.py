@@ -120,6 +120,25 @@ class TrendLine:
             | ({"spike": True} if self.spike else {})
         )
 
+    def to_text(self) -> str:
+        """The line as the trend file holds it: `json.dumps(self.to_json(), sort_keys=True)`, written
+        out directly for a step with no codes, one clip call and no spike (every step of a sound run)."""
+        if self.codes or self.clip_calls > 1 or self.spike or type(self.step) is not int:
+            return json.dumps(self.to_json(), sort_keys=True)
+        return (
+            f'{{"codes": [], "coef_spread": {_number_text(self.coef_spread)}, '
+            f'"expected_coef": {_number_text(self.expected_coef)}, "max_coef": {_number_text(self.max_coef)}, '
+            f'"min_coef": {_number_text(self.min_coef)}, "reported_norm": {_number_text(self.reported_norm)}, '
+            f'"step": {self.step}, "true_norm": {_number_text(self.true_norm)}, "verdict": "{self.verdict}"}}'
+        )
+
+
+def _number_text(value: float | None) -> str:
+    """`value` as json.dumps writes `_finite_or_text(value)`."""
+    if type(value) is float:
+        return float.__repr__(value) if math.isfinite(value) else f'"{value}"'
+    return json.dumps(_finite_or_text(value))
+
 
 def _finite_or_text(value: float | None) -> float | str | None:
     """JSON has no nan or inf: they are written as the strings "nan", "inf", "-inf"."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradaudit.live.trend import TrendLine
 
@@ -61,3 +63,27 @@ def test_a_step_without_a_finite_true_norm_still_logs_its_anomaly(true_norm):
 
 def test_a_step_the_scaler_skipped_logs_nothing():
     assert line(true_norm=None, skipped=True).metrics() == {}
+
+
+_numbers = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    step=st.integers(min_value=0, max_value=10**12),
+    true_norm=_numbers,
+    reported_norm=_numbers,
+    expected_coef=_numbers,
+    min_coef=_numbers,
+    max_coef=_numbers,
+    codes=st.lists(st.sampled_from(["GA201", "GA301", "GA502"]), max_size=2).map(tuple),
+    skipped=st.booleans(),
+    clip_calls=st.integers(min_value=1, max_value=3),
+    spike=st.booleans(),
+)
+def test_a_trend_lines_text_is_its_json_with_sorted_keys(**fields):
+    import json
+
+    trend = TrendLine(**fields)
+    assert trend.to_text() == json.dumps(trend.to_json(), sort_keys=True)
+    assert json.loads(trend.to_text())["step"] == fields["step"]
