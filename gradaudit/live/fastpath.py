@@ -23,6 +23,7 @@ differs. Anything else is `None`: the ranks then gather their rows and the full 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import struct
@@ -129,14 +130,14 @@ class Reduction:
         several times what they cost warm (see bench/guard_fixed.py's cold-against-warm line)."""
         g, count, r = self.num_groups, len(_EQUAL), row.tolist()
         status = r[0]
-        out = [1.0, *[float(status == value) for value in _STATUSES], float(r[CHANGED] == 1.0), 0.0, 0.0]
+        out = [1.0, *map(float, map(status.__eq__, _STATUSES)), float(r[CHANGED] == 1.0), 0.0, 0.0]
         if status == OFF:
             out[_LEFT] = float(role.rank)
         # every value's 16-bit pieces, lowest first, in one split: the values every rank holds alike,
         # then per group the gradients' and the weights' copies
         values = _taken(self.layout)(r)
         pieces = struct.unpack(f"<{CHUNKS * len(values)}H", struct.pack(f"<{len(values)}d", *values))
-        squares = [c * c for c in pieces]
+        squares = tuple(map(operator.mul, pieces, pieces))  # C-level maps: no comprehension's frame
         out += pieces[: CHUNKS * count]
         out += squares[: CHUNKS * count]
         for i in range(g):
@@ -147,9 +148,9 @@ class Reduction:
             # per copy (gradients, weights), per factor (held, lowest x holders), per power (1, 2)
             for copy in (count + i, count + g + i):
                 at = CHUNKS * copy
-                piece, square = pieces[at : at + CHUNKS], squares[at : at + CHUNKS]
+                both = pieces[at : at + CHUNKS] + squares[at : at + CHUNKS]
                 for factor in (held, role.lowest[i] * role.holders[i]):
-                    out += [c * factor for c in piece] + [c * factor for c in square]
+                    out += map(operator.mul, both, itertools.repeat(factor, 2 * CHUNKS))
         applied, reported, passed = r[2], values[7], values[8]
         max_norm = passed if math.isfinite(passed) else declared_max_norm
         deviation = applied - expected_clip_coef(reported, max_norm)

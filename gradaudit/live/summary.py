@@ -473,6 +473,10 @@ def _fill(
 
 def status_vector(layout: VectorLayout, status: float, device: Any = "cpu") -> torch.Tensor:
     """The vector of a rank that takes part without measurements (FAILED, OFF or SKIP)."""
+    if getattr(device, "type", device) == "cpu":  # written as numpy: no tensor op per number
+        host = np.full(layout.size, math.nan)
+        host[0] = status
+        return torch.from_numpy(host)
     vector = torch.full((layout.size,), math.nan, dtype=torch.float64, device=device)
     vector[0] = status
     return vector
